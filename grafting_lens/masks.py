@@ -1,0 +1,420 @@
+"""Graft masks: which checkpoint computes each component, layer and position.
+
+A :class:`GraftMask` holds, for every ``(component, layer)`` pair, a
+``[batch, pos]`` integer tensor of *source indices* into a
+:class:`~grafting_lens.ModelSet`: ``0`` is the base, ``1`` the donor, ``2`` and on
+any further checkpoint. A pair that is absent means "source 0 everywhere", so a
+mask only stores what it changes. Global components use ``layer=None``.
+
+Each row of a mask is one configuration of one prompt. Because rows are
+independent, many configurations of the same prompt (PRE, FE, LT, FE+LT...) run
+as rows of a single batch: build one mask per configuration and join them with
+:meth:`GraftMask.cat`.
+
+Three ways to build one:
+
+* :meth:`GraftMask.from_dict`, the raw form, ``{("q", 3): tensor, ...}``;
+* :meth:`GraftMask.build` for people: positions (see :mod:`grafting_lens.positions`),
+  layers (see :func:`resolve_layers`), components (names or groups, see
+  :mod:`grafting_lens.components`) and the source to take them from;
+* :meth:`GraftMask.union` of several grafts, e.g. the paper's hybrid graft (task
+  model's attention at FE and LT, relation model's O and FFN at LT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Union
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+
+from grafting_lens.components import (
+    COMPONENTS,
+    GLOBAL_COMPONENTS,
+    LAYER_COMPONENTS,
+    expand_components,
+)
+from grafting_lens.errors import ComponentError, GraftMaskError, did_you_mean
+from grafting_lens.positions import PositionSpec, resolve_positions
+
+if TYPE_CHECKING:
+    from grafting_lens.models import ModelSet
+
+Key = tuple[str, Union[int, None]]
+"""A ``(component, layer)`` pair; ``layer`` is None for global components."""
+
+LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
+"""Anything :func:`resolve_layers` accepts."""
+
+LAYER_FRACTIONS: dict[str, tuple[float, float]] = {
+    "all": (0.0, 1.0),
+    "first_half": (0.0, 0.5),
+    "last_half": (0.5, 1.0),
+    "first_quarter": (0.0, 0.25),
+    "second_quarter": (0.25, 0.5),
+    "third_quarter": (0.5, 0.75),
+    "last_quarter": (0.75, 1.0),
+}
+"""Named layer ranges as fractions of the depth ``[start, end)``."""
+
+
+def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
+    """Turn a layer specification into sorted layer indices.
+
+    Args:
+        spec: ``None`` or ``"all"``; an int (negative counts from the end); a list
+            of ints; a ``range`` or ``slice``; a name from :data:`LAYER_FRACTIONS`
+            (``"last_half"``, ``"third_quarter"``...); or a pair of fractions
+            ``(start, end)`` with ``0 <= start < end <= 1``. Fractions select
+            layers ``round(start * n) .. round(end * n) - 1``, so the four quarters
+            of a model partition its layers.
+        n_layers: Depth of the model.
+
+    Raises:
+        GraftMaskError: A layer outside the model, an unknown name, or a fraction
+            that selects no layer of this model.
+    """
+    if spec is None:
+        spec = "all"
+    if isinstance(spec, str):
+        if spec not in LAYER_FRACTIONS:
+            raise GraftMaskError(
+                f"Unknown layer range {spec!r}.{did_you_mean(spec, LAYER_FRACTIONS)} "
+                f"Known: {', '.join(LAYER_FRACTIONS)}."
+            )
+        spec = LAYER_FRACTIONS[spec]
+    if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(x, float) for x in spec):
+        start, end = spec
+        if not 0.0 <= start < end <= 1.0:
+            raise GraftMaskError(f"Layer fractions must satisfy 0 <= start < end <= 1, got {spec}.")
+        layers = tuple(range(round(start * n_layers), round(end * n_layers)))
+        if not layers:
+            raise GraftMaskError(
+                f"The layer fraction {spec} selects no layer of a {n_layers}-layer model."
+            )
+        return layers
+    if isinstance(spec, slice):
+        spec = range(n_layers)[spec]
+    if isinstance(spec, int):
+        spec = [spec]
+    layers = set()
+    for layer in spec:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise GraftMaskError(f"Layers must be ints, got {layer!r}.")
+        if not -n_layers <= layer < n_layers:
+            raise GraftMaskError(
+                f"Layer {layer} is outside the model, which has {n_layers} layers "
+                f"(0..{n_layers - 1})."
+            )
+        layers.add(layer % n_layers)
+    if not layers:
+        raise GraftMaskError("The layer specification selects no layer.")
+    return tuple(sorted(layers))
+
+
+class GraftMask:
+    """Source indices for every ``(component, layer)`` pair and token position.
+
+    Build one with :meth:`from_dict`, :meth:`build`, :meth:`union` or :meth:`cat`
+    rather than the constructor, which trusts its arguments.
+
+    Attributes:
+        shape: ``(batch, pos)`` of the tokens the mask is for.
+        n_sources: Number of checkpoints in the model set it was built for.
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[Key, Int[torch.Tensor, "batch pos"]],
+        shape: tuple[int, int],
+        n_sources: int,
+    ) -> None:
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.n_sources = int(n_sources)
+        # Only pairs that graft something are stored: an all-zero pair is the base.
+        self._entries: dict[Key, torch.Tensor] = {
+            key: value for key, value in entries.items() if bool(value.any())
+        }
+
+    # ----------------------------------------------------------------- access
+    def keys(self) -> list[Key]:
+        """The ``(component, layer)`` pairs that graft at least one position."""
+        return sorted(self._entries, key=_key_order)
+
+    def __getitem__(self, key: Key) -> Int[torch.Tensor, "batch pos"]:
+        """Source indices of one pair (zeros, the base, if the pair grafts nothing)."""
+        if key in self._entries:
+            return self._entries[key]
+        return torch.zeros(self.shape, dtype=torch.long)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GraftMask):
+            return NotImplemented
+        return (
+            self.shape == other.shape
+            and self.n_sources == other.n_sources
+            and self._entries.keys() == other._entries.keys()
+            and all(torch.equal(v, other._entries[k]) for k, v in self._entries.items())
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"GraftMask(batch={self.shape[0]}, pos={self.shape[1]}, sources={self.n_sources}, "
+            f"grafted pairs={len(self._entries)})"
+        )
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per grafted ``(component, layer)`` and source, with position counts.
+
+        A quick way to check a mask says what you meant before running it.
+        """
+        rows = []
+        for component, layer in self.keys():
+            values = self._entries[(component, layer)]
+            for source in range(1, self.n_sources):
+                count = int((values == source).sum())
+                if count:
+                    rows.append(
+                        {"component": component, "layer": layer, "source": source, "positions": count}
+                    )
+        return pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
+
+    # --------------------------------------------------------------- builders
+    @classmethod
+    def from_dict(
+        cls,
+        models: ModelSet,
+        entries: Mapping[Key, torch.Tensor],
+        shape: tuple[int, int] | None = None,
+    ) -> GraftMask:
+        """The raw form: ``{(component, layer): [batch, pos] source indices}``.
+
+        Args:
+            models: The model set the mask will run on.
+            entries: Per pair, an integer tensor of source indices (booleans are
+                accepted when there are exactly two sources). Missing pairs mean
+                source 0. ``layer`` is None for global components.
+            shape: ``(batch, pos)``; required when ``entries`` is empty.
+
+        Raises:
+            ComponentError: An unknown component, or one the architecture lacks.
+            GraftMaskError: A bad layer, a tensor of another shape or dtype, or a
+                source index out of range.
+        """
+        if shape is None:
+            if not entries:
+                raise GraftMaskError("An empty mask needs an explicit shape=(batch, pos).")
+            shape = tuple(next(iter(entries.values())).shape)
+        if len(shape) != 2:
+            raise GraftMaskError(f"A mask has shape (batch, pos), got {tuple(shape)}.")
+        n_sources = len(models)
+        checked: dict[Key, torch.Tensor] = {}
+        for key, value in entries.items():
+            key = _check_key(key, models)
+            value = torch.as_tensor(value)
+            if tuple(value.shape) != tuple(shape):
+                raise GraftMaskError(
+                    f"The mask for {key} has shape {tuple(value.shape)}, expected {tuple(shape)} "
+                    "(batch, pos) like the tokens."
+                )
+            if value.dtype == torch.bool:
+                if n_sources != 2:
+                    raise GraftMaskError(
+                        f"A boolean mask is ambiguous with {n_sources} sources: give integer "
+                        "source indices."
+                    )
+                value = value.long()
+            elif value.is_floating_point() or value.is_complex():
+                raise GraftMaskError(
+                    f"The mask for {key} must hold integer source indices, got {value.dtype}."
+                )
+            value = value.to(device="cpu", dtype=torch.long)
+            if value.numel() and (int(value.min()) < 0 or int(value.max()) >= n_sources):
+                bad = int(value.max()) if int(value.max()) >= n_sources else int(value.min())
+                raise GraftMaskError(
+                    f"The mask for {key} names source {bad}, but the model set has "
+                    f"{n_sources} sources (0..{n_sources - 1})."
+                )
+            if key in checked:
+                raise GraftMaskError(f"{key} is given twice.")
+            checked[key] = value
+        return cls(checked, tuple(shape), n_sources)
+
+    @classmethod
+    def build(
+        cls,
+        models: ModelSet,
+        tokens: torch.Tensor | tuple[int, int],
+        *,
+        positions: PositionSpec = "all",
+        layers: LayerSpec = "all",
+        components: str | Iterable[str] = "all",
+        source: int = 1,
+        attention_mask: torch.Tensor | None = None,
+    ) -> GraftMask:
+        """One graft: take ``components`` at ``layers`` and ``positions`` from ``source``.
+
+        Args:
+            models: The model set the mask will run on.
+            tokens: The ``[batch, pos]`` tokens, or just their shape.
+            positions: Where to graft (see :func:`~grafting_lens.positions.resolve_positions`):
+                ``"all"``, ``"last"``, indices, per-row lists or a boolean tensor.
+            layers: Which layers (see :func:`resolve_layers`); global components
+                (embed, pos_embed, ln_final, unembed) ignore it.
+            components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``)
+                or a ``+``-joined string such as ``"o+ffn"``.
+            source: Index of the checkpoint to take the weights from.
+            attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
+
+        Example:
+            >>> mask = GraftMask.build(models, tokens, positions="last",
+            ...                        layers="last_half", components="o+ffn")
+        """
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else tuple(tokens)
+        if not 0 <= source < len(models):
+            raise GraftMaskError(
+                f"source={source}, but the model set has {len(models)} sources "
+                f"(0..{len(models) - 1})."
+            )
+        selected = resolve_positions(positions, shape, attention_mask)
+        names = expand_components(components, models.components, models.architecture)
+        layer_list = resolve_layers(layers, models.n_layers)
+        value = selected.long() * source
+        entries: dict[Key, torch.Tensor] = {}
+        for name in names:
+            for layer in layer_list if name in LAYER_COMPONENTS else (None,):
+                entries[(name, layer)] = value
+        return cls.from_dict(models, entries, shape)
+
+    @classmethod
+    def union(cls, *masks: GraftMask, on_conflict: str = "error") -> GraftMask:
+        """Combine grafts: each cell takes the non-base source any mask gives it.
+
+        Args:
+            masks: Masks of one shape for one model set.
+            on_conflict: What to do where two masks name different non-base
+                sources for the same cell: ``"error"`` (the default) or ``"last"``
+                (the later mask wins, like painting over).
+
+        Raises:
+            GraftMaskError: Masks of different shapes or source counts, or a
+                conflict with ``on_conflict="error"``.
+        """
+        if on_conflict not in ("error", "last"):
+            raise GraftMaskError(f"on_conflict must be 'error' or 'last', got {on_conflict!r}.")
+        if len(masks) == 1 and isinstance(masks[0], (list, tuple)):
+            masks = tuple(masks[0])
+        first = _check_compatible(masks)
+        combined: dict[Key, torch.Tensor] = {}
+        for mask in masks:
+            for key, value in mask._entries.items():
+                if key not in combined:
+                    combined[key] = value.clone()
+                    continue
+                current = combined[key]
+                clash = (current != 0) & (value != 0) & (current != value)
+                if clash.any() and on_conflict == "error":
+                    row, position = (int(i) for i in clash.nonzero()[0])
+                    raise GraftMaskError(
+                        f"Grafts disagree at {key}, row {row}, position {position}: source "
+                        f"{int(current[row, position])} vs {int(value[row, position])}. Pass "
+                        "on_conflict='last' to let the later graft win."
+                    )
+                combined[key] = torch.where(value != 0, value, current)
+        return cls(combined, first.shape, first.n_sources)
+
+    @classmethod
+    def cat(cls, masks: Sequence[GraftMask]) -> GraftMask:
+        """Stack masks along the batch: one block of rows per configuration.
+
+        The tokens must be stacked the same way (e.g. ``tokens.repeat(k, 1)`` for
+        ``k`` configurations of the same prompts).
+        """
+        masks = list(masks)
+        if not masks:
+            raise GraftMaskError("GraftMask.cat needs at least one mask.")
+        n_sources = masks[0].n_sources
+        positions = masks[0].shape[1]
+        for mask in masks:
+            if mask.n_sources != n_sources or mask.shape[1] != positions:
+                raise GraftMaskError(
+                    "GraftMask.cat needs masks with the same number of positions and sources, "
+                    f"got {masks[0].shape}/{n_sources} and {mask.shape}/{mask.n_sources}."
+                )
+        keys = {key for mask in masks for key in mask._entries}
+        entries = {key: torch.cat([mask[key] for mask in masks], dim=0) for key in keys}
+        batch = sum(mask.shape[0] for mask in masks)
+        return cls(entries, (batch, positions), n_sources)
+
+    def extend(self, new_positions: int) -> GraftMask:
+        """Append ``new_positions`` columns that repeat each row's last column.
+
+        Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
+        in each row, the source it had at the row's last position.
+        """
+        if new_positions < 0:
+            raise GraftMaskError(f"new_positions must be >= 0, got {new_positions}.")
+        batch, positions = self.shape
+        entries = {
+            key: torch.cat([value, value[:, -1:].expand(batch, new_positions)], dim=1)
+            for key, value in self._entries.items()
+        }
+        return GraftMask(entries, (batch, positions + new_positions), self.n_sources)
+
+
+def _check_key(key: object, models: ModelSet) -> Key:
+    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)):
+        raise GraftMaskError(
+            f"Mask keys are (component, layer) pairs such as ('q', 3) or ('embed', None), got {key!r}."
+        )
+    component, layer = key
+    if component not in COMPONENTS:
+        raise ComponentError(
+            f"Unknown component {component!r}.{did_you_mean(component, COMPONENTS)} "
+            f"Known components: {', '.join(COMPONENTS)}."
+        )
+    if component not in models.components:
+        raise ComponentError(
+            f"{models.architecture} has no {component!r} component. Its components are: "
+            f"{', '.join(models.components)}."
+        )
+    if component in GLOBAL_COMPONENTS:
+        if layer is not None:
+            raise GraftMaskError(
+                f"{component!r} is a global component: use ({component!r}, None), not layer {layer}."
+            )
+        return (component, None)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise GraftMaskError(f"{component!r} exists per layer: give an int layer, got {layer!r}.")
+    return (component, resolve_layers(layer, models.n_layers)[0])
+
+
+def _check_compatible(masks: Sequence[GraftMask]) -> GraftMask:
+    if not masks:
+        raise GraftMaskError("Need at least one mask.")
+    first = masks[0]
+    for mask in masks[1:]:
+        if mask.shape != first.shape or mask.n_sources != first.n_sources:
+            raise GraftMaskError(
+                f"Masks differ: shape {first.shape} with {first.n_sources} sources vs "
+                f"{mask.shape} with {mask.n_sources}."
+            )
+    return first
+
+
+def _key_order(key: Key) -> tuple[int, int]:
+    """Order pairs as the residual stream meets them: embeddings, layers, final norm."""
+    component, layer = key
+    if layer is None:
+        depth = -1 if component in ("embed", "pos_embed") else 10**9
+    else:
+        depth = layer
+    return (depth, COMPONENTS.index(component))

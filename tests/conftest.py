@@ -1,0 +1,150 @@
+"""Tiny random models of the four families the engine must handle, built offline.
+
+Each family gets three checkpoints with independent random weights, scaled up so
+logits vary by several units: with HF's default 0.02 init every logit is near zero
+and an equivalence test could not fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+import grafting_lens as gl
+
+VOCAB_SIZE = 300
+CORPUS = [
+    "Keanu Reeves starred in a movie alongside Laurence Fishburne.",
+    "Q: Who starred in a movie with Sandra Bullock? A: An actor named Hugh Grant.",
+    "The film was released in 1999 and earned 463 million dollars at the box office.",
+    "A thriller set in Chicago, directed by a newcomer, with music by an orchestra.",
+] * 20
+
+FAMILIES = ("gpt2", "neox", "llama", "gemma")
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of exactly VOCAB_SIZE tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    assert len(wrapped) == VOCAB_SIZE
+    return wrapped
+
+
+def family_config(family: str):
+    common = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "gpt2":  # learned positions, fused QKV, tied embeddings
+        return GPT2Config(n_layer=3, n_head=4, n_embd=32, n_positions=64, **common)
+    if family == "neox":  # parallel attention and MLP, partial rotary, interleaved QKV
+        return GPTNeoXConfig(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            rotary_pct=0.5,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+            **common,
+        )
+    if family == "llama":  # grouped-query attention, RMSNorm, gated MLP
+        return LlamaConfig(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            **common,
+        )
+    if family == "gemma":  # multi-query attention, scaled embeddings, tied embeddings
+        return GemmaConfig(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=8,
+            hidden_size=32,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            **common,
+        )
+    raise ValueError(family)
+
+
+def random_model(family: str, seed: int, scale: float = 0.35):
+    """An HF causal LM of ``family`` with large random weights."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and ("norm" in name or "ln" in name):
+                # Norm scales near their identity (Gemma stores scale - 1).
+                identity = 0.0 if family == "gemma" else 1.0
+                param.copy_(identity + 0.3 * torch.randn_like(param))
+            else:
+                param.copy_(scale * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+_MODEL_SETS: dict[str, gl.ModelSet] = {}
+
+
+@pytest.fixture
+def three_models(family: str, tokenizer) -> gl.ModelSet:
+    """Base and two donors of one family (built once per session)."""
+    if family not in _MODEL_SETS:
+        sources = [random_model(family, seed) for seed in (0, 1, 2)]
+        _MODEL_SETS[family] = gl.load_models(*sources, tokenizer=tokenizer)
+    return _MODEL_SETS[family]
+
+
+def random_tokens(batch: int, pos: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB_SIZE, (batch, pos), generator=generator)
+
+
+def random_mask(models: gl.ModelSet, shape: tuple[int, int], seed: int = 0) -> gl.GraftMask:
+    """Independent random sources for every component, layer and position."""
+    generator = torch.Generator().manual_seed(seed)
+    entries = {}
+    for component in models.components:
+        layers = range(models.n_layers) if component in gl.LAYER_COMPONENTS else [None]
+        for layer in layers:
+            entries[(component, layer)] = torch.randint(0, len(models), shape, generator=generator)
+    return gl.GraftMask.from_dict(models, entries)

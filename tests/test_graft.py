@@ -1,0 +1,199 @@
+"""The single pass against the token-by-token oracle, and the grafting context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_mask, random_tokens
+
+import grafting_lens as gl
+from grafting_lens.components import bridge_component
+
+TOLERANCE = 1e-4
+
+
+def test_single_pass_equals_token_by_token_oracle(three_models):
+    tokens = random_tokens(3, 9, seed=1)
+    mask = random_mask(three_models, tokens.shape, seed=2)
+    fast = gl.graft_forward(three_models, tokens, mask)
+    slow = gl.graft_forward_reference(three_models, tokens, mask)
+    assert (fast - slow).abs().max() <= TOLERANCE
+    # The comparison means something only if grafting moved the logits a lot.
+    assert (fast - three_models.base(tokens)).abs().max() > 1.0
+
+
+def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
+    tokens = random_tokens(3, 8, seed=3)
+    lengths = [8, 5, 3]
+    attention_mask = (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
+    mask = random_mask(three_models, tokens.shape, seed=4)
+    fast = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask)
+    slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
+    for row, length in enumerate(lengths):
+        assert (fast[row, :length] - slow[row, :length]).abs().max() <= TOLERANCE
+        assert torch.isnan(slow[row, length:]).all()
+        row_mask = gl.GraftMask.from_dict(
+            three_models, {key: mask[key][row : row + 1, :length] for key in mask.keys()}
+        )
+        alone = gl.graft_forward(three_models, tokens[row : row + 1, :length], row_mask)
+        assert (fast[row, :length] - alone[0]).abs().max() <= TOLERANCE
+
+
+def test_empty_mask_is_the_base_and_full_mask_is_the_donor(three_models):
+    tokens = random_tokens(2, 7, seed=5)
+    empty = gl.GraftMask.from_dict(three_models, {}, shape=tokens.shape)
+    assert torch.equal(gl.graft_forward(three_models, tokens, empty), three_models.base(tokens))
+    for source in (1, 2):
+        full = gl.GraftMask.build(three_models, tokens, components="all", source=source)
+        grafted = gl.graft_forward(three_models, tokens, full)
+        assert (grafted - three_models[source](tokens)).abs().max() <= 1e-5
+
+
+def test_graft_at_position_t_leaves_earlier_positions_untouched(three_models):
+    tokens = random_tokens(2, 8, seed=6)
+    t = 4
+    base = three_models.base(tokens)
+    mask = gl.GraftMask.union(
+        gl.GraftMask.build(three_models, tokens, positions=[t], components="attn+ln1", source=2),
+        gl.GraftMask.build(three_models, tokens, positions=[t, 6], components="ffn+o", source=1),
+    )
+    grafted = gl.graft_forward(three_models, tokens, mask)
+    assert (grafted[:, :t] - base[:, :t]).abs().max() <= 1e-5
+    assert (grafted[:, t:] - base[:, t:]).abs().amax(dim=-1).min() > 1e-2
+
+
+def test_run_with_cache_inside_grafting_sees_the_grafted_run(three_models):
+    tokens = random_tokens(2, 6, seed=7)
+    t = 2
+    # Everything up to layer 0's Q at position t comes from the donor, so layer 0's
+    # queries at t are the donor's own; every other position keeps the base's.
+    mask = gl.GraftMask.build(three_models, tokens, positions=[t], components="all", source=1)
+    with gl.grafting(three_models, mask) as model:
+        logits, cache = model.run_with_cache(tokens)
+    assert (logits - gl.graft_forward(three_models, tokens, mask)).abs().max() <= 1e-5
+    _, base_cache = three_models.base.run_with_cache(tokens)
+    _, donor_cache = three_models[1].run_with_cache(tokens)
+    q, base_q, donor_q = (c["blocks.0.attn.hook_q"] for c in (cache, base_cache, donor_cache))
+    assert torch.allclose(q[:, t], donor_q[:, t], atol=1e-5)
+    assert torch.allclose(q[:, :t], base_q[:, :t], atol=1e-5)
+    assert not torch.allclose(q[:, t], base_q[:, t], atol=1e-2)
+
+
+def test_hooks_can_edit_a_grafted_run(three_models):
+    tokens = random_tokens(1, 5, seed=8)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="block", source=2)
+
+    def zero_attention(activation, hook):
+        return torch.zeros_like(activation)
+
+    with gl.grafting(three_models, mask) as model:
+        edited = model.run_with_hooks(
+            tokens, fwd_hooks=[("blocks.1.hook_attn_out", zero_attention)]
+        )
+    plain = gl.graft_forward(three_models, tokens, mask)
+    assert (edited - plain).abs().max() > 1e-2
+
+
+def test_base_is_restored_when_the_body_raises(three_models):
+    tokens = random_tokens(2, 5, seed=9)
+    before = three_models.base(tokens)
+    originals = {
+        pair: bridge_component(three_models.base, *pair).original_component
+        for pair in [("q", 0), ("mlp_out", 2), ("embed", None), ("unembed", None)]
+    }
+    mask = gl.GraftMask.build(three_models, tokens, components="all", source=1)
+    with pytest.raises(RuntimeError, match="inside"):
+        with gl.grafting(three_models, mask):
+            raise RuntimeError("inside")
+    for pair, module in originals.items():
+        assert bridge_component(three_models.base, *pair).original_component is module
+    assert torch.equal(three_models.base(tokens), before)
+
+
+def test_grafting_blocks_do_not_nest(three_models):
+    tokens = random_tokens(1, 4)
+    mask = gl.GraftMask.build(three_models, tokens, components="o", source=1)
+    with gl.grafting(three_models, mask):
+        with pytest.raises(gl.GraftingError, match="do not nest"):
+            with gl.grafting(three_models, mask):
+                pass
+
+
+def test_running_other_tokens_inside_grafting_is_an_error(three_models):
+    mask = gl.GraftMask.build(three_models, (2, 6), positions=[1], components="q", source=1)
+    with gl.grafting(three_models, mask) as model:
+        with pytest.raises(gl.GraftingError, match=r"\[batch=2, pos=6\]"):
+            model(random_tokens(2, 7))
+
+
+def test_embed_graft_does_not_touch_a_tied_unembedding(three_models):
+    """Grafting the embedding equals patching in the donor's embedding output."""
+    tokens = random_tokens(2, 6, seed=10)
+    mask = gl.GraftMask.build(three_models, tokens, components="embed", source=1)
+    grafted = gl.graft_forward(three_models, tokens, mask)
+    _, donor_cache = three_models[1].run_with_cache(tokens)
+    patched = three_models.base.run_with_hooks(
+        tokens, fwd_hooks=[("hook_embed", lambda act, hook: donor_cache["hook_embed"])]
+    )
+    assert (grafted - patched).abs().max() <= 1e-5
+
+
+def test_unembed_graft_applies_the_donor_unembedding_to_the_base_stream(three_models):
+    tokens = random_tokens(2, 6, seed=11)
+    mask = gl.GraftMask.build(three_models, tokens, components="unembed", source=2)
+    grafted = gl.graft_forward(three_models, tokens, mask)
+    _, base_cache = three_models.base.run_with_cache(tokens)
+    expected = three_models[2].unembed(base_cache["ln_final.hook_out"])
+    assert (grafted - expected).abs().max() <= 1e-5
+
+
+def test_generation_continues_over_the_mixed_origin_cache(three_models):
+    tokens = random_tokens(2, 5, seed=12)
+    mask = random_mask(three_models, tokens.shape, seed=13)
+    new = 4
+    generated = gl.graft_generate(three_models, tokens, mask, max_new_tokens=new)
+    assert generated.shape == (2, 5 + new)
+    assert torch.equal(generated[:, :5], tokens)
+    # Greedy decoding by re-running the whole sequence in one grafted pass each step.
+    sequence = tokens
+    for _ in range(new):
+        extended = mask.extend(sequence.shape[1] - tokens.shape[1])
+        logits = gl.graft_forward(three_models, sequence, extended)
+        sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_generation_with_new_tokens_from_one_source(three_models):
+    tokens = random_tokens(1, 4, seed=14)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="block", source=1)
+    generated = gl.graft_generate(three_models, tokens, mask, max_new_tokens=3, new_token_sources=2)
+    sequence = tokens
+    for _ in range(3):
+        length = sequence.shape[1]
+        new_columns = torch.zeros(1, length, dtype=torch.bool)
+        new_columns[:, tokens.shape[1] :] = True
+        full = gl.GraftMask.union(
+            gl.GraftMask.from_dict(
+                three_models,
+                {key: torch.cat([mask[key], torch.zeros(1, length - 4, dtype=torch.long)], 1) for key in mask.keys()},
+            ),
+            gl.GraftMask.build(three_models, sequence, positions=new_columns, components="all", source=2),
+        ) if length > 4 else mask
+        logits = gl.graft_forward(three_models, sequence, full)
+        sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(generated, sequence)
+
+
+def test_bad_inputs_fail_clearly_and_change_nothing(three_models):
+    tokens = random_tokens(2, 6, seed=15)
+    before = three_models.base(tokens)
+    mask = gl.GraftMask.build(three_models, tokens, components="all", source=1)
+    with pytest.raises(gl.GraftMaskError, match=r"\[2, 6\].*\[2, 5\]"):
+        gl.graft_forward(three_models, tokens[:, :5], mask)
+    with pytest.raises(gl.GraftMaskError, match="sources"):
+        gl.graft_forward(three_models, tokens, gl.GraftMask({("q", 0): mask[("q", 0)]}, (2, 6), 2))
+    with pytest.raises(gl.GraftMaskError, match="vocabulary"):
+        gl.graft_forward(three_models, tokens + 10_000, mask)
+    with pytest.raises(gl.GraftMaskError, match="right padding"):
+        gl.graft_forward(three_models, tokens, mask, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2))
+    assert torch.equal(three_models.base(tokens), before)

@@ -1,0 +1,123 @@
+"""Building graft masks: layers, components, unions, batches of configurations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_tokens
+
+import grafting_lens as gl
+
+
+@pytest.mark.parametrize("n_layers", range(4, 13))
+def test_quarters_partition_the_layers(n_layers):
+    quarters = [
+        gl.resolve_layers(name, n_layers)
+        for name in ("first_quarter", "second_quarter", "third_quarter", "last_quarter")
+    ]
+    flat = [layer for quarter in quarters for layer in quarter]
+    assert flat == list(range(n_layers))
+    assert gl.resolve_layers("last_half", n_layers) == tuple(range(round(n_layers / 2), n_layers))
+
+
+def test_layer_forms():
+    assert gl.resolve_layers(-1, 6) == (5,)
+    assert gl.resolve_layers([3, 1, 3], 6) == (1, 3)
+    assert gl.resolve_layers(range(2, 4), 6) == (2, 3)
+    assert gl.resolve_layers(slice(-2, None), 6) == (4, 5)
+    assert gl.resolve_layers((0.5, 1.0), 6) == (3, 4, 5)
+    assert gl.resolve_layers(None, 3) == (0, 1, 2)
+
+
+def test_layer_errors_name_the_problem():
+    with pytest.raises(gl.GraftMaskError, match="Layer 6 is outside the model, which has 6 layers"):
+        gl.resolve_layers([6], 6)
+    with pytest.raises(gl.GraftMaskError, match="Did you mean 'last_half'"):
+        gl.resolve_layers("last_hlf", 6)
+    with pytest.raises(gl.GraftMaskError, match="selects no layer of a 3-layer model"):
+        gl.resolve_layers((0.5, 0.6), 3)
+
+
+def test_build_expands_groups_per_architecture(three_models):
+    tokens = random_tokens(2, 5)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", layers="last_half", components="ffn")
+    components = {component for component, _ in mask.keys()}
+    expected = {"mlp_in", "mlp_out"} | ({"mlp_gate"} if "mlp_gate" in three_models.components else set())
+    assert components == expected
+    assert {layer for _, layer in mask.keys()} == set(gl.resolve_layers("last_half", three_models.n_layers))
+    for key in mask.keys():
+        assert mask[key][:, -1].eq(1).all() and mask[key][:, :-1].eq(0).all()
+
+
+def test_build_ignores_layers_for_global_components(three_models):
+    mask = gl.GraftMask.build(three_models, (1, 4), layers=[0], components="embed+unembed+q")
+    assert set(mask.keys()) == {("embed", None), ("q", 0), ("unembed", None)}
+
+
+def test_unknown_and_missing_components(three_models):
+    with pytest.raises(gl.ComponentError, match="Did you mean 'mlp_out'"):
+        gl.GraftMask.build(three_models, (1, 4), components="mlp_ot")
+    with pytest.raises(gl.ComponentError, match="Did you mean 'mlp_in'"):
+        gl.GraftMask.from_dict(three_models, {("mlp_inn", 0): torch.ones(1, 4, dtype=torch.long)})
+    missing = next(c for c in ("mlp_gate", "pos_embed") if c not in three_models.components)
+    with pytest.raises(gl.ComponentError, match=f"has no '{missing}' component"):
+        gl.GraftMask.build(three_models, (1, 4), components=missing)
+
+
+def test_from_dict_validates_keys_shapes_and_sources(three_models):
+    ones = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(gl.GraftMaskError, match="names source 3"):
+        gl.GraftMask.from_dict(three_models, {("q", 0): ones * 3})
+    with pytest.raises(gl.GraftMaskError, match=r"shape \(2, 5\), expected \(2, 4\)"):
+        gl.GraftMask.from_dict(three_models, {("q", 0): ones, ("k", 0): torch.ones(2, 5, dtype=torch.long)})
+    with pytest.raises(gl.GraftMaskError, match="ambiguous with 3 sources"):
+        gl.GraftMask.from_dict(three_models, {("q", 0): ones.bool()})
+    with pytest.raises(gl.GraftMaskError, match="global component"):
+        gl.GraftMask.from_dict(three_models, {("embed", 0): ones})
+    with pytest.raises(gl.GraftMaskError, match="outside the model"):
+        gl.GraftMask.from_dict(three_models, {("q", three_models.n_layers): ones})
+    with pytest.raises(gl.GraftMaskError, match="source=5"):
+        gl.GraftMask.build(three_models, (2, 4), source=5)
+
+
+def test_union_and_conflicts(three_models):
+    tokens = random_tokens(1, 5)
+    attention = gl.GraftMask.build(three_models, tokens, positions=[0, -1], components="attn", source=1)
+    recall = gl.GraftMask.build(
+        three_models, tokens, positions="last", layers="last_half", components="o+ffn", source=2
+    )
+    hybrid = gl.GraftMask.union(attention, recall)
+    assert hybrid[("q", 0)].tolist() == [[1, 0, 0, 0, 1]]
+    last = three_models.n_layers - 1
+    assert hybrid[("mlp_out", last)].tolist() == [[0, 0, 0, 0, 2]]
+    everything_2 = gl.GraftMask.build(three_models, tokens, positions=[0], components="q", source=2)
+    with pytest.raises(gl.GraftMaskError, match="disagree"):
+        gl.GraftMask.union(attention, everything_2)
+    painted = gl.GraftMask.union(attention, everything_2, on_conflict="last")
+    assert painted[("q", 0)].tolist() == [[2, 0, 0, 0, 1]]
+
+
+def test_cat_stacks_configurations_as_rows(three_models):
+    tokens = random_tokens(1, 6, seed=3)
+    configurations = [
+        gl.GraftMask.from_dict(three_models, {}, shape=(1, 6)),
+        gl.GraftMask.build(three_models, tokens, positions="last", components="all", source=1),
+        gl.GraftMask.build(three_models, tokens, positions=[0, 1], components="block", source=2),
+    ]
+    stacked = gl.GraftMask.cat(configurations)
+    assert stacked.shape == (3, 6)
+    batched = gl.graft_forward(three_models, tokens.repeat(3, 1), stacked)
+    for row, mask in enumerate(configurations):
+        alone = gl.graft_forward(three_models, tokens, mask)
+        assert (batched[row] - alone[0]).abs().max() <= 1e-4
+
+
+def test_boolean_masks_with_two_sources(tokenizer):
+    from conftest import random_model
+
+    models = gl.load_models(random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer)
+    selected = torch.tensor([[False, True, False]])
+    mask = gl.GraftMask.from_dict(models, {("o", 1): selected})
+    assert mask[("o", 1)].tolist() == [[0, 1, 0]]
+    frame = mask.to_frame()
+    assert frame.to_dict("records") == [{"component": "o", "layer": 1, "source": 1, "positions": 1}]
