@@ -66,11 +66,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.batch, args.pos)
     tokens = torch.randint(0, model_set.base.cfg.d_vocab, shape, generator=generator)
-    pairs = [
-        (component, layer)
-        for component in model_set.components
-        for layer in (range(model_set.n_layers) if component in gl.LAYER_COMPONENTS else [None])
-    ]
+    pairs = model_set.pairs
     random_mask = gl.GraftMask.from_dict(
         model_set, {pair: torch.randint(0, 2, shape, generator=generator) for pair in pairs}
     )

@@ -50,7 +50,7 @@ from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache
 
-from grafting_lens.components import LAYER_COMPONENTS, bridge_component
+from grafting_lens.components import bridge_component
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
@@ -284,11 +284,7 @@ def graft_forward_reference(
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
     _check_mask(models, mask)
     lengths = row_lengths(mask.shape, None if attention_mask is None else attention_mask.cpu())
-    pairs = [
-        (component, layer)
-        for component in models.components
-        for layer in (range(models.n_layers) if component in LAYER_COMPONENTS else [None])
-    ]
+    pairs = models.pairs
     modules = {
         pair: [bridge_component(model, *pair)._modules["_original_component"] for model in models]
         for pair in pairs
@@ -355,10 +351,7 @@ def graft_generate(
         batch = mask.shape[0]
         new = torch.full((batch, max_new_tokens), new_token_sources, dtype=torch.long)
         full = GraftMask(
-            {
-                pair: torch.cat([mask[pair], new], dim=1)
-                for pair in _all_pairs(models)
-            },
+            {pair: torch.cat([mask[pair], new], dim=1) for pair in models.pairs},
             (batch, prompt_length + max_new_tokens),
             mask.n_sources,
         )
@@ -382,14 +375,6 @@ def graft_generate(
                 next_token, past_key_values=cache, use_cache=True, return_type="logits"
             )
     return torch.cat(generated, dim=1)
-
-
-def _all_pairs(models: ModelSet) -> list[Key]:
-    return [
-        (component, layer)
-        for component in models.components
-        for layer in (range(models.n_layers) if component in LAYER_COMPONENTS else [None])
-    ]
 
 
 def _check_mask(models: ModelSet, mask: GraftMask) -> None:

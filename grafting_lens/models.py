@@ -112,6 +112,15 @@ class ModelSet(Sequence[TransformerBridge]):
         return self._components
 
     @property
+    def pairs(self) -> tuple[tuple[str, int | None], ...]:
+        """Every ``(component, layer)`` pair of the architecture, as masks address them."""
+        return tuple(
+            (component, layer)
+            for component in self.components
+            for layer in (range(self.n_layers) if component in LAYER_COMPONENTS else [None])
+        )
+
+    @property
     def device(self) -> torch.device:
         """Device of the base's parameters."""
         return next(self.base.original_model.parameters()).device

@@ -142,9 +142,7 @@ def random_tokens(batch: int, pos: int, seed: int = 0) -> torch.Tensor:
 def random_mask(models: gl.ModelSet, shape: tuple[int, int], seed: int = 0) -> gl.GraftMask:
     """Independent random sources for every component, layer and position."""
     generator = torch.Generator().manual_seed(seed)
-    entries = {}
-    for component in models.components:
-        layers = range(models.n_layers) if component in gl.LAYER_COMPONENTS else [None]
-        for layer in layers:
-            entries[(component, layer)] = torch.randint(0, len(models), shape, generator=generator)
+    entries = {
+        pair: torch.randint(0, len(models), shape, generator=generator) for pair in models.pairs
+    }
     return gl.GraftMask.from_dict(models, entries)

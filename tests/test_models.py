@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import family_config, make_tokenizer, random_model, random_tokens
+from conftest import family_config, random_model, random_tokens
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
@@ -80,7 +80,10 @@ def test_weight_diff_reports_what_changed(tokenizer):
     changed = frame[frame.relative_change > 0]
     assert changed[["component", "layer"]].values.tolist() == [["mlp_out", 1]]
     assert changed.relative_change.iloc[0] == pytest.approx(0.5, rel=1e-5)
-    assert len(frame) == sum(1 if c in gl.GLOBAL_COMPONENTS else loaded.n_layers for c in loaded.components)
+    assert len(frame) == len(loaded.pairs)
+    assert len(loaded.pairs) == sum(
+        1 if c in gl.GLOBAL_COMPONENTS else loaded.n_layers for c in loaded.components
+    )
 
 
 def test_components_per_family(three_models, family):
