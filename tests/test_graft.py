@@ -166,22 +166,39 @@ def test_generation_continues_over_the_mixed_origin_cache(three_models):
 def test_generation_with_new_tokens_from_one_source(three_models):
     tokens = random_tokens(1, 4, seed=14)
     mask = gl.GraftMask.build(three_models, tokens, positions="last", components="block", source=1)
-    generated = gl.graft_generate(three_models, tokens, mask, max_new_tokens=3, new_token_sources=2)
+    new = 3
+    generated = gl.graft_generate(three_models, tokens, mask, max_new_tokens=new, new_token_sources=2)
+    # Every component of every generated position comes from source 2.
+    full = {
+        pair: torch.cat([mask[pair], torch.full((1, new), 2)], dim=1) for pair in three_models.pairs
+    }
     sequence = tokens
-    for _ in range(3):
+    for _ in range(new):
         length = sequence.shape[1]
-        new_columns = torch.zeros(1, length, dtype=torch.bool)
-        new_columns[:, tokens.shape[1] :] = True
-        full = gl.GraftMask.union(
-            gl.GraftMask.from_dict(
-                three_models,
-                {key: torch.cat([mask[key], torch.zeros(1, length - 4, dtype=torch.long)], 1) for key in mask.keys()},
-            ),
-            gl.GraftMask.build(three_models, sequence, positions=new_columns, components="all", source=2),
-        ) if length > 4 else mask
-        logits = gl.graft_forward(three_models, sequence, full)
+        step_mask = gl.GraftMask.from_dict(
+            three_models, {pair: value[:, :length] for pair, value in full.items()}
+        )
+        logits = gl.graft_forward(three_models, sequence, step_mask)
         sequence = torch.cat([sequence, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(generated, sequence)
+
+
+def test_gradients_flow_through_a_grafted_run(three_models):
+    tokens = random_tokens(2, 5, seed=16)
+    mask = random_mask(three_models, tokens.shape, seed=17)
+    stream = {}
+
+    def keep(activation, hook):
+        activation.retain_grad()
+        stream["resid"] = activation
+        return activation
+
+    with gl.grafting(three_models, mask) as model:
+        logits = model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_post", keep)])
+    logits[0, -1, 3].backward()
+    gradient = stream["resid"].grad
+    assert gradient is not None and gradient[0].abs().sum() > 0
+    assert gradient[1].abs().sum() == 0  # rows do not interact
 
 
 def test_bad_inputs_fail_clearly_and_change_nothing(three_models):
