@@ -100,3 +100,21 @@ def test_register_component_paths_validates(tokenizer):
         gl.register_component_paths("MyArch", {"q": "blocks.attn.q"})
     with pytest.raises(gl.ComponentError, match="Unknown component 'queries'"):
         gl.register_component_paths("MyArch", {"queries": "blocks.{layer}.attn.q"})
+
+
+def test_dtype_argument_casts_every_source(tokenizer):
+    loaded = gl.load_models(
+        random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer, dtype=torch.float64
+    )
+    for bridge in loaded:
+        assert {p.dtype for p in bridge.original_model.parameters()} == {torch.float64}
+    tokens = random_tokens(1, 4)
+    mask = gl.GraftMask.build(loaded, tokens, positions="last", components="all", source=1)
+    assert gl.graft_forward(loaded, tokens, mask).dtype == torch.float64
+
+
+def test_bridges_with_processed_weights_are_refused(tokenizer):
+    bridge = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)[1]
+    bridge.process_weights()
+    with pytest.raises(gl.AlignmentError, match="processed weights"):
+        gl.load_models(random_model("gpt2", 2), bridge, tokenizer=tokenizer)
