@@ -1,0 +1,201 @@
+"""Figures of grafting results, and saving them so they survive a machine without Chrome.
+
+The paper's figures are grouped bar charts: one group per graft configuration
+(PRE, SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
+:func:`plot_accuracy` draws that chart from :func:`grafting_lens.metrics.summarize`'s
+table, with bootstrap confidence intervals as error bars, since a toy run has few
+examples per bar.
+
+:func:`save_figure` always writes an interactive, self-contained HTML file, and
+a PNG when it can. Static export goes through kaleido, which drives a headless
+Chrome; on a server or in CI there often is none. Then the HTML is still
+written, and the returned dict (and a warning) says why the PNG is missing and
+how to get it, instead of a crash at the end of a long run. Both files are written
+to a temporary name and renamed, so a file that exists is complete.
+
+Example:
+    >>> summary = metrics.summarize(results)
+    >>> fig = plot_accuracy(summary, k=5)
+    >>> save_figure(fig, "out/position_grafting")
+    {'html': 'out/position_grafting.html', 'png': 'out/position_grafting.png', 'png_error': None}
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from grafting_lens.errors import GraftingLensError
+
+__all__ = ["NO_CHROME_HINT", "plot_accuracy", "save_figure"]
+
+NO_CHROME_HINT = (
+    "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
+    "(or set BROWSER_PATH to a Chrome/Chromium binary), then save again"
+)
+"""Why a PNG is missing when kaleido finds no browser, and how to fix it."""
+
+
+def plot_accuracy(
+    summary: pd.DataFrame,
+    k: int = 5,
+    x: str = "config",
+    color: str = "prompt",
+    title: str | None = None,
+) -> go.Figure:
+    """Grouped bar chart of top-k accuracy: groups along ``x``, one bar per ``color``.
+
+    Args:
+        summary: A table from :func:`grafting_lens.metrics.summarize`, with columns
+            ``x``, ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
+        k: Which top-k accuracy to plot (``summarize`` must have computed it).
+        x: Column along the horizontal axis; its values keep their table order.
+        color: Column giving one bar (and legend entry) per value in each group.
+        title: Figure title (default: "Top-{k} accuracy by {x}").
+
+    Returns:
+        A plotly figure; error bars span the bootstrap confidence interval.
+
+    Raises:
+        GraftingLensError: An empty table or missing columns (the message says
+            which ``k`` values the table has).
+    """
+    if not isinstance(summary, pd.DataFrame) or summary.empty:
+        raise GraftingLensError(
+            "plot_accuracy needs a non-empty table from grafting_lens.metrics.summarize."
+        )
+    value, low, high = f"top{k}", f"top{k}_low", f"top{k}_high"
+    missing = [c for c in (x, color, value, low, high) if c not in summary.columns]
+    if missing:
+        available = sorted(c for c in summary.columns if c.startswith("top") and c[3:].isdigit())
+        raise GraftingLensError(
+            f"The summary lacks the columns {missing}. It has the accuracies {available}; "
+            f"pass k=... accordingly or summarize(results, ks=(..., {k}))."
+        )
+    categories = list(dict.fromkeys(summary[x].tolist()))
+    fig = go.Figure()
+    for name, group in summary.groupby(color, sort=False):
+        counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
+        fig.add_trace(
+            go.Bar(
+                name=str(name),
+                x=group[x].astype(str),
+                y=group[value],
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=(group[high] - group[value]).clip(lower=0),
+                    arrayminus=(group[value] - group[low]).clip(lower=0),
+                ),
+                customdata=list(zip(group[low], group[high], counts)),
+                hovertemplate=(
+                    f"{color}={name}<br>{x}=%{{x}}<br>top-{k}: %{{y:.1%}}"
+                    " (CI %{customdata[0]:.1%} to %{customdata[1]:.1%})<br>n=%{customdata[2]}"
+                    "<extra></extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        barmode="group",
+        title=title if title is not None else f"Top-{k} accuracy by {x}",
+        xaxis=dict(title=x, categoryorder="array", categoryarray=[str(c) for c in categories]),
+        yaxis=dict(title=f"top-{k} accuracy", range=[0, 1.05], tickformat=".0%"),
+        legend_title_text=color,
+        template="plotly_white",
+    )
+    return fig
+
+
+def save_figure(
+    fig: go.Figure,
+    path: str | os.PathLike,
+    png: bool = True,
+    scale: float = 2.0,
+    include_plotlyjs: bool | str = True,
+    warn: bool = True,
+) -> dict[str, Any]:
+    """Write ``path.html`` always, and ``path.png`` when a browser for kaleido is available.
+
+    Args:
+        fig: The figure.
+        path: Destination without suffix, e.g. ``"out/position_grafting"``; its
+            directory is created if needed.
+        png: Also try the static PNG.
+        scale: PNG resolution multiplier.
+        include_plotlyjs: Passed to ``Figure.to_html``; ``True`` embeds plotly.js so
+            the HTML opens offline, ``"cdn"`` makes it small but needs a network.
+        warn: Emit a warning when the PNG could not be written.
+
+    Returns:
+        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths
+        written and, when ``png`` was asked for but not written, the reason.
+
+    Raises:
+        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
+            be written (nothing else is worth the HTML's loss).
+    """
+    base = Path(path)
+    if base.suffix.lower() in (".html", ".png"):
+        base = base.with_suffix("")
+    if base.is_dir():
+        raise GraftingLensError(
+            f"{base} is a directory; pass a file path without suffix, e.g. {base / 'figure'}."
+        )
+    base.parent.mkdir(parents=True, exist_ok=True)
+    html_path = base.with_name(base.name + ".html")
+    png_path = base.with_name(base.name + ".png")
+    try:
+        _atomic_write(
+            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
+        )
+    except OSError as error:
+        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
+    result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
+    if not png:
+        return result
+    try:
+        image = fig.to_image(format="png", scale=scale)
+        _atomic_write(png_path, image)
+        result["png"] = str(png_path)
+    except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
+        result["png_error"] = _png_failure_reason(error)
+        if warn:
+            warnings.warn(
+                f"Wrote {html_path} but no PNG: {result['png_error']}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return result
+
+
+def _png_failure_reason(error: BaseException) -> str:
+    """A one-line reason for a failed PNG export, with the fix when one is known."""
+    message = " ".join(str(error).split())
+    lowered = message.lower()
+    if "chrome" in lowered or "chromium" in lowered or "browser" in lowered:
+        return f"{NO_CHROME_HINT} (kaleido said: {message[:200]})"
+    if "kaleido" in lowered and ("install" in lowered or "requires" in lowered):
+        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message[:200]})"
+    return f"PNG export failed with {type(error).__name__}: {message[:300]}"
+
+
+def _atomic_write(path: Path, content: bytes) -> None:
+    """Write to a temporary sibling, then rename: a reader never sees half a file."""
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
+    )
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(content)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be shared
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise

@@ -1,0 +1,182 @@
+"""Tests for grafting_lens.metrics: ranks, probabilities, top-k and bootstrap intervals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from grafting_lens.errors import GraftingLensError
+from grafting_lens.metrics import (
+    bootstrap_ci,
+    last_token_logits,
+    summarize,
+    target_probability,
+    target_rank,
+    top_k_hit,
+    top_k_tokens,
+)
+
+# Three rows over a vocabulary of five, no ties, so every rank is unambiguous.
+LOGITS = torch.tensor(
+    [
+        [0.1, 2.0, -1.0, 0.5, 3.0],  # order: 4, 1, 3, 0, 2
+        [5.0, 4.0, 3.0, 2.0, 1.0],  # order: 0, 1, 2, 3, 4
+        [-2.0, -1.0, 0.0, 1.5, 1.0],  # order: 3, 4, 2, 1, 0
+    ]
+)
+TARGETS = torch.tensor([1, 4, 3])
+
+
+def test_target_rank_on_hand_made_logits():
+    assert target_rank(LOGITS, TARGETS).tolist() == [1, 4, 0]
+
+
+def test_target_rank_matches_argsort():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 40, generator=generator)
+    targets = torch.randint(0, 40, (50,), generator=generator)
+    order = logits.argsort(dim=1, descending=True)
+    expected = (order == targets[:, None]).float().argmax(dim=1)
+    assert torch.equal(target_rank(logits, targets), expected)
+
+
+def test_target_probability_is_the_softmax_entry():
+    expected = [float(torch.softmax(row, 0)[t]) for row, t in zip(LOGITS, TARGETS)]
+    assert target_probability(LOGITS, TARGETS).tolist() == pytest.approx(expected, rel=1e-6)
+    # Stable where a naive exp would overflow.
+    huge = torch.tensor([[1000.0, 0.0]])
+    assert target_probability(huge, torch.tensor([0])).item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_top_k_hit_agrees_with_topk(k):
+    generator = torch.Generator().manual_seed(k)
+    logits = torch.randn(30, 12, generator=generator)
+    targets = torch.randint(0, 12, (30,), generator=generator)
+    expected = (logits.topk(k, dim=1).indices == targets[:, None]).any(dim=1)
+    assert torch.equal(top_k_hit(logits, targets, k), expected)
+    assert top_k_hit(LOGITS, TARGETS, 2).tolist() == [True, False, True]
+
+
+def test_top_k_tokens_lists_ids_probabilities_and_strings():
+    class Decoder:
+        def decode(self, ids):
+            return "".join(f"<{i}>" for i in ids)
+
+    top = top_k_tokens(LOGITS, k=3, tokenizer=Decoder())
+    assert top.ids.tolist() == [[4, 1, 3], [0, 1, 2], [3, 4, 2]]
+    assert top.strings == [["<4>", "<1>", "<3>"], ["<0>", "<1>", "<2>"], ["<3>", "<4>", "<2>"]]
+    assert torch.allclose(top.probabilities[:, 0], torch.softmax(LOGITS, -1).max(dim=1).values)
+    assert (top.probabilities[:, :-1] >= top.probabilities[:, 1:]).all()
+    assert top_k_tokens(LOGITS, k=2).strings is None
+
+
+def test_last_token_logits_reads_each_rows_last_real_token():
+    logits = torch.arange(2 * 4 * 3, dtype=torch.float).reshape(2, 4, 3)
+    attention_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    final = last_token_logits(logits, attention_mask)
+    assert torch.equal(final[0], logits[0, 3]) and torch.equal(final[1], logits[1, 1])
+    assert torch.equal(last_token_logits(logits), logits[:, -1])
+
+
+def test_bad_inputs_are_explained():
+    with pytest.raises(GraftingLensError, match="last_token_logits"):
+        target_rank(LOGITS[None], TARGETS)  # [batch, pos, vocab] instead of [batch, vocab]
+    with pytest.raises(GraftingLensError, match="one id per row"):
+        target_rank(LOGITS, TARGETS[:2])
+    with pytest.raises(GraftingLensError, match="0..4"):
+        target_probability(LOGITS, torch.tensor([0, 1, 5]))
+    with pytest.raises(GraftingLensError, match="empty batch"):
+        target_rank(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
+    with pytest.raises(GraftingLensError, match="k must be"):
+        top_k_hit(LOGITS, TARGETS, 0)
+    with pytest.raises(GraftingLensError, match="exceeds the vocabulary"):
+        top_k_tokens(LOGITS, k=6)
+    with pytest.raises(GraftingLensError, match="attention_mask"):
+        last_token_logits(torch.zeros(2, 4, 3), torch.ones(2, 5))
+
+
+def test_bootstrap_ci_contains_the_mean_and_narrows_with_more_data():
+    rng = np.random.default_rng(1)
+    small = rng.binomial(1, 0.4, size=20)
+    large = rng.binomial(1, 0.4, size=2000)
+    low_s, high_s = bootstrap_ci(small)
+    low_l, high_l = bootstrap_ci(large)
+    assert low_s <= small.mean() <= high_s
+    assert low_l <= large.mean() <= high_l
+    assert 0.0 <= low_s < high_s <= 1.0
+    assert (high_l - low_l) < (high_s - low_s) / 4  # width shrinks like 1/sqrt(n)
+    assert bootstrap_ci(small, seed=3) == bootstrap_ci(small, seed=3)
+    assert (
+        bootstrap_ci(small, confidence=0.5)[1] - bootstrap_ci(small, confidence=0.5)[0]
+        < high_s - low_s
+    )
+
+
+def test_bootstrap_ci_edge_cases():
+    assert bootstrap_ci([0.7]) == (0.7, 0.7)
+    assert bootstrap_ci(torch.tensor([True, True])) == (1.0, 1.0)
+    with pytest.raises(GraftingLensError, match="at least one value"):
+        bootstrap_ci([])
+    with pytest.raises(GraftingLensError, match="NaN"):
+        bootstrap_ci([1.0, float("nan")])
+    with pytest.raises(GraftingLensError, match="confidence"):
+        bootstrap_ci([1.0, 2.0], confidence=95)
+    with pytest.raises(GraftingLensError, match="n_resamples"):
+        bootstrap_ci([1.0, 2.0], n_resamples=0)
+
+
+def _results() -> pd.DataFrame:
+    rows = []
+    ranks = {
+        ("PRE", "headline"): [0, 7, 9, 12],
+        ("SFT", "headline"): [0, 0, 3, 1],
+        ("PRE", "qa"): [4, 5, 6, 30],
+    }
+    for (config, prompt), values in ranks.items():
+        rows += [{"config": config, "prompt": prompt, "target_rank": r} for r in values]
+    return pd.DataFrame(rows)
+
+
+def test_summarize_columns_and_values():
+    summary = summarize(_results(), n_resamples=200)
+    assert list(summary.columns) == [
+        "config", "prompt", "n",
+        "top1", "top1_low", "top1_high",
+        "top5", "top5_low", "top5_high",
+        "mean_rank", "mean_rank_low", "mean_rank_high",
+    ]  # fmt: skip
+    # Groups keep the order in which they appear, not alphabetical order.
+    assert list(zip(summary.config, summary.prompt)) == [
+        ("PRE", "headline"), ("SFT", "headline"), ("PRE", "qa")
+    ]  # fmt: skip
+    pre, sft, qa = (summary.iloc[i] for i in range(3))
+    assert pre.n == 4 and pre.top1 == 0.25 and pre.top5 == 0.25 and pre.mean_rank == 7.0
+    assert sft.top1 == 0.5 and sft.top5 == 1.0 and sft.mean_rank == 1.0
+    assert qa.top1 == 0.0 and qa.top5 == 0.25
+    assert sft.top5_low == sft.top5_high == 1.0  # every resample hits
+    for _, row in summary.iterrows():
+        for column in ("top1", "top5", "mean_rank"):
+            assert row[f"{column}_low"] <= row[column] <= row[f"{column}_high"]
+
+
+def test_summarize_other_ks_and_groups():
+    summary = summarize(_results(), by="config", ks=(10,), n_resamples=50)
+    assert list(summary.columns[:5]) == ["config", "n", "top10", "top10_low", "top10_high"]
+    assert summary.set_index("config").loc["PRE", "n"] == 8
+    assert summary.set_index("config").loc["PRE", "top10"] == pytest.approx(
+        6 / 8
+    )  # 0, 7, 9, 4, 5, 6
+
+
+def test_summarize_rejects_bad_tables():
+    with pytest.raises(GraftingLensError, match="empty"):
+        summarize(_results().iloc[:0])
+    with pytest.raises(GraftingLensError, match="target_rank"):
+        summarize(_results().drop(columns="target_rank"))
+    with pytest.raises(GraftingLensError, match="'model'"):
+        summarize(_results(), by=("model",))
+    with pytest.raises(GraftingLensError, match="k must be"):
+        summarize(_results(), ks=(0,))
