@@ -1,0 +1,124 @@
+"""Benchmark: a batched (layer x position) resid_pre sweep against TransformerLens's loop.
+
+Builds two GPT-2-small-shaped checkpoints with random weights (12 layers,
+d_model 768, vocabulary 50,257; nothing is downloaded), and sweeps patching the
+donor's ``resid_pre`` into the base at every (layer, position) cell of 16-token
+prompts, twice on the same inputs:
+
+* :func:`grafting_lens.patching.resid_patch_sweep`: every cell a block of rows of
+  one large batch, ``--chunk-size`` rows per forward pass, each pass computed
+  from its first patched position on;
+* TransformerLens's ``get_act_patch_resid_pre`` (one forward pass per cell), with
+  the donor cache it needs (``models[1].run_with_cache``) counted in its time, as
+  the sweep counts its own donor pass.
+
+Prints one JSON line: ``speedup`` (TransformerLens time / batched time),
+``max_abs_diff`` (largest difference between the two sweeps' values), timings
+and the settings. The speedup depends on the hardware: TransformerLens's loop
+runs 192 small forward passes, which lose most on a GPU or on several CPU threads
+(fixed costs per pass) and least on one CPU thread (compute-bound). Compare with
+``--threads 1``. Takes a few minutes on a laptop CPU; shrink it for a smoke run:
+
+    python experiments/benchmark_patching.py --layers 2 --pos 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from benchmark_graft import gpt2_small, placeholder_tokenizer
+from transformer_lens import patching as tl_patching
+
+import grafting_lens as gl
+from grafting_lens.patching import resid_patch_sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12, help="sweep layers 0..N-1 (max 12)")
+    parser.add_argument("--pos", type=int, default=16, help="prompt length in tokens")
+    parser.add_argument("--batch", type=int, default=1, help="prompts per cell")
+    parser.add_argument("--chunk-size", type=int, default=64, help="rows per batched forward")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = gl.load_models(gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer())
+    if not 1 <= args.layers <= models.n_layers:
+        parser.error(f"--layers must be in 1..{models.n_layers}")
+    generator = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, models.base.cfg.d_vocab, (args.batch, args.pos), generator=generator)
+    answer, distractor = 11, 13
+
+    def per_prompt(logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, -1, answer] - logits[:, -1, distractor]
+
+    def scalar(logits: torch.Tensor) -> torch.Tensor:
+        return per_prompt(logits).mean()
+
+    layers = list(range(args.layers))
+    with torch.no_grad():
+        models.base(tokens)  # warm-up
+
+        start = time.perf_counter()
+        batched, _ = resid_patch_sweep(
+            models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size, progress=False
+        )
+        batched_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        _, donor_cache = models[1].run_with_cache(tokens)
+        if args.layers == models.n_layers:
+            reference = tl_patching.get_act_patch_resid_pre(
+                models.base, tokens, donor_cache, scalar
+            )
+        else:  # the same loop over fewer cells
+            index = tl_patching.make_df_from_ranges([args.layers, args.pos], ["layer", "pos"])
+            reference = tl_patching.generic_activation_patch(
+                models.base,
+                tokens,
+                donor_cache,
+                scalar,
+                patch_setter=tl_patching.layer_pos_patch_setter,
+                activation_name="resid_pre",
+                index_df=index,
+            ).reshape(args.layers, args.pos)
+        reference_s = time.perf_counter() - start
+
+    cells = args.layers * args.pos
+    print(
+        json.dumps(
+            {
+                "speedup": round(reference_s / batched_s, 2),
+                "max_abs_diff": float((batched - reference.cpu()).abs().max()),
+                "value_range": float(reference.max() - reference.min()),
+                "batched_s": round(batched_s, 2),
+                "transformer_lens_s": round(reference_s, 2),
+                "cells": cells,
+                # The donor's pass, the unpatched pass whose prefix is reused, the chunks.
+                "batched_forwards": 2 + -(-cells // max(1, args.chunk_size // args.batch)),
+                "transformer_lens_forwards": 1 + cells,
+                "layers": args.layers,
+                "pos": args.pos,
+                "batch": args.batch,
+                "chunk_size": args.chunk_size,
+                "model": "gpt2-small-shaped, random weights",
+                "threads": torch.get_num_threads(),
+                "cpu": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

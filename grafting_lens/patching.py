@@ -1,0 +1,880 @@
+"""Activation patching between the checkpoints of a model set.
+
+What it is
+----------
+Activation patching runs a model and, at one place in the network (a layer, a
+token position, perhaps one attention head), replaces the activation it computed
+with the activation another run computed there, then watches what happens to the
+output. TransformerLens's ``patching`` module does this between two *prompts* on
+one model (a clean and a corrupted run). Here the two runs are two *checkpoints*
+of a :class:`~grafting_lens.ModelSet` on the same tokens: the pretrained base and
+the finetuned donor. The question becomes "where does the finetuned model's
+residual stream (or attention output, or one head) carry what makes it answer
+differently?".
+
+Two directions
+--------------
+* ``direction="sufficiency"`` (*denoising*, in Heimersheim and Nanda's words): run the
+  ``target`` (by default the base, source 0) and patch in the ``source``'s
+  activations (by default the donor, source 1). A high metric says the source's
+  activation at that place is *enough* to make the base behave like the donor.
+* ``direction="necessity"`` (*noising*): run the ``source`` and patch in the
+  ``target``'s activations. A large drop says the donor *needs* its own activation
+  there.
+
+``source`` and ``target`` keep their meaning in both directions (the checkpoint
+under study and the reference); only which one runs changes.
+
+Patching against grafting
+-------------------------
+A patch replaces a whole vector. A residual-stream vector at layer ``l`` and
+token ``t`` is the sum of everything computed before it, so patching it imports
+every earlier computation of the other model at that position too, and deletes
+the running model's own. That is the limit the paper (Nief et al., ICLR 2026)
+starts from: activation patching says *where information sits*, not *which
+weights put it there*. A graft (:mod:`grafting_lens.graft`) swaps the weights of
+a component instead, so the vector added to the stream is what the donor's
+component computes *from the base's own stream*; nothing upstream is replaced.
+Patching ``attn_out``, ``mlp_out`` or a head's ``z`` sits in between: the
+donor's component output, but computed from the donor's stream. Running the
+same positions and layers through both tools separates "the donor's stream
+carries the answer there" (patching recovers it, grafting may not) from "the
+donor's weights compute it from what the base already has" (grafting recovers
+it too).
+
+Sites and where they are hooked
+-------------------------------
+``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out`` and ``mlp_out`` are
+``[batch, pos, d_model]`` vectors (``blocks.{l}.hook_*`` on the bridge); ``z``
+is each head's attention-weighted value, ``[batch, pos, head, d_head]``
+(``blocks.{l}.attn.hook_z``). Parallel-attention blocks (GPT-NeoX, Pythia) have
+no ``resid_mid``: attention and MLP read the same residual. On the 4.x bridge the
+``hook_resid_mid`` alias is the input of ``ln2``, not the residual itself:
+editing it changes what the MLP reads but not what is added to the MLP output.
+So a ``resid_mid`` patch here rewrites the attention output that is added to the
+stream (``attn_out := patched - resid_pre``) so that both the MLP and the
+residual see the patched vector, as a patch of the residual stream must.
+
+Sweeps, batched
+---------------
+:func:`resid_patch_sweep` patches every (layer, position) cell and
+:func:`head_patch_sweep` every (layer, head) or (layer, position, head) cell,
+one at a time, like TransformerLens's ``get_act_patch_*`` functions and with the
+same values. Instead of one forward pass per cell, each cell becomes a block of
+rows of one large batch (the prompts repeated once per cell, each block hooked
+at its own layer, position and head), ``chunk_size`` rows per forward. Rows do
+not interact, so the values are those of the cell-by-cell loop. And since a
+patch at position ``t`` cannot change anything before ``t``, a pass starts at
+the first position its cells patch, attending over the keys and values the
+unpatched run cached for the positions before: a (layer, position) sweep
+computes about half of the tokens a cell-by-cell loop does.
+
+The metric
+----------
+A metric maps the logits of one cell, ``[batch, pos, d_vocab]`` for the prompts
+in their original order, to one value per prompt (``[batch]``) or to a single
+scalar. It is called once per cell, so a metric that indexes per-prompt answers
+works unchanged. A per-prompt metric is averaged over the prompts
+(``reduce="mean"``) or kept (``reduce="none"``); a scalar one is taken as the
+cell's value, which is what TransformerLens's functions expect. To reproduce
+``transformer_lens.patching.get_act_patch_resid_pre(models.base, tokens,
+donor_cache, m)`` pass a scalar ``m`` as is, or give TransformerLens
+``lambda logits: per_prompt(logits).mean()`` for a per-prompt ``per_prompt``.
+
+    >>> from grafting_lens.patching import resid_patch_sweep
+    >>> def answer_logit(logits):
+    ...     return logits[:, -1, answer_id]
+    >>> values, frame = resid_patch_sweep(models, tokens, answer_logit, layers="last_half")
+    >>> frame.pivot(index="layer", columns="pos", values="value")
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Union
+
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from grafting_lens.errors import GraftingLensError, GraftMaskError, did_you_mean
+from grafting_lens.masks import LayerSpec, resolve_layers
+from grafting_lens.models import ModelSet
+from grafting_lens.positions import PositionSpec, resolve_positions, row_lengths
+
+SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z")
+"""Every activation site, in the order a block computes them (``z`` is per head)."""
+
+LAYER_POSITION_SITES: tuple[str, ...] = SITES[:-1]
+"""Sites holding one ``d_model`` vector per position: what :func:`resid_patch_sweep` sweeps."""
+
+DIRECTIONS: dict[str, str] = {
+    "sufficiency": "sufficiency",
+    "denoising": "sufficiency",
+    "necessity": "necessity",
+    "noising": "necessity",
+}
+"""Accepted directions, TransformerLens's names mapped to the causal question they answer."""
+
+Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], torch.Tensor]
+"""Logits of one cell's prompts to ``[batch]`` values or one scalar (see the module docstring)."""
+
+SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionSpec]
+"""The position axis of a sweep: ``"each"``, indices, labelled selections, or one selection."""
+
+_HOOKS = {
+    "resid_pre": "blocks.{layer}.hook_resid_pre",
+    "resid_mid": "blocks.{layer}.hook_resid_mid",
+    "resid_post": "blocks.{layer}.hook_resid_post",
+    "attn_out": "blocks.{layer}.hook_attn_out",
+    "mlp_out": "blocks.{layer}.hook_mlp_out",
+    "z": "blocks.{layer}.attn.hook_z",
+}
+
+
+class PatchingError(GraftingLensError):
+    """A patch or sweep was asked for something the model set or the tokens cannot give."""
+
+
+class PatchSweep(NamedTuple):
+    """A sweep's values and the cell each one belongs to.
+
+    Unpacks like TransformerLens's ``(tensor, index_df)``:
+    ``values, frame = resid_patch_sweep(...)``.
+
+    Attributes:
+        values: ``[layer, pos]``, ``[layer, head]`` or ``[layer, pos, head]``, with a
+            trailing ``batch`` axis when the sweep ran with ``reduce="none"``. Axes
+            follow the order of the requested layers, positions and heads.
+        frame: One row per cell (and prompt, with ``reduce="none"``), in the order
+            of ``values.flatten()``: columns ``site``, ``direction``, ``layer``,
+            ``pos`` and/or ``head`` for the swept axes, ``example`` when
+            per-prompt, and ``value``.
+    """
+
+    values: torch.Tensor
+    frame: pd.DataFrame
+
+
+# --------------------------------------------------------------------------- public
+
+
+def available_sites(models: ModelSet) -> tuple[str, ...]:
+    """The sites the model set's architecture has (no ``resid_mid`` on parallel blocks)."""
+    hooks = models.base.hook_dict
+    return tuple(site for site in SITES if _HOOKS[site].format(layer=0) in hooks)
+
+
+@torch.no_grad()
+def patch_forward(
+    models: ModelSet,
+    tokens: Int[torch.Tensor, "batch pos"],
+    site: str,
+    layers: LayerSpec = "all",
+    positions: PositionSpec = "all",
+    source: int = 1,
+    target: int = 0,
+    heads: int | Sequence[int] | None = None,
+    attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    *,
+    direction: str = "sufficiency",
+    patch_tokens: Int[torch.Tensor, "batch pos"] | None = None,
+) -> Float[torch.Tensor, "batch pos d_vocab"]:
+    """Logits of one checkpoint run with another's activations patched in at one site.
+
+    Every selected layer is patched in the same forward pass, at each row's own
+    selected positions.
+
+    Args:
+        models: The aligned checkpoints.
+        tokens: ``[batch, pos]`` token ids.
+        site: One of :data:`SITES` that the architecture has (see :func:`available_sites`).
+        layers: Which layers to patch, as for grafts (see :func:`~grafting_lens.resolve_layers`):
+            ``"all"``, an int, a list, ``"last_half"``, ``(0.5, 1.0)``...
+        positions: Where to patch in each row (see
+            :func:`~grafting_lens.positions.resolve_positions`): ``"all"``, ``"last"``,
+            indices, per-row lists, or a ``[batch, pos]`` boolean tensor such as a
+            first-entity span or a complement.
+        source: The checkpoint under study (the donor).
+        target: The reference checkpoint (the base).
+        heads: For ``site="z"`` only: the heads to patch (default every head).
+        attention_mask: ``[batch, pos]`` right padding, used by both runs.
+        direction: ``"sufficiency"`` (run ``target``, patch in ``source``'s
+            activations; alias ``"denoising"``) or ``"necessity"`` (run ``source``,
+            patch in ``target``'s; alias ``"noising"``).
+        patch_tokens: Tokens for the run the activations come from, when it should
+            see other tokens than the patched run (classic clean/corrupted patching;
+            then ``source`` may equal ``target``). Same shape as ``tokens``.
+
+    Returns:
+        Logits ``[batch, pos, d_vocab]`` of the patched run.
+
+    Raises:
+        PatchingError: An unknown site or one the architecture lacks, a layer or
+            head out of range, positions that do not fit the tokens, tokens of the
+            wrong shape or vocabulary, or a bad source, target or direction. All
+            checked before any forward pass.
+
+    Example:
+        >>> fe = gl.positions.span_positions(tokens.shape, starts=1, ends=3)
+        >>> logits = patch_forward(models, tokens, "resid_pre", layers=range(0, 6), positions=fe)
+    """
+    setup = _Setup(models, tokens, site, source, target, direction, attention_mask, patch_tokens)
+    layer_list = _layers(layers, models.n_layers)
+    setup.check_layers(layer_list)
+    selected = _positions(positions, setup.shape, setup.cpu_attention_mask)
+    head_list = _heads(heads, site, models)
+    donor = setup.donor_activations(layer_list)
+    rows, pos = selected.nonzero(as_tuple=True)
+    if head_list is None:
+        entry = (rows, pos, None, rows)
+    else:  # every selected (row, position) once per head
+        n_heads = len(head_list)
+        rows, pos = rows.repeat_interleave(n_heads), pos.repeat_interleave(n_heads)
+        entry = (rows, pos, torch.tensor(head_list).repeat(len(rows) // n_heads), rows)
+    entries = {layer: entry for layer in layer_list}
+    return setup.run(1, entries, donor)
+
+
+def resid_patch_sweep(
+    models: ModelSet,
+    tokens: Int[torch.Tensor, "batch pos"],
+    metric: Metric,
+    site: str = "resid_pre",
+    layers: LayerSpec = "all",
+    positions: SweepPositions = "each",
+    *,
+    source: int = 1,
+    target: int = 0,
+    direction: str = "sufficiency",
+    patch_tokens: Int[torch.Tensor, "batch pos"] | None = None,
+    attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    reduce: str = "mean",
+    chunk_size: int = 64,
+    reuse_prefix: bool = True,
+    progress: bool = True,
+) -> PatchSweep:
+    """Patch each (layer, position) cell of a per-position site alone, batched.
+
+    With the defaults, ``values`` equals TransformerLens's
+    ``get_act_patch_resid_pre(models.base, tokens, donor_cache, metric)`` with
+    ``_, donor_cache = models[1].run_with_cache(tokens)`` (likewise ``attn_out``,
+    ``mlp_out``; TransformerLens has no ``resid_post`` sweep, and its
+    ``resid_mid`` sweep on the bridge patches only the MLP input, see the module
+    docstring), in ``ceil(cells * batch / chunk_size)`` forward passes (plus one
+    of the donor and one unpatched) instead of one per cell.
+
+    Args:
+        models: The aligned checkpoints.
+        tokens: ``[batch, pos]`` prompts; every cell runs all of them.
+        metric: Logits ``[batch, pos, d_vocab]`` of one cell to ``[batch]`` values or
+            a scalar (see the module docstring).
+        site: One of :data:`LAYER_POSITION_SITES`; heads are swept by
+            :func:`head_patch_sweep`.
+        layers: The layers to sweep, as for grafts (``"all"``, ``"last_half"``, a list...).
+        positions: The position axis. ``"each"``: every index ``0..pos-1`` alone
+            (rows shorter than an index stay unpatched in that cell); a list of
+            ints: those indices (negative ones count from each row's last real
+            token); a mapping ``{label: selection}``: one cell per labelled
+            selection, e.g. ``{"FE": fe_mask, "LT": "last", "rest": rest_mask}``;
+            anything else (``"all"``, ``"last"``, a boolean tensor): one selection
+            and no position axis.
+        source: The checkpoint under study (the donor).
+        target: The reference checkpoint (the base).
+        direction: ``"sufficiency"`` (run ``target``, patch in ``source``) or
+            ``"necessity"`` (run ``source``, patch in ``target``).
+        patch_tokens: Tokens for the run the activations come from (default ``tokens``).
+        attention_mask: ``[batch, pos]`` right padding.
+        reduce: ``"mean"`` (average a per-prompt metric over the prompts) or
+            ``"none"`` (keep a trailing ``batch`` axis; needs a per-prompt metric).
+        chunk_size: Rows per forward pass; each cell takes ``batch`` rows (at
+            least one cell per pass). Memory grows with it (the logits alone are
+            ``chunk_size * pos * d_vocab`` floats).
+        reuse_prefix: Compute each pass only from its first patched position on,
+            attending over the unpatched run's cached keys and values of the
+            positions before (one extra forward pass; about twice as fast for
+            ``"each"``). ``False`` recomputes every position, for bridges whose
+            model cannot take a ``DynamicCache``.
+        progress: Show a progress bar over forward passes.
+
+    Returns:
+        A :class:`PatchSweep`: ``values`` ``[layer, pos]`` (``[layer]`` for a single
+        selection) and the tidy ``frame``.
+
+    Raises:
+        PatchingError: Bad site, layers, positions, tokens, source, target,
+            direction, ``reduce`` or ``chunk_size`` (before any forward pass), or a
+            metric returning another shape than ``[batch]`` or a scalar.
+    """
+    if site == "z":
+        raise PatchingError(
+            "resid_patch_sweep sweeps per-position sites; sweep attention heads with "
+            "head_patch_sweep(models, tokens, metric, ...)."
+        )
+    return _sweep(
+        models, tokens, metric, site, layers, positions, None, source, target, direction,
+        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress,
+    )  # fmt: skip
+
+
+def head_patch_sweep(
+    models: ModelSet,
+    tokens: Int[torch.Tensor, "batch pos"],
+    metric: Metric,
+    layers: LayerSpec = "all",
+    heads: int | Sequence[int] | None = None,
+    positions: SweepPositions = "all",
+    *,
+    source: int = 1,
+    target: int = 0,
+    direction: str = "sufficiency",
+    patch_tokens: Int[torch.Tensor, "batch pos"] | None = None,
+    attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    reduce: str = "mean",
+    chunk_size: int = 64,
+    reuse_prefix: bool = True,
+    progress: bool = True,
+) -> PatchSweep:
+    """Patch each attention head's output (``z``) alone, per layer, batched.
+
+    With ``positions="all"`` (the default) every head is patched at every
+    position: ``values`` is ``[layer, head]`` and equals TransformerLens's
+    ``get_act_patch_attn_head_out_all_pos``. With ``positions="each"`` the
+    head is patched one position at a time: ``[layer, pos, head]``, equal to
+    ``get_act_patch_attn_head_out_by_pos``.
+
+    Args:
+        models: The aligned checkpoints.
+        tokens: ``[batch, pos]`` prompts.
+        metric: Logits of one cell to ``[batch]`` values or a scalar.
+        layers: The layers to sweep.
+        heads: The heads to sweep (default every head, ``0..n_heads-1``; query
+            heads on grouped-query models).
+        positions: A single selection (``"all"``, ``"last"``, a boolean tensor...)
+            patched for every head, or a position axis as in
+            :func:`resid_patch_sweep` (``"each"``, indices, labelled selections).
+        source, target, direction, patch_tokens, attention_mask, reduce, chunk_size,
+        reuse_prefix, progress: As in :func:`resid_patch_sweep`.
+
+    Returns:
+        A :class:`PatchSweep` with ``values`` ``[layer, head]`` or ``[layer, pos, head]``.
+
+    Raises:
+        PatchingError: As :func:`resid_patch_sweep`, and a head index out of range.
+    """
+    all_heads = range(int(models.base.cfg.n_heads)) if heads is None else heads
+    head_list = _heads(all_heads, "z", models)
+    return _sweep(
+        models, tokens, metric, "z", layers, positions, head_list, source, target, direction,
+        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress,
+    )  # fmt: skip
+
+
+# -------------------------------------------------------------------- the engine
+
+
+# Per layer: row, position and head (or None) of every patched entry, and the
+# prompt (row of the activations patched in) each one takes its value from.
+_Entries = dict[int, tuple[torch.Tensor, torch.Tensor, Union[torch.Tensor, None], torch.Tensor]]
+
+
+class _Prefix(NamedTuple):
+    """The unpatched run: its logits and the keys and values of every position."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+
+
+class _Setup:
+    """Validated arguments of one patch or sweep, and the runs they need."""
+
+    def __init__(
+        self,
+        models: ModelSet,
+        tokens: torch.Tensor,
+        site: str,
+        source: int,
+        target: int,
+        direction: str,
+        attention_mask: torch.Tensor | None,
+        patch_tokens: torch.Tensor | None,
+    ) -> None:
+        if not isinstance(models, ModelSet):
+            raise PatchingError(
+                f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+                "grafting_lens.load_models(base, donor, ...)."
+            )
+        self.models = models
+        self.site = _check_site(site, models)
+        self.direction = _check_direction(direction)
+        for name, index in (("source", source), ("target", target)):
+            if not isinstance(index, int) or not 0 <= index < len(models):
+                raise PatchingError(
+                    f"{name}={index!r}, but the model set has {len(models)} sources "
+                    f"(0..{len(models) - 1})."
+                )
+        if source == target and patch_tokens is None:
+            raise PatchingError(
+                f"source and target are both {source}: patching a run with its own activations "
+                "changes nothing. Pick two checkpoints, or pass patch_tokens to patch in the "
+                "same checkpoint's activations on other tokens."
+            )
+        runs, gives = (target, source) if self.direction == "sufficiency" else (source, target)
+        self.run_model, self.donor_model = models[runs], models[gives]
+        self.shape = _check_tokens(models, tokens, "tokens")
+        if patch_tokens is not None:
+            patch_shape = _check_tokens(models, patch_tokens, "patch_tokens")
+            if patch_shape != self.shape:
+                raise PatchingError(
+                    f"patch_tokens have shape {list(patch_shape)}, tokens have "
+                    f"{list(self.shape)}: the patched-in activations must line up position "
+                    "by position with the run they are patched into."
+                )
+        self.cpu_attention_mask = None
+        if attention_mask is not None:
+            try:
+                row_lengths(self.shape, attention_mask.cpu())
+            except GraftMaskError as error:
+                raise PatchingError(str(error)) from error
+            self.cpu_attention_mask = attention_mask.cpu()
+        device = models.device
+        self.tokens = tokens.to(device)
+        self.patch_tokens = self.tokens if patch_tokens is None else patch_tokens.to(device)
+        self.attention_mask = None if attention_mask is None else attention_mask.to(device)
+        self.n_heads = int(models.base.cfg.n_heads)
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        hooks = self.run_model.hook_dict
+        for layer in layers:
+            if _HOOKS[self.site].format(layer=layer) not in hooks:
+                raise PatchingError(
+                    f"Layer {layer} of {self.models.architecture} has no {self.site!r} site."
+                )
+
+    def donor_activations(self, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The activations to patch in, from one forward pass of the donor run."""
+        wanted = {_HOOKS[self.site].format(layer=layer): layer for layer in layers}
+        if self.site == "resid_mid":
+            for layer in layers:
+                wanted[_HOOKS["resid_pre"].format(layer=layer)] = layer
+                wanted[_HOOKS["attn_out"].format(layer=layer)] = layer
+        stored: dict[str, torch.Tensor] = {}
+
+        def store(name: str) -> Callable:
+            # Keyed by the name asked for: the bridge reports aliases by their target.
+            def hook(activation, hook):
+                stored[name] = activation.detach()
+
+            return hook
+
+        self.donor_model.run_with_hooks(
+            self.patch_tokens,
+            attention_mask=self.attention_mask,
+            return_type=None,
+            fwd_hooks=[(name, store(name)) for name in wanted],
+        )
+        donor = {}
+        for layer in layers:
+            activation = stored[_HOOKS[self.site].format(layer=layer)]
+            if self.site == "z":
+                activation = _per_head(activation, self.n_heads)
+            if self.site == "resid_mid":
+                _check_resid_mid(self.models, layer, stored)
+            donor[layer] = activation
+        return donor
+
+    def unpatched_prefix(self) -> _Prefix:
+        """The run model's own logits and keys and values, to resume patched runs from."""
+        cache = DynamicCache()
+        logits = self.run_model(
+            self.tokens,
+            attention_mask=self.attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            return_type="logits",
+        )
+        return _Prefix(logits, cache)
+
+    def run(
+        self,
+        repeats: int,
+        entries: _Entries,
+        donor: dict[int, torch.Tensor],
+        start: int = 0,
+        prefix: _Prefix | None = None,
+    ) -> torch.Tensor:
+        """The patched run's logits, with every entry written in one forward pass.
+
+        The tokens run ``repeats`` times along the batch. With ``start > 0`` only
+        positions ``start..pos-1`` are computed, attending over ``prefix``'s keys and
+        values of the earlier positions: a patch never changes what comes before it,
+        so those are the unpatched run's. Entry positions are absolute.
+        """
+        hooks = []
+        device = self.tokens.device
+        for layer, (rows, pos, heads, prompts) in entries.items():
+            if len(rows) == 0:
+                continue
+            rows, pos, prompts = rows.to(device), pos.to(device), prompts.to(device)
+            if heads is None:
+                index = (rows, pos - start)
+                values = donor[layer][prompts, pos]
+            else:
+                heads = heads.to(device)
+                index = (rows, pos - start, heads)
+                values = donor[layer][prompts, pos, heads]
+            hooks.extend(_site_hooks(self.site, layer, index, values, self.n_heads))
+        tokens = self.tokens.repeat(repeats, 1)
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
+        if start == 0:
+            return self.run_model.run_with_hooks(
+                tokens, attention_mask=mask, return_type="logits", fwd_hooks=hooks
+            )
+        assert prefix is not None
+        past = DynamicCache()
+        for layer, cached in enumerate(prefix.cache.layers):
+            past.update(
+                cached.keys[..., :start, :].repeat(repeats, 1, 1, 1),
+                cached.values[..., :start, :].repeat(repeats, 1, 1, 1),
+                layer,
+            )
+        rest = self.run_model.run_with_hooks(
+            tokens[:, start:],
+            attention_mask=mask,
+            past_key_values=past,
+            use_cache=True,
+            return_type="logits",
+            fwd_hooks=hooks,
+        )
+        return torch.cat([prefix.logits[:, :start].repeat(repeats, 1, 1), rest], dim=1)
+
+
+def _site_hooks(
+    site: str,
+    layer: int,
+    index: tuple[torch.Tensor, ...],
+    values: torch.Tensor,
+    n_heads: int,
+) -> list[tuple[str, Callable]]:
+    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place)."""
+    if site == "resid_mid":
+        # The bridge's hook_resid_mid is ln2's input, not the residual that is added
+        # to the MLP output; writing attn_out = patched - resid_pre puts the patched
+        # vector in both places.
+        captured: dict[str, torch.Tensor] = {}
+
+        def capture(activation, hook):
+            captured["resid_pre"] = activation
+            return activation
+
+        def write_attention(activation, hook):
+            update = values.to(activation.dtype) - captured["resid_pre"][index]
+            return activation.index_put(index, update)
+
+        return [
+            (_HOOKS["resid_pre"].format(layer=layer), capture),
+            (_HOOKS["attn_out"].format(layer=layer), write_attention),
+        ]
+
+    def write(activation, hook):
+        shaped = _per_head(activation, n_heads) if site == "z" else activation
+        patched = shaped.index_put(index, values.to(activation.dtype))
+        return patched.reshape(activation.shape)
+
+    return [(_HOOKS[site].format(layer=layer), write)]
+
+
+@torch.no_grad()
+def _sweep(
+    models: ModelSet,
+    tokens: torch.Tensor,
+    metric: Metric,
+    site: str,
+    layers: LayerSpec,
+    positions: SweepPositions,
+    head_list: list[int] | None,
+    source: int,
+    target: int,
+    direction: str,
+    patch_tokens: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    reduce: str,
+    chunk_size: int,
+    reuse_prefix: bool,
+    progress: bool,
+) -> PatchSweep:
+    setup = _Setup(models, tokens, site, source, target, direction, attention_mask, patch_tokens)
+    if site not in LAYER_POSITION_SITES and head_list is None:
+        raise PatchingError(f"Site {site!r} is not a per-position site.")
+    if reduce not in ("mean", "none"):
+        raise PatchingError(f"reduce must be 'mean' or 'none', got {reduce!r}.")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise PatchingError(f"chunk_size must be a positive number of rows, got {chunk_size!r}.")
+    if not callable(metric):
+        raise PatchingError(
+            f"metric must be a function of the logits, got {type(metric).__name__}."
+        )
+    layer_list = _layers(layers, models.n_layers)
+    setup.check_layers(layer_list)
+    position_labels, selections = _position_axis(positions, setup.shape, setup.cpu_attention_mask)
+
+    axes: list[tuple[str, list]] = [("layer", list(layer_list))]
+    if position_labels is not None:
+        axes.append(("pos", position_labels))
+    if head_list is not None:
+        axes.append(("head", head_list))
+    cells = list(
+        itertools.product(
+            layer_list,
+            range(len(selections)),
+            [None] if head_list is None else head_list,
+        )
+    )
+
+    donor = setup.donor_activations(layer_list)
+    batch, length = setup.shape
+    # Where each position cell's first patch is; positions before it need no compute.
+    first = [_first_position(selection, length) for selection in selections]
+    prefix = None
+    order = list(range(len(cells)))
+    if reuse_prefix and max(first) > 0:
+        prefix = setup.unpatched_prefix()
+        order.sort(key=lambda cell: first[cells[cell][1]])  # alike cells share a pass
+    per_chunk = max(1, chunk_size // batch)
+    chunks = [order[begin : begin + per_chunk] for begin in range(0, len(order), per_chunk)]
+    nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
+    results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
+    for chunk in tqdm(chunks, desc=f"{site} sweep", disable=not progress or len(chunks) <= 1):
+        grouped: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        for slot, cell in enumerate(chunk):
+            layer, position, head = cells[cell]
+            prompts, pos = nonzero[position]
+            heads = None if head is None else torch.full_like(pos, head)
+            grouped.setdefault(layer, []).append((prompts + slot * batch, pos, heads, prompts))
+        entries: _Entries = {
+            layer: (
+                torch.cat([part[0] for part in parts]),
+                torch.cat([part[1] for part in parts]),
+                None if parts[0][2] is None else torch.cat([part[2] for part in parts]),
+                torch.cat([part[3] for part in parts]),
+            )
+            for layer, parts in grouped.items()
+        }
+        start = 0 if prefix is None else min(first[cells[cell][1]] for cell in chunk)
+        logits = setup.run(len(chunk), entries, donor, start, prefix)
+        for slot, cell in enumerate(chunk):
+            cell_logits = logits[slot * batch : (slot + 1) * batch]
+            results[cell] = _evaluate(metric, cell_logits, batch, reduce)
+
+    shape = [len(values) for _, values in axes]
+    values = torch.stack(results).float().cpu()
+    values = values.reshape(*shape, batch) if reduce == "none" else values.reshape(shape)
+    return PatchSweep(values, _frame(axes, values, setup, reduce, batch))
+
+
+# ------------------------------------------------------------------- validation
+
+
+def _check_site(site: object, models: ModelSet) -> str:
+    if site not in SITES:
+        raise PatchingError(
+            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} "
+            f"Sites: {', '.join(SITES)}."
+        )
+    available = available_sites(models)
+    if site not in available:
+        why = ""
+        if site == "resid_mid" and getattr(models.base.cfg, "parallel_attn_mlp", False):
+            why = (
+                " (its blocks run attention and the MLP in parallel on the same residual, so "
+                "there is no residual between them)"
+            )
+        raise PatchingError(
+            f"{models.architecture} has no {site!r} site{why}. Its sites are: "
+            f"{', '.join(available)}."
+        )
+    return str(site)
+
+
+def _check_direction(direction: object) -> str:
+    if direction not in DIRECTIONS:
+        raise PatchingError(
+            f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
+            "'sufficiency' (run the target, patch in the source's activations; 'denoising') "
+            "or 'necessity' (run the source, patch in the target's; 'noising')."
+        )
+    return DIRECTIONS[str(direction)]
+
+
+def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int]:
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        got = (
+            f"shape {list(tokens.shape)}" if isinstance(tokens, torch.Tensor)
+            else type(tokens).__name__
+        )  # fmt: skip
+        raise PatchingError(
+            f"{name} must be a [batch, pos] tensor of token ids (models.base.to_tokens(...) or "
+            f"the tokenizer), got {got}."
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise PatchingError(f"{name} must hold integer token ids, got {tokens.dtype}.")
+    vocab = int(models.base.cfg.d_vocab)
+    if tokens.numel() == 0:
+        raise PatchingError(f"{name} is empty (shape {list(tokens.shape)}).")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+        raise PatchingError(
+            f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
+            f"{int(tokens.min())}..{int(tokens.max())}."
+        )
+    return (int(tokens.shape[0]), int(tokens.shape[1]))
+
+
+def _layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
+    try:
+        return resolve_layers(spec, n_layers)
+    except GraftMaskError as error:
+        raise PatchingError(str(error)) from error
+
+
+def _positions(
+    spec: PositionSpec, shape: tuple[int, int], attention_mask: torch.Tensor | None
+) -> Bool[torch.Tensor, "batch pos"]:
+    try:
+        return resolve_positions(spec, shape, attention_mask)
+    except GraftMaskError as error:
+        raise PatchingError(str(error)) from error
+
+
+def _heads(
+    heads: int | Sequence[int] | None, site: str, models: ModelSet
+) -> list[int] | None:
+    if heads is None:
+        return None if site != "z" else list(range(int(models.base.cfg.n_heads)))
+    if site != "z":
+        raise PatchingError(
+            f"heads applies to the per-head site 'z' only, not {site!r}; drop heads=... or "
+            "use site='z'."
+        )
+    n_heads = int(models.base.cfg.n_heads)
+    head_list = [heads] if isinstance(heads, int) else list(heads)
+    if not head_list:
+        raise PatchingError("heads selects no head.")
+    for head in head_list:
+        if not isinstance(head, int) or isinstance(head, bool):
+            raise PatchingError(f"Head indices must be ints, got {head!r}.")
+        if not 0 <= head < n_heads:
+            raise PatchingError(
+                f"Head {head} is out of range: {models.architecture} has {n_heads} heads per "
+                f"layer (0..{n_heads - 1})."
+            )
+    if len(set(head_list)) != len(head_list):
+        raise PatchingError(f"heads lists a head twice: {head_list}.")
+    return head_list
+
+
+def _position_axis(
+    spec: SweepPositions, shape: tuple[int, int], attention_mask: torch.Tensor | None
+) -> tuple[list | None, list[torch.Tensor]]:
+    """Labels and ``[batch, pos]`` selections of a sweep's position cells.
+
+    Returns ``(None, [selection])`` for a single selection (no position axis).
+    """
+    batch, length = shape
+    if isinstance(spec, str) and spec == "each":
+        lengths = row_lengths(shape, attention_mask)
+        selections = []
+        for index in range(length):
+            selection = torch.zeros(shape, dtype=torch.bool)
+            selection[:, index] = lengths > index  # shorter rows stay unpatched
+            selections.append(selection)
+        return list(range(length)), selections
+    if isinstance(spec, Mapping):
+        if not spec:
+            raise PatchingError("The mapping of position selections is empty.")
+        labels = list(spec)
+        return labels, [_positions(spec[label], shape, attention_mask) for label in labels]
+    if isinstance(spec, torch.Tensor) and spec.dim() == 1 and not spec.is_floating_point():
+        spec = spec.tolist()
+    if isinstance(spec, range):
+        spec = list(spec)
+    if isinstance(spec, (list, tuple)) and spec and all(
+        isinstance(index, int) and not isinstance(index, bool) for index in spec
+    ):
+        return list(spec), [_positions(index, shape, attention_mask) for index in spec]
+    return None, [_positions(spec, shape, attention_mask)]
+
+
+def _first_position(selection: Bool[torch.Tensor, "batch pos"], length: int) -> int:
+    """The first position a selection patches in any row (the last one if it patches none)."""
+    columns = selection.any(dim=0).nonzero()
+    return int(columns[0]) if len(columns) else length - 1
+
+
+def _per_head(activation: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``hook_z`` as ``[batch, pos, head, d_head]``, whether the bridge gives it flat or split."""
+    if activation.dim() == 4:
+        return activation
+    if activation.dim() == 3 and activation.shape[-1] % n_heads == 0:
+        return activation.reshape(*activation.shape[:2], n_heads, -1)
+    raise PatchingError(
+        f"hook_z has shape {list(activation.shape)}; expected [batch, pos, {n_heads} heads, "
+        "d_head] or [batch, pos, n_heads * d_head]."
+    )
+
+
+def _check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor]) -> None:
+    """Refuse blocks whose mid residual is not resid_pre + attn_out (scaled residuals)."""
+    pre = stored[_HOOKS["resid_pre"].format(layer=layer)]
+    attention = stored[_HOOKS["attn_out"].format(layer=layer)]
+    mid = stored[_HOOKS["resid_mid"].format(layer=layer)]
+    scale = float(mid.abs().max()) + 1e-6
+    if float((pre + attention - mid).abs().max()) > 1e-4 * scale:
+        raise PatchingError(
+            f"In {models.architecture}, blocks.{layer}.hook_resid_mid is not hook_resid_pre + "
+            "hook_attn_out (the block scales or normalises attention before adding it), so the "
+            "residual between attention and MLP cannot be patched. Patch 'attn_out' or "
+            "'resid_pre' instead."
+        )
+
+
+def _evaluate(metric: Metric, logits: torch.Tensor, batch: int, reduce: str) -> torch.Tensor:
+    """One cell's value: the per-prompt values (``reduce="none"``) or their mean."""
+    value = metric(logits)
+    value = torch.as_tensor(value).detach()
+    if value.dim() == 1 and value.shape[0] == batch:
+        return value.float() if reduce == "none" else value.float().mean()
+    if value.dim() == 0:
+        if reduce == "none":
+            if batch == 1:
+                return value.float().reshape(1)
+            raise PatchingError(
+                "reduce='none' keeps one value per prompt, but the metric returned a scalar. "
+                f"Return a [batch] tensor ({batch} values), or use reduce='mean'."
+            )
+        return value.float()
+    raise PatchingError(
+        f"The metric returned shape {list(value.shape)}; it must return one value per prompt "
+        f"([{batch}]) or a single scalar, from logits of shape {list(logits.shape)}."
+    )
+
+
+def _frame(
+    axes: list[tuple[str, list]],
+    values: torch.Tensor,
+    setup: _Setup,
+    reduce: str,
+    batch: int,
+) -> pd.DataFrame:
+    names = [name for name, _ in axes]
+    labels = [labels for _, labels in axes]
+    if reduce == "none":
+        names.append("example")
+        labels.append(list(range(batch)))
+    frame = pd.DataFrame(list(itertools.product(*labels)), columns=names)
+    frame.insert(0, "direction", setup.direction)
+    frame.insert(0, "site", setup.site)
+    frame["value"] = values.flatten().numpy()
+    return frame
