@@ -13,7 +13,7 @@ Factual Knowledge in Transformers", ICLR 2026).
     >>> logits = gl.graft_forward(models, tokens, mask)
 """
 
-from grafting_lens import positions
+from grafting_lens import data, metrics, patching, plots, positions
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -30,29 +30,47 @@ from grafting_lens.errors import (
 )
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.masks import LAYER_FRACTIONS, GraftMask, resolve_layers
+from grafting_lens.metrics import bootstrap_ci, summarize
 from grafting_lens.models import ModelSet, load_models
+from grafting_lens.patching import PatchingError, head_patch_sweep, patch_forward, resid_patch_sweep
+from grafting_lens.plots import plot_accuracy, save_figure
+from grafting_lens.position_grafting import POSITION_CONFIGS, run_position_grafting
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "COMPONENTS",
     "COMPONENT_GROUPS",
+    "COMPONENTS",
     "GLOBAL_COMPONENTS",
     "LAYER_COMPONENTS",
     "LAYER_FRACTIONS",
+    "POSITION_CONFIGS",
     "AlignmentError",
+    "bootstrap_ci",
     "ComponentError",
-    "GraftMask",
-    "GraftMaskError",
-    "GraftingError",
-    "GraftingLensError",
-    "ModelSet",
+    "data",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
     "grafting",
+    "GraftingError",
+    "GraftingLensError",
+    "GraftMask",
+    "GraftMaskError",
+    "head_patch_sweep",
     "load_models",
+    "metrics",
+    "ModelSet",
+    "patch_forward",
+    "patching",
+    "PatchingError",
+    "plot_accuracy",
+    "plots",
     "positions",
     "register_component_paths",
+    "resid_patch_sweep",
     "resolve_layers",
+    "run_position_grafting",
+    "save_figure",
+    "summarize",
 ]
