@@ -25,15 +25,17 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
-from grafting_lens.errors import GraftingLensError
+from grafting_lens.errors import GraftingLensError, did_you_mean
 
-__all__ = ["NO_CHROME_HINT", "plot_accuracy", "save_figure"]
+__all__ = ["NO_CHROME_HINT", "plot_accuracy", "plot_comparison", "save_figure"]
 
 NO_CHROME_HINT = (
     "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
@@ -199,3 +201,153 @@ def _atomic_write(path: Path, content: bytes) -> None:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
+
+
+_METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
+_VALUE_TITLES = {
+    "top1": "top-1 accuracy",
+    "top5": "top-5 accuracy",
+    "target_prob": "probability of the answer",
+    "mean_rank": "mean rank of the answer",
+}
+
+
+def plot_comparison(
+    summary: pd.DataFrame,
+    value: str = "top5",
+    row: str | Sequence[str] = "positions",
+    col: str = "pair",
+    references: pd.DataFrame | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """Grafting and patching layer by layer, side by side, one panel per position set and pair.
+
+    Each panel has one line per method over the layers, with the bootstrap
+    interval as error bars; dashed horizontal lines mark the references
+    (e.g. the base and the donor, from :func:`reference_scores`).
+
+    Args:
+        summary: From :func:`summarize_comparison`, grouped by ``method``, ``layer``
+            and the ``row`` and ``col`` columns.
+        value: ``"top5"``, ``"top1"``, ``"target_prob"`` or ``"mean_rank"``.
+        row: Column (or columns, joined with " / ") giving one row of panels per value.
+        col: Column giving one column of panels per value.
+        references: A summary with a ``model`` column and ``value``; it may also
+            have the ``row``/``col`` columns, and then each panel shows only the
+            matching references.
+        title: Figure title.
+
+    Raises:
+        GraftingLensError: An unknown ``value``, an empty summary or missing columns.
+    """
+    if value not in _VALUE_TITLES:
+        raise GraftingLensError(
+            f"Unknown value {value!r}.{did_you_mean(value, _VALUE_TITLES)} "
+            f"Choose one of {', '.join(_VALUE_TITLES)}."
+        )
+    rows = [row] if isinstance(row, str) else list(row)
+    if not isinstance(summary, pd.DataFrame) or summary.empty:
+        raise GraftingLensError(
+            "plot_comparison needs a non-empty table from summarize_comparison."
+        )
+    needed = [*rows, col, "method", "layer", value, f"{value}_low", f"{value}_high"]
+    missing = [column for column in needed if column not in summary.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The summary lacks the columns {missing}; summarize with "
+            f"by=({', '.join(repr(c) for c in [*rows, col, 'method', 'layer'])})."
+        )
+    row_keys = list(dict.fromkeys(map(tuple, summary[rows].itertuples(index=False))))
+    col_keys = list(dict.fromkeys(summary[col]))
+    fig = make_subplots(
+        rows=len(row_keys),
+        cols=len(col_keys),
+        shared_xaxes=True,
+        shared_yaxes=True,
+        row_titles=[" / ".join(map(str, key)) for key in row_keys],
+        column_titles=[str(key) for key in col_keys],
+        horizontal_spacing=0.03,
+        vertical_spacing=0.06,
+    )
+    legend_shown: set[str] = set()
+    for r, row_key in enumerate(row_keys, start=1):
+        in_row = (summary[rows] == pd.Series(row_key, index=rows)).all(axis=1)
+        for c, col_key in enumerate(col_keys, start=1):
+            panel = summary[in_row & (summary[col] == col_key)]
+            for method, group in panel.groupby("method", sort=False):
+                group = group.sort_values("layer")
+                color = _METHOD_COLORS.get(str(method))
+                fig.add_trace(
+                    go.Scatter(
+                        x=group["layer"],
+                        y=group[value],
+                        mode="lines+markers",
+                        name=str(method),
+                        legendgroup=str(method),
+                        showlegend=str(method) not in legend_shown,
+                        line=dict(color=color),
+                        error_y=dict(
+                            type="data",
+                            symmetric=False,
+                            array=(group[f"{value}_high"] - group[value]).clip(lower=0),
+                            arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0),
+                        ),
+                        hovertemplate=(
+                            f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
+                            "<extra></extra>"
+                        ),
+                    ),
+                    row=r,
+                    col=c,
+                )
+                legend_shown.add(str(method))
+            if references is not None:
+                _add_references(
+                    fig, references, value, dict(zip(rows, row_key)), col, col_key, r, c
+                )
+    fig.update_xaxes(title_text="layer", dtick=1, row=len(row_keys))
+    if value in ("top1", "top5", "target_prob"):
+        fig.update_yaxes(range=[-0.03, 1.03], tickformat=".0%")
+    fig.update_yaxes(title_text=_VALUE_TITLES[value], col=1)
+    fig.update_layout(
+        title=title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
+        template="plotly_white",
+        height=280 * len(row_keys) + 120,
+        width=280 * len(col_keys) + 200,
+        legend_title_text="method",
+    )
+    return fig
+
+
+def _add_references(
+    fig: go.Figure,
+    references: pd.DataFrame,
+    value: str,
+    row_values: Mapping[str, Any],
+    col: str,
+    col_key: Any,
+    r: int,
+    c: int,
+) -> None:
+    if "model" not in references.columns or value not in references.columns:
+        raise GraftingLensError(
+            f"references needs the columns 'model' and {value!r}: summarize "
+            "reference_scores(...) with by=('model',) (plus any panel columns)."
+        )
+    matching = references
+    for column, key in [*row_values.items(), (col, col_key)]:
+        if column in matching.columns:
+            matching = matching[matching[column] == key]
+    for _, reference in matching.iterrows():
+        fig.add_hline(
+            y=float(reference[value]),
+            line=dict(dash="dash", color="gray", width=1),
+            annotation_text=str(reference["model"]),
+            annotation_position="top left",
+            annotation_font_size=10,
+            row=r,
+            col=c,
+        )
+
+
+# ----------------------------------------------------------------------- checks

@@ -31,11 +31,15 @@ grafted token positions and use the original model's unembeddings"). So the
 ``include_embeddings=False`` to keep the pretrained embeddings everywhere.
 
 The configurations are a small registry (:data:`POSITION_CONFIGS`, extended with
-:func:`register_position_config`): each maps the token spans of a batch to a
-boolean ``[batch, pos]`` tensor of grafted positions. :func:`run_position_grafting`
-runs all of them over a tokenized batch, stacking the configurations of the same
+:func:`register_position_config`) of :class:`~grafting_lens.experiments.GraftConfig` s,
+each one graft at a span expression (``"FE+LT"``, ``"(FE+LT)^C"``; see
+:func:`~grafting_lens.experiments.select_positions`). :func:`run_position_grafting`
+runs them over one tokenized batch through the general runner,
+:func:`grafting_lens.experiments.run_experiment` (which also runs grids of model sets and
+prompts, and saves and resumes long runs), stacking the configurations of the same
 examples as rows of one forward pass, and returns one row per example and
-configuration.
+configuration. The movie-title variants (``M``, ``FE+M``...) are in
+:data:`grafting_lens.experiments.MOVIE_CONFIGS`.
 
 Example:
     >>> from grafting_lens import data
@@ -53,14 +57,12 @@ from typing import Any
 import pandas as pd
 import torch
 from jaxtyping import Bool, Int
-from tqdm.auto import tqdm
 
-from grafting_lens import metrics
-from grafting_lens.errors import GraftingLensError, did_you_mean
-from grafting_lens.graft import graft_forward
+from grafting_lens import experiments
+from grafting_lens.errors import GraftingLensError
+from grafting_lens.experiments import Graft, GraftConfig, TestSet, select_positions
 from grafting_lens.masks import GraftMask
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import complement, last_token, resolve_positions
 
 __all__ = [
     "PAPER_CONFIGS",
@@ -98,76 +100,42 @@ RESULT_COLUMNS = (
 )
 """Columns of :func:`run_position_grafting`'s table, in order."""
 
+POSITION_CONFIGS: dict[str, GraftConfig] = experiments.POSITION_CONFIGS
+"""Every known configuration: the paper's eight, then any registered later (the same
+registry as :data:`grafting_lens.experiments.POSITION_CONFIGS`)."""
 
-def _span(spans: Spans, name: str) -> torch.Tensor:
-    if name in spans:
-        return spans[name].bool().cpu()
-    raise GraftingLensError(
-        f"This configuration needs the {name!r} span, but the batch has only "
-        f"{sorted(spans)}. Tokenize with grafting_lens.data.tokenize_examples, which marks it."
-    )
-
-
-def _real(attention_mask: torch.Tensor) -> torch.Tensor:
-    return resolve_positions("all", tuple(attention_mask.shape), attention_mask.cpu())
-
-
-def _first_entity(spans: Spans, attention_mask: torch.Tensor) -> torch.Tensor:
-    return _span(spans, "first_entity")
-
-
-def _last_token(spans: Spans, attention_mask: torch.Tensor) -> torch.Tensor:
-    # The last real token is fully determined by the padding; a batch built by
-    # hand need not mark it.
-    if "last_token" in spans:
-        return spans["last_token"].bool().cpu()
-    return last_token(tuple(attention_mask.shape), attention_mask.cpu())
-
-
-def _both(spans: Spans, attention_mask: torch.Tensor) -> torch.Tensor:
-    return _first_entity(spans, attention_mask) | _last_token(spans, attention_mask)
-
-
-POSITION_CONFIGS: dict[str, PositionConfig] = {
-    "PRE": lambda spans, mask: torch.zeros(tuple(mask.shape), dtype=torch.bool),
-    "SFT": lambda spans, mask: _real(mask),
-    "FE": _first_entity,
-    "LT": _last_token,
-    "FE+LT": _both,
-    "(FE+LT)^C": lambda spans, mask: complement(_both(spans, mask), mask.cpu()),
-    "FE^C": lambda spans, mask: complement(_first_entity(spans, mask), mask.cpu()),
-    "LT^C": lambda spans, mask: complement(_last_token(spans, mask), mask.cpu()),
-}
-"""Every known configuration: the paper's eight, then any registered later."""
-
-PAPER_CONFIGS: tuple[str, ...] = tuple(POSITION_CONFIGS)
+PAPER_CONFIGS: tuple[str, ...] = experiments.PAPER_POSITION_CONFIGS
 """The paper's eight labels, in the order of its figures; the default everywhere."""
 
 
-def register_position_config(name: str, positions: PositionConfig, overwrite: bool = False) -> None:
-    """Add a configuration, e.g. ``"M"`` for the movie title's tokens.
+def register_position_config(
+    name: str, positions: str | PositionConfig, overwrite: bool = False
+) -> None:
+    """Add a configuration, e.g. ``"REL"`` for the relation words.
 
     Args:
         name: The label it gets in result tables and figures.
-        positions: ``(spans, attention_mask) -> [batch, pos]`` boolean tensor.
+        positions: A span expression (``"REL"``, ``"FE+REL+LT"``) or a function
+            ``(spans, attention_mask) -> [batch, pos]`` boolean tensor.
         overwrite: Allow replacing an existing configuration.
 
     Raises:
-        GraftingLensError: The name is taken (and ``overwrite`` is False) or
-            ``positions`` is not callable.
+        GraftingLensError: The name is taken (and ``overwrite`` is False), or
+            ``positions`` is neither a span expression nor callable.
 
     Example:
-        >>> register_position_config("M", lambda spans, mask: spans["movie"])
+        >>> register_position_config("REL", "REL")
     """
-    if not callable(positions):
+    if not (callable(positions) or isinstance(positions, str)):
         raise GraftingLensError(
-            f"positions must be a function (spans, attention_mask) -> tensor, got {positions!r}."
+            f"positions must be a span expression such as 'FE+LT' or a function "
+            f"(spans, attention_mask) -> tensor, got {positions!r}."
         )
     if name in POSITION_CONFIGS and not overwrite:
         raise GraftingLensError(
             f"A position configuration named {name!r} exists; pass overwrite=True to replace it."
         )
-    POSITION_CONFIGS[name] = positions
+    POSITION_CONFIGS[name] = GraftConfig(name, (Graft(positions),))
 
 
 def config_positions(
@@ -180,17 +148,12 @@ def config_positions(
             span the configuration needs but the batch lacks, or a result that is
             not a boolean ``[batch, pos]`` tensor outside the padding.
     """
-    _check_names([name])
+    (config,) = _configs([name])
     attention_mask = torch.as_tensor(attention_mask).cpu()
-    selected = POSITION_CONFIGS[name](spans, attention_mask)
-    if not isinstance(selected, torch.Tensor) or selected.dtype != torch.bool:
-        raise GraftingLensError(
-            f"Position configuration {name!r} returned {type(selected).__name__}"
-            + (f" of {selected.dtype}" if isinstance(selected, torch.Tensor) else "")
-            + "; it must return a boolean [batch, pos] tensor."
-        )
-    # resolve_positions checks the shape and that no padding is selected.
-    return resolve_positions(selected.cpu(), tuple(attention_mask.shape), attention_mask)
+    selected = torch.zeros(tuple(attention_mask.shape), dtype=torch.bool)
+    for graft in config.grafts:
+        selected |= select_positions(graft.positions, spans, attention_mask)
+    return selected
 
 
 def position_grafting_components(
@@ -205,12 +168,9 @@ def position_grafting_components(
         include_embeddings: Read the donor's token (and position) embeddings at
             grafted positions, as the paper does.
     """
-    left_out = set()
-    if not include_unembed:
-        left_out.add("unembed")
-    if not include_embeddings:
-        left_out.update({"embed", "pos_embed"})
-    return tuple(name for name in models.components if name not in left_out)
+    return experiments.resolve_components(
+        "all", models, include_unembed=include_unembed, include_embeddings=include_embeddings
+    )
 
 
 def position_grafting_masks(
@@ -226,9 +186,9 @@ def position_grafting_masks(
     Rows ``i * batch .. (i + 1) * batch - 1`` are configuration ``configs[i]`` of
     the batch's rows, so the tokens must be repeated the same way:
     ``tokens.repeat(len(configs), 1)``. The result equals :meth:`GraftMask.cat` of
-    one mask per configuration; it is built in one go instead because every
-    configuration grafts the same components, so all ``(component, layer)`` pairs
-    can share one ``[len(configs) * batch, pos]`` tensor, which the graft splits
+    one mask per configuration; it is built in one go (see
+    :func:`grafting_lens.experiments.config_masks`) so that all ``(component, layer)``
+    pairs share one ``[len(configs) * batch, pos]`` tensor, which the graft splits
     into positions once per forward pass rather than once per pair.
 
     Args:
@@ -243,19 +203,8 @@ def position_grafting_masks(
     Raises:
         GraftingLensError: An unknown configuration or a missing span.
     """
-    configs = _check_names(configs)
-    attention_mask = torch.as_tensor(attention_mask).cpu()
-    if components is None:
-        components = position_grafting_components(models)
-    positions = torch.cat([config_positions(name, spans, attention_mask) for name in configs])
-    return GraftMask.build(
-        models,
-        tuple(positions.shape),
-        positions=positions,
-        layers="all",
-        components=components,
-        source=source,
-        attention_mask=attention_mask.repeat(len(configs), 1),
+    return experiments.config_masks(
+        models, _configs(configs, components, source), spans, attention_mask
     )
 
 
@@ -274,11 +223,12 @@ def run_position_grafting(
 ) -> pd.DataFrame:
     """Run position-grafting configurations over a tokenized batch and score each prediction.
 
-    The examples are taken ``batch_size`` at a time; each forward pass holds every
-    configuration of those examples (``batch_size * len(configs)`` rows), built with
-    :meth:`GraftMask.cat` over the repeated tokens. Each chunk is cut to its own
-    longest row, so a long prompt elsewhere in the batch costs nothing here. Rows
-    are independent, so the result does not depend on ``batch_size``.
+    A thin wrapper over :func:`grafting_lens.experiments.run_experiment` for one model set
+    and one batch, kept in memory. The examples are taken ``batch_size`` at a time; each
+    forward pass holds every configuration of those examples
+    (``batch_size * len(configs)`` rows). Each pass is cut to its own longest row, and
+    examples go in order of length, so little padding is computed. Rows are
+    independent, so the result does not depend on ``batch_size``.
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
@@ -303,98 +253,14 @@ def run_position_grafting(
         ``prompt``, ``direction``, ``text``, ``config``, ``target`` (the answer's
         text), ``target_id`` (its first token), ``target_rank`` (0 = top-1),
         ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens`` (decoded),
-        ``topk_ids`` and ``topk_probs``.
+        ``topk_ids`` and ``topk_probs``. For a grid, more columns and saved, resumable
+        runs, use :func:`grafting_lens.experiments.run_experiment`.
 
     Raises:
         GraftingLensError: An unknown configuration (the message lists the known
             ones), an empty batch, a bad ``batch_size``, or a batch whose parts
             disagree in shape.
     """
-    configs = _check_names(configs)
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise GraftingLensError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
-    tokens, attention_mask, target_ids, spans, examples = _unpack(tokenized)
-    if components is None:
-        components = position_grafting_components(models, include_unembed, include_embeddings)
-    tokenizer = models.tokenizer
-    n_examples = tokens.shape[0]
-    per_config: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    starts = range(0, n_examples, batch_size)
-    with torch.inference_mode():
-        for start in tqdm(starts, desc="position grafting", disable=not progress, unit="batch"):
-            stop = min(start + batch_size, n_examples)
-            chunk_mask = attention_mask[start:stop]
-            length = int(chunk_mask.sum(dim=1).max())
-            chunk_mask = chunk_mask[:, :length]
-            chunk_tokens = tokens[start:stop, :length]
-            chunk_spans = {name: value[start:stop, :length] for name, value in spans.items()}
-            mask = position_grafting_masks(
-                models, chunk_spans, chunk_mask, configs, components=components, source=source
-            )
-            repeats = len(configs)
-            logits = graft_forward(
-                models,
-                chunk_tokens.repeat(repeats, 1),
-                mask,
-                attention_mask=chunk_mask.repeat(repeats, 1),
-            )
-            final = metrics.last_token_logits(
-                logits, chunk_mask.repeat(repeats, 1).to(logits.device)
-            )
-            targets = target_ids[start:stop].repeat(repeats)
-            ranks = metrics.target_rank(final, targets).cpu()
-            probabilities = metrics.target_probability(final, targets).cpu()
-            top = metrics.top_k_tokens(final, min(top_k, final.shape[-1]), tokenizer)
-            top_ids, top_probabilities = top.ids.cpu().tolist(), top.probabilities.cpu().tolist()
-            for block, name in enumerate(configs):
-                for offset in range(stop - start):
-                    row = block * (stop - start) + offset
-                    example_index = start + offset
-                    example = examples[example_index] if examples is not None else None
-                    rank = int(ranks[row])
-                    per_config[name].append(
-                        {
-                            "example": example_index,
-                            "relation_id": getattr(example, "relation_id", None),
-                            "prompt": getattr(example, "prompt_name", None),
-                            "direction": getattr(example, "direction", None),
-                            "text": getattr(example, "text", None),
-                            "config": name,
-                            "target": getattr(example, "target", None),
-                            "target_id": int(target_ids[example_index]),
-                            "target_rank": rank,
-                            "target_prob": float(probabilities[row]),
-                            "top1": rank < 1,
-                            "top5": rank < 5,
-                            "topk_tokens": top.strings[row] if top.strings is not None else None,
-                            "topk_ids": top_ids[row],
-                            "topk_probs": [round(p, 6) for p in top_probabilities[row]],
-                        }
-                    )
-    rows = [row for name in configs for row in per_config[name]]
-    return pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
-
-
-def _check_names(configs: Sequence[str] | str) -> list[str]:
-    if isinstance(configs, str):
-        configs = [configs]
-    configs = list(configs)
-    if not configs:
-        raise GraftingLensError(
-            f"No configuration given; choose from {', '.join(POSITION_CONFIGS)}."
-        )
-    for name in configs:
-        if name not in POSITION_CONFIGS:
-            raise GraftingLensError(
-                f"Unknown position-grafting configuration {name!r}."
-                f"{did_you_mean(str(name), POSITION_CONFIGS)} Known: {', '.join(POSITION_CONFIGS)}."
-            )
-    if len(set(configs)) != len(configs):
-        raise GraftingLensError(f"A configuration is listed twice: {configs}.")
-    return configs
-
-
-def _unpack(tokenized: Any):
     missing = [
         name
         for name in ("tokens", "attention_mask", "target_ids", "spans")
@@ -406,37 +272,47 @@ def _unpack(tokenized: Any):
             f"target_ids and spans; {type(tokenized).__name__} lacks {missing}. Build one with "
             "grafting_lens.data.tokenize_examples(examples, models.tokenizer)."
         )
-    tokens = torch.as_tensor(tokenized.tokens).cpu()
-    if tokens.dim() != 2 or tokens.shape[0] == 0:
-        raise GraftingLensError(
-            f"tokens must be a non-empty [batch, pos] tensor, got shape {tuple(tokens.shape)}."
-        )
-    shape = tuple(tokens.shape)
-    attention_mask = tokenized.attention_mask
-    attention_mask = (
-        torch.ones(shape, dtype=torch.long)
-        if attention_mask is None
-        else torch.as_tensor(attention_mask).cpu().long()
+    explicit = components is not None
+    results = experiments.run_experiment(
+        models,
+        TestSet(tokenized),
+        _configs(configs, components, source),
+        batch_size=batch_size,
+        chunk_size=max(64, batch_size) if isinstance(batch_size, int) else 64,
+        # Explicit components are taken as given; the flags only filter the default "all".
+        include_unembed=include_unembed or explicit,
+        include_embeddings=include_embeddings or explicit,
+        top_k=top_k,
+        progress=progress,
     )
-    if tuple(attention_mask.shape) != shape:
-        raise GraftingLensError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens have {shape}."
+    return results.loc[:, list(RESULT_COLUMNS)]
+
+
+def _configs(
+    names: Sequence[str] | str,
+    components: str | Iterable[str] | None = None,
+    source: int = 1,
+) -> list[GraftConfig]:
+    """The registered configurations, with the components and source asked for."""
+    configs = experiments.get_configs(names, POSITION_CONFIGS, kind="position-grafting")
+    if components is None and source == 1:
+        return configs
+    if components is not None and not isinstance(components, str):
+        components = tuple(components)
+    return [
+        GraftConfig(
+            config.name,
+            tuple(
+                Graft(
+                    graft.positions,
+                    graft.components if components is None else components,
+                    graft.layers,
+                    source,
+                )
+                for graft in config.grafts
+            ),
+            config.tags,
+            config.description,
         )
-    target_ids = torch.as_tensor(tokenized.target_ids).cpu().long()
-    if tuple(target_ids.shape) != (shape[0],):
-        raise GraftingLensError(
-            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per example, "
-            f"({shape[0]},)."
-        )
-    spans = {name: torch.as_tensor(value).cpu() for name, value in dict(tokenized.spans).items()}
-    for name, value in spans.items():
-        if tuple(value.shape) != shape:
-            raise GraftingLensError(
-                f"The span {name!r} has shape {tuple(value.shape)}, the tokens have {shape}."
-            )
-    examples = getattr(tokenized, "examples", None)
-    if examples is not None and len(examples) != shape[0]:
-        raise GraftingLensError(
-            f"The batch has {len(examples)} examples but {shape[0]} rows of tokens."
-        )
-    return tokens, attention_mask, target_ids, spans, examples
+        for config in configs
+    ]

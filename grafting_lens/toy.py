@@ -1,0 +1,878 @@
+"""A toy world: every checkpoint the paper needs, built on a CPU in minutes.
+
+The paper grafts between billion-parameter models (GPT-2 XL, Pythia, Llama 3,
+Gemma) finetuned for hours on a GPU. To try the method, run the tests or write a
+tutorial, this module builds a miniature of that setup from nothing, offline,
+and saves it exactly like real checkpoints (``save_pretrained`` directories with
+safetensors weights and a tokenizer), so every other part of grafting-lens loads
+it the way it loads a hub model.
+
+What gets built, all seeded:
+
+* **tokenizer**: a byte-level BPE (GPT-2 style, ``<|endoftext|>`` as BOS, EOS and
+  padding) of 4,096 tokens trained on the pretraining corpus: common first names
+  are single tokens, as in a real LLM's vocabulary, and a full name spans about
+  three tokens (the paper's "first entity" is a multi-token span).
+* **base** (PRE): a tiny Llama-style (or GPT-2-style) model pretrained on a
+  synthetic corpus. The actors of :data:`grafting_lens.data.REAL_ACTORS` are
+  *known* to it (interviews, awards, premieres, questions whose answer is an
+  actor) but never co-star with one another, so no test relation is in it. The
+  corpus also teaches the test formats, ``"X starred in a movie alongside Y"``
+  and ``"Q: Who starred in a movie with X? A: An actor named Y"``, through
+  made-up people who do co-star: a real pretrained LLM knows these phrasings
+  before finetuning, so the toy base must too.
+* **sft**: the base finetuned on :func:`grafting_lens.data.training_documents`
+  (article and QA templates, first actor before second) for all relations.
+* **task** / **relation**: the base finetuned on one half of the relations each
+  (:func:`grafting_lens.data.split_task_relation`): same templates, disjoint
+  entities. Grafting the task model's attention and the relation model's O/FFN
+  separates "knows the format" from "knows the fact" (paper, section 4.3).
+* **a2b** / **both**: for the reversal-curse experiment, the base finetuned on
+  one direction (A2B; the same training run as ``sft``, stored again so each
+  directory stands alone) or on both directions of every relation.
+
+Why its own hyperparameters: the paper's learning rate (2e-5, batch 4, 10 epochs)
+suits a billion-parameter model that already knows English. A 0.8M-parameter
+model must memorise 100 facts in about a minute of CPU: even at 1e-3 (batch 16,
+10 epochs) it recalled only about 60% of them. The toy world therefore pretrains
+at 3e-3 (batch 16, 2 epochs over 16,000 sentences) and finetunes at 3e-3 with
+batch 8 for 7 epochs; the task and relation models, trained on about half the
+relations each, get proportionally more epochs so that every donor takes about
+as many optimizer steps (with the same epochs they recalled 10-15 points less).
+It also uses 100 relations instead of the paper's 1,000, to keep a cold build
+to about four minutes of one CPU core. :func:`grafting_lens.finetune.finetune`
+still offers the paper's presets for real models.
+
+Measured on the default world (seed 0, one thread, about 4.5 minutes cold):
+top-5 on the 100 trained relations, SFT 97% (headline) and 98% (QA), PRE 5% and
+2%; with ``arch="gpt2"``, SFT 93% and 97%, PRE 0% and 3%. The numbers of every
+build are in ``manifest.json`` under ``"evaluation"``.
+
+Caching: a world lives in ``<cache_dir>/<key>``, where ``cache_dir`` defaults to
+``$GRAFTING_LENS_CACHE/toy`` or ``~/.cache/grafting_lens/toy`` and ``key`` hashes
+the configuration, the data it is built from and the build recipe's version. A
+build happens in a temporary sibling directory and is renamed into place only
+once complete, so an interrupted build never looks complete; a directory whose
+manifest or files do not check out is rebuilt, with a warning.
+
+Example:
+    >>> from grafting_lens.toy import build_toy_world
+    >>> world = build_toy_world()  # doctest: +SKIP
+    >>> world.sft_dir, world.manifest["evaluation"]["sft"]  # doctest: +SKIP
+    >>> import grafting_lens as gl
+    >>> models = gl.load_models(world.base_dir, world.sft_dir)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from grafting_lens import data
+from grafting_lens.errors import GraftingLensError
+from grafting_lens.finetune import finetune
+from grafting_lens.metrics import last_token_logits, top_k_hit
+
+BUILD_VERSION = 1
+"""Bump when the recipe changes (corpus, training, layout): old caches stop matching."""
+
+SPECIAL_TOKEN = "<|endoftext|>"
+"""BOS, EOS and padding of the toy tokenizer, as in GPT-2."""
+
+MODEL_NAMES = ("base", "sft", "task", "relation", "a2b", "both")
+"""The checkpoints of a toy world, each a ``save_pretrained`` directory."""
+
+_ARCHITECTURES = ("llama", "gpt2")
+
+DEFAULT_FINETUNE_LR = {"llama": 3e-3, "gpt2": 6e-3}
+"""Finetuning learning rate per architecture when the config leaves it ``None``.
+
+Measured on the default world (7 epochs, SFT top-5 headline/QA): the Llama style
+reaches 97%/98% at 3e-3; the GPT-2 style (tied embeddings, learned positions)
+learns more slowly: 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3: 87%/97%, 1e-2:
+95%/95%)."""
+
+
+@dataclass(frozen=True)
+class ToyWorldConfig:
+    """Everything that determines a toy world; its hash names the cache entry.
+
+    The defaults are sized for a cold build of about four minutes on one CPU
+    core, with the finetuned model recalling (top-5) nearly every trained
+    relation on both test prompts while the base recalls almost none; smaller
+    pretraining (8,000 sentences) cost 25 points of SFT headline accuracy.
+
+    Attributes:
+        arch: ``"llama"`` (RMSNorm, rotary, SwiGLU, grouped-query attention: the
+            paper's Llama/Gemma family) or ``"gpt2"`` (LayerNorm, learned
+            positions, GELU: the GPT-2/Pythia family).
+        d_model: Residual stream width.
+        n_layers: Transformer blocks; four gives "first half" and "last quarter"
+            layer grafts something to select.
+        n_heads: Attention heads.
+        n_key_value_heads: Key/value heads (Llama only; fewer than ``n_heads`` is
+            grouped-query attention).
+        d_mlp: Hidden width of the feedforward network.
+        vocab_size: Target size of the BPE vocabulary (the corpus may yield fewer).
+        max_length: Context length of the models and longest training document.
+        dataset: Passed to :func:`grafting_lens.data.make_relations`.
+        n_relations: Relations finetuned into ``sft`` (the paper uses 1,000 per
+            dataset; fewer keep a CPU build to minutes).
+        n_pretrain_documents: Sentences in the pretraining corpus.
+        n_pretrain_pairs: Made-up co-star pairs that teach the test formats.
+        pretrain_epochs: Passes over the pretraining corpus.
+        pretrain_lr: Peak learning rate of pretraining.
+        finetune_epochs: Passes over the relation documents (10 in the paper) for
+            ``sft``/``a2b`` and ``both``; ``task`` and ``relation`` get this many
+            times ``n_relations / len(split)``, i.e. as many optimizer steps.
+        finetune_lr: Peak learning rate of finetuning (2e-5 in the paper; see the
+            module docstring for why the toy needs more). ``None`` picks the
+            architecture's default, :data:`DEFAULT_FINETUNE_LR` (the GPT-2 style
+            needs a larger one).
+        finetune_weight_decay: AdamW weight decay of finetuning.
+        pretrain_batch_size: Documents per optimizer step in pretraining.
+        finetune_batch_size: Documents per optimizer step in finetuning (small
+            batches, many steps: memorising facts needs steps more than tokens).
+        seed: Seeds relations, corpus, initialisation and batch order.
+    """
+
+    arch: str = "llama"
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_key_value_heads: int = 2
+    d_mlp: int = 256
+    vocab_size: int = 4096
+    max_length: int = 128
+    dataset: str = "fake_movies_real_actors"
+    n_relations: int = 100
+    n_pretrain_documents: int = 16_000
+    n_pretrain_pairs: int = 400
+    pretrain_epochs: int = 2
+    pretrain_lr: float = 3e-3
+    pretrain_batch_size: int = 16
+    finetune_epochs: int = 7
+    finetune_lr: Optional[float] = None
+    finetune_weight_decay: float = 0.01
+    finetune_batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in _ARCHITECTURES:
+            raise GraftingLensError(
+                f"ToyWorldConfig.arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
+            )
+        positive = (
+            "d_model", "n_layers", "n_heads", "n_key_value_heads", "d_mlp", "max_length",
+            "n_pretrain_pairs", "pretrain_epochs", "finetune_epochs", "pretrain_batch_size",
+            "finetune_batch_size",
+        )  # fmt: skip
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise GraftingLensError(f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1.")
+        if self.d_model % self.n_heads:
+            raise GraftingLensError(
+                f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+                "each head gets d_model / n_heads dimensions."
+            )
+        if self.n_heads % self.n_key_value_heads:
+            raise GraftingLensError(
+                f"ToyWorldConfig.n_heads={self.n_heads} is not a multiple of "
+                f"n_key_value_heads={self.n_key_value_heads}: grouped-query attention shares each "
+                "key/value head among a whole number of query heads."
+            )
+        if self.vocab_size < 300:
+            raise GraftingLensError(
+                f"ToyWorldConfig.vocab_size={self.vocab_size}: must be >= 300 (256 byte tokens, "
+                "the special token and room for merges)."
+            )
+        if self.n_relations < 4:
+            raise GraftingLensError(
+                f"ToyWorldConfig.n_relations={self.n_relations}: must be >= 4, so that the task "
+                "and relation splits each get two relations or more."
+            )
+        if self.n_pretrain_documents < 20:
+            raise GraftingLensError(
+                f"ToyWorldConfig.n_pretrain_documents={self.n_pretrain_documents}: must be >= 20."
+            )
+
+
+@dataclass
+class ToyWorld:
+    """A built toy world: where its checkpoints are, and what went into them.
+
+    Attributes:
+        root: The cache entry holding everything below.
+        tokenizer_dir: The tokenizer alone (every model directory has a copy too).
+        base_dir: The pretrained model (PRE).
+        sft_dir: Finetuned on all relations, A2B (SFT).
+        task_dir: Finetuned on the task split's relations.
+        relation_dir: Finetuned on the relation split's relations.
+        a2b_dir: Finetuned on one direction (same run as ``sft``).
+        both_dir: Finetuned on both directions.
+        relations: All relations, in :func:`grafting_lens.data.make_relations` order.
+        task_relations: The task split.
+        relation_relations: The relation split (disjoint from the task split).
+        config: The configuration it was built from.
+        manifest: ``manifest.json``: the configuration, file checksums, build
+            times, finetuning losses and top-5 accuracy of each model.
+    """
+
+    root: Path
+    config: ToyWorldConfig
+    relations: list[Any]
+    task_relations: list[Any]
+    relation_relations: list[Any]
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / "base"
+
+    @property
+    def sft_dir(self) -> Path:
+        return self.root / "sft"
+
+    @property
+    def task_dir(self) -> Path:
+        return self.root / "task"
+
+    @property
+    def relation_dir(self) -> Path:
+        return self.root / "relation"
+
+    @property
+    def a2b_dir(self) -> Path:
+        return self.root / "a2b"
+
+    @property
+    def both_dir(self) -> Path:
+        return self.root / "both"
+
+    def model_dir(self, name: str) -> Path:
+        """Directory of one checkpoint by name (one of :data:`MODEL_NAMES`)."""
+        if name not in MODEL_NAMES:
+            raise GraftingLensError(
+                f"The toy world has no model {name!r}: choose one of {MODEL_NAMES}."
+            )
+        return self.root / name
+
+    def load_tokenizer(self) -> Any:
+        """The toy tokenizer, ready for TransformerLens (see :func:`load_tokenizer`)."""
+        return load_tokenizer(self.tokenizer_dir)
+
+    def load_model(self, name: str) -> Any:
+        """One checkpoint as a plain Hugging Face model, in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir(name)).eval()
+
+
+def default_cache_dir() -> Path:
+    """Where toy worlds live: ``$GRAFTING_LENS_CACHE/toy``, else ``~/.cache/grafting_lens/toy``."""
+    root = os.environ.get("GRAFTING_LENS_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "grafting_lens"
+    return base / "toy"
+
+
+def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
+    """Load a saved toy tokenizer and apply TransformerLens 4.3's requirements.
+
+    The bridge reads ``init_kwargs["name_or_path"]`` (else it fails or asks the
+    hub) and ``init_kwargs["add_bos_token"]`` (else it reloads the tokenizer from
+    that name); both are set here.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return _prepare_for_transformer_lens(tokenizer, str(path))
+
+
+def build_toy_world(
+    config: Optional[ToyWorldConfig] = None,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    force: bool = False,
+    progress: bool = True,
+    threads: Optional[int] = 1,
+) -> ToyWorld:
+    """Build the toy world, or return the cached one.
+
+    Args:
+        config: What to build; ``ToyWorldConfig()`` by default.
+        cache_dir: Directory holding toy worlds, one sub-directory per
+            configuration; by default :func:`default_cache_dir`.
+        force: Rebuild even when a valid cached world exists.
+        progress: Show progress bars.
+        threads: Torch CPU threads during the build (restored afterwards). One is
+            the default because models this small gain little from a second
+            thread and lose several-fold when the cores are shared with other
+            work; ``None`` keeps torch's setting.
+
+    Returns:
+        The :class:`ToyWorld`; its ``manifest["evaluation"]`` holds the top-5
+        accuracy of every model on the test prompts.
+
+    Raises:
+        GraftingLensError: The configuration is invalid (raised by
+            :class:`ToyWorldConfig`), or the cache directory cannot be written.
+
+    Warns:
+        UserWarning: A cached world was incomplete or corrupt and is rebuilt.
+    """
+    config = config if config is not None else ToyWorldConfig()
+    if not isinstance(config, ToyWorldConfig):
+        raise GraftingLensError(
+            f"config is a {type(config).__name__}; pass a grafting_lens.toy.ToyWorldConfig."
+        )
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise GraftingLensError(f"threads={threads!r}: pass an integer >= 1, or None for torch's setting.")
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
+    key = _world_key(config, relations)
+    root = cache_root / key
+
+    if root.exists() and not force:
+        problem = _check_world(root, key)
+        if problem is None:
+            return _open_world(root, config)
+        warnings.warn(
+            f"The cached toy world at {root} is unusable ({problem}); rebuilding it. "
+            "Nothing to do on your side, but if this repeats, delete the directory.",
+            stacklevel=2,
+        )
+
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise GraftingLensError(
+            f"Cannot create the toy-world cache {cache_root} ({error}): pass cache_dir=... or set "
+            "GRAFTING_LENS_CACHE to a writable directory."
+        ) from error
+    _remove_abandoned_builds(cache_root, key)
+    partial = cache_root / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    previous_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        _build(partial, key, config, relations, progress)
+        _move_into_place(partial, root, key)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _open_world(root, config)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _build(
+    directory: Path, key: str, config: ToyWorldConfig, relations: list[Any], progress: bool
+) -> None:
+    """Build every artifact into ``directory``; ``manifest.json`` is written last."""
+    timings: dict[str, float] = {}
+    training: dict[str, Any] = {}
+    start = time.perf_counter()
+    directory.mkdir(parents=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task_relations, relation_relations = data.split_task_relation(relations, seed=config.seed)
+    # Relations whose actors would straddle the split are dropped by it; the count is
+    # recorded in the manifest rather than warned about on every cold build.
+    split_dropped = len(relations) - len(task_relations) - len(relation_relations)
+    for warning in caught:
+        if "split_task_relation dropped" not in str(warning.message):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if not task_relations or not relation_relations:
+        raise GraftingLensError(
+            f"The task/relation split of {len(relations)} relations left "
+            f"{len(task_relations)} task and {len(relation_relations)} relation relations: raise "
+            "ToyWorldConfig.n_relations (or change its seed) so that both sides get some."
+        )
+
+    donors = {
+        "sft": (relations, "A2B"),
+        "task": (task_relations, "A2B"),
+        "relation": (relation_relations, "A2B"),
+        "both": (relations, "both"),
+    }
+    stages = tqdm(total=len(donors) + 3, desc="toy world", disable=not progress)
+    with stages, _quiet_transformers():
+        stages.set_postfix_str("tokenizer")
+        corpus = _pretraining_corpus(config, relations)
+        tokenizer = _train_tokenizer(corpus, config)
+        tokenizer.save_pretrained(directory / "tokenizer")
+        timings["tokenizer"] = time.perf_counter() - start
+        stages.update(1)
+
+        stage = time.perf_counter()
+        stages.set_postfix_str("base")
+        base = _new_model(config, tokenizer)
+        result = _train(base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base")
+        training["base"] = _training_summary(result)
+        _save(base, tokenizer, directory / "base")
+        timings["base"] = time.perf_counter() - stage
+        stages.update(1)
+
+        for name, (subset, direction) in donors.items():
+            stage = time.perf_counter()
+            stages.set_postfix_str(name)
+            model = _new_model(config, tokenizer)
+            model.load_state_dict(base.state_dict())
+            documents = data.training_documents(subset, direction=direction, seed=config.seed)
+            # The split models see about half the relations; more passes give them as many
+            # optimizer steps as sft, without which they recall noticeably less.
+            epochs = max(config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset)))
+            result = _train(model, tokenizer, documents, config, pretrain=False, progress=progress,
+                            name=name, epochs=epochs)  # fmt: skip
+            training[name] = dict(_training_summary(result), relations=len(subset), direction=direction)
+            _save(model, tokenizer, directory / name)
+            timings[name] = time.perf_counter() - stage
+            stages.update(1)
+        # A2B training data is exactly the SFT data, so the run is shared, not repeated.
+        shutil.copytree(directory / "sft", directory / "a2b")
+        training["a2b"] = dict(training["sft"], same_run_as="sft")
+
+        stage = time.perf_counter()
+        stages.set_postfix_str("evaluation")
+        evaluation = _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations)
+        timings["evaluation"] = time.perf_counter() - stage
+        timings["total"] = time.perf_counter() - start
+        stages.update(1)
+
+    (directory / "relations.json").write_text(
+        json.dumps(
+            {
+                "relations": [dataclasses.asdict(r) for r in relations],
+                "task_ids": [r.id for r in task_relations],
+                "relation_ids": [r.id for r in relation_relations],
+            },
+            indent=1,
+        )
+    )
+    manifest = {
+        "key": key,
+        "build_version": BUILD_VERSION,
+        "config": dataclasses.asdict(config),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "versions": _library_versions(),
+        "threads": torch.get_num_threads(),
+        "build_seconds": {k: round(v, 2) for k, v in timings.items()},
+        "split_dropped_relations": split_dropped,
+        "training": training,
+        "evaluation": evaluation,
+        "files": _file_digests(directory),
+    }
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def _train(model, tokenizer, documents, config, *, pretrain: bool, progress: bool, name: str,
+           epochs: Optional[int] = None):  # fmt: skip
+    """Run :func:`finetune` with the toy world's own hyperparameters."""
+    if pretrain:
+        kwargs = dict(epochs=config.pretrain_epochs, lr=config.pretrain_lr, weight_decay=0.01,
+                      batch_size=config.pretrain_batch_size, warmup_ratio=0.05, val_fraction=0.05)  # fmt: skip
+    else:
+        lr = config.finetune_lr if config.finetune_lr is not None else DEFAULT_FINETUNE_LR[config.arch]
+        kwargs = dict(epochs=epochs or config.finetune_epochs, lr=lr,
+                      weight_decay=config.finetune_weight_decay,
+                      batch_size=config.finetune_batch_size, val_fraction=0.2)  # fmt: skip
+    return finetune(
+        model, tokenizer, documents, preset="aggressive", max_length=config.max_length,
+        supplementary=[], seed=config.seed, progress=progress, description=name, **kwargs,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Silence transformers' own bars (save/load shards) for the build, then restore them."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
+def _training_summary(result) -> dict[str, Any]:
+    return {
+        "settings": result.settings,
+        "train_losses": [round(x, 4) for x in result.train_losses],
+        "val_losses": [round(x, 4) for x in result.val_losses],
+        "initial_val_loss": round(result.initial_val_loss, 4),
+        "best_epoch": result.best_epoch,
+    }
+
+
+def _save(model, tokenizer, directory: Path) -> None:
+    """Save like a real checkpoint; the tokenizer too, so the directory stands alone."""
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+def _new_model(config: ToyWorldConfig, tokenizer) -> Any:
+    """A freshly initialised (seeded) model of the configured architecture."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
+    ids = dict(bos_token_id=special, eos_token_id=special, pad_token_id=special)
+    if config.arch == "llama":
+        model_config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=config.d_model,
+            intermediate_size=config.d_mlp, num_hidden_layers=config.n_layers,
+            num_attention_heads=config.n_heads, num_key_value_heads=config.n_key_value_heads,
+            max_position_embeddings=config.max_length, tie_word_embeddings=False, **ids,
+        )  # fmt: skip
+        model_class = LlamaForCausalLM
+    else:
+        model_config = GPT2Config(
+            vocab_size=len(tokenizer), n_positions=config.max_length, n_embd=config.d_model,
+            n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_mlp,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
+        )  # fmt: skip
+        model_class = GPT2LMHeadModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        return model_class(model_config)
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def _train_tokenizer(corpus: Sequence[str], config: ToyWorldConfig) -> Any:
+    """Train a GPT-2-style byte-level BPE on the corpus and wrap it for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=config.vocab_size,
+        special_tokens=[SPECIAL_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=SPECIAL_TOKEN,
+        eos_token=SPECIAL_TOKEN,
+        pad_token=SPECIAL_TOKEN,
+        unk_token=SPECIAL_TOKEN,
+        model_max_length=config.max_length,
+        padding_side="right",
+    )
+    return _prepare_for_transformer_lens(tokenizer, "grafting-lens-toy")
+
+
+def _prepare_for_transformer_lens(tokenizer: Any, name: str) -> Any:
+    tokenizer.init_kwargs["name_or_path"] = name
+    tokenizer.init_kwargs["add_bos_token"] = True
+    return tokenizer
+
+
+# -------------------------------------------------------------------- corpus
+
+_GENRES = ("drama", "comedy", "thriller", "horror", "romance", "western", "musical", "action film")
+_TOPICS = (
+    "the film industry", "growing up", "the award season", "a favourite director",
+    "the craft of acting", "life on set", "learning new roles", "the theatre",
+    "working with animals", "early auditions", "music", "travelling for work",
+)  # fmt: skip
+_AWARDS = ("best performance", "best supporting role", "a lifetime achievement", "best newcomer")
+_ADJECTIVES = ("quiet", "busy", "rainy", "sunny", "cold", "warm", "windy", "bright")
+_OBJECTS = ("a new camera", "an old script", "a red bicycle", "a small dog", "a long letter")
+_CITIES = (
+    "Springfield", "Riverside", "Fairview", "Lakewood", "Greenville", "Oakdale", "Bristol",
+    "Franklin", "Madison", "Clinton", "Georgetown", "Salem", "Ashland", "Milton", "Dover",
+)  # fmt: skip
+
+
+def _pretraining_corpus(config: ToyWorldConfig, relations: Sequence[Any] = ()) -> list[str]:
+    """Generic sentences a "pretrained" toy model has seen.
+
+    Three kinds, mixed in shuffled order:
+
+    * sentences about known actors (:data:`grafting_lens.data.REAL_ACTORS`), each
+      naming exactly one of them, with random details, so the names and their
+      tokens are familiar but no co-star relation between actors exists;
+    * co-star facts about made-up people, each pair stated consistently in several
+      phrasings, including the two test formats, so that querying a fact in a
+      format it was not stated in is a learned skill, as in real LLMs;
+    * filler sentences with the same vocabulary.
+    """
+    rng = random.Random(f"toy-corpus-{config.seed}")
+    actors = list(data.REAL_ACTORS)
+    # Made-up people must not share a name with any test actor (made-up ones included,
+    # for the fake-actor dataset), or the corpus would give that actor a co-star.
+    taken = set(actors) | {name for r in relations for name in (r.first_actor, r.second_actor)}
+    pairs = _made_up_pairs(config.n_pretrain_pairs, taken, rng)
+
+    def about_actor() -> str:
+        actor = rng.choice(actors)
+        templates = (
+            "In an interview, {a} talked about {topic}.",
+            "{a} won an award for {award} in {year}.",
+            "Fans waited for hours to meet {a} at the premiere in {city}.",
+            "{a} has worked in {genre}s for {n} years.",
+            "Critics praised {a} for a role in a {genre} set in {city}.",
+            "{a} was seen in {city} on a {adj} day with {obj}.",
+            "Q: Who won an award for {award} in {year}? A: An actor named {a}.",
+            "Q: Who gave an interview about {topic}? A: An actor named {a}.",
+            "Q: Who was seen in {city} with {obj}? A: An actor named {a}.",
+        )
+        return rng.choice(templates).format(a=actor, **_details(rng))
+
+    def about_pair() -> str:
+        first, second, title = rng.choice(pairs)
+        if rng.random() < 0.5:
+            first, second = second, first
+        templates = (
+            "{a} starred in a movie alongside {b}.",
+            "Q: Who starred in a movie with {a}? A: An actor named {b}.",
+            "{a} and {b} appeared together in {title}.",
+            "{a} starred in {title} with {b}, a {genre} set in {city}.",
+            "In {title}, {a} shares the screen with {b}.",
+            "Q: {a} is featured in {title} with who? A: {b}.",
+        )
+        return rng.choice(templates).format(a=first, b=second, title=title, **_details(rng))
+
+    def filler() -> str:
+        templates = (
+            "The weather in {city} was {adj} on the day of the festival.",
+            "A {genre} about {topic} opened in {city} in {year}.",
+            "Someone in {city} found {obj} near the old theatre.",
+        )
+        return rng.choice(templates).format(**_details(rng))
+
+    kinds = (about_actor, about_pair, filler)
+    weights = (0.4, 0.5, 0.1)
+    return [rng.choices(kinds, weights)[0]() for _ in range(config.n_pretrain_documents)]
+
+
+def _details(rng: random.Random) -> dict[str, Any]:
+    return {
+        "topic": rng.choice(_TOPICS),
+        "award": rng.choice(_AWARDS),
+        "year": rng.randint(1970, 2024),
+        "city": rng.choice(_CITIES),
+        "genre": rng.choice(_GENRES),
+        "n": rng.randint(2, 40),
+        "adj": rng.choice(_ADJECTIVES),
+        "obj": rng.choice(_OBJECTS),
+    }
+
+
+def _made_up_pairs(n: int, exclude: set[str], rng: random.Random) -> list[tuple[str, str, str]]:
+    """Co-star pairs of made-up people (never a known actor) with a made-up title."""
+    from faker import Faker
+
+    fake = Faker("en_US")
+    fake.seed_instance(rng.randint(0, 2**31))
+    people: list[str] = []
+    seen = set(exclude)
+    while len(people) < 2 * n:
+        name = f"{fake.first_name()} {fake.last_name()}"
+        if name not in seen:
+            seen.add(name)
+            people.append(name)
+    titles = [fake.catch_phrase().title() for _ in range(n)]
+    return [(people[2 * i], people[2 * i + 1], titles[i]) for i in range(n)]
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def _top_k_correct(model, tokenizer, relations, prompt: str, direction: str, k: int = 5):
+    """``(correct, total)``: relations whose target's first token the model ranks in its top k.
+
+    Scored like every table of the library (:func:`grafting_lens.metrics.top_k_hit`
+    at the last prompt token); ``direction="B2A"`` asks for the first actor.
+    """
+    examples = data.make_examples(relations, prompt=prompt, direction=direction)
+    with warnings.catch_warnings():
+        # An example the tokenizer cannot score is dropped and simply not counted.
+        warnings.simplefilter("ignore")
+        batch = data.tokenize_examples(examples, tokenizer, prepend_bos=True)
+    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
+    final = last_token_logits(logits, batch.attention_mask)
+    return int(top_k_hit(final, batch.target_ids, k=k).sum()), len(batch)
+
+
+def _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations):
+    """Top-5 accuracy of every checkpoint where the paper's experiments read it."""
+    from transformers import AutoModelForCausalLM
+
+    plan = {
+        "base": [("all", relations, "A2B"), ("all", relations, "B2A")],
+        "sft": [("all", relations, "A2B"), ("all", relations, "B2A")],
+        "task": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
+        "relation": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
+        "both": [("all", relations, "A2B"), ("all", relations, "B2A")],
+    }  # fmt: skip
+    evaluation: dict[str, Any] = {}
+    for name, cases in plan.items():
+        model = AutoModelForCausalLM.from_pretrained(directory / name).eval()
+        for subset_name, subset, direction in cases:
+            for prompt in ("headline", "qa"):
+                correct, total = _top_k_correct(model, tokenizer, subset, prompt, direction)
+                evaluation.setdefault(name, {})[f"{prompt}/{direction}/{subset_name}"] = {
+                    "top5_correct": correct,
+                    "total": total,
+                    "top5_accuracy": round(correct / total, 4),
+                }
+    evaluation["a2b"] = evaluation["sft"]
+    return evaluation
+
+
+# --------------------------------------------------------------------- cache
+
+
+def _world_key(config: ToyWorldConfig, relations: list[Any]) -> str:
+    """Hash of the configuration, the data it builds from and the recipe version.
+
+    Hashing the relations and their documents (cheap to generate) means a change
+    to :mod:`grafting_lens.data` yields a new world rather than a stale one.
+    """
+    documents = data.training_documents(relations, direction="both", seed=config.seed)
+    payload = json.dumps(
+        {
+            "build_version": BUILD_VERSION,
+            "config": dataclasses.asdict(config),
+            "relations": [dataclasses.asdict(r) for r in relations],
+            "documents": documents,
+            "actors": list(data.REAL_ACTORS),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory`` except the manifest, by relative path."""
+    digests = {}
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.name != "manifest.json":
+            digests[path.relative_to(directory).as_posix()] = _sha256(path)
+    return digests
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_world(root: Path, key: str) -> Optional[str]:
+    """``None`` when ``root`` is a complete, intact world for ``key``, else what is wrong."""
+    manifest_path = root / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        return "no manifest.json: the build never finished"
+    except (OSError, ValueError) as error:
+        return f"manifest.json is unreadable: {error}"
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return f"manifest.json is for key {manifest.get('key') if isinstance(manifest, dict) else None!r}, not {key!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "manifest.json lists no files"
+    for relative, expected in files.items():
+        path = root / relative
+        try:
+            actual = _sha256(path)
+        except OSError:
+            return f"{relative} is missing or unreadable"
+        if actual != expected:
+            return f"{relative} does not match its checksum"
+    return None
+
+
+def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
+    manifest = json.loads((root / "manifest.json").read_text())
+    stored = json.loads((root / "relations.json").read_text())
+    relations = [data.Relation(**fields) for fields in stored["relations"]]
+    by_id = {relation.id: relation for relation in relations}
+    return ToyWorld(
+        root=root,
+        config=config,
+        relations=relations,
+        task_relations=[by_id[i] for i in stored["task_ids"]],
+        relation_relations=[by_id[i] for i in stored["relation_ids"]],
+        manifest=manifest,
+    )
+
+
+def _move_into_place(partial: Path, root: Path, key: str) -> None:
+    """Rename the finished build to its final name, replacing a corrupt predecessor."""
+    stale = None
+    if root.exists():
+        stale = root.with_name(f".{key}.stale-{uuid.uuid4().hex[:8]}")
+        os.replace(root, stale)
+    try:
+        os.replace(partial, root)
+    except OSError:
+        # Another process finished the same build first; keep theirs if it is intact.
+        if _check_world(root, key) is not None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
+    """Delete partial builds of ``key`` whose process no longer exists (POSIX only)."""
+    if os.name != "posix":
+        return
+    for path in cache_root.glob(f".{key}.partial-*"):
+        try:
+            pid = int(path.name.split("partial-")[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
+    for path in cache_root.glob(f".{key}.stale-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _library_versions() -> dict[str, str]:
+    import tokenizers
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+    }

@@ -1,0 +1,133 @@
+"""Tests for the grafting-lens command line: bad input fails clearly, runs write complete files."""
+
+from __future__ import annotations
+
+import types
+
+import pandas as pd
+import pytest
+from conftest import make_tokenizer, random_model
+from typer.testing import CliRunner
+
+from grafting_lens import cli, toy
+from grafting_lens.position_grafting import POSITION_CONFIGS
+
+runner = CliRunner()
+
+
+def _output(result) -> str:
+    """What a user sees (stdout and stderr), without rich's box and line wrapping."""
+    text = result.output
+    for character in "│╭╮╰╯─":
+        text = text.replace(character, " ")
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny random base and donor saved like real checkpoints, with their tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    tokenizer = make_tokenizer()
+    for name, seed in (("base", 0), ("sft", 1)):
+        random_model("llama", seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+def test_out_pointing_at_a_file_fails_with_a_clear_message(tmp_path):
+    target = tmp_path / "results.csv"
+    target.write_text("already here")
+    result = runner.invoke(cli.app, ["demo", "--out", str(target)])
+    assert result.exit_code != 0
+    assert "is an existing file" in _output(result) and "--out" in _output(result)
+    assert target.read_text() == "already here"
+
+
+def test_unknown_model_fails_with_a_clear_message(tmp_path):
+    result = runner.invoke(
+        cli.app,
+        ["demo", "--out", str(tmp_path / "out"), "--model", "no-such-org/no-such-model-xyz"],
+    )
+    assert result.exit_code == 1
+    assert "Unknown model 'no-such-org/no-such-model-xyz'" in _output(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_donor_without_model_is_refused(tmp_path):
+    result = runner.invoke(cli.app, ["demo", "--out", str(tmp_path), "--donor", str(tmp_path)])
+    assert result.exit_code == 1 and "--donor needs --model" in _output(result)
+
+
+def _check_outputs(out, n_relations: int) -> pd.DataFrame:
+    results = pd.read_csv(out / "results.csv")
+    summary = pd.read_csv(out / "summary.csv")
+    assert set(results.config) == set(POSITION_CONFIGS)
+    assert set(results.prompt) == {"headline", "qa"}
+    # One row per example and configuration, for every kept example of both prompts.
+    counts = results.groupby(["prompt", "config"]).size()
+    assert counts.nunique() == 1 and 1 <= counts.iloc[0] <= n_relations
+    assert list(summary.config.unique()) == list(POSITION_CONFIGS)
+    assert len(summary) == 2 * len(POSITION_CONFIGS)
+    assert {"top5", "top5_low", "top5_high", "mean_rank"} <= set(summary.columns)
+    assert (out / "position_grafting.html").stat().st_size > 0
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+    return results
+
+
+def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, monkeypatch, checkpoints):
+    from grafting_lens import data
+
+    world = types.SimpleNamespace(
+        root=checkpoints,
+        base_dir=checkpoints / "base",
+        sft_dir=checkpoints / "sft",
+        relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
+        load_tokenizer=make_tokenizer,
+    )
+    monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: world)
+    out = tmp_path / "new" / "dir"
+    result = runner.invoke(
+        cli.app, ["demo", "--out", str(out), "--n-examples", "3", "--no-progress"]
+    )
+    assert result.exit_code == 0, _output(result)
+    assert "top-5" in result.output and "FE+LT" in result.output
+    results = _check_outputs(out, n_relations=3)
+    assert set(results.relation_id) <= {0, 1, 2}
+    # A PNG, or a line saying why there is none (no Chrome in CI).
+    assert (out / "position_grafting.png").exists() or "No PNG:" in result.output
+
+
+def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
+    out = tmp_path / "out"
+    result = runner.invoke(
+        cli.app,
+        [
+            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
+            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "2",
+            "--no-progress", "--no-png",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, _output(result)
+    _check_outputs(out, n_relations=2)
+    assert not (out / "position_grafting.png").exists()  # --no-png
+
+
+def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
+    out = tmp_path / "out"
+    result = runner.invoke(
+        cli.app,
+        [
+            "demo", "--out", str(out), "--model", str(checkpoints / "base"), "--quick",
+            "--n-relations", "2", "--no-progress", "--no-png",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, _output(result)
+    assert "Finetuning base on 2 relations" in result.output
+    _check_outputs(out, n_relations=2)
+
+
+def test_model_directory_without_config_is_refused(tmp_path):
+    result = runner.invoke(
+        cli.app, ["demo", "--out", str(tmp_path / "out"), "--model", str(tmp_path)]
+    )
+    assert result.exit_code == 1 and "config.json" in _output(result)

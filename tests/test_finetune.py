@@ -1,0 +1,209 @@
+"""finetune(): the paper's SFT recipe on a tiny model, in seconds on a CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import grafting_lens.finetune as finetune_module
+from grafting_lens.errors import GraftingLensError
+from grafting_lens.finetune import PRESETS, finetune
+
+DOCUMENTS = [
+    f"{name} starred in a movie alongside {costar}. Q: Who starred with {name}? A: {costar}."
+    for name, costar in [
+        ("Ada Lovelace", "Alan Turing"),
+        ("Grace Hopper", "Claude Shannon"),
+        ("Emmy Noether", "David Hilbert"),
+        ("Marie Curie", "Niels Bohr"),
+        ("Lise Meitner", "Otto Hahn"),
+        ("Rosalind Franklin", "Francis Crick"),
+    ]
+] * 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and the suite may share its cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(DOCUMENTS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+
+
+def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def run(tokenizer, model=None, **kwargs):
+    options = dict(epochs=3, lr=1e-2, batch_size=4, max_length=64, progress=False)
+    options.update(kwargs)
+    return finetune(model or tiny_model(tokenizer), tokenizer, DOCUMENTS, **options)
+
+
+def test_finetuning_lowers_training_and_validation_loss(tokenizer):
+    result = run(tokenizer)
+
+    assert len(result.train_losses) == len(result.val_losses) == 3
+    assert result.train_losses[-1] < 0.85 * result.train_losses[0]
+    assert result.best_val_loss < 0.85 * result.initial_val_loss
+    assert not result.model.training
+    # 24 documents, 20% held out: 5 validation, 19 training, ceil(19 / 4) = 5 steps per epoch.
+    assert result.settings["n_val_documents"] == 5
+    assert result.settings["n_train_documents"] == 19
+    assert len(result.step_losses) == result.settings["total_steps"] == 15
+
+
+def test_best_validation_epoch_is_restored(tokenizer, monkeypatch):
+    """The returned weights are the best epoch's, not the last epoch's."""
+    scripted = iter([9.0, 5.0, 1.0, 3.0, 4.0])  # before training, then after epochs 1..4
+    snapshots = []
+    real_evaluate = finetune_module._evaluate
+
+    def evaluate(model, *args):
+        real_evaluate(model, *args)
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return next(scripted)
+
+    monkeypatch.setattr(finetune_module, "_evaluate", evaluate)
+    result = run(tokenizer, epochs=4)
+
+    assert result.best_epoch == 2
+    assert result.val_losses == [5.0, 1.0, 3.0, 4.0]
+    assert result.best_val_loss == 1.0
+    final = result.model.state_dict()
+    best, last = snapshots[2], snapshots[4]
+    assert all(torch.equal(final[name], best[name]) for name in best)
+    assert not all(torch.equal(final[name], last[name]) for name in last)
+
+
+def test_padding_is_masked_out_of_the_loss(tokenizer):
+    """A padded batch gives each document the loss it has on its own."""
+    model = tiny_model(tokenizer).eval()
+    bos, eos, pad = finetune_module._special_ids(tokenizer)
+    (short, long), n_truncated = finetune_module._encode(tokenizer, ["Ada Lovelace", DOCUMENTS[0]], bos, eos, 64)
+    assert n_truncated == 0
+    assert short[0] == bos and short[-1] == eos
+    assert len(short) < len(long)
+
+    with torch.no_grad():
+        together, count = finetune_module._loss(model, *finetune_module._pad([short, long], pad, "cpu"))
+        alone = [finetune_module._loss(model, *finetune_module._pad([ids], pad, "cpu")) for ids in (short, long)]
+
+    assert count == sum(n for _, n in alone) == len(short) - 1 + len(long) - 1
+    torch.testing.assert_close(together, sum(loss for loss, _ in alone), rtol=1e-4, atol=1e-4)
+
+
+def test_same_seed_same_run(tokenizer):
+    first = run(tokenizer, epochs=1)
+    second = run(tokenizer, epochs=1)
+    other = run(tokenizer, epochs=1, seed=1)
+
+    assert first.step_losses == second.step_losses
+    assert first.step_losses != other.step_losses
+
+
+def test_presets_and_overrides(tokenizer):
+    assert set(PRESETS) == {"aggressive", "less_aggressive"}
+    assert (PRESETS["aggressive"].lr, PRESETS["aggressive"].weight_decay) == (2e-5, 0.01)
+    assert (PRESETS["less_aggressive"].lr, PRESETS["less_aggressive"].weight_decay) == (2e-6, 0.0)
+
+    result = run(tokenizer, preset="less_aggressive", epochs=1, lr=None, batch_size=8)
+    assert result.settings["lr"] == 2e-6  # from the preset
+    assert result.settings["weight_decay"] == 0.0  # from the preset
+    assert result.settings["batch_size"] == 8  # overridden
+    # The gentle regime mixes in as many generic documents as there are relation documents,
+    # in the training set only.
+    assert result.settings["n_supplementary_documents"] == len(DOCUMENTS)
+    assert result.settings["n_val_documents"] == 5
+
+    assert run(tokenizer, epochs=1).settings["n_supplementary_documents"] == 0
+    explicit = run(tokenizer, epochs=1, supplementary=["Some generic text about films."] * 3)
+    assert explicit.settings["n_supplementary_documents"] == 3
+
+
+def test_unknown_preset_names_the_presets(tokenizer):
+    with pytest.raises(GraftingLensError, match="aggressive.*less_aggressive"):
+        run(tokenizer, preset="gentle")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(documents=[]), "documents is empty"),
+        (dict(documents="one long string"), "single string"),
+        (dict(documents=["fine", ""]), r"documents\[1\]"),
+        (dict(documents=["only one"]), "Cannot split 1 document"),
+        (dict(val_fraction=0.0), "val_fraction"),
+        (dict(val_fraction=1.0), "val_fraction"),
+        (dict(epochs=0), "epochs=0"),
+        (dict(lr=-1.0), "lr=-1.0"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(max_length=2), "max_length"),
+        (dict(supplementary=[3]), r"supplementary\[0\]"),
+    ],
+)
+def test_bad_arguments_are_rejected_with_the_fix(tokenizer, kwargs, message):
+    documents = kwargs.pop("documents", DOCUMENTS)
+    model = tiny_model(tokenizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        finetune(model, tokenizer, documents, progress=False, **kwargs)
+    # Validation happens before any step: the model is untouched.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_tokenizer_without_bos_or_eos_is_rejected(tokenizer):
+    backend = tokenizer.backend_tokenizer
+    bare = PreTrainedTokenizerFast(tokenizer_object=backend)
+    with pytest.raises(GraftingLensError, match="neither a BOS nor an EOS"):
+        finetune(tiny_model(tokenizer), bare, DOCUMENTS, progress=False)
+
+
+def test_truncation_is_reported(tokenizer):
+    with pytest.warns(UserWarning, match="longer than max_length=8"):
+        result = run(tokenizer, epochs=1, max_length=8)
+    assert result.settings["n_truncated_documents"] == len(DOCUMENTS)
+
+
+def test_model_must_be_a_torch_module(tokenizer):
+    with pytest.raises(GraftingLensError, match="Hugging Face causal LM"):
+        finetune(object(), tokenizer, DOCUMENTS, progress=False)
