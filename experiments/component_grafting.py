@@ -34,7 +34,6 @@ import argparse
 import os
 import shlex
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -64,16 +63,7 @@ def main(argv: list[str] | None = None, setting: str | None = None, script: str 
     spec = experiments.EXPERIMENTS[experiment]
     command = f"python experiments/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        setup = experiments.setup_from_arguments(experiment, args)
-        computed: list[int] = []
-        started = time.perf_counter()
-        results = experiments.run_named_experiment(
-            experiment, setup["models"], setup["relations"], out=os.path.join(args.out, "runs"),
-            quick=args.quick, n_examples=args.n_examples, dataset=setup["dataset"],
-            seed=setup["data_seed"], seeds=setup["seeds"], on_chunk=lambda info: computed.append(info.rows),
-            **experiments.run_options(args),
-        )  # fmt: skip
-        elapsed = time.perf_counter() - started
+        setup, results, computed, elapsed = experiments.run_from_arguments(experiment, args)
     except GraftingLensError as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
@@ -83,7 +73,7 @@ def main(argv: list[str] | None = None, setting: str | None = None, script: str 
     notes = [
         f"Models: {setup['label']}; base {names[0]!r}, donor {names[1]!r}; "
         f"{spec.direction} prompts about the {spec.relations!r} relations.",
-        f"{sum(computed)} of {len(results)} rows computed in {elapsed:.1f} s on "
+        f"{computed} of {len(results)} rows computed in {elapsed:.1f} s on "
         f"{torch.get_num_threads()} CPU threads (the others read back from {args.out}/runs).",
         "Grafts at the last token only; ATTN = Q, K, V; FFN = every MLP matrix (gate included); "
         "FFN-up = up projection (+ gate); FFN-down = down projection.",

@@ -24,7 +24,6 @@ import argparse
 import os
 import shlex
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -42,16 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python experiments/hybrid_grafting.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        setup = experiments.setup_from_arguments(EXPERIMENT, args)
-        computed: list[int] = []
-        started = time.perf_counter()
-        results = experiments.run_named_experiment(
-            EXPERIMENT, setup["models"], setup["relations"], out=os.path.join(args.out, "runs"),
-            quick=args.quick, n_examples=args.n_examples, dataset=setup["dataset"],
-            seed=setup["data_seed"], seeds=setup["seeds"], on_chunk=lambda info: computed.append(info.rows),
-            **experiments.run_options(args),
-        )  # fmt: skip
-        elapsed = time.perf_counter() - started
+        setup, results, computed, elapsed = experiments.run_from_arguments(EXPERIMENT, args)
     except GraftingLensError as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
@@ -59,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = metrics.summarize(results, by=("config", "first_entity", "prompt"), seed=0)
     notes = [
         f"Models: {setup['label']} (sources: {', '.join(setup['models'].names)}).",
-        f"{sum(computed)} of {len(results)} rows computed in {elapsed:.1f} s on "
+        f"{computed} of {len(results)} rows computed in {elapsed:.1f} s on "
         f"{torch.get_num_threads()} CPU threads (the others read back from {args.out}/runs).",
         "LT = task ATTN at the last token (all layers) + relation O+FFN there (last half); "
         "LT+FE:<set> adds the task model's <set> at the first entity (all layers).",

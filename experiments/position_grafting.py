@@ -49,18 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python experiments/position_grafting.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     try:
-        setup = experiments.setup_from_arguments(EXPERIMENT, args)
         if args.benchmark:
-            return benchmark(setup, args)
-        computed: list[int] = []
-        started = time.perf_counter()
-        results = experiments.run_named_experiment(
-            EXPERIMENT, setup["models"], setup["relations"], out=os.path.join(args.out, "runs"),
-            quick=args.quick, n_examples=args.n_examples, dataset=setup["dataset"],
-            seed=setup["data_seed"], seeds=setup["seeds"], on_chunk=lambda info: computed.append(info.rows),
-            **experiments.run_options(args),
-        )  # fmt: skip
-        elapsed = time.perf_counter() - started
+            return benchmark(experiments.setup_from_arguments(EXPERIMENT, args), args)
+        setup, results, computed, elapsed = experiments.run_from_arguments(EXPERIMENT, args)
     except GraftingLensError as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
@@ -68,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = metrics.summarize(results, by=("part", "config", "prompt"), seed=0)
     notes = [
         f"Models: {setup['label']} ({', '.join(setup['models'].names)}).",
-        f"{sum(computed)} of {len(results)} rows computed in {elapsed:.1f} s on "
+        f"{computed} of {len(results)} rows computed in {elapsed:.1f} s on "
         f"{torch.get_num_threads()} CPU threads (the others read back from {args.out}/runs).",
         f"Grafted positions use the {'base' if args.base_embeddings else 'donor'}'s embeddings; "
         + (

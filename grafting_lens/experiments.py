@@ -2001,3 +2001,28 @@ def run_options(args: Any) -> dict[str, Any]:
         "include_unembed": args.include_unembed,
         "include_embeddings": not args.base_embeddings,
     }
+
+
+def run_from_arguments(experiment: str, args: Any) -> tuple[dict[str, Any], pd.DataFrame, int, float]:
+    """What every experiment script does first: set up, run (resuming), and time it.
+
+    Results go to ``<args.out>/runs``, so a killed script picks up where it stopped.
+
+    Returns:
+        ``(setup, results, rows_computed, seconds)``: the :func:`setup_from_arguments`
+        dict, the results table, how many rows this call computed (the others were
+        read back) and how long the run took.
+
+    Raises:
+        GraftingLensError: Bad arguments or models, before any forward pass.
+    """
+    setup = setup_from_arguments(experiment, args)
+    computed: list[int] = []
+    started = time.perf_counter()
+    results = run_named_experiment(
+        experiment, setup["models"], setup["relations"], out=os.path.join(args.out, "runs"),
+        quick=args.quick, n_examples=args.n_examples, dataset=setup["dataset"],
+        seed=setup["data_seed"], seeds=setup["seeds"], on_chunk=lambda info: computed.append(info.rows),
+        **run_options(args),
+    )  # fmt: skip
+    return setup, results, sum(computed), time.perf_counter() - started

@@ -122,6 +122,7 @@ def finetune(
     device: Union[str, torch.device, None] = None,
     dtype: Optional[torch.dtype] = None,
     autocast_dtype: Optional[torch.dtype] = None,
+    freeze_unembedding: bool = False,
     progress: bool = True,
     description: str = "finetune",
 ) -> FinetuneResult:
@@ -166,6 +167,11 @@ def finetune(
         autocast_dtype: Compute dtype for mixed precision (``torch.float16`` is the
             paper's fp16 training) with the weights kept as they are; float16 also
             turns on loss scaling.
+        freeze_unembedding: Train every weight except the unembedding
+            (``model.get_output_embeddings()``; tied embeddings stay fixed with it).
+            Grafting decodes through the base's unembedding by default, as the
+            paper does; freezing it makes the donor store what it learns in the
+            weights a graft can move.
         progress: Show a tqdm progress bar.
         description: Label of the progress bar.
 
@@ -217,8 +223,20 @@ def finetune(
     steps_per_epoch = math.ceil(len(train_ids) / batch_size)
     total_steps = steps_per_epoch * settings["epochs"]
     warmup_steps = int(round(warmup_ratio * total_steps))
+    frozen = []
+    if freeze_unembedding:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None:
+            raise GraftingLensError(
+                f"freeze_unembedding=True, but {type(model).__name__} has no output embeddings "
+                "(get_output_embeddings() is None): pass freeze_unembedding=False."
+            )
+        frozen = [param for param in head.parameters() if param.requires_grad]
+    trainable = [
+        param for param in model.parameters() if param.requires_grad and not _contains(frozen, param)
+    ]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"]
+        trainable, lr=settings["lr"], weight_decay=settings["weight_decay"]
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _linear_schedule(step, warmup_steps, total_steps)
@@ -234,6 +252,7 @@ def finetune(
         warmup_steps=warmup_steps,
         n_truncated_documents=truncated,
         seed=seed,
+        freeze_unembedding=freeze_unembedding,
     )
     settings.pop("supplementary_default")
 
@@ -247,6 +266,8 @@ def finetune(
         val_losses: list[float] = []
         step_losses: list[float] = []
         bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=False)
+        for param in frozen:
+            param.requires_grad_(False)
         try:
             for epoch in range(1, settings["epochs"] + 1):
                 model.train()
@@ -282,6 +303,8 @@ def finetune(
                     }
         finally:
             bar.close()
+            for param in frozen:
+                param.requires_grad_(True)
 
     if best_state is None:
         # Every validation loss was NaN: nothing to restore, and the caller must know.
@@ -482,3 +505,8 @@ def _autocast(device: torch.device, dtype: Optional[torch.dtype]):
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _contains(tensors: Sequence[torch.Tensor], tensor: torch.Tensor) -> bool:
+    """Identity membership (``in`` would compare tensors elementwise)."""
+    return any(tensor is other for other in tensors)

@@ -51,7 +51,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -60,7 +60,14 @@ from jaxtyping import Bool, Int
 
 from grafting_lens import experiments
 from grafting_lens.errors import GraftingLensError
-from grafting_lens.experiments import Graft, GraftConfig, TestSet, select_positions
+from grafting_lens.experiments import (
+    Graft,
+    GraftConfig,
+    PositionFunction,
+    Spans,
+    TestSet,
+    select_positions,
+)
 from grafting_lens.masks import GraftMask
 from grafting_lens.models import ModelSet
 
@@ -75,10 +82,7 @@ __all__ = [
     "run_position_grafting",
 ]
 
-Spans = Mapping[str, Bool[torch.Tensor, "batch pos"]]
-"""Named token spans of a batch, e.g. ``TokenizedExamples.spans``."""
-
-PositionConfig = Callable[[Spans, Int[torch.Tensor, "batch pos"]], Bool[torch.Tensor, "batch pos"]]
+PositionConfig = PositionFunction
 """``(spans, attention_mask) -> grafted positions``; never selects padding."""
 
 RESULT_COLUMNS = (

@@ -148,6 +148,12 @@ class ToyWorldConfig:
         pretrain_batch_size: Documents per optimizer step in pretraining.
         finetune_batch_size: Documents per optimizer step in finetuning (small
             batches, many steps: memorising facts needs steps more than tokens).
+        freeze_unembedding: Keep the unembedding fixed while finetuning. A large
+            model's finetuning barely moves its unembedding, which is why the paper
+            can decode every position through the pretrained one; a tiny model
+            trained at a high learning rate would otherwise store much of the new
+            facts there, and grafting with the base's unembedding would lose them.
+            (The GPT-2 style ties it to the embedding, which then stays fixed too.)
         seed: Seeds relations, corpus, initialisation and batch order.
     """
 
@@ -170,6 +176,7 @@ class ToyWorldConfig:
     finetune_lr: Optional[float] = None
     finetune_weight_decay: float = 0.01
     finetune_batch_size: int = 8
+    freeze_unembedding: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -497,7 +504,8 @@ def _train(model, tokenizer, documents, config, *, pretrain: bool, progress: boo
         lr = config.finetune_lr if config.finetune_lr is not None else DEFAULT_FINETUNE_LR[config.arch]
         kwargs = dict(epochs=epochs or config.finetune_epochs, lr=lr,
                       weight_decay=config.finetune_weight_decay,
-                      batch_size=config.finetune_batch_size, val_fraction=0.2)  # fmt: skip
+                      batch_size=config.finetune_batch_size, val_fraction=0.2,
+                      freeze_unembedding=config.freeze_unembedding)  # fmt: skip
     return finetune(
         model, tokenizer, documents, preset="aggressive", max_length=config.max_length,
         supplementary=[], seed=config.seed, progress=progress, description=name, **kwargs,

@@ -8,6 +8,7 @@ and an equivalence test could not fail.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -110,6 +111,31 @@ def random_model(family: str, seed: int, scale: float = 0.35):
             else:
                 param.copy_(scale * torch.randn_like(param))
     return model
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models run fastest on one thread, and the suite may share its cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@contextmanager
+def no_forward_pass(models: gl.ModelSet):
+    """Fail if any checkpoint of the model set runs a forward pass inside the block."""
+    calls = []
+    handles = [
+        model.original_model.register_forward_pre_hook(lambda *args: calls.append(1))
+        for model in models
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not calls, "a forward pass ran before the error was raised"
 
 
 @pytest.fixture(scope="session")

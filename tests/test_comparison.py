@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import make_tokenizer, random_model
+from conftest import no_forward_pass, make_tokenizer, random_model
 
 import grafting_lens as gl
 from grafting_lens import data, plots
@@ -24,15 +23,6 @@ from grafting_lens.errors import GraftingLensError
 from grafting_lens.metrics import last_token_logits, target_probability, target_rank
 
 N_LAYERS = 3  # conftest's llama
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Many small forward passes: one thread beats two contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -94,22 +84,6 @@ def assert_same_scores(left, right, close: bool = True):
         assert left_prob == pytest.approx(right_prob, rel=1e-4, abs=1e-7)
     else:
         assert abs(left_prob - right_prob).max() > 1e-3 * max(left_prob.max(), 1e-6)
-
-
-@contextmanager
-def no_forward_pass(model_set: gl.ModelSet):
-    """Fail if any checkpoint runs a forward pass inside the block."""
-    calls = []
-    handles = [
-        model.original_model.register_forward_pre_hook(lambda *args: calls.append(1))
-        for model in model_set
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert not calls, "a forward pass ran before the error was raised"
 
 
 # ------------------------------------------------------------------ the table

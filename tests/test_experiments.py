@@ -30,14 +30,6 @@ from grafting_lens.experiments import (
 from grafting_lens.metrics import last_token_logits, target_probability, target_rank
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _llama(seed: int, n_layers: int = 4):
     """A 4-layer Llama (so every quarter of the layers is one layer) with large random weights."""
     config = LlamaConfig(

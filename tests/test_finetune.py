@@ -28,15 +28,6 @@ DOCUMENTS = [
 ] * 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the suite may share its cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     backend = Tokenizer(models.BPE())
@@ -207,3 +198,14 @@ def test_truncation_is_reported(tokenizer):
 def test_model_must_be_a_torch_module(tokenizer):
     with pytest.raises(GraftingLensError, match="Hugging Face causal LM"):
         finetune(object(), tokenizer, DOCUMENTS, progress=False)
+
+
+def test_freeze_unembedding_trains_everything_else(tokenizer):
+    model = tiny_model(tokenizer)
+    head_before = model.lm_head.weight.detach().clone()
+    body_before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    result = run(tokenizer, model=model, freeze_unembedding=True)
+    assert torch.equal(model.lm_head.weight, head_before)
+    assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, body_before)
+    assert model.lm_head.weight.requires_grad  # restored for the caller
+    assert result.settings["freeze_unembedding"] is True

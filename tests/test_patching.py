@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import random_model, random_tokens
+from conftest import no_forward_pass, random_model, random_tokens
 from transformer_lens import patching as tl_patching
 from transformer_lens.utilities import get_act_name
 
@@ -19,15 +18,6 @@ TOLERANCE = 1e-5
 TWO_FAMILIES = pytest.mark.parametrize("family", ["gpt2", "llama"], indirect=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run many small forward passes here; one thread beats two contending."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def per_prompt(logits: torch.Tensor) -> torch.Tensor:
     """A logit difference at the last two positions: one value per prompt."""
     return logits[:, -1, 5] - logits[:, -2, 7]
@@ -36,22 +26,6 @@ def per_prompt(logits: torch.Tensor) -> torch.Tensor:
 def scalar(logits: torch.Tensor) -> torch.Tensor:
     """The same metric as TransformerLens wants it: one scalar for the batch."""
     return per_prompt(logits).mean()
-
-
-@contextmanager
-def no_forward_pass(models: gl.ModelSet):
-    """Fail if any checkpoint of the model set runs a forward pass inside the block."""
-    calls = []
-    handles = [
-        model.original_model.register_forward_pre_hook(lambda *args: calls.append(1))
-        for model in models
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert not calls, "a forward pass ran before the error was raised"
 
 
 # ---------------------------------------------------------------- TransformerLens

@@ -38,15 +38,6 @@ TINY = ToyWorldConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread, and the suite may share its cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """One tiny world shared by the read-only tests."""
