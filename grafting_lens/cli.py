@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,6 +36,7 @@ import pandas as pd
 import typer
 
 from grafting_lens.errors import GraftingLensError
+from grafting_lens.files import atomic_write
 
 app = typer.Typer(
     name="grafting-lens",
@@ -156,8 +156,8 @@ def demo(
     summary = metrics.summarize(results, by=("config", "prompt"), ks=(1, 5), seed=seed)
     _print_summary(summary, label)
     out.mkdir(parents=True, exist_ok=True)
-    _write_csv(results, out / "results.csv")
-    _write_csv(summary, out / "summary.csv")
+    atomic_write(out / "results.csv", results.to_csv(index=False).encode())
+    atomic_write(out / "summary.csv", summary.to_csv(index=False).encode())
     figure = plots.plot_accuracy(summary, k=5, title=f"Position grafting, top-5 accuracy ({label})")
     saved = plots.save_figure(figure, out / "position_grafting", png=png, warn=False)
     typer.echo(
@@ -353,20 +353,6 @@ def _print_summary(summary: pd.DataFrame, label: str) -> None:
     Console(width=max(100, Console().width)).print(table)
 
 
-def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    """Write a CSV under a temporary name, then rename it into place."""
-    handle, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
-    )
-    try:
-        with os.fdopen(handle, "w", newline="") as file:
-            frame.to_csv(file, index=False)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 if __name__ == "__main__":

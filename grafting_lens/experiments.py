@@ -64,7 +64,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 import warnings
 from collections import ChainMap
@@ -87,6 +86,7 @@ from grafting_lens.components import (
     expand_components,
 )
 from grafting_lens.errors import ComponentError, GraftingLensError, GraftMaskError, did_you_mean
+from grafting_lens.files import atomic_write
 from grafting_lens.graft import graft_forward
 from grafting_lens.masks import GraftMask, LayerSpec, resolve_layers
 from grafting_lens.models import ModelSet
@@ -1450,7 +1450,7 @@ def _open_run(run_dir: Path, spec: dict[str, Any]) -> Path:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "spec": spec,
     }
-    _atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+    atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
     return run_dir
 
 
@@ -1501,29 +1501,17 @@ def _read_done_chunks(
 def _write_chunk(run_dir: Path, chunk_id: str, columns: list[str], rows: list[list[Any]]) -> Path:
     path = _chunk_path(run_dir, chunk_id)
     payload = {"chunk": chunk_id, "columns": columns, "rows": rows}
-    _atomic_write(path, json.dumps(payload, separators=(",", ":")).encode())
+    atomic_write(path, json.dumps(payload, separators=(",", ":")).encode())
     return path
 
 
-def _atomic_write(path: Path, content: bytes) -> None:
-    """Write to a temporary sibling, then rename: a file that exists is complete."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(content)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 def write_table(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write a DataFrame as CSV under a temporary name, then rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, frame.to_csv(index=False).encode())
+    atomic_write(path, frame.to_csv(index=False).encode())
     return path
 
 
@@ -1989,7 +1977,7 @@ def write_report(
     out.mkdir(parents=True, exist_ok=True)
     written = [write_table(results, out / "results.csv"), write_table(summary, out / "summary.csv")]
     path = out / "summary.md"
-    _atomic_write(path, markdown.encode())
+    atomic_write(path, markdown.encode())
     return [*written, path]
 
 

@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from grafting_lens.errors import GraftingLensError, did_you_mean
+from grafting_lens.files import atomic_write
 
 __all__ = ["NO_CHROME_HINT", "plot_accuracy", "plot_comparison", "save_figure"]
 
@@ -153,7 +153,7 @@ def save_figure(
     html_path = base.with_name(base.name + ".html")
     png_path = base.with_name(base.name + ".png")
     try:
-        _atomic_write(
+        atomic_write(
             html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
         )
     except OSError as error:
@@ -163,7 +163,7 @@ def save_figure(
         return result
     try:
         image = fig.to_image(format="png", scale=scale)
-        _atomic_write(png_path, image)
+        atomic_write(png_path, image)
         result["png"] = str(png_path)
     except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
         result["png_error"] = _png_failure_reason(error)
@@ -187,20 +187,6 @@ def _png_failure_reason(error: BaseException) -> str:
     return f"PNG export failed with {type(error).__name__}: {message[:300]}"
 
 
-def _atomic_write(path: Path, content: bytes) -> None:
-    """Write to a temporary sibling, then rename: a reader never sees half a file."""
-    handle, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
-    )
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(content)
-        os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be shared
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
