@@ -150,10 +150,13 @@ class ToyWorldConfig:
             batches, many steps: memorising facts needs steps more than tokens).
         freeze_unembedding: Keep the unembedding fixed while finetuning. A large
             model's finetuning barely moves its unembedding, which is why the paper
-            can decode every position through the pretrained one; a tiny model
-            trained at a high learning rate would otherwise store much of the new
-            facts there, and grafting with the base's unembedding would lose them.
-            (The GPT-2 style ties it to the embedding, which then stays fixed too.)
+            can decode every position through the pretrained one; this tiny model
+            stores much of the new facts there (SFT decoded through the base's
+            unembedding recalls far less), but it also needs it: with the
+            unembedding frozen and the default settings, SFT reached only 39%
+            (headline) and 58% (QA) top-5, against 97% and 98% without. So the
+            default is False, and the toy-world results report both unembeddings.
+            (The GPT-2 style ties it to the embedding, which would stay fixed too.)
         seed: Seeds relations, corpus, initialisation and batch order.
     """
 
@@ -176,7 +179,7 @@ class ToyWorldConfig:
     finetune_lr: Optional[float] = None
     finetune_weight_decay: float = 0.01
     finetune_batch_size: int = 8
-    freeze_unembedding: bool = True
+    freeze_unembedding: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
