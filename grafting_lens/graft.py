@@ -120,6 +120,9 @@ class _SourceDispatch(nn.Module):
         self._key = key
         self._sources = sources
         self._state = state
+        # Per-position vectors, built once per window: norm bridges read them
+        # several times per forward.
+        self._vectors: dict[tuple[int, str], torch.Tensor] = {}
 
     def forward(self, input: torch.Tensor, *args, **kwargs):  # noqa: A002 (torch's name)
         plan = self._state.plan(self._key)
@@ -167,8 +170,15 @@ class _SourceDispatch(nn.Module):
         # Norm bridges may apply scale and bias themselves (x * weight + bias):
         # a [batch, pos, d] tensor of each position's own vector does the same
         # arithmetic per position.
-        stacked = torch.stack([getattr(source, name) for source in sources])
-        return stacked[plan.window]
+        vectors = self.__dict__["_vectors"]
+        cache_key = (id(plan), name)
+        if cache_key in vectors:
+            return vectors[cache_key]
+        per_position = torch.stack([getattr(source, name) for source in sources])[plan.window]
+        if not torch.is_grad_enabled():
+            # With autograd on, each forward needs its own graph, so nothing is kept.
+            vectors[cache_key] = per_position
+        return per_position
 
 
 @contextmanager

@@ -214,3 +214,14 @@ def test_bad_inputs_fail_clearly_and_change_nothing(three_models):
     with pytest.raises(gl.GraftMaskError, match="right padding"):
         gl.graft_forward(three_models, tokens, mask, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2))
     assert torch.equal(three_models.base(tokens), before)
+
+
+def test_two_backward_passes_in_one_grafting_block(three_models):
+    tokens = random_tokens(1, 5, seed=18)
+    mask = random_mask(three_models, tokens.shape, seed=19)
+    with gl.grafting(three_models, mask) as model:
+        first = model(tokens)[0, -1, 2]
+        first.backward()
+        second = model(tokens)[0, -1, 2]
+        second.backward()
+    assert torch.equal(first.detach(), second.detach())
