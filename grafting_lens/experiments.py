@@ -1261,7 +1261,7 @@ def _stacked_mask(
             key = (graft.components, graft.layers, graft.source)
             kinds.setdefault(key, []).append((config_index, selected))
     entries: dict[tuple[str, int | None], torch.Tensor] = {}
-    combined: dict[tuple[int, int], torch.Tensor] = {}
+    combined: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for (components, layers, source), members in kinds.items():
         blocks = torch.zeros((n_configs, batch, length), dtype=torch.bool)
         for config_index, selected in members:
@@ -1274,10 +1274,12 @@ def _stacked_mask(
                     entries[key] = value
                     continue
                 # Shared tensors stay shared: combine each distinct pair of tensors once.
+                # The cache keeps both operands alive: an id() names an object only while
+                # it lives, and a freed tensor's id is soon reused by a new one.
                 pair = (id(entries[key]), id(value))
                 if pair not in combined:
-                    combined[pair] = torch.where(value != 0, value, entries[key])
-                entries[key] = combined[pair]
+                    combined[pair] = (torch.where(value != 0, value, entries[key]), entries[key], value)
+                entries[key] = combined[pair][0]
     return GraftMask(entries, (n_configs * batch, length), len(models))
 
 

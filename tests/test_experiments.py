@@ -300,6 +300,21 @@ def test_runner_equals_running_each_configuration_alone(two, relations):
     assert together.groupby("config").target_prob.apply(tuple).nunique() == len(names)
 
 
+def test_runner_keeps_every_configuration_of_a_full_registry_apart(two, relations):
+    # The stacked mask combines many graft tensors; it once cached them by id(), and a
+    # freed tensor's reused id gave some configurations another one's mask (the last
+    # layer's grafts of the component sweep came out identical to BASE).
+    test_sets = make_test_sets(relations, prompts=("headline",), dataset="fmra", seed=0)
+    names = list(COMPONENT_CONFIGS)
+    together = run_experiment(two, test_sets, names, registry="component", batch_size=len(relations),
+                              progress=False)  # fmt: skip
+    for name in names:
+        alone = run_experiment(two, test_sets, [name], registry="component", batch_size=len(relations),
+                               progress=False)  # fmt: skip
+        rows = together[together.config == name].reset_index(drop=True)
+        assert rows.topk_ids.tolist() == alone.topk_ids.tolist(), name
+
+
 def test_model_sets_and_test_sets_form_a_grid(two, relations):
     swapped = gl.ModelSet([two[1], two[0]], ["sft", "pre"])
     results = run_experiment(
