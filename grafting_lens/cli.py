@@ -125,6 +125,12 @@ def demo(
     png: bool = typer.Option(
         True, "--png/--no-png", help="Also export the figure as PNG (needs Chrome for kaleido)."
     ),
+    include_unembed: bool = typer.Option(
+        False,
+        "--include-unembed",
+        help="Decode grafted positions through the donor's unembedding (default: the base's, "
+        "as in the paper).",
+    ),
 ) -> None:
     """Position grafting (PRE, SFT, FE, LT, FE+LT and complements) on the toy world or a model."""
     out = _check_out(out)
@@ -147,7 +153,13 @@ def demo(
             )
         if n_examples is not None:
             relations = relations[:n_examples]
-        results = run_demo(models, relations, batch_size=batch_size, progress=progress)
+        results = run_demo(
+            models,
+            relations,
+            batch_size=batch_size,
+            progress=progress,
+            include_unembed=include_unembed,
+        )
     except ValueError as error:  # GraftingLensError and every other error we raise on purpose
         _fail(str(error))
 
@@ -155,6 +167,15 @@ def demo(
 
     summary = metrics.summarize(results, by=("config", "prompt"), ks=(1, 5), seed=seed)
     _print_summary(summary, label)
+    typer.echo(
+        "Grafted positions decode through the "
+        + (
+            "donor's unembedding (--include-unembed), so SFT is the finetuned model itself."
+            if include_unembed
+            else "base's unembedding, as in the paper; SFT is the finetuned model decoded that "
+            "way. --include-unembed uses the donor's."
+        )
+    )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "results.csv", results.to_csv(index=False).encode())
     atomic_write(out / "summary.csv", summary.to_csv(index=False).encode())
@@ -174,9 +195,15 @@ def demo(
 
 
 def run_demo(
-    models: Any, relations: list[Any], batch_size: int = 8, progress: bool = True
+    models: Any,
+    relations: list[Any],
+    batch_size: int = 8,
+    progress: bool = True,
+    include_unembed: bool = False,
 ) -> pd.DataFrame:
     """Every position-grafting configuration on both test prompts of ``relations``.
+
+    ``include_unembed`` decodes grafted positions through the donor's unembedding.
 
     Returns:
         The concatenated :func:`~grafting_lens.position_grafting.run_position_grafting`
@@ -198,7 +225,13 @@ def run_demo(
         for warning in caught:
             typer.echo(f"[{prompt}] {warning.message}", err=True)
         tables.append(
-            run_position_grafting(models, tokenized, batch_size=batch_size, progress=progress)
+            run_position_grafting(
+                models,
+                tokenized,
+                batch_size=batch_size,
+                progress=progress,
+                include_unembed=include_unembed,
+            )
         )
     return pd.concat(tables, ignore_index=True)
 

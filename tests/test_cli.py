@@ -131,3 +131,27 @@ def test_model_directory_without_config_is_refused(tmp_path):
         cli.app, ["demo", "--out", str(tmp_path / "out"), "--model", str(tmp_path)]
     )
     assert result.exit_code == 1 and "config.json" in _output(result)
+
+
+def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoints):
+    import grafting_lens as gl
+    from grafting_lens import data, metrics
+
+    out = tmp_path / "out"
+    result = runner.invoke(
+        cli.app,
+        [
+            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
+            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "3",
+            "--no-progress", "--no-png", "--include-unembed",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, _output(result)
+    assert "donor's unembedding" in _output(result)
+    rows = pd.read_csv(out / "results.csv")
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")]
+    models = gl.load_models(checkpoints / "base", checkpoints / "sft")
+    relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
+    batch = data.tokenize_examples(data.make_examples(relations, prompt="headline"), models.tokenizer)
+    final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
+    assert sft.target_rank.tolist() == metrics.target_rank(final, batch.target_ids).tolist()
