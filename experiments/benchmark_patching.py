@@ -6,8 +6,8 @@ donor's ``resid_pre`` into the base at every (layer, position) cell of 16-token
 prompts, twice on the same inputs:
 
 * :func:`grafting_lens.patching.resid_patch_sweep`: every cell a block of rows of
-  one large batch, ``--chunk-size`` rows per forward pass, each pass computed
-  from its first patched position on;
+  one large batch, at most ``--chunk-size`` rows per forward pass, each pass
+  computed only from the first position and the first layer its cells patch;
 * TransformerLens's ``get_act_patch_resid_pre`` (one forward pass per cell), with
   the donor cache it needs (``models[1].run_with_cache``) counted in its time, as
   the sweep counts its own donor pass.
@@ -66,6 +66,14 @@ def main() -> None:
         return per_prompt(logits).mean()
 
     layers = list(range(args.layers))
+    forwards = {"batched": 0, "transformer_lens": 0}
+    counting = ["batched"]
+
+    def count(module, args, kwargs):
+        forwards[counting[0]] += 1
+
+    for model in models:  # one Hugging Face forward per pass, whoever runs it
+        model.original_model.register_forward_pre_hook(count, with_kwargs=True)
     with torch.no_grad():
         models.base(tokens)  # warm-up
 
@@ -75,6 +83,7 @@ def main() -> None:
         )
         batched_s = time.perf_counter() - start
 
+        counting[0] = "transformer_lens"
         start = time.perf_counter()
         _, donor_cache = models[1].run_with_cache(tokens)
         if args.layers == models.n_layers:
@@ -104,9 +113,10 @@ def main() -> None:
                 "batched_s": round(batched_s, 2),
                 "transformer_lens_s": round(reference_s, 2),
                 "cells": cells,
-                # The donor's pass, the unpatched pass whose prefix is reused, the chunks.
-                "batched_forwards": 2 + -(-cells // max(1, args.chunk_size // args.batch)),
-                "transformer_lens_forwards": 1 + cells,
+                # Counted: the donor's pass, the unpatched pass that is resumed, its
+                # check, the patched passes; TransformerLens: the donor's and one per cell.
+                "batched_forwards": forwards["batched"],
+                "transformer_lens_forwards": forwards["transformer_lens"],
                 "layers": args.layers,
                 "pos": args.pos,
                 "batch": args.batch,

@@ -105,7 +105,7 @@ site share one sweep. It returns one tidy row per example, configuration and
 method. :func:`summarize_comparison` aggregates it with bootstrap intervals and
 :func:`grafting_lens.plots.plot_comparison` draws the two methods next to each other, layer by layer.
 
-Example:
+Examples:
     >>> tokenized = data.tokenize_examples(data.make_examples(relations, prompt="qa"),
     ...                                    models.tokenizer)
     >>> results = compare_graft_and_patch(models, tokenized, positions=("LT", "FE"))
@@ -635,8 +635,10 @@ def summarize_comparison(
         results: A table from :func:`compare_graft_and_patch` (or
             :func:`reference_scores`, with ``by=("prompt", "model")``).
         by: Columns that define a group; add ``"prompt"`` to keep prompts apart.
-        n_resamples, confidence, seed: Of every bootstrap interval (see
+        n_resamples: Resamples of every bootstrap interval (see
             :func:`~grafting_lens.metrics.bootstrap_ci`).
+        confidence: The intervals' confidence level.
+        seed: The bootstrap's seed.
 
     Returns:
         :func:`~grafting_lens.metrics.summarize`'s columns (``n``, ``top1``, ``top5``,

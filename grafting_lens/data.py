@@ -54,7 +54,7 @@ Faker instance (``Faker.seed_instance``) from the seed; no global random state i
 Bad arguments raise :class:`~grafting_lens.errors.GraftingLensError` (a ``ValueError``) saying what
 to change; nothing is dropped without a warning.
 
-Example:
+Examples:
     >>> relations = make_relations("fake_movies_real_actors", n=1000, seed=0)
     >>> documents = training_documents(relations, direction="A2B")  # finetune on these
     >>> examples = make_examples(relations, prompt="headline")

@@ -45,7 +45,7 @@ The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
 ``component_baseline``, ``reversal``, ``hybrid``) bundle model roles, tested relations,
 prompts and configurations, for the scripts in ``experiments/`` and for notebooks:
 
-Example:
+Examples:
     >>> from grafting_lens import experiments
     >>> models, relations, info = experiments.toy_setup("hybrid")  # builds the toy world once
     >>> results = experiments.run_named_experiment("hybrid", models, relations)
@@ -261,7 +261,7 @@ def select_positions(
             boolean ``[batch, pos]`` tensor, or positions on padding.
         GraftingLensError: A span the batch lacks (the message lists the ones it has).
 
-    Example:
+    Examples:
         >>> select_positions("FE+LT", batch.spans, batch.attention_mask)
     """
     attention_mask = torch.as_tensor(attention_mask).cpu()
@@ -1680,11 +1680,14 @@ def checkpoint_setup(
         checkpoints: Hub ids or directories, one per role (``EXPERIMENTS[experiment].roles``:
             e.g. pretrained then finetuned for ``position``; task then relation model for
             ``component``; pretrained, task, relation for ``hybrid``).
-        dataset, n_relations, seed: The relations the donors were finetuned on,
+        dataset: The dataset the donors were finetuned on: the relations are
             ``make_relations(dataset, n_relations, seed)``.
+        n_relations: How many relations, as in ``make_relations``.
+        seed: The seed of ``make_relations``.
         relations: Which of them to ask about (``"all"``, ``"task"``, ``"relation"``;
             default: the experiment's).
-        device, dtype: Passed to :func:`grafting_lens.load_models`.
+        device: Passed to :func:`grafting_lens.load_models`.
+        dtype: Passed to :func:`grafting_lens.load_models`.
 
     Raises:
         GraftingLensError: A wrong number of checkpoints or an unknown choice.

@@ -20,7 +20,7 @@ Any explicit argument overrides the preset, so one function serves both a 1B
 checkpoint on a GPU with the paper's settings and the toy world's tiny model that
 needs a much larger learning rate to learn anything in seconds.
 
-Example:
+Examples:
     >>> from transformers import AutoModelForCausalLM, AutoTokenizer
     >>> model = AutoModelForCausalLM.from_pretrained("gpt2")  # doctest: +SKIP
     >>> tokenizer = AutoTokenizer.from_pretrained("gpt2")  # doctest: +SKIP

@@ -230,7 +230,7 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
             an option the single pass cannot serve, or the model is run on tokens of
             another shape.
 
-    Example:
+    Examples:
         >>> with grafting(models, mask) as model:
         ...     logits, cache = model.run_with_cache(tokens)
     """

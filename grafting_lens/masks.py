@@ -274,7 +274,7 @@ class GraftMask:
             source: Index of the checkpoint to take the weights from.
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
 
-        Example:
+        Examples:
             >>> mask = GraftMask.build(models, tokens, positions="last",
             ...                        layers="last_half", components="o+ffn")
         """

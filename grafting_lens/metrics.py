@@ -24,7 +24,7 @@ one. :func:`summarize` turns a tidy results table (one row per example and
 configuration, as :func:`grafting_lens.position_grafting.run_position_grafting`
 returns) into one row per configuration and prompt.
 
-Example:
+Examples:
     >>> final = last_token_logits(logits, attention_mask)
     >>> ranks = target_rank(final, target_ids)
     >>> hits = top_k_hit(final, target_ids, k=5)

@@ -32,7 +32,7 @@ from grafting_lens.components import (
     available_components,
     bridge_component,
 )
-from grafting_lens.errors import AlignmentError
+from grafting_lens.errors import AlignmentError, GraftingLensError
 
 Source = Union[str, os.PathLike, PreTrainedModel, TransformerBridge]
 """A checkpoint: hub id, ``save_pretrained`` directory, HF model or TransformerBridge."""
@@ -186,7 +186,7 @@ def load_models(
             architecture, configuration, parameter shapes or vocabulary.
         ValueError: A path that is neither a directory nor loadable from the hub.
 
-    Example:
+    Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
         >>> models.weight_diff().sort_values("relative_change").tail()
     """
@@ -195,7 +195,7 @@ def load_models(
             f"Grafting needs at least two checkpoints (a base and a donor), got {len(sources)}."
         )
     if names is not None and len(names) != len(sources):
-        raise ValueError(f"Got {len(names)} names for {len(sources)} sources.")
+        raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
     seen: dict[int, int] = {}
     for index, source in enumerate(sources):
         if isinstance(source, (PreTrainedModel, TransformerBridge)):
@@ -251,7 +251,7 @@ def _to_bridge(
             model = AutoModelForCausalLM.from_pretrained(str(path) if path.is_dir() else label)
         except OSError as error:
             where = "directory" if path.is_dir() else "hub id or directory"
-            raise ValueError(
+            raise GraftingLensError(
                 f"Could not load source {index} ({label!r}) as a {where}: {error}. A local "
                 "checkpoint is a directory written by save_pretrained; a hub id needs a network "
                 "connection or a filled HF cache (HF_HUB_OFFLINE=1 forbids downloads)."
@@ -267,7 +267,7 @@ def _to_bridge(
         )
     tokenizer = tokenizer if tokenizer is not None else fallback
     if tokenizer is None:
-        raise ValueError(
+        raise GraftingLensError(
             f"Source {index} is an in-memory model without a tokenizer: pass tokenizer=... to "
             "load_models."
         )
@@ -291,7 +291,7 @@ def _load_tokenizer(name: str, fallback: Any) -> Any:
         return _prepare_tokenizer(AutoTokenizer.from_pretrained(name), name)
     except (OSError, ValueError):
         if fallback is None:
-            raise ValueError(
+            raise GraftingLensError(
                 f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models."
             ) from None
         return fallback

@@ -13,7 +13,7 @@ written, and the returned dict (and a warning) says why the PNG is missing and
 how to get it, instead of a crash at the end of a long run. Both files are written
 to a temporary name and renamed, so a file that exists is complete.
 
-Example:
+Examples:
     >>> summary = metrics.summarize(results)
     >>> fig = plot_accuracy(summary, k=5)
     >>> save_figure(fig, "out/position_grafting")

@@ -41,7 +41,7 @@ examples as rows of one forward pass, and returns one row per example and
 configuration. The movie-title variants (``M``, ``FE+M``...) are in
 :data:`grafting_lens.experiments.MOVIE_CONFIGS`.
 
-Example:
+Examples:
     >>> from grafting_lens import data
     >>> examples = data.make_examples(relations, prompt="headline")
     >>> batch = data.tokenize_examples(examples, models.tokenizer)
@@ -127,7 +127,7 @@ def register_position_config(
         GraftingLensError: The name is taken (and ``overwrite`` is False), or
             ``positions`` is neither a span expression nor callable.
 
-    Example:
+    Examples:
         >>> register_position_config("REL", "REL")
     """
     if not (callable(positions) or isinstance(positions, str)):

@@ -55,7 +55,7 @@ build happens in a temporary sibling directory and is renamed into place only
 once complete, so an interrupted build never looks complete; a directory whose
 manifest or files do not check out is rebuilt, with a warning.
 
-Example:
+Examples:
     >>> from grafting_lens.toy import build_toy_world
     >>> world = build_toy_world()  # doctest: +SKIP
     >>> world.sft_dir, world.manifest["evaluation"]["sft"]  # doctest: +SKIP

@@ -209,6 +209,52 @@ def test_batched_sweeps_equal_a_per_cell_loop(three_models):
         assert (values.amax(dim=0) - values.amin(dim=0)).max() > 1e-2
 
 
+def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
+    """The fast path (blocks before a cell's layer skipped) is taken, and is exact."""
+    tokens = random_tokens(2, 5, seed=29)
+    setup = patching._Setup(three_models, tokens, "resid_pre", 1, 0, "sufficiency", None, None)
+    with torch.no_grad():
+        assert setup.can_skip_layers(setup.unpatched_prefix())
+    kwargs = dict(positions="each", reduce="none", chunk_size=2, progress=False)
+    fast, _ = resid_patch_sweep(three_models, tokens, per_prompt, **kwargs)
+    slow, _ = resid_patch_sweep(three_models, tokens, per_prompt, reuse_prefix=False, **kwargs)
+    assert (fast - slow).abs().max() <= TOLERANCE
+    assert (fast.amax(dim=0) - fast.amin(dim=0)).max() > 1e-2  # layers differ: not all skipped
+
+
+def test_sweeps_fall_back_to_every_block_when_resuming_is_not_exact(three_models, monkeypatch):
+    tokens = random_tokens(2, 5, seed=31)
+    kwargs = dict(positions="each", layers=[1, 2], reduce="none", progress=False)
+    expected, _ = resid_patch_sweep(three_models, tokens, per_prompt, reuse_prefix=False, **kwargs)
+    first_layers = []
+    run = patching._Setup.run
+
+    def spy(self, *args, **kwargs):
+        first_layers.append(kwargs.get("first_layer", args[5] if len(args) > 5 else 0))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(patching._Setup, "can_skip_layers", lambda self, prefix: False)
+    monkeypatch.setattr(patching._Setup, "run", spy)
+    values, _ = resid_patch_sweep(three_models, tokens, per_prompt, **kwargs)
+    assert set(first_layers) == {0}
+    assert (values - expected).abs().max() <= TOLERANCE
+
+
+def test_passes_partition_the_cells_and_respect_the_chunk_size():
+    generator = torch.Generator().manual_seed(0)
+    starts = [tuple(pair) for pair in torch.randint(0, 9, (200, 2), generator=generator).tolist()]
+    for per_pass, overhead in ((1, 0.0), (7, 32.0), (64, 1024.0)):
+        passes = patching._plan_passes(starts, per_pass, 2, 10, (9, 5.0, overhead))
+        assert sorted(cell for cells in passes for cell in cells) == list(range(200))
+        assert max(map(len, passes)) <= per_pass
+    # Without a fixed cost per pass, each distinct start gets a pass of its own.
+    grid = [(position, layer) for layer in range(4) for position in range(5)]
+    passes = patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 0.0))
+    assert all(len({grid[cell] for cell in cells}) == 1 for cells in passes)
+    # With a large one, everything shares as few passes as the chunk size allows.
+    assert len(patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 1e9))) == 1
+
+
 def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
     tokens = random_tokens(2, 5, seed=24)
     attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
