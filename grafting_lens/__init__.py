@@ -13,7 +13,7 @@ Factual Knowledge in Transformers", ICLR 2026).
     >>> logits = gl.graft_forward(models, tokens, mask)
 """
 
-from grafting_lens import data, metrics, patching, plots, positions
+from grafting_lens import comparison, data, experiments, metrics, patching, plots, positions, toy
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -47,8 +47,10 @@ __all__ = [
     "POSITION_CONFIGS",
     "AlignmentError",
     "bootstrap_ci",
+    "comparison",
     "ComponentError",
     "data",
+    "experiments",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
@@ -73,4 +75,5 @@ __all__ = [
     "run_position_grafting",
     "save_figure",
     "summarize",
+    "toy",
 ]

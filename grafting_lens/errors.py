@@ -1,9 +1,11 @@
 """The exceptions grafting-lens raises on purpose.
 
-Every error a user can meet names the problem and the fix. They all derive from
-:class:`GraftingLensError` (and from :class:`ValueError`, since each one reports an
-argument that cannot be used), so ``except ValueError`` keeps working for code that
-does not care which.
+Every error a user can meet names the problem and the fix. An argument of a
+usable type but an unusable value raises a subclass of :class:`GraftingLensError`,
+which is also a :class:`ValueError`, so ``except ValueError`` keeps working for code
+that does not care which. An argument of the wrong type altogether (a number where
+a checkpoint is expected, a slow tokenizer where offsets are needed) raises
+:class:`TypeError`, as Python's own functions do.
 """
 
 from __future__ import annotations

@@ -111,8 +111,9 @@ class _SourceDispatch(nn.Module):
     """Stands in for one component of the base and routes each position to its source.
 
     The source modules are held in a plain list, not registered as submodules, so
-    the base's parameter list is unchanged while grafting and no donor parameter
-    is adopted into the base's module tree.
+    no donor parameter is adopted into the base's module tree. The price: while a
+    graft is installed, ``models.base.parameters()`` lacks the grafted components'
+    parameters (they are back on exit).
     """
 
     def __init__(self, key: Key, sources: list[nn.Module], state: _GraftState) -> None:
@@ -185,17 +186,16 @@ class _SourceDispatch(nn.Module):
 def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
     """Install dispatchers for every pair the mask grafts; restore the base on exit."""
     _check_mask(models, mask)
+    _check_not_grafting(models)
     state = _GraftState(mask, models.device)
     swapped: list[tuple[nn.Module, nn.Module]] = []
+    embed = bridge_component(models.base, "embed", None)
+    check_tokens = embed.register_forward_pre_hook(lambda module, args: _check_window(state, args))
+    setattr(models.base, _ACTIVE, True)
     try:
         for component, layer in mask.keys():
             module = bridge_component(models.base, component, layer)
             original = module._modules["_original_component"]
-            if isinstance(original, _SourceDispatch):
-                raise GraftingError(
-                    "This model set is already inside a grafting(...) block; grafts do not "
-                    "nest. Combine the masks with GraftMask.union instead."
-                )
             sources = [original] + [
                 bridge_component(model, component, layer)._modules["_original_component"]
                 for model in models[1:]
@@ -208,6 +208,32 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
     finally:
         for module, original in reversed(swapped):
             module._modules["_original_component"] = original
+        check_tokens.remove()
+        setattr(models.base, _ACTIVE, False)
+
+
+_ACTIVE = "_grafting_lens_grafting"  # set on the base bridge while a graft is installed
+
+
+def _check_not_grafting(models: ModelSet) -> None:
+    if getattr(models.base, _ACTIVE, False):
+        raise GraftingError(
+            "This model set is already inside a grafting(...) block; grafts do not nest. "
+            "Combine the masks with GraftMask.union, or run this after the block."
+        )
+
+
+def _check_window(state: _GraftState, args: tuple) -> None:
+    """Refuse token ids whose shape is not the window the mask describes."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].is_floating_point():
+        return
+    batch, length = state.shape[0], state.window[1]
+    if tuple(args[0].shape[:2]) != (batch, length):
+        raise GraftingError(
+            f"The grafted model was run on tokens of shape {list(args[0].shape)}, but the mask "
+            f"is for [batch={batch}, pos={length}]. Run it on the tokens the mask was built "
+            "for (same batch size and length), or build a mask for these tokens."
+        )
 
 
 @contextmanager
@@ -293,6 +319,7 @@ def graft_forward_reference(
     """
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
     _check_mask(models, mask)
+    _check_not_grafting(models)
     lengths = row_lengths(mask.shape, None if attention_mask is None else attention_mask.cpu())
     pairs = models.pairs
     modules = {
@@ -387,12 +414,16 @@ def graft_generate(
     return torch.cat(generated, dim=1)
 
 
-def _check_mask(models: ModelSet, mask: GraftMask) -> None:
+def _check_mask_type(mask: object) -> None:
     if not isinstance(mask, GraftMask):
         raise GraftMaskError(
             f"Expected a GraftMask, got {type(mask).__name__}. Build one with "
             "GraftMask.build(...) or GraftMask.from_dict(models, {...})."
         )
+
+
+def _check_mask(models: ModelSet, mask: GraftMask) -> None:
+    _check_mask_type(mask)
     if mask.n_sources != len(models):
         raise GraftMaskError(
             f"The mask was built for {mask.n_sources} sources, the model set has {len(models)}."
@@ -415,6 +446,7 @@ def _check_tokens(
     mask: GraftMask,
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check_mask_type(mask)
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
         raise GraftMaskError(
             "tokens must be a [batch, pos] tensor of token ids (use models.base.to_tokens(...) "

@@ -23,6 +23,7 @@ Three ways to build one:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Union
 
@@ -68,8 +69,11 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
             of ints; a ``range`` or ``slice``; a name from :data:`LAYER_FRACTIONS`
             (``"last_half"``, ``"third_quarter"``...); or a pair of fractions
             ``(start, end)`` with ``0 <= start < end <= 1``. Fractions select
-            layers ``round(start * n) .. round(end * n) - 1``, so the four quarters
-            of a model partition its layers.
+            layers ``r(start * n) .. r(end * n) - 1``, where ``r`` rounds halves
+            up, so the four quarters of a model partition its layers and, with an
+            odd depth, the first half is the larger one. A tuple of ints is a
+            list of layers: ``(0, 2)`` is layers 0 and 2; write ``range(0, 3)``
+            for 0, 1 and 2.
         n_layers: Depth of the model.
 
     Raises:
@@ -89,7 +93,7 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
         start, end = spec
         if not 0.0 <= start < end <= 1.0:
             raise GraftMaskError(f"Layer fractions must satisfy 0 <= start < end <= 1, got {spec}.")
-        layers = tuple(range(round(start * n_layers), round(end * n_layers)))
+        layers = tuple(range(_round_half_up(start * n_layers), _round_half_up(end * n_layers)))
         if not layers:
             raise GraftMaskError(
                 f"The layer fraction {spec} selects no layer of a {n_layers}-layer model."
@@ -99,6 +103,11 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
         spec = range(n_layers)[spec]
     if isinstance(spec, int):
         spec = [spec]
+    if not isinstance(spec, Iterable):
+        raise GraftMaskError(
+            f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
+            f"name such as 'last_half', or a pair of fractions such as (0.5, 1.0)."
+        )
     layers = set()
     for layer in spec:
         if not isinstance(layer, int) or isinstance(layer, bool):
@@ -112,6 +121,12 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
     if not layers:
         raise GraftMaskError("The layer specification selects no layer.")
     return tuple(sorted(layers))
+
+
+def _round_half_up(value: float) -> int:
+    # Python's round() sends halves to the even neighbour, which would make
+    # "last_half" of 3 layers one layer and of 5 layers three.
+    return math.floor(value + 0.5)
 
 
 class GraftMask:
@@ -174,7 +189,8 @@ class GraftMask:
     def to_frame(self) -> pd.DataFrame:
         """One row per grafted ``(component, layer)`` and source, with position counts.
 
-        A quick way to check a mask says what you meant before running it.
+        A quick way to check a mask says what you meant before running it. The
+        ``layer`` column is an integer column, ``<NA>`` for global components.
         """
         rows = []
         for component, layer in self.keys():
@@ -185,7 +201,9 @@ class GraftMask:
                     rows.append(
                         {"component": component, "layer": layer, "source": source, "positions": count}
                     )
-        return pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
+        frame = pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
+        frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
+        return frame
 
     # --------------------------------------------------------------- builders
     @classmethod

@@ -134,8 +134,8 @@ class ModelSet(Sequence[TransformerBridge]):
 
         Returns:
             One row per source (1..n-1), component and layer, with columns
-            ``source``, ``name``, ``component``, ``layer`` (None for global
-            components), ``relative_change`` and ``base_norm``.
+            ``source``, ``name``, ``component``, ``layer`` (an integer column;
+            ``<NA>`` for global components), ``relative_change`` and ``base_norm``.
         """
         rows = []
         for source in range(1, len(self)):
@@ -155,7 +155,9 @@ class ModelSet(Sequence[TransformerBridge]):
                             "base_norm": base_norm,
                         }
                     )
-        return pd.DataFrame(rows)
+        frame = pd.DataFrame(rows)
+        frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
+        return frame
 
 
 def load_models(
@@ -241,6 +243,13 @@ def _to_bridge(
             source.to(device=device, dtype=dtype)
         return source, f"source{index}"
     if isinstance(source, PreTrainedModel):
+        if any("_original_component" in name for name, _ in source.named_modules()):
+            raise GraftingLensError(
+                f"Source {index} is a model that a TransformerBridge already wraps (load_models "
+                "wraps in-memory models in place). Pass the bridge from the earlier ModelSet "
+                "(models[i]) instead, or a fresh copy of the model (copy.deepcopy before the "
+                "first load_models)."
+            )
         model, label = source, f"source{index}"
         model_name = getattr(model.config, "_name_or_path", "") or label
     elif isinstance(source, (str, os.PathLike)):
@@ -327,8 +336,15 @@ def _check_alignment(
         mine, theirs = getattr(base.cfg, field, None), getattr(other.cfg, field, None)
         if mine != theirs:
             raise AlignmentError(f"{label} has {field}={theirs!r}, the base has {field}={mine!r}.")
-    base_params = dict(base.original_model.named_parameters())
-    other_params = dict(other.original_model.named_parameters())
+    # Named as in the checkpoint: the bridge's wrappers add "._original_component".
+    base_params = {
+        name.replace("._original_component", ""): param
+        for name, param in base.original_model.named_parameters()
+    }
+    other_params = {
+        name.replace("._original_component", ""): param
+        for name, param in other.original_model.named_parameters()
+    }
     for param_name, param in base_params.items():
         if param_name not in other_params:
             raise AlignmentError(f"{label} has no parameter {param_name!r}, which the base has.")

@@ -181,12 +181,10 @@ def _png_failure_reason(error: BaseException) -> str:
     message = " ".join(str(error).split())
     lowered = message.lower()
     if "chrome" in lowered or "chromium" in lowered or "browser" in lowered:
-        return f"{NO_CHROME_HINT} (kaleido said: {message[:200]})"
+        return f"{NO_CHROME_HINT} (kaleido said: {message})"
     if "kaleido" in lowered and ("install" in lowered or "requires" in lowered):
-        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message[:200]})"
-    return f"PNG export failed with {type(error).__name__}: {message[:300]}"
-
-
+        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message})"
+    return f"PNG export failed with {type(error).__name__}: {message}"
 
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}

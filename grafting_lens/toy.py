@@ -246,9 +246,9 @@ class ToyWorld:
 
     root: Path
     config: ToyWorldConfig
-    relations: list[Any]
-    task_relations: list[Any]
-    relation_relations: list[Any]
+    relations: list[Any] = field(repr=False)
+    task_relations: list[Any] = field(repr=False)
+    relation_relations: list[Any] = field(repr=False)
     manifest: dict[str, Any] = field(repr=False)
 
     @property

@@ -113,17 +113,35 @@ def test_base_is_restored_when_the_body_raises(three_models):
 def test_grafting_blocks_do_not_nest(three_models):
     tokens = random_tokens(1, 4)
     mask = gl.GraftMask.build(three_models, tokens, components="o", source=1)
+    disjoint = gl.GraftMask.build(three_models, tokens, components="mlp_out", source=2)
     with gl.grafting(three_models, mask):
+        for inner in (mask, disjoint):
+            with pytest.raises(gl.GraftingError, match="do not nest"):
+                with gl.grafting(three_models, inner):
+                    pass
         with pytest.raises(gl.GraftingError, match="do not nest"):
-            with gl.grafting(three_models, mask):
-                pass
+            gl.graft_forward_reference(three_models, tokens, disjoint)
+    # Refusing the inner block left the outer one's graft, and then the base, intact.
+    with gl.grafting(three_models, disjoint):
+        pass
 
 
-def test_running_other_tokens_inside_grafting_is_an_error(three_models):
-    mask = gl.GraftMask.build(three_models, (2, 6), positions=[1], components="q", source=1)
+@pytest.mark.parametrize("components", ["q", "block", "ln1"])
+def test_running_other_tokens_inside_grafting_is_an_error(three_models, components):
+    """Whichever grafted module the run would reach first (a norm applies its own scale)."""
+    mask = gl.GraftMask.build(three_models, (2, 6), positions=[1], components=components, source=1)
     with gl.grafting(three_models, mask) as model:
         with pytest.raises(gl.GraftingError, match=r"\[batch=2, pos=6\]"):
             model(random_tokens(2, 7))
+        with pytest.raises(gl.GraftingError, match=r"\[batch=2, pos=6\]"):
+            model.run_with_cache(random_tokens(3, 6))
+
+
+def test_a_mask_that_is_not_a_graft_mask_is_named(three_models):
+    tokens = random_tokens(1, 4)
+    for run in (gl.graft_forward, gl.graft_forward_reference):
+        with pytest.raises(gl.GraftMaskError, match="Expected a GraftMask, got dict"):
+            run(three_models, tokens, {("q", 0): torch.ones(1, 4)})
 
 
 def test_embed_graft_does_not_touch_a_tied_unembedding(three_models):

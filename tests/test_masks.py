@@ -17,7 +17,9 @@ def test_quarters_partition_the_layers(n_layers):
     ]
     flat = [layer for quarter in quarters for layer in quarter]
     assert flat == list(range(n_layers))
-    assert gl.resolve_layers("last_half", n_layers) == tuple(range(round(n_layers / 2), n_layers))
+    # Halves round up: with an odd depth the first half has the extra layer.
+    assert gl.resolve_layers("last_half", n_layers) == tuple(range(n_layers - n_layers // 2, n_layers))
+    assert len(gl.resolve_layers("first_half", n_layers)) == n_layers - n_layers // 2
 
 
 def test_layer_forms():
@@ -36,6 +38,8 @@ def test_layer_errors_name_the_problem():
         gl.resolve_layers("last_hlf", 6)
     with pytest.raises(gl.GraftMaskError, match="selects no layer of a 3-layer model"):
         gl.resolve_layers((0.5, 0.6), 3)
+    with pytest.raises(gl.GraftMaskError, match="Cannot read layers from 1.5"):
+        gl.resolve_layers(1.5, 6)
 
 
 def test_build_expands_groups_per_architecture(three_models):

@@ -70,6 +70,16 @@ def test_different_vocabularies_are_rejected(tmp_path, tokenizer):
         gl.load_models(tmp_path / "base", tmp_path / "donor")
 
 
+def test_a_model_already_wrapped_by_an_earlier_load_is_refused(tokenizer):
+    base, donor = random_model("gpt2", 0), random_model("gpt2", 1)
+    first = gl.load_models(base, donor, tokenizer=tokenizer)
+    with pytest.raises(gl.GraftingLensError, match="already wraps.*models\\[i\\]"):
+        gl.load_models(base, random_model("gpt2", 2), tokenizer=tokenizer)
+    # The bridge itself is the way to reuse it.
+    again = gl.load_models(first.base, random_model("gpt2", 2), tokenizer=tokenizer)
+    assert again.base is first.base
+
+
 def test_weight_diff_reports_what_changed(tokenizer):
     base = random_model("llama", 0)
     donor = copy.deepcopy(base)
@@ -79,6 +89,7 @@ def test_weight_diff_reports_what_changed(tokenizer):
     frame = loaded.weight_diff()
     changed = frame[frame.relative_change > 0]
     assert changed[["component", "layer"]].values.tolist() == [["mlp_out", 1]]
+    assert str(frame["layer"].dtype) == "Int64"
     assert changed.relative_change.iloc[0] == pytest.approx(0.5, rel=1e-5)
     assert len(frame) == len(loaded.pairs)
     assert len(loaded.pairs) == sum(

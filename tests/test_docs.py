@@ -1,0 +1,106 @@
+"""The documentation: every page is reachable, the site builds strictly with every
+tutorial executed, and the getting-started code computes what the demo reports."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mkdocs.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+TUTORIALS = sorted((DOCS / "tutorials").glob("*.ipynb"))
+
+
+def _environment() -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_MKDOCS_2_WARNING": "1"}
+    env.pop("GRAFTING_LENS_DOCS_EXECUTE", None)  # the tutorials must run
+    return env
+
+
+def _nav_files(nav: list) -> list[str]:
+    files = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        files += _nav_files(value) if isinstance(value, list) else [value]
+    return files
+
+
+def test_every_page_and_tutorial_is_in_the_navigation():
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    listed = set(_nav_files(config["nav"]))
+    pages = {
+        str(path.relative_to(DOCS))
+        for pattern in ("**/*.md", "**/*.ipynb")
+        for path in DOCS.glob(pattern)
+    }
+    assert pages - listed == set(), "pages missing from mkdocs.yml's nav"
+    assert listed - pages == set(), "nav entries without a page"
+    assert len(TUTORIALS) == 5
+
+
+@pytest.mark.parametrize("notebook", TUTORIALS, ids=lambda path: path.stem)
+def test_tutorials_are_stored_without_outputs(notebook):
+    """Outputs come from the build; stored ones could show what the code no longer does."""
+    import nbformat
+
+    cells = nbformat.read(notebook, as_version=4).cells
+    assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# ")
+    for cell in cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+
+
+def test_the_site_builds_strictly_and_runs_every_tutorial(tmp_path):
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-20000:]
+    for notebook in TUTORIALS:
+        html = (site / "tutorials" / notebook.stem / "index.html").read_text()
+        assert "jp-OutputArea" in html, f"{notebook.name} rendered without outputs"
+        assert "Traceback" not in html
+    api = (site / "api" / "graft" / "index.html").read_text()
+    assert "graft_forward_reference" in api and ":func:" not in api
+
+
+def _first_graft_code() -> str:
+    text = (DOCS / "getting-started.md").read_text()
+    section = text.split("## Your first graft", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
+    """The page's dozen lines give the demo's PRE and FE+LT rows (donor unembedding)."""
+    run = subprocess.run(
+        [sys.executable, "-c", _first_graft_code()],
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    printed = re.search(r"pretrained (\d+)%, grafted at FE\+LT (\d+)%", run.stdout)
+    assert printed, run.stdout
+
+    demo = subprocess.run(
+        [str(Path(sys.executable).parent / "grafting-lens"), "demo", "--out", str(tmp_path / "demo"),
+         "--include-unembed", "--no-progress"],
+        cwd=tmp_path, env=_environment(), capture_output=True, text=True,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr[-5000:]
+    summary = pd.read_csv(tmp_path / "demo" / "summary.csv")
+    headline = summary[summary["prompt"] == "headline"].set_index("config")["top5"]
+    assert int(printed.group(1)) == round(100 * headline["PRE"])
+    assert int(printed.group(2)) == round(100 * headline["FE+LT"])
