@@ -12,9 +12,13 @@ prompts, twice on the same inputs:
   the donor cache it needs (``models[1].run_with_cache``) counted in its time, as
   the sweep counts its own donor pass.
 
-Prints one JSON line: ``speedup`` (TransformerLens time / batched time),
-``max_abs_diff`` (largest difference between the two sweeps' values), timings
-and the settings. The speedup depends on the hardware: TransformerLens's loop
+The batched sweep runs twice: handing the metric every position's logits, as
+TransformerLens does (``speedup``), and with ``logits="last"``, which computes
+the unembedding only at the last token the metric reads (``speedup_last_token``).
+
+Prints one JSON line: both speedups (TransformerLens time / batched time),
+``max_abs_diff`` (largest difference between either batched sweep and
+TransformerLens's values), timings and the settings. The speedup depends on the hardware: TransformerLens's loop
 runs 192 small forward passes, which lose most on a GPU or on several CPU threads
 (fixed costs per pass) and least on one CPU thread (compute-bound). Compare with
 ``--threads 1``. Takes a few minutes on a laptop CPU; shrink it for a smoke run:
@@ -66,7 +70,7 @@ def main() -> None:
         return per_prompt(logits).mean()
 
     layers = list(range(args.layers))
-    forwards = {"batched": 0, "transformer_lens": 0}
+    forwards = {"batched": 0, "last_token": 0, "transformer_lens": 0}
     counting = ["batched"]
 
     def count(module, args, kwargs):
@@ -82,6 +86,13 @@ def main() -> None:
             models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size, progress=False
         )
         batched_s = time.perf_counter() - start
+        counting[0] = "last_token"
+        start = time.perf_counter()
+        last_token, _ = resid_patch_sweep(
+            models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size,
+            progress=False, logits="last",
+        )  # fmt: skip
+        last_token_s = time.perf_counter() - start
 
         counting[0] = "transformer_lens"
         start = time.perf_counter()
@@ -108,14 +119,19 @@ def main() -> None:
         json.dumps(
             {
                 "speedup": round(reference_s / batched_s, 2),
-                "max_abs_diff": float((batched - reference.cpu()).abs().max()),
+                "speedup_last_token": round(reference_s / last_token_s, 2),
+                "max_abs_diff": float(
+                    max((batched - reference.cpu()).abs().max(), (last_token - reference.cpu()).abs().max())
+                ),
                 "value_range": float(reference.max() - reference.min()),
                 "batched_s": round(batched_s, 2),
+                "last_token_s": round(last_token_s, 2),
                 "transformer_lens_s": round(reference_s, 2),
                 "cells": cells,
                 # Counted: the donor's pass, the unpatched pass that is resumed, its
                 # check, the patched passes; TransformerLens: the donor's and one per cell.
                 "batched_forwards": forwards["batched"],
+                "last_token_forwards": forwards["last_token"],
                 "transformer_lens_forwards": forwards["transformer_lens"],
                 "layers": args.layers,
                 "pos": args.pos,

@@ -93,6 +93,7 @@ donor_cache, m)`` pass a scalar ``m`` as is, or give TransformerLens
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Union
 
@@ -258,6 +259,7 @@ def resid_patch_sweep(
     chunk_size: int = 64,
     reuse_prefix: bool = True,
     progress: bool = True,
+    logits: str = "all",
 ) -> PatchSweep:
     """Patch each (layer, position) cell of a per-position site alone, batched.
 
@@ -302,6 +304,12 @@ def resid_patch_sweep(
             (layer, ``"each"``) sweep). ``False`` recomputes every position and
             layer, for bridges whose model cannot take a ``DynamicCache``.
         progress: Show a progress bar over forward passes.
+        logits: ``"all"``: the metric gets the logits of every position, as
+            TransformerLens's functions give them. ``"last"``: only each row's
+            last real token, as ``[batch, 1, d_vocab]`` (``logits[:, -1]`` still
+            reads it): the unembedding then runs on one position per row, which
+            on GPT-2 saves about a third of the compute and, with a large
+            vocabulary, most of the memory.
 
     Returns:
         A :class:`PatchSweep`: ``values`` ``[layer, pos]`` (``[layer]`` for a single
@@ -319,7 +327,7 @@ def resid_patch_sweep(
         )
     return _sweep(
         models, tokens, metric, site, layers, positions, None, source, target, direction,
-        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress,
+        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress, logits,
     )  # fmt: skip
 
 
@@ -340,6 +348,7 @@ def head_patch_sweep(
     chunk_size: int = 64,
     reuse_prefix: bool = True,
     progress: bool = True,
+    logits: str = "all",
 ) -> PatchSweep:
     """Patch each attention head's output (``z``) alone, per layer, batched.
 
@@ -368,6 +377,7 @@ def head_patch_sweep(
         chunk_size: As in :func:`resid_patch_sweep`.
         reuse_prefix: As in :func:`resid_patch_sweep`.
         progress: As in :func:`resid_patch_sweep`.
+        logits: As in :func:`resid_patch_sweep`.
 
     Returns:
         A :class:`PatchSweep` with ``values`` ``[layer, head]`` or ``[layer, pos, head]``.
@@ -379,7 +389,7 @@ def head_patch_sweep(
     head_list = _heads(all_heads, "z", models)
     return _sweep(
         models, tokens, metric, "z", layers, positions, head_list, source, target, direction,
-        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress,
+        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress, logits,
     )  # fmt: skip
 
 
@@ -398,6 +408,11 @@ class _Prefix(NamedTuple):
     logits: torch.Tensor
     cache: DynamicCache
     residuals: list[torch.Tensor]
+
+
+# Whether a bridge reproduces its own run when resumed mid-model (see
+# _Setup.can_skip_layers); a property of the architecture, checked once per bridge.
+_RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 class _Setup:
@@ -457,6 +472,10 @@ class _Setup:
         self.patch_tokens = self.tokens if patch_tokens is None else patch_tokens.to(device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(device)
         self.n_heads = int(models.base.cfg.n_heads)
+        # With last_only, runs return each row's last real token only, [batch, 1, d_vocab].
+        self.last_only = False
+        lengths = row_lengths(self.shape, self.cpu_attention_mask)
+        self.last_positions = (lengths - 1).to(device)
 
     def check_layers(self, layers: Sequence[int]) -> None:
         hooks = self.run_model.hook_dict
@@ -531,15 +550,49 @@ class _Setup:
         that list and nothing else; an architecture whose forward also indexes
         per-layer settings by loop position would compute something else. One
         unhooked pass from the middle block checks it against the unpatched
-        logits, and a model that fails keeps computing every block.
+        logits, once per bridge, and a model that fails keeps computing every block.
         """
+        known = _RESUMABLE.get(self.run_model)
+        if known is not None:
+            return known
         if self._block_list() is None or self.models.n_layers < 2:
             return False
         start = 1 if self.shape[1] > 1 else 0
-        logits = self.run(1, {}, {}, start, prefix, first_layer=self.models.n_layers // 2)
+        last_only, self.last_only = self.last_only, False
+        try:
+            logits = self.run(1, {}, {}, start, prefix, first_layer=self.models.n_layers // 2)
+        finally:
+            self.last_only = last_only
         expected = prefix.logits
         scale = float(expected.abs().max()) + 1e-6
-        return bool((logits - expected).abs().max() <= 1e-3 * scale)
+        _RESUMABLE[self.run_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
+        return _RESUMABLE[self.run_model]
+
+    def _last(
+        self,
+        computed: torch.Tensor,
+        start: int,
+        repeats: int,
+        prefix: _Prefix | None,
+        kept: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's last-token logits, ``[rows, 1, d_vocab]``.
+
+        ``computed`` holds the logits of positions ``kept`` (absolute, all at or
+        after ``start``); rows whose last token comes before ``start`` were not
+        computed and take the unpatched run's.
+        """
+        last = self.last_positions.repeat(repeats)
+        rows = torch.arange(len(last), device=last.device)
+        if len(kept) == 0:
+            return computed[rows % self.shape[0], last][:, None]
+        column = torch.searchsorted(kept, last.clamp(min=start)).clamp(max=len(kept) - 1)
+        logits = computed[rows, column]
+        early = last < start
+        if bool(early.any()):
+            assert prefix is not None
+            logits[early] = prefix.logits[rows[early] % self.shape[0], last[early]]
+        return logits[:, None]
 
     def pass_costs(self) -> tuple[int, float, float]:
         """What :func:`_plan_passes` needs: layers, the unembedding's cost in blocks,
@@ -548,7 +601,9 @@ class _Setup:
         block = sum(parameter.numel() for parameter in self.run_model.blocks[0].parameters())
         cfg = self.run_model.cfg
         unembed = cfg.d_vocab * cfg.d_model / max(block, 1)
-        overhead = 32.0 if self.tokens.device.type == "cpu" else 1024.0
+        if self.last_only:
+            unembed /= self.shape[1]  # one position per row instead of every one
+        overhead = 64.0 if self.tokens.device.type == "cpu" else 1024.0
         return self.models.n_layers, unembed, overhead
 
     def _block_list(self) -> tuple[torch.nn.Module, str] | None:
@@ -598,12 +653,20 @@ class _Setup:
             hooks.extend(_site_hooks(self.site, layer, index, values, self.n_heads))
         tokens = self.tokens.repeat(repeats, 1)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
-        if start == 0 and first_layer == 0:
-            return self.run_model.run_with_hooks(
-                tokens, attention_mask=mask, return_type="logits", fwd_hooks=hooks
-            )
-        assert prefix is not None
         options: dict[str, object] = {}
+        if self.last_only:
+            kept = torch.unique(self.last_positions)
+            kept = kept[kept >= start]
+            if len(kept) == 0:  # no row reaches the computed window: nothing changes
+                assert prefix is not None
+                return self._last(prefix.logits, start, repeats, prefix, torch.empty(0))
+            options["logits_to_keep"] = kept - start
+        if start == 0 and first_layer == 0:
+            logits = self.run_model.run_with_hooks(
+                tokens, attention_mask=mask, return_type="logits", fwd_hooks=hooks, **options
+            )
+            return self._last(logits, 0, repeats, prefix, kept) if self.last_only else logits
+        assert prefix is not None
         if start > 0:
             past = DynamicCache()
             for layer, cached in enumerate(prefix.cache.layers):
@@ -612,7 +675,7 @@ class _Setup:
                     cached.values[..., :start, :].repeat(repeats, 1, 1, 1),
                     layer,
                 )
-            options = {"past_key_values": past, "use_cache": True}
+            options.update(past_key_values=past, use_cache=True)
         if first_layer == 0:
             rest = self.run_model.run_with_hooks(
                 tokens[:, start:], attention_mask=mask, return_type="logits", fwd_hooks=hooks,
@@ -630,9 +693,15 @@ class _Setup:
                 )  # fmt: skip
             finally:
                 setattr(parent, attribute, every_block)
+        if self.last_only:
+            return self._last(rest, start, repeats, prefix, kept)
         if start == 0:
             return rest
-        return torch.cat([prefix.logits[:, :start].repeat(repeats, 1, 1), rest], dim=1)
+        logits = rest.new_empty((rest.shape[0], start + rest.shape[1], rest.shape[2]))
+        per_cell = logits.view(repeats, -1, *logits.shape[1:])
+        per_cell[:, :, :start] = prefix.logits[:, :start]  # the same for every cell
+        logits[:, start:] = rest
+        return logits
 
 
 def _site_hooks(
@@ -688,8 +757,15 @@ def _sweep(
     chunk_size: int,
     reuse_prefix: bool,
     progress: bool,
+    logits: str,
 ) -> PatchSweep:
     setup = _Setup(models, tokens, site, source, target, direction, attention_mask, patch_tokens)
+    if logits not in ("all", "last"):
+        raise PatchingError(
+            f"logits must be 'all' (every position) or 'last' (each row's last real token), "
+            f"got {logits!r}."
+        )
+    setup.last_only = logits == "last"
     if site not in LAYER_POSITION_SITES and head_list is None:
         raise PatchingError(f"Site {site!r} is not a per-position site.")
     if reduce not in ("mean", "none"):
@@ -750,9 +826,9 @@ def _sweep(
         }
         start = min(starts[cell][0] for cell in chunk)
         first_layer = min(starts[cell][1] for cell in chunk)
-        logits = setup.run(len(chunk), entries, donor, start, prefix, first_layer)
+        pass_logits = setup.run(len(chunk), entries, donor, start, prefix, first_layer)
         for slot, cell in enumerate(chunk):
-            cell_logits = logits[slot * batch : (slot + 1) * batch]
+            cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
             results[cell] = _evaluate(metric, cell_logits, batch, reduce)
 
     shape = [len(values) for _, values in axes]

@@ -209,6 +209,34 @@ def test_batched_sweeps_equal_a_per_cell_loop(three_models):
         assert (values.amax(dim=0) - values.amin(dim=0)).max() > 1e-2
 
 
+def test_last_token_logits_give_the_same_sweeps(three_models):
+    """logits="last" hands the metric each row's last real token, padding included."""
+    tokens = random_tokens(3, 6, seed=37)
+    lengths = torch.tensor([6, 4, 5])
+    attention_mask = (torch.arange(6)[None, :] < lengths[:, None]).long()
+
+    def every_position(logits):
+        return logits[torch.arange(3), lengths - 1, 3] - logits[torch.arange(3), lengths - 1, 8]
+
+    def last_position(logits):
+        assert logits.shape[1] == 1
+        return logits[:, -1, 3] - logits[:, -1, 8]
+
+    for site in patching.available_sites(three_models):
+        sweep = head_patch_sweep if site == "z" else resid_patch_sweep
+        extra = {"heads": [0, 2]} if site == "z" else {"site": site}
+        for chunk_size, reuse_prefix in ((3, True), (8, True), (8, False)):
+            kwargs = dict(
+                positions="each", attention_mask=attention_mask, reduce="none",
+                chunk_size=chunk_size, reuse_prefix=reuse_prefix, progress=False, **extra,
+            )  # fmt: skip
+            expected, _ = sweep(three_models, tokens, every_position, **kwargs)
+            values, _ = sweep(three_models, tokens, last_position, logits="last", **kwargs)
+            assert (values - expected).abs().max() <= TOLERANCE, (site, chunk_size, reuse_prefix)
+    with pytest.raises(PatchingError, match="logits must be 'all'"):
+        resid_patch_sweep(three_models, tokens, last_position, logits="first")
+
+
 def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
     """The fast path (blocks before a cell's layer skipped) is taken, and is exact."""
     tokens = random_tokens(2, 5, seed=29)
