@@ -257,7 +257,8 @@ def finetune(
     settings.pop("supplementary_default")
 
     rng_devices = [run_device.index or 0] if run_device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices):
+    # Training needs autograd whatever the caller's mode (a notebook may have turned it off).
+    with torch.random.fork_rng(devices=rng_devices), torch.inference_mode(False), torch.enable_grad():
         torch.manual_seed(seed)
         order_rng = random.Random(seed)
         initial_val_loss = _evaluate(model, val_ids, batch_size, pad_id, run_device, autocast)

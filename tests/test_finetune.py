@@ -131,6 +131,16 @@ def test_same_seed_same_run(tokenizer):
     assert first.step_losses != other.step_losses
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_training_works_whatever_the_callers_autograd_mode(tokenizer, mode):
+    """A notebook that turned autograd off must still be able to finetune."""
+    expected = run(tokenizer, epochs=1)
+    model = tiny_model(tokenizer)  # parameters made under inference_mode could never train
+    with mode():
+        result = run(tokenizer, model, epochs=1)
+    assert result.step_losses == expected.step_losses
+
+
 def test_presets_and_overrides(tokenizer):
     assert set(PRESETS) == {"aggressive", "less_aggressive"}
     assert (PRESETS["aggressive"].lr, PRESETS["aggressive"].weight_decay) == (2e-5, 0.01)
