@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pandas as pd
 import torch
 
 import grafting_lens as gl
-from grafting_lens import data, plots
+from grafting_lens import data, experiments, plots
 from grafting_lens.comparison import (
     DEFAULT_PAIRS,
     STREAM_PAIR,
@@ -42,6 +45,7 @@ from grafting_lens.comparison import (
     reference_scores,
     summarize_comparison,
 )
+from grafting_lens.errors import GraftingLensError
 
 PROMPTS = ("headline", "qa")
 POSITIONS = ("LT", "FE", "FE+LT")
@@ -54,42 +58,34 @@ QUICK_EXAMPLES = 16
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="Directory for every output.")
-    parser.add_argument(
-        "--model", help="Base checkpoint (hub id or directory) instead of the toy world."
-    )
-    parser.add_argument("--donor", help="Finetuned checkpoint; required with --model.")
-    parser.add_argument("--dataset", default="fake_movies_real_actors",
-                        help="Relations the donor was finetuned on (with --model).")
-    parser.add_argument(
-        "--n-relations", type=int, default=1000, help="With --model: how many relations."
-    )
-    parser.add_argument("--seed", type=int, default=0, help="With --model: seed of the relations.")
-    parser.add_argument("--cache-dir", type=Path, help="Where toy worlds are cached.")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_EXAMPLES} examples per prompt, sufficiency only.")
+    # The options every experiment script takes (--model/--donor, --toy-config, --dtype,
+    # --no-png...), as for position grafting: the same two checkpoints.
+    experiments.add_script_arguments(parser, "position")
     parser.add_argument("--directions", nargs="+", default=["sufficiency", "necessity"],
-                        choices=["sufficiency", "necessity"])
-    parser.add_argument("--batch-size", type=int, default=16, help="Examples per chunk.")
-    parser.add_argument("--rows-per-forward", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads.")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--no-progress", action="store_true")
+                        choices=["sufficiency", "necessity"])  # fmt: skip
+    parser.add_argument("--rows-per-forward", type=int, default=512,
+                        help="Rows of one forward pass (default 512).")  # fmt: skip
     args = parser.parse_args(argv)
-    if (args.model is None) != (args.donor is None):
-        parser.error("--model and --donor go together (the base and its finetuned version).")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    try:
+        if args.include_unembed or args.base_embeddings:
+            raise GraftingLensError(
+                "--include-unembed and --base-embeddings do not apply here: grafts and patches "
+                "are compared with PRE's embeddings and readout (see grafting_lens.comparison)."
+            )
+        setup = experiments.setup_from_arguments("position", args)
+    except GraftingLensError as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+    models, relations, label = setup["models"], setup["relations"], setup["label"]
+    models.names = ("PRE", "SFT")
     progress = not args.no_progress
     directions = ["sufficiency"] if args.quick else list(dict.fromkeys(args.directions))
+    n_examples = QUICK_EXAMPLES if args.quick else args.n_examples
     started = time.perf_counter()
 
-    models, relations, label = load(args, progress)
     batches = {}
     for prompt in PROMPTS:
-        examples = data.make_examples(relations, prompt=prompt)
-        if args.quick:
-            examples = examples[:QUICK_EXAMPLES]
+        examples = data.make_examples(relations, prompt=prompt)[:n_examples]
         batches[prompt] = data.tokenize_examples(examples, models.tokenizer)
 
     tables, references = [], []
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     references = pd.concat(references, ignore_index=True)
     elapsed = time.perf_counter() - started
 
-    out = args.out
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results.to_csv(out / "results.csv", index=False)
     references.to_csv(out / "references.csv", index=False)
@@ -129,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 title=f"{label}: grafting vs patching SFT into PRE ({direction})",
             )  # fmt: skip
             name = f"{stem}_{direction}"
-            figures[name] = gl.save_figure(fig, out / name, warn=False)
+            figures[name] = gl.save_figure(fig, out / name, png=not args.no_png, warn=False)
 
     settings = {
         "models": label,
@@ -144,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "directions": directions,
         "quick": args.quick,
+        "dtype": args.dtype,
         "seconds": round(elapsed, 1),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -155,22 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         if written["png"] is None:
             print(f"  {name}: HTML only ({written['png_error']})", file=sys.stderr)
     return 0
-
-
-def load(args: argparse.Namespace, progress: bool):
-    """The model set, the relations to test and a label for titles."""
-    if args.model is not None:
-        relations = data.make_relations(args.dataset, n=args.n_relations, seed=args.seed)
-        models = gl.load_models(args.model, args.donor, device=args.device, names=["PRE", "SFT"])
-        return models, relations, f"{args.model} <- {args.donor}"
-    from grafting_lens import toy
-
-    world = toy.build_toy_world(cache_dir=args.cache_dir, progress=progress)
-    models = gl.load_models(
-        world.base_dir, world.sft_dir, tokenizer=world.load_tokenizer(), device=args.device,
-        names=["PRE", "SFT"],
-    )  # fmt: skip
-    return models, list(world.relations), f"toy world {world.root.name}"
 
 
 def readout_ceiling(models: gl.ModelSet, tokenized) -> pd.DataFrame:

@@ -529,6 +529,25 @@ def test_scripts_write_tables_figures_and_resume(script, rows, figures, tiny_wor
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")
+def test_patching_vs_grafting_script_writes_both_methods(tiny_world_args, tmp_path):
+    out = tmp_path / "pvg"
+    assert _script("patching_vs_grafting").main(["--out", str(out), *tiny_world_args]) == 0
+    results = pd.read_csv(out / "results.csv")
+    assert set(results["method"]) == {"graft", "patch"}
+    assert set(results["prompt"]) == {"headline", "qa"}
+    assert set(results["positions"]) == {"LT", "FE", "FE+LT"}
+    assert set(results["layer"]) == {0, 1}  # the tiny world's two layers
+    # Each (method, prompt, positions, pair, layer) scores every example once.
+    sizes = results.groupby(["method", "prompt", "positions", "pair", "layer"]).size()
+    assert sizes.nunique() == 1 and sizes.iloc[0] == 8  # the tiny world's 8 relations
+    references = pd.read_csv(out / "references.csv")
+    assert {"PRE", "SFT", "SFT stream, PRE readout"} <= set(references["model"])
+    for name in ["summary.csv", "summary.md", "top5_sufficiency.html", "prob_sufficiency.html"]:
+        assert (out / name).stat().st_size > 0, name
+    assert not (out / "top5_sufficiency.png").exists()  # --no-png
+
+
+@pytest.mark.filterwarnings("ignore:.*longer than max_length")
 def test_scripts_refuse_bad_arguments_before_running(tiny_world_args, tmp_path, capsys, count_forwards):
     position = _script("position_grafting")
     assert position.main(["--out", str(tmp_path / "a"), "--donor", "x", *tiny_world_args]) == 1
@@ -538,4 +557,9 @@ def test_scripts_refuse_bad_arguments_before_running(tiny_world_args, tmp_path, 
     hybrid = _script("hybrid_grafting")
     assert hybrid.main(["--out", str(tmp_path / "c"), "--model", "x", "--task-model", "y", *tiny_world_args]) == 1
     assert "--relation-model" in capsys.readouterr().err
+    versus = _script("patching_vs_grafting")
+    assert versus.main(["--out", str(tmp_path / "d"), "--include-unembed", *tiny_world_args]) == 1
+    assert "do not apply here" in capsys.readouterr().err
+    assert versus.main(["--out", str(tmp_path / "e"), "--donor", "x", *tiny_world_args]) == 1
+    assert "--donor need --model" in capsys.readouterr().err
     assert count_forwards["n"] == 0
