@@ -336,15 +336,7 @@ def _check_alignment(
         mine, theirs = getattr(base.cfg, field, None), getattr(other.cfg, field, None)
         if mine != theirs:
             raise AlignmentError(f"{label} has {field}={theirs!r}, the base has {field}={mine!r}.")
-    # Named as in the checkpoint: the bridge's wrappers add "._original_component".
-    base_params = {
-        name.replace("._original_component", ""): param
-        for name, param in base.original_model.named_parameters()
-    }
-    other_params = {
-        name.replace("._original_component", ""): param
-        for name, param in other.original_model.named_parameters()
-    }
+    base_params, other_params = _checkpoint_parameters(base), _checkpoint_parameters(other)
     for param_name, param in base_params.items():
         if param_name not in other_params:
             raise AlignmentError(f"{label} has no parameter {param_name!r}, which the base has.")
@@ -357,6 +349,14 @@ def _check_alignment(
     if extra:
         raise AlignmentError(f"{label} has a parameter the base lacks: {extra[0]!r}.")
     _check_vocabulary(base.tokenizer, other.tokenizer, label)
+
+
+def _checkpoint_parameters(bridge: TransformerBridge) -> dict[str, torch.nn.Parameter]:
+    """Parameters named as in the checkpoint (the bridge's wrappers add "._original_component")."""
+    return {
+        name.replace("._original_component", ""): param
+        for name, param in bridge.original_model.named_parameters()
+    }
 
 
 def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> None:

@@ -472,10 +472,9 @@ class _Setup:
         self.patch_tokens = self.tokens if patch_tokens is None else patch_tokens.to(device)
         self.attention_mask = None if attention_mask is None else attention_mask.to(device)
         self.n_heads = int(models.base.cfg.n_heads)
-        # With last_only, runs return each row's last real token only, [batch, 1, d_vocab].
-        self.last_only = False
         lengths = row_lengths(self.shape, self.cpu_attention_mask)
         self.last_positions = (lengths - 1).to(device)
+        self._distinct_last_positions = torch.unique(self.last_positions)  # sorted
 
     def check_layers(self, layers: Sequence[int]) -> None:
         hooks = self.run_model.hook_dict
@@ -558,11 +557,7 @@ class _Setup:
         if self._block_list() is None or self.models.n_layers < 2:
             return False
         start = 1 if self.shape[1] > 1 else 0
-        last_only, self.last_only = self.last_only, False
-        try:
-            logits = self.run(1, {}, {}, start, prefix, first_layer=self.models.n_layers // 2)
-        finally:
-            self.last_only = last_only
+        logits = self.run(1, {}, {}, start, prefix, first_layer=self.models.n_layers // 2)
         expected = prefix.logits
         scale = float(expected.abs().max()) + 1e-6
         _RESUMABLE[self.run_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
@@ -594,14 +589,14 @@ class _Setup:
             logits[early] = prefix.logits[rows[early] % self.shape[0], last[early]]
         return logits[:, None]
 
-    def pass_costs(self) -> tuple[int, float, float]:
+    def pass_costs(self, last_only: bool) -> tuple[int, float, float]:
         """What :func:`_plan_passes` needs: layers, the unembedding's cost in blocks,
         and a pass's fixed cost in tokens (small on a CPU, large on an accelerator,
         where a pass of a few tokens is dominated by kernel launches)."""
         block = sum(parameter.numel() for parameter in self.run_model.blocks[0].parameters())
         cfg = self.run_model.cfg
         unembed = cfg.d_vocab * cfg.d_model / max(block, 1)
-        if self.last_only:
+        if last_only:
             unembed /= self.shape[1]  # one position per row instead of every one
         overhead = 64.0 if self.tokens.device.type == "cpu" else 1024.0
         return self.models.n_layers, unembed, overhead
@@ -626,6 +621,7 @@ class _Setup:
         start: int = 0,
         prefix: _Prefix | None = None,
         first_layer: int = 0,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """The patched run's logits, with every entry written in one forward pass.
 
@@ -634,8 +630,9 @@ class _Setup:
         values of the earlier positions: a patch never changes what comes before it,
         so those are the unpatched run's. With ``first_layer > 0`` blocks before it
         are not run at all: the pass enters block ``first_layer`` with the unpatched
-        run's residual stream, which no patch at a later layer can change. Entry
-        positions are absolute.
+        run's residual stream, which no patch at a later layer can change. With
+        ``last_only`` the result is each row's last real token, ``[rows, 1, d_vocab]``,
+        and the unembedding runs on those positions only. Entry positions are absolute.
         """
         hooks = []
         device = self.tokens.device
@@ -654,20 +651,15 @@ class _Setup:
         tokens = self.tokens.repeat(repeats, 1)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
         options: dict[str, object] = {}
-        if self.last_only:
-            kept = torch.unique(self.last_positions)
+        if last_only:
+            kept = self._distinct_last_positions
             kept = kept[kept >= start]
             if len(kept) == 0:  # no row reaches the computed window: nothing changes
                 assert prefix is not None
-                return self._last(prefix.logits, start, repeats, prefix, torch.empty(0))
+                return self._last(prefix.logits, start, repeats, prefix, kept)
             options["logits_to_keep"] = kept - start
-        if start == 0 and first_layer == 0:
-            logits = self.run_model.run_with_hooks(
-                tokens, attention_mask=mask, return_type="logits", fwd_hooks=hooks, **options
-            )
-            return self._last(logits, 0, repeats, prefix, kept) if self.last_only else logits
-        assert prefix is not None
         if start > 0:
+            assert prefix is not None
             past = DynamicCache()
             for layer, cached in enumerate(prefix.cache.layers):
                 past.update(
@@ -682,6 +674,7 @@ class _Setup:
                 **options,
             )  # fmt: skip
         else:
+            assert prefix is not None
             residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
             parent, attribute = self._block_list()  # type: ignore[misc]
             every_block = getattr(parent, attribute)
@@ -693,7 +686,7 @@ class _Setup:
                 )  # fmt: skip
             finally:
                 setattr(parent, attribute, every_block)
-        if self.last_only:
+        if last_only:
             return self._last(rest, start, repeats, prefix, kept)
         if start == 0:
             return rest
@@ -765,7 +758,7 @@ def _sweep(
             f"logits must be 'all' (every position) or 'last' (each row's last real token), "
             f"got {logits!r}."
         )
-    setup.last_only = logits == "last"
+    last_only = logits == "last"
     if site not in LAYER_POSITION_SITES and head_list is None:
         raise PatchingError(f"Site {site!r} is not a per-position site.")
     if reduce not in ("mean", "none"):
@@ -805,7 +798,7 @@ def _sweep(
         (first[position] if prefix is not None else 0, layer if skip_layers else 0)
         for layer, position, _ in cells
     ]
-    chunks = _plan_passes(starts, max(1, chunk_size // batch), batch, length, setup.pass_costs())
+    chunks = _plan_passes(starts, max(1, chunk_size // batch), batch, length, setup.pass_costs(last_only))
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
     for chunk in tqdm(chunks, desc=f"{site} sweep", disable=not progress or len(chunks) <= 1):
@@ -826,7 +819,7 @@ def _sweep(
         }
         start = min(starts[cell][0] for cell in chunk)
         first_layer = min(starts[cell][1] for cell in chunk)
-        pass_logits = setup.run(len(chunk), entries, donor, start, prefix, first_layer)
+        pass_logits = setup.run(len(chunk), entries, donor, start, prefix, first_layer, last_only)
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
             results[cell] = _evaluate(metric, cell_logits, batch, reduce)
