@@ -9,7 +9,16 @@ every component with 16-token prompts, and prints one JSON line:
 * ``overhead``: single pass with half of the positions grafted in every
   component, over a plain forward of the base.
 
-Run: ``python experiments/benchmark_graft.py [--batch 8] [--pos 16] [--repeats 5]``
+Grafted linear layers run through oneDNN on CPUs (see ``grafting_lens.kernels``),
+the plain forward and the reference through PyTorch's default kernel, so the line
+also separates what the kernel buys from what the single pass buys:
+
+* ``speedup_torch_kernels``: the same speedup with oneDNN switched off
+  (``torch.backends.mkldnn.enabled = False``), every product on PyTorch's kernel;
+* ``dispatch_overhead``: the half-grafted pass over a pass whose mask names the
+  base everywhere, on the same kernels: the cost of gathering and scattering.
+
+Run: ``python experiments/benchmark_graft.py [--batch 8] [--pos 16] [--repeats 7]``
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import grafting_lens as gl
+from grafting_lens import kernels
 
 
 def gpt2_small(seed: int) -> GPT2LMHeadModel:
@@ -58,7 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--pos", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -73,15 +83,25 @@ def main() -> None:
     half = torch.zeros(shape, dtype=torch.long)
     half[:, ::2] = 1
     half_mask = gl.GraftMask.from_dict(model_set, {pair: half for pair in pairs})
+    base_mask = gl.GraftMask.from_dict(model_set, {pair: torch.zeros_like(half) for pair in pairs})
+
+    def graft(mask):
+        return lambda: gl.graft_forward(model_set, tokens, mask)
 
     with torch.inference_mode():
         single = gl.graft_forward(model_set, tokens, random_mask)
         start = time.perf_counter()
         reference = gl.graft_forward_reference(model_set, tokens, random_mask)
         reference_s = time.perf_counter() - start
-        single_s = timed(lambda: gl.graft_forward(model_set, tokens, random_mask), args.repeats)
+        single_s = timed(graft(random_mask), args.repeats)
         plain_s = timed(lambda: model_set.base(tokens), args.repeats)
-        half_s = timed(lambda: gl.graft_forward(model_set, tokens, half_mask), args.repeats)
+        half_s = timed(graft(half_mask), args.repeats)
+        base_s = timed(graft(base_mask), args.repeats)
+        torch.backends.mkldnn.enabled = False
+        try:
+            single_torch_s = timed(graft(random_mask), args.repeats)
+        finally:
+            torch.backends.mkldnn.enabled = True
 
     print(
         json.dumps(
@@ -89,10 +109,15 @@ def main() -> None:
                 "speedup": round(reference_s / single_s, 2),
                 "max_abs_diff": float((single - reference).abs().max()),
                 "overhead": round(half_s / plain_s, 3),
+                "linear_kernel": "onednn" if kernels._onednn_available() else "torch",
+                "speedup_torch_kernels": round(reference_s / single_torch_s, 2),
+                "dispatch_overhead": round(half_s / base_s, 3),
                 "single_pass_s": round(single_s, 4),
+                "single_pass_torch_kernels_s": round(single_torch_s, 4),
                 "reference_s": round(reference_s, 3),
                 "plain_forward_s": round(plain_s, 4),
                 "half_grafted_s": round(half_s, 4),
+                "base_mask_s": round(base_s, 4),
                 "batch": args.batch,
                 "pos": args.pos,
                 "model": "gpt2-small-shaped, random weights",

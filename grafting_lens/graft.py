@@ -29,9 +29,11 @@ whose ``original_component`` does the arithmetic (the bridge splits fused QKV
 projections into separate Q, K and V modules). Inside :func:`grafting`, each
 grafted component's ``original_component`` in the base is replaced by a
 dispatcher that gathers the positions assigned to each source, runs that source's
-own module on them, and scatters the results back. The bridge's hooks fire as
-usual, so ``run_with_cache``, hooks and every TransformerLens tool see the grafted
-run. On exit (also after an exception) the base is restored.
+own module on them (linear layers through oneDNN on CPUs, where it is the faster
+kernel: see :mod:`grafting_lens.kernels`), and scatters the results back. The
+bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
+TransformerLens tool see the grafted run. On exit (also after an exception) the
+base is restored.
 
 The components' *modules* are swapped, not their parameter values, which is why
 tied embeddings stay untied under a graft: grafting ``embed`` runs the donor's
@@ -52,6 +54,7 @@ from transformers import DynamicCache
 
 from grafting_lens.components import bridge_component
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
+from grafting_lens.kernels import run_module
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
 from grafting_lens.positions import row_lengths
@@ -128,13 +131,13 @@ class _SourceDispatch(nn.Module):
     def forward(self, input: torch.Tensor, *args, **kwargs):  # noqa: A002 (torch's name)
         plan = self._state.plan(self._key)
         if plan.single is not None:
-            return self._sources[plan.single](input, *args, **kwargs)
+            return run_module(self._sources[plan.single], input, *args, **kwargs)
         batch, length = plan.window.shape
         x = self._match_window(input, batch, length)
         flat = x.reshape(batch * length, *x.shape[2:])
         output = None
         for source, index in plan.parts:
-            y = self._sources[source](flat.index_select(0, index), *args, **kwargs)
+            y = run_module(self._sources[source], flat.index_select(0, index), *args, **kwargs)
             if output is None:
                 output = y.new_empty((batch * length, *y.shape[1:]))
             output.index_copy_(0, index, y)
