@@ -21,7 +21,8 @@ differences near 1e-7), as any two BLAS libraries do.
 When it is used
 ---------------
 :func:`run_module` calls oneDNN only where the result is the module's own
-arithmetic and nothing else can observe the difference:
+arithmetic (up to the order of the float32 sums) and neither autograd nor a hook
+can tell which kernel ran:
 
 * the module is exactly ``torch.nn.Linear`` or ``transformers``' ``Conv1D`` (GPT-2's
   transposed linear), not a subclass (LoRA, quantized layers) that computes
