@@ -98,10 +98,21 @@ def family_config(family: str):
     raise ValueError(family)
 
 
-def random_model(family: str, seed: int, scale: float = 0.35):
-    """An HF causal LM of ``family`` with large random weights."""
+def random_model(
+    family: str, seed: int, scale: float = 0.35, *, tied: bool | None = None, n_layers: int | None = None
+):
+    """An HF causal LM of ``family`` with large random weights.
+
+    ``tied`` overrides whether the unembedding shares the input embedding's weights, and
+    ``n_layers`` the depth (``None`` keeps :func:`family_config`'s).
+    """
+    config = family_config(family)
+    if tied is not None:
+        config.tie_word_embeddings = tied
+    if n_layers is not None:
+        config.num_hidden_layers = n_layers
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1 and ("norm" in name or "ln" in name):
