@@ -497,7 +497,7 @@ def _check_tokens(
     models.check_length(tokens.shape[1])
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
-    check_padding(tokens, attention_mask, getattr(models.tokenizer, "pad_token_id", None))
+    check_padding(tokens, attention_mask, models.tokenizer)
     mask.check_rows(attention_mask)
     if attention_mask is not None:
         attention_mask = attention_mask.to(models.device)

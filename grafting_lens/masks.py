@@ -337,7 +337,7 @@ class GraftMask:
                 f"source={source!r}, but the model set has {len(models)} sources: give an int "
                 f"0..{len(models) - 1}."
             )
-        check_padding(tokens, attention_mask, getattr(models.tokenizer, "pad_token_id", None))
+        check_padding(tokens, attention_mask, models.tokenizer)
         selected = resolve_positions(positions, shape, attention_mask)
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)

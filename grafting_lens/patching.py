@@ -463,9 +463,8 @@ class _Setup:
         self.cpu_attention_mask = None
         try:
             # Padded rows need their attention mask, or "last" is a padding column.
-            pad_token_id = getattr(models.tokenizer, "pad_token_id", None)
             for checked in (tokens, patch_tokens):
-                check_padding(checked, attention_mask, pad_token_id)
+                check_padding(checked, attention_mask, models.tokenizer)
             if attention_mask is not None:
                 row_lengths(self.shape, attention_mask)
         except GraftMaskError as error:

@@ -29,7 +29,7 @@ mask says where they end.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -87,24 +87,30 @@ def row_lengths(
 def check_padding(
     tokens: Int[torch.Tensor, "batch pos"],
     attention_mask: Int[torch.Tensor, "batch pos"] | None,
-    pad_token_id: int | None,
+    tokenizer: Any,
 ) -> None:
     """Refuse a right-padded batch given without its attention mask.
 
     Without an attention mask every position counts as real, so "last" would be
     the padding column of every shorter row. Rows ending in the pad token are the
     sign: the check refuses them unless an attention mask says where rows end.
-    A prompt that really ends in the pad token (often the same id as BOS/EOS)
-    passes with ``attention_mask=torch.ones_like(tokens)``.
+    The pad token is the tokenizer's, or its EOS token when it has none (what
+    :func:`~grafting_lens.data.tokenize_examples` and most scripts pad with). A
+    prompt that really ends in that token passes with
+    ``attention_mask=torch.ones_like(tokens)``.
 
     Args:
         tokens: ``[batch, pos]`` token ids.
         attention_mask: The batch's attention mask, or ``None``.
-        pad_token_id: The tokenizer's pad id; ``None`` skips the check.
+        tokenizer: The model set's tokenizer; ``None`` (or one with neither a pad
+            nor an EOS token) skips the check.
 
     Raises:
         GraftMaskError: ``attention_mask`` is ``None`` and some row ends in the pad token.
     """
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(tokenizer, "eos_token_id", None)
     if attention_mask is not None or pad_token_id is None or not isinstance(tokens, torch.Tensor):
         return
     if tokens.dim() != 2 or tokens.shape[1] == 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -66,12 +68,17 @@ def test_an_attention_mask_that_is_not_a_tensor_is_a_type_error():
 
 def test_rows_ending_in_the_pad_token_need_an_attention_mask():
     tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0], [5, 6, 7, 0]])
+    padded_with_0 = SimpleNamespace(pad_token_id=0, eos_token_id=2)
     with pytest.raises(GraftMaskError, match="2 of 3 rows \\(rows 1, 2\\) end in the pad token 0"):
-        positions.check_padding(tokens, None, pad_token_id=0)
-    positions.check_padding(tokens, (tokens != 0).long(), pad_token_id=0)  # given: fine
-    positions.check_padding(tokens, torch.ones_like(tokens), pad_token_id=0)  # "they are real"
-    positions.check_padding(tokens, None, pad_token_id=None)  # no pad token: nothing to check
-    positions.check_padding(tokens[:1], None, pad_token_id=0)  # no row ends in padding
+        positions.check_padding(tokens, None, padded_with_0)
+    positions.check_padding(tokens, (tokens != 0).long(), padded_with_0)  # given: fine
+    positions.check_padding(tokens, torch.ones_like(tokens), padded_with_0)  # "they are real"
+    positions.check_padding(tokens[:1], None, padded_with_0)  # no row ends in padding
+    # A tokenizer without a pad token pads with EOS (GPT-2's, tokenize_examples).
+    with pytest.raises(GraftMaskError, match="end in the pad token 0"):
+        positions.check_padding(tokens, None, SimpleNamespace(pad_token_id=None, eos_token_id=0))
+    positions.check_padding(tokens, None, SimpleNamespace(pad_token_id=None, eos_token_id=None))
+    positions.check_padding(tokens, None, None)
 
 
 def test_empty_and_boolean_position_specs_are_refused():
