@@ -246,7 +246,8 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
     Inside the block, ``models.base`` (also what the block yields) computes every
     grafted component at every position with the weights of the source the mask
     names. Hooks, ``run_with_cache`` and ``run_with_hooks`` work as usual. The
-    model must be run on tokens of the mask's shape ``[batch, pos]``. The base is
+    model must be run on tokens of the mask's shape ``[batch, pos]``, with the
+    attention mask the mask was built for (none for unpadded tokens). The base is
     restored on exit, also when the body raises.
 
     Args:
@@ -254,7 +255,9 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
         mask: Which source computes each component, layer and position.
 
     Raises:
-        GraftMaskError: The mask was built for another number of sources.
+        GraftMaskError: The mask was built for another number of sources; inside the
+            block, a run on padded tokens without their attention mask, or with an
+            attention mask the mask was not built for (see :meth:`GraftMask.check_rows`).
         GraftingError: The block is nested in another grafting block, the bridge has
             an option the single pass cannot serve, or the model is run on tokens of
             another shape.
@@ -264,7 +267,24 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
         ...     logits, cache = model.run_with_cache(tokens)
     """
     with _installed(models, mask):
-        yield models.base
+        # The user calls the model, so the attention mask is checked where every call
+        # style (plain call, run_with_cache, run_with_hooks) passes it: the HF model.
+        check_run = models.base.original_model.register_forward_pre_hook(
+            lambda module, args, kwargs: _check_run(models, mask, args, kwargs), with_kwargs=True
+        )
+        try:
+            yield models.base
+        finally:
+            check_run.remove()
+
+
+def _check_run(models: ModelSet, mask: GraftMask, args: tuple, kwargs: dict) -> None:
+    """Inside ``grafting``: the run's padding must be the one the mask was built for."""
+    tokens = args[0] if args else kwargs.get("input_ids")
+    attention_mask = kwargs.get("attention_mask")
+    if isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == mask.shape:
+        check_padding(tokens, attention_mask, models.tokenizer)
+        mask.check_rows(attention_mask)
 
 
 def graft_forward(

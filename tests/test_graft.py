@@ -346,3 +346,22 @@ def test_a_nan_weight_in_the_donor_is_never_scored_as_a_hit(tokenizer):
     final = gl.metrics.last_token_logits(logits)
     with pytest.raises(gl.NonFiniteLogitsError, match="2 of 2 rows"):
         gl.metrics.top_k_hit(final, torch.tensor([5, 5]), 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_runs_inside_grafting_are_checked_against_the_masks_rows(three_models):
+    tokens, attention_mask = _padded_batch()
+    unpadded = gl.GraftMask.build(three_models, tuple(tokens.shape), positions="last")
+    with gl.grafting(three_models, unpadded) as model:
+        for run in (model, model.run_with_cache, lambda *a, **k: model.run_with_hooks(*a, **k)):
+            with pytest.raises(gl.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"):
+                run(tokens, attention_mask=attention_mask)
+            with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
+                run(tokens)
+    built = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
+    with gl.grafting(three_models, built) as model:
+        inside, _ = model.run_with_cache(tokens, attention_mask=attention_mask)
+    expected = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
+    assert torch.equal(inside, expected)
+    # The check is gone after the block.
+    three_models.base(tokens, attention_mask=attention_mask)
