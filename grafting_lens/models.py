@@ -104,9 +104,9 @@ IGNORED_CONFIG_FIELDS: frozenset[str] = frozenset(
 """Hugging Face configuration fields :func:`load_models` does not compare between sources.
 
 Every other field, nested ones included (``rope_parameters.rope_theta``), must be
-equal, as must fields starting with ``_`` be ignored (private metadata such as
-``_name_or_path``). A field that is listed here cannot change the logits of a
-causal LM in eval mode. When a compared field differs in a way you know is
+equal; fields starting with ``_`` (private metadata such as ``_name_or_path``) are
+ignored too. A field listed here cannot change the logits of a causal LM in eval
+mode. When a compared field differs in a way you know is
 immaterial, set the donor's ``config`` field (or its ``config.json``) to the base's.
 """
 
