@@ -27,6 +27,7 @@ from grafting_lens.errors import (
     GraftingError,
     GraftingLensError,
     GraftMaskError,
+    NonFiniteLogitsError,
 )
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.masks import LAYER_FRACTIONS, GraftMask, resolve_layers
@@ -63,6 +64,7 @@ __all__ = [
     "load_models",
     "metrics",
     "ModelSet",
+    "NonFiniteLogitsError",
     "patch_forward",
     "patching",
     "PatchingError",

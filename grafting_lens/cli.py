@@ -138,6 +138,9 @@ def demo(
         _fail("--donor needs --model: the base the donor is grafted into.")
     started = time.perf_counter()
     try:
+        from grafting_lens.models import resolve_placement
+
+        resolve_placement(device)  # a bad --device fails now, not after minutes of building
         if model is None:
             models, relations, label = _toy_models(quick, cache_dir, device, progress)
         else:

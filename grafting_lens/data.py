@@ -761,6 +761,16 @@ class Example:
         alternative_targets: Other actors (each with a leading space) who also co-starred with the
             prompt's actor in the relations given to :func:`make_examples`; they are correct
             answers too, which a strict metric may want to know.
+
+    The target rule: the scored token is the first token of ``text + target``'s tokenization after
+    the prompt's tokens, so ``target`` must start with exactly one space, then the answer
+    (``" Maggie Cheung"``), and ``text`` must not end in whitespace. ``target="Maggie Cheung"``
+    would glue the answer to the prompt's last word and score a piece of it ("M"), so it is
+    refused, as are a trailing space in ``text`` and an empty answer.
+
+    Raises:
+        GraftingLensError: A target or alternative target breaking the rule above, or a text
+            ending in whitespace.
     """
 
     relation_id: int
@@ -770,6 +780,27 @@ class Example:
     spans: dict[str, tuple[int, int]]
     direction: str = "A2B"
     alternative_targets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, target in [("target", self.target)] + [
+            ("alternative target", alternative) for alternative in self.alternative_targets
+        ]:
+            if not isinstance(target, str) or not re.fullmatch(r" \S.*", target, flags=re.DOTALL):
+                fixed = " " + target.strip() if isinstance(target, str) and target.strip() else None
+                raise GraftingLensError(
+                    f"The {name} {target!r} must start with exactly one space and then the "
+                    f"answer, as the next token sees it after the prompt"
+                    + (f": write {fixed!r}." if fixed else ".")
+                    + " Without the space the answer's first letters would be scored as a "
+                    "continuation of the prompt's last word."
+                )
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise GraftingLensError(f"An example needs a prompt text, got {self.text!r}.")
+        if self.text != self.text.rstrip():
+            raise GraftingLensError(
+                f"The prompt {self.text!r} ends in whitespace; the target carries the space "
+                "before the answer. Strip the prompt (or the template's end)."
+            )
 
 
 def _render_with_spans(template: str, values: dict[str, Any]) -> tuple[str, dict[str, tuple[int, int]]]:

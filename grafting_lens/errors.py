@@ -39,6 +39,16 @@ class GraftingError(GraftingLensError):
     """A grafted run was asked for something the single pass cannot do."""
 
 
+class NonFiniteLogitsError(GraftingLensError):
+    """Logits to be scored hold NaN or infinite values.
+
+    A NaN compares false with everything, so a rank counted as "tokens scoring
+    higher than the target" would be 0, a perfect answer. Scoring refuses such
+    rows instead; the message names them and the usual causes (a NaN or infinite
+    weight in a checkpoint, float16 overflow).
+    """
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A " Did you mean 'x'?" suffix naming the closest choice, or an empty string."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)

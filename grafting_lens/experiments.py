@@ -89,7 +89,7 @@ from grafting_lens.errors import ComponentError, GraftingLensError, GraftMaskErr
 from grafting_lens.files import atomic_write
 from grafting_lens.graft import graft_forward
 from grafting_lens.masks import GraftMask, LayerSpec, resolve_layers
-from grafting_lens.models import ModelSet
+from grafting_lens.models import ModelSet, resolve_placement
 from grafting_lens.positions import resolve_positions
 
 __all__ = [
@@ -1907,6 +1907,9 @@ def setup_from_arguments(experiment: str, args: Any) -> dict[str, Any]:
         GraftingLensError: Missing or extra donor options, bad sizes, a bad toy config.
     """
     spec = _experiment(experiment)
+    if args.threads is not None and args.threads < 1:
+        raise GraftingLensError(f"--threads must be >= 1, got {args.threads}.")
+    resolve_placement(args.device, args.dtype)  # a typo fails now, not after loading
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     elif args.model is None:

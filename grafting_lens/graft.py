@@ -57,7 +57,7 @@ from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import row_lengths
+from grafting_lens.positions import check_padding, row_lengths
 
 # Bridge options under which attention code reads projection weights directly,
 # per head, instead of calling the projection module: a per-position dispatcher
@@ -246,7 +246,8 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
     Inside the block, ``models.base`` (also what the block yields) computes every
     grafted component at every position with the weights of the source the mask
     names. Hooks, ``run_with_cache`` and ``run_with_hooks`` work as usual. The
-    model must be run on tokens of the mask's shape ``[batch, pos]``. The base is
+    model must be run on tokens of the mask's shape ``[batch, pos]``, with the
+    attention mask the mask was built for (none for unpadded tokens). The base is
     restored on exit, also when the body raises.
 
     Args:
@@ -254,7 +255,9 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
         mask: Which source computes each component, layer and position.
 
     Raises:
-        GraftMaskError: The mask was built for another number of sources.
+        GraftMaskError: The mask was built for another number of sources; inside the
+            block, a run on padded tokens without their attention mask, or with an
+            attention mask the mask was not built for (see :meth:`GraftMask.check_rows`).
         GraftingError: The block is nested in another grafting block, the bridge has
             an option the single pass cannot serve, or the model is run on tokens of
             another shape.
@@ -264,7 +267,24 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
         ...     logits, cache = model.run_with_cache(tokens)
     """
     with _installed(models, mask):
-        yield models.base
+        # The user calls the model, so the attention mask is checked where every call
+        # style (plain call, run_with_cache, run_with_hooks) passes it: the HF model.
+        check_run = models.base.original_model.register_forward_pre_hook(
+            lambda module, args, kwargs: _check_run(models, mask, args, kwargs), with_kwargs=True
+        )
+        try:
+            yield models.base
+        finally:
+            check_run.remove()
+
+
+def _check_run(models: ModelSet, mask: GraftMask, args: tuple, kwargs: dict) -> None:
+    """Inside ``grafting``: the run's padding must be the one the mask was built for."""
+    tokens = args[0] if args else kwargs.get("input_ids")
+    attention_mask = kwargs.get("attention_mask")
+    if isinstance(tokens, torch.Tensor) and tuple(tokens.shape[:2]) == mask.shape:
+        check_padding(tokens, attention_mask, models.tokenizer)
+        mask.check_rows(attention_mask)
 
 
 def graft_forward(
@@ -284,13 +304,17 @@ def graft_forward(
             different configuration of the same prompt.
         mask: Source indices of shape ``[batch, pos]`` per component and layer.
         attention_mask: ``[batch, pos]``, ones then zeros (right padding). Logits at
-            padding positions are meaningless.
+            padding positions are meaningless. Required when rows end in the pad
+            token; it must be the one the mask was built with (see
+            :meth:`GraftMask.check_rows`).
 
     Returns:
         Logits ``[batch, pos, d_vocab]``.
 
     Raises:
-        GraftMaskError: The mask does not fit the tokens or the model set.
+        GraftMaskError: The mask does not fit the tokens, the model set or the
+            attention mask; padded tokens without an attention mask; an attention
+            mask holding values other than 0 and 1.
     """
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
     with _installed(models, mask):
@@ -373,21 +397,44 @@ def graft_generate(
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` prompts of equal length (no padding).
         mask: The prompt's graft mask, ``[batch, pos]``.
-        max_new_tokens: Number of tokens to generate.
+        max_new_tokens: Number of tokens to generate; the prompt and the new
+            tokens must fit the model's context (``models.base.cfg.n_ctx``).
         new_token_sources: Which weights compute the new tokens: ``"last"`` (each
             component and layer keeps the source it had at the row's last prompt
             token, the paper's setting) or a source index for every component.
 
     Returns:
         ``[batch, pos + max_new_tokens]``: the prompts followed by the new tokens.
+
+    Raises:
+        GraftingError: ``max_new_tokens`` not a positive int or past the model's
+            context, a bad ``new_token_sources``, or padded prompts.
+        GraftMaskError: The mask does not fit the tokens or the model set.
     """
-    if max_new_tokens < 1:
-        raise GraftingError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise GraftingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     tokens, _ = _check_tokens(models, tokens, mask, None)
     prompt_length = tokens.shape[1]
+    if mask.lengths is not None and bool((mask.lengths < prompt_length).any()):
+        raise GraftingError(
+            "graft_generate continues every row after its last column, but the mask was built "
+            "for padded prompts. Generate for prompts of one length (e.g. one prompt at a time)."
+        )
+    context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
+    if context and prompt_length + max_new_tokens > context:
+        # Also the bound on memory: the cache and mask grow with every new token.
+        raise GraftingError(
+            f"The prompt ({prompt_length} tokens) and max_new_tokens={max_new_tokens} make "
+            f"{prompt_length + max_new_tokens} positions, past the model's context of {context}. "
+            f"Ask for at most {context - prompt_length} new tokens."
+        )
     if new_token_sources == "last":
         full = mask.extend(max_new_tokens)
-    elif isinstance(new_token_sources, int) and 0 <= new_token_sources < len(models):
+    elif (
+        isinstance(new_token_sources, int)
+        and not isinstance(new_token_sources, bool)
+        and 0 <= new_token_sources < len(models)
+    ):
         batch = mask.shape[0]
         new = torch.full((batch, max_new_tokens), new_token_sources, dtype=torch.long)
         full = GraftMask(
@@ -457,7 +504,7 @@ def _check_tokens(
             + (f"shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
             + "."
         )
-    if tokens.is_floating_point():
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
         raise GraftMaskError(f"tokens must hold integer ids, got {tokens.dtype}.")
     if tuple(tokens.shape) != mask.shape:
         raise GraftMaskError(
@@ -467,7 +514,11 @@ def _check_tokens(
     vocab = int(models.base.cfg.d_vocab)
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise GraftMaskError(f"Token ids must lie in 0..{vocab - 1}, the model's vocabulary.")
+    models.check_length(tokens.shape[1])
+    # One notion of each row's real tokens for the mask and the run: padded tokens
+    # need their attention mask, and the mask must have been built for it.
+    check_padding(tokens, attention_mask, models.tokenizer)
+    mask.check_rows(attention_mask)
     if attention_mask is not None:
-        row_lengths(mask.shape, attention_mask.cpu())
         attention_mask = attention_mask.to(models.device)
     return tokens.to(models.device), attention_mask

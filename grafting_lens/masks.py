@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Union
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Int
@@ -38,7 +39,7 @@ from grafting_lens.components import (
     expand_components,
 )
 from grafting_lens.errors import ComponentError, GraftMaskError, did_you_mean
-from grafting_lens.positions import PositionSpec, resolve_positions
+from grafting_lens.positions import PositionSpec, check_padding, resolve_positions, row_lengths
 
 if TYPE_CHECKING:
     from grafting_lens.models import ModelSet
@@ -101,6 +102,8 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
         return layers
     if isinstance(spec, slice):
         spec = range(n_layers)[spec]
+    if isinstance(spec, np.integer):
+        spec = int(spec)
     if isinstance(spec, int):
         spec = [spec]
     if not isinstance(spec, Iterable):
@@ -110,8 +113,9 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
         )
     layers = set()
     for layer in spec:
-        if not isinstance(layer, int) or isinstance(layer, bool):
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, (bool, np.bool_)):
             raise GraftMaskError(f"Layers must be ints, got {layer!r}.")
+        layer = int(layer)
         if not -n_layers <= layer < n_layers:
             raise GraftMaskError(
                 f"Layer {layer} is outside the model, which has {n_layers} layers "
@@ -138,6 +142,12 @@ class GraftMask:
     Attributes:
         shape: ``(batch, pos)`` of the tokens the mask is for.
         n_sources: Number of checkpoints in the model set it was built for.
+        lengths: ``[batch]``, the number of real tokens of each row the mask was
+            built for: from the attention mask given to :meth:`build` or
+            :meth:`from_dict` (every row full when :meth:`build` got none), or
+            ``None`` when unknown. A grafted run whose attention mask gives other
+            lengths is refused, so "last" means the same token in the mask and
+            in the run.
     """
 
     def __init__(
@@ -145,9 +155,16 @@ class GraftMask:
         entries: Mapping[Key, Int[torch.Tensor, "batch pos"]],
         shape: tuple[int, int],
         n_sources: int,
+        lengths: Int[torch.Tensor, " batch"] | None = None,
     ) -> None:
         self.shape = (int(shape[0]), int(shape[1]))
         self.n_sources = int(n_sources)
+        self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long).cpu()
+        if self.lengths is not None and tuple(self.lengths.shape) != (self.shape[0],):
+            raise GraftMaskError(
+                f"lengths has shape {tuple(self.lengths.shape)}, expected one length per row "
+                f"({self.shape[0]},)."
+            )
         # Only pairs that graft something are stored: an all-zero pair is the base.
         self._entries: dict[Key, torch.Tensor] = {
             key: value for key, value in entries.items() if bool(value.any())
@@ -212,6 +229,8 @@ class GraftMask:
         models: ModelSet,
         entries: Mapping[Key, torch.Tensor],
         shape: tuple[int, int] | None = None,
+        *,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     ) -> GraftMask:
         """The raw form: ``{(component, layer): [batch, pos] source indices}``.
 
@@ -221,11 +240,14 @@ class GraftMask:
                 accepted when there are exactly two sources). Missing pairs mean
                 source 0. ``layer`` is None for global components.
             shape: ``(batch, pos)``; required when ``entries`` is empty.
+            attention_mask: ``[batch, pos]`` right padding of the tokens the mask
+                is for. Given, the mask records each row's length (see
+                :attr:`lengths`) and refuses entries that graft a padding position.
 
         Raises:
             ComponentError: An unknown component, or one the architecture lacks.
-            GraftMaskError: A bad layer, a tensor of another shape or dtype, or a
-                source index out of range.
+            GraftMaskError: A bad layer, a tensor of another shape or dtype, a
+                source index out of range, or a graft at a padding position.
         """
         if shape is None:
             if not entries:
@@ -264,7 +286,11 @@ class GraftMask:
             if key in checked:
                 raise GraftMaskError(f"{key} is given twice.")
             checked[key] = value
-        return cls(checked, tuple(shape), n_sources)
+        mask = cls(checked, tuple(shape), n_sources)
+        if attention_mask is not None:
+            mask.lengths = row_lengths(mask.shape, attention_mask)
+            mask.check_rows(attention_mask)
+        return mask
 
     @classmethod
     def build(
@@ -291,17 +317,27 @@ class GraftMask:
                 or a ``+``-joined string such as ``"o+ffn"``.
             source: Index of the checkpoint to take the weights from.
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
+                The mask remembers each row's length (:attr:`lengths`) and a run
+                with another attention mask is refused. Without one every position
+                is real, and tokens whose rows end in the pad token are refused
+                (pass the attention mask of a padded batch).
+
+        Raises:
+            GraftMaskError: A bad source, layer or position, or padded tokens
+                without their attention mask.
+            ComponentError: An unknown component, or one the architecture lacks.
 
         Examples:
             >>> mask = GraftMask.build(models, tokens, positions="last",
             ...                        layers="last_half", components="o+ffn")
         """
-        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else tuple(tokens)
-        if not 0 <= source < len(models):
+        shape = _tokens_shape(tokens)
+        if not isinstance(source, int) or isinstance(source, bool) or not 0 <= source < len(models):
             raise GraftMaskError(
-                f"source={source}, but the model set has {len(models)} sources "
-                f"(0..{len(models) - 1})."
+                f"source={source!r}, but the model set has {len(models)} sources: give an int "
+                f"0..{len(models) - 1}."
             )
+        check_padding(tokens, attention_mask, models.tokenizer)
         selected = resolve_positions(positions, shape, attention_mask)
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)
@@ -310,7 +346,9 @@ class GraftMask:
         for name in names:
             for layer in layer_list if name in LAYER_COMPONENTS else (None,):
                 entries[(name, layer)] = value
-        return cls.from_dict(models, entries, shape)
+        mask = cls.from_dict(models, entries, shape)
+        mask.lengths = row_lengths(mask.shape, attention_mask)
+        return mask
 
     @classmethod
     def union(cls, *masks: GraftMask, on_conflict: str = "error") -> GraftMask:
@@ -347,7 +385,14 @@ class GraftMask:
                         "on_conflict='last' to let the later graft win."
                     )
                 combined[key] = torch.where(value != 0, value, current)
-        return cls(combined, first.shape, first.n_sources)
+        known = [mask.lengths for mask in masks if mask.lengths is not None]
+        for lengths in known[1:]:
+            if not torch.equal(lengths, known[0]):
+                raise GraftMaskError(
+                    "The masks were built for rows of different lengths (different attention "
+                    "masks); build every graft of a union from the same tokens and attention mask."
+                )
+        return cls(combined, first.shape, first.n_sources, known[0] if known else None)
 
     @classmethod
     def cat(cls, masks: Sequence[GraftMask]) -> GraftMask:
@@ -370,7 +415,9 @@ class GraftMask:
         keys = {key for mask in masks for key in mask._entries}
         entries = {key: torch.cat([mask[key] for mask in masks], dim=0) for key in keys}
         batch = sum(mask.shape[0] for mask in masks)
-        return cls(entries, (batch, positions), n_sources)
+        known = all(mask.lengths is not None for mask in masks)
+        lengths = torch.cat([mask.lengths for mask in masks]) if known else None
+        return cls(entries, (batch, positions), n_sources, lengths)
 
     def extend(self, new_positions: int) -> GraftMask:
         """Append ``new_positions`` columns that repeat each row's last column.
@@ -378,14 +425,75 @@ class GraftMask:
         Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
         in each row, the source it had at the row's last position.
         """
-        if new_positions < 0:
-            raise GraftMaskError(f"new_positions must be >= 0, got {new_positions}.")
+        if not isinstance(new_positions, int) or isinstance(new_positions, bool) or new_positions < 0:
+            raise GraftMaskError(f"new_positions must be an int >= 0, got {new_positions!r}.")
         batch, positions = self.shape
+        if self.lengths is not None and bool((self.lengths < positions).any()):
+            raise GraftMaskError(
+                "extend continues each row after its last column, but this mask was built for "
+                "padded rows, whose last column is padding. Extend a mask of unpadded tokens."
+            )
         entries = {
             key: torch.cat([value, value[:, -1:].expand(batch, new_positions)], dim=1)
             for key, value in self._entries.items()
         }
-        return GraftMask(entries, (batch, positions + new_positions), self.n_sources)
+        lengths = None if self.lengths is None else self.lengths + new_positions
+        return GraftMask(entries, (batch, positions + new_positions), self.n_sources, lengths)
+
+    def check_rows(self, attention_mask: Int[torch.Tensor, "batch pos"] | None) -> None:
+        """Refuse running this mask under an attention mask it was not built for.
+
+        A grafted run calls this with its own attention mask (``None``: no
+        padding). The rows' lengths must equal :attr:`lengths` when the mask
+        knows them, and no position the run treats as padding may be grafted:
+        either would mean the mask's "last token" is not the run's.
+
+        Raises:
+            GraftMaskError: Lengths that disagree, or a graft at a padding position.
+        """
+        lengths = row_lengths(self.shape, attention_mask)
+        if self.lengths is not None and not torch.equal(lengths, self.lengths):
+            row = int((lengths != self.lengths).nonzero()[0])
+            raise GraftMaskError(
+                f"The mask was built for rows of other lengths than this run's attention mask "
+                f"gives (row {row}: {int(self.lengths[row])} real tokens in the mask, "
+                f"{int(lengths[row])} in the run), so its positions ('last', spans) are not "
+                "the run's. Build the mask with the run's attention mask: "
+                "GraftMask.build(..., attention_mask=attention_mask)."
+            )
+        padding = torch.arange(self.shape[1])[None, :] >= lengths[:, None]
+        if not bool(padding.any()):
+            return
+        checked: set[int] = set()
+        for key, value in self._entries.items():
+            if id(value) in checked:  # pairs often share one tensor
+                continue
+            checked.add(id(value))
+            grafted = (value != 0) & padding
+            if bool(grafted.any()):
+                row, position = (int(i) for i in grafted.nonzero()[0])
+                raise GraftMaskError(
+                    f"The mask grafts {key} at row {row}, position {position}, which this run's "
+                    f"attention mask makes padding (the row has {int(lengths[row])} real "
+                    "tokens): the mask was built for other rows. Build it with the run's "
+                    "attention mask (GraftMask.build(..., attention_mask=...), or "
+                    "from_dict(..., attention_mask=...))."
+                )
+
+
+def _tokens_shape(tokens: object) -> tuple[int, int]:
+    if isinstance(tokens, torch.Tensor):
+        shape = tuple(tokens.shape)
+    elif isinstance(tokens, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in tokens):
+        shape = tokens
+    else:
+        raise TypeError(
+            f"tokens must be a [batch, pos] tensor of token ids or a (batch, pos) tuple, got "
+            f"{type(tokens).__name__}. Tokenize with the tokenizer or models.base.to_tokens(...)."
+        )
+    if len(shape) != 2:
+        raise GraftMaskError(f"tokens must be [batch, pos], got shape {shape}.")
+    return (int(shape[0]), int(shape[1]))
 
 
 def _check_key(key: object, models: ModelSet) -> Key:

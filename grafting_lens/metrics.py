@@ -10,12 +10,27 @@ each row (:func:`last_token_logits` picks them out of a right-padded batch).
 
 Definitions, fixed once so every table agrees:
 
-* ``rank``: the number of vocabulary entries whose logit is strictly greater than
-  the target's. 0 means the target is the top prediction. Ties are resolved in
-  the target's favour, which only matters for exactly equal float logits.
-* top-k hit: ``rank < k``. This is the same as "the target is in ``topk(k)``"
-  except when ties straddle the k-th place.
+* ``rank``: the number of other vocabulary entries whose logit is greater than
+  the target's, or equal to it. 0 means the target is the top prediction and no
+  other token ties with it. This is the *pessimistic* rank: a tie is never
+  counted as a win for the target, so a top-k hit means the target is in the
+  top ``k`` under every ordering of the tied tokens (and greedy decoding, which
+  breaks ties by index, may well not pick it). Ties are rare in float32 but
+  common in bfloat16, where counting them for the target would bias ranks
+  upward. ``ties="optimistic"`` counts only strictly greater logits, the rule
+  of the paper's code; a table built with it says so in its parameters, not
+  here. (A mean rank over tie orderings would be unbiased, but fractional, and
+  a top-k hit would stop being a yes or a no.)
+* top-k hit: ``rank < k``, under the same tie rule.
 * probability: softmax of the logits, computed in float32.
+* Non-finite logits: a row holding a NaN or an infinite logit has no rank, hit
+  or probability. A NaN compares false with everything, so counting "tokens
+  above the target" would give it rank 0, a perfect answer; an infinite logit
+  (float16 overflow) makes ties and probabilities meaningless. Every scorer
+  here raises :class:`~grafting_lens.errors.NonFiniteLogitsError` naming the
+  rows instead, so a NaN can never reach a table as a hit. Such logits come
+  from a NaN or infinite weight in a checkpoint or from float16 overflow, and
+  the fix is there, not in the scoring.
 
 Aggregates come with a percentile bootstrap confidence interval of the mean
 (:func:`bootstrap_ci`), because a toy experiment has tens of examples, and a
@@ -41,9 +56,11 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 
-from grafting_lens.errors import GraftingLensError
+from grafting_lens.errors import GraftingLensError, NonFiniteLogitsError
+from grafting_lens.positions import row_lengths
 
 __all__ = [
+    "TIE_RULES",
     "TopTokens",
     "bootstrap_ci",
     "last_token_logits",
@@ -53,6 +70,14 @@ __all__ = [
     "top_k_hit",
     "top_k_tokens",
 ]
+
+
+TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
+"""How :func:`target_rank` counts tokens whose logit equals the target's.
+
+``"pessimistic"`` (the default) counts them as above the target;
+``"optimistic"`` ignores them (the rank counts strictly greater logits only).
+"""
 
 
 class TopTokens(NamedTuple):
@@ -85,7 +110,9 @@ def last_token_logits(
 
     Raises:
         GraftingLensError: Logits that are not ``[batch, pos, d_vocab]``, or an
-            attention mask of another shape or with an empty row.
+            attention mask of another shape, with values other than 0 and 1,
+            not right padded, or with an empty row (see
+            :func:`~grafting_lens.positions.row_lengths`).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise GraftingLensError(
@@ -99,33 +126,43 @@ def last_token_logits(
             f"attention_mask has shape {tuple(attention_mask.shape)}, the logits have "
             f"[batch, pos] = {[batch, positions]}."
         )
-    lengths = attention_mask.to(torch.long).sum(dim=1)
-    if (lengths == 0).any():
-        raise GraftingLensError(
-            "A row of attention_mask has no real token, so it has no last token."
-        )
+    # The same rule for a row's last real token as masks and runs use.
+    lengths = row_lengths((batch, positions), attention_mask)
     rows = torch.arange(batch, device=logits.device)
     return logits[rows, (lengths - 1).to(logits.device)]
 
 
 def target_rank(
-    logits: Float[torch.Tensor, "batch d_vocab"], target_ids: Int[torch.Tensor, " batch"]
+    logits: Float[torch.Tensor, "batch d_vocab"],
+    target_ids: Int[torch.Tensor, " batch"],
+    *,
+    ties: str = "pessimistic",
 ) -> Int[torch.Tensor, " batch"]:
-    """Rank of each target among the vocabulary: 0 when it is the top prediction.
+    """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
-    The rank counts the tokens whose logit is strictly greater than the target's,
-    so ties go to the target (see the module docstring).
+    The rank counts the other tokens whose logit is greater than the target's
+    and, with ``ties="pessimistic"``, those whose logit equals it (see the
+    module docstring for why ties do not go to the target).
 
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
         target_ids: The correct next token of each row.
+        ties: ``"pessimistic"`` (default: a tie counts against the target) or
+            ``"optimistic"`` (only strictly greater logits count, as in the
+            paper's code). See :data:`TIE_RULES`.
 
     Raises:
-        GraftingLensError: Shapes that do not match, or a target outside the vocabulary.
+        NonFiniteLogitsError: A row holds a NaN or infinite logit.
+        GraftingLensError: Shapes that do not match, a target outside the
+            vocabulary, or an unknown tie rule.
     """
+    _check_ties(ties)
     logits, target_ids = _check(logits, target_ids)
     target_logit = logits.gather(1, target_ids[:, None])
-    return (logits > target_logit).sum(dim=1)
+    rank = (logits > target_logit).sum(dim=1)
+    if ties == "pessimistic":
+        rank = rank + (logits == target_logit).sum(dim=1) - 1  # the target ties with itself
+    return rank
 
 
 def target_probability(
@@ -134,6 +171,7 @@ def target_probability(
     """Softmax probability of each target, computed in float32.
 
     Raises:
+        NonFiniteLogitsError: A row holds a NaN or infinite logit.
         GraftingLensError: Shapes that do not match, or a target outside the vocabulary.
     """
     logits, target_ids = _check(logits, target_ids)
@@ -142,16 +180,27 @@ def target_probability(
 
 
 def top_k_hit(
-    logits: Float[torch.Tensor, "batch d_vocab"], target_ids: Int[torch.Tensor, " batch"], k: int
+    logits: Float[torch.Tensor, "batch d_vocab"],
+    target_ids: Int[torch.Tensor, " batch"],
+    k: int,
+    *,
+    ties: str = "pessimistic",
 ) -> Bool[torch.Tensor, " batch"]:
     """Whether each target is among the ``k`` most likely tokens (``rank < k``).
 
+    Args:
+        logits: Logits at the last real token of each row.
+        target_ids: The correct next token of each row.
+        k: How many top tokens count as a hit.
+        ties: The tie rule of the rank (see :func:`target_rank`).
+
     Raises:
-        GraftingLensError: ``k < 1``, shapes that do not match, or a target
-            outside the vocabulary.
+        NonFiniteLogitsError: A row holds a NaN or infinite logit.
+        GraftingLensError: ``k < 1``, shapes that do not match, a target
+            outside the vocabulary, or an unknown tie rule.
     """
     _check_k(k)
-    return target_rank(logits, target_ids) < k
+    return target_rank(logits, target_ids, ties=ties) < k
 
 
 def top_k_tokens(
@@ -170,6 +219,7 @@ def top_k_tokens(
             one, ``strings`` is ``None``.
 
     Raises:
+        NonFiniteLogitsError: A row holds a NaN or infinite logit.
         GraftingLensError: ``k`` outside ``1..d_vocab`` or logits that are not
             ``[batch, d_vocab]``.
     """
@@ -180,6 +230,7 @@ def top_k_tokens(
             + _describe(logits)
             + ". Use last_token_logits(logits, attention_mask) first."
         )
+    _check_finite(logits)
     if k > logits.shape[1]:
         raise GraftingLensError(f"k={k} exceeds the vocabulary size {logits.shape[1]}.")
     probabilities = torch.softmax(logits.float(), dim=-1)
@@ -355,7 +406,35 @@ def _check(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor
         raise GraftingLensError(
             f"target_ids must lie in 0..{vocab - 1}, the vocabulary of the logits."
         )
+    _check_finite(logits)
     return logits, target_ids.to(device=logits.device, dtype=torch.long)
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    """Refuse rows holding a NaN or infinite logit (see the module docstring)."""
+    bad = ~torch.isfinite(logits).all(dim=1)
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().squeeze(1).tolist()
+    shown = ", ".join(str(row) for row in rows[:5]) + (", ..." if len(rows) > 5 else "")
+    nan = bool(torch.isnan(logits[bad]).any())
+    raise NonFiniteLogitsError(
+        f"{len(rows)} of {logits.shape[0]} rows of logits (rows {shown}) hold "
+        f"{'NaN' if nan else 'infinite'} values, so they have no rank, hit or probability; "
+        "they are refused rather than scored (a NaN would rank 0, a perfect answer). Usual "
+        "causes: a NaN or infinite weight in a checkpoint (check "
+        "all(torch.isfinite(p).all() for p in model.parameters()) for each source), or "
+        f"float16 overflow (these logits are {logits.dtype}; load the models with "
+        "dtype=torch.float32 or torch.bfloat16)."
+    )
+
+
+def _check_ties(ties: object) -> None:
+    if ties not in TIE_RULES:
+        raise GraftingLensError(
+            f"ties must be one of {', '.join(map(repr, TIE_RULES))}, got {ties!r}: "
+            "'pessimistic' counts a tie against the target, 'optimistic' for it."
+        )
 
 
 def _check_k(k: int) -> None:

@@ -8,21 +8,34 @@ TransformerLens 4.x ``TransformerBridge`` loaded **without weight processing**:
 no LayerNorm folding, centering or value-bias folding, because a graft swaps the
 checkpoint's own parameters and processed weights are no longer those.
 
-Alignment is checked once, on load: the same architecture and configuration,
-the same shape for every parameter, the same vocabulary. Anything else raises
+Alignment is checked once, on load: the same architecture, the same shape,
+dtype and device for every parameter, the same vocabulary, and the same
+configuration of what the models *compute*. A graft runs the donor's modules
+inside the base's forward pass, and whatever lives outside the grafted modules
+comes from the base: rotary frequencies (``rope_theta``, ``rope_scaling``, the
+rotary fraction), attention scaling and softcapping, sliding windows, norm
+epsilons, activations. A donor that differs there would be grafted silently
+wrong, so the Hugging Face configurations are compared field by field, except
+fields that cannot change the forward pass of a causal LM in eval mode
+(:data:`IGNORED_CONFIG_FIELDS`: metadata, special token ids, dropout rates,
+initialisation, output flags). The buffers the models derive from their
+configuration (rotary ``inv_freq``...) must be equal too. Anything else raises
 :class:`~grafting_lens.AlignmentError` naming the first difference, instead of a
-shape mismatch deep inside torch in the middle of a sweep.
+shape mismatch deep inside torch in the middle of a sweep, or a wrong number.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
 import pandas as pd
 import torch
+from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -36,6 +49,66 @@ from grafting_lens.errors import AlignmentError, GraftingLensError
 
 Source = Union[str, os.PathLike, PreTrainedModel, TransformerBridge]
 """A checkpoint: hub id, ``save_pretrained`` directory, HF model or TransformerBridge."""
+
+IGNORED_CONFIG_FIELDS: frozenset[str] = frozenset(
+    {
+        # metadata; the architecture and dtypes are compared on the bridges and parameters
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "name_or_path",
+        "tokenizer_class",
+        "prefix",
+        "task_specific_params",
+        "finetuning_task",
+        "id2label",
+        "label2id",
+        "num_labels",
+        "problem_type",
+        # special token ids: the tokenizers' vocabularies are compared instead
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        # what a forward call returns or keeps, not what it computes
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "torchscript",
+        "chunk_size_feed_forward",  # chunks the MLP, same numbers
+        # training only: initialisation and dropout (inactive in eval mode)
+        "initializer_range",
+        "initializer_factor",
+        "gradient_checkpointing",
+        "attention_dropout",
+        "attn_pdrop",
+        "embd_pdrop",
+        "resid_pdrop",
+        "hidden_dropout",
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "classifier_dropout",
+        "dropout",
+        "activation_dropout",
+        "summary_first_dropout",
+        # GPT-2's sequence-summary head, which a causal LM does not run
+        "summary_type",
+        "summary_use_proj",
+        "summary_activation",
+        "summary_proj_to_labels",
+    }
+)
+"""Hugging Face configuration fields :func:`load_models` does not compare between sources.
+
+Every other field, nested ones included (``rope_parameters.rope_theta``), must be
+equal; fields starting with ``_`` (private metadata such as ``_name_or_path``) are
+ignored too. A field listed here cannot change the logits of a causal LM in eval
+mode. When a compared field differs in a way you know is
+immaterial, set the donor's ``config`` field (or its ``config.json``) to the base's.
+"""
 
 # Configuration fields that change the computation without changing any shape.
 _CONFIG_FIELDS = (
@@ -121,6 +194,30 @@ class ModelSet(Sequence[TransformerBridge]):
         )
 
     @property
+    def max_positions(self) -> int | None:
+        """How many positions the model can embed, for learned position embeddings (GPT-2).
+
+        ``None`` for models without a ``pos_embed`` component (rotary models), which
+        have no hard limit.
+        """
+        if "pos_embed" not in self.components:
+            return None
+        return int(self.base.cfg.n_ctx)
+
+    def check_length(self, length: int) -> None:
+        """Refuse sequences longer than the learned position embeddings.
+
+        Raises:
+            GraftingLensError: ``length`` exceeds :attr:`max_positions`.
+        """
+        limit = self.max_positions
+        if limit is not None and length > limit:
+            raise GraftingLensError(
+                f"The tokens have {length} positions, but {self.architecture} learned position "
+                f"embeddings for {limit}: truncate or split the prompts to at most {limit} tokens."
+            )
+
+    @property
     def device(self) -> torch.device:
         """Device of the base's parameters."""
         return next(self.base.original_model.parameters()).device
@@ -177,7 +274,9 @@ def load_models(
         tokenizer: A tokenizer or a path/hub id to load one from. By default the
             base's own: its directory's tokenizer, or the bridge's.
         device: Where to put every model (default: where they are, CPU for paths).
-        dtype: Cast every model to this dtype (default: keep the checkpoint's).
+        dtype: Cast every model to this floating dtype, a ``torch.dtype`` or its
+            name (``"float32"``, ``"bfloat16"``, ``"torch.float16"``); default:
+            keep the checkpoint's.
         names: A label per source, used in tables and figures.
 
     Returns:
@@ -185,8 +284,12 @@ def load_models(
 
     Raises:
         AlignmentError: Fewer than two sources, or sources that differ in
-            architecture, configuration, parameter shapes or vocabulary.
-        ValueError: A path that is neither a directory nor loadable from the hub.
+            architecture, configuration (any field that changes the forward
+            pass, see :data:`IGNORED_CONFIG_FIELDS`), parameter shapes, dtypes or
+            devices, buffers or vocabulary.
+        GraftingLensError: A path that is neither a checkpoint directory nor
+            loadable from the hub, an unreadable checkpoint file, or a device or
+            dtype torch does not have.
 
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
@@ -198,6 +301,7 @@ def load_models(
         )
     if names is not None and len(names) != len(sources):
         raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
+    device, dtype = resolve_placement(device, dtype)
     seen: dict[int, int] = {}
     for index, source in enumerate(sources):
         if isinstance(source, (PreTrainedModel, TransformerBridge)):
@@ -207,6 +311,12 @@ def load_models(
                     "needs distinct models (pass copy.deepcopy(model) to graft a model into itself)."
                 )
             seen[id(source)] = index
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        if not hasattr(tokenizer, "get_vocab"):
+            raise TypeError(
+                f"tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
+                f"got {type(tokenizer).__name__}."
+            )
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
     bridges: list[TransformerBridge] = []
@@ -256,15 +366,7 @@ def _to_bridge(
         label = str(source)
         model_name = label
         path = Path(source).expanduser()
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(path) if path.is_dir() else label)
-        except OSError as error:
-            where = "directory" if path.is_dir() else "hub id or directory"
-            raise GraftingLensError(
-                f"Could not load source {index} ({label!r}) as a {where}: {error}. A local "
-                "checkpoint is a directory written by save_pretrained; a hub id needs a network "
-                "connection or a filled HF cache (HF_HUB_OFFLINE=1 forbids downloads)."
-            ) from error
+        model = _load_checkpoint(label, path, index)
         if path.is_dir():
             label = path.name
         if tokenizer is None:
@@ -292,6 +394,97 @@ def _to_bridge(
         dtype=parameter.dtype,
     )
     return bridge, label
+
+
+def resolve_placement(
+    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+) -> tuple[torch.device | None, torch.dtype | None]:
+    """``device`` and ``dtype`` as torch objects, checked before anything is loaded.
+
+    :func:`load_models` calls it; a command line calls it first so that a typo
+    fails before minutes of loading or building.
+
+    Args:
+        device: A device torch can use here (``"cpu"``, ``"cuda:0"``...), or ``None``.
+        dtype: A floating ``torch.dtype`` or its name (``"bfloat16"``,
+            ``"torch.float16"``), or ``None``.
+
+    Raises:
+        GraftingLensError: A device torch does not know or has no backend for
+            here, or a dtype that is not a floating torch dtype.
+        TypeError: A dtype that is neither a torch dtype nor a string.
+    """
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        candidate = getattr(torch, name, None)
+        if not isinstance(candidate, torch.dtype):
+            raise GraftingLensError(
+                f"dtype={dtype!r} is not a torch dtype; use torch.float32, torch.bfloat16 or "
+                "torch.float16 (or their names, e.g. 'bfloat16')."
+            )
+        dtype = candidate
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}.")
+        if not dtype.is_floating_point:
+            raise GraftingLensError(
+                f"dtype={dtype} is not a floating dtype; model weights need torch.float32, "
+                "torch.bfloat16 or torch.float16."
+            )
+    if device is not None:
+        try:
+            device = torch.device(device)
+            torch.empty(0, device=device)  # fails here, not halfway through loading
+        except (RuntimeError, TypeError, AssertionError) as error:
+            raise GraftingLensError(
+                f"device={device!r} cannot be used: {str(error).splitlines()[0]} Use 'cpu', or "
+                "'cuda' / 'cuda:0' / 'mps' where torch has that backend (torch.cuda.is_available())."
+            ) from None
+    return device, dtype
+
+
+def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
+    """An HF causal LM from a directory or hub id, or an error naming what is wrong."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            contents = sorted(child.name for child in path.iterdir())[:8]
+            raise GraftingLensError(
+                f"Source {index} ({label!r}) is a directory without a config.json, so it is not "
+                f"a checkpoint (it holds {contents or 'nothing'}). Point to the directory "
+                "save_pretrained wrote (config.json next to the weights)."
+            )
+        target = str(path)
+    else:
+        hub_id_form = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is not None
+        if path.exists() or not hub_id_form:
+            raise GraftingLensError(
+                f"Source {index} ({label!r}) is not a directory"
+                + (" (it is a file)" if path.exists() else " (no such path)")
+                + ". Give the directory save_pretrained wrote, or a hub id such as "
+                "'EleutherAI/pythia-160m'."
+            )
+        target = label
+    try:
+        return AutoModelForCausalLM.from_pretrained(target)
+    except (OSError, ValueError) as error:
+        where = "directory" if path.is_dir() else "hub id"
+        raise GraftingLensError(
+            f"Could not load source {index} ({label!r}) as a {where}: {str(error).rstrip('.')}. A local "
+            "checkpoint is a directory written by save_pretrained; a hub id needs a network "
+            "connection or a filled HF cache (HF_HUB_OFFLINE=1 forbids downloads)."
+        ) from error
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        # A damaged weight file (truncated download, interrupted save) fails inside
+        # safetensors or torch with a message that names no file.
+        files = sorted(
+            child.name for child in path.glob("*") if child.suffix in (".safetensors", ".bin")
+        ) if path.is_dir() else []
+        raise GraftingLensError(
+            f"Could not read the weights of source {index} ({label!r}"
+            + (f": {', '.join(files)}" if files else "")
+            + f"): {type(error).__name__}: {error}. The file is probably truncated or damaged "
+            "(an interrupted download or save): save or download the checkpoint again."
+        ) from error
 
 
 def _load_tokenizer(name: str, fallback: Any) -> Any:
@@ -348,7 +541,115 @@ def _check_alignment(
     extra = sorted(set(other_params) - set(base_params))
     if extra:
         raise AlignmentError(f"{label} has a parameter the base lacks: {extra[0]!r}.")
+    _check_same_placement(base_params, other_params, label)
+    _check_hf_config(base, other, label)
+    _check_buffers(base, other, label)
     _check_vocabulary(base.tokenizer, other.tokenizer, label)
+
+
+def _check_same_placement(
+    base_params: dict[str, torch.nn.Parameter],
+    other_params: dict[str, torch.nn.Parameter],
+    label: str,
+) -> None:
+    """Same dtype and device for every parameter: a graft mixes their outputs in one pass."""
+    for param_name, param in base_params.items():
+        other = other_params[param_name]
+        if other.dtype != param.dtype:
+            raise AlignmentError(
+                f"{label}'s {param_name!r} is {other.dtype}, the base's is {param.dtype}: a graft "
+                "mixes the sources' outputs in one forward pass, so they must share a dtype. "
+                "Pass dtype=... to load_models to cast every source."
+            )
+        if other.device != param.device:
+            raise AlignmentError(
+                f"{label}'s {param_name!r} is on {other.device}, the base's on {param.device}: a "
+                "graft runs every source on the base's activations, so they must share a "
+                "device. Pass device=... to load_models to move every source."
+            )
+
+
+def _check_hf_config(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
+    """Every configuration field that can change the forward pass must be equal.
+
+    TransformerLens's bridge config does not carry every such field (under
+    TransformerLens 4.3 it reports ``rotary_base=10000`` whatever ``rope_theta``
+    is), so the Hugging Face configurations are compared instead.
+    """
+    mine = _forward_config(base.original_model.config)
+    theirs = _forward_config(other.original_model.config)
+    for field in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(field), theirs.get(field)
+        if a != b:
+            raise AlignmentError(
+                f"{label}'s configuration has {field}={b!r}, the base's has {field}={a!r}. "
+                "It changes what the model computes without changing a parameter's shape, and "
+                "a graft computes it the base's way for every source, so the result would be "
+                "neither model. Graft checkpoints of one configuration; if you know this "
+                f"difference is immaterial, set the donor's config.{field} to the base's value."
+            )
+
+
+def _forward_config(config: Any) -> dict[str, Any]:
+    """The configuration's fields, nested ones as ``a.b``, without the ignored ones."""
+    flat: dict[str, Any] = {}
+
+    def walk(values: dict[str, Any], prefix: str) -> None:
+        for key, value in values.items():
+            if key.startswith("_") or key in IGNORED_CONFIG_FIELDS:
+                continue
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif value is not None:  # a missing field and None mean the same default
+                flat[prefix + key] = _plain(value)
+
+    walk(config.to_dict(), "")
+    return flat
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, so that equal settings read from JSON or Python compare equal."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _check_buffers(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
+    """Buffers (rotary frequencies, causal masks) derive from the configuration: equal or refused."""
+    base_buffers, other_buffers = _checkpoint_buffers(base), _checkpoint_buffers(other)
+    for name in sorted(set(base_buffers) | set(other_buffers)):
+        a, b = base_buffers.get(name), other_buffers.get(name)
+        if a is None or b is None:
+            which = "the base" if a is None else label
+            raise AlignmentError(f"{which} lacks the buffer {name!r} that the other source has.")
+        if a.shape != b.shape or a.device != b.device or not _close(a, b):
+            raise AlignmentError(
+                f"{label}'s buffer {name!r} differs from the base's by more than rounding (a "
+                "buffer derived from the configuration, e.g. rotary frequencies): the sources "
+                "do not compute the same function, and a graft would use the base's buffer for "
+                "every source."
+            )
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, or for floating buffers equal to bfloat16 rounding.
+
+    A model cast to bfloat16 and back keeps rounded rotary frequencies; that is
+    not another configuration. Another ``rope_theta`` or scaling factor moves
+    them by far more than 1%.
+    """
+    if a.is_floating_point() and b.is_floating_point():
+        return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=0.0)
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _checkpoint_buffers(bridge: TransformerBridge) -> dict[str, torch.Tensor]:
+    return {
+        name.replace("._original_component", ""): buffer
+        for name, buffer in bridge.original_model.named_buffers()
+    }
 
 
 def _checkpoint_parameters(bridge: TransformerBridge) -> dict[str, torch.nn.Parameter]:

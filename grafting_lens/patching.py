@@ -106,7 +106,7 @@ from transformers import DynamicCache
 from grafting_lens.errors import GraftingLensError, GraftMaskError, did_you_mean
 from grafting_lens.masks import LayerSpec, resolve_layers
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import PositionSpec, resolve_positions, row_lengths
+from grafting_lens.positions import PositionSpec, check_padding, resolve_positions, row_lengths
 
 SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z")
 """Every activation site, in the order a block computes them (``z`` is per head)."""
@@ -438,7 +438,7 @@ class _Setup:
         self.site = _check_site(site, models)
         self.direction = _check_direction(direction)
         for name, index in (("source", source), ("target", target)):
-            if not isinstance(index, int) or not 0 <= index < len(models):
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
                 raise PatchingError(
                     f"{name}={index!r}, but the model set has {len(models)} sources "
                     f"(0..{len(models) - 1})."
@@ -461,11 +461,15 @@ class _Setup:
                     "by position with the run they are patched into."
                 )
         self.cpu_attention_mask = None
+        try:
+            # Padded rows need their attention mask, or "last" is a padding column.
+            for checked in (tokens, patch_tokens):
+                check_padding(checked, attention_mask, models.tokenizer)
+            if attention_mask is not None:
+                row_lengths(self.shape, attention_mask)
+        except GraftMaskError as error:
+            raise PatchingError(str(error)) from error
         if attention_mask is not None:
-            try:
-                row_lengths(self.shape, attention_mask.cpu())
-            except GraftMaskError as error:
-                raise PatchingError(str(error)) from error
             self.cpu_attention_mask = attention_mask.cpu()
         device = models.device
         self.tokens = tokens.to(device)
@@ -942,6 +946,10 @@ def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int
             f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
             f"{int(tokens.min())}..{int(tokens.max())}."
         )
+    try:
+        models.check_length(int(tokens.shape[1]))
+    except GraftingLensError as error:
+        raise PatchingError(str(error)) from error
     return (int(tokens.shape[0]), int(tokens.shape[1]))
 
 
@@ -1053,10 +1061,21 @@ def _check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tenso
         )
 
 
+_NUMERIC_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def _evaluate(metric: Metric, logits: torch.Tensor, batch: int, reduce: str) -> torch.Tensor:
     """One cell's value: the per-prompt values (``reduce="none"``) or their mean."""
-    value = metric(logits)
-    value = torch.as_tensor(value).detach()
+    returned = metric(logits)
+    try:
+        value = torch.as_tensor(returned).detach()
+    except (TypeError, ValueError, RuntimeError):
+        value = None
+    if value is None or not (value.is_floating_point() or value.dtype in _NUMERIC_DTYPES):
+        raise PatchingError(
+            f"The metric returned {type(returned).__name__} {returned!r:.60}; it must return "
+            f"numbers: a tensor of one value per prompt ([{batch}]) or a single scalar."
+        )
     if value.dim() == 1 and value.shape[0] == batch:
         return value.float() if reduce == "none" else value.float().mean()
     if value.dim() == 0:

@@ -155,3 +155,30 @@ def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoin
     batch = data.tokenize_examples(data.make_examples(relations, prompt="headline"), models.tokenizer)
     final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
     assert sft.target_rank.tolist() == metrics.target_rank(final, batch.target_ids).tolist()
+
+
+def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    result = runner.invoke(cli.app, ["demo", "--out", str(tmp_path / "out"), "--device", "banana"])
+    assert result.exit_code == 1
+    assert "device='banana' cannot be used" in _output(result)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--device", "banana"], "device='banana' cannot be used"),
+    ],
+)
+def test_script_options_are_checked_before_loading(tmp_path, monkeypatch, arguments, message):
+    import argparse
+
+    from grafting_lens import experiments
+    from grafting_lens.errors import GraftingLensError
+
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    parser = experiments.add_script_arguments(argparse.ArgumentParser(), "position")
+    args = parser.parse_args(["--out", str(tmp_path), *arguments])
+    with pytest.raises(GraftingLensError, match=message):
+        experiments.setup_from_arguments("position", args)

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from grafting_lens import data
 from grafting_lens.data import (
     ARTICLE_TEMPLATES,
     DATASETS,
@@ -27,6 +28,7 @@ from grafting_lens.data import (
     tokenize_examples,
     training_documents,
 )
+from grafting_lens.errors import GraftingLensError
 
 SMALL = 60  # relations per dataset in most tests; the full default size is checked once
 ACTORS = ["Ann Lee", "Bo Day", "Cy Fox"]  # a pool allowing exactly 3 distinct pairs
@@ -404,3 +406,32 @@ def test_slow_tokenizers_are_refused_with_a_fix():
     with pytest.raises(TypeError, match="use_fast=True"):
         tokenize_examples(make_examples([hand_relation()]), SlowTokenizer())
 
+
+
+# ------------------------------------------------------------------- the target rule
+
+
+def test_a_target_without_its_leading_space_is_refused_with_the_fix():
+    # Without the space, "...alongside" + "Maggie Cheung" scores a piece of a glued word ("M").
+    fix = "'Maggie Cheung' must start with exactly one space.*write ' Maggie Cheung'"
+    with pytest.raises(GraftingLensError, match=fix):
+        data.Example(0, "headline", "A film with Tony Leung and", "Maggie Cheung", {"first_entity": (12, 22)})
+    for target in ("  Maggie Cheung", " ", "", "\tMaggie"):
+        with pytest.raises(GraftingLensError, match="must start with exactly one space"):
+            data.Example(0, "headline", "A film with", target, {"first_entity": (0, 1)})
+    with pytest.raises(GraftingLensError, match="alternative target 'Tony Leung'"):
+        data.Example(0, "headline", "A film with", " Maggie", {"first_entity": (0, 1)},
+                     alternative_targets=(" Andy Lau", "Tony Leung"))  # fmt: skip
+
+
+def test_a_prompt_ending_in_whitespace_is_refused():
+    with pytest.raises(GraftingLensError, match="ends in whitespace; the target carries the space"):
+        data.Example(0, "headline", "A film with ", " Maggie", {"first_entity": (0, 1)})
+    with pytest.raises(GraftingLensError, match="needs a prompt text"):
+        data.Example(0, "headline", "", " Maggie", {"first_entity": (0, 1)})
+
+
+def test_examples_made_from_relations_follow_the_target_rule(relations_by_dataset):
+    for relations in relations_by_dataset.values():
+        for example in data.make_examples(relations[:20], "qa", direction="both"):
+            assert example.target.startswith(" ") and not example.target.startswith("  ")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_mask, random_tokens
+from conftest import no_forward_pass, random_mask, random_tokens
 
 import grafting_lens as gl
 from grafting_lens.components import bridge_component
@@ -26,7 +26,13 @@ def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
     tokens = random_tokens(3, 8, seed=3)
     lengths = [8, 5, 3]
     attention_mask = (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
-    mask = random_mask(three_models, tokens.shape, seed=4)
+    noisy = random_mask(three_models, tokens.shape, seed=4)
+    # A mask never grafts padding (the run refuses one that does).
+    mask = gl.GraftMask.from_dict(
+        three_models,
+        {key: noisy[key] * attention_mask for key in noisy.keys()},
+        attention_mask=attention_mask,
+    )
     fast = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask)
     slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
     for row, length in enumerate(lengths):
@@ -243,3 +249,119 @@ def test_two_backward_passes_in_one_grafting_block(three_models):
         second = model(tokens)[0, -1, 2]
         second.backward()
     assert torch.equal(first.detach(), second.detach())
+
+
+# ------------------------------------------ a run and its mask agree on the real tokens
+
+
+def _padded_batch():
+    tokens = random_tokens(4, 6, seed=20)
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1:, 4:] = 0
+    return tokens.masked_fill(attention_mask == 0, 0), attention_mask  # 0: the pad id
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_mask_built_for_other_rows_is_refused_before_any_forward_pass(three_models):
+    tokens, attention_mask = _padded_batch()
+    # Built from the shape alone, "last" is column 5: padding in rows 1-3.
+    unpadded = gl.GraftMask.build(three_models, tuple(tokens.shape), positions="last")
+    by_hand = torch.zeros(4, 6, dtype=torch.long)
+    by_hand[:, -1] = 1
+    raw = gl.GraftMask.from_dict(three_models, {("o", 0): by_hand})  # lengths unknown
+    with no_forward_pass(three_models):
+        with pytest.raises(gl.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"):
+            gl.graft_forward(three_models, tokens, unpadded, attention_mask=attention_mask)
+        with pytest.raises(gl.GraftMaskError, match="grafts \\('o', 0\\) at row 1, position 5"):
+            gl.graft_forward(three_models, tokens, raw, attention_mask=attention_mask)
+        with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
+            gl.graft_forward(three_models, tokens, unpadded)  # no attention mask at all
+        with pytest.raises(gl.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"):
+            gl.graft_forward_reference(three_models, tokens, unpadded, attention_mask=attention_mask)
+    built = gl.GraftMask.build(
+        three_models, tokens, positions="last", components="all", attention_mask=attention_mask
+    )
+    logits = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
+    base = three_models.base(tokens, attention_mask=attention_mask)
+    # Each row's real last token was grafted (a padding column would leave it the base's).
+    moved = (
+        gl.metrics.last_token_logits(logits, attention_mask)
+        - gl.metrics.last_token_logits(base, attention_mask)
+    ).abs().amax(dim=1)
+    assert (moved > 1.0).all()
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_attention_masks_other_than_zero_one_and_bool_tokens_are_refused(three_models):
+    tokens = random_tokens(2, 5, seed=21)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last")
+    with no_forward_pass(three_models):
+        with pytest.raises(gl.GraftMaskError, match="only 0 \\(padding\\) and 1"):
+            gl.graft_forward(three_models, tokens, mask, attention_mask=torch.full((2, 5), 2))
+        with pytest.raises(TypeError, match="attention_mask must be a \\[batch, pos\\] tensor"):
+            gl.graft_forward(three_models, tokens, mask, attention_mask=[[1] * 5] * 2)
+        with pytest.raises(gl.GraftMaskError, match="integer ids, got torch.bool"):
+            gl.graft_forward(three_models, tokens.bool(), mask)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+def test_tokens_past_the_learned_positions_are_refused(three_models):
+    tokens = random_tokens(1, 70)  # the GPT-2 test models embed 64 positions
+    with no_forward_pass(three_models):
+        with pytest.raises(gl.GraftingLensError, match="70 positions.*learned position embeddings for 64"):
+            gl.graft_forward(three_models, tokens, gl.GraftMask.build(three_models, tokens))
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_generation_arguments_are_bounded_and_typed(three_models):
+    tokens = random_tokens(2, 5, seed=22)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last")
+    with no_forward_pass(three_models):
+        # 10**9 new tokens would allocate until the process is killed.
+        with pytest.raises(gl.GraftingError, match="past the model's context of 64.*at most 59"):
+            gl.graft_generate(three_models, tokens, mask, max_new_tokens=10**9)
+        for bad in (2.5, True, 0):
+            with pytest.raises(gl.GraftingError, match="max_new_tokens must be an int >= 1"):
+                gl.graft_generate(three_models, tokens, mask, max_new_tokens=bad)
+        with pytest.raises(gl.GraftingError, match="new_token_sources must be 'last' or a source"):
+            gl.graft_generate(three_models, tokens, mask, max_new_tokens=2, new_token_sources=True)
+        padded, attention_mask = _padded_batch()
+        for_padded = gl.GraftMask.build(
+            three_models, padded, positions="last", attention_mask=attention_mask
+        )
+        with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
+            gl.graft_generate(three_models, padded, for_padded, max_new_tokens=2)
+    assert gl.graft_generate(three_models, tokens, mask, max_new_tokens=59).shape == (2, 64)
+
+
+def test_a_nan_weight_in_the_donor_is_never_scored_as_a_hit(tokenizer):
+    from conftest import random_model
+
+    donor = random_model("llama", 1)
+    with torch.no_grad():
+        donor.lm_head.weight[3, 0] = float("nan")
+    models = gl.load_models(random_model("llama", 0), donor, tokenizer=tokenizer)
+    tokens = random_tokens(2, 5, seed=23)
+    logits = gl.graft_forward(models, tokens, gl.GraftMask.build(models, tokens, components="all"))
+    final = gl.metrics.last_token_logits(logits)
+    with pytest.raises(gl.NonFiniteLogitsError, match="2 of 2 rows"):
+        gl.metrics.top_k_hit(final, torch.tensor([5, 5]), 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_runs_inside_grafting_are_checked_against_the_masks_rows(three_models):
+    tokens, attention_mask = _padded_batch()
+    unpadded = gl.GraftMask.build(three_models, tuple(tokens.shape), positions="last")
+    with gl.grafting(three_models, unpadded) as model:
+        for run in (model, model.run_with_cache, lambda *a, **k: model.run_with_hooks(*a, **k)):
+            with pytest.raises(gl.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"):
+                run(tokens, attention_mask=attention_mask)
+            with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
+                run(tokens)
+    built = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
+    with gl.grafting(three_models, built) as model:
+        inside, _ = model.run_with_cache(tokens, attention_mask=attention_mask)
+    expected = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
+    assert torch.equal(inside, expected)
+    # The check is gone after the block.
+    three_models.base(tokens, attention_mask=attention_mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_tokens
@@ -125,3 +126,81 @@ def test_boolean_masks_with_two_sources(tokenizer):
     assert mask[("o", 1)].tolist() == [[0, 1, 0]]
     frame = mask.to_frame()
     assert frame.to_dict("records") == [{"component": "o", "layer": 1, "source": 1, "positions": 1}]
+
+
+# --------------------------------------------- masks remember the rows they are for
+
+PAD = 0  # the test tokenizer's pad id (also its BOS and EOS)
+
+
+def _padded(batch: int = 4, pos: int = 6, length: int = 4):
+    """Right-padded tokens: row 0 full, the others ``length`` real tokens."""
+    tokens = random_tokens(batch, pos, seed=7)
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1:, length:] = 0
+    return tokens.masked_fill(attention_mask == 0, PAD), attention_mask
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_build_refuses_padded_tokens_without_their_attention_mask(three_models):
+    tokens, attention_mask = _padded()
+    # Without the attention mask "last" would be the padding column of rows 1-3.
+    with pytest.raises(gl.GraftMaskError, match="3 of 4 rows \\(rows 1, 2, 3\\) end in the pad"):
+        gl.GraftMask.build(three_models, tokens, positions="last")
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
+    assert mask[("q", 0)].nonzero().tolist() == [[0, 5], [1, 3], [2, 3], [3, 3]]
+    assert mask.lengths.tolist() == [6, 4, 4, 4]
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_masks_record_row_lengths_through_cat_union_and_extend(three_models):
+    tokens, attention_mask = _padded()
+    last = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
+    first = gl.GraftMask.build(
+        three_models, tokens, positions=[1], components="o", attention_mask=attention_mask
+    )
+    assert gl.GraftMask.union(last, first).lengths.tolist() == [6, 4, 4, 4]
+    assert gl.GraftMask.cat([last, first]).lengths.tolist() == [6, 4, 4, 4] * 2
+    unknown = gl.GraftMask.from_dict(three_models, {}, shape=(4, 6))
+    assert unknown.lengths is None
+    assert gl.GraftMask.cat([last, unknown]).lengths is None
+    unpadded = gl.GraftMask.build(three_models, (4, 6), positions="last")
+    with pytest.raises(gl.GraftMaskError, match="built for rows of different lengths"):
+        gl.GraftMask.union(last, unpadded)
+    assert unpadded.extend(3).lengths.tolist() == [9] * 4
+    with pytest.raises(gl.GraftMaskError, match="built for padded rows"):
+        last.extend(1)
+    with pytest.raises(gl.GraftMaskError, match="new_positions must be an int >= 0, got 2.5"):
+        unpadded.extend(2.5)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_from_dict_with_an_attention_mask_refuses_grafts_on_padding(three_models):
+    tokens, attention_mask = _padded()
+    column = torch.zeros(4, 6, dtype=torch.long)
+    column[:, -1] = 1  # "the last column": padding in rows 1-3
+    with pytest.raises(gl.GraftMaskError, match="grafts \\('q', 0\\) at row 1, position 5"):
+        gl.GraftMask.from_dict(three_models, {("q", 0): column}, attention_mask=attention_mask)
+    real_last = gl.positions.last_token((4, 6), attention_mask).long()
+    mask = gl.GraftMask.from_dict(
+        three_models, {("q", 0): real_last}, attention_mask=attention_mask
+    )
+    assert mask.lengths.tolist() == [6, 4, 4, 4]
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_build_arguments_of_the_wrong_kind_are_refused(three_models):
+    tokens = random_tokens(2, 5)
+    for source in (True, 1.0):  # True would read as source 1
+        with pytest.raises(gl.GraftMaskError, match="give an int 0..2"):
+            gl.GraftMask.build(three_models, tokens, source=source)
+    with pytest.raises(TypeError, match="tokens must be a \\[batch, pos\\] tensor"):
+        gl.GraftMask.build(three_models, [[1, 2]])
+    with pytest.raises(gl.GraftMaskError, match="positions=\\[\\] selects no position"):
+        gl.GraftMask.build(three_models, tokens, positions=[])
+    with pytest.raises(gl.GraftMaskError, match="Cannot read positions from True"):
+        gl.GraftMask.build(three_models, tokens, positions=True)
+    # numpy layers and positions read like Python ones
+    from_numpy = gl.GraftMask.build(three_models, tokens, positions=np.array([1]), layers=np.int64(1))
+    assert from_numpy == gl.GraftMask.build(three_models, tokens, positions=[1], layers=1)
+    assert gl.resolve_layers([np.int64(0), 2], 3) == (0, 2)

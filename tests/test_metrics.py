@@ -7,8 +7,9 @@ import pandas as pd
 import pytest
 import torch
 
-from grafting_lens.errors import GraftingLensError
+from grafting_lens.errors import GraftingLensError, NonFiniteLogitsError
 from grafting_lens.metrics import (
+    TIE_RULES,
     bootstrap_ci,
     last_token_logits,
     summarize,
@@ -96,6 +97,101 @@ def test_bad_inputs_are_explained():
         top_k_tokens(LOGITS, k=6)
     with pytest.raises(GraftingLensError, match="attention_mask"):
         last_token_logits(torch.zeros(2, 4, 3), torch.ones(2, 5))
+
+
+# ----------------------------------------------------------------- non-finite logits
+
+
+@pytest.mark.parametrize(
+    "score",
+    [
+        lambda logits, targets: target_rank(logits, targets),
+        lambda logits, targets: target_rank(logits, targets, ties="optimistic"),
+        lambda logits, targets: top_k_hit(logits, targets, 1),
+        lambda logits, targets: top_k_hit(logits, targets, 5, ties="optimistic"),
+        lambda logits, targets: target_probability(logits, targets),
+        lambda logits, targets: top_k_tokens(logits, 2),
+    ],
+    ids=["rank", "rank-optimistic", "top1", "top5-optimistic", "probability", "top-tokens"],
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_rows_with_non_finite_logits_are_refused_never_scored(score, bad):
+    # A NaN compares false with everything: counting "tokens above the target"
+    # would give an all-NaN row rank 0, a perfect answer.
+    all_bad = torch.full((1, 10), bad)
+    with pytest.raises(NonFiniteLogitsError, match=r"1 of 1 rows of logits \(rows 0\)"):
+        score(all_bad, torch.tensor([3]))
+    one_bad = LOGITS.clone()
+    one_bad[2, 0] = bad  # the target of row 2 is token 3, not the bad one
+    with pytest.raises(NonFiniteLogitsError, match=r"1 of 3 rows of logits \(rows 2\).*float16"):
+        score(one_bad, TARGETS)
+
+
+def test_float16_overflow_is_refused_with_the_dtype_named():
+    logits = (torch.tensor([[70000.0, 1.0, 2.0]])).half()  # overflows to inf in float16
+    with pytest.raises(NonFiniteLogitsError, match="infinite.*torch.float16"):
+        target_rank(logits, torch.tensor([1]))
+
+
+# ------------------------------------------------------------------------ tie rule
+
+
+def _rank_by_hand(row: list[float], target: int, ties: str) -> int:
+    """The tie rule written out as a loop over the vocabulary."""
+    above = sum(1 for j, value in enumerate(row) if j != target and value > row[target])
+    tied = sum(1 for j, value in enumerate(row) if j != target and value == row[target])
+    return above + (tied if ties == "pessimistic" else 0)
+
+
+def test_ties_count_against_the_target_by_default():
+    tie = torch.zeros(1, 10)
+    assert target_rank(tie, torch.tensor([3])).tolist() == [9]
+    assert not top_k_hit(tie, torch.tensor([3]), 1).item()
+    assert top_k_hit(tie, torch.tensor([3]), 10).item()
+    # The paper's code counts only strictly greater logits.
+    assert target_rank(tie, torch.tensor([3]), ties="optimistic").tolist() == [0]
+    assert top_k_hit(tie, torch.tensor([3]), 1, ties="optimistic").item()
+    # Without ties both rules are the argsort rank.
+    for ties in TIE_RULES:
+        assert target_rank(LOGITS, TARGETS, ties=ties).tolist() == [1, 4, 0]
+
+
+@pytest.mark.parametrize("ties", TIE_RULES)
+def test_tie_rule_matches_a_loop_over_bfloat16_logits(ties):
+    # bfloat16 keeps 8 bits of mantissa: a 300-token vocabulary has many exact ties.
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 300, generator=generator) * 3).bfloat16()
+    targets = logits.float().argsort(dim=1, descending=True)[:, 2]
+    expected = [_rank_by_hand(row, int(t), ties) for row, t in zip(logits.float().tolist(), targets)]
+    assert target_rank(logits, targets, ties=ties).tolist() == expected
+    hits = top_k_hit(logits, targets, 3, ties=ties).tolist()
+    assert hits == [rank < 3 for rank in expected]
+
+
+def test_a_bfloat16_tie_with_the_top_token_is_not_a_top1_hit():
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(32, 300, generator=generator) * 3).bfloat16()
+    targets = logits.argmax(dim=1)
+    rows = torch.arange(32)
+    logits[rows, (targets + 1) % 300] = logits[rows, targets]  # another token ties with the top one
+    assert not top_k_hit(logits, targets, 1).any()
+    assert top_k_hit(logits, targets, 1, ties="optimistic").all()
+
+
+def test_an_unknown_tie_rule_is_refused():
+    with pytest.raises(GraftingLensError, match="ties must be one of 'pessimistic', 'optimistic'"):
+        target_rank(LOGITS, TARGETS, ties="mean")
+    with pytest.raises(GraftingLensError, match="ties must be"):
+        top_k_hit(LOGITS, TARGETS, 1, ties=None)
+
+
+def test_last_token_logits_refuses_attention_masks_that_are_not_zero_one():
+    logits = torch.zeros(2, 4, 3)
+    for values in (torch.full((2, 4), 0.5), torch.full((2, 4), 2)):
+        with pytest.raises(GraftingLensError, match="only 0 \\(padding\\) and 1"):
+            last_token_logits(logits, values)
+    with pytest.raises(GraftingLensError, match="right padding"):
+        last_token_logits(logits, torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
 
 
 def test_bootstrap_ci_contains_the_mean_and_narrows_with_more_data():

@@ -428,6 +428,17 @@ def test_bad_inputs_fail_before_any_forward_pass(three_models):
         (dict(tokens=tokens[0]), r"tokens must be a \[batch, pos\] tensor"),
         (dict(tokens=tokens + 1000), r"Token ids in tokens must lie in 0\.\.299"),
         (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1]] * 2)), r"right padding"),
+        (dict(attention_mask=torch.full((2, 5), 2)), r"only 0 \(padding\) and 1"),
+        (dict(source=True), r"source=True, but the model set has 3 sources"),
+        (dict(positions=[]), r"positions=\[\] selects no position"),
+        (dict(positions=True), r"Cannot read positions from True"),
+        (dict(tokens=tokens.bool()), r"tokens must hold integer token ids, got torch.bool"),
+        (dict(tokens=random_tokens(1, 70)), r"70 positions.*learned position embeddings for 64"),
+        (
+            dict(tokens=tokens.masked_fill(torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]) == 1, 0),
+                 positions="last"),
+            r"1 of 2 rows \(rows 1\) end in the pad token 0.*attention_mask",
+        ),
     ]
     with no_forward_pass(three_models):
         for overrides, message in cases:
@@ -457,3 +468,16 @@ def test_metrics_of_the_wrong_shape_are_named(three_models):
         resid_patch_sweep(three_models, tokens, lambda logits: logits[..., 0], layers=0)
     with pytest.raises(PatchingError, match="reduce='none' keeps one value per prompt"):
         resid_patch_sweep(three_models, tokens, scalar, layers=0, reduce="none", progress=False)
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_metrics_that_return_no_numbers_are_named(three_models):
+    tokens = random_tokens(2, 4, seed=32)
+    for returned in ("good", None, {"value": 1.0}):
+        with pytest.raises(PatchingError, match="The metric returned .*; it must return numbers"):
+            resid_patch_sweep(three_models, tokens, lambda logits: returned, layers=0, positions=[0])
+    # Numbers in a list are numbers.
+    sweep = resid_patch_sweep(
+        three_models, tokens, lambda logits: [1.0, 2.0], layers=0, positions=[0], progress=False
+    )
+    assert sweep.values.tolist() == [[1.5]]
