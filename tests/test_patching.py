@@ -11,7 +11,7 @@ from transformer_lens import patching as tl_patching
 from transformer_lens.utilities import get_act_name
 
 import grafting_lens as gl
-from grafting_lens import patching
+from grafting_lens import patch_passes, patching
 from grafting_lens.patching import PatchingError, head_patch_sweep, patch_forward, resid_patch_sweep
 
 TOLERANCE = 1e-5
@@ -240,7 +240,10 @@ def test_last_token_logits_give_the_same_sweeps(three_models):
 def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
     """The fast path (blocks before a cell's layer skipped) is taken, and is exact."""
     tokens = random_tokens(2, 5, seed=29)
-    setup = patching._Setup(three_models, tokens, "resid_pre", 1, 0, "sufficiency", None, None)
+    setup = patch_passes.PatchRun(
+        three_models, site="resid_pre", running=0, giving=1, tokens=tokens, patch_tokens=None,
+        attention_mask=None,
+    )
     with torch.no_grad():
         assert setup.can_skip_layers(setup.unpatched_prefix())
     kwargs = dict(positions="each", reduce="none", chunk_size=2, progress=False)
@@ -255,14 +258,14 @@ def test_sweeps_fall_back_to_every_block_when_resuming_is_not_exact(three_models
     kwargs = dict(positions="each", layers=[1, 2], reduce="none", progress=False)
     expected, _ = resid_patch_sweep(three_models, tokens, per_prompt, reuse_prefix=False, **kwargs)
     first_layers = []
-    run = patching._Setup.run
+    run = patch_passes.PatchRun.run
 
     def spy(self, *args, **kwargs):
         first_layers.append(kwargs.get("first_layer", args[5] if len(args) > 5 else 0))
         return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(patching._Setup, "can_skip_layers", lambda self, prefix: False)
-    monkeypatch.setattr(patching._Setup, "run", spy)
+    monkeypatch.setattr(patch_passes.PatchRun, "can_skip_layers", lambda self, prefix: False)
+    monkeypatch.setattr(patch_passes.PatchRun, "run", spy)
     values, _ = resid_patch_sweep(three_models, tokens, per_prompt, **kwargs)
     assert set(first_layers) == {0}
     assert (values - expected).abs().max() <= TOLERANCE
@@ -272,15 +275,15 @@ def test_passes_partition_the_cells_and_respect_the_chunk_size():
     generator = torch.Generator().manual_seed(0)
     starts = [tuple(pair) for pair in torch.randint(0, 9, (200, 2), generator=generator).tolist()]
     for per_pass, overhead in ((1, 0.0), (7, 32.0), (64, 1024.0)):
-        passes = patching._plan_passes(starts, per_pass, 2, 10, (9, 5.0, overhead))
+        passes = patch_passes.plan_passes(starts, per_pass, 2, 10, (9, 5.0, overhead))
         assert sorted(cell for cells in passes for cell in cells) == list(range(200))
         assert max(map(len, passes)) <= per_pass
     # Without a fixed cost per pass, each distinct start gets a pass of its own.
     grid = [(position, layer) for layer in range(4) for position in range(5)]
-    passes = patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 0.0))
+    passes = patch_passes.plan_passes(grid, 100, 1, 5, (4, 2.0, 0.0))
     assert all(len({grid[cell] for cell in cells}) == 1 for cells in passes)
     # With a large one, everything shares as few passes as the chunk size allows.
-    assert len(patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 1e9))) == 1
+    assert len(patch_passes.plan_passes(grid, 100, 1, 5, (4, 2.0, 1e9))) == 1
 
 
 def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
