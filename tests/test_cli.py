@@ -10,7 +10,7 @@ from conftest import make_tokenizer, random_model
 from typer.testing import CliRunner
 
 from grafting_lens import cli, toy
-from grafting_lens.position_grafting import POSITION_CONFIGS
+from grafting_lens.experiments import POSITION_CONFIGS
 
 runner = CliRunner()
 
@@ -77,12 +77,15 @@ def _check_outputs(out, n_relations: int) -> pd.DataFrame:
 def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, monkeypatch, checkpoints):
     from grafting_lens import data
 
-    world = types.SimpleNamespace(
+    world = types.SimpleNamespace(  # what the experiments read of a toy world
         root=checkpoints,
         base_dir=checkpoints / "base",
         sft_dir=checkpoints / "sft",
+        model_dir=lambda name: checkpoints / name,
         relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
         load_tokenizer=make_tokenizer,
+        config=types.SimpleNamespace(seed=0, dataset="fake_movies_real_actors"),
+        manifest={},
     )
     monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: world)
     out = tmp_path / "new" / "dir"

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import VOCAB_SIZE, make_tokenizer, random_model
 
 import grafting_lens as gl
-from grafting_lens import data, experiments
+from grafting_lens import cli, data, experiments
+from grafting_lens.experiments import runner
 from grafting_lens.errors import ComponentError, GraftingLensError, GraftMaskError
 from grafting_lens.experiments import (
     COMPONENT_CONFIGS,
@@ -337,7 +338,7 @@ def test_model_sets_and_test_sets_form_a_grid(two, relations):
 def count_forwards(monkeypatch):
     """Count the runner's forward passes; make the ``fail_on``-th one raise."""
     calls = {"n": 0, "fail_on": None}
-    real = experiments.graft_forward
+    real = runner.graft_forward
 
     def counted(*args, **kwargs):
         calls["n"] += 1
@@ -345,7 +346,7 @@ def count_forwards(monkeypatch):
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(experiments, "graft_forward", counted)
+    monkeypatch.setattr(runner, "graft_forward", counted)
     return calls
 
 
@@ -486,15 +487,21 @@ TINY_WORLD = {
 }  # fmt: skip
 
 
-def _script(name):
-    import importlib.util
-    from pathlib import Path
+# The scripts that were in experiments/ are the experiments of `grafting-lens run`.
+_EXPERIMENT_OF_SCRIPT = {
+    "position_grafting": "position",
+    "component_grafting": "component",
+    "reversal_grafting": "reversal",
+    "hybrid_grafting": "hybrid",
+    "patching_vs_grafting": "patching_vs_grafting",
+}
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _script(name):
+    import types
+
+    experiment = _EXPERIMENT_OF_SCRIPT[name]
+    return types.SimpleNamespace(main=lambda argv: cli.main(["run", experiment, *argv]))
 
 
 @pytest.fixture(scope="module")

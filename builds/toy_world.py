@@ -5,7 +5,7 @@ relations in its top 5 with both test prompts, the pretrained model (PRE) at mos
 10%. Prints the build times and the evaluation table the manifest records, with
 95% bootstrap intervals, and exits non-zero if a target is missed.
 
-Run: ``python experiments/build_toy_world.py [--arch llama|gpt2] [--force]``
+Run: ``python builds/toy_world.py [--arch llama|gpt2] [--force]``
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+# The toy world is built here from scratch: there is nothing to download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from grafting_lens.metrics import bootstrap_ci
