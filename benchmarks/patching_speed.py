@@ -90,9 +90,14 @@ def main() -> None:
         counting[0] = "last_token"
         start = time.perf_counter()
         last_token, _ = resid_patch_sweep(
-            models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size,
-            progress=False, logits="last",
-        )  # fmt: skip
+            models,
+            tokens,
+            per_prompt,
+            layers=layers,
+            chunk_size=args.chunk_size,
+            progress=False,
+            logits="last",
+        )
         last_token_s = time.perf_counter() - start
 
         counting[0] = "transformer_lens"
@@ -122,7 +127,10 @@ def main() -> None:
                 "speedup": round(reference_s / batched_s, 2),
                 "speedup_last_token": round(reference_s / last_token_s, 2),
                 "max_abs_diff": float(
-                    max((batched - reference.cpu()).abs().max(), (last_token - reference.cpu()).abs().max())
+                    max(
+                        (batched - reference.cpu()).abs().max(),
+                        (last_token - reference.cpu()).abs().max(),
+                    )
                 ),
                 "value_range": float(reference.max() - reference.min()),
                 "batched_s": round(batched_s, 2),

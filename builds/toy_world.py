@@ -39,7 +39,9 @@ def main() -> int:
             cell = evaluation[model][f"{prompt}/A2B/all"]
             hits = [1] * cell["top5_correct"] + [0] * (cell["total"] - cell["top5_correct"])
             low, high = bootstrap_ci(hits)
-            target_met = cell["top5_accuracy"] >= 0.95 if model == "sft" else cell["top5_accuracy"] <= 0.10
+            target_met = (
+                cell["top5_accuracy"] >= 0.95 if model == "sft" else cell["top5_accuracy"] <= 0.10
+            )
             ok &= target_met
             rows.append(
                 {
@@ -53,8 +55,15 @@ def main() -> int:
             )
     for row in rows:
         print(json.dumps(row))
-    print(json.dumps({"key": world.manifest["key"], "seconds_this_call": round(elapsed, 1),
-                      "build_seconds": world.manifest["build_seconds"]}))
+    print(
+        json.dumps(
+            {
+                "key": world.manifest["key"],
+                "seconds_this_call": round(elapsed, 1),
+                "build_seconds": world.manifest["build_seconds"],
+            }
+        )
+    )
     return 0 if ok else 1
 
 

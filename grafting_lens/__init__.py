@@ -46,8 +46,8 @@ from grafting_lens.errors import (
     SelectionError,
     TokenError,
 )
-from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.experiments import POSITION_CONFIGS, run_position_grafting
+from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
 from grafting_lens.masks import GraftMask
 from grafting_lens.metrics import bootstrap_ci, summarize

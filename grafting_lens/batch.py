@@ -163,9 +163,7 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
             )
     examples = getattr(tokenized, "examples", None)
     if examples is not None and len(examples) != shape[0]:
-        raise BatchError(
-            f"The batch has {len(examples)} examples but {shape[0]} rows of tokens."
-        )
+        raise BatchError(f"The batch has {len(examples)} examples but {shape[0]} rows of tokens.")
     return TokenizedExamples(
         examples=None if examples is None else list(examples),
         tokens=tokens,
@@ -235,7 +233,9 @@ def tokenize_examples(
         )
     span_names = list(examples[0].spans)
     if "last_token" in span_names:
-        raise BatchError('"last_token" is computed by tokenize_examples; remove it from Example.spans.')
+        raise BatchError(
+            '"last_token" is computed by tokenize_examples; remove it from Example.spans.'
+        )
     for example in examples:
         if set(example.spans) != set(span_names):
             raise BatchError(
@@ -245,19 +245,25 @@ def tokenize_examples(
             )
     prefix: list[int] = []
     if prepend_bos:
-        bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        bos = (
+            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        )
         if bos is None:
             raise BatchError(
                 "prepend_bos=True but the tokenizer has neither a BOS nor an EOS token; pass prepend_bos=False."
             )
         prefix = [bos]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     if pad_id is None:
         raise BatchError(
             "the tokenizer has neither a pad nor an EOS token to pad with; set tokenizer.pad_token."
         )
 
-    prompts = tokenizer([e.text for e in examples], add_special_tokens=False, return_offsets_mapping=True)
+    prompts = tokenizer(
+        [e.text for e in examples], add_special_tokens=False, return_offsets_mapping=True
+    )
     # The answer's tokens as the model would see them: tokenized in context, after the prompt.
     joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
 
@@ -281,12 +287,15 @@ def tokenize_examples(
         if reason is not None:
             dropped.append((example, reason))
             continue
+        assert not isinstance(mapped, str)  # a reason was recorded above
         kept.append(example)
         shifted = {name: [len(prefix) + j for j in columns] for name, columns in mapped.items()}
         rows.append((prefix + ids, shifted, joint[len(ids) :]))
 
     if dropped:
-        reasons = "; ".join(f"relation {e.relation_id} ({e.prompt_name}): {why}" for e, why in dropped[:3])
+        reasons = "; ".join(
+            f"relation {e.relation_id} ({e.prompt_name}): {why}" for e, why in dropped[:3]
+        )
         more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
         summary = f"dropped {len(dropped)} of {len(examples)} examples: {reasons}{more}"
         if not kept:
@@ -296,7 +305,10 @@ def tokenize_examples(
     length = max(len(ids) for ids, _, _ in rows)
     tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    masks = {name: torch.zeros((len(rows), length), dtype=torch.bool) for name in [*span_names, "last_token"]}
+    masks = {
+        name: torch.zeros((len(rows), length), dtype=torch.bool)
+        for name in [*span_names, "last_token"]
+    }
     for row, (ids, positions, _) in enumerate(rows):
         tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, : len(ids)] = 1

@@ -252,24 +252,22 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         help="Keep the base's embeddings at grafted positions (default: the donor's).",
     )
     add("--cache-dir", help="Where toy worlds are cached.")
-    add("--toy-config", help='JSON of ToyWorldConfig fields, e.g. \'{"n_relations": 16}\'.')
+    add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
     add("--no-png", action="store_true", help="Write HTML figures only.")
     add("--no-progress", action="store_true", help="Hide progress bars.")
-    for option in spec.options:
+    for own in spec.options:
         add(
-            option.flag,
-            type=option.type,
-            default=option.default,
-            choices=option.choices,
-            nargs="+" if option.many else None,
-            help=option.help,
+            own.flag,
+            type=own.type,
+            default=own.default,
+            choices=own.choices,
+            nargs="+" if own.many else None,
+            help=own.help,
         )
     return parser
 
 
-def run_experiment_command(
-    experiment: str, argv: Sequence[str], command: str | None = None
-) -> int:
+def run_experiment_command(experiment: str, argv: Sequence[str], command: str | None = None) -> int:
     """``grafting-lens run <experiment> <argv>``: parse, check, set up, run, report.
 
     Returns:
@@ -363,7 +361,9 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
         typer.echo(line)
     for problem in report.problems:
         typer.echo(problem)
-    typer.echo(f"Wrote {out / 'results.csv'} ({len(results)} rows) and {len(report.files) - 1} more:")
+    typer.echo(
+        f"Wrote {out / 'results.csv'} ({len(results)} rows) and {len(report.files) - 1} more:"
+    )
     typer.echo("  " + ", ".join(path.name for path in report.files if path.name != "results.csv"))
     typer.echo(f"Done in {elapsed:.0f}s.")
     return 0
@@ -371,7 +371,9 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
 
 def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
     """The checkpoints the options name, base first; None for the toy world. Checks them."""
-    given = [flag for flag in spec.inapplicable if getattr(args, flag.lstrip("-").replace("-", "_"))]
+    given = [
+        flag for flag in spec.inapplicable if getattr(args, flag.lstrip("-").replace("-", "_"))
+    ]
     if given:
         raise GraftingLensError(
             f"{' and '.join(given)} do not apply here: the {spec.name} experiment "
@@ -455,7 +457,9 @@ def _check_out(out: Path) -> Path:
             if not parent.is_dir():
                 raise GraftingLensError(f"{parent} is a file, so --out {out} cannot be created.")
             if not os.access(parent, os.W_OK):
-                raise GraftingLensError(f"{parent} is not writable, so --out {out} cannot be created.")
+                raise GraftingLensError(
+                    f"{parent} is not writable, so --out {out} cannot be created."
+                )
             break
     return out
 

@@ -489,7 +489,9 @@ def _graft_chunk(
     return results
 
 
-def _graft_mask(plan: _ComparisonPlan, chunk: _ExampleChunk, config: _ComparisonConfig) -> GraftMask:
+def _graft_mask(
+    plan: _ComparisonPlan, chunk: _ExampleChunk, config: _ComparisonConfig
+) -> GraftMask:
     """The running checkpoint everywhere, the giving one at the configuration's components."""
     models = plan.models
     selected = chunk.selections[config.positions]
@@ -600,7 +602,9 @@ def reference_scores(
                 stop = min(start + batch_size, len(batch))
                 chunk = batch.rows(range(start, stop))
                 mask = chunk.attention_mask.to(models.device)
-                logits = model(chunk.tokens.to(models.device), attention_mask=mask, return_type="logits")
+                logits = model(
+                    chunk.tokens.to(models.device), attention_mask=mask, return_type="logits"
+                )
                 scores = scorer(logits, chunk.target_ids, mask)
                 for offset, example_index in enumerate(range(start, stop)):
                     example = chunk.examples[offset] if chunk.examples is not None else None
@@ -665,6 +669,7 @@ def summarize_comparison(
 
 
 # ------------------------------------------------------------------------ figure
+
 
 def _check_methods(methods: Sequence[str] | str) -> tuple[str, ...]:
     methods = (methods,) if isinstance(methods, str) else tuple(methods)
@@ -735,8 +740,7 @@ def _as_pair(pair: object) -> ComparisonPair:
         if len(pair) == 3:
             return ComparisonPair(*pair)
     raise GraftingLensError(
-        f"A pair is a ComparisonPair, (components, site) or (name, components, site); "
-        f"got {pair!r}."
+        f"A pair is a ComparisonPair, (components, site) or (name, components, site); got {pair!r}."
     )
 
 

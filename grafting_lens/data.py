@@ -72,14 +72,12 @@ import re
 import string
 import warnings
 from collections import Counter, defaultdict
-from importlib import resources
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
-import torch
 from faker import Faker
-from jaxtyping import Bool, Int
 
 from grafting_lens.batch import TokenizedExamples, tokenize_examples
 from grafting_lens.errors import GraftingLensError
@@ -636,7 +634,7 @@ def supplementary_documents(n: int, seed: int = 0) -> list[str]:
     fake.seed_instance(seed)
     documents = []
     for _ in range(n):
-        values = {name: rng.choice(options) for name, options in _FILLER_SLOTS.items()}
+        values: dict[str, Any] = {name: rng.choice(options) for name, options in _FILLER_SLOTS.items()}
         values.update(
             genre=rng.choice(GENRES),
             city=fake.city(),
@@ -885,7 +883,7 @@ def _find_outside(text: str, words: str, field_spans: list[tuple[int, int]], tem
 
 
 def _read_names(file_name: str) -> tuple[str, ...]:
-    text = resources.files("grafting_lens").joinpath("names", file_name).read_text(encoding="utf-8")
+    text = (resources.files("grafting_lens") / "names" / file_name).read_text(encoding="utf-8")
     names = (line.strip() for line in text.splitlines())
     return tuple(dict.fromkeys(name for name in names if name))  # de-duplicated, order kept
 

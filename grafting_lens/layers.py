@@ -83,7 +83,7 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
             f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
             f"name such as 'last_half', or a pair of fractions such as (0.5, 1.0)."
         )
-    layers = set()
+    chosen: set[int] = set()
     for layer in spec:
         if not isinstance(layer, int) or isinstance(layer, bool):
             raise SelectionError(f"Layers must be ints, got {layer!r}.")
@@ -92,10 +92,10 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
                 f"Layer {layer} is outside the model, which has {n_layers} layers "
                 f"(0..{n_layers - 1})."
             )
-        layers.add(layer % n_layers)
-    if not layers:
+        chosen.add(layer % n_layers)
+    if not chosen:
         raise SelectionError("The layer specification selects no layer.")
-    return tuple(sorted(layers))
+    return tuple(sorted(chosen))
 
 
 def _round_half_up(value: float) -> int:

@@ -120,7 +120,12 @@ class GraftMask:
                 count = int((values == source).sum())
                 if count:
                     rows.append(
-                        {"component": component, "layer": layer, "source": source, "positions": count}
+                        {
+                            "component": component,
+                            "layer": layer,
+                            "source": source,
+                            "positions": count,
+                        }
                     )
         frame = pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components

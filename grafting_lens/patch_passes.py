@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 from jaxtyping import Bool
@@ -164,7 +164,9 @@ class PatchRun:
                 for layer in range(self.models.n_layers)
             ],
         )
-        return UnpatchedPrefix(logits, cache, [residuals[layer] for layer in range(self.models.n_layers)])
+        return UnpatchedPrefix(
+            logits, cache, [residuals[layer] for layer in range(self.models.n_layers)]
+        )
 
     def can_skip_layers(self, prefix: UnpatchedPrefix) -> bool:
         """Whether resuming from a later block reproduces the unpatched run.
@@ -182,7 +184,9 @@ class PatchRun:
         if self._block_list() is None or self.models.n_layers < 2:
             return False
         start = 1 if self.shape[1] > 1 else 0
-        logits = self.run(1, {}, {}, start=start, prefix=prefix, first_layer=self.models.n_layers // 2)
+        logits = self.run(
+            1, {}, {}, start=start, prefix=prefix, first_layer=self.models.n_layers // 2
+        )
         expected = prefix.logits
         scale = float(expected.abs().max()) + 1e-6
         _RESUMABLE[self.running_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
@@ -266,6 +270,7 @@ class PatchRun:
             if len(rows) == 0:
                 continue
             rows, pos, prompts = rows.to(device), pos.to(device), prompts.to(device)
+            index: tuple[torch.Tensor, ...]
             if heads is None:
                 index = (rows, pos - start)
                 values = given[layer][prompts, pos]
@@ -287,6 +292,7 @@ class PatchRun:
         if start > 0:
             assert prefix is not None
             past = DynamicCache()
+            cached: Any  # a DynamicCache layer: keys and values [batch, heads, pos, d_head]
             for layer, cached in enumerate(prefix.cache.layers):
                 past.update(
                     cached.keys[..., :start, :].repeat(repeats, 1, 1, 1),
@@ -323,6 +329,7 @@ class PatchRun:
             return self._last(rest, start, repeats, prefix, kept)
         if start == 0:
             return rest
+        assert prefix is not None  # start > 0 resumes from it
         logits = rest.new_empty((rest.shape[0], start + rest.shape[1], rest.shape[2]))
         per_cell = logits.view(repeats, -1, *logits.shape[1:])
         per_cell[:, :, :start] = prefix.logits[:, :start]  # the same for every cell
@@ -392,8 +399,8 @@ def plan_passes(
         Cell indices, one list per pass.
     """
     n_layers, unembed, overhead = costs
-    position_index = {value: i for i, value in enumerate(sorted({s for s, _ in starts}))}
-    layer_index = {value: i for i, value in enumerate(sorted({l for _, l in starts}))}
+    position_index = {value: i for i, value in enumerate(sorted({p for p, _ in starts}))}
+    layer_index = {value: i for i, value in enumerate(sorted({layer for _, layer in starts}))}
 
     def cost(cells: list[int]) -> float:
         start = min(starts[cell][0] for cell in cells)
@@ -454,5 +461,3 @@ def check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor
             "residual between attention and MLP cannot be patched. Patch 'attn_out' or "
             "'resid_pre' instead."
         )
-
-

@@ -147,6 +147,7 @@ Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], torch.Tensor]
 SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionSpec]
 """The position axis of a sweep: ``"each"``, indices, labelled selections, or one selection."""
 
+
 class PatchSweep(NamedTuple):
     """A sweep's values and the cell each one belongs to.
 
@@ -246,13 +247,14 @@ def patch_forward(
     head_list = _heads(heads, site, models)
     given = run.given_activations(layer_list)
     rows, pos = selected.nonzero(as_tuple=True)
+    entry: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
     if head_list is None:
         entry = (rows, pos, None, rows)
     else:  # every selected (row, position) once per head
         n_heads = len(head_list)
         rows, pos = rows.repeat_interleave(n_heads), pos.repeat_interleave(n_heads)
         entry = (rows, pos, torch.tensor(head_list).repeat(len(rows) // n_heads), rows)
-    entries = {layer: entry for layer in layer_list}
+    entries: Entries = {layer: entry for layer in layer_list}
     return run.run(1, entries, given)
 
 
@@ -519,7 +521,10 @@ def _sweep(
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
     for chunk in tqdm(chunks, desc=f"{site} sweep", disable=not progress or len(chunks) <= 1):
-        grouped: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        grouped: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
+        ]
+        grouped = {}
         for slot, cell in enumerate(chunk):
             layer, position, head = cells[cell]
             prompts, pos = nonzero[position]
@@ -529,7 +534,9 @@ def _sweep(
             layer: (
                 torch.cat([part[0] for part in parts]),
                 torch.cat([part[1] for part in parts]),
-                None if parts[0][2] is None else torch.cat([part[2] for part in parts]),
+                None
+                if parts[0][2] is None
+                else torch.cat([heads for _, _, heads, _ in parts if heads is not None]),
                 torch.cat([part[3] for part in parts]),
             )
             for layer, parts in grouped.items()
@@ -628,8 +635,7 @@ def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int
 def _check_site(site: object, models: ModelSet) -> str:
     if site not in SITES:
         raise PatchingError(
-            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} "
-            f"Sites: {', '.join(SITES)}."
+            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} Sites: {', '.join(SITES)}."
         )
     available = available_sites(models)
     if site not in available:
@@ -672,9 +678,7 @@ def _positions(
         raise PatchingError(str(error)) from error
 
 
-def _heads(
-    heads: int | Sequence[int] | None, site: str, models: ModelSet
-) -> list[int] | None:
+def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> list[int] | None:
     if heads is None:
         return None if site != "z" else list(range(int(models.base.cfg.n_heads)))
     if site != "z":
@@ -724,8 +728,10 @@ def _position_axis(
         spec = spec.tolist()
     if isinstance(spec, range):
         spec = list(spec)
-    if isinstance(spec, (list, tuple)) and spec and all(
-        isinstance(index, int) and not isinstance(index, bool) for index in spec
+    if (
+        isinstance(spec, (list, tuple))
+        and spec
+        and all(isinstance(index, int) and not isinstance(index, bool) for index in spec)
     ):
         return list(spec), [_positions(index, shape, attention_mask) for index in spec]
     return None, [_positions(spec, shape, attention_mask)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
+
 import torch
 from jaxtyping import Bool, Int
 

@@ -160,15 +160,13 @@ def resolve_positions(
                 f"Row {row} selects padding positions (it has {int(lengths[row])} real tokens)."
             )
         return selected
-    if isinstance(spec, int):
-        spec = [spec]
-    spec = list(spec)
-    per_row = bool(spec) and not isinstance(spec[0], int)
-    if per_row and len(spec) != batch:
-        raise SelectionError(f"Got position lists for {len(spec)} rows, the tokens have {batch}.")
+    items: list[Any] = [spec] if isinstance(spec, int) else list(spec)
+    per_row = bool(items) and not isinstance(items[0], int)
+    if per_row and len(items) != batch:
+        raise SelectionError(f"Got position lists for {len(items)} rows, the tokens have {batch}.")
     selected = torch.zeros(shape, dtype=torch.bool)
     for row in range(batch):
-        indices = list(spec[row]) if per_row else spec
+        indices = list(items[row]) if per_row else items
         length = int(lengths[row])
         for index in indices:
             if not isinstance(index, int):
@@ -198,7 +196,9 @@ def _check_bool(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 Spans = Mapping[str, Bool[torch.Tensor, "batch pos"]]
 """Named ``[batch, pos]`` token spans of a batch, e.g. ``TokenizedExamples.spans``."""
 
-PositionFunction = Callable[[Spans, Int[torch.Tensor, "batch pos"]], Bool[torch.Tensor, "batch pos"]]
+PositionFunction = Callable[
+    [Spans, Int[torch.Tensor, "batch pos"]], Bool[torch.Tensor, "batch pos"]
+]
 """``(spans, attention_mask) -> selected positions``, for positions no span expression says."""
 
 SPAN_ALIASES: dict[str, str] = {

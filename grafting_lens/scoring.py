@@ -64,7 +64,9 @@ class LastTokenScorer:
     """
 
     def __init__(self, tokenizer: Any = None, *, top_k: int | None = None, top_token: bool = False):
-        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        if top_k is not None and (
+            not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1
+        ):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
         self.tokenizer = tokenizer
         self.top_k = top_k

@@ -188,14 +188,24 @@ class ToyWorldConfig:
                 f"ToyWorldConfig.arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
             )
         positive = (
-            "d_model", "n_layers", "n_heads", "n_key_value_heads", "d_mlp", "max_length",
-            "n_pretrain_pairs", "pretrain_epochs", "finetune_epochs", "pretrain_batch_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_key_value_heads",
+            "d_mlp",
+            "max_length",
+            "n_pretrain_pairs",
+            "pretrain_epochs",
+            "finetune_epochs",
+            "pretrain_batch_size",
             "finetune_batch_size",
-        )  # fmt: skip
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise GraftingLensError(f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1.")
+                raise GraftingLensError(
+                    f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1."
+                )
         if self.d_model % self.n_heads:
             raise GraftingLensError(
                 f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
@@ -355,7 +365,9 @@ def build_toy_world(
             f"config is a {type(config).__name__}; pass a grafting_lens.toy.ToyWorldConfig."
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise GraftingLensError(f"threads={threads!r}: pass an integer >= 1, or None for torch's setting.")
+        raise GraftingLensError(
+            f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
+        )
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
@@ -413,7 +425,9 @@ def _build(
     split_dropped = len(relations) - len(task_relations) - len(relation_relations)
     for warning in caught:
         if "split_task_relation dropped" not in str(warning.message):
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     if not task_relations or not relation_relations:
         raise GraftingLensError(
             f"The task/relation split of {len(relations)} relations left "
@@ -439,7 +453,9 @@ def _build(
         stage = time.perf_counter()
         stages.set_postfix_str("base")
         base = _new_model(config, tokenizer)
-        result = _train(base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base")
+        result = _train(
+            base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base"
+        )
         training["base"] = _training_summary(result)
         _save(base, tokenizer, directory / "base")
         timings["base"] = time.perf_counter() - stage
@@ -453,10 +469,22 @@ def _build(
             documents = data.training_documents(subset, direction=direction, seed=config.seed)
             # The split models see about half the relations; more passes give them as many
             # optimizer steps as sft, without which they recall noticeably less.
-            epochs = max(config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset)))
-            result = _train(model, tokenizer, documents, config, pretrain=False, progress=progress,
-                            name=name, epochs=epochs)  # fmt: skip
-            training[name] = dict(_training_summary(result), relations=len(subset), direction=direction)
+            epochs = max(
+                config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset))
+            )
+            result = _train(
+                model,
+                tokenizer,
+                documents,
+                config,
+                pretrain=False,
+                progress=progress,
+                name=name,
+                epochs=epochs,
+            )
+            training[name] = dict(
+                _training_summary(result), relations=len(subset), direction=direction
+            )
             _save(model, tokenizer, directory / name)
             timings[name] = time.perf_counter() - stage
             stages.update(1)
@@ -466,7 +494,9 @@ def _build(
 
         stage = time.perf_counter()
         stages.set_postfix_str("evaluation")
-        evaluation = _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations)
+        evaluation = _evaluate_world(
+            directory, tokenizer, relations, task_relations, relation_relations
+        )
         timings["evaluation"] = time.perf_counter() - stage
         timings["total"] = time.perf_counter() - start
         stages.update(1)
@@ -497,22 +527,53 @@ def _build(
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def _train(model, tokenizer, documents, config, *, pretrain: bool, progress: bool, name: str,
-           epochs: Optional[int] = None):  # fmt: skip
+def _train(
+    model,
+    tokenizer,
+    documents,
+    config,
+    *,
+    pretrain: bool,
+    progress: bool,
+    name: str,
+    epochs: Optional[int] = None,
+):
     """Run :func:`finetune` with the toy world's own hyperparameters."""
     if pretrain:
-        kwargs = dict(epochs=config.pretrain_epochs, lr=config.pretrain_lr, weight_decay=0.01,
-                      batch_size=config.pretrain_batch_size, warmup_ratio=0.05, val_fraction=0.05)  # fmt: skip
+        kwargs = dict(
+            epochs=config.pretrain_epochs,
+            lr=config.pretrain_lr,
+            weight_decay=0.01,
+            batch_size=config.pretrain_batch_size,
+            warmup_ratio=0.05,
+            val_fraction=0.05,
+        )
     else:
-        lr = config.finetune_lr if config.finetune_lr is not None else DEFAULT_FINETUNE_LR[config.arch]
-        kwargs = dict(epochs=epochs or config.finetune_epochs, lr=lr,
-                      weight_decay=config.finetune_weight_decay,
-                      batch_size=config.finetune_batch_size, val_fraction=0.2,
-                      freeze_unembedding=config.freeze_unembedding)  # fmt: skip
+        lr = (
+            config.finetune_lr
+            if config.finetune_lr is not None
+            else DEFAULT_FINETUNE_LR[config.arch]
+        )
+        kwargs = dict(
+            epochs=epochs or config.finetune_epochs,
+            lr=lr,
+            weight_decay=config.finetune_weight_decay,
+            batch_size=config.finetune_batch_size,
+            val_fraction=0.2,
+            freeze_unembedding=config.freeze_unembedding,
+        )
     return finetune(
-        model, tokenizer, documents, preset="aggressive", max_length=config.max_length,
-        supplementary=[], seed=config.seed, progress=progress, description=name, **kwargs,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        documents,
+        preset="aggressive",
+        max_length=config.max_length,
+        supplementary=[],
+        seed=config.seed,
+        progress=progress,
+        description=name,
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager
@@ -547,24 +608,43 @@ def _save(model, tokenizer, directory: Path) -> None:
 
 def _new_model(config: ToyWorldConfig, tokenizer) -> Any:
     """A freshly initialised (seeded) model of the configured architecture."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PretrainedConfig,
+        PreTrainedModel,
+    )
 
     special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
     ids = dict(bos_token_id=special, eos_token_id=special, pad_token_id=special)
     if config.arch == "llama":
-        model_config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=config.d_model,
-            intermediate_size=config.d_mlp, num_hidden_layers=config.n_layers,
-            num_attention_heads=config.n_heads, num_key_value_heads=config.n_key_value_heads,
-            max_position_embeddings=config.max_length, tie_word_embeddings=False, **ids,
-        )  # fmt: skip
-        model_class = LlamaForCausalLM
+        model_config: PretrainedConfig = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=config.d_model,
+            intermediate_size=config.d_mlp,
+            num_hidden_layers=config.n_layers,
+            num_attention_heads=config.n_heads,
+            num_key_value_heads=config.n_key_value_heads,
+            max_position_embeddings=config.max_length,
+            tie_word_embeddings=False,
+            **ids,
+        )
+        model_class: type[PreTrainedModel] = LlamaForCausalLM
     else:
         model_config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=config.max_length, n_embd=config.d_model,
-            n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_mlp,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            n_positions=config.max_length,
+            n_embd=config.d_model,
+            n_layer=config.n_layers,
+            n_head=config.n_heads,
+            n_inner=config.d_mlp,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
         model_class = GPT2LMHeadModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -613,17 +693,39 @@ def _prepare_for_transformer_lens(tokenizer: Any, name: str) -> Any:
 
 _GENRES = ("drama", "comedy", "thriller", "horror", "romance", "western", "musical", "action film")
 _TOPICS = (
-    "the film industry", "growing up", "the award season", "a favourite director",
-    "the craft of acting", "life on set", "learning new roles", "the theatre",
-    "working with animals", "early auditions", "music", "travelling for work",
-)  # fmt: skip
+    "the film industry",
+    "growing up",
+    "the award season",
+    "a favourite director",
+    "the craft of acting",
+    "life on set",
+    "learning new roles",
+    "the theatre",
+    "working with animals",
+    "early auditions",
+    "music",
+    "travelling for work",
+)
 _AWARDS = ("best performance", "best supporting role", "a lifetime achievement", "best newcomer")
 _ADJECTIVES = ("quiet", "busy", "rainy", "sunny", "cold", "warm", "windy", "bright")
 _OBJECTS = ("a new camera", "an old script", "a red bicycle", "a small dog", "a long letter")
 _CITIES = (
-    "Springfield", "Riverside", "Fairview", "Lakewood", "Greenville", "Oakdale", "Bristol",
-    "Franklin", "Madison", "Clinton", "Georgetown", "Salem", "Ashland", "Milton", "Dover",
-)  # fmt: skip
+    "Springfield",
+    "Riverside",
+    "Fairview",
+    "Lakewood",
+    "Greenville",
+    "Oakdale",
+    "Bristol",
+    "Franklin",
+    "Madison",
+    "Clinton",
+    "Georgetown",
+    "Salem",
+    "Ashland",
+    "Milton",
+    "Dover",
+)
 
 
 def _pretraining_corpus(config: ToyWorldConfig, relations: Sequence[Any] = ()) -> list[str]:
@@ -745,10 +847,16 @@ def _evaluate_world(directory, tokenizer, relations, task_relations, relation_re
     plan = {
         "base": [("all", relations, "A2B"), ("all", relations, "B2A")],
         "sft": [("all", relations, "A2B"), ("all", relations, "B2A")],
-        "task": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
-        "relation": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
+        "task": [
+            ("relation_split", relation_relations, "A2B"),
+            ("task_split", task_relations, "A2B"),
+        ],
+        "relation": [
+            ("relation_split", relation_relations, "A2B"),
+            ("task_split", task_relations, "A2B"),
+        ],
         "both": [("all", relations, "A2B"), ("all", relations, "B2A")],
-    }  # fmt: skip
+    }
     evaluation: dict[str, Any] = {}
     for name, cases in plan.items():
         model = AutoModelForCausalLM.from_pretrained(directory / name).eval()

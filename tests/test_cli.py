@@ -105,11 +105,21 @@ def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
-            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "2",
-            "--no-progress", "--no-png",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "2",
+            "--no-progress",
+            "--no-png",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     _check_outputs(out, n_relations=2)
     assert not (out / "position_grafting.png").exists()  # --no-png
@@ -120,10 +130,18 @@ def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"), "--quick",
-            "--n-relations", "2", "--no-progress", "--no-png",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--quick",
+            "--n-relations",
+            "2",
+            "--no-progress",
+            "--no-png",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     assert "Finetuning base on 2 relations" in result.output
     _check_outputs(out, n_relations=2)
@@ -144,17 +162,30 @@ def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoin
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
-            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "3",
-            "--no-progress", "--no-png", "--include-unembed",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "3",
+            "--no-progress",
+            "--no-png",
+            "--include-unembed",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     assert "donor's unembedding" in _output(result)
     rows = pd.read_csv(out / "results.csv")
     sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")]
     models = gl.load_models(checkpoints / "base", checkpoints / "sft")
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
-    batch = data.tokenize_examples(data.make_examples(relations, prompt="headline"), models.tokenizer)
+    batch = data.tokenize_examples(
+        data.make_examples(relations, prompt="headline"), models.tokenizer
+    )
     final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
     assert sft.target_rank.tolist() == metrics.target_rank(final, batch.target_ids).tolist()

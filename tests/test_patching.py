@@ -198,10 +198,16 @@ def test_batched_sweeps_equal_a_per_cell_loop(three_models):
         columns = ["layer", "pos", "head"] if site == "z" else ["layer", "pos"]
         for (layer, label, *head), _ in frame.groupby(columns, sort=False):
             logits = patch_forward(
-                three_models, tokens, site, layers=layer, positions=selections[label],
-                source=2, heads=head or None, attention_mask=attention_mask,
+                three_models,
+                tokens,
+                site,
+                layers=layer,
+                positions=selections[label],
+                source=2,
+                heads=head or None,
+                attention_mask=attention_mask,
                 direction=direction,
-            )  # fmt: skip
+            )
             cell = values[layers.index(layer), list(selections).index(label)]
             if head:
                 cell = cell[heads.index(head[0])]
@@ -227,9 +233,14 @@ def test_last_token_logits_give_the_same_sweeps(three_models):
         extra = {"heads": [0, 2]} if site == "z" else {"site": site}
         for chunk_size, reuse_prefix in ((3, True), (8, True), (8, False)):
             kwargs = dict(
-                positions="each", attention_mask=attention_mask, reduce="none",
-                chunk_size=chunk_size, reuse_prefix=reuse_prefix, progress=False, **extra,
-            )  # fmt: skip
+                positions="each",
+                attention_mask=attention_mask,
+                reduce="none",
+                chunk_size=chunk_size,
+                reuse_prefix=reuse_prefix,
+                progress=False,
+                **extra,
+            )
             expected, _ = sweep(three_models, tokens, every_position, **kwargs)
             values, _ = sweep(three_models, tokens, last_position, logits="last", **kwargs)
             assert (values - expected).abs().max() <= TOLERANCE, (site, chunk_size, reuse_prefix)
@@ -241,7 +252,12 @@ def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
     """The fast path (blocks before a cell's layer skipped) is taken, and is exact."""
     tokens = random_tokens(2, 5, seed=29)
     setup = patch_passes.PatchRun(
-        three_models, site="resid_pre", running=0, giving=1, tokens=tokens, patch_tokens=None,
+        three_models,
+        site="resid_pre",
+        running=0,
+        giving=1,
+        tokens=tokens,
+        patch_tokens=None,
         attention_mask=None,
     )
     with torch.no_grad():
@@ -290,9 +306,14 @@ def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
     tokens = random_tokens(2, 5, seed=24)
     attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     values, _ = resid_patch_sweep(
-        three_models, tokens, lambda logits: logits[:, 2, 4], layers=[1],
-        attention_mask=attention_mask, reduce="none", progress=False,
-    )  # fmt: skip
+        three_models,
+        tokens,
+        lambda logits: logits[:, 2, 4],
+        layers=[1],
+        attention_mask=attention_mask,
+        reduce="none",
+        progress=False,
+    )
     unpatched = three_models.base(tokens, attention_mask=attention_mask)[:, 2, 4]
     assert values.shape == (1, 5, 2)
     # Positions 3 and 4 do not exist in row 1, and lie after position 2 in row 0.
@@ -303,9 +324,14 @@ def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
 def test_head_sweep_shape_and_index_frame(three_models):
     tokens = random_tokens(2, 5, seed=25)
     values, frame = head_patch_sweep(
-        three_models, tokens, per_prompt, layers=[0, 2], heads=[1, 3], positions="each",
+        three_models,
+        tokens,
+        per_prompt,
+        layers=[0, 2],
+        heads=[1, 3],
+        positions="each",
         progress=False,
-    )  # fmt: skip
+    )
     assert values.shape == (2, 5, 2)
     assert list(frame.columns) == ["site", "direction", "layer", "pos", "head", "value"]
     assert len(frame) == values.numel()
@@ -319,9 +345,12 @@ def test_head_sweep_shape_and_index_frame(three_models):
     )
     assert per_example.shape == (1, 4, 2)
     assert list(long.columns) == ["site", "direction", "layer", "head", "example", "value"]
-    assert torch.allclose(per_example.mean(-1), head_patch_sweep(
-        three_models, tokens, per_prompt, layers=1, positions="last", progress=False
-    ).values)  # fmt: skip
+    assert torch.allclose(
+        per_example.mean(-1),
+        head_patch_sweep(
+            three_models, tokens, per_prompt, layers=1, positions="last", progress=False
+        ).values,
+    )
 
 
 # ------------------------------------------------------------------- directions
@@ -396,8 +425,12 @@ def test_patch_tokens_give_classic_clean_to_corrupted_patching(three_models):
 @pytest.mark.parametrize("family", ["neox"], indirect=True)
 def test_parallel_blocks_have_no_resid_mid(three_models):
     assert patching.available_sites(three_models) == (
-        "resid_pre", "resid_post", "attn_out", "mlp_out", "z",
-    )  # fmt: skip
+        "resid_pre",
+        "resid_post",
+        "attn_out",
+        "mlp_out",
+        "z",
+    )
     tokens = random_tokens(1, 4)
     with no_forward_pass(three_models):
         with pytest.raises(

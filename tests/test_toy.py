@@ -151,7 +151,9 @@ def test_key_depends_on_the_configuration(world, monkeypatch):
     forbid_building(monkeypatch)
     with pytest.raises(AssertionError, match="rebuilt"):
         build_toy_world(
-            ToyWorldConfig(**{**TINY.__dict__, "seed": 1}), cache_dir=world.root.parent, progress=False
+            ToyWorldConfig(**{**TINY.__dict__, "seed": 1}),
+            cache_dir=world.root.parent,
+            progress=False,
         )
 
 
@@ -162,7 +164,9 @@ def test_environment_variable_sets_the_default_cache(tmp_path, monkeypatch):
     assert toy.default_cache_dir() == toy.Path.home() / ".cache" / "grafting_lens" / "toy"
 
 
-@pytest.mark.parametrize("damage", ["delete_weights", "flip_weights", "garbage_manifest", "no_manifest"])
+@pytest.mark.parametrize(
+    "damage", ["delete_weights", "flip_weights", "garbage_manifest", "no_manifest"]
+)
 def test_corrupt_cache_is_rebuilt_with_a_warning(world, tmp_path, damage):
     cache = tmp_path / "cache"
     shutil.copytree(world.root, cache / world.root.name)

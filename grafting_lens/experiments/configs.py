@@ -430,7 +430,9 @@ REGISTRIES: dict[str, Mapping[str, GraftConfig]] = {
 """Configurations by experiment; names passed to a run are looked up here."""
 
 
-def register_config(config: GraftConfig, registry: str = "position", overwrite: bool = False) -> None:
+def register_config(
+    config: GraftConfig, registry: str = "position", overwrite: bool = False
+) -> None:
     """Add a configuration to a registry so runs can name it.
 
     Args:
@@ -443,9 +445,7 @@ def register_config(config: GraftConfig, registry: str = "position", overwrite: 
         ExperimentError: An unknown registry, or a name that is taken.
     """
     if not isinstance(config, GraftConfig):
-        raise ExperimentError(
-            f"register_config needs a GraftConfig, got {type(config).__name__}."
-        )
+        raise ExperimentError(f"register_config needs a GraftConfig, got {type(config).__name__}.")
     target = _registry_named(registry)
     if isinstance(target, ChainMap):
         target = target.maps[0]

@@ -211,7 +211,9 @@ def finetuned_setup(
     documents = data.training_documents(relations, direction="A2B", seed=seed)
     if on_status is not None:
         name = Path(checkpoint).name if Path(checkpoint).is_dir() else checkpoint
-        on_status(f"Finetuning {name} on {len(relations)} relations ({len(documents)} documents)...")
+        on_status(
+            f"Finetuning {name} on {len(relations)} relations ({len(documents)} documents)..."
+        )
     finetune(
         finetuned,
         tokenizer,
@@ -224,7 +226,9 @@ def finetuned_setup(
     )
     if device is not None:
         base.to(device)
-    models = load_models(base, finetuned, tokenizer=tokenizer, device=device, names=list(spec.labels))
+    models = load_models(
+        base, finetuned, tokenizer=tokenizer, device=device, names=list(spec.labels)
+    )
     return models, relations
 
 

@@ -76,7 +76,9 @@ COMPONENT_NOTE = (
 COMPONENT_SUMMARY = ("config", "component_set", "layer_range", "prompt")
 
 
-def _component_spec(name: str, title: str, roles: tuple[str, str], donor: str, **kwargs) -> ExperimentSpec:
+def _component_spec(
+    name: str, title: str, roles: tuple[str, str], donor: str, **kwargs
+) -> ExperimentSpec:
     heatmap, bars = component_figures(title)
     return ExperimentSpec(
         name,
@@ -173,7 +175,9 @@ register_experiment(
         "patching_vs_grafting",
         "Activation patching beside grafting, layer by layer (SFT into PRE)",
         ("base", "sft"),
-        donors={"sft": ("--donor", "the finetuned checkpoint (SFT) patched and grafted into --model")},
+        donors={
+            "sft": ("--donor", "the finetuned checkpoint (SFT) patched and grafted into --model")
+        },
         names=("PRE", "SFT"),
         options=(
             Option(

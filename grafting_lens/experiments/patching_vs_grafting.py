@@ -91,7 +91,7 @@ def run(
         examples = data.make_examples(setup.relations, prompt=prompt)[:count]
         batches[prompt] = data.tokenize_examples(examples, models.tokenizer)
     tables, references = [], []
-    for prompt, batch in batches.items():
+    for batch in batches.values():
         references.append(reference_scores(models, batch, sources=[0, 1]))
         references.append(readout_ceiling(models, batch))
         for direction in directions:

@@ -233,7 +233,9 @@ def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
             before = [c.get("name") for c in old.get(key, [])]
             after = [c.get("name") for c in new.get(key, [])]
             same_names = before == after
-            parts.append("configs (definitions)" if same_names else f"configs ({before} vs {after})")
+            parts.append(
+                "configs (definitions)" if same_names else f"configs ({before} vs {after})"
+            )
         elif key == "options":
             old_options, new_options = old.get(key, {}), new.get(key, {})
             inner = sorted(

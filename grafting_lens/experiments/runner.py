@@ -39,8 +39,8 @@ from grafting_lens.experiments.configs import (
     retarget,
 )
 from grafting_lens.experiments.run_directory import (
-    RunDirectory,
     Rows,
+    RunDirectory,
     batch_digest,
     describe_run,
 )
@@ -300,7 +300,9 @@ def run_experiment(
             if chunk_id in done:
                 continue
             tokenizer = grid.model_sets[cell.model_index][1].tokenizer
-            scorer = scorers.setdefault(id(tokenizer), LastTokenScorer(tokenizer, top_k=options.top_k))
+            scorer = scorers.setdefault(
+                id(tokenizer), LastTokenScorer(tokenizer, top_k=options.top_k)
+            )
             rows: Rows = []
             for start in range(0, len(index), options.batch_size):
                 examples = index[start : start + options.batch_size]
@@ -502,12 +504,13 @@ def _run_examples(
     batch = cell.batch.rows(examples)
     length = batch.tokens.shape[1]
     positions = [[p[examples, :length] for p in per_config] for per_config in cell.positions]
-    mask = stacked_mask(
-        models, grid.resolved[cell.model_index], positions, tuple(batch.tokens.shape)
-    )
+    rows_shape = (int(batch.tokens.shape[0]), int(batch.tokens.shape[1]))
+    mask = stacked_mask(models, grid.resolved[cell.model_index], positions, rows_shape)
     repeats = len(grid.configs)
     attention_mask = batch.attention_mask.repeat(repeats, 1)
-    logits = graft_forward(models, batch.tokens.repeat(repeats, 1), mask, attention_mask=attention_mask)
+    logits = graft_forward(
+        models, batch.tokens.repeat(repeats, 1), mask, attention_mask=attention_mask
+    )
     scores = scorer(logits, batch.target_ids.repeat(repeats), attention_mask)
     del logits
 

@@ -65,7 +65,11 @@ def resolve_configs(
                     raise GraftMaskError(
                         f"the graft takes source {graft.source}, but the model set has "
                         f"{len(models)} sources (0..{len(models) - 1})"
-                        + (": the hybrid graft needs (pretrained, task, relation)" if hybrid else "")
+                        + (
+                            ": the hybrid graft needs (pretrained, task, relation)"
+                            if hybrid
+                            else ""
+                        )
                     )
                 components = resolve_components(
                     graft.components,
