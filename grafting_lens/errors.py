@@ -81,7 +81,7 @@ class SelectionError(GraftMaskError):
 
 class TokenError(GraftMaskError):
     """Token ids that the model set cannot run: not a ``[batch, pos]`` tensor of ids
-    within the vocabulary (see :meth:`grafting_lens.ModelSet.check_tokens`)."""
+    within the vocabulary (see :meth:`grafting_lens.models.ModelSet.check_tokens`)."""
 
 
 class BatchError(GraftingLensError):

@@ -2,13 +2,13 @@
 
 What this module held moved where it belongs:
 
-* the configurations (:data:`POSITION_CONFIGS`, :data:`PAPER_CONFIGS`) and the runner
-  (:func:`run_position_grafting`) to :mod:`grafting_lens.experiments`
+* the configurations (``POSITION_CONFIGS``, ``PAPER_CONFIGS``) and the runner
+  (``run_position_grafting``) to ``grafting_lens.experiments``
   (``POSITION_CONFIGS``, ``PAPER_POSITION_CONFIGS``, ``run_position_grafting``);
-* registering a configuration to :func:`grafting_lens.experiments.register_config`
+* registering a configuration to ``grafting_lens.experiments.register_config``
   (``register_config(GraftConfig(name, (Graft(positions),)))``);
 * span expressions (``"FE+LT"``, ``"(FE+LT)^C"``) to
-  :func:`grafting_lens.positions.select_positions`.
+  ``grafting_lens.positions.select_positions``.
 
 Importing this module warns; its names keep working.
 """
@@ -36,7 +36,7 @@ from grafting_lens.experiments import (
 from grafting_lens.experiments import POSITION_CONFIGS as _POSITION_CONFIGS
 from grafting_lens.masks import GraftMask
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import PositionFunction, Spans, select_positions
+from grafting_lens.positions import PositionFunction, Spans
 
 warnings.warn(
     "grafting_lens.position_grafting is deprecated: use grafting_lens.experiments "
@@ -90,19 +90,14 @@ def register_position_config(
 def config_positions(
     name: str, spans: Spans, attention_mask: Int[torch.Tensor, "batch pos"]
 ) -> Bool[torch.Tensor, "batch pos"]:
-    """Deprecated: the positions configuration ``name`` grafts, from
-    :func:`grafting_lens.positions.select_positions` of its grafts.
+    """Deprecated: ``POSITION_CONFIGS[name].grafted_positions(spans, attention_mask)``.
 
     Raises:
         GraftingLensError: An unknown name, a span the batch lacks, or positions on
             padding.
     """
     (config,) = get_configs([name], POSITION_CONFIGS, kind="position-grafting")
-    attention_mask = torch.as_tensor(attention_mask).cpu()
-    selected = torch.zeros(tuple(attention_mask.shape), dtype=torch.bool)
-    for graft in config.grafts:
-        selected |= select_positions(graft.positions, spans, attention_mask)
-    return selected
+    return config.grafted_positions(spans, attention_mask)
 
 
 def position_grafting_components(

@@ -75,7 +75,7 @@ class LastTokenScorer:
 
     @property
     def columns(self) -> tuple[str, ...]:
-        """The columns :meth:`__call__` returns, in table order."""
+        """The columns a call returns, in table order."""
         return (
             SCORE_COLUMNS
             + (TOP_TOKEN_COLUMNS if self.top_token else ())

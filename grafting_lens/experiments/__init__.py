@@ -18,19 +18,21 @@ Only the "these weights, these positions, that checkpoint" part changes between 
 
 The package has one room per idea:
 
-==========================  ================================================================
-:mod:`.configs`             :class:`Graft`, :class:`GraftConfig`, the paper's component names,
-                            the registries of configurations (:func:`register_config`)
-:mod:`.testsets`            :class:`TestSet`: one dataset under one prompt
-:mod:`.stacking`            configurations checked against a model set and stacked into one mask
-:mod:`.runner`              :func:`run_experiment` and its :class:`RunOptions`
-:mod:`.run_directory`       resumable run directories (manifest, fingerprint, chunks)
-:mod:`.specs`               :class:`ExperimentSpec` and the registry of named experiments
-:mod:`.named`               setting up and running a named experiment
-:mod:`.report`              tables, markdown and the paper's figures
-:mod:`.paper`               the paper's experiments, one registered spec each
-:mod:`.patching_vs_grafting`  the comparison of both methods as a named experiment
-==========================  ================================================================
+* :mod:`~grafting_lens.experiments.configs`: :class:`Graft`, :class:`GraftConfig`, the
+  paper's component names and the registries of configurations (:func:`register_config`);
+* :mod:`~grafting_lens.experiments.testsets`: :class:`TestSet`, one dataset under one prompt;
+* :mod:`~grafting_lens.experiments.stacking`: configurations checked against a model set and
+  stacked into one graft mask;
+* :mod:`~grafting_lens.experiments.runner`: :func:`run_experiment` and its :class:`RunOptions`;
+* :mod:`~grafting_lens.experiments.run_directory`: resumable run directories (manifest,
+  fingerprint, chunks);
+* :mod:`~grafting_lens.experiments.specs`: :class:`ExperimentSpec` and the registry of named
+  experiments (:func:`register_experiment`);
+* :mod:`~grafting_lens.experiments.named`: setting up and running a named experiment;
+* :mod:`~grafting_lens.experiments.report`: tables, markdown and the paper's figures;
+* :mod:`~grafting_lens.experiments.paper`: the paper's experiments, one registered spec each;
+* :mod:`~grafting_lens.experiments.patching_vs_grafting`: the comparison of both methods as
+  a named experiment.
 
 A configuration is data, a :class:`GraftConfig`: a name as in the paper's figures and a tuple
 of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` from

@@ -23,11 +23,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import torch
+from jaxtyping import Bool, Int
+
 from grafting_lens.components import COMPONENT_GROUPS, COMPONENTS, expand_components
 from grafting_lens.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
 from grafting_lens.layers import LayerSpec
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import PositionFunction, callable_name, parse_span_expression
+from grafting_lens.positions import (
+    PositionFunction,
+    Spans,
+    callable_name,
+    parse_span_expression,
+    select_positions,
+)
 
 __all__ = [
     "COMPONENT_CONFIGS",
@@ -225,6 +234,20 @@ class GraftConfig:
                 )
         object.__setattr__(self, "grafts", grafts)
         object.__setattr__(self, "tags", dict(self.tags))
+
+    def grafted_positions(
+        self, spans: Spans, attention_mask: Int[torch.Tensor, "batch pos"]
+    ) -> Bool[torch.Tensor, "batch pos"]:
+        """The positions any of its grafts selects in each row of a batch.
+
+        Raises:
+            SelectionError: A span the batch lacks, or positions on padding.
+        """
+        attention_mask = torch.as_tensor(attention_mask).cpu()
+        selected = torch.zeros(tuple(attention_mask.shape), dtype=torch.bool)
+        for graft in self.grafts:
+            selected |= select_positions(graft.positions, spans, attention_mask)
+        return selected
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (what a run's fingerprint records)."""

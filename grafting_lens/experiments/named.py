@@ -275,10 +275,11 @@ def setup_experiment(
     spec = get_experiment(experiment)
     if checkpoints is None:
         config = toy_config
-        if config is None and quick and spec.quick_world:
+        small = config is None and quick and spec.quick_world
+        if small:
             config = quick_toy_config()
         if on_status is not None:
-            on_status("Building or loading the toy world" + (" (quick)" if quick else "") + "...")
+            on_status("Building or loading the toy world" + (" (quick)" if small else "") + "...")
         models, made, world = toy_setup(
             spec, config=config, cache_dir=cache_dir, device=device, progress=progress
         )

@@ -1,14 +1,12 @@
 """The paper's experiments, one registered :class:`~grafting_lens.experiments.ExperimentSpec` each.
 
-========================  ==================================================================
-``position``              figures 2 and 3a: every SFT weight at some positions, into PRE
-``component``             figure 4: matrices at the last token, relation model into task model
-``component_baseline``    appendix C.5: the same, SFT into PRE
-``reversal``              appendix C.6: both-directions model into one-direction model, B2A
-``hybrid``                figure 5: task attention and relation O+FFN on the pretrained model
-``patching_vs_grafting``  activation patching beside grafting, layer by layer
-``demo``                  position grafting end to end, the quickest look
-========================  ==================================================================
+* ``position``: figures 2 and 3a, every SFT weight at some positions, into PRE;
+* ``component``: figure 4, matrices at the last token, relation model into task model;
+* ``component_baseline``: appendix C.5, the same, SFT into PRE;
+* ``reversal``: appendix C.6, both-directions model into one-direction model, asked B2A;
+* ``hybrid``: figure 5, task attention and relation O+FFN on the pretrained model;
+* ``patching_vs_grafting``: activation patching beside grafting, layer by layer;
+* ``demo``: position grafting end to end, the quickest look.
 
 Each is runnable from Python (:func:`~grafting_lens.experiments.run_named_experiment`)
 and from the command line (``grafting-lens run <name> --out <dir>``). A new experiment

@@ -7,7 +7,7 @@ directory::
     manifest.json         {"fingerprint": ..., "created": ..., "spec": <describe_run>}
     chunks/<id>.json      {"chunk": <id>, "columns": [...], "rows": [[...], ...]}
 
-Every file is written to a temporary sibling and renamed (:mod:`grafting_lens.files`),
+Every file is written to a temporary sibling and renamed (``grafting_lens.files``),
 so a chunk file is complete or absent. Started again with the same arguments, a run
 reads its finished chunks back instead of computing them. The fingerprint is a hash of
 :func:`describe_run`: the model sets (names, architecture, a sample of every weight),
@@ -65,7 +65,7 @@ def describe_run(
         test_digests: :func:`batch_digest` per ``(model set, test set)``.
         configs: The configurations.
         options: The options that change a row (see
-            :meth:`~grafting_lens.experiments.RunOptions.fingerprint`).
+            :meth:`~grafting_lens.experiments.runner.RunOptions.fingerprint`).
         columns: The results' columns.
         chunk_ids: Every chunk of the run, in order.
     """
