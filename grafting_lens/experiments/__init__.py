@@ -129,7 +129,7 @@ from grafting_lens.experiments.stacking import config_masks
 from grafting_lens.experiments.testsets import MOVIE_PROMPTS, TestSet, make_test_sets
 
 # Span expressions moved to grafting_lens.positions; they stay importable from here.
-from grafting_lens.positions import (  # noqa: E402
+from grafting_lens.positions import (
     SPAN_ALIASES,
     PositionFunction,
     Spans,
