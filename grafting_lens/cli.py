@@ -325,7 +325,7 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     tables = run_spec(
         spec,
         setup,
-        out=out / "runs" if setup.resumable else None,
+        out=out / "runs" if setup.resumable and spec.run is None else None,
         quick=args.quick,
         n_examples=args.n_examples,
         options=RunOptions(
@@ -339,14 +339,16 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     )
     elapsed = time.perf_counter() - started
     results = tables["results"]
-    rows_computed = sum(computed) if setup.resumable else len(results)
+    # Only a grid of configurations saves chunks and reads them back.
+    resumed = setup.resumable and spec.run is None
+    rows_computed = sum(computed) if resumed else len(results)
     notes = [
         f"Models: {setup.label} ("
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
         + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
         f"{torch.get_num_threads()} CPU threads"
-        + (f" (the others read back from {out / 'runs'})." if setup.resumable else "."),
+        + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
         notes.append(_unembedding_note(args))
