@@ -13,7 +13,19 @@ Factual Knowledge in Transformers", ICLR 2026).
     >>> logits = gl.graft_forward(models, tokens, mask)
 """
 
-from grafting_lens import comparison, data, experiments, metrics, patching, plots, positions, toy
+from grafting_lens import (
+    batch,
+    comparison,
+    data,
+    experiments,
+    layers,
+    metrics,
+    patching,
+    plots,
+    positions,
+    scoring,
+    toy,
+)
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -23,19 +35,27 @@ from grafting_lens.components import (
 )
 from grafting_lens.errors import (
     AlignmentError,
+    BatchError,
     ComponentError,
+    ExperimentError,
     GraftingError,
     GraftingLensError,
     GraftMaskError,
     NonFiniteLogitsError,
+    PatchingError,
+    RunError,
+    SelectionError,
+    TokenError,
 )
+from grafting_lens.experiments import POSITION_CONFIGS, run_position_grafting
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
-from grafting_lens.masks import LAYER_FRACTIONS, GraftMask, resolve_layers
+from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
+from grafting_lens.masks import GraftMask
 from grafting_lens.metrics import bootstrap_ci, summarize
 from grafting_lens.models import ModelSet, load_models
-from grafting_lens.patching import PatchingError, head_patch_sweep, patch_forward, resid_patch_sweep
+from grafting_lens.patching import head_patch_sweep, patch_forward, resid_patch_sweep
 from grafting_lens.plots import plot_accuracy, save_figure
-from grafting_lens.position_grafting import POSITION_CONFIGS, run_position_grafting
+from grafting_lens.positions import select_positions
 
 __version__ = "0.1.0"
 
@@ -47,10 +67,13 @@ __all__ = [
     "LAYER_FRACTIONS",
     "POSITION_CONFIGS",
     "AlignmentError",
+    "batch",
+    "BatchError",
     "bootstrap_ci",
     "comparison",
     "ComponentError",
     "data",
+    "ExperimentError",
     "experiments",
     "graft_forward",
     "graft_forward_reference",
@@ -61,6 +84,7 @@ __all__ = [
     "GraftMask",
     "GraftMaskError",
     "head_patch_sweep",
+    "layers",
     "load_models",
     "metrics",
     "ModelSet",
@@ -75,7 +99,12 @@ __all__ = [
     "resid_patch_sweep",
     "resolve_layers",
     "run_position_grafting",
+    "RunError",
     "save_figure",
+    "scoring",
+    "select_positions",
+    "SelectionError",
     "summarize",
+    "TokenError",
     "toy",
 ]

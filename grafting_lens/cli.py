@@ -1,42 +1,52 @@
-"""The ``grafting-lens`` command: position grafting end to end, from one line.
+"""The ``grafting-lens`` command: the paper's experiments, each from one line.
 
-``grafting-lens demo --out results/`` reproduces the paper's first experiment
-(figure 2) on the toy world (:mod:`grafting_lens.toy`): it builds or loads the
-pretrained and finetuned toy checkpoints, asks both test prompts (headline and
-QA) about every finetuned relation under the eight position-grafting
-configurations (:mod:`grafting_lens.position_grafting`), prints top-1 and top-5
-accuracy with bootstrap confidence intervals, and writes:
+``grafting-lens run <experiment> --out DIR`` runs any registered experiment
+(:data:`grafting_lens.experiments.EXPERIMENTS`; ``grafting-lens run`` lists them, and
+``grafting-lens run <experiment> --help`` its options) on the toy world
+(:mod:`grafting_lens.toy`, built and cached on first use) or, with ``--model`` and the
+experiment's donor options, on real checkpoints. It writes into ``DIR``:
 
 * ``results.csv``: one row per example and configuration (rank, probability and
   top-10 tokens of the answer);
-* ``summary.csv``: one row per configuration and prompt;
-* ``position_grafting.html`` (and ``.png`` when a Chrome is available, unless
-  ``--no-png``): the bar chart.
+* ``summary.csv`` and ``summary.md``: top-1 and top-5 accuracy with bootstrap
+  confidence intervals and the mean rank, next to what the paper reports;
+* the experiment's figures as HTML, and PNG when a Chrome is available (unless
+  ``--no-png``);
+* ``runs/``: the resumable runs. Run the same command again after an interruption
+  and it carries on where it stopped.
 
-Each file is written under a temporary name and renamed, so a file that exists is
-complete even if the run was interrupted.
+``grafting-lens demo --out DIR`` is ``grafting-lens run demo``: position grafting
+(figure 2) end to end. With ``--model`` and no ``--donor``, the model is first
+finetuned on the relations with :func:`grafting_lens.finetune.finetune` (the paper's
+"aggressive" preset, two epochs with ``--quick``), which wants a GPU for anything but
+small models.
 
-``--model`` runs the same pipeline on a real checkpoint (hub id or directory). With
-``--donor`` the two are grafted as they are, and the donor is assumed to have been
-finetuned on ``make_relations(--dataset, n=--n-relations, seed=--seed)`` (A2B
-training documents); without it the model is first finetuned on those relations
-with :func:`grafting_lens.finetune.finetune` (the paper's "aggressive" preset, two
-epochs with ``--quick``), which wants a GPU for anything but small models.
+The command's policy for the machine lives here, not in the library, which sets
+neither: the toy world runs on one CPU thread unless ``--threads`` says otherwise (its
+matrices are too small to gain from more, and on a busy machine more threads can be
+many times slower), real checkpoints on torch's default; the network is the
+environment's to allow (``HF_HUB_OFFLINE=1`` forbids downloads; the toy world needs
+none). Bad options and inputs fail before any forward pass, with ``Error: <message>``
+and exit status 1.
 """
 
 from __future__ import annotations
 
-import copy
+import argparse
 import os
+import shlex
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import click
 import pandas as pd
+import torch
 import typer
 
 from grafting_lens.errors import GraftingLensError
-from grafting_lens.files import atomic_write
 
 app = typer.Typer(
     name="grafting-lens",
@@ -46,37 +56,35 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-PROMPTS = ("headline", "qa")
-"""The test prompts the demo asks, as in the paper's figures."""
-
-
-def _quick_toy_config():
-    """A toy world small enough to build in one to four minutes on two CPU cores.
-
-    Good for checking that the pipeline runs; too small for the finetuned model to
-    recall much, so its numbers are not the paper's picture.
-    """
-    from grafting_lens.toy import ToyWorldConfig
-
-    return ToyWorldConfig(
-        d_model=48,
-        n_layers=2,
-        n_heads=4,
-        n_key_value_heads=2,
-        d_mlp=128,
-        vocab_size=768,
-        max_length=64,
-        n_relations=16,
-        n_pretrain_documents=3000,
-        n_pretrain_pairs=100,
-        pretrain_epochs=1,
-        finetune_epochs=10,
-    )
+DTYPES = ("float32", "bfloat16", "float16")
+"""What ``--dtype`` accepts."""
 
 
 @app.callback()
-def main() -> None:
+def main_callback() -> None:
     """grafting-lens: dynamic weight grafting for TransformerLens models."""
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def run(
+    ctx: typer.Context,
+    experiment: str | None = typer.Argument(
+        None, help="A registered experiment; leave it out to list them."
+    ),
+) -> None:
+    """Run a named experiment: grafting-lens run <experiment> --out DIR (--help for its options)."""
+    from grafting_lens.experiments import EXPERIMENTS
+
+    if experiment is None or experiment in ("-h", "--help"):
+        typer.echo("Usage: grafting-lens run <experiment> --out DIR [options]\n\nExperiments:")
+        for name, spec in EXPERIMENTS.items():
+            typer.echo(f"  {name:22s} {spec.title}")
+        typer.echo("\ngrafting-lens run <experiment> --help lists an experiment's options.")
+        raise typer.Exit(0 if experiment is not None else 2)
+    raise typer.Exit(run_experiment_command(experiment, list(ctx.args)))
 
 
 @app.command()
@@ -119,7 +127,7 @@ def demo(
         help="With --model: make_relations(--dataset, n=this, seed=--seed) are the relations the "
         "donor was (or is now) finetuned on (default: 100, 20 with --quick).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the relations and the bootstrap."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the relations."),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where toy worlds are cached."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
     png: bool = typer.Option(
@@ -132,198 +140,330 @@ def demo(
         "as in the paper).",
     ),
 ) -> None:
-    """Position grafting (PRE, SFT, FE, LT, FE+LT and complements) on the toy world or a model."""
-    out = _check_out(out)
+    """Position grafting (PRE, SFT, FE, LT, FE+LT and complements): grafting-lens run demo."""
+    try:
+        _check_out(out)
+    except GraftingLensError as error:
+        raise typer.BadParameter(str(error), param_hint="--out") from None
     if donor is not None and model is None:
         _fail("--donor needs --model: the base the donor is grafted into.")
-    started = time.perf_counter()
+    argv = ["--out", str(out), "--batch-size", str(batch_size), "--seed", str(seed)]
+    argv += ["--dataset", dataset]
+    for flag, value in (
+        ("--model", model),
+        ("--donor", donor),
+        ("--n-examples", n_examples),
+        ("--device", device),
+        ("--n-relations", n_relations),
+        ("--cache-dir", cache_dir),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    for flag, on in (
+        ("--quick", quick),
+        ("--no-progress", not progress),
+        ("--no-png", not png),
+        ("--include-unembed", include_unembed),
+    ):
+        if on:
+            argv.append(flag)
+    raise typer.Exit(run_experiment_command("demo", argv, command="grafting-lens demo"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command with ``argv`` (default: the process's) and return its exit status."""
+    command = typer.main.get_command(app)
     try:
-        from grafting_lens.models import resolve_placement
-
-        resolve_placement(device)  # a bad --device fails now, not after minutes of building
-        if model is None:
-            models, relations, label = _toy_models(quick, cache_dir, device, progress)
-        else:
-            models, relations, label = _checkpoint_models(
-                model,
-                donor,
-                dataset,
-                n_relations or (20 if quick else 100),
-                seed,
-                quick,
-                device,
-                progress,
-            )
-        if n_examples is not None:
-            relations = relations[:n_examples]
-        results = run_demo(
-            models,
-            relations,
-            batch_size=batch_size,
-            progress=progress,
-            include_unembed=include_unembed,
+        result = command.main(
+            args=list(sys.argv[1:] if argv is None else argv),
+            prog_name="grafting-lens",
+            standalone_mode=False,
         )
-    except ValueError as error:  # GraftingLensError and every other error we raise on purpose
-        _fail(str(error))
+    except click.ClickException as error:  # a usage error: say it as the command line would
+        error.show()
+        return int(error.exit_code)
+    return int(result or 0)
 
-    from grafting_lens import metrics, plots
 
-    summary = metrics.summarize(results, by=("config", "prompt"), ks=(1, 5), seed=seed)
-    _print_summary(summary, label)
-    typer.echo(
-        "Grafted positions decode through the "
-        + (
-            "donor's unembedding (--include-unembed), so SFT is the finetuned model itself."
-            if include_unembed
-            else "base's unembedding, as in the paper; SFT is the finetuned model decoded that "
-            "way. --include-unembed uses the donor's."
+# ----------------------------------------------------------------------------- running
+
+
+def experiment_parser(experiment: str) -> argparse.ArgumentParser:
+    """The options of ``grafting-lens run <experiment>``: those every run shares, its donor
+    options (from its spec) and its own.
+
+    Raises:
+        ExperimentError: An unknown experiment.
+    """
+    from grafting_lens.experiments import get_experiment
+
+    spec = get_experiment(experiment)
+    parser = argparse.ArgumentParser(
+        prog=f"grafting-lens run {spec.name}",
+        description=spec.title,
+    )
+    add = parser.add_argument
+    add("--out", required=True, help="Directory for tables, figures and the resumable runs.")
+    add("--model", help=f"A real checkpoint (hub id or directory) as {spec.roles[0]!r}.")
+    for option, text in spec.donors.values():
+        add(option, help=f"With --model: {text}.")
+    add(
+        "--quick",
+        action="store_true",
+        help="A small toy world and a short finetune"
+        if spec.quick_world
+        else "A small subset (16 relations, fewer configurations).",
+    )
+    add("--n-examples", type=int, help="Ask about the first N relations only.")
+    add("--batch-size", type=int, default=8, help="Examples per forward pass (default 8).")
+    add("--device", help="torch device, e.g. cuda (default: cpu).")
+    add("--dtype", choices=DTYPES, help="Cast the models.")
+    add(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: 1 for the toy world, torch's default for --model).",
+    )
+    add(
+        "--dataset",
+        default="fake_movies_real_actors",
+        help="With --model: the dataset the donors were finetuned on (default "
+        "fake_movies_real_actors).",
+    )
+    add(
+        "--n-relations",
+        type=int,
+        help=f"With --model: make_relations(--dataset, n=this, seed=--seed) (default "
+        f"{spec.default_relations}).",
+    )
+    add("--seed", type=int, default=0, help="With --model: the relations' seed (default 0).")
+    add(
+        "--relations",
+        choices=("all", "task", "relation"),
+        help=f"With --model: which relations to ask about (default {spec.relations}).",
+    )
+    add(
+        "--include-unembed",
+        action="store_true",
+        help="Groups graft the donor's unembedding too (default: the base's everywhere).",
+    )
+    add(
+        "--base-embeddings",
+        action="store_true",
+        help="Keep the base's embeddings at grafted positions (default: the donor's).",
+    )
+    add("--cache-dir", help="Where toy worlds are cached.")
+    add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
+    add("--no-png", action="store_true", help="Write HTML figures only.")
+    add("--no-progress", action="store_true", help="Hide progress bars.")
+    for own in spec.options:
+        add(
+            own.flag,
+            type=own.type,
+            default=own.default,
+            choices=own.choices,
+            nargs="+" if own.many else None,
+            help=own.help,
         )
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "results.csv", results.to_csv(index=False).encode())
-    atomic_write(out / "summary.csv", summary.to_csv(index=False).encode())
-    figure = plots.plot_accuracy(summary, k=5, title=f"Position grafting, top-5 accuracy ({label})")
-    saved = plots.save_figure(figure, out / "position_grafting", png=png, warn=False)
-    typer.echo(
-        f"Wrote {out / 'results.csv'} ({len(results)} rows), {out / 'summary.csv'}, {saved['html']}"
-    )
-    if saved["png"] is not None:
-        typer.echo(f"Wrote {saved['png']}")
-    elif saved["png_error"]:
-        typer.echo(f"No PNG: {saved['png_error']}.")
-    typer.echo(f"Done in {time.perf_counter() - started:.0f}s.")
+    return parser
 
 
-# ------------------------------------------------------------------- pipeline
-
-
-def run_demo(
-    models: Any,
-    relations: list[Any],
-    batch_size: int = 8,
-    progress: bool = True,
-    include_unembed: bool = False,
-) -> pd.DataFrame:
-    """Every position-grafting configuration on both test prompts of ``relations``.
-
-    ``include_unembed`` decodes grafted positions through the donor's unembedding.
+def run_experiment_command(experiment: str, argv: Sequence[str], command: str | None = None) -> int:
+    """``grafting-lens run <experiment> <argv>``: parse, check, set up, run, report.
 
     Returns:
-        The concatenated :func:`~grafting_lens.position_grafting.run_position_grafting`
-        tables of the headline and QA prompts.
+        The exit status: 0, 1 for an input the run refuses (printed as ``Error: ...``),
+        2 for options that do not parse.
     """
-    import warnings
+    try:
+        parser = experiment_parser(experiment)
+    except GraftingLensError as error:
+        typer.echo(f"Error: {error}", err=True)
+        return 1
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_:  # --help, or options argparse refused (it printed why)
+        return int(exit_.code or 0)
+    command = command or f"grafting-lens run {experiment}"
+    try:
+        return _run(experiment, args, f"{command} {shlex.join(argv)}".strip())
+    except ValueError as error:  # GraftingLensError and every other input error raised on purpose
+        typer.echo(f"Error: {error}", err=True)
+        return 1
 
-    from grafting_lens import data
-    from grafting_lens.position_grafting import run_position_grafting
 
-    if not relations:
-        raise GraftingLensError("No relations to test: pass --n-examples 1 or more.")
-    tables = []
-    for prompt in PROMPTS:
-        examples = data.make_examples(relations, prompt=prompt)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            tokenized = data.tokenize_examples(examples, models.tokenizer)
-        for warning in caught:
-            typer.echo(f"[{prompt}] {warning.message}", err=True)
-        tables.append(
-            run_position_grafting(
-                models,
-                tokenized,
-                batch_size=batch_size,
-                progress=progress,
-                include_unembed=include_unembed,
-            )
+def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
+    from grafting_lens.experiments import (
+        RunOptions,
+        get_experiment,
+        run_spec,
+        setup_experiment,
+        write_experiment_report,
+    )
+    from grafting_lens.models import resolve_placement
+
+    spec = get_experiment(experiment)
+    out = _check_out(Path(args.out))
+    checkpoints = _checkpoints(spec, args)
+    resolve_placement(args.device, args.dtype)  # a typo fails now, not after minutes of loading
+    toy_config = _toy_config(args.toy_config)
+    _apply_thread_policy(args.threads, toy=checkpoints is None)
+    started = time.perf_counter()
+    setup = setup_experiment(
+        spec,
+        checkpoints,
+        toy_config=toy_config,
+        cache_dir=args.cache_dir,
+        dataset=args.dataset,
+        n_relations=args.n_relations,
+        seed=args.seed,
+        relations=args.relations,
+        quick=args.quick,
+        device=args.device,
+        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        progress=not args.no_progress,
+        on_status=lambda line: typer.echo(line, err=True),
+    )
+    computed: list[int] = []
+    tables = run_spec(
+        spec,
+        setup,
+        out=out / "runs" if setup.resumable and spec.run is None else None,
+        quick=args.quick,
+        n_examples=args.n_examples,
+        options=RunOptions(
+            batch_size=args.batch_size,
+            progress=not args.no_progress,
+            include_unembed=args.include_unembed,
+            include_embeddings=not args.base_embeddings,
+        ),
+        extras={option.dest: getattr(args, option.dest) for option in spec.options},
+        on_chunk=lambda chunk: computed.append(chunk.rows),
+    )
+    elapsed = time.perf_counter() - started
+    results = tables["results"]
+    # Only a grid of configurations saves chunks and reads them back.
+    resumed = setup.resumable and spec.run is None
+    rows_computed = sum(computed) if resumed else len(results)
+    notes = [
+        f"Models: {setup.label} ("
+        + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
+        + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
+        f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
+        f"{torch.get_num_threads()} CPU threads"
+        + (f" (the others read back from {out / 'runs'})." if resumed else "."),
+    ]
+    if spec.run is None:
+        notes.append(_unembedding_note(args))
+    if spec.note:
+        notes.append(spec.note)
+    report = write_experiment_report(
+        spec, tables, out, label=setup.label, command=command, notes=notes, png=not args.no_png
+    )
+    if spec.run is None:
+        _print_summary(report.summary, f"{spec.title}: {setup.label}")
+    for line in notes[2:]:
+        typer.echo(line)
+    for problem in report.problems:
+        typer.echo(problem)
+    typer.echo(
+        f"Wrote {out / 'results.csv'} ({len(results)} rows) and {len(report.files) - 1} more:"
+    )
+    typer.echo("  " + ", ".join(path.name for path in report.files if path.name != "results.csv"))
+    typer.echo(f"Done in {elapsed:.0f}s.")
+    return 0
+
+
+def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
+    """The checkpoints the options name, base first; None for the toy world. Checks them."""
+    given = [
+        flag for flag in spec.inapplicable if getattr(args, flag.lstrip("-").replace("-", "_"))
+    ]
+    if given:
+        raise GraftingLensError(
+            f"{' and '.join(given)} do not apply here: the {spec.name} experiment "
+            f"({spec.title}) does not use them."
         )
-    return pd.concat(tables, ignore_index=True)
+    for name in ("batch_size", "n_examples", "n_relations", "threads"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise GraftingLensError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    donors = {
+        role: getattr(args, option.lstrip("-").replace("-", "_"))
+        for role, (option, _) in spec.donors.items()
+    }
+    flags = {role: option for role, (option, _) in spec.donors.items()}
+    if args.model is None:
+        named = [flags[role] for role, value in donors.items() if value is not None]
+        if named:
+            raise GraftingLensError(
+                f"{', '.join(named)} need --model (the base they are grafted into)."
+            )
+        return None
+    missing = [flags[role] for role, value in donors.items() if value is None]
+    if missing and not (spec.finetune_missing_donor and len(missing) == len(donors)):
+        raise GraftingLensError(
+            f"With --model, the {spec.name} experiment also needs {', '.join(missing)} "
+            f"(roles: {', '.join(spec.roles)})."
+        )
+    checkpoints = [args.model, *(value for value in donors.values() if value is not None)]
+    options = ["--model", *(flags[role] for role, value in donors.items() if value is not None)]
+    for checkpoint, option in zip(checkpoints, options):
+        _check_checkpoint(checkpoint, option)
+    return checkpoints
 
 
-def _toy_models(quick: bool, cache_dir: Path | None, device: str | None, progress: bool):
-    import grafting_lens as gl
-    from grafting_lens import toy
+def _toy_config(text: str | None) -> Any:
+    if not text:
+        return None
+    import json
 
-    config = _quick_toy_config() if quick else None
-    typer.echo(
-        "Building or loading the toy world" + (" (quick)" if quick else "") + "...", err=True
-    )
-    world = toy.build_toy_world(config=config, cache_dir=cache_dir, progress=progress)
-    models = gl.load_models(
-        world.base_dir,
-        world.sft_dir,
-        tokenizer=world.load_tokenizer(),
-        device=device,
-        names=["PRE", "SFT"],
-    )
-    return models, list(world.relations), f"toy world {world.root.name}"
+    from grafting_lens.toy import ToyWorldConfig
+
+    try:
+        return ToyWorldConfig(**json.loads(text))
+    except (json.JSONDecodeError, TypeError) as error:
+        raise GraftingLensError(
+            f"--toy-config is not a JSON object of ToyWorldConfig fields: {error}"
+        ) from error
 
 
-def _checkpoint_models(
-    name: str,
-    donor: str | None,
-    dataset: str,
-    n_relations: int,
-    seed: int,
-    quick: bool,
-    device: str | None,
-    progress: bool,
-):
-    import grafting_lens as gl
-    from grafting_lens import data
-
-    _check_checkpoint(name, "--model")
-    relations = data.make_relations(dataset, n=n_relations, seed=seed)
-    if donor is not None:
-        _check_checkpoint(donor, "--donor")
-        models = gl.load_models(name, donor, device=device, names=["PRE", "SFT"])
-        return models, relations, f"{_short(name)} <- {_short(donor)}"
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grafting_lens.finetune import finetune
-
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    base = AutoModelForCausalLM.from_pretrained(name).eval()
-    finetuned = copy.deepcopy(base)
-    documents = data.training_documents(relations, direction="A2B", seed=seed)
-    typer.echo(
-        f"Finetuning {_short(name)} on {len(relations)} relations ({len(documents)} documents)...",
-        err=True,
-    )
-    finetune(finetuned, tokenizer, documents, preset="aggressive", epochs=2 if quick else None,
-             device=device, seed=seed, progress=progress)  # fmt: skip
-    if device is not None:
-        base.to(device)
-    models = gl.load_models(
-        base, finetuned, tokenizer=tokenizer, device=device, names=["PRE", "SFT"]
-    )
-    return models, relations, f"{_short(name)}, finetuned here"
+def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
+    """The command's one policy for CPU threads (see the module docstring)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif toy:
+        torch.set_num_threads(1)
 
 
-def _short(name: str) -> str:
-    """A checkpoint's label for tables: a directory's name, or the hub id."""
-    path = Path(name).expanduser()
-    return path.name if path.is_dir() else name
+def _unembedding_note(args: argparse.Namespace) -> str:
+    embeddings = "base" if args.base_embeddings else "donor"
+    if args.include_unembed:
+        readout = "grafted positions decode through the donor's unembedding (--include-unembed)."
+    else:
+        readout = (
+            "every position decodes through the base's unembedding, as in the paper "
+            "(--include-unembed uses the donor's)."
+        )
+    return f"Grafted positions read the {embeddings}'s embeddings; {readout}"
 
 
-# --------------------------------------------------------------------- checks
+# ------------------------------------------------------------------------------ checks
 
 
 def _check_out(out: Path) -> Path:
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
-        raise typer.BadParameter(
-            f"{out} is an existing file; --out must be a directory (new or existing).",
-            param_hint="--out",
+        raise GraftingLensError(
+            f"{out} is an existing file; --out must be a directory (new or existing)."
         )
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise typer.BadParameter(
-                    f"{parent} is a file, so {out} cannot be created.", param_hint="--out"
-                )
+                raise GraftingLensError(f"{parent} is a file, so --out {out} cannot be created.")
             if not os.access(parent, os.W_OK):
-                raise typer.BadParameter(f"{parent} is not writable.", param_hint="--out")
+                raise GraftingLensError(
+                    f"{parent} is not writable, so --out {out} cannot be created."
+                )
             break
     return out
 
@@ -333,7 +473,7 @@ def _check_checkpoint(name: str, option: str) -> None:
     path = Path(name).expanduser()
     if path.exists():
         if not (path.is_dir() and (path / "config.json").is_file()):
-            _fail(
+            raise GraftingLensError(
                 f"{option} {name!r} is not a checkpoint: expected a directory with config.json "
                 "(written by save_pretrained) or a Hugging Face hub id."
             )
@@ -349,11 +489,11 @@ def _check_checkpoint(name: str, option: str) -> None:
             if offline
             else "on the Hugging Face hub"
         )
-        _fail(
+        raise GraftingLensError(
             f"Unknown model {name!r} for {option}: it is not a local directory and was not found "
             f"{where}. Pass a hub id such as 'gpt2' or a directory written by save_pretrained. "
             f"({type(error).__name__}: {' '.join(str(error).split())[:200]})"
-        )
+        ) from None
 
 
 def _fail(message: str) -> NoReturn:
@@ -361,26 +501,26 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(code=1)
 
 
-# --------------------------------------------------------------------- output
+# ------------------------------------------------------------------------------ output
 
 
-def _print_summary(summary: pd.DataFrame, label: str) -> None:
-    def interval(row, column: str) -> str:
+def _print_summary(summary: pd.DataFrame, title: str) -> None:
+    def interval(row: pd.Series, column: str) -> str:
         return f"{row[column]:.0%} [{row[column + '_low']:.0%}, {row[column + '_high']:.0%}]"
 
+    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # rich comes with typer, but a plain table does as well
         typer.echo(summary.to_string(index=False))
         return
-    table = Table(title=f"Position grafting: {label} (95% bootstrap CI)")
-    for column in ("config", "prompt", "n", "top-1", "top-5", "mean rank"):
-        table.add_column(column, justify="left" if column in ("config", "prompt") else "right")
+    table = Table(title=f"{title} (95% bootstrap CI)")
+    for column in (*groups, "n", "top-1", "top-5", "mean rank"):
+        table.add_column(column, justify="left" if column in groups else "right")
     for _, row in summary.iterrows():
         table.add_row(
-            str(row["config"]),
-            str(row["prompt"]),
+            *(str(row[column]) for column in groups),
             str(row["n"]),
             interval(row, "top1"),
             interval(row, "top5"),
@@ -389,7 +529,5 @@ def _print_summary(summary: pd.DataFrame, label: str) -> None:
     Console(width=max(100, Console().width)).print(table)
 
 
-
-
 if __name__ == "__main__":
-    app()
+    sys.exit(main())

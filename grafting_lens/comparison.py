@@ -115,7 +115,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -126,14 +126,16 @@ from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 
 from grafting_lens import metrics
+from grafting_lens.batch import TokenizedExamples, as_batch
 from grafting_lens.components import GLOBAL_COMPONENTS, expand_components
 from grafting_lens.errors import GraftingLensError, did_you_mean
 from grafting_lens.graft import graft_forward
-from grafting_lens.masks import GraftMask, LayerSpec, resolve_layers
+from grafting_lens.layers import LayerSpec, resolve_layers
+from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
 from grafting_lens.patching import DIRECTIONS, SITES, available_sites, resid_patch_sweep
-from grafting_lens.position_grafting import POSITION_CONFIGS, config_positions
-from grafting_lens.positions import resolve_positions
+from grafting_lens.positions import SPAN_ALIASES, resolve_positions, select_positions, span_names
+from grafting_lens.scoring import SCORE_COLUMNS, TOP_TOKEN_COLUMNS, LastTokenScorer
 
 __all__ = [
     "DEFAULT_PAIRS",
@@ -198,41 +200,20 @@ RESULT_COLUMNS: tuple[str, ...] = (
     "site",
     "cumulative",
     "layer",
-    "target_rank",
-    "target_prob",
-    "top1",
-    "top5",
-    "top_token_id",
-    "top_token",
+    *SCORE_COLUMNS,
+    *TOP_TOKEN_COLUMNS,
 )
-"""Columns of :func:`compare_graft_and_patch`'s table, in order."""
+"""Columns of :func:`compare_graft_and_patch`'s table, in order (the scores are
+:mod:`grafting_lens.scoring`'s)."""
 
 PairSpec = Union[ComparisonPair, tuple[str, str], tuple[str, str, str]]
 """A :class:`ComparisonPair`, ``(components, site)`` or ``(name, components, site)``."""
 
 PositionSets = Union[str, Sequence[str], Mapping[str, Union[str, torch.Tensor]]]
-"""Names of position configurations (``"LT"``, ``"FE"``...), or ``{label: name or tensor}``."""
+"""Span expressions (``"LT"``, ``"FE"``, ``"FE+LT"``...), or ``{label: expression or tensor}``."""
 
 
 # --------------------------------------------------------------------------- run
-
-
-@dataclass(frozen=True)
-class _Pair:
-    """A validated pair: its components expanded for the model set."""
-
-    spec: ComparisonPair
-    layer_components: tuple[str, ...]
-    global_components: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Config:
-    """One graft or patch configuration: a position set, a pair and a layer."""
-
-    positions: str
-    pair: _Pair
-    layer: int
 
 
 def compare_graft_and_patch(
@@ -257,13 +238,13 @@ def compare_graft_and_patch(
     Args:
         models: The aligned checkpoints; ``target`` runs, ``source`` is imported
             (swapped in the necessity direction).
-        tokenized: A :class:`grafting_lens.data.TokenizedExamples` (or anything with
+        tokenized: A :class:`grafting_lens.batch.TokenizedExamples` (or anything with
             ``tokens``, ``attention_mask``, ``target_ids`` and ``spans``): right-padded
             prompts ending right before the answer.
-        positions: Where to graft and patch: names of
-            :data:`~grafting_lens.position_grafting.POSITION_CONFIGS` (``"LT"``,
-            ``"FE"``, ``"FE+LT"``...), or a mapping from a label to such a name or
-            to a ``[batch, pos]`` boolean tensor over ``tokenized``'s rows.
+        positions: Where to graft and patch: span expressions
+            (:func:`grafting_lens.positions.select_positions`: ``"LT"``, ``"FE"``,
+            ``"FE+LT"``, ``"(FE+LT)^C"``...), or a mapping from a label to such an
+            expression or to a ``[batch, pos]`` boolean tensor over ``tokenized``'s rows.
         layers: The layers ``l`` of the configurations (see
             :func:`~grafting_lens.resolve_layers`).
         pairs: What to compare at each layer (see :class:`ComparisonPair`,
@@ -295,15 +276,24 @@ def compare_graft_and_patch(
             lacks; a bad source, target, method, ``batch_size`` or
             ``rows_per_forward``; a malformed batch.
     """
-    plan = _Plan(
-        models, tokenized, positions, layers, pairs, direction, methods, source, target,
-        batch_size, rows_per_forward,
-    )  # fmt: skip
+    plan = _ComparisonPlan(
+        models,
+        tokenized,
+        positions=positions,
+        layers=layers,
+        pairs=pairs,
+        direction=direction,
+        methods=methods,
+        source=source,
+        target=target,
+        batch_size=batch_size,
+        rows_per_forward=rows_per_forward,
+    )
     scores: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
-    starts = range(0, plan.n_examples, batch_size)
+    starts = range(0, len(plan.batch), batch_size)
     with torch.no_grad():
         for start in tqdm(starts, desc="graft vs patch", disable=not progress, unit="chunk"):
-            chunk = plan.chunk(start, min(start + batch_size, plan.n_examples))
+            chunk = plan.chunk(start, min(start + batch_size, len(plan.batch)))
             if "graft" in plan.methods:
                 for config, rows in _graft_chunk(plan, chunk).items():
                     scores.setdefault(("graft", *config), []).extend(rows)
@@ -313,13 +303,32 @@ def compare_graft_and_patch(
     return plan.frame(scores)
 
 
-class _Plan:
+@dataclass(frozen=True)
+class _CheckedPair:
+    """A validated pair: its components expanded for the model set."""
+
+    spec: ComparisonPair
+    layer_components: tuple[str, ...]
+    global_components: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _ComparisonConfig:
+    """One graft or patch configuration: a position set, a pair and a layer."""
+
+    positions: str
+    pair: _CheckedPair
+    layer: int
+
+
+class _ComparisonPlan:
     """Validated arguments of one comparison: every check happens here, before any forward."""
 
     def __init__(
         self,
         models: ModelSet,
         tokenized: Any,
+        *,
         positions: PositionSets,
         layers: LayerSpec,
         pairs: Sequence[PairSpec],
@@ -367,46 +376,54 @@ class _Plan:
         self.rows_per_forward = rows_per_forward
         self.layers = resolve_layers(layers, models.n_layers)
         self.pairs = _check_pairs(pairs, models, self.methods)
-        (
-            self.tokens, self.attention_mask, self.target_ids, spans, self.examples
-        ) = _unpack(tokenized, models)  # fmt: skip
-        self.n_examples = int(self.tokens.shape[0])
-        self.selections = _position_sets(positions, spans, self.attention_mask)
+        self.batch = as_batch(tokenized, models)
+        self.selections = _position_sets(positions, self.batch.spans, self.batch.attention_mask)
+        self.scorer = LastTokenScorer(models.tokenizer, top_token=True)
         self.configs = [
-            _Config(label, pair, layer)
+            _ComparisonConfig(label, pair, layer)
             for label in self.selections
             for pair in self.pairs
             for layer in self.layers
         ]
 
-    def chunk(self, start: int, stop: int) -> _Chunk:
-        attention_mask = self.attention_mask[start:stop]
-        length = int(attention_mask.sum(dim=1).max())
-        return _Chunk(
+    def chunk(self, start: int, stop: int) -> _ExampleChunk:
+        rows = self.batch.rows(range(start, stop))
+        length = rows.tokens.shape[1]
+        return _ExampleChunk(
             start=start,
-            tokens=self.tokens[start:stop, :length],
-            attention_mask=attention_mask[:, :length],
-            target_ids=self.target_ids[start:stop],
+            batch=rows,
             selections={
                 label: selection[start:stop, :length]
                 for label, selection in self.selections.items()
             },
         )
 
+    def score(
+        self,
+        logits: Float[torch.Tensor, "rows pos d_vocab"],
+        target_ids: Int[torch.Tensor, " rows"],
+        attention_mask: Int[torch.Tensor, "rows pos"],
+        examples: Sequence[int],
+    ) -> list[dict[str, Any]]:
+        """One dict per row: its example's index and the scorer's columns."""
+        scores = self.scorer(logits, target_ids, attention_mask)
+        columns = self.scorer.columns
+        return [
+            {"example": example, **dict(zip(columns, values))}
+            for example, *values in zip(examples, *(scores[c] for c in columns))
+        ]
+
     def frame(self, scores: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> pd.DataFrame:
-        tokenizer = self.models.tokenizer
-        decoded: dict[int, str | None] = {}
+        examples = self.batch.examples
         rows = []
         for method in self.methods:
             for config in self.configs:
                 spec = config.pair.spec
                 key = (method, config.positions, spec.name, config.layer)
+                components = "+".join(config.pair.global_components + config.pair.layer_components)
                 for score in scores[key]:
                     index = score["example"]
-                    example = self.examples[index] if self.examples is not None else None
-                    top = score["top_token_id"]
-                    if top not in decoded:
-                        decoded[top] = tokenizer.decode([top]) if tokenizer is not None else None
+                    example = examples[index] if examples is not None else None
                     rows.append(
                         {
                             "example": index,
@@ -414,41 +431,32 @@ class _Plan:
                             "prompt": getattr(example, "prompt_name", None),
                             "text": getattr(example, "text", None),
                             "target": getattr(example, "target", None),
-                            "target_id": int(self.target_ids[index]),
+                            "target_id": int(self.batch.target_ids[index]),
                             "method": method,
                             "direction": self.direction,
                             "positions": config.positions,
                             "pair": spec.name,
-                            "components": "+".join(
-                                config.pair.global_components + config.pair.layer_components
-                            ),
+                            "components": components,
                             "site": spec.site,
                             "cumulative": spec.cumulative,
                             "layer": config.layer,
-                            "target_rank": score["target_rank"],
-                            "target_prob": score["target_prob"],
-                            "top1": score["target_rank"] < 1,
-                            "top5": score["target_rank"] < 5,
-                            "top_token_id": top,
-                            "top_token": decoded[top],
+                            **{column: score[column] for column in self.scorer.columns},
                         }
                     )
         return pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
 
 
 @dataclass(frozen=True)
-class _Chunk:
+class _ExampleChunk:
     """Some consecutive examples, cut to their longest row."""
 
     start: int
-    tokens: Int[torch.Tensor, "batch pos"]
-    attention_mask: Int[torch.Tensor, "batch pos"]
-    target_ids: Int[torch.Tensor, " batch"]
+    batch: TokenizedExamples
     selections: dict[str, Bool[torch.Tensor, "batch pos"]]
 
     @property
     def size(self) -> int:
-        return int(self.tokens.shape[0])
+        return len(self.batch)
 
     @property
     def examples(self) -> list[int]:
@@ -456,7 +464,9 @@ class _Chunk:
         return list(range(self.start, self.start + self.size))
 
 
-def _graft_chunk(plan: _Plan, chunk: _Chunk) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+def _graft_chunk(
+    plan: _ComparisonPlan, chunk: _ExampleChunk
+) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     """Every graft configuration of one chunk, ``rows_per_forward // size`` of them a pass."""
     per_pass = max(1, plan.rows_per_forward // chunk.size)
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -464,61 +474,60 @@ def _graft_chunk(plan: _Plan, chunk: _Chunk) -> dict[tuple[str, str, int], list[
         configs = plan.configs[begin : begin + per_pass]
         mask = GraftMask.cat([_graft_mask(plan, chunk, config) for config in configs])
         repeats = len(configs)
-        attention_mask = chunk.attention_mask.repeat(repeats, 1)
-        logits = graft_forward(
-            plan.models, chunk.tokens.repeat(repeats, 1), mask, attention_mask=attention_mask
+        attention_mask = chunk.batch.attention_mask.repeat(repeats, 1)
+        tokens = chunk.batch.tokens.repeat(repeats, 1)
+        logits = graft_forward(plan.models, tokens, mask, attention_mask=attention_mask)
+        scored = plan.score(
+            logits,
+            chunk.batch.target_ids.repeat(repeats),
+            attention_mask,
+            chunk.examples * repeats,
         )
-        final = metrics.last_token_logits(logits, attention_mask.to(logits.device))
-        scored = _score(final, chunk.target_ids.repeat(repeats), chunk.examples * repeats)
         for block, config in enumerate(configs):
             key = (config.positions, config.pair.spec.name, config.layer)
             results[key] = scored[block * chunk.size : (block + 1) * chunk.size]
     return results
 
 
-def _graft_mask(plan: _Plan, chunk: _Chunk, config: _Config) -> GraftMask:
+def _graft_mask(
+    plan: _ComparisonPlan, chunk: _ExampleChunk, config: _ComparisonConfig
+) -> GraftMask:
     """The running checkpoint everywhere, the giving one at the configuration's components."""
     models = plan.models
     selected = chunk.selections[config.positions]
-    real = chunk.attention_mask.bool()
+    real = chunk.batch.attention_mask.bool()
     pair = config.pair
     layers = range(config.layer + 1) if pair.spec.cumulative else (config.layer,)
-    grafted = {(name, layer) for name in pair.layer_components for layer in layers}
+    grafted: set[Key] = {(name, layer) for name in pair.layer_components for layer in layers}
     grafted |= {(name, None) for name in pair.global_components}
     if pair.spec.cumulative:
         grafted |= {(name, None) for name in ("embed", "pos_embed") if name in models.components}
     everywhere = real.long() * plan.running
     here = torch.where(selected, plan.giving, plan.running) * real.long()
     entries = {key: here if key in grafted else everywhere for key in models.pairs}
-    return GraftMask.from_dict(models, entries, tuple(chunk.tokens.shape))
+    batch, length = chunk.batch.tokens.shape
+    return GraftMask.from_dict(models, entries, (int(batch), int(length)))
 
 
-def _patch_chunk(plan: _Plan, chunk: _Chunk) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+def _patch_chunk(
+    plan: _ComparisonPlan, chunk: _ExampleChunk
+) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
     """Every patch configuration of one chunk: one batched sweep per distinct site."""
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     sites = list(dict.fromkeys(pair.spec.site for pair in plan.pairs))
     for site in sites:
         recorded: list[list[dict[str, Any]]] = []
-        attention_mask = chunk.attention_mask
-
-        def record(logits: Float[torch.Tensor, "batch pos d_vocab"]) -> torch.Tensor:
-            final = metrics.last_token_logits(logits, attention_mask.to(logits.device))
-            recorded.append(_score(final, chunk.target_ids, chunk.examples))
-            # The sweep may run cells in any order but returns its values in cell
-            # order; returning the call's number tells which scores are whose.
-            return torch.full((logits.shape[0],), float(len(recorded) - 1))
-
         values, _ = resid_patch_sweep(
             plan.models,
-            chunk.tokens,
-            record,
+            chunk.batch.tokens,
+            _recorder(plan, chunk, recorded),
             site=site,
             layers=list(plan.layers),
             positions=dict(chunk.selections),
             source=plan.source,
             target=plan.target,
             direction=plan.direction,
-            attention_mask=chunk.attention_mask,
+            attention_mask=chunk.batch.attention_mask,
             reduce="none",
             chunk_size=plan.rows_per_forward,
             progress=False,
@@ -534,21 +543,20 @@ def _patch_chunk(plan: _Plan, chunk: _Chunk) -> dict[tuple[str, str, int], list[
     return results
 
 
-def _score(
-    final: Float[torch.Tensor, "rows d_vocab"],
-    target_ids: Int[torch.Tensor, " rows"],
-    examples: Sequence[int],
-) -> list[dict[str, Any]]:
-    """Rank, probability and top token at each row's last token; ``examples`` labels the rows."""
-    target_ids = target_ids.to(final.device)
-    ranks = metrics.target_rank(final, target_ids).cpu().tolist()
-    probabilities = metrics.target_probability(final, target_ids).cpu().tolist()
-    top = final.argmax(dim=-1).cpu().tolist()
-    return [
-        {"example": example, "target_rank": int(rank), "target_prob": float(probability),
-         "top_token_id": int(token)}
-        for example, rank, probability, token in zip(examples, ranks, probabilities, top)
-    ]  # fmt: skip
+def _recorder(
+    plan: _ComparisonPlan, chunk: _ExampleChunk, recorded: list[list[dict[str, Any]]]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sweep metric that scores each cell's rows into ``recorded``."""
+
+    def record(logits: Float[torch.Tensor, "batch pos d_vocab"]) -> torch.Tensor:
+        recorded.append(
+            plan.score(logits, chunk.batch.target_ids, chunk.batch.attention_mask, chunk.examples)
+        )
+        # The sweep may run cells in any order but returns its values in cell
+        # order; returning the call's number tells which scores are whose.
+        return torch.full((logits.shape[0],), float(len(recorded) - 1))
+
+    return record
 
 
 # -------------------------------------------------------------------- references
@@ -571,7 +579,7 @@ def reference_scores(
     Returns:
         One row per checkpoint and example: ``example``, ``relation_id``,
         ``prompt``, ``model`` (its name in ``models.names``), ``source`` (its
-        index), ``target_rank``, ``target_prob``, ``top1``, ``top5``.
+        index), and the scores ``target_rank``, ``target_prob``, ``top1``, ``top5``.
 
     Raises:
         GraftingLensError: A malformed batch or a source out of range.
@@ -584,36 +592,30 @@ def reference_scores(
             raise GraftingLensError(
                 f"Source {index!r} is out of range: the model set has {len(models)} sources."
             )
-    tokens, attention_mask, target_ids, _, examples = _unpack(tokenized, models)
+    batch = as_batch(tokenized, models)
+    scorer = LastTokenScorer()
     rows = []
     with torch.no_grad():
         for index in sources:
             model = models[index]
-            for start in range(0, len(tokens), batch_size):
-                stop = min(start + batch_size, len(tokens))
-                mask = attention_mask[start:stop]
-                length = int(mask.sum(dim=1).max())
-                mask = mask[:, :length].to(models.device)
+            for start in range(0, len(batch), batch_size):
+                stop = min(start + batch_size, len(batch))
+                chunk = batch.rows(range(start, stop))
+                mask = chunk.attention_mask.to(models.device)
                 logits = model(
-                    tokens[start:stop, :length].to(models.device),
-                    attention_mask=mask,
-                    return_type="logits",
+                    chunk.tokens.to(models.device), attention_mask=mask, return_type="logits"
                 )
-                final = metrics.last_token_logits(logits, mask)
-                for score in _score(final, target_ids[start:stop], range(start, stop)):
-                    example = examples[score["example"]] if examples is not None else None
-                    rank = score["target_rank"]
+                scores = scorer(logits, chunk.target_ids, mask)
+                for offset, example_index in enumerate(range(start, stop)):
+                    example = chunk.examples[offset] if chunk.examples is not None else None
                     rows.append(
                         {
-                            "example": score["example"],
+                            "example": example_index,
                             "relation_id": getattr(example, "relation_id", None),
                             "prompt": getattr(example, "prompt_name", None),
                             "model": models.names[index],
                             "source": index,
-                            "target_rank": rank,
-                            "target_prob": score["target_prob"],
-                            "top1": rank < 1,
-                            "top5": rank < 5,
+                            **{column: scores[column][offset] for column in SCORE_COLUMNS},
                         }
                     )
     return pd.DataFrame(rows)
@@ -668,6 +670,7 @@ def summarize_comparison(
 
 # ------------------------------------------------------------------------ figure
 
+
 def _check_methods(methods: Sequence[str] | str) -> tuple[str, ...]:
     methods = (methods,) if isinstance(methods, str) else tuple(methods)
     if not methods:
@@ -685,12 +688,12 @@ def _check_methods(methods: Sequence[str] | str) -> tuple[str, ...]:
 
 def _check_pairs(
     pairs: Sequence[PairSpec], models: ModelSet, methods: Sequence[str]
-) -> tuple[_Pair, ...]:
+) -> tuple[_CheckedPair, ...]:
     if isinstance(pairs, ComparisonPair) or (
         isinstance(pairs, tuple) and pairs and all(isinstance(part, str) for part in pairs)
     ):
         pairs = [pairs]  # a single pair given bare
-    checked: list[_Pair] = []
+    checked: list[_CheckedPair] = []
     names: set[str] = set()
     for pair in pairs:
         spec = _as_pair(pair)
@@ -715,7 +718,7 @@ def _check_pairs(
             raise GraftingLensError(f"Two pairs are named {spec.name!r}; names label the results.")
         names.add(spec.name)
         checked.append(
-            _Pair(
+            _CheckedPair(
                 spec,
                 layer_components=tuple(c for c in components if c not in GLOBAL_COMPONENTS),
                 global_components=tuple(c for c in components if c in GLOBAL_COMPONENTS),
@@ -737,8 +740,7 @@ def _as_pair(pair: object) -> ComparisonPair:
         if len(pair) == 3:
             return ComparisonPair(*pair)
     raise GraftingLensError(
-        f"A pair is a ComparisonPair, (components, site) or (name, components, site); "
-        f"got {pair!r}."
+        f"A pair is a ComparisonPair, (components, site) or (name, components, site); got {pair!r}."
     )
 
 
@@ -757,70 +759,28 @@ def _position_sets(
     if not items:
         raise GraftingLensError(f"No position set given; e.g. {('LT', 'FE')}.")
     shape = tuple(attention_mask.shape)
+    # Names a span expression may use here: the paper's labels, ALL, the batch's spans.
+    known = {*SPAN_ALIASES.values(), *spans}
+    vocabulary = [*SPAN_ALIASES, "ALL", *spans]
     selections: dict[str, torch.Tensor] = {}
     for label, spec in items:
         if label in selections:
             raise GraftingLensError(f"The position set {label!r} is given twice.")
         if isinstance(spec, str):
-            if spec not in POSITION_CONFIGS:
+            unknown = sorted(span_names(spec) - known)
+            if unknown:
                 raise GraftingLensError(
-                    f"Unknown position set {spec!r}.{did_you_mean(spec, POSITION_CONFIGS)} "
-                    f"Known: {', '.join(POSITION_CONFIGS)}, or pass {{label: [batch, pos] "
-                    "boolean tensor}."
+                    f"Unknown position set {spec!r}.{did_you_mean(spec, vocabulary)} Known: "
+                    f"{', '.join(vocabulary)} and span expressions over them (FE+LT, "
+                    "(FE+LT)^C...), or pass {label: [batch, pos] boolean tensor}."
                 )
-            selection = config_positions(spec, spans, attention_mask)
+            selection = select_positions(spec, spans, attention_mask)
         elif isinstance(spec, torch.Tensor):
             selection = resolve_positions(spec.cpu(), shape, attention_mask)
         else:
             raise GraftingLensError(
-                f"Position set {label!r}: expected a name or a [batch, pos] boolean tensor, "
-                f"got {type(spec).__name__}."
+                f"Position set {label!r}: expected a span expression or a [batch, pos] boolean "
+                f"tensor, got {type(spec).__name__}."
             )
         selections[str(label)] = selection
     return selections
-
-
-def _unpack(tokenized: Any, models: ModelSet):
-    """Tokens, attention mask, target ids, spans and examples of a batch, on the CPU, checked."""
-    missing = [
-        name for name in ("tokens", "attention_mask", "target_ids", "spans")
-        if not hasattr(tokenized, name)
-    ]  # fmt: skip
-    if missing:
-        raise GraftingLensError(
-            f"Expected a tokenized batch with tokens, attention_mask, target_ids and spans; "
-            f"{type(tokenized).__name__} lacks {missing}. Build one with "
-            "grafting_lens.data.tokenize_examples(examples, models.tokenizer)."
-        )
-    tokens = torch.as_tensor(tokenized.tokens).cpu()
-    if tokens.dim() != 2 or tokens.shape[0] == 0 or tokens.is_floating_point():
-        raise GraftingLensError(
-            f"tokens must be a non-empty [batch, pos] tensor of ids, got shape "
-            f"{tuple(tokens.shape)} of {tokens.dtype}."
-        )
-    vocab = int(models.base.cfg.d_vocab)
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        raise GraftingLensError(f"Token ids must lie in 0..{vocab - 1}, the model's vocabulary.")
-    shape = tuple(tokens.shape)
-    attention_mask = tokenized.attention_mask
-    attention_mask = (
-        torch.ones(shape, dtype=torch.long)
-        if attention_mask is None
-        else torch.as_tensor(attention_mask).cpu().long()
-    )
-    resolve_positions("all", shape, attention_mask)  # shape and right padding
-    target_ids = torch.as_tensor(tokenized.target_ids).cpu().long()
-    if tuple(target_ids.shape) != (shape[0],):
-        raise GraftingLensError(
-            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per example, "
-            f"({shape[0]},)."
-        )
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
-        raise GraftingLensError(f"target_ids must lie in 0..{vocab - 1}, the model's vocabulary.")
-    spans = {name: torch.as_tensor(value).cpu() for name, value in dict(tokenized.spans).items()}
-    examples = getattr(tokenized, "examples", None)
-    if examples is not None and len(examples) != shape[0]:
-        raise GraftingLensError(
-            f"The batch has {len(examples)} examples but {shape[0]} rows of tokens."
-        )
-    return tokens, attention_mask, target_ids, spans, examples

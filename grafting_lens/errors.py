@@ -1,4 +1,4 @@
-"""The exceptions grafting-lens raises on purpose.
+"""The exceptions grafting-lens raises on purpose, all in this one room.
 
 Every error a user can meet names the problem and the fix. An argument of a
 usable type but an unusable value raises a subclass of :class:`GraftingLensError`,
@@ -6,12 +6,47 @@ which is also a :class:`ValueError`, so ``except ValueError`` keeps working for 
 that does not care which. An argument of the wrong type altogether (a number where
 a checkpoint is expected, a slow tokenizer where offsets are needed) raises
 :class:`TypeError`, as Python's own functions do.
+
+The hierarchy, one class per thing that can go wrong::
+
+    GraftingLensError
+    ├── AlignmentError      the checkpoints cannot be grafted together
+    ├── ComponentError      an unknown component, or one the architecture lacks
+    ├── GraftMaskError      a graft mask does not fit the model set or the tokens
+    │   ├── SelectionError  positions, spans or layers cannot be selected
+    │   └── TokenError      token ids the model set cannot run
+    ├── BatchError          a tokenized batch is malformed
+    ├── GraftingError       a grafted run asked for something the single pass cannot do
+    ├── NonFiniteLogitsError  logits to be scored hold NaN or infinite values
+    ├── PatchingError       a patch or sweep the model set or tokens cannot give
+    ├── ExperimentError     an unknown or malformed experiment, configuration or test set
+    └── RunError            a run directory cannot be used
+
+:class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
+because selections and tokens were reported as mask errors before they had names
+of their own: ``except GraftMaskError`` keeps catching them.
 """
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+
+__all__ = [
+    "AlignmentError",
+    "BatchError",
+    "ComponentError",
+    "ExperimentError",
+    "GraftMaskError",
+    "GraftingError",
+    "GraftingLensError",
+    "NonFiniteLogitsError",
+    "PatchingError",
+    "RunError",
+    "SelectionError",
+    "TokenError",
+    "did_you_mean",
+]
 
 
 class GraftingLensError(ValueError):
@@ -35,6 +70,27 @@ class GraftMaskError(GraftingLensError):
     """A graft mask does not fit the model set or the tokens it is used with."""
 
 
+class SelectionError(GraftMaskError):
+    """Positions, spans or layers cannot be selected.
+
+    Raised by the selectors in :mod:`grafting_lens.positions` and
+    :mod:`grafting_lens.layers`: an unknown selector, a span expression that does not
+    parse, an index outside a row's real tokens, an attention mask that is not right
+    padding, a layer outside the model. Patching reports the same messages as
+    :class:`PatchingError`.
+    """
+
+
+class TokenError(GraftMaskError):
+    """Token ids that the model set cannot run: not a ``[batch, pos]`` tensor of ids
+    within the vocabulary (see :meth:`grafting_lens.models.ModelSet.check_tokens`)."""
+
+
+class BatchError(GraftingLensError):
+    """A tokenized batch is malformed: a missing part, or parts whose shapes disagree
+    (see :func:`grafting_lens.batch.as_batch`)."""
+
+
 class GraftingError(GraftingLensError):
     """A grafted run was asked for something the single pass cannot do."""
 
@@ -47,6 +103,18 @@ class NonFiniteLogitsError(GraftingLensError):
     rows instead; the message names them and the usual causes (a NaN or infinite
     weight in a checkpoint, float16 overflow).
     """
+
+
+class PatchingError(GraftingLensError):
+    """A patch or sweep was asked for something the model set or the tokens cannot give."""
+
+
+class ExperimentError(GraftingLensError):
+    """An experiment, configuration, registry or test set is unknown, taken or malformed."""
+
+
+class RunError(GraftingLensError):
+    """A run directory cannot be used: it holds another run, or is not a run directory."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

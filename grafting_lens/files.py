@@ -20,7 +20,9 @@ def atomic_write(path: str | os.PathLike, content: bytes) -> Path:
         The path written.
     """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
+    )
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(content)

@@ -225,7 +225,8 @@ def finetune(
     warmup_steps = int(round(warmup_ratio * total_steps))
     frozen = []
     if freeze_unembedding:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        output_embeddings = getattr(model, "get_output_embeddings", None)
+        head = output_embeddings() if output_embeddings is not None else None
         if head is None:
             raise GraftingLensError(
                 f"freeze_unembedding=True, but {type(model).__name__} has no output embeddings "
@@ -233,7 +234,9 @@ def finetune(
             )
         frozen = [param for param in head.parameters() if param.requires_grad]
     trainable = [
-        param for param in model.parameters() if param.requires_grad and not _contains(frozen, param)
+        param
+        for param in model.parameters()
+        if param.requires_grad and not _contains(frozen, param)
     ]
     optimizer = torch.optim.AdamW(
         trainable, lr=settings["lr"], weight_decay=settings["weight_decay"]
@@ -258,7 +261,11 @@ def finetune(
 
     rng_devices = [run_device.index or 0] if run_device.type == "cuda" else []
     # Training needs autograd whatever the caller's mode (a notebook may have turned it off).
-    with torch.random.fork_rng(devices=rng_devices), torch.inference_mode(False), torch.enable_grad():
+    with (
+        torch.random.fork_rng(devices=rng_devices),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+    ):
         torch.manual_seed(seed)
         order_rng = random.Random(seed)
         initial_val_loss = _evaluate(model, val_ids, batch_size, pad_id, run_device, autocast)
@@ -343,7 +350,7 @@ def _resolve_settings(
             "or override epochs/lr/weight_decay explicitly."
         )
     base = PRESETS[preset]
-    settings = {
+    settings: dict[str, Any] = {
         "preset": preset,
         "epochs": base.epochs if epochs is None else epochs,
         "lr": base.lr if lr is None else lr,
@@ -355,17 +362,39 @@ def _resolve_settings(
         "supplementary_default": base.supplementary,
     }
     checks = [
-        ("epochs", isinstance(settings["epochs"], int) and settings["epochs"] >= 1, "an integer >= 1"),
+        (
+            "epochs",
+            isinstance(settings["epochs"], int) and settings["epochs"] >= 1,
+            "an integer >= 1",
+        ),
         ("lr", _is_number(settings["lr"]) and settings["lr"] > 0, "a number > 0"),
-        ("weight_decay", _is_number(settings["weight_decay"]) and settings["weight_decay"] >= 0, "a number >= 0"),
-        ("batch_size", isinstance(settings["batch_size"], int) and settings["batch_size"] >= 1, "an integer >= 1"),
+        (
+            "weight_decay",
+            _is_number(settings["weight_decay"]) and settings["weight_decay"] >= 0,
+            "a number >= 0",
+        ),
+        (
+            "batch_size",
+            isinstance(settings["batch_size"], int) and settings["batch_size"] >= 1,
+            "an integer >= 1",
+        ),
         ("warmup_ratio", _is_number(warmup_ratio) and 0 <= warmup_ratio < 1, "a number in [0, 1)"),
-        ("max_length", isinstance(max_length, int) and max_length >= 3, "an integer >= 3 (BOS, one token, EOS)"),
-        ("val_fraction", _is_number(val_fraction) and 0 < val_fraction < 1, "a number strictly between 0 and 1 (the paper uses 0.2)"),
+        (
+            "max_length",
+            isinstance(max_length, int) and max_length >= 3,
+            "an integer >= 3 (BOS, one token, EOS)",
+        ),
+        (
+            "val_fraction",
+            _is_number(val_fraction) and 0 < val_fraction < 1,
+            "a number strictly between 0 and 1 (the paper uses 0.2)",
+        ),
     ]
     for name, ok, requirement in checks:
         if not ok:
-            raise GraftingLensError(f"{name}={settings[name]!r} is invalid: it must be {requirement}.")
+            raise GraftingLensError(
+                f"{name}={settings[name]!r} is invalid: it must be {requirement}."
+            )
     return settings
 
 
@@ -395,8 +424,8 @@ def _check_documents(documents: Any, name: str, allow_empty: bool = False) -> li
 
 def _special_ids(tokenizer: Any) -> tuple[int, int, int]:
     """BOS, EOS and padding ids; one of BOS/EOS stands in for a missing other."""
-    bos_id = getattr(tokenizer, "bos_token_id", None)
-    eos_id = getattr(tokenizer, "eos_token_id", None)
+    bos_id: Any = getattr(tokenizer, "bos_token_id", None)
+    eos_id: Any = getattr(tokenizer, "eos_token_id", None)
     if bos_id is None and eos_id is None:
         raise GraftingLensError(
             "The tokenizer has neither a BOS nor an EOS token, so documents cannot be "
@@ -431,7 +460,10 @@ def _encode(
     """``BOS + tokens + EOS`` per document, truncated to ``max_length``; and how many were cut."""
     if not documents:
         return [], 0
-    encoded = [[bos_id] + list(ids) + [eos_id] for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]]
+    encoded = [
+        [bos_id] + list(ids) + [eos_id]
+        for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]
+    ]
     truncated = sum(len(ids) > max_length for ids in encoded)
     return [ids[:max_length] for ids in encoded], truncated
 

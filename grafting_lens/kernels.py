@@ -55,7 +55,6 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from transformers.pytorch_utils import Conv1D
 
-
 # oneDNN costs about 10 microseconds more per call than MKL; below a few million
 # multiply-adds (a toy model's 64x256 matrix on 64 rows) that outweighs its faster
 # arithmetic, so small products stay with PyTorch's kernel.

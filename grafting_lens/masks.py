@@ -15,7 +15,7 @@ Three ways to build one:
 
 * :meth:`GraftMask.from_dict`, the raw form, ``{("q", 3): tensor, ...}``;
 * :meth:`GraftMask.build` for people: positions (see :mod:`grafting_lens.positions`),
-  layers (see :func:`resolve_layers`), components (names or groups, see
+  layers (see :func:`~grafting_lens.layers.resolve_layers`), components (names or groups, see
   :mod:`grafting_lens.components`) and the source to take them from;
 * :meth:`GraftMask.union` of several grafts, e.g. the paper's hybrid graft (task
   model's attention at FE and LT, relation model's O and FFN at LT).
@@ -23,11 +23,9 @@ Three ways to build one:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Union
 
-import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Int
@@ -39,6 +37,7 @@ from grafting_lens.components import (
     expand_components,
 )
 from grafting_lens.errors import ComponentError, GraftMaskError, did_you_mean
+from grafting_lens.layers import LAYER_FRACTIONS, LayerSpec, resolve_layers  # noqa: F401 (re-exported)
 from grafting_lens.positions import PositionSpec, check_padding, resolve_positions, row_lengths
 
 if TYPE_CHECKING:
@@ -47,90 +46,8 @@ if TYPE_CHECKING:
 Key = tuple[str, Union[int, None]]
 """A ``(component, layer)`` pair; ``layer`` is None for global components."""
 
-LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
-"""Anything :func:`resolve_layers` accepts."""
-
-LAYER_FRACTIONS: dict[str, tuple[float, float]] = {
-    "all": (0.0, 1.0),
-    "first_half": (0.0, 0.5),
-    "last_half": (0.5, 1.0),
-    "first_quarter": (0.0, 0.25),
-    "second_quarter": (0.25, 0.5),
-    "third_quarter": (0.5, 0.75),
-    "last_quarter": (0.75, 1.0),
-}
-"""Named layer ranges as fractions of the depth ``[start, end)``."""
-
-
-def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
-    """Turn a layer specification into sorted layer indices.
-
-    Args:
-        spec: ``None`` or ``"all"``; an int (negative counts from the end); a list
-            of ints; a ``range`` or ``slice``; a name from :data:`LAYER_FRACTIONS`
-            (``"last_half"``, ``"third_quarter"``...); or a pair of fractions
-            ``(start, end)`` with ``0 <= start < end <= 1``. Fractions select
-            layers ``r(start * n) .. r(end * n) - 1``, where ``r`` rounds halves
-            up, so the four quarters of a model partition its layers and, with an
-            odd depth, the first half is the larger one. A tuple of ints is a
-            list of layers: ``(0, 2)`` is layers 0 and 2; write ``range(0, 3)``
-            for 0, 1 and 2.
-        n_layers: Depth of the model.
-
-    Raises:
-        GraftMaskError: A layer outside the model, an unknown name, or a fraction
-            that selects no layer of this model.
-    """
-    if spec is None:
-        spec = "all"
-    if isinstance(spec, str):
-        if spec not in LAYER_FRACTIONS:
-            raise GraftMaskError(
-                f"Unknown layer range {spec!r}.{did_you_mean(spec, LAYER_FRACTIONS)} "
-                f"Known: {', '.join(LAYER_FRACTIONS)}."
-            )
-        spec = LAYER_FRACTIONS[spec]
-    if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(x, float) for x in spec):
-        start, end = spec
-        if not 0.0 <= start < end <= 1.0:
-            raise GraftMaskError(f"Layer fractions must satisfy 0 <= start < end <= 1, got {spec}.")
-        layers = tuple(range(_round_half_up(start * n_layers), _round_half_up(end * n_layers)))
-        if not layers:
-            raise GraftMaskError(
-                f"The layer fraction {spec} selects no layer of a {n_layers}-layer model."
-            )
-        return layers
-    if isinstance(spec, slice):
-        spec = range(n_layers)[spec]
-    if isinstance(spec, np.integer):
-        spec = int(spec)
-    if isinstance(spec, int):
-        spec = [spec]
-    if not isinstance(spec, Iterable):
-        raise GraftMaskError(
-            f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
-            f"name such as 'last_half', or a pair of fractions such as (0.5, 1.0)."
-        )
-    layers = set()
-    for layer in spec:
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, (bool, np.bool_)):
-            raise GraftMaskError(f"Layers must be ints, got {layer!r}.")
-        layer = int(layer)
-        if not -n_layers <= layer < n_layers:
-            raise GraftMaskError(
-                f"Layer {layer} is outside the model, which has {n_layers} layers "
-                f"(0..{n_layers - 1})."
-            )
-        layers.add(layer % n_layers)
-    if not layers:
-        raise GraftMaskError("The layer specification selects no layer.")
-    return tuple(sorted(layers))
-
-
-def _round_half_up(value: float) -> int:
-    # Python's round() sends halves to the even neighbour, which would make
-    # "last_half" of 3 layers one layer and of 5 layers three.
-    return math.floor(value + 0.5)
+# LAYER_FRACTIONS, LayerSpec and resolve_layers live in grafting_lens.layers; they stay
+# importable from here because masks were their first home.
 
 
 class GraftMask:
@@ -216,7 +133,12 @@ class GraftMask:
                 count = int((values == source).sum())
                 if count:
                     rows.append(
-                        {"component": component, "layer": layer, "source": source, "positions": count}
+                        {
+                            "component": component,
+                            "layer": layer,
+                            "source": source,
+                            "positions": count,
+                        }
                     )
         frame = pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components

@@ -45,7 +45,7 @@ from grafting_lens.components import (
     available_components,
     bridge_component,
 )
-from grafting_lens.errors import AlignmentError, GraftingLensError
+from grafting_lens.errors import AlignmentError, GraftingLensError, TokenError
 
 Source = Union[str, os.PathLike, PreTrainedModel, TransformerBridge]
 """A checkpoint: hub id, ``save_pretrained`` directory, HF model or TransformerBridge."""
@@ -208,11 +208,11 @@ class ModelSet(Sequence[TransformerBridge]):
         """Refuse sequences longer than the learned position embeddings.
 
         Raises:
-            GraftingLensError: ``length`` exceeds :attr:`max_positions`.
+            TokenError: ``length`` exceeds :attr:`max_positions`.
         """
         limit = self.max_positions
         if limit is not None and length > limit:
-            raise GraftingLensError(
+            raise TokenError(
                 f"The tokens have {length} positions, but {self.architecture} learned position "
                 f"embeddings for {limit}: truncate or split the prompts to at most {limit} tokens."
             )
@@ -221,6 +221,48 @@ class ModelSet(Sequence[TransformerBridge]):
     def device(self) -> torch.device:
         """Device of the base's parameters."""
         return next(self.base.original_model.parameters()).device
+
+    def check_tokens(self, tokens: object, name: str = "tokens") -> tuple[int, int]:
+        """Check that ``tokens`` is a ``[batch, pos]`` tensor of ids this model set can run.
+
+        The one token check of the package: grafts, patches, comparisons and the
+        experiment runner all call it, so a bad tensor reads the same everywhere.
+
+        Args:
+            tokens: The candidate token ids.
+            name: What to call them in the message (``"patch_tokens"``...).
+
+        Returns:
+            ``(batch, pos)``.
+
+        Raises:
+            TokenError: Not a two-dimensional tensor, not integer ids, empty, an id
+                outside the vocabulary, or more positions than the model learned
+                position embeddings for (:meth:`check_length`).
+        """
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            got = (
+                f"shape {list(tokens.shape)}"
+                if isinstance(tokens, torch.Tensor)
+                else type(tokens).__name__
+            )
+            raise TokenError(
+                f"{name} must be a [batch, pos] tensor of token ids (models.base.to_tokens(...) "
+                f"or the tokenizer), got {got}."
+            )
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise TokenError(f"{name} must hold integer token ids, got {tokens.dtype}.")
+        if tokens.numel() == 0:
+            raise TokenError(f"{name} is empty (shape {list(tokens.shape)}).")
+        vocab = int(self.base.cfg.d_vocab)
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise TokenError(
+                f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
+                f"{low}..{high}."
+            )
+        self.check_length(int(tokens.shape[1]))
+        return (int(tokens.shape[0]), int(tokens.shape[1]))
 
     def weight_diff(self) -> pd.DataFrame:
         """Relative change of every component in every source against the base.

@@ -93,7 +93,6 @@ donor_cache, m)`` pass a scalar ``m`` as is, or give TransformerLens
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Union
 
@@ -101,12 +100,32 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
-from grafting_lens.errors import GraftingLensError, GraftMaskError, did_you_mean
-from grafting_lens.masks import LayerSpec, resolve_layers
+from grafting_lens.errors import PatchingError, SelectionError, TokenError, did_you_mean
+from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.models import ModelSet
+from grafting_lens.patch_passes import (
+    HOOKS,
+    Entries,
+    PatchRun,
+    first_position,
+    plan_passes,
+)
 from grafting_lens.positions import PositionSpec, check_padding, resolve_positions, row_lengths
+
+__all__ = [
+    "DIRECTIONS",
+    "LAYER_POSITION_SITES",
+    "SITES",
+    "Metric",
+    "PatchSweep",
+    "PatchingError",
+    "SweepPositions",
+    "available_sites",
+    "head_patch_sweep",
+    "patch_forward",
+    "resid_patch_sweep",
+]
 
 SITES: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z")
 """Every activation site, in the order a block computes them (``z`` is per head)."""
@@ -127,19 +146,6 @@ Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], torch.Tensor]
 
 SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionSpec]
 """The position axis of a sweep: ``"each"``, indices, labelled selections, or one selection."""
-
-_HOOKS = {
-    "resid_pre": "blocks.{layer}.hook_resid_pre",
-    "resid_mid": "blocks.{layer}.hook_resid_mid",
-    "resid_post": "blocks.{layer}.hook_resid_post",
-    "attn_out": "blocks.{layer}.hook_attn_out",
-    "mlp_out": "blocks.{layer}.hook_mlp_out",
-    "z": "blocks.{layer}.attn.hook_z",
-}
-
-
-class PatchingError(GraftingLensError):
-    """A patch or sweep was asked for something the model set or the tokens cannot give."""
 
 
 class PatchSweep(NamedTuple):
@@ -168,7 +174,7 @@ class PatchSweep(NamedTuple):
 def available_sites(models: ModelSet) -> tuple[str, ...]:
     """The sites the model set's architecture has (no ``resid_mid`` on parallel blocks)."""
     hooks = models.base.hook_dict
-    return tuple(site for site in SITES if _HOOKS[site].format(layer=0) in hooks)
+    return tuple(site for site in SITES if HOOKS[site].format(layer=0) in hooks)
 
 
 @torch.no_grad()
@@ -225,21 +231,31 @@ def patch_forward(
         >>> fe = gl.positions.span_positions(tokens.shape, starts=1, ends=3)
         >>> logits = patch_forward(models, tokens, "resid_pre", layers=range(0, 6), positions=fe)
     """
-    setup = _Setup(models, tokens, site, source, target, direction, attention_mask, patch_tokens)
+    run, _ = _patch_run(
+        models,
+        tokens,
+        site=site,
+        source=source,
+        target=target,
+        direction=direction,
+        attention_mask=attention_mask,
+        patch_tokens=patch_tokens,
+    )
     layer_list = _layers(layers, models.n_layers)
-    setup.check_layers(layer_list)
-    selected = _positions(positions, setup.shape, setup.cpu_attention_mask)
+    run.check_layers(layer_list)
+    selected = _positions(positions, run.shape, run.cpu_attention_mask)
     head_list = _heads(heads, site, models)
-    donor = setup.donor_activations(layer_list)
+    given = run.given_activations(layer_list)
     rows, pos = selected.nonzero(as_tuple=True)
+    entry: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]
     if head_list is None:
         entry = (rows, pos, None, rows)
     else:  # every selected (row, position) once per head
         n_heads = len(head_list)
         rows, pos = rows.repeat_interleave(n_heads), pos.repeat_interleave(n_heads)
         entry = (rows, pos, torch.tensor(head_list).repeat(len(rows) // n_heads), rows)
-    entries = {layer: entry for layer in layer_list}
-    return setup.run(1, entries, donor)
+    entries: Entries = {layer: entry for layer in layer_list}
+    return run.run(1, entries, given)
 
 
 def resid_patch_sweep(
@@ -326,9 +342,24 @@ def resid_patch_sweep(
             "head_patch_sweep(models, tokens, metric, ...)."
         )
     return _sweep(
-        models, tokens, metric, site, layers, positions, None, source, target, direction,
-        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress, logits,
-    )  # fmt: skip
+        models,
+        tokens,
+        metric,
+        site=site,
+        layers=layers,
+        positions=positions,
+        head_list=None,
+        source=source,
+        target=target,
+        direction=direction,
+        patch_tokens=patch_tokens,
+        attention_mask=attention_mask,
+        reduce=reduce,
+        chunk_size=chunk_size,
+        reuse_prefix=reuse_prefix,
+        progress=progress,
+        logits=logits,
+    )
 
 
 def head_patch_sweep(
@@ -388,352 +419,24 @@ def head_patch_sweep(
     all_heads = range(int(models.base.cfg.n_heads)) if heads is None else heads
     head_list = _heads(all_heads, "z", models)
     return _sweep(
-        models, tokens, metric, "z", layers, positions, head_list, source, target, direction,
-        patch_tokens, attention_mask, reduce, chunk_size, reuse_prefix, progress, logits,
-    )  # fmt: skip
-
-
-# -------------------------------------------------------------------- the engine
-
-
-# Per layer: row, position and head (or None) of every patched entry, and the
-# prompt (row of the activations patched in) each one takes its value from.
-_Entries = dict[int, tuple[torch.Tensor, torch.Tensor, Union[torch.Tensor, None], torch.Tensor]]
-
-
-class _Prefix(NamedTuple):
-    """The unpatched run: its logits, every position's keys and values, and the
-    residual stream entering each block (``[batch, pos, d_model]`` per layer)."""
-
-    logits: torch.Tensor
-    cache: DynamicCache
-    residuals: list[torch.Tensor]
-
-
-# Whether a bridge reproduces its own run when resumed mid-model (see
-# _Setup.can_skip_layers); a property of the architecture, checked once per bridge.
-_RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-class _Setup:
-    """Validated arguments of one patch or sweep, and the runs they need."""
-
-    def __init__(
-        self,
-        models: ModelSet,
-        tokens: torch.Tensor,
-        site: str,
-        source: int,
-        target: int,
-        direction: str,
-        attention_mask: torch.Tensor | None,
-        patch_tokens: torch.Tensor | None,
-    ) -> None:
-        if not isinstance(models, ModelSet):
-            raise PatchingError(
-                f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-                "grafting_lens.load_models(base, donor, ...)."
-            )
-        self.models = models
-        self.site = _check_site(site, models)
-        self.direction = _check_direction(direction)
-        for name, index in (("source", source), ("target", target)):
-            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
-                raise PatchingError(
-                    f"{name}={index!r}, but the model set has {len(models)} sources "
-                    f"(0..{len(models) - 1})."
-                )
-        if source == target and patch_tokens is None:
-            raise PatchingError(
-                f"source and target are both {source}: patching a run with its own activations "
-                "changes nothing. Pick two checkpoints, or pass patch_tokens to patch in the "
-                "same checkpoint's activations on other tokens."
-            )
-        runs, gives = (target, source) if self.direction == "sufficiency" else (source, target)
-        self.run_model, self.donor_model = models[runs], models[gives]
-        self.shape = _check_tokens(models, tokens, "tokens")
-        if patch_tokens is not None:
-            patch_shape = _check_tokens(models, patch_tokens, "patch_tokens")
-            if patch_shape != self.shape:
-                raise PatchingError(
-                    f"patch_tokens have shape {list(patch_shape)}, tokens have "
-                    f"{list(self.shape)}: the patched-in activations must line up position "
-                    "by position with the run they are patched into."
-                )
-        self.cpu_attention_mask = None
-        try:
-            # Padded rows need their attention mask, or "last" is a padding column.
-            for checked in (tokens, patch_tokens):
-                check_padding(checked, attention_mask, models.tokenizer)
-            if attention_mask is not None:
-                row_lengths(self.shape, attention_mask)
-        except GraftMaskError as error:
-            raise PatchingError(str(error)) from error
-        if attention_mask is not None:
-            self.cpu_attention_mask = attention_mask.cpu()
-        device = models.device
-        self.tokens = tokens.to(device)
-        self.patch_tokens = self.tokens if patch_tokens is None else patch_tokens.to(device)
-        self.attention_mask = None if attention_mask is None else attention_mask.to(device)
-        self.n_heads = int(models.base.cfg.n_heads)
-        lengths = row_lengths(self.shape, self.cpu_attention_mask)
-        self.last_positions = (lengths - 1).to(device)
-        self._distinct_last_positions = torch.unique(self.last_positions)  # sorted
-
-    def check_layers(self, layers: Sequence[int]) -> None:
-        hooks = self.run_model.hook_dict
-        for layer in layers:
-            if _HOOKS[self.site].format(layer=layer) not in hooks:
-                raise PatchingError(
-                    f"Layer {layer} of {self.models.architecture} has no {self.site!r} site."
-                )
-
-    def donor_activations(self, layers: Sequence[int]) -> dict[int, torch.Tensor]:
-        """The activations to patch in, from one forward pass of the donor run."""
-        wanted = {_HOOKS[self.site].format(layer=layer): layer for layer in layers}
-        if self.site == "resid_mid":
-            for layer in layers:
-                wanted[_HOOKS["resid_pre"].format(layer=layer)] = layer
-                wanted[_HOOKS["attn_out"].format(layer=layer)] = layer
-        stored: dict[str, torch.Tensor] = {}
-
-        def store(name: str) -> Callable:
-            # Keyed by the name asked for: the bridge reports aliases by their target.
-            def hook(activation, hook):
-                stored[name] = activation.detach()
-
-            return hook
-
-        self.donor_model.run_with_hooks(
-            self.patch_tokens,
-            attention_mask=self.attention_mask,
-            return_type=None,
-            fwd_hooks=[(name, store(name)) for name in wanted],
-        )
-        donor = {}
-        for layer in layers:
-            activation = stored[_HOOKS[self.site].format(layer=layer)]
-            if self.site == "z":
-                activation = _per_head(activation, self.n_heads)
-            if self.site == "resid_mid":
-                _check_resid_mid(self.models, layer, stored)
-            donor[layer] = activation
-        return donor
-
-    def unpatched_prefix(self) -> _Prefix:
-        """The run model's own logits, keys, values and residual stream, to resume
-        patched runs from."""
-        cache = DynamicCache()
-        residuals: dict[int, torch.Tensor] = {}
-
-        def store(layer: int) -> Callable:
-            def hook(activation, hook):
-                residuals[layer] = activation.detach()
-
-            return hook
-
-        logits = self.run_model.run_with_hooks(
-            self.tokens,
-            attention_mask=self.attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_type="logits",
-            fwd_hooks=[
-                (_HOOKS["resid_pre"].format(layer=layer), store(layer))
-                for layer in range(self.models.n_layers)
-            ],
-        )
-        return _Prefix(logits, cache, [residuals[layer] for layer in range(self.models.n_layers)])
-
-    def can_skip_layers(self, prefix: _Prefix) -> bool:
-        """Whether resuming from a later block reproduces the unpatched run.
-
-        Skipping blocks swaps the Hugging Face model's list of decoder layers for
-        its tail for one pass. The models this library is tested on loop over
-        that list and nothing else; an architecture whose forward also indexes
-        per-layer settings by loop position would compute something else. One
-        unhooked pass from the middle block checks it against the unpatched
-        logits, once per bridge, and a model that fails keeps computing every block.
-        """
-        known = _RESUMABLE.get(self.run_model)
-        if known is not None:
-            return known
-        if self._block_list() is None or self.models.n_layers < 2:
-            return False
-        start = 1 if self.shape[1] > 1 else 0
-        logits = self.run(1, {}, {}, start, prefix, first_layer=self.models.n_layers // 2)
-        expected = prefix.logits
-        scale = float(expected.abs().max()) + 1e-6
-        _RESUMABLE[self.run_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
-        return _RESUMABLE[self.run_model]
-
-    def _last(
-        self,
-        computed: torch.Tensor,
-        start: int,
-        repeats: int,
-        prefix: _Prefix | None,
-        kept: torch.Tensor,
-    ) -> torch.Tensor:
-        """Each row's last-token logits, ``[rows, 1, d_vocab]``.
-
-        ``computed`` holds the logits of positions ``kept`` (absolute, all at or
-        after ``start``); rows whose last token comes before ``start`` were not
-        computed and take the unpatched run's.
-        """
-        last = self.last_positions.repeat(repeats)
-        rows = torch.arange(len(last), device=last.device)
-        if len(kept) == 0:
-            return computed[rows % self.shape[0], last][:, None]
-        column = torch.searchsorted(kept, last.clamp(min=start)).clamp(max=len(kept) - 1)
-        logits = computed[rows, column]
-        early = last < start
-        if bool(early.any()):
-            assert prefix is not None
-            logits[early] = prefix.logits[rows[early] % self.shape[0], last[early]]
-        return logits[:, None]
-
-    def pass_costs(self, last_only: bool) -> tuple[int, float, float]:
-        """What :func:`_plan_passes` needs: layers, the unembedding's cost in blocks,
-        and a pass's fixed cost in tokens (small on a CPU, large on an accelerator,
-        where a pass of a few tokens is dominated by kernel launches)."""
-        block = sum(parameter.numel() for parameter in self.run_model.blocks[0].parameters())
-        cfg = self.run_model.cfg
-        unembed = cfg.d_vocab * cfg.d_model / max(block, 1)
-        if last_only:
-            unembed /= self.shape[1]  # one position per row instead of every one
-        overhead = 64.0 if self.tokens.device.type == "cpu" else 1024.0
-        return self.models.n_layers, unembed, overhead
-
-    def _block_list(self) -> tuple[torch.nn.Module, str] | None:
-        """The module and attribute name holding the Hugging Face model's decoder layers."""
-        blocks = getattr(self.run_model, "blocks", None)
-        if blocks is None or len(blocks) == 0:
-            return None
-        for name, module in self.run_model.original_model.named_modules():
-            if isinstance(module, torch.nn.ModuleList) and len(module) == len(blocks):
-                if all(mine is theirs for mine, theirs in zip(module, blocks)):
-                    parent, _, attribute = name.rpartition(".")
-                    return self.run_model.original_model.get_submodule(parent), attribute
-        return None
-
-    def run(
-        self,
-        repeats: int,
-        entries: _Entries,
-        donor: dict[int, torch.Tensor],
-        start: int = 0,
-        prefix: _Prefix | None = None,
-        first_layer: int = 0,
-        last_only: bool = False,
-    ) -> torch.Tensor:
-        """The patched run's logits, with every entry written in one forward pass.
-
-        The tokens run ``repeats`` times along the batch. With ``start > 0`` only
-        positions ``start..pos-1`` are computed, attending over ``prefix``'s keys and
-        values of the earlier positions: a patch never changes what comes before it,
-        so those are the unpatched run's. With ``first_layer > 0`` blocks before it
-        are not run at all: the pass enters block ``first_layer`` with the unpatched
-        run's residual stream, which no patch at a later layer can change. With
-        ``last_only`` the result is each row's last real token, ``[rows, 1, d_vocab]``,
-        and the unembedding runs on those positions only. Entry positions are absolute.
-        """
-        hooks = []
-        device = self.tokens.device
-        for layer, (rows, pos, heads, prompts) in entries.items():
-            if len(rows) == 0:
-                continue
-            rows, pos, prompts = rows.to(device), pos.to(device), prompts.to(device)
-            if heads is None:
-                index = (rows, pos - start)
-                values = donor[layer][prompts, pos]
-            else:
-                heads = heads.to(device)
-                index = (rows, pos - start, heads)
-                values = donor[layer][prompts, pos, heads]
-            hooks.extend(_site_hooks(self.site, layer, index, values, self.n_heads))
-        tokens = self.tokens.repeat(repeats, 1)
-        mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
-        options: dict[str, object] = {}
-        if last_only:
-            kept = self._distinct_last_positions
-            kept = kept[kept >= start]
-            if len(kept) == 0:  # no row reaches the computed window: nothing changes
-                assert prefix is not None
-                return self._last(prefix.logits, start, repeats, prefix, kept)
-            options["logits_to_keep"] = kept - start
-        if start > 0:
-            assert prefix is not None
-            past = DynamicCache()
-            for layer, cached in enumerate(prefix.cache.layers):
-                past.update(
-                    cached.keys[..., :start, :].repeat(repeats, 1, 1, 1),
-                    cached.values[..., :start, :].repeat(repeats, 1, 1, 1),
-                    layer,
-                )
-            options.update(past_key_values=past, use_cache=True)
-        if first_layer == 0:
-            rest = self.run_model.run_with_hooks(
-                tokens[:, start:], attention_mask=mask, return_type="logits", fwd_hooks=hooks,
-                **options,
-            )  # fmt: skip
-        else:
-            assert prefix is not None
-            residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
-            parent, attribute = self._block_list()  # type: ignore[misc]
-            every_block = getattr(parent, attribute)
-            setattr(parent, attribute, torch.nn.ModuleList(list(every_block)[first_layer:]))
-            try:
-                rest = self.run_model.run_with_hooks(
-                    residual, start_at_layer=first_layer, attention_mask=mask,
-                    return_type="logits", fwd_hooks=hooks, **options,
-                )  # fmt: skip
-            finally:
-                setattr(parent, attribute, every_block)
-        if last_only:
-            return self._last(rest, start, repeats, prefix, kept)
-        if start == 0:
-            return rest
-        logits = rest.new_empty((rest.shape[0], start + rest.shape[1], rest.shape[2]))
-        per_cell = logits.view(repeats, -1, *logits.shape[1:])
-        per_cell[:, :, :start] = prefix.logits[:, :start]  # the same for every cell
-        logits[:, start:] = rest
-        return logits
-
-
-def _site_hooks(
-    site: str,
-    layer: int,
-    index: tuple[torch.Tensor, ...],
-    values: torch.Tensor,
-    n_heads: int,
-) -> list[tuple[str, Callable]]:
-    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place)."""
-    if site == "resid_mid":
-        # The bridge's hook_resid_mid is ln2's input, not the residual that is added
-        # to the MLP output; writing attn_out = patched - resid_pre puts the patched
-        # vector in both places.
-        captured: dict[str, torch.Tensor] = {}
-
-        def capture(activation, hook):
-            captured["resid_pre"] = activation
-            return activation
-
-        def write_attention(activation, hook):
-            update = values.to(activation.dtype) - captured["resid_pre"][index]
-            return activation.index_put(index, update)
-
-        return [
-            (_HOOKS["resid_pre"].format(layer=layer), capture),
-            (_HOOKS["attn_out"].format(layer=layer), write_attention),
-        ]
-
-    def write(activation, hook):
-        shaped = _per_head(activation, n_heads) if site == "z" else activation
-        patched = shaped.index_put(index, values.to(activation.dtype))
-        return patched.reshape(activation.shape)
-
-    return [(_HOOKS[site].format(layer=layer), write)]
+        models,
+        tokens,
+        metric,
+        site="z",
+        layers=layers,
+        positions=positions,
+        head_list=head_list,
+        source=source,
+        target=target,
+        direction=direction,
+        patch_tokens=patch_tokens,
+        attention_mask=attention_mask,
+        reduce=reduce,
+        chunk_size=chunk_size,
+        reuse_prefix=reuse_prefix,
+        progress=progress,
+        logits=logits,
+    )
 
 
 @torch.no_grad()
@@ -741,6 +444,7 @@ def _sweep(
     models: ModelSet,
     tokens: torch.Tensor,
     metric: Metric,
+    *,
     site: str,
     layers: LayerSpec,
     positions: SweepPositions,
@@ -756,7 +460,17 @@ def _sweep(
     progress: bool,
     logits: str,
 ) -> PatchSweep:
-    setup = _Setup(models, tokens, site, source, target, direction, attention_mask, patch_tokens)
+    """The engine behind both sweeps: every (layer, position[, head]) cell patched alone."""
+    run, direction = _patch_run(
+        models,
+        tokens,
+        site=site,
+        source=source,
+        target=target,
+        direction=direction,
+        attention_mask=attention_mask,
+        patch_tokens=patch_tokens,
+    )
     if logits not in ("all", "last"):
         raise PatchingError(
             f"logits must be 'all' (every position) or 'last' (each row's last real token), "
@@ -774,8 +488,8 @@ def _sweep(
             f"metric must be a function of the logits, got {type(metric).__name__}."
         )
     layer_list = _layers(layers, models.n_layers)
-    setup.check_layers(layer_list)
-    position_labels, selections = _position_axis(positions, setup.shape, setup.cpu_attention_mask)
+    run.check_layers(layer_list)
+    position_labels, selections = _position_axis(positions, run.shape, run.cpu_attention_mask)
 
     axes: list[tuple[str, list]] = [("layer", list(layer_list))]
     if position_labels is not None:
@@ -790,40 +504,54 @@ def _sweep(
         )
     )
 
-    donor = setup.donor_activations(layer_list)
-    batch, length = setup.shape
+    given = run.given_activations(layer_list)
+    batch, length = run.shape
     # Where each position cell's first patch is; positions before it need no compute.
-    first = [_first_position(selection, length) for selection in selections]
+    first = [first_position(selection, length) for selection in selections]
     prefix, skip_layers = None, False
     if reuse_prefix and (max(first) > 0 or max(layer_list) > 0):
-        prefix = setup.unpatched_prefix()
-        skip_layers = setup.can_skip_layers(prefix)
+        prefix = run.unpatched_prefix()
+        skip_layers = run.can_skip_layers(prefix)
     starts = [
         (first[position] if prefix is not None else 0, layer if skip_layers else 0)
         for layer, position, _ in cells
     ]
-    chunks = _plan_passes(starts, max(1, chunk_size // batch), batch, length, setup.pass_costs(last_only))
+    per_pass = max(1, chunk_size // batch)
+    chunks = plan_passes(starts, per_pass, batch, length, run.pass_costs(last_only))
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
     for chunk in tqdm(chunks, desc=f"{site} sweep", disable=not progress or len(chunks) <= 1):
-        grouped: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        grouped: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
+        ]
+        grouped = {}
         for slot, cell in enumerate(chunk):
             layer, position, head = cells[cell]
             prompts, pos = nonzero[position]
             heads = None if head is None else torch.full_like(pos, head)
             grouped.setdefault(layer, []).append((prompts + slot * batch, pos, heads, prompts))
-        entries: _Entries = {
+        entries: Entries = {
             layer: (
                 torch.cat([part[0] for part in parts]),
                 torch.cat([part[1] for part in parts]),
-                None if parts[0][2] is None else torch.cat([part[2] for part in parts]),
+                None
+                if parts[0][2] is None
+                else torch.cat([heads for _, _, heads, _ in parts if heads is not None]),
                 torch.cat([part[3] for part in parts]),
             )
             for layer, parts in grouped.items()
         }
         start = min(starts[cell][0] for cell in chunk)
         first_layer = min(starts[cell][1] for cell in chunk)
-        pass_logits = setup.run(len(chunk), entries, donor, start, prefix, first_layer, last_only)
+        pass_logits = run.run(
+            len(chunk),
+            entries,
+            given,
+            start=start,
+            prefix=prefix,
+            first_layer=first_layer,
+            last_only=last_only,
+        )
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
             results[cell] = _evaluate(metric, cell_logits, batch, reduce)
@@ -831,75 +559,87 @@ def _sweep(
     shape = [len(values) for _, values in axes]
     values = torch.stack(results).float().cpu()
     values = values.reshape(*shape, batch) if reduce == "none" else values.reshape(shape)
-    return PatchSweep(values, _frame(axes, values, setup, reduce, batch))
-
-
-def _plan_passes(
-    starts: list[tuple[int, int]],
-    per_pass: int,
-    rows_per_cell: int,
-    length: int,
-    costs: tuple[int, float, float],
-) -> list[list[int]]:
-    """Group cells into forward passes of at most ``per_pass`` cells, cheaply.
-
-    A pass computes from the earliest position and the earliest layer of its
-    cells on, so cells that start alike should share one; but every pass also
-    has a fixed cost (reading every weight, launching kernels). Cells are tiled
-    over the grid of (first position, first layer) with every power-of-two tile
-    shape, and the tiling whose modelled cost is lowest wins: a pass costs
-    ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
-
-    Args:
-        starts: ``(first position, first layer)`` of each cell.
-        per_pass: Most cells in one pass.
-        rows_per_cell: Rows (prompts) each cell adds to a pass.
-        length: Tokens per row.
-        costs: ``(n_layers, unembedding cost in blocks, fixed cost of a pass in tokens)``.
-
-    Returns:
-        Cell indices, one list per pass.
-    """
-    n_layers, unembed, overhead = costs
-    position_index = {value: i for i, value in enumerate(sorted({s for s, _ in starts}))}
-    layer_index = {value: i for i, value in enumerate(sorted({l for _, l in starts}))}
-
-    def cost(cells: list[int]) -> float:
-        start = min(starts[cell][0] for cell in cells)
-        layer = min(starts[cell][1] for cell in cells)
-        tokens = len(cells) * rows_per_cell * (length - start)
-        return (tokens + overhead) * (n_layers - layer + unembed)
-
-    def tiling(tile_positions: int, tile_layers: int) -> list[list[int]]:
-        tiles: dict[tuple[int, int], list[int]] = {}
-        for cell, (start, layer) in enumerate(starts):
-            key = (position_index[start] // tile_positions, layer_index[layer] // tile_layers)
-            tiles.setdefault(key, []).append(cell)
-        passes = []
-        for key in sorted(tiles):
-            members = sorted(tiles[key], key=lambda cell: starts[cell])
-            passes += [members[i : i + per_pass] for i in range(0, len(members), per_pass)]
-        return passes
-
-    def sizes(n: int) -> list[int]:
-        return sorted({min(2**power, n) for power in range(n.bit_length() + 1)})
-
-    candidates = [
-        tiling(tile_positions, tile_layers)
-        for tile_positions in sizes(len(position_index))
-        for tile_layers in sizes(len(layer_index))
-    ]
-    return min(candidates, key=lambda passes: sum(map(cost, passes)))
+    return PatchSweep(values, _frame(axes, values, site=site, direction=direction, reduce=reduce))
 
 
 # ------------------------------------------------------------------- validation
 
 
+def _patch_run(
+    models: ModelSet,
+    tokens: torch.Tensor,
+    *,
+    site: str,
+    source: int,
+    target: int,
+    direction: str,
+    attention_mask: torch.Tensor | None,
+    patch_tokens: torch.Tensor | None,
+) -> tuple[PatchRun, str]:
+    """Check what every patch and sweep is given; the run, and the direction's name."""
+    if not isinstance(models, ModelSet):
+        raise PatchingError(
+            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+            "grafting_lens.load_models(base, donor, ...)."
+        )
+    site = _check_site(site, models)
+    direction = _check_direction(direction)
+    for name, index in (("source", source), ("target", target)):
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
+            raise PatchingError(
+                f"{name}={index!r}, but the model set has {len(models)} sources "
+                f"(0..{len(models) - 1})."
+            )
+    if source == target and patch_tokens is None:
+        raise PatchingError(
+            f"source and target are both {source}: patching a run with its own activations "
+            "changes nothing. Pick two checkpoints, or pass patch_tokens to patch in the "
+            "same checkpoint's activations on other tokens."
+        )
+    shape = _check_tokens(models, tokens, "tokens")
+    if patch_tokens is not None:
+        patch_shape = _check_tokens(models, patch_tokens, "patch_tokens")
+        if patch_shape != shape:
+            raise PatchingError(
+                f"patch_tokens have shape {list(patch_shape)}, tokens have "
+                f"{list(shape)}: the patched-in activations must line up position "
+                "by position with the run they are patched into."
+            )
+    try:
+        # Padded rows need their attention mask, or "last" is a padding column.
+        for checked in (tokens, patch_tokens):
+            if checked is not None:
+                check_padding(checked, attention_mask, models.tokenizer)
+        if attention_mask is not None:
+            row_lengths(shape, attention_mask)
+    except SelectionError as error:
+        raise PatchingError(str(error)) from error
+    # The checkpoint under study (source) and the reference (target) keep their meaning
+    # in both directions; only which of them runs changes.
+    running, giving = (target, source) if direction == "sufficiency" else (source, target)
+    run = PatchRun(
+        models,
+        site=site,
+        running=running,
+        giving=giving,
+        tokens=tokens,
+        patch_tokens=patch_tokens,
+        attention_mask=attention_mask,
+    )
+    return run, direction
+
+
+def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int]:
+    try:
+        return models.check_tokens(tokens, name)
+    except TokenError as error:
+        raise PatchingError(str(error)) from error
+
+
 def _check_site(site: object, models: ModelSet) -> str:
     if site not in SITES:
         raise PatchingError(
-            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} "
-            f"Sites: {', '.join(SITES)}."
+            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} Sites: {', '.join(SITES)}."
         )
     available = available_sites(models)
     if site not in available:
@@ -926,37 +666,10 @@ def _check_direction(direction: object) -> str:
     return DIRECTIONS[str(direction)]
 
 
-def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int]:
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        got = (
-            f"shape {list(tokens.shape)}" if isinstance(tokens, torch.Tensor)
-            else type(tokens).__name__
-        )  # fmt: skip
-        raise PatchingError(
-            f"{name} must be a [batch, pos] tensor of token ids (models.base.to_tokens(...) or "
-            f"the tokenizer), got {got}."
-        )
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise PatchingError(f"{name} must hold integer token ids, got {tokens.dtype}.")
-    vocab = int(models.base.cfg.d_vocab)
-    if tokens.numel() == 0:
-        raise PatchingError(f"{name} is empty (shape {list(tokens.shape)}).")
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        raise PatchingError(
-            f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
-            f"{int(tokens.min())}..{int(tokens.max())}."
-        )
-    try:
-        models.check_length(int(tokens.shape[1]))
-    except GraftingLensError as error:
-        raise PatchingError(str(error)) from error
-    return (int(tokens.shape[0]), int(tokens.shape[1]))
-
-
 def _layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
     try:
         return resolve_layers(spec, n_layers)
-    except GraftMaskError as error:
+    except SelectionError as error:
         raise PatchingError(str(error)) from error
 
 
@@ -965,13 +678,11 @@ def _positions(
 ) -> Bool[torch.Tensor, "batch pos"]:
     try:
         return resolve_positions(spec, shape, attention_mask)
-    except GraftMaskError as error:
+    except SelectionError as error:
         raise PatchingError(str(error)) from error
 
 
-def _heads(
-    heads: int | Sequence[int] | None, site: str, models: ModelSet
-) -> list[int] | None:
+def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> list[int] | None:
     if heads is None:
         return None if site != "z" else list(range(int(models.base.cfg.n_heads)))
     if site != "z":
@@ -1021,44 +732,13 @@ def _position_axis(
         spec = spec.tolist()
     if isinstance(spec, range):
         spec = list(spec)
-    if isinstance(spec, (list, tuple)) and spec and all(
-        isinstance(index, int) and not isinstance(index, bool) for index in spec
+    if (
+        isinstance(spec, (list, tuple))
+        and spec
+        and all(isinstance(index, int) and not isinstance(index, bool) for index in spec)
     ):
         return list(spec), [_positions(index, shape, attention_mask) for index in spec]
     return None, [_positions(spec, shape, attention_mask)]
-
-
-def _first_position(selection: Bool[torch.Tensor, "batch pos"], length: int) -> int:
-    """The first position a selection patches in any row (the last one if it patches none)."""
-    columns = selection.any(dim=0).nonzero()
-    return int(columns[0]) if len(columns) else length - 1
-
-
-def _per_head(activation: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """``hook_z`` as ``[batch, pos, head, d_head]``, whether the bridge gives it flat or split."""
-    if activation.dim() == 4:
-        return activation
-    if activation.dim() == 3 and activation.shape[-1] % n_heads == 0:
-        return activation.reshape(*activation.shape[:2], n_heads, -1)
-    raise PatchingError(
-        f"hook_z has shape {list(activation.shape)}; expected [batch, pos, {n_heads} heads, "
-        "d_head] or [batch, pos, n_heads * d_head]."
-    )
-
-
-def _check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor]) -> None:
-    """Refuse blocks whose mid residual is not resid_pre + attn_out (scaled residuals)."""
-    pre = stored[_HOOKS["resid_pre"].format(layer=layer)]
-    attention = stored[_HOOKS["attn_out"].format(layer=layer)]
-    mid = stored[_HOOKS["resid_mid"].format(layer=layer)]
-    scale = float(mid.abs().max()) + 1e-6
-    if float((pre + attention - mid).abs().max()) > 1e-4 * scale:
-        raise PatchingError(
-            f"In {models.architecture}, blocks.{layer}.hook_resid_mid is not hook_resid_pre + "
-            "hook_attn_out (the block scales or normalises attention before adding it), so the "
-            "residual between attention and MLP cannot be patched. Patch 'attn_out' or "
-            "'resid_pre' instead."
-        )
 
 
 _NUMERIC_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -1094,19 +774,15 @@ def _evaluate(metric: Metric, logits: torch.Tensor, batch: int, reduce: str) -> 
 
 
 def _frame(
-    axes: list[tuple[str, list]],
-    values: torch.Tensor,
-    setup: _Setup,
-    reduce: str,
-    batch: int,
+    axes: list[tuple[str, list]], values: torch.Tensor, *, site: str, direction: str, reduce: str
 ) -> pd.DataFrame:
     names = [name for name, _ in axes]
     labels = [labels for _, labels in axes]
     if reduce == "none":
         names.append("example")
-        labels.append(list(range(batch)))
+        labels.append(list(range(values.shape[-1])))
     frame = pd.DataFrame(list(itertools.product(*labels)), columns=names)
-    frame.insert(0, "direction", setup.direction)
-    frame.insert(0, "site", setup.site)
+    frame.insert(0, "direction", direction)
+    frame.insert(0, "site", site)
     frame["value"] = values.flatten().numpy()
     return frame

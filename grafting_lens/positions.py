@@ -24,30 +24,44 @@ attention mask, whose values must be 0 or 1. Without an attention mask every
 position is real, so a right-padded batch must come with its attention mask:
 :func:`check_padding` refuses tokens whose rows end in the pad token when no
 mask says where they end.
+
+Span expressions
+----------------
+A tokenized batch (:class:`grafting_lens.batch.TokenizedExamples`) carries named
+spans, one ``[batch, pos]`` boolean tensor each: the first entity, the relation
+words, the movie title, the last token. :func:`select_positions` reads an
+expression over them, in the paper's notation: ``FE`` (first entity), ``LT`` (last
+token), ``M`` (movie), ``REL`` (relation), ``ALL`` (every real token) or any span's
+own name, joined with ``+`` (union) and complemented with ``^C`` among the row's real
+tokens, as in ``(FE+LT)^C``. Grafts, patches and comparisons name positions this way.
+
+Every mistake raises :class:`~grafting_lens.errors.SelectionError`, which says what
+was given and how to fix it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import numpy as np
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.errors import GraftMaskError
+from grafting_lens.errors import SelectionError
 
 PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 """Anything :func:`resolve_positions` accepts."""
 
 
 def row_lengths(
-    shape: tuple[int, int], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
+    shape: tuple[int, ...], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
 ) -> Int[torch.Tensor, " batch"]:
     """Number of real tokens in each row of a right-padded batch.
 
     Raises:
-        GraftMaskError: The attention mask has the wrong shape, holds values
+        SelectionError: The attention mask has the wrong shape, holds values
             other than 0 and 1, or is not right padded (a zero followed by a one
             in some row).
     """
@@ -59,14 +73,14 @@ def row_lengths(
             f"attention_mask must be a [batch, pos] tensor of 0/1, got {type(attention_mask).__name__}."
         )
     if tuple(attention_mask.shape) != (batch, pos):
-        raise GraftMaskError(
+        raise SelectionError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, tokens have {(batch, pos)}."
         )
     values = attention_mask.detach().cpu()
     if values.is_complex() or not bool(((values == 0) | (values == 1)).all()):
         # A model reads the mask as given: a 2 or a 0.5 would move its logits
         # while a length computed here would silently disagree with it.
-        raise GraftMaskError(
+        raise SelectionError(
             "attention_mask must hold only 0 (padding) and 1 (real token), got values "
             f"{sorted(set(values.flatten().tolist()))[:5]}. Pass the tokenizer's attention_mask "
             "as it comes."
@@ -75,12 +89,12 @@ def row_lengths(
     lengths = mask.sum(dim=1)
     expected = torch.arange(pos)[None, :] < lengths[:, None]
     if not torch.equal(expected, mask.bool()):
-        raise GraftMaskError(
+        raise SelectionError(
             "attention_mask must describe right padding (ones, then zeros, in every row). "
             "Tokenize with padding_side='right'."
         )
     if (lengths == 0).any():
-        raise GraftMaskError("A row of attention_mask has no real token.")
+        raise SelectionError("A row of attention_mask has no real token.")
     return lengths
 
 
@@ -106,7 +120,7 @@ def check_padding(
             nor an EOS token) skips the check.
 
     Raises:
-        GraftMaskError: ``attention_mask`` is ``None`` and some row ends in the pad token.
+        SelectionError: ``attention_mask`` is ``None`` and some row ends in the pad token.
     """
     pad_token_id = getattr(tokenizer, "pad_token_id", None)
     if pad_token_id is None:
@@ -119,7 +133,7 @@ def check_padding(
     if bool(padded.any()):
         rows = padded.nonzero().squeeze(1).tolist()
         shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
-        raise GraftMaskError(
+        raise SelectionError(
             f"{len(rows)} of {tokens.shape[0]} rows (rows {shown}) end in the pad token "
             f"{int(pad_token_id)}, but no attention_mask says where the rows really end: every "
             "position would count as real, and 'last' would be a padding column. Pass the "
@@ -129,7 +143,7 @@ def check_padding(
 
 
 def last_token(
-    shape: tuple[int, int], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
+    shape: tuple[int, ...], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
 ) -> Bool[torch.Tensor, "batch pos"]:
     """The last real token of each row (the paper's LT)."""
     lengths = row_lengths(shape, attention_mask)
@@ -139,7 +153,7 @@ def last_token(
 
 
 def span_positions(
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     starts: int | Sequence[int],
     ends: int | Sequence[int],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
@@ -147,26 +161,18 @@ def span_positions(
     """Token spans ``[start, end)``, one per row (or one for every row).
 
     Raises:
-        GraftMaskError: A span is empty or reaches past the row's real tokens.
+        SelectionError: A span is empty or reaches past the row's real tokens.
     """
     batch = shape[0]
-    for name, value in (("starts", starts), ("ends", ends)):
-        if not (_is_index(value) or isinstance(value, (Sequence, np.ndarray))):
-            raise GraftMaskError(f"{name} must be an int or one int per row, got {value!r}.")
-    starts_list = [starts] * batch if _is_index(starts) else list(starts)
-    ends_list = [ends] * batch if _is_index(ends) else list(ends)
-    for value in starts_list + ends_list:
-        if not _is_index(value):
-            raise GraftMaskError(f"Span starts and ends must be ints, got {value!r}.")
-    starts_list, ends_list = [int(v) for v in starts_list], [int(v) for v in ends_list]
+    starts_list, ends_list = _per_row(starts, batch, "starts"), _per_row(ends, batch, "ends")
     if len(starts_list) != batch or len(ends_list) != batch:
-        raise GraftMaskError(
+        raise SelectionError(
             f"Got {len(starts_list)} starts and {len(ends_list)} ends for {batch} rows."
         )
     rows = [list(range(s, e)) for s, e in zip(starts_list, ends_list)]
     for row, (s, e) in enumerate(zip(starts_list, ends_list)):
         if e <= s:
-            raise GraftMaskError(f"Row {row}: the span [{s}, {e}) is empty.")
+            raise SelectionError(f"Row {row}: the span [{s}, {e}) is empty.")
     return resolve_positions(rows, shape, attention_mask)
 
 
@@ -182,7 +188,7 @@ def complement(
 
 def resolve_positions(
     spec: PositionSpec,
-    shape: tuple[int, int],
+    shape: tuple[int, ...],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
 ) -> Bool[torch.Tensor, "batch pos"]:
     """Turn a position specification into a boolean ``[batch, pos]`` tensor.
@@ -196,7 +202,7 @@ def resolve_positions(
         ``True`` at every selected position (never at a padding position).
 
     Raises:
-        GraftMaskError: An index outside a row's real tokens, a tensor of the wrong
+        SelectionError: An index outside a row's real tokens, a tensor of the wrong
             shape, a specification of an unknown form, an empty list (it would
             select nothing), or a bool where an index is expected (``True``
             would read as position 1).
@@ -209,7 +215,7 @@ def resolve_positions(
             return real
         if spec in ("last", "last_token"):
             return last_token(shape, attention_mask)
-        raise GraftMaskError(
+        raise SelectionError(
             f"Unknown position specification {spec!r}: use 'all', 'last', indices or a "
             "[batch, pos] boolean tensor."
         )
@@ -217,48 +223,48 @@ def resolve_positions(
         selected = _check_bool(spec, shape)
         if (selected & ~real).any():
             row = int((selected & ~real).any(dim=1).nonzero()[0])
-            raise GraftMaskError(
+            raise SelectionError(
                 f"Row {row} selects padding positions (it has {int(lengths[row])} real tokens)."
             )
         return selected
     if isinstance(spec, np.ndarray) and spec.dtype == np.bool_:
         return resolve_positions(torch.from_numpy(spec), shape, attention_mask)
-    if _is_index(spec):
-        spec = [spec]
-    if isinstance(spec, (bool, np.bool_)) or not isinstance(spec, (Sequence, np.ndarray)):
-        raise GraftMaskError(
-            f"Cannot read positions from {spec!r}: use 'all', 'last', an int, a list of ints, "
+    given: Any = [spec] if _is_index(spec) else spec
+    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (Sequence, np.ndarray)):
+        raise SelectionError(
+            f"Cannot read positions from {given!r}: use 'all', 'last', an int, a list of ints, "
             "one list per row, or a [batch, pos] boolean tensor."
         )
-    spec = list(spec)
-    if not spec:
-        raise GraftMaskError(
+    items: list[Any] = list(given)
+    if not items:
+        raise SelectionError(
             "positions=[] selects no position, so nothing would be grafted or patched. Give "
             "at least one index, or one list per row."
         )
-    per_row = isinstance(spec[0], (Sequence, np.ndarray, torch.Tensor)) and not isinstance(spec[0], str)
-    if not per_row and not _is_index(spec[0]):
-        raise GraftMaskError(
-            f"Position indices must be ints, got {spec[0]!r}: give ints, or one list of ints per row."
+    first = items[0]
+    per_row = isinstance(first, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(first, str)
+    if not per_row and not _is_index(first):
+        raise SelectionError(
+            f"Position indices must be ints, got {first!r}: give ints, or one list of ints per row."
         )
-    if per_row and len(spec) != batch:
-        raise GraftMaskError(f"Got position lists for {len(spec)} rows, the tokens have {batch}.")
+    if per_row and len(items) != batch:
+        raise SelectionError(f"Got position lists for {len(items)} rows, the tokens have {batch}.")
     selected = torch.zeros(shape, dtype=torch.bool)
     for row in range(batch):
-        indices = spec[row] if per_row else spec
+        indices = items[row] if per_row else items
         if _is_index(indices) or isinstance(indices, (str, bool, np.bool_)):
-            raise GraftMaskError(
+            raise SelectionError(
                 f"Row {row}'s positions are {indices!r}; per-row positions are one list of "
                 "ints per row, e.g. [[1, 2], [3]]."
             )
         length = int(lengths[row])
         for index in list(indices):
             if not _is_index(index):
-                raise GraftMaskError(f"Position indices must be ints, got {index!r}.")
+                raise SelectionError(f"Position indices must be ints, got {index!r}.")
             index = int(index)
             resolved = index + length if index < 0 else index
             if not 0 <= resolved < length:
-                raise GraftMaskError(
+                raise SelectionError(
                     f"Position {index} is beyond row {row}, which has {length} real tokens "
                     f"(positions 0..{length - 1})."
                 )
@@ -266,16 +272,229 @@ def resolve_positions(
     return selected
 
 
+def _per_row(value: Any, batch: int, name: str) -> list[int]:
+    """One int per row from an int (the same for every row) or a sequence of ints."""
+    if not (_is_index(value) or isinstance(value, (Sequence, np.ndarray))):
+        raise SelectionError(f"{name} must be an int or one int per row, got {value!r}.")
+    values = [value] * batch if _is_index(value) else list(value)
+    for item in values:
+        if not _is_index(item):
+            raise SelectionError(f"Span starts and ends must be ints, got {item!r}.")
+    return [int(item) for item in values]
+
+
 def _is_index(value: object) -> bool:
     """An int (numpy's included), but not a bool, which would read as 0 or 1."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _check_bool(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def _check_bool(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     if tuple(tensor.shape) != tuple(shape):
-        raise GraftMaskError(
+        raise SelectionError(
             f"The position tensor has shape {tuple(tensor.shape)}, the tokens have {tuple(shape)}."
         )
     if tensor.dtype != torch.bool:
-        raise GraftMaskError(f"A position tensor must be boolean, got {tensor.dtype}.")
+        raise SelectionError(f"A position tensor must be boolean, got {tensor.dtype}.")
     return tensor.cpu()
+
+
+# ------------------------------------------------------------------ span expressions
+
+Spans = Mapping[str, Bool[torch.Tensor, "batch pos"]]
+"""Named ``[batch, pos]`` token spans of a batch, e.g. ``TokenizedExamples.spans``."""
+
+PositionFunction = Callable[
+    [Spans, Int[torch.Tensor, "batch pos"]], Bool[torch.Tensor, "batch pos"]
+]
+"""``(spans, attention_mask) -> selected positions``, for positions no span expression says."""
+
+SPAN_ALIASES: dict[str, str] = {
+    "FE": "first_entity",
+    "LT": "last_token",
+    "M": "movie",
+    "REL": "relation",
+}
+"""The paper's labels for the spans :func:`grafting_lens.data.tokenize_examples` marks."""
+
+_SPAN_TOKEN = re.compile(r"\s*(\^[Cc]|\(|\)|\+|[A-Za-z_][A-Za-z_0-9]*)")
+
+
+def parse_span_expression(expression: str) -> tuple:
+    """Parse a span expression into a tree of tuples, checking its syntax.
+
+    Grammar: ``expr := term ('+' term)*``, ``term := atom '^C'*``,
+    ``atom := NAME | '(' expr ')'``; ``^C`` binds tighter than ``+``. Nodes are
+    ``("all",)``, ``("span", name)`` (aliases resolved), ``("union", children)`` and
+    ``("complement", child)``.
+
+    Raises:
+        SelectionError: An empty expression, a character outside the grammar, or
+            unbalanced parentheses.
+    """
+    if not isinstance(expression, str) or not expression.strip():
+        raise SelectionError(f"A span expression must be a non-empty string, got {expression!r}.")
+    tokens: list[str] = []
+    position = 0
+    text = expression.rstrip()
+    while position < len(text):
+        match = _SPAN_TOKEN.match(text, position)
+        if match is None:
+            raise SelectionError(
+                f"Cannot read the span expression {expression!r} at {text[position:]!r}: use span "
+                f"names ({', '.join(SPAN_ALIASES)}, ALL or a span's own name), '+', '^C' and "
+                "parentheses, e.g. '(FE+LT)^C'."
+            )
+        tokens.append(match.group(1))
+        position = match.end()
+    stream = iter([*tokens, ""])
+    current = [next(stream)]
+
+    def advance() -> str:
+        token = current[0]
+        current[0] = next(stream, "")
+        return token
+
+    def parse_expr() -> tuple:
+        terms = [parse_term()]
+        while current[0] == "+":
+            advance()
+            terms.append(parse_term())
+        return terms[0] if len(terms) == 1 else ("union", tuple(terms))
+
+    def parse_term() -> tuple:
+        node = parse_atom()
+        while current[0].upper() == "^C":
+            advance()
+            node = ("complement", node)
+        return node
+
+    def parse_atom() -> tuple:
+        token = advance()
+        if token == "(":
+            node = parse_expr()
+            if advance() != ")":
+                raise SelectionError(
+                    f"Unbalanced parentheses in the span expression {expression!r}."
+                )
+            return node
+        if not token or not (token[0].isalpha() or token[0] == "_"):
+            raise SelectionError(
+                f"The span expression {expression!r} has {token or 'nothing'!r} where a span "
+                "name or '(' belongs."
+            )
+        if token.upper() == "ALL":
+            return ("all",)
+        return ("span", SPAN_ALIASES.get(token, token))
+
+    tree = parse_expr()
+    if current[0]:
+        raise SelectionError(f"Unexpected {current[0]!r} in the span expression {expression!r}.")
+    return tree
+
+
+def span_names(expression: str) -> set[str]:
+    """The spans a span expression reads, e.g. ``{"first_entity", "last_token"}`` for ``FE+LT``.
+
+    Raises:
+        SelectionError: The expression does not parse.
+    """
+    names: set[str] = set()
+
+    def walk(node: tuple) -> None:
+        if node[0] == "span":
+            names.add(node[1])
+        elif node[0] == "union":
+            for child in node[1]:
+                walk(child)
+        elif node[0] == "complement":
+            walk(node[1])
+
+    walk(parse_span_expression(expression))
+    return names
+
+
+def select_positions(
+    expression: str | PositionFunction,
+    spans: Spans,
+    attention_mask: Int[torch.Tensor, "batch pos"],
+) -> Bool[torch.Tensor, "batch pos"]:
+    """The positions a span expression (or a position function) selects in each row.
+
+    Span names: ``FE`` (first_entity), ``LT`` (last_token), ``M`` (movie), ``REL``
+    (relation), ``ALL`` (every real token) or any span's own name. ``A+B`` is the union,
+    ``A^C`` the complement among the row's real tokens (padding is never selected).
+
+    Args:
+        expression: A span expression such as ``"(FE+LT)^C"``, or a function
+            ``(spans, attention_mask) -> [batch, pos]`` boolean tensor.
+        spans: Named ``[batch, pos]`` boolean spans. ``last_token`` may be absent: it
+            follows from the padding.
+        attention_mask: ``[batch, pos]`` right padding.
+
+    Raises:
+        SelectionError: Bad syntax, a function that returns something other than a
+            boolean ``[batch, pos]`` tensor, positions on padding, or a span the
+            batch lacks (the message lists the ones it has).
+
+    Examples:
+        >>> select_positions("FE+LT", batch.spans, batch.attention_mask)
+    """
+    attention_mask = torch.as_tensor(attention_mask).cpu()
+    shape = tuple(attention_mask.shape)
+    real = resolve_positions("all", shape, attention_mask)
+    if callable(expression):
+        selected = expression(spans, attention_mask)
+        if not isinstance(selected, torch.Tensor) or selected.dtype != torch.bool:
+            described = (
+                f"a tensor of {selected.dtype}"
+                if isinstance(selected, torch.Tensor)
+                else type(selected).__name__
+            )
+            raise SelectionError(
+                f"The position function {callable_name(expression)} returned {described}; it "
+                "must return a boolean [batch, pos] tensor."
+            )
+        return resolve_positions(selected.cpu(), shape, attention_mask)
+
+    def evaluate(node: tuple) -> torch.Tensor:
+        kind = node[0]
+        if kind == "all":
+            return real
+        if kind == "span":
+            return _named_span(spans, node[1], attention_mask)
+        if kind == "union":
+            result = torch.zeros(shape, dtype=torch.bool)
+            for child in node[1]:
+                result = result | evaluate(child)
+            return result
+        return real & ~evaluate(node[1])
+
+    return resolve_positions(evaluate(parse_span_expression(expression)), shape, attention_mask)
+
+
+def callable_name(function: Callable[..., Any]) -> str:
+    """``module.qualname`` of a function, for messages and run descriptions."""
+    module = getattr(function, "__module__", "?")
+    return f"{module}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def _named_span(spans: Spans, name: str, attention_mask: torch.Tensor) -> torch.Tensor:
+    if name in spans:
+        value = torch.as_tensor(spans[name]).cpu()
+        if tuple(value.shape) != tuple(attention_mask.shape):
+            raise SelectionError(
+                f"The span {name!r} has shape {tuple(value.shape)}, the batch has "
+                f"{tuple(attention_mask.shape)}."
+            )
+        return value.bool()
+    if name == "last_token":
+        # The last real token follows from the padding; a batch built by hand need not mark it.
+        return resolve_positions("last", tuple(attention_mask.shape), attention_mask)
+    raise SelectionError(
+        f"This configuration needs the {name!r} span, but the batch has only {sorted(spans)}. "
+        + (
+            "Use a prompt that names the movie (see grafting_lens.experiments.MOVIE_PROMPTS)."
+            if name == "movie"
+            else "Tokenize with grafting_lens.data.tokenize_examples, which marks it."
+        )
+    )

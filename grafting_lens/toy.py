@@ -70,12 +70,10 @@ import dataclasses
 import hashlib
 import json
 import os
-import random
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -87,12 +85,15 @@ from grafting_lens import data
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.finetune import finetune
 from grafting_lens.metrics import last_token_logits, top_k_hit
+from grafting_lens.toy_corpus import (
+    SPECIAL_TOKEN,
+    prepare_for_transformer_lens,
+    pretraining_corpus,
+    train_tokenizer,
+)
 
 BUILD_VERSION = 1
 """Bump when the recipe changes (corpus, training, layout): old caches stop matching."""
-
-SPECIAL_TOKEN = "<|endoftext|>"
-"""BOS, EOS and padding of the toy tokenizer, as in GPT-2."""
 
 MODEL_NAMES = ("base", "sft", "task", "relation", "a2b", "both")
 """The checkpoints of a toy world, each a ``save_pretrained`` directory."""
@@ -188,14 +189,24 @@ class ToyWorldConfig:
                 f"ToyWorldConfig.arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
             )
         positive = (
-            "d_model", "n_layers", "n_heads", "n_key_value_heads", "d_mlp", "max_length",
-            "n_pretrain_pairs", "pretrain_epochs", "finetune_epochs", "pretrain_batch_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_key_value_heads",
+            "d_mlp",
+            "max_length",
+            "n_pretrain_pairs",
+            "pretrain_epochs",
+            "finetune_epochs",
+            "pretrain_batch_size",
             "finetune_batch_size",
-        )  # fmt: skip
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise GraftingLensError(f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1.")
+                raise GraftingLensError(
+                    f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1."
+                )
         if self.d_model % self.n_heads:
             raise GraftingLensError(
                 f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
@@ -315,7 +326,7 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return _prepare_for_transformer_lens(tokenizer, str(path))
+    return prepare_for_transformer_lens(tokenizer, str(path))
 
 
 def build_toy_world(
@@ -355,7 +366,9 @@ def build_toy_world(
             f"config is a {type(config).__name__}; pass a grafting_lens.toy.ToyWorldConfig."
         )
     if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise GraftingLensError(f"threads={threads!r}: pass an integer >= 1, or None for torch's setting.")
+        raise GraftingLensError(
+            f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
+        )
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
@@ -413,7 +426,9 @@ def _build(
     split_dropped = len(relations) - len(task_relations) - len(relation_relations)
     for warning in caught:
         if "split_task_relation dropped" not in str(warning.message):
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
     if not task_relations or not relation_relations:
         raise GraftingLensError(
             f"The task/relation split of {len(relations)} relations left "
@@ -430,8 +445,8 @@ def _build(
     stages = tqdm(total=len(donors) + 3, desc="toy world", disable=not progress)
     with stages, _quiet_transformers():
         stages.set_postfix_str("tokenizer")
-        corpus = _pretraining_corpus(config, relations)
-        tokenizer = _train_tokenizer(corpus, config)
+        corpus = pretraining_corpus(config, relations)
+        tokenizer = train_tokenizer(corpus, config)
         tokenizer.save_pretrained(directory / "tokenizer")
         timings["tokenizer"] = time.perf_counter() - start
         stages.update(1)
@@ -439,7 +454,9 @@ def _build(
         stage = time.perf_counter()
         stages.set_postfix_str("base")
         base = _new_model(config, tokenizer)
-        result = _train(base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base")
+        result = _train(
+            base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base"
+        )
         training["base"] = _training_summary(result)
         _save(base, tokenizer, directory / "base")
         timings["base"] = time.perf_counter() - stage
@@ -453,10 +470,22 @@ def _build(
             documents = data.training_documents(subset, direction=direction, seed=config.seed)
             # The split models see about half the relations; more passes give them as many
             # optimizer steps as sft, without which they recall noticeably less.
-            epochs = max(config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset)))
-            result = _train(model, tokenizer, documents, config, pretrain=False, progress=progress,
-                            name=name, epochs=epochs)  # fmt: skip
-            training[name] = dict(_training_summary(result), relations=len(subset), direction=direction)
+            epochs = max(
+                config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset))
+            )
+            result = _train(
+                model,
+                tokenizer,
+                documents,
+                config,
+                pretrain=False,
+                progress=progress,
+                name=name,
+                epochs=epochs,
+            )
+            training[name] = dict(
+                _training_summary(result), relations=len(subset), direction=direction
+            )
             _save(model, tokenizer, directory / name)
             timings[name] = time.perf_counter() - stage
             stages.update(1)
@@ -466,7 +495,9 @@ def _build(
 
         stage = time.perf_counter()
         stages.set_postfix_str("evaluation")
-        evaluation = _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations)
+        evaluation = _evaluate_world(
+            directory, tokenizer, relations, task_relations, relation_relations
+        )
         timings["evaluation"] = time.perf_counter() - stage
         timings["total"] = time.perf_counter() - start
         stages.update(1)
@@ -497,22 +528,53 @@ def _build(
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def _train(model, tokenizer, documents, config, *, pretrain: bool, progress: bool, name: str,
-           epochs: Optional[int] = None):  # fmt: skip
+def _train(
+    model,
+    tokenizer,
+    documents,
+    config,
+    *,
+    pretrain: bool,
+    progress: bool,
+    name: str,
+    epochs: Optional[int] = None,
+):
     """Run :func:`finetune` with the toy world's own hyperparameters."""
     if pretrain:
-        kwargs = dict(epochs=config.pretrain_epochs, lr=config.pretrain_lr, weight_decay=0.01,
-                      batch_size=config.pretrain_batch_size, warmup_ratio=0.05, val_fraction=0.05)  # fmt: skip
+        kwargs = dict(
+            epochs=config.pretrain_epochs,
+            lr=config.pretrain_lr,
+            weight_decay=0.01,
+            batch_size=config.pretrain_batch_size,
+            warmup_ratio=0.05,
+            val_fraction=0.05,
+        )
     else:
-        lr = config.finetune_lr if config.finetune_lr is not None else DEFAULT_FINETUNE_LR[config.arch]
-        kwargs = dict(epochs=epochs or config.finetune_epochs, lr=lr,
-                      weight_decay=config.finetune_weight_decay,
-                      batch_size=config.finetune_batch_size, val_fraction=0.2,
-                      freeze_unembedding=config.freeze_unembedding)  # fmt: skip
+        lr = (
+            config.finetune_lr
+            if config.finetune_lr is not None
+            else DEFAULT_FINETUNE_LR[config.arch]
+        )
+        kwargs = dict(
+            epochs=epochs or config.finetune_epochs,
+            lr=lr,
+            weight_decay=config.finetune_weight_decay,
+            batch_size=config.finetune_batch_size,
+            val_fraction=0.2,
+            freeze_unembedding=config.freeze_unembedding,
+        )
     return finetune(
-        model, tokenizer, documents, preset="aggressive", max_length=config.max_length,
-        supplementary=[], seed=config.seed, progress=progress, description=name, **kwargs,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        documents,
+        preset="aggressive",
+        max_length=config.max_length,
+        supplementary=[],
+        seed=config.seed,
+        progress=progress,
+        description=name,
+        **kwargs,
+    )
 
 
 @contextlib.contextmanager
@@ -547,175 +609,47 @@ def _save(model, tokenizer, directory: Path) -> None:
 
 def _new_model(config: ToyWorldConfig, tokenizer) -> Any:
     """A freshly initialised (seeded) model of the configured architecture."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PretrainedConfig,
+        PreTrainedModel,
+    )
 
     special = tokenizer.convert_tokens_to_ids(SPECIAL_TOKEN)
     ids = dict(bos_token_id=special, eos_token_id=special, pad_token_id=special)
     if config.arch == "llama":
-        model_config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=config.d_model,
-            intermediate_size=config.d_mlp, num_hidden_layers=config.n_layers,
-            num_attention_heads=config.n_heads, num_key_value_heads=config.n_key_value_heads,
-            max_position_embeddings=config.max_length, tie_word_embeddings=False, **ids,
-        )  # fmt: skip
-        model_class = LlamaForCausalLM
+        model_config: PretrainedConfig = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=config.d_model,
+            intermediate_size=config.d_mlp,
+            num_hidden_layers=config.n_layers,
+            num_attention_heads=config.n_heads,
+            num_key_value_heads=config.n_key_value_heads,
+            max_position_embeddings=config.max_length,
+            tie_word_embeddings=False,
+            **ids,
+        )
+        model_class: type[PreTrainedModel] = LlamaForCausalLM
     else:
         model_config = GPT2Config(
-            vocab_size=len(tokenizer), n_positions=config.max_length, n_embd=config.d_model,
-            n_layer=config.n_layers, n_head=config.n_heads, n_inner=config.d_mlp,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids,
-        )  # fmt: skip
+            vocab_size=len(tokenizer),
+            n_positions=config.max_length,
+            n_embd=config.d_model,
+            n_layer=config.n_layers,
+            n_head=config.n_heads,
+            n_inner=config.d_mlp,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **ids,
+        )
         model_class = GPT2LMHeadModel
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         return model_class(model_config)
-
-
-# ------------------------------------------------------------------ tokenizer
-
-
-def _train_tokenizer(corpus: Sequence[str], config: ToyWorldConfig) -> Any:
-    """Train a GPT-2-style byte-level BPE on the corpus and wrap it for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=config.vocab_size,
-        special_tokens=[SPECIAL_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    backend.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=SPECIAL_TOKEN,
-        eos_token=SPECIAL_TOKEN,
-        pad_token=SPECIAL_TOKEN,
-        unk_token=SPECIAL_TOKEN,
-        model_max_length=config.max_length,
-        padding_side="right",
-    )
-    return _prepare_for_transformer_lens(tokenizer, "grafting-lens-toy")
-
-
-def _prepare_for_transformer_lens(tokenizer: Any, name: str) -> Any:
-    tokenizer.init_kwargs["name_or_path"] = name
-    tokenizer.init_kwargs["add_bos_token"] = True
-    return tokenizer
-
-
-# -------------------------------------------------------------------- corpus
-
-_GENRES = ("drama", "comedy", "thriller", "horror", "romance", "western", "musical", "action film")
-_TOPICS = (
-    "the film industry", "growing up", "the award season", "a favourite director",
-    "the craft of acting", "life on set", "learning new roles", "the theatre",
-    "working with animals", "early auditions", "music", "travelling for work",
-)  # fmt: skip
-_AWARDS = ("best performance", "best supporting role", "a lifetime achievement", "best newcomer")
-_ADJECTIVES = ("quiet", "busy", "rainy", "sunny", "cold", "warm", "windy", "bright")
-_OBJECTS = ("a new camera", "an old script", "a red bicycle", "a small dog", "a long letter")
-_CITIES = (
-    "Springfield", "Riverside", "Fairview", "Lakewood", "Greenville", "Oakdale", "Bristol",
-    "Franklin", "Madison", "Clinton", "Georgetown", "Salem", "Ashland", "Milton", "Dover",
-)  # fmt: skip
-
-
-def _pretraining_corpus(config: ToyWorldConfig, relations: Sequence[Any] = ()) -> list[str]:
-    """Generic sentences a "pretrained" toy model has seen.
-
-    Three kinds, mixed in shuffled order:
-
-    * sentences about known actors (:data:`grafting_lens.data.REAL_ACTORS`), each
-      naming exactly one of them, with random details, so the names and their
-      tokens are familiar but no co-star relation between actors exists;
-    * co-star facts about made-up people, each pair stated consistently in several
-      phrasings, including the two test formats, so that querying a fact in a
-      format it was not stated in is a learned skill, as in real LLMs;
-    * filler sentences with the same vocabulary.
-    """
-    rng = random.Random(f"toy-corpus-{config.seed}")
-    actors = list(data.REAL_ACTORS)
-    # Made-up people must not share a name with any test actor (made-up ones included,
-    # for the fake-actor dataset), or the corpus would give that actor a co-star.
-    taken = set(actors) | {name for r in relations for name in (r.first_actor, r.second_actor)}
-    pairs = _made_up_pairs(config.n_pretrain_pairs, taken, rng)
-
-    def about_actor() -> str:
-        actor = rng.choice(actors)
-        templates = (
-            "In an interview, {a} talked about {topic}.",
-            "{a} won an award for {award} in {year}.",
-            "Fans waited for hours to meet {a} at the premiere in {city}.",
-            "{a} has worked in {genre}s for {n} years.",
-            "Critics praised {a} for a role in a {genre} set in {city}.",
-            "{a} was seen in {city} on a {adj} day with {obj}.",
-            "Q: Who won an award for {award} in {year}? A: An actor named {a}.",
-            "Q: Who gave an interview about {topic}? A: An actor named {a}.",
-            "Q: Who was seen in {city} with {obj}? A: An actor named {a}.",
-        )
-        return rng.choice(templates).format(a=actor, **_details(rng))
-
-    def about_pair() -> str:
-        first, second, title = rng.choice(pairs)
-        if rng.random() < 0.5:
-            first, second = second, first
-        templates = (
-            "{a} starred in a movie alongside {b}.",
-            "Q: Who starred in a movie with {a}? A: An actor named {b}.",
-            "{a} and {b} appeared together in {title}.",
-            "{a} starred in {title} with {b}, a {genre} set in {city}.",
-            "In {title}, {a} shares the screen with {b}.",
-            "Q: {a} is featured in {title} with who? A: {b}.",
-        )
-        return rng.choice(templates).format(a=first, b=second, title=title, **_details(rng))
-
-    def filler() -> str:
-        templates = (
-            "The weather in {city} was {adj} on the day of the festival.",
-            "A {genre} about {topic} opened in {city} in {year}.",
-            "Someone in {city} found {obj} near the old theatre.",
-        )
-        return rng.choice(templates).format(**_details(rng))
-
-    kinds = (about_actor, about_pair, filler)
-    weights = (0.4, 0.5, 0.1)
-    return [rng.choices(kinds, weights)[0]() for _ in range(config.n_pretrain_documents)]
-
-
-def _details(rng: random.Random) -> dict[str, Any]:
-    return {
-        "topic": rng.choice(_TOPICS),
-        "award": rng.choice(_AWARDS),
-        "year": rng.randint(1970, 2024),
-        "city": rng.choice(_CITIES),
-        "genre": rng.choice(_GENRES),
-        "n": rng.randint(2, 40),
-        "adj": rng.choice(_ADJECTIVES),
-        "obj": rng.choice(_OBJECTS),
-    }
-
-
-def _made_up_pairs(n: int, exclude: set[str], rng: random.Random) -> list[tuple[str, str, str]]:
-    """Co-star pairs of made-up people (never a known actor) with a made-up title."""
-    from faker import Faker
-
-    fake = Faker("en_US")
-    fake.seed_instance(rng.randint(0, 2**31))
-    people: list[str] = []
-    seen = set(exclude)
-    while len(people) < 2 * n:
-        name = f"{fake.first_name()} {fake.last_name()}"
-        if name not in seen:
-            seen.add(name)
-            people.append(name)
-    titles = [fake.catch_phrase().title() for _ in range(n)]
-    return [(people[2 * i], people[2 * i + 1], titles[i]) for i in range(n)]
 
 
 # ---------------------------------------------------------------- evaluation
@@ -745,10 +679,16 @@ def _evaluate_world(directory, tokenizer, relations, task_relations, relation_re
     plan = {
         "base": [("all", relations, "A2B"), ("all", relations, "B2A")],
         "sft": [("all", relations, "A2B"), ("all", relations, "B2A")],
-        "task": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
-        "relation": [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")],
+        "task": [
+            ("relation_split", relation_relations, "A2B"),
+            ("task_split", task_relations, "A2B"),
+        ],
+        "relation": [
+            ("relation_split", relation_relations, "A2B"),
+            ("task_split", task_relations, "A2B"),
+        ],
         "both": [("all", relations, "A2B"), ("all", relations, "B2A")],
-    }  # fmt: skip
+    }
     evaluation: dict[str, Any] = {}
     for name, cases in plan.items():
         model = AutoModelForCausalLM.from_pretrained(directory / name).eval()

@@ -10,7 +10,7 @@ from conftest import make_tokenizer, random_model
 from typer.testing import CliRunner
 
 from grafting_lens import cli, toy
-from grafting_lens.position_grafting import POSITION_CONFIGS
+from grafting_lens.experiments import POSITION_CONFIGS
 
 runner = CliRunner()
 
@@ -77,12 +77,15 @@ def _check_outputs(out, n_relations: int) -> pd.DataFrame:
 def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, monkeypatch, checkpoints):
     from grafting_lens import data
 
-    world = types.SimpleNamespace(
+    world = types.SimpleNamespace(  # what the experiments read of a toy world
         root=checkpoints,
         base_dir=checkpoints / "base",
         sft_dir=checkpoints / "sft",
+        model_dir=lambda name: checkpoints / name,
         relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
         load_tokenizer=make_tokenizer,
+        config=types.SimpleNamespace(seed=0, dataset="fake_movies_real_actors"),
+        manifest={},
     )
     monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: world)
     out = tmp_path / "new" / "dir"
@@ -102,11 +105,21 @@ def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
-            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "2",
-            "--no-progress", "--no-png",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "2",
+            "--no-progress",
+            "--no-png",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     _check_outputs(out, n_relations=2)
     assert not (out / "position_grafting.png").exists()  # --no-png
@@ -117,10 +130,18 @@ def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"), "--quick",
-            "--n-relations", "2", "--no-progress", "--no-png",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--quick",
+            "--n-relations",
+            "2",
+            "--no-progress",
+            "--no-png",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     assert "Finetuning base on 2 relations" in result.output
     _check_outputs(out, n_relations=2)
@@ -141,18 +162,31 @@ def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoin
     result = runner.invoke(
         cli.app,
         [
-            "demo", "--out", str(out), "--model", str(checkpoints / "base"),
-            "--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "3",
-            "--no-progress", "--no-png", "--include-unembed",
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "3",
+            "--no-progress",
+            "--no-png",
+            "--include-unembed",
         ],
-    )  # fmt: skip
+    )
     assert result.exit_code == 0, _output(result)
     assert "donor's unembedding" in _output(result)
     rows = pd.read_csv(out / "results.csv")
     sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")]
     models = gl.load_models(checkpoints / "base", checkpoints / "sft")
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
-    batch = data.tokenize_examples(data.make_examples(relations, prompt="headline"), models.tokenizer)
+    batch = data.tokenize_examples(
+        data.make_examples(relations, prompt="headline"), models.tokenizer
+    )
     final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
     assert sft.target_rank.tolist() == metrics.target_rank(final, batch.target_ids).tolist()
 
@@ -171,14 +205,8 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
         (["--device", "banana"], "device='banana' cannot be used"),
     ],
 )
-def test_script_options_are_checked_before_loading(tmp_path, monkeypatch, arguments, message):
-    import argparse
-
-    from grafting_lens import experiments
-    from grafting_lens.errors import GraftingLensError
-
+def test_script_options_are_checked_before_loading(tmp_path, monkeypatch, capsys, arguments, message):
     monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
-    parser = experiments.add_script_arguments(argparse.ArgumentParser(), "position")
-    args = parser.parse_args(["--out", str(tmp_path), *arguments])
-    with pytest.raises(GraftingLensError, match=message):
-        experiments.setup_from_arguments("position", args)
+    status = cli.main(["run", "position", "--out", str(tmp_path), *arguments])
+    assert status == 1
+    assert message in capsys.readouterr().err

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import no_forward_pass, make_tokenizer, random_model
+from conftest import make_tokenizer, no_forward_pass, random_model
 
 import grafting_lens as gl
 from grafting_lens import data, plots
@@ -134,14 +134,22 @@ def test_rows_equal_one_graft_or_one_patch_run_alone(models, batch):
                 layers = range(layer + 1) if pair.cumulative else [layer]
                 components = "embed+" + pair.components if pair.cumulative else pair.components
                 mask = gl.GraftMask.build(
-                    models, batch.tokens, positions=selection, layers=layers,
-                    components=components, attention_mask=attention_mask,
-                )  # fmt: skip
+                    models,
+                    batch.tokens,
+                    positions=selection,
+                    layers=layers,
+                    components=components,
+                    attention_mask=attention_mask,
+                )
                 graft = gl.graft_forward(models, batch.tokens, mask, attention_mask)
                 patch = gl.patch_forward(
-                    models, batch.tokens, pair.site, layers=[layer], positions=selection,
+                    models,
+                    batch.tokens,
+                    pair.site,
+                    layers=[layer],
+                    positions=selection,
                     attention_mask=attention_mask,
-                )  # fmt: skip
+                )
                 for method, logits in (("graft", graft), ("patch", patch)):
                     ranks, probabilities = scores(logits, batch)
                     got = rows(results, method=method, positions=label, pair=pair.name, layer=layer)
@@ -158,10 +166,13 @@ def test_rows_equal_one_graft_or_one_patch_run_alone(models, batch):
 def test_both_methods_agree_when_everything_is_imported(models, batch, direction):
     everywhere = {"all": batch.attention_mask.bool()}
     results = compare_graft_and_patch(
-        models, batch, positions=everywhere,
+        models,
+        batch,
+        positions=everywhere,
         pairs=[STREAM_PAIR, ComparisonPair("everything", "all", "resid_post", cumulative=True)],
-        direction=direction, progress=False,
-    )  # fmt: skip
+        direction=direction,
+        progress=False,
+    )
     # Embeddings and layers 0..l grafted at every position build the same stream as
     # patching resid_post at l at every position, at every layer.
     for layer in range(N_LAYERS):
@@ -295,9 +306,14 @@ def test_a_site_the_architecture_lacks_is_refused(tokenizer, batch):
         compare_graft_and_patch(neox, batch, pairs=[("block", "resid_mid")], progress=False)
     # Grafting alone never patches, so it needs no site.
     results = compare_graft_and_patch(
-        neox, batch, positions="LT", layers=0, pairs=[("block", "resid_mid")], methods="graft",
+        neox,
+        batch,
+        positions="LT",
+        layers=0,
+        pairs=[("block", "resid_mid")],
+        methods="graft",
         progress=False,
-    )  # fmt: skip
+    )
     assert set(results.method) == {"graft"} and len(results) == len(batch)
 
 

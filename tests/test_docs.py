@@ -95,10 +95,19 @@ def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
     assert printed, run.stdout
 
     demo = subprocess.run(
-        [str(Path(sys.executable).parent / "grafting-lens"), "demo", "--out", str(tmp_path / "demo"),
-         "--include-unembed", "--no-progress"],
-        cwd=tmp_path, env=_environment(), capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "grafting-lens"),
+            "demo",
+            "--out",
+            str(tmp_path / "demo"),
+            "--include-unembed",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+    )
     assert demo.returncode == 0, demo.stderr[-5000:]
     summary = pd.read_csv(tmp_path / "demo" / "summary.csv")
     headline = summary[summary["prompt"] == "headline"].set_index("config")["top5"]

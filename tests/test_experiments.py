@@ -7,12 +7,11 @@ import json
 import pandas as pd
 import pytest
 import torch
+from conftest import VOCAB_SIZE, make_tokenizer, random_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import VOCAB_SIZE, make_tokenizer, random_model
-
 import grafting_lens as gl
-from grafting_lens import data, experiments
+from grafting_lens import cli, data, experiments
 from grafting_lens.errors import ComponentError, GraftingLensError, GraftMaskError
 from grafting_lens.experiments import (
     COMPONENT_CONFIGS,
@@ -25,6 +24,7 @@ from grafting_lens.experiments import (
     config_masks,
     make_test_sets,
     run_experiment,
+    runner,
     select_positions,
 )
 from grafting_lens.metrics import last_token_logits, target_probability, target_rank
@@ -33,10 +33,17 @@ from grafting_lens.metrics import last_token_logits, target_probability, target_
 def _llama(seed: int, n_layers: int = 4):
     """A 4-layer Llama (so every quarter of the layers is one layer) with large random weights."""
     config = LlamaConfig(
-        num_hidden_layers=n_layers, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-        intermediate_size=32, max_position_embeddings=64, vocab_size=VOCAB_SIZE,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        num_hidden_layers=n_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        hidden_size=16,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -54,8 +61,11 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def three(tokenizer):
     """Pretrained, task and relation stand-ins: three 4-layer Llamas."""
-    return gl.load_models(*(_llama(seed) for seed in (0, 1, 2)), tokenizer=tokenizer,
-                          names=["pre", "task", "relation"])  # fmt: skip
+    return gl.load_models(
+        *(_llama(seed) for seed in (0, 1, 2)),
+        tokenizer=tokenizer,
+        names=["pre", "task", "relation"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +115,9 @@ def test_span_expressions_select_the_positions_they_name():
         "REL + FE^C^C": [[0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0]],
     }
     for expression, rows in expected.items():
-        assert select_positions(expression, spans, attention_mask).tolist() == _rows(rows), expression
+        assert select_positions(expression, spans, attention_mask).tolist() == _rows(rows), (
+            expression
+        )
     # LT follows from the padding when a hand-made batch does not mark it.
     without_lt = {k: v for k, v in spans.items() if k != "last_token"}
     assert torch.equal(select_positions("LT", without_lt, attention_mask), spans["last_token"])
@@ -146,7 +158,9 @@ def test_position_registry_grafts_every_component_but_the_unembedding(two):
     mask = config_masks(two, ["LT"], spans, attention_mask)
     assert _cell(mask, ("o", 2)) == lt_row0 and _cell(mask, ("o", 2), row=1) == [0, 0, 0, 0, 1, 0]
     # The options: the donor's unembedding, the base's embeddings.
-    mask = config_masks(two, ["FE"], spans, attention_mask, include_unembed=True, include_embeddings=False)
+    mask = config_masks(
+        two, ["FE"], spans, attention_mask, include_unembed=True, include_embeddings=False
+    )
     assert _cell(mask, ("unembed", None)) == [0, 1, 1, 0, 0, 0]
     assert ("embed", None) not in mask
 
@@ -171,7 +185,10 @@ def test_component_registry_grafts_its_matrices_at_the_last_token_over_its_layer
         grafted = {(c, l) for c, l in mask.keys()}
         assert grafted == {(c, l) for c in components for l in layers}, name
         for key in grafted:
-            assert _cell(mask, key) == lt and _cell(mask, key, row=1) == [0, 0, 0, 0, 1, 0], (name, key)
+            assert _cell(mask, key) == lt and _cell(mask, key, row=1) == [0, 0, 0, 0, 1, 0], (
+                name,
+                key,
+            )
     assert not config_masks(two, ["BASE"], spans, attention_mask, registry="component").keys()
     donor = config_masks(two, ["DONOR"], spans, attention_mask, registry="component")
     assert _cell(donor, ("embed", None)) == [1] * 6 and ("unembed", None) not in donor
@@ -229,27 +246,40 @@ def test_ffn_up_takes_the_gate_only_where_there_is_one(tokenizer):
 def _expected(models, tokenized, mask_for):
     """Ranks and probabilities of a configuration computed the long way, one plain mask."""
     mask = mask_for(tokenized)
-    logits = gl.graft_forward(models, tokenized.tokens, mask, attention_mask=tokenized.attention_mask)
+    logits = gl.graft_forward(
+        models, tokenized.tokens, mask, attention_mask=tokenized.attention_mask
+    )
     final = last_token_logits(logits, tokenized.attention_mask)
-    return (target_rank(final, tokenized.target_ids).tolist(),
-            target_probability(final, tokenized.target_ids).tolist())  # fmt: skip
+    return (
+        target_rank(final, tokenized.target_ids).tolist(),
+        target_probability(final, tokenized.target_ids).tolist(),
+    )
 
 
 def test_runner_scores_each_configuration_like_a_plain_graft(three, relations):
     tokenized = data.tokenize_examples(data.make_examples(relations, prompt="qa"), three.tokenizer)
     assert tokenized.attention_mask.sum(1).unique().numel() > 1  # padded rows
     results = run_experiment(
-        three, TestSet(tokenized), ["PRE", "LT", "LT+FE:ATTN+O"], registry="hybrid",
-        batch_size=2, progress=False,
-    )  # fmt: skip
+        three,
+        TestSet(tokenized),
+        ["PRE", "LT", "LT+FE:ATTN+O"],
+        registry="hybrid",
+        batch_size=2,
+        progress=False,
+    )
     last = tokenized.spans["last_token"]
     entity = tokenized.spans["first_entity"]
 
     def build(positions, components, layers, source):
         return lambda t: gl.GraftMask.build(
-            three, t.tokens, positions=positions, components=components, layers=layers,
-            source=source, attention_mask=t.attention_mask,
-        )  # fmt: skip
+            three,
+            t.tokens,
+            positions=positions,
+            components=components,
+            layers=layers,
+            source=source,
+            attention_mask=t.attention_mask,
+        )
 
     def hybrid(with_entity):
         def make(t):
@@ -279,24 +309,47 @@ def test_runner_scores_each_configuration_like_a_plain_graft(three, relations):
 def test_runner_equals_running_each_configuration_alone(two, relations):
     test_sets = make_test_sets(relations, prompts=("headline", "qa"), dataset="fmra", seed=0)
     names = ["BASE", "DONOR", "O+FFN@last_half", "ATTN+O@all", "FFN@last_quarter"]
-    together = run_experiment(two, test_sets, names, registry="component", batch_size=3,
-                              progress=False, seeds={"world": 7})  # fmt: skip
+    together = run_experiment(
+        two,
+        test_sets,
+        names,
+        registry="component",
+        batch_size=3,
+        progress=False,
+        seeds={"world": 7},
+    )
     assert len(together) == len(names) * 2 * len(relations)
     assert list(together.columns[:8]) == [
-        "models", "dataset", "prompt", "direction", "example", "relation_id", "text", "config",
-    ]  # fmt: skip
+        "models",
+        "dataset",
+        "prompt",
+        "direction",
+        "example",
+        "relation_id",
+        "text",
+        "config",
+    ]
     assert {"component_set", "layer_range", "data_seed", "world_seed"} <= set(together.columns)
     assert set(together.world_seed) == {7} and set(together.data_seed) == {0}
     # Ordered by test set, then configuration (as given), then example.
     assert list(dict.fromkeys(together.prompt)) == ["headline", "qa"]
     assert list(dict.fromkeys(together[together.prompt == "qa"].config)) == names
     for name in names:
-        alone = run_experiment(two, test_sets, [name], registry="component", batch_size=len(relations),
-                               progress=False, seeds={"world": 7})  # fmt: skip
+        alone = run_experiment(
+            two,
+            test_sets,
+            [name],
+            registry="component",
+            batch_size=len(relations),
+            progress=False,
+            seeds={"world": 7},
+        )
         rows = together[together.config == name].reset_index(drop=True)
         assert rows.target_rank.tolist() == alone.target_rank.tolist(), name
         assert rows.topk_ids.tolist() == alone.topk_ids.tolist(), name
-        assert rows.target_prob.to_numpy() == pytest.approx(alone.target_prob.to_numpy(), rel=1e-4, abs=1e-7)
+        assert rows.target_prob.to_numpy() == pytest.approx(
+            alone.target_prob.to_numpy(), rel=1e-4, abs=1e-7
+        )
     assert together.groupby("config").target_prob.apply(tuple).nunique() == len(names)
 
 
@@ -306,11 +359,13 @@ def test_runner_keeps_every_configuration_of_a_full_registry_apart(two, relation
     # layer's grafts of the component sweep came out identical to BASE).
     test_sets = make_test_sets(relations, prompts=("headline",), dataset="fmra", seed=0)
     names = list(COMPONENT_CONFIGS)
-    together = run_experiment(two, test_sets, names, registry="component", batch_size=len(relations),
-                              progress=False)  # fmt: skip
+    together = run_experiment(
+        two, test_sets, names, registry="component", batch_size=len(relations), progress=False
+    )
     for name in names:
-        alone = run_experiment(two, test_sets, [name], registry="component", batch_size=len(relations),
-                               progress=False)  # fmt: skip
+        alone = run_experiment(
+            two, test_sets, [name], registry="component", batch_size=len(relations), progress=False
+        )
         rows = together[together.config == name].reset_index(drop=True)
         assert rows.topk_ids.tolist() == alone.topk_ids.tolist(), name
 
@@ -318,16 +373,21 @@ def test_runner_keeps_every_configuration_of_a_full_registry_apart(two, relation
 def test_model_sets_and_test_sets_form_a_grid(two, relations):
     swapped = gl.ModelSet([two[1], two[0]], ["sft", "pre"])
     results = run_experiment(
-        {"forward": two, "swapped": swapped}, make_test_sets(relations[:3], prompts=("headline", "qa")),
-        ["PRE", "SFT"], include_unembed=True, progress=False,
-    )  # fmt: skip
+        {"forward": two, "swapped": swapped},
+        make_test_sets(relations[:3], prompts=("headline", "qa")),
+        ["PRE", "SFT"],
+        include_unembed=True,
+        progress=False,
+    )
     assert len(results) == 2 * 2 * 2 * 3
     assert list(dict.fromkeys(results.models)) == ["forward", "swapped"]
     # With the unembedding grafted too, SFT of one set is PRE of the other: the donor alone.
     forward = results[(results.models == "forward") & (results.config == "SFT")]
     backward = results[(results.models == "swapped") & (results.config == "PRE")]
     assert forward.target_rank.tolist() == backward.target_rank.tolist()
-    assert forward.target_prob.to_numpy() == pytest.approx(backward.target_prob.to_numpy(), rel=1e-4)
+    assert forward.target_prob.to_numpy() == pytest.approx(
+        backward.target_prob.to_numpy(), rel=1e-4
+    )
 
 
 # --------------------------------------------------------------------- saving, resuming
@@ -337,7 +397,7 @@ def test_model_sets_and_test_sets_form_a_grid(two, relations):
 def count_forwards(monkeypatch):
     """Count the runner's forward passes; make the ``fail_on``-th one raise."""
     calls = {"n": 0, "fail_on": None}
-    real = experiments.graft_forward
+    real = runner.graft_forward
 
     def counted(*args, **kwargs):
         calls["n"] += 1
@@ -345,11 +405,13 @@ def count_forwards(monkeypatch):
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(experiments, "graft_forward", counted)
+    monkeypatch.setattr(runner, "graft_forward", counted)
     return calls
 
 
-def test_a_killed_run_resumes_without_recomputing_or_losing_a_row(two, relations, tmp_path, count_forwards):
+def test_a_killed_run_resumes_without_recomputing_or_losing_a_row(
+    two, relations, tmp_path, count_forwards
+):
     test_sets = make_test_sets(relations, prompts=("headline", "qa"), seed=0)
     options = dict(configs=["PRE", "FE", "LT", "FE+LT"], batch_size=2, chunk_size=2, progress=False)
     whole = run_experiment(two, test_sets, **options)
@@ -375,7 +437,9 @@ def test_a_killed_run_resumes_without_recomputing_or_losing_a_row(two, relations
     pd.testing.assert_frame_equal(again, whole)
 
 
-def test_an_exception_in_on_chunk_stops_the_run_after_its_chunk_is_saved(two, relations, tmp_path, count_forwards):
+def test_an_exception_in_on_chunk_stops_the_run_after_its_chunk_is_saved(
+    two, relations, tmp_path, count_forwards
+):
     test_sets = make_test_sets(relations, prompts=("headline",))
     seen = []
 
@@ -386,7 +450,15 @@ def test_an_exception_in_on_chunk_stops_the_run_after_its_chunk_is_saved(two, re
 
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="stop"):
-        run_experiment(two, test_sets, ["PRE", "LT"], out=out, chunk_size=2, progress=False, on_chunk=stop_after_two)
+        run_experiment(
+            two,
+            test_sets,
+            ["PRE", "LT"],
+            out=out,
+            chunk_size=2,
+            progress=False,
+            on_chunk=stop_after_two,
+        )
     assert [info.chunk_id for info in seen] == ["m0-t0-c0", "m0-t0-c1"] and seen[0].total == 3
     assert all(info.path.is_file() and info.rows == 4 for info in seen)
     count_forwards.update(n=0)
@@ -401,7 +473,9 @@ def test_a_directory_holding_a_different_run_is_refused(two, relations, tmp_path
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["spec"]["configs"][1]["name"] == "LT" and manifest["fingerprint"]
     count_forwards.update(n=0)
-    with pytest.raises(RunError, match=r"holds a different run.*configs \(\['PRE', 'LT'\] vs \['PRE', 'FE'\]\)"):
+    with pytest.raises(
+        RunError, match=r"holds a different run.*configs \(\['PRE', 'LT'\] vs \['PRE', 'FE'\]\)"
+    ):
         run_experiment(two, test_sets, ["PRE", "FE"], out=out, progress=False)
     with pytest.raises(RunError, match=r"options \(top_k\)"):
         run_experiment(two, test_sets, ["PRE", "LT"], out=out, top_k=5, progress=False)
@@ -422,20 +496,31 @@ def test_a_directory_holding_a_different_run_is_refused(two, relations, tmp_path
 # ------------------------------------------------------------------------ bad input
 
 
-def test_bad_input_fails_before_any_forward_pass(two, tokenizer, relations, tmp_path, count_forwards):
+def test_bad_input_fails_before_any_forward_pass(
+    two, tokenizer, relations, tmp_path, count_forwards
+):
     count_forwards["fail_on"] = 1  # any forward pass would raise KeyboardInterrupt
     headline = make_test_sets(relations, prompts=("headline",))
     out = tmp_path / "never"
-    with pytest.raises(GraftingLensError, match=r"Unknown component-grafting configuration 'O\+FFN@lats_half'.*"
-                       r"Did you mean 'O\+FFN@last_half'.*Known: BASE, DONOR"):  # fmt: skip
+    with pytest.raises(
+        GraftingLensError,
+        match=r"Unknown component-grafting configuration 'O\+FFN@lats_half'.*"
+        r"Did you mean 'O\+FFN@last_half'.*Known: BASE, DONOR",
+    ):
         run_experiment(two, headline, ["BASE", "O+FFN@lats_half"], registry="component", out=out)
-    with pytest.raises(GraftMaskError, match=r"Configuration 'deep'.*Layer 7 is outside the model, which has 4"):
+    with pytest.raises(
+        GraftMaskError, match=r"Configuration 'deep'.*Layer 7 is outside the model, which has 4"
+    ):
         run_experiment(two, headline, [GraftConfig("deep", (Graft("LT", "O", layers=7),))], out=out)
     gpt2 = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)
     with pytest.raises(ComponentError, match="'gate'.*GPT2LMHeadModel has no 'mlp_gate'"):
         run_experiment(gpt2, headline, [GraftConfig("gate", (Graft("LT", "mlp_gate"),))], out=out)
-    with pytest.raises(GraftMaskError, match="'O@third_quarter'.*selects no layer of a 3-layer model"):
-        run_experiment(gpt2, headline, ["O@last_quarter", "O@third_quarter"], registry="component", out=out)
+    with pytest.raises(
+        GraftMaskError, match="'O@third_quarter'.*selects no layer of a 3-layer model"
+    ):
+        run_experiment(
+            gpt2, headline, ["O@last_quarter", "O@third_quarter"], registry="component", out=out
+        )
     with pytest.raises(GraftMaskError, match="source 2.*2 sources.*hybrid"):
         run_experiment(two, headline, ["LT"], registry="hybrid", out=out)
     with pytest.raises(GraftingLensError, match="'M' on test set 'custom/headline'.*'movie' span"):
@@ -468,53 +553,84 @@ def test_movie_prompts_mark_the_movie_span(two, relations):
 
 
 def test_registering_a_configuration_makes_it_nameable(monkeypatch, two, relations):
-    monkeypatch.setitem(experiments.REGISTRIES, "position",
-                        experiments.REGISTRIES["position"].new_child({}))  # fmt: skip
+    monkeypatch.setitem(
+        experiments.REGISTRIES, "position", experiments.REGISTRIES["position"].new_child({})
+    )
     experiments.register_config(GraftConfig("REL", (Graft("REL"),)))
     with pytest.raises(GraftingLensError, match="overwrite=True"):
         experiments.register_config(GraftConfig("REL", (Graft("FE"),)))
-    results = run_experiment(two, make_test_sets(relations[:2], prompts=("qa",)), ["REL"], progress=False)
+    results = run_experiment(
+        two, make_test_sets(relations[:2], prompts=("qa",)), ["REL"], progress=False
+    )
     assert set(results.config) == {"REL"}
 
 
 # ----------------------------------------------------------------------------- scripts
 
 TINY_WORLD = {
-    "d_model": 16, "n_layers": 2, "n_heads": 2, "n_key_value_heads": 1, "d_mlp": 32,
-    "vocab_size": 600, "max_length": 96, "n_relations": 8, "n_pretrain_documents": 300,
-    "n_pretrain_pairs": 20, "pretrain_epochs": 1, "finetune_epochs": 1,
-}  # fmt: skip
+    "d_model": 16,
+    "n_layers": 2,
+    "n_heads": 2,
+    "n_key_value_heads": 1,
+    "d_mlp": 32,
+    "vocab_size": 600,
+    "max_length": 96,
+    "n_relations": 8,
+    "n_pretrain_documents": 300,
+    "n_pretrain_pairs": 20,
+    "pretrain_epochs": 1,
+    "finetune_epochs": 1,
+}
+
+
+# The scripts that were in experiments/ are the experiments of `grafting-lens run`.
+_EXPERIMENT_OF_SCRIPT = {
+    "position_grafting": "position",
+    "component_grafting": "component",
+    "reversal_grafting": "reversal",
+    "hybrid_grafting": "hybrid",
+    "patching_vs_grafting": "patching_vs_grafting",
+}
 
 
 def _script(name):
-    import importlib.util
-    from pathlib import Path
+    import types
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"script_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    experiment = _EXPERIMENT_OF_SCRIPT[name]
+    return types.SimpleNamespace(main=lambda argv: cli.main(["run", experiment, *argv]))
 
 
 @pytest.fixture(scope="module")
 def tiny_world_args(tmp_path_factory):
     """Arguments that point a script at a tiny toy world (built once, a few seconds)."""
-    return ["--cache-dir", str(tmp_path_factory.mktemp("toy")), "--toy-config", json.dumps(TINY_WORLD),
-            "--quick", "--no-png", "--no-progress"]  # fmt: skip
+    return [
+        "--cache-dir",
+        str(tmp_path_factory.mktemp("toy")),
+        "--toy-config",
+        json.dumps(TINY_WORLD),
+        "--quick",
+        "--no-png",
+        "--no-progress",
+    ]
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")  # the tiny world's short context
 @pytest.mark.parametrize(
     "script, rows, figures",
     [
-        ("position_grafting", 8 * 2 * 8 + 4 * 2 * 8, ["position_grafting.html", "position_grafting_movie.html"]),
+        (
+            "position_grafting",
+            8 * 2 * 8 + 4 * 2 * 8,
+            ["position_grafting.html", "position_grafting_movie.html"],
+        ),
         ("component_grafting", 18 * 2 * 4, ["component_heatmap.html", "component_bars.html"]),
         ("reversal_grafting", 18 * 2 * 8, ["component_heatmap.html"]),
         ("hybrid_grafting", 9 * 2 * 4, ["hybrid_grafting.html"]),
     ],
 )
-def test_scripts_write_tables_figures_and_resume(script, rows, figures, tiny_world_args, tmp_path, count_forwards):
+def test_scripts_write_tables_figures_and_resume(
+    script, rows, figures, tiny_world_args, tmp_path, count_forwards
+):
     out = tmp_path / "out"
     assert _script(script).main(["--out", str(out), *tiny_world_args]) == 0
     results = pd.read_csv(out / "results.csv")
@@ -522,7 +638,9 @@ def test_scripts_write_tables_figures_and_resume(script, rows, figures, tiny_wor
     assert {"config", "prompt", "target_rank", "data_seed", "world_seed"} <= set(results.columns)
     for name in ["summary.csv", "summary.md", *figures]:
         assert (out / name).stat().st_size > 0, name
-    assert "| config |" in (out / "summary.md").read_text().replace("| part | config |", "| config |")
+    assert "| config |" in (out / "summary.md").read_text().replace(
+        "| part | config |", "| config |"
+    )
     forwards = count_forwards["n"]
     assert _script(script).main(["--out", str(out), *tiny_world_args]) == 0
     assert count_forwards["n"] == forwards  # the second run read every chunk back
@@ -548,14 +666,21 @@ def test_patching_vs_grafting_script_writes_both_methods(tiny_world_args, tmp_pa
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")
-def test_scripts_refuse_bad_arguments_before_running(tiny_world_args, tmp_path, capsys, count_forwards):
+def test_scripts_refuse_bad_arguments_before_running(
+    tiny_world_args, tmp_path, capsys, count_forwards
+):
     position = _script("position_grafting")
     assert position.main(["--out", str(tmp_path / "a"), "--donor", "x", *tiny_world_args]) == 1
     assert "--donor need --model" in capsys.readouterr().err
     assert position.main(["--out", str(tmp_path / "b"), "--model", "x", *tiny_world_args]) == 1
     assert "also needs --donor" in capsys.readouterr().err
     hybrid = _script("hybrid_grafting")
-    assert hybrid.main(["--out", str(tmp_path / "c"), "--model", "x", "--task-model", "y", *tiny_world_args]) == 1
+    assert (
+        hybrid.main(
+            ["--out", str(tmp_path / "c"), "--model", "x", "--task-model", "y", *tiny_world_args]
+        )
+        == 1
+    )
     assert "--relation-model" in capsys.readouterr().err
     versus = _script("patching_vs_grafting")
     assert versus.main(["--out", str(tmp_path / "d"), "--include-unembed", *tiny_world_args]) == 1

@@ -109,14 +109,21 @@ def test_padding_is_masked_out_of_the_loss(tokenizer):
     """A padded batch gives each document the loss it has on its own."""
     model = tiny_model(tokenizer).eval()
     bos, eos, pad = finetune_module._special_ids(tokenizer)
-    (short, long), n_truncated = finetune_module._encode(tokenizer, ["Ada Lovelace", DOCUMENTS[0]], bos, eos, 64)
+    (short, long), n_truncated = finetune_module._encode(
+        tokenizer, ["Ada Lovelace", DOCUMENTS[0]], bos, eos, 64
+    )
     assert n_truncated == 0
     assert short[0] == bos and short[-1] == eos
     assert len(short) < len(long)
 
     with torch.no_grad():
-        together, count = finetune_module._loss(model, *finetune_module._pad([short, long], pad, "cpu"))
-        alone = [finetune_module._loss(model, *finetune_module._pad([ids], pad, "cpu")) for ids in (short, long)]
+        together, count = finetune_module._loss(
+            model, *finetune_module._pad([short, long], pad, "cpu")
+        )
+        alone = [
+            finetune_module._loss(model, *finetune_module._pad([ids], pad, "cpu"))
+            for ids in (short, long)
+        ]
 
     assert count == sum(n for _, n in alone) == len(short) - 1 + len(long) - 1
     torch.testing.assert_close(together, sum(loss for loss, _ in alone), rtol=1e-4, atol=1e-4)

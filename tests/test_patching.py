@@ -11,7 +11,7 @@ from transformer_lens import patching as tl_patching
 from transformer_lens.utilities import get_act_name
 
 import grafting_lens as gl
-from grafting_lens import patching
+from grafting_lens import patch_passes, patching
 from grafting_lens.patching import PatchingError, head_patch_sweep, patch_forward, resid_patch_sweep
 
 TOLERANCE = 1e-5
@@ -198,10 +198,16 @@ def test_batched_sweeps_equal_a_per_cell_loop(three_models):
         columns = ["layer", "pos", "head"] if site == "z" else ["layer", "pos"]
         for (layer, label, *head), _ in frame.groupby(columns, sort=False):
             logits = patch_forward(
-                three_models, tokens, site, layers=layer, positions=selections[label],
-                source=2, heads=head or None, attention_mask=attention_mask,
+                three_models,
+                tokens,
+                site,
+                layers=layer,
+                positions=selections[label],
+                source=2,
+                heads=head or None,
+                attention_mask=attention_mask,
                 direction=direction,
-            )  # fmt: skip
+            )
             cell = values[layers.index(layer), list(selections).index(label)]
             if head:
                 cell = cell[heads.index(head[0])]
@@ -227,9 +233,14 @@ def test_last_token_logits_give_the_same_sweeps(three_models):
         extra = {"heads": [0, 2]} if site == "z" else {"site": site}
         for chunk_size, reuse_prefix in ((3, True), (8, True), (8, False)):
             kwargs = dict(
-                positions="each", attention_mask=attention_mask, reduce="none",
-                chunk_size=chunk_size, reuse_prefix=reuse_prefix, progress=False, **extra,
-            )  # fmt: skip
+                positions="each",
+                attention_mask=attention_mask,
+                reduce="none",
+                chunk_size=chunk_size,
+                reuse_prefix=reuse_prefix,
+                progress=False,
+                **extra,
+            )
             expected, _ = sweep(three_models, tokens, every_position, **kwargs)
             values, _ = sweep(three_models, tokens, last_position, logits="last", **kwargs)
             assert (values - expected).abs().max() <= TOLERANCE, (site, chunk_size, reuse_prefix)
@@ -240,7 +251,15 @@ def test_last_token_logits_give_the_same_sweeps(three_models):
 def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
     """The fast path (blocks before a cell's layer skipped) is taken, and is exact."""
     tokens = random_tokens(2, 5, seed=29)
-    setup = patching._Setup(three_models, tokens, "resid_pre", 1, 0, "sufficiency", None, None)
+    setup = patch_passes.PatchRun(
+        three_models,
+        site="resid_pre",
+        running=0,
+        giving=1,
+        tokens=tokens,
+        patch_tokens=None,
+        attention_mask=None,
+    )
     with torch.no_grad():
         assert setup.can_skip_layers(setup.unpatched_prefix())
     kwargs = dict(positions="each", reduce="none", chunk_size=2, progress=False)
@@ -255,14 +274,14 @@ def test_sweeps_fall_back_to_every_block_when_resuming_is_not_exact(three_models
     kwargs = dict(positions="each", layers=[1, 2], reduce="none", progress=False)
     expected, _ = resid_patch_sweep(three_models, tokens, per_prompt, reuse_prefix=False, **kwargs)
     first_layers = []
-    run = patching._Setup.run
+    run = patch_passes.PatchRun.run
 
     def spy(self, *args, **kwargs):
         first_layers.append(kwargs.get("first_layer", args[5] if len(args) > 5 else 0))
         return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(patching._Setup, "can_skip_layers", lambda self, prefix: False)
-    monkeypatch.setattr(patching._Setup, "run", spy)
+    monkeypatch.setattr(patch_passes.PatchRun, "can_skip_layers", lambda self, prefix: False)
+    monkeypatch.setattr(patch_passes.PatchRun, "run", spy)
     values, _ = resid_patch_sweep(three_models, tokens, per_prompt, **kwargs)
     assert set(first_layers) == {0}
     assert (values - expected).abs().max() <= TOLERANCE
@@ -272,24 +291,29 @@ def test_passes_partition_the_cells_and_respect_the_chunk_size():
     generator = torch.Generator().manual_seed(0)
     starts = [tuple(pair) for pair in torch.randint(0, 9, (200, 2), generator=generator).tolist()]
     for per_pass, overhead in ((1, 0.0), (7, 32.0), (64, 1024.0)):
-        passes = patching._plan_passes(starts, per_pass, 2, 10, (9, 5.0, overhead))
+        passes = patch_passes.plan_passes(starts, per_pass, 2, 10, (9, 5.0, overhead))
         assert sorted(cell for cells in passes for cell in cells) == list(range(200))
         assert max(map(len, passes)) <= per_pass
     # Without a fixed cost per pass, each distinct start gets a pass of its own.
     grid = [(position, layer) for layer in range(4) for position in range(5)]
-    passes = patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 0.0))
+    passes = patch_passes.plan_passes(grid, 100, 1, 5, (4, 2.0, 0.0))
     assert all(len({grid[cell] for cell in cells}) == 1 for cells in passes)
     # With a large one, everything shares as few passes as the chunk size allows.
-    assert len(patching._plan_passes(grid, 100, 1, 5, (4, 2.0, 1e9))) == 1
+    assert len(patch_passes.plan_passes(grid, 100, 1, 5, (4, 2.0, 1e9))) == 1
 
 
 def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
     tokens = random_tokens(2, 5, seed=24)
     attention_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     values, _ = resid_patch_sweep(
-        three_models, tokens, lambda logits: logits[:, 2, 4], layers=[1],
-        attention_mask=attention_mask, reduce="none", progress=False,
-    )  # fmt: skip
+        three_models,
+        tokens,
+        lambda logits: logits[:, 2, 4],
+        layers=[1],
+        attention_mask=attention_mask,
+        reduce="none",
+        progress=False,
+    )
     unpatched = three_models.base(tokens, attention_mask=attention_mask)[:, 2, 4]
     assert values.shape == (1, 5, 2)
     # Positions 3 and 4 do not exist in row 1, and lie after position 2 in row 0.
@@ -300,9 +324,14 @@ def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
 def test_head_sweep_shape_and_index_frame(three_models):
     tokens = random_tokens(2, 5, seed=25)
     values, frame = head_patch_sweep(
-        three_models, tokens, per_prompt, layers=[0, 2], heads=[1, 3], positions="each",
+        three_models,
+        tokens,
+        per_prompt,
+        layers=[0, 2],
+        heads=[1, 3],
+        positions="each",
         progress=False,
-    )  # fmt: skip
+    )
     assert values.shape == (2, 5, 2)
     assert list(frame.columns) == ["site", "direction", "layer", "pos", "head", "value"]
     assert len(frame) == values.numel()
@@ -316,9 +345,12 @@ def test_head_sweep_shape_and_index_frame(three_models):
     )
     assert per_example.shape == (1, 4, 2)
     assert list(long.columns) == ["site", "direction", "layer", "head", "example", "value"]
-    assert torch.allclose(per_example.mean(-1), head_patch_sweep(
-        three_models, tokens, per_prompt, layers=1, positions="last", progress=False
-    ).values)  # fmt: skip
+    assert torch.allclose(
+        per_example.mean(-1),
+        head_patch_sweep(
+            three_models, tokens, per_prompt, layers=1, positions="last", progress=False
+        ).values,
+    )
 
 
 # ------------------------------------------------------------------- directions
@@ -393,8 +425,12 @@ def test_patch_tokens_give_classic_clean_to_corrupted_patching(three_models):
 @pytest.mark.parametrize("family", ["neox"], indirect=True)
 def test_parallel_blocks_have_no_resid_mid(three_models):
     assert patching.available_sites(three_models) == (
-        "resid_pre", "resid_post", "attn_out", "mlp_out", "z",
-    )  # fmt: skip
+        "resid_pre",
+        "resid_post",
+        "attn_out",
+        "mlp_out",
+        "z",
+    )
     tokens = random_tokens(1, 4)
     with no_forward_pass(three_models):
         with pytest.raises(
@@ -475,7 +511,7 @@ def test_metrics_that_return_no_numbers_are_named(three_models):
     tokens = random_tokens(2, 4, seed=32)
     for returned in ("good", None, {"value": 1.0}):
         with pytest.raises(PatchingError, match="The metric returned .*; it must return numbers"):
-            resid_patch_sweep(three_models, tokens, lambda logits: returned, layers=0, positions=[0])
+            resid_patch_sweep(three_models, tokens, lambda logits, returned=returned: returned, layers=0, positions=[0])
     # Numbers in a list are numbers.
     sweep = resid_patch_sweep(
         three_models, tokens, lambda logits: [1.0, 2.0], layers=0, positions=[0], progress=False

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
 import grafting_lens.toy as toy
-from grafting_lens import data
+from grafting_lens import data, toy_corpus
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.toy import MODEL_NAMES, ToyWorldConfig, build_toy_world
 
@@ -117,7 +117,7 @@ def test_tokenizer_round_trips_and_splits_names(world):
 
 def test_pretraining_corpus_never_states_a_test_relation():
     relations = data.make_relations(TINY.dataset, n=64, seed=0)
-    corpus = toy._pretraining_corpus(ToyWorldConfig(n_pretrain_documents=3000, seed=0))
+    corpus = toy_corpus.pretraining_corpus(ToyWorldConfig(n_pretrain_documents=3000, seed=0))
     actors = set(data.REAL_ACTORS)
     mentions = 0
     for sentence in corpus:
@@ -130,7 +130,9 @@ def test_pretraining_corpus_never_states_a_test_relation():
     assert not any(r.movie_title in text for r in relations)
 
     fake_relations = data.make_relations("fake_movies_fake_actors", n=64, seed=0)
-    corpus = toy._pretraining_corpus(ToyWorldConfig(n_pretrain_documents=3000), fake_relations)
+    corpus = toy_corpus.pretraining_corpus(
+        ToyWorldConfig(n_pretrain_documents=3000), fake_relations
+    )
     text = " ".join(corpus)
     assert not any(r.first_actor in text or r.second_actor in text for r in fake_relations)
 
@@ -151,7 +153,9 @@ def test_key_depends_on_the_configuration(world, monkeypatch):
     forbid_building(monkeypatch)
     with pytest.raises(AssertionError, match="rebuilt"):
         build_toy_world(
-            ToyWorldConfig(**{**TINY.__dict__, "seed": 1}), cache_dir=world.root.parent, progress=False
+            ToyWorldConfig(**{**TINY.__dict__, "seed": 1}),
+            cache_dir=world.root.parent,
+            progress=False,
         )
 
 
@@ -162,7 +166,9 @@ def test_environment_variable_sets_the_default_cache(tmp_path, monkeypatch):
     assert toy.default_cache_dir() == toy.Path.home() / ".cache" / "grafting_lens" / "toy"
 
 
-@pytest.mark.parametrize("damage", ["delete_weights", "flip_weights", "garbage_manifest", "no_manifest"])
+@pytest.mark.parametrize(
+    "damage", ["delete_weights", "flip_weights", "garbage_manifest", "no_manifest"]
+)
 def test_corrupt_cache_is_rebuilt_with_a_warning(world, tmp_path, damage):
     cache = tmp_path / "cache"
     shutil.copytree(world.root, cache / world.root.name)

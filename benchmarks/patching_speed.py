@@ -23,7 +23,7 @@ runs 192 small forward passes, which lose most on a GPU or on several CPU thread
 (fixed costs per pass) and least on one CPU thread (compute-bound). Compare with
 ``--threads 1``. Takes a few minutes on a laptop CPU; shrink it for a smoke run:
 
-    python experiments/benchmark_patching.py --layers 2 --pos 4
+    python benchmarks/patching_speed.py --layers 2 --pos 4
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ import os
 import platform
 import time
 
+# A benchmark never downloads: its checkpoints are made here, with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from benchmark_graft import gpt2_small, placeholder_tokenizer
+from graft_speed import gpt2_small, placeholder_tokenizer
 from transformer_lens import patching as tl_patching
 
 import grafting_lens as gl
@@ -89,9 +90,14 @@ def main() -> None:
         counting[0] = "last_token"
         start = time.perf_counter()
         last_token, _ = resid_patch_sweep(
-            models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size,
-            progress=False, logits="last",
-        )  # fmt: skip
+            models,
+            tokens,
+            per_prompt,
+            layers=layers,
+            chunk_size=args.chunk_size,
+            progress=False,
+            logits="last",
+        )
         last_token_s = time.perf_counter() - start
 
         counting[0] = "transformer_lens"
@@ -121,7 +127,10 @@ def main() -> None:
                 "speedup": round(reference_s / batched_s, 2),
                 "speedup_last_token": round(reference_s / last_token_s, 2),
                 "max_abs_diff": float(
-                    max((batched - reference.cpu()).abs().max(), (last_token - reference.cpu()).abs().max())
+                    max(
+                        (batched - reference.cpu()).abs().max(),
+                        (last_token - reference.cpu()).abs().max(),
+                    )
                 ),
                 "value_range": float(reference.max() - reference.min()),
                 "batched_s": round(batched_s, 2),

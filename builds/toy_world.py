@@ -5,7 +5,7 @@ relations in its top 5 with both test prompts, the pretrained model (PRE) at mos
 10%. Prints the build times and the evaluation table the manifest records, with
 95% bootstrap intervals, and exits non-zero if a target is missed.
 
-Run: ``python experiments/build_toy_world.py [--arch llama|gpt2] [--force]``
+Run: ``python builds/toy_world.py [--arch llama|gpt2] [--force]``
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+# The toy world is built here from scratch: there is nothing to download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from grafting_lens.metrics import bootstrap_ci
@@ -38,7 +39,9 @@ def main() -> int:
             cell = evaluation[model][f"{prompt}/A2B/all"]
             hits = [1] * cell["top5_correct"] + [0] * (cell["total"] - cell["top5_correct"])
             low, high = bootstrap_ci(hits)
-            target_met = cell["top5_accuracy"] >= 0.95 if model == "sft" else cell["top5_accuracy"] <= 0.10
+            target_met = (
+                cell["top5_accuracy"] >= 0.95 if model == "sft" else cell["top5_accuracy"] <= 0.10
+            )
             ok &= target_met
             rows.append(
                 {
@@ -52,8 +55,15 @@ def main() -> int:
             )
     for row in rows:
         print(json.dumps(row))
-    print(json.dumps({"key": world.manifest["key"], "seconds_this_call": round(elapsed, 1),
-                      "build_seconds": world.manifest["build_seconds"]}))
+    print(
+        json.dumps(
+            {
+                "key": world.manifest["key"],
+                "seconds_this_call": round(elapsed, 1),
+                "build_seconds": world.manifest["build_seconds"],
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -22,7 +22,7 @@ Every time is the best of several runs (``--repeats`` for the single pass and th
 plain forward, ``--reference-repeats`` for the reference), as ``timeit`` advises:
 on a shared machine noise only ever adds time.
 
-Run: ``python experiments/benchmark_graft.py [--batch 8] [--pos 16] [--repeats 7]``
+Run: ``python benchmarks/graft_speed.py [--batch 8] [--pos 16] [--repeats 7]``
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import os
 import platform
 import time
 
+# A benchmark never downloads: its checkpoints are made here, with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch

@@ -1,0 +1,62 @@
+"""Benchmark: the paper's full position sweep on the toy world's checkpoints.
+
+Eight position configurations (PRE, SFT, FE, LT, FE+LT and the complements) x 1,000
+examples x 2 prompts (headline, QA), through :func:`grafting_lens.experiments.run_experiment`,
+in memory. The examples are 1,000 relations made for the purpose (the toy models were
+finetuned on fewer; only the time is measured). Builds the toy world on first use.
+Prints one JSON line: rows, seconds, rows per second and the settings.
+
+Run: ``python benchmarks/position_sweep.py [--batch-size 8] [--threads 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+
+from grafting_lens import data, experiments
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=8, help="examples per forward pass")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--cache-dir", help="where toy worlds are cached")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    models, _, world = experiments.toy_setup("position", cache_dir=args.cache_dir, progress=False)
+    relations = data.make_relations(world["dataset"], n=1000, seed=world["seed"])
+    test_sets = experiments.make_test_sets(
+        relations, prompts=("headline", "qa"), dataset=world["dataset"]
+    )
+    configs = list(experiments.PAPER_POSITION_CONFIGS)
+    started = time.perf_counter()
+    results = experiments.run_experiment(
+        models, test_sets, configs, batch_size=args.batch_size, progress=False
+    )
+    seconds = time.perf_counter() - started
+    print(
+        json.dumps(
+            {
+                "rows": len(results),
+                "seconds": round(seconds, 2),
+                "rows_per_second": round(len(results) / seconds),
+                "configurations": len(configs),
+                "examples": [len(test_set.examples) for test_set in test_sets],
+                "batch_size": args.batch_size,
+                "threads": torch.get_num_threads(),
+                "models": f"toy world {world['root'].rsplit('/', 1)[-1]}",
+                "cpu": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""The paper's experiments: graft configurations as data, and one resumable runner for all of them.
+
+Every experiment in the paper asks the same question of many prompts: *if these weights, at
+these token positions, came from that checkpoint, would the model still name the right actor?*
+Only the "these weights, these positions, that checkpoint" part changes between figures:
+
+* **position grafting** (figures 2 and 3a) takes every weight of the finetuned model (SFT) at
+  some positions (the first entity FE, the last token LT, both, their complements) and the
+  pretrained model (PRE) elsewhere;
+* **component grafting** (figure 4 and its baselines) takes only some matrices (ATTN, O, FFN,
+  the FFN's up or down projection) at the last token, over a range of layers, from a model
+  that knows the tested relations into one that knows only the task;
+* the **reversal** variant grafts from a model finetuned on both directions of each relation
+  into one finetuned on one direction, and asks the reversed question;
+* the **hybrid** graft (figure 5) mixes three checkpoints: the task model's attention at FE
+  and LT, the relation model's O and FFN at LT over the last half of the layers, plus several
+  choices of task weights at FE.
+
+The package has one room per idea:
+
+* :mod:`~grafting_lens.experiments.configs`: :class:`Graft`, :class:`GraftConfig`, the
+  paper's component names and the registries of configurations (:func:`register_config`);
+* :mod:`~grafting_lens.experiments.testsets`: :class:`TestSet`, one dataset under one prompt;
+* :mod:`~grafting_lens.experiments.stacking`: configurations checked against a model set and
+  stacked into one graft mask;
+* :mod:`~grafting_lens.experiments.runner`: :func:`run_experiment` and its :class:`RunOptions`;
+* :mod:`~grafting_lens.experiments.run_directory`: resumable run directories (manifest,
+  fingerprint, chunks);
+* :mod:`~grafting_lens.experiments.specs`: :class:`ExperimentSpec` and the registry of named
+  experiments (:func:`register_experiment`);
+* :mod:`~grafting_lens.experiments.named`: setting up and running a named experiment;
+* :mod:`~grafting_lens.experiments.report`: tables, markdown and the paper's figures;
+* :mod:`~grafting_lens.experiments.paper`: the paper's experiments, one registered spec each;
+* :mod:`~grafting_lens.experiments.patching_vs_grafting`: the comparison of both methods as
+  a named experiment.
+
+A configuration is data, a :class:`GraftConfig`: a name as in the paper's figures and a tuple
+of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` from
+``source``". Positions are *span expressions* over the spans every tokenized batch carries
+(:func:`grafting_lens.positions.select_positions`): ``FE``, ``LT``, ``M`` (movie title),
+``REL`` (relation words), ``ALL``, joined with ``+`` and complemented with ``^C``, as in
+``(FE+LT)^C``. Components use the paper's names (``ATTN``, ``O``, ``FFN``, ``FFN-up``,
+``FFN-down``) or any component or group of :mod:`grafting_lens.components`.
+
+:func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns a tidy
+DataFrame with one row per example and configuration; with ``out=`` it saves chunks as they
+come and resumes a killed run. Two defaults follow the paper ("we use the finetuned embeddings
+for all grafted token positions and use the original model's unembeddings"): a graft naming a
+*group* that contains the embeddings (``all``) takes the donor's embeddings
+(``include_embeddings``), and the unembedding stays the base's everywhere
+(``include_unembed``). A component named on its own is always grafted.
+
+The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
+``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``, ``demo``) bundle
+model roles, tested relations, prompts, configurations, summaries and figures; each runs from
+Python and as ``grafting-lens run <name>``.
+
+Examples:
+    >>> from grafting_lens import experiments
+    >>> models, relations, info = experiments.toy_setup("hybrid")  # builds the toy world once
+    >>> results = experiments.run_named_experiment("hybrid", models, relations)
+    >>> metrics.summarize(results, by=("config", "prompt"))
+
+    A grid of your own:
+
+    >>> config = GraftConfig("O+FFN@last_half", (Graft("LT", "O+FFN", "last_half"),))
+    >>> test_sets = make_test_sets(relations, prompts=("headline", "qa"))
+    >>> results = run_experiment(models, test_sets, ["PRE", "LT", config], out="runs/mine")
+"""
+
+from __future__ import annotations
+
+from grafting_lens.errors import RunError
+from grafting_lens.experiments.configs import (
+    COMPONENT_CONFIGS,
+    COMPONENT_LAYER_RANGES,
+    COMPONENT_SETS,
+    HYBRID_CONFIGS,
+    HYBRID_FIRST_ENTITY,
+    MOVIE_CONFIGS,
+    PAPER_COMPONENTS,
+    PAPER_POSITION_CONFIGS,
+    POSITION_CONFIGS,
+    REGISTRIES,
+    RELATION,
+    TASK,
+    Graft,
+    GraftConfig,
+    get_configs,
+    register_config,
+    resolve_components,
+    retarget,
+)
+from grafting_lens.experiments.named import (
+    ExperimentSetup,
+    checkpoint_setup,
+    finetuned_setup,
+    run_named_experiment,
+    run_spec,
+    setup_experiment,
+    toy_setup,
+)
+from grafting_lens.experiments.paper import PAPER_NUMBERS
+from grafting_lens.experiments.report import (
+    ExperimentReport,
+    summary_markdown,
+    write_experiment_report,
+    write_report,
+    write_table,
+)
+from grafting_lens.experiments.run_directory import RUN_FORMAT
+from grafting_lens.experiments.runner import (
+    POSITION_GRAFTING_COLUMNS,
+    ChunkInfo,
+    RunOptions,
+    run_experiment,
+    run_position_grafting,
+)
+from grafting_lens.experiments.specs import (
+    EXPERIMENTS,
+    ExperimentSpec,
+    Figure,
+    Option,
+    Part,
+    get_experiment,
+    register_experiment,
+)
+from grafting_lens.experiments.stacking import config_masks
+from grafting_lens.experiments.testsets import MOVIE_PROMPTS, TestSet, make_test_sets
+
+# Span expressions moved to grafting_lens.positions; they stay importable from here.
+from grafting_lens.positions import (
+    SPAN_ALIASES,
+    PositionFunction,
+    Spans,
+    select_positions,
+    span_names,
+)
+
+__all__ = [
+    "COMPONENT_CONFIGS",
+    "COMPONENT_LAYER_RANGES",
+    "COMPONENT_SETS",
+    "EXPERIMENTS",
+    "HYBRID_CONFIGS",
+    "HYBRID_FIRST_ENTITY",
+    "MOVIE_CONFIGS",
+    "MOVIE_PROMPTS",
+    "PAPER_COMPONENTS",
+    "PAPER_NUMBERS",
+    "PAPER_POSITION_CONFIGS",
+    "POSITION_CONFIGS",
+    "POSITION_GRAFTING_COLUMNS",
+    "REGISTRIES",
+    "RELATION",
+    "RUN_FORMAT",
+    "SPAN_ALIASES",
+    "TASK",
+    "ChunkInfo",
+    "ExperimentReport",
+    "ExperimentSetup",
+    "ExperimentSpec",
+    "Figure",
+    "Graft",
+    "GraftConfig",
+    "Option",
+    "Part",
+    "PositionFunction",
+    "RunError",
+    "RunOptions",
+    "Spans",
+    "TestSet",
+    "checkpoint_setup",
+    "config_masks",
+    "finetuned_setup",
+    "get_configs",
+    "get_experiment",
+    "make_test_sets",
+    "register_config",
+    "register_experiment",
+    "resolve_components",
+    "retarget",
+    "run_experiment",
+    "run_named_experiment",
+    "run_position_grafting",
+    "run_spec",
+    "select_positions",
+    "setup_experiment",
+    "span_names",
+    "summary_markdown",
+    "toy_setup",
+    "write_experiment_report",
+    "write_report",
+    "write_table",
+]
+
+_REPLACED = {
+    "add_script_arguments": "the options of `grafting-lens run <experiment>` (grafting_lens.cli)",
+    "setup_from_arguments": "grafting_lens.experiments.setup_experiment",
+    "run_options": "grafting_lens.experiments.RunOptions",
+    "run_from_arguments": "grafting_lens.experiments.run_spec (and `grafting-lens run`)",
+}
+
+
+def __getattr__(name: str) -> object:
+    # The script-support helpers went with the copied scripts; say what replaced them.
+    if name in _REPLACED:
+        raise AttributeError(
+            f"grafting_lens.experiments.{name} was removed with the scripts in experiments/: "
+            f"use {_REPLACED[name]}."
+        )
+    raise AttributeError(f"module 'grafting_lens.experiments' has no attribute {name!r}")

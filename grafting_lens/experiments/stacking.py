@@ -1,0 +1,203 @@
+"""Configurations as one graft mask: checked against a model set, stacked along the batch.
+
+Rows of a batch are independent, so the configurations of the same examples run as
+blocks of rows of one forward pass: rows ``i * batch .. (i + 1) * batch - 1`` are
+configuration ``i``. Before any pass, every graft is checked against each model set
+(:func:`resolve_configs`: components it has, layers inside it, sources it holds), and
+two grafts of one configuration may not give one cell different sources
+(:func:`check_conflicts`). :func:`stacked_mask` then builds the one mask, sharing a
+``[rows, pos]`` tensor among all the ``(component, layer)`` pairs a graft takes, which
+the graft engine splits into positions once per pass rather than once per pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from jaxtyping import Int
+
+from grafting_lens.components import GLOBAL_COMPONENTS
+from grafting_lens.errors import GraftingLensError, GraftMaskError
+from grafting_lens.experiments.configs import GraftConfig, get_configs, resolve_components
+from grafting_lens.layers import resolve_layers
+from grafting_lens.masks import GraftMask, Key
+from grafting_lens.models import ModelSet
+from grafting_lens.positions import PositionFunction, Spans, select_positions
+
+__all__ = ["ResolvedGraft", "check_conflicts", "config_masks", "resolve_configs", "stacked_mask"]
+
+
+@dataclass(frozen=True)
+class ResolvedGraft:
+    """A graft checked against one model set: the components and layers it takes there."""
+
+    config: int
+    positions: Union[str, PositionFunction]
+    components: tuple[str, ...]
+    layers: tuple[int, ...]
+    source: int
+
+
+def resolve_configs(
+    configs: Sequence[GraftConfig],
+    label: str,
+    models: ModelSet,
+    *,
+    include_unembed: bool,
+    include_embeddings: bool,
+) -> list[list[ResolvedGraft]]:
+    """Check every graft against one model set: components, layers, source.
+
+    Raises:
+        GraftingLensError: The first problem, of its own class, with the configuration
+            and the model set named.
+    """
+    resolved = []
+    for index, config in enumerate(configs):
+        grafts = []
+        for graft in config.grafts:
+            try:
+                if graft.source >= len(models):
+                    hybrid = graft.source == 2
+                    raise GraftMaskError(
+                        f"the graft takes source {graft.source}, but the model set has "
+                        f"{len(models)} sources (0..{len(models) - 1})"
+                        + (
+                            ": the hybrid graft needs (pretrained, task, relation)"
+                            if hybrid
+                            else ""
+                        )
+                    )
+                components = resolve_components(
+                    graft.components,
+                    models,
+                    include_unembed=include_unembed,
+                    include_embeddings=include_embeddings,
+                )
+                layers = resolve_layers(graft.layers, models.n_layers)
+            except GraftingLensError as error:
+                raise type(error)(
+                    f"Configuration {config.name!r} on model set {label!r} "
+                    f"({models.architecture}, {models.n_layers} layers): {error}"
+                ) from error
+            grafts.append(ResolvedGraft(index, graft.positions, components, layers, graft.source))
+        resolved.append(grafts)
+    return resolved
+
+
+def check_conflicts(
+    config: GraftConfig,
+    grafts: Sequence[ResolvedGraft],
+    selected: Sequence[torch.Tensor],
+    where: str,
+) -> None:
+    """Refuse two grafts of one configuration giving one cell different sources.
+
+    Raises:
+        GraftMaskError: Naming the grafts, the component, the example and the position.
+    """
+    for i, first in enumerate(grafts):
+        for j in range(i + 1, len(grafts)):
+            second = grafts[j]
+            if first.source == second.source:
+                continue
+            shared = set(first.components) & set(second.components)
+            layers_overlap = bool(set(first.layers) & set(second.layers))
+            clashing = sorted(c for c in shared if c in GLOBAL_COMPONENTS or layers_overlap)
+            overlap = selected[i] & selected[j]
+            if clashing and overlap.any():
+                row, position = (int(v) for v in overlap.nonzero()[0])
+                raise GraftMaskError(
+                    f"Configuration {config.name!r}: grafts {i} and {j} both set {clashing[0]!r} "
+                    f"at example {row}, position {position} of {where}, from sources "
+                    f"{first.source} and {second.source}."
+                )
+
+
+def config_masks(
+    models: ModelSet,
+    configs: Sequence[str | GraftConfig],
+    spans: Spans,
+    attention_mask: Int[torch.Tensor, "batch pos"],
+    *,
+    registry: str | Mapping[str, GraftConfig] = "position",
+    include_unembed: bool = False,
+    include_embeddings: bool = True,
+) -> GraftMask:
+    """The graft mask of several configurations of one batch, stacked along the batch.
+
+    Rows ``i * batch .. (i + 1) * batch - 1`` are configuration ``configs[i]``; run it
+    on ``tokens.repeat(len(configs), 1)``. Equal to :meth:`GraftMask.cat` of one
+    :meth:`GraftMask.union` per configuration, but grafts that take the same components,
+    layers and source share one ``[rows, pos]`` tensor across all their
+    ``(component, layer)`` pairs, which the graft splits into positions once per pass.
+
+    Raises:
+        GraftingLensError: As :func:`~grafting_lens.experiments.run_experiment` for bad
+            configurations.
+    """
+    config_list = get_configs(configs, registry)
+    attention_mask = torch.as_tensor(attention_mask).cpu()
+    resolved = resolve_configs(
+        config_list,
+        ",".join(models.names),
+        models,
+        include_unembed=include_unembed,
+        include_embeddings=include_embeddings,
+    )
+    positions = []
+    for config, grafts in zip(config_list, resolved):
+        selected = [select_positions(g.positions, spans, attention_mask) for g in grafts]
+        check_conflicts(config, grafts, selected, "the batch")
+        positions.append(selected)
+    batch, length = attention_mask.shape
+    return stacked_mask(models, resolved, positions, (int(batch), int(length)))
+
+
+def stacked_mask(
+    models: ModelSet,
+    resolved: Sequence[Sequence[ResolvedGraft]],
+    positions: Sequence[Sequence[torch.Tensor]],
+    shape: tuple[int, int],
+) -> GraftMask:
+    """One mask holding every configuration's grafts, a block of rows per configuration.
+
+    Args:
+        models: The model set.
+        resolved: Per configuration, its checked grafts.
+        positions: Per configuration, each graft's ``[batch, pos]`` selection.
+        shape: ``(batch, pos)`` of one configuration's block.
+    """
+    batch, length = int(shape[0]), int(shape[1])
+    n_configs = len(resolved)
+    # Group grafts by what they take; each group is one [n_configs * batch, pos] tensor.
+    kinds: dict[tuple[tuple[str, ...], tuple[int, ...], int], list[tuple[int, torch.Tensor]]] = {}
+    for config_index, grafts in enumerate(resolved):
+        for graft, selected in zip(grafts, positions[config_index]):
+            kind = (graft.components, graft.layers, graft.source)
+            kinds.setdefault(kind, []).append((config_index, selected))
+    entries: dict[Key, torch.Tensor] = {}
+    combined: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for (components, layers, source), members in kinds.items():
+        blocks = torch.zeros((n_configs, batch, length), dtype=torch.bool)
+        for config_index, selected in members:
+            blocks[config_index] |= selected
+        value = blocks.reshape(n_configs * batch, length).long() * source
+        for component in components:
+            for layer in (None,) if component in GLOBAL_COMPONENTS else layers:
+                key: Key = (component, layer)
+                if key not in entries:
+                    entries[key] = value
+                    continue
+                # Shared tensors stay shared: combine each distinct pair of tensors once.
+                # The cache keeps both operands alive: an id() names an object only while
+                # it lives, and a freed tensor's id is soon reused by a new one.
+                pair = (id(entries[key]), id(value))
+                if pair not in combined:
+                    merged = torch.where(value != 0, value, entries[key])
+                    combined[pair] = (merged, entries[key], value)
+                entries[key] = combined[pair][0]
+    return GraftMask(entries, (n_configs * batch, length), len(models))

@@ -1,0 +1,109 @@
+"""Layer ranges: which transformer blocks a graft or a patch touches.
+
+A layer specification names blocks the way people think of them, and
+:func:`resolve_layers` turns it into sorted indices for one model: an index or a
+list of them, a ``range`` or ``slice``, a name from :data:`LAYER_FRACTIONS`
+(``"last_half"``, ``"third_quarter"``...) or a pair of fractions of the depth. Names
+and fractions adapt to the depth, so one experiment runs on a 4-layer toy model and
+a 32-layer Llama alike. Grafts (:mod:`grafting_lens.masks`), patches
+(:mod:`grafting_lens.patching`) and the experiments' configurations all select
+layers here; a specification that selects nothing, or a layer the model lacks,
+raises :class:`~grafting_lens.errors.SelectionError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+import numpy as np
+
+from grafting_lens.errors import SelectionError, did_you_mean
+
+__all__ = ["LAYER_FRACTIONS", "LayerSpec", "resolve_layers"]
+
+LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
+"""Anything :func:`resolve_layers` accepts."""
+
+LAYER_FRACTIONS: dict[str, tuple[float, float]] = {
+    "all": (0.0, 1.0),
+    "first_half": (0.0, 0.5),
+    "last_half": (0.5, 1.0),
+    "first_quarter": (0.0, 0.25),
+    "second_quarter": (0.25, 0.5),
+    "third_quarter": (0.5, 0.75),
+    "last_quarter": (0.75, 1.0),
+}
+"""Named layer ranges as fractions of the depth ``[start, end)``."""
+
+
+def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
+    """Turn a layer specification into sorted layer indices.
+
+    Args:
+        spec: ``None`` or ``"all"``; an int (negative counts from the end); a list
+            of ints; a ``range`` or ``slice``; a name from :data:`LAYER_FRACTIONS`
+            (``"last_half"``, ``"third_quarter"``...); or a pair of fractions
+            ``(start, end)`` with ``0 <= start < end <= 1``. Fractions select
+            layers ``r(start * n) .. r(end * n) - 1``, where ``r`` rounds halves
+            up, so the four quarters of a model partition its layers and, with an
+            odd depth, the first half is the larger one. A tuple of ints is a
+            list of layers: ``(0, 2)`` is layers 0 and 2; write ``range(0, 3)``
+            for 0, 1 and 2.
+        n_layers: Depth of the model.
+
+    Raises:
+        SelectionError: A layer outside the model, an unknown name, or a fraction
+            that selects no layer of this model.
+    """
+    if spec is None:
+        spec = "all"
+    if isinstance(spec, str):
+        if spec not in LAYER_FRACTIONS:
+            raise SelectionError(
+                f"Unknown layer range {spec!r}.{did_you_mean(spec, LAYER_FRACTIONS)} "
+                f"Known: {', '.join(LAYER_FRACTIONS)}."
+            )
+        spec = LAYER_FRACTIONS[spec]
+    if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(x, float) for x in spec):
+        start, end = spec
+        if not 0.0 <= start < end <= 1.0:
+            raise SelectionError(f"Layer fractions must satisfy 0 <= start < end <= 1, got {spec}.")
+        layers = tuple(range(_round_half_up(start * n_layers), _round_half_up(end * n_layers)))
+        if not layers:
+            raise SelectionError(
+                f"The layer fraction {spec} selects no layer of a {n_layers}-layer model."
+            )
+        return layers
+    if isinstance(spec, slice):
+        spec = range(n_layers)[spec]
+    if isinstance(spec, np.integer):
+        spec = int(spec)
+    if isinstance(spec, int):
+        spec = [spec]
+    if not isinstance(spec, Iterable):
+        raise SelectionError(
+            f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
+            f"name such as 'last_half', or a pair of fractions such as (0.5, 1.0)."
+        )
+    chosen: set[int] = set()
+    for layer in spec:
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, (bool, np.bool_)):
+            raise SelectionError(f"Layers must be ints, got {layer!r}.")
+        layer = int(layer)
+        if not -n_layers <= layer < n_layers:
+            raise SelectionError(
+                f"Layer {layer} is outside the model, which has {n_layers} layers "
+                f"(0..{n_layers - 1})."
+            )
+        chosen.add(layer % n_layers)
+    if not chosen:
+        raise SelectionError("The layer specification selects no layer.")
+    return tuple(sorted(chosen))
+
+
+def _round_half_up(value: float) -> int:
+    # Python's round() sends halves to the even neighbour, which would make
+    # "last_half" of 3 layers one layer and of 5 layers three.
+    return math.floor(value + 0.5)
