@@ -14,6 +14,7 @@ Factual Knowledge in Transformers", ICLR 2026).
 """
 
 from grafting_lens import comparison, data, experiments, metrics, patching, plots, positions, toy
+from grafting_lens.architectures import VERIFIED_ARCHITECTURES
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -27,6 +28,8 @@ from grafting_lens.errors import (
     GraftingError,
     GraftingLensError,
     GraftMaskError,
+    UnsupportedArchitectureError,
+    UnverifiedArchitectureWarning,
 )
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.masks import LAYER_FRACTIONS, GraftMask, resolve_layers
@@ -76,4 +79,7 @@ __all__ = [
     "save_figure",
     "summarize",
     "toy",
+    "UnsupportedArchitectureError",
+    "UnverifiedArchitectureWarning",
+    "VERIFIED_ARCHITECTURES",
 ]

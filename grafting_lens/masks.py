@@ -32,10 +32,12 @@ import torch
 from jaxtyping import Int
 
 from grafting_lens.components import (
+    COMPONENT_GROUPS,
     COMPONENTS,
     GLOBAL_COMPONENTS,
     LAYER_COMPONENTS,
     expand_components,
+    leftover_parameters,
 )
 from grafting_lens.errors import ComponentError, GraftMaskError, did_you_mean
 from grafting_lens.positions import PositionSpec, resolve_positions
@@ -223,7 +225,9 @@ class GraftMask:
             shape: ``(batch, pos)``; required when ``entries`` is empty.
 
         Raises:
-            ComponentError: An unknown component, or one the architecture lacks.
+            ComponentError: An unknown component, one the architecture lacks (at
+                that layer), or a graft of every component around parameters no
+                component covers (see :meth:`~grafting_lens.ModelSet.coverage`).
             GraftMaskError: A bad layer, a tensor of another shape or dtype, or a
                 source index out of range.
         """
@@ -264,7 +268,9 @@ class GraftMask:
             if key in checked:
                 raise GraftMaskError(f"{key} is given twice.")
             checked[key] = value
-        return cls(checked, tuple(shape), n_sources)
+        mask = cls(checked, tuple(shape), n_sources)
+        check_leftovers(models, mask.keys())
+        return mask
 
     @classmethod
     def build(
@@ -288,7 +294,9 @@ class GraftMask:
             layers: Which layers (see :func:`resolve_layers`); global components
                 (embed, pos_embed, ln_final, unembed) ignore it.
             components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``)
-                or a ``+``-joined string such as ``"o+ffn"``.
+                or a ``+``-joined string such as ``"o+ffn"``. A group takes, at each
+                layer, the members that layer has; a component named alone must
+                exist at every selected layer.
             source: Index of the checkpoint to take the weights from.
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
 
@@ -306,10 +314,17 @@ class GraftMask:
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)
         value = selected.long() * source
+        present = set(models.pairs)
         entries: dict[Key, torch.Tensor] = {}
         for name in names:
             for layer in layer_list if name in LAYER_COMPONENTS else (None,):
-                entries[(name, layer)] = value
+                if (name, layer) in present:
+                    entries[(name, layer)] = value
+        named = components.split("+") if isinstance(components, str) else list(components)
+        for name in (part.strip().lower() for part in named):
+            if name not in COMPONENT_GROUPS:
+                for layer in layer_list if name in LAYER_COMPONENTS else (None,):
+                    _check_present(models, name, layer)
         return cls.from_dict(models, entries, shape)
 
     @classmethod
@@ -412,7 +427,48 @@ def _check_key(key: object, models: ModelSet) -> Key:
         return (component, None)
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise GraftMaskError(f"{component!r} exists per layer: give an int layer, got {layer!r}.")
-    return (component, resolve_layers(layer, models.n_layers)[0])
+    layer = resolve_layers(layer, models.n_layers)[0]
+    _check_present(models, component, layer)
+    return (component, layer)
+
+
+def _check_present(models: ModelSet, component: str, layer: int | None) -> None:
+    """Refuse a component at a layer that lacks it (dense layers of a mixture-of-experts stack)."""
+    if (component, layer) in models.layout.slots:
+        return
+    layers = [str(at) for name, at in models.pairs if name == component]
+    raise ComponentError(
+        f"{models.architecture} has no {component!r} at layer {layer}; it has one at layers "
+        f"{', '.join(layers)}. Name those layers, or use a group (ffn, block), which takes "
+        "what each layer has."
+    )
+
+
+def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
+    """Refuse a graft that takes every component around parameters no component covers.
+
+    Such a graft would run the donor's weights everywhere there except those
+    parameters, which stay the base's: a partial graft nobody asked for.
+    ``models.allow_uncovered`` turns the check off.
+
+    Raises:
+        ComponentError: The parameters left behind, and what to do.
+    """
+    if models.allow_uncovered:
+        return
+    left = leftover_parameters(models.layout, keys)
+    if not left:
+        return
+    shown = ", ".join(f"{record.name} (at {record.path or 'no bridge component'})" for record in left[:4])
+    more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+    raise ComponentError(
+        f"This graft takes every component around {len(left)} parameter(s) of "
+        f"{models.architecture} that no component covers: {shown}{more}. Those would keep the "
+        "base's values while everything around them is grafted. models.coverage() lists every "
+        "parameter and its component. Graft only named components, name the missing weights "
+        "with register_component_paths(...), or pass allow_uncovered=True to load_models to "
+        "graft what the components cover."
+    )
 
 
 def _check_compatible(masks: Sequence[GraftMask]) -> GraftMask:
@@ -432,7 +488,7 @@ def _key_order(key: Key) -> tuple[int, int]:
     """Order pairs as the residual stream meets them: embeddings, layers, final norm."""
     component, layer = key
     if layer is None:
-        depth = -1 if component in ("embed", "pos_embed") else 10**9
+        depth = -1 if COMPONENTS.index(component) < COMPONENTS.index(LAYER_COMPONENTS[0]) else 10**9
     else:
         depth = layer
     return (depth, COMPONENTS.index(component))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_mask, random_tokens
+from transformers import AutoModelForCausalLM, OpenAIGPTConfig
 
 import grafting_lens as gl
-from grafting_lens.components import bridge_component
 
 TOLERANCE = 1e-4
 
@@ -98,7 +98,7 @@ def test_base_is_restored_when_the_body_raises(three_models):
     tokens = random_tokens(2, 5, seed=9)
     before = three_models.base(tokens)
     originals = {
-        pair: bridge_component(three_models.base, *pair).original_component
+        pair: three_models.slots(*pair)[0].module(three_models.base)
         for pair in [("q", 0), ("mlp_out", 2), ("embed", None), ("unembed", None)]
     }
     mask = gl.GraftMask.build(three_models, tokens, components="all", source=1)
@@ -106,7 +106,7 @@ def test_base_is_restored_when_the_body_raises(three_models):
         with gl.grafting(three_models, mask):
             raise RuntimeError("inside")
     for pair, module in originals.items():
-        assert bridge_component(three_models.base, *pair).original_component is module
+        assert three_models.slots(*pair)[0].module(three_models.base) is module
     assert torch.equal(three_models.base(tokens), before)
 
 
@@ -243,3 +243,43 @@ def test_two_backward_passes_in_one_grafting_block(three_models):
         second = model(tokens)[0, -1, 2]
         second.backward()
     assert torch.equal(first.detach(), second.detach())
+
+
+def test_flattened_module_inputs_are_routed_like_batched_ones(three_models):
+    """A module may receive [batch * pos, ...] (OPT's decoder layer, MoE blocks do)."""
+    tokens = random_tokens(2, 6, seed=15)
+    mask = random_mask(three_models, tokens.shape, seed=16)
+    expected = gl.graft_forward(three_models, tokens, mask)
+    hooks = []
+    for layer in range(three_models.n_layers):
+        hooks.append((f"blocks.{layer}.mlp.out.hook_in", lambda x, hook: x.flatten(0, 1)))
+        hooks.append((f"blocks.{layer}.mlp.out.hook_out", lambda x, hook: x.reshape(2, 6, -1)))
+    with gl.grafting(three_models, mask) as model:
+        flattened = model.run_with_hooks(tokens, fwd_hooks=hooks)
+    assert (flattened - expected).abs().max() <= TOLERANCE
+
+
+def test_a_module_input_without_the_windows_positions_is_refused_naming_the_module(three_models):
+    tokens = random_tokens(2, 6, seed=17)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="mlp_out", source=1)
+
+    def drop_a_row(activation, hook):
+        return activation.flatten(0, 1)[:-1]
+
+    with gl.grafting(three_models, mask) as model:
+        with pytest.raises(gl.GraftingError, match=r"blocks\.0\.mlp\.out .*shape \[11, ") as caught:
+            model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.out.hook_in", drop_a_row)])
+    assert "tokens" not in str(caught.value)
+
+
+def test_the_oracle_refuses_a_model_without_a_key_value_cache(tokenizer):
+    """OpenAI GPT ignores past_key_values: token by token, each token would see only itself."""
+    config = OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    with pytest.warns(gl.UnverifiedArchitectureWarning):
+        models = gl.load_models(
+            *(AutoModelForCausalLM.from_config(config) for _ in range(2)), tokenizer=tokenizer
+        )
+    tokens = random_tokens(1, 3)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="mlp_out")
+    with pytest.raises(gl.GraftingError, match="no key/value cache"):
+        gl.graft_forward_reference(models, tokens, mask)

@@ -6,11 +6,12 @@ import copy
 
 import pytest
 import torch
-from conftest import family_config, random_model, random_tokens
+from conftest import family_config, random_model, random_tokens, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
 import grafting_lens as gl
+from grafting_lens.components import checkpoint_parameters
 
 
 def test_directories_load_offline_with_their_tokenizer(tmp_path, tokenizer):
@@ -98,7 +99,8 @@ def test_weight_diff_reports_what_changed(tokenizer):
 
 
 def test_components_per_family(three_models, family):
-    expected = set(gl.COMPONENTS)
+    expected = {"embed", "pos_embed", "ln1", "q", "k", "v", "o", "ln2", "mlp_gate", "mlp_in"}
+    expected |= {"mlp_out", "ln_final", "unembed"}
     if family != "gpt2":
         expected.discard("pos_embed")
     if family in ("gpt2", "neox"):
@@ -129,3 +131,98 @@ def test_bridges_with_processed_weights_are_refused(tokenizer):
     bridge.process_weights()
     with pytest.raises(gl.AlignmentError, match="processed weights"):
         gl.load_models(random_model("gpt2", 2), bridge, tokenizer=tokenizer)
+
+
+def test_a_model_built_from_a_config_loads_and_records_its_architecture(tokenizer):
+    base, donor = random_model("gemma", 0), random_model("gemma", 1)
+    assert base.config.architectures is None  # what from_config gives
+    gl.load_models(base, donor, tokenizer=tokenizer)
+    assert base.config.architectures == ["GemmaForCausalLM"]
+
+
+def test_an_unsupported_model_gets_a_short_error(tokenizer):
+    headless = [GPT2Model(family_config("gpt2")) for _ in range(2)]
+    with pytest.raises(gl.UnsupportedArchitectureError) as caught:
+        gl.load_models(*headless, tokenizer=tokenizer)
+    message = str(caught.value)
+    assert "GPT2Model (model_type 'gpt2')" in message
+    assert "Nearest supported: GPT2LMHeadModel" in message
+    assert "AutoModelForCausalLM" in message and len(message) < 600
+
+
+def test_coverage_names_every_parameter(three_models, family):
+    coverage = three_models.coverage()
+    assert coverage.covered.all()
+    names = dict(zip(coverage.parameter, coverage.component))
+    assert set(names) == {name for name, _ in checkpoint_parameters(three_models.base.original_model)}
+    if family == "gpt2":  # tied embeddings and a fused QKV matrix
+        assert names["transformer.wte.weight"] == "embed+unembed"
+        assert names["transformer.h.0.attn.c_attn.weight"] == "q+k+v"
+    assert str(coverage["layer"].dtype) == "Int64"
+
+
+def test_a_graft_around_uncovered_weights_is_refused_unless_allowed(tokenizer):
+    sources = [random_model("llama", seed) for seed in (0, 1)]
+    for model in sources:  # a weight in layer 1's MLP that no component names
+        model.model.layers[1].mlp.scale = torch.nn.Parameter(torch.ones(32))
+    models = gl.load_models(*sources, tokenizer=tokenizer)
+    coverage = models.coverage()
+    uncovered = coverage[~coverage.covered]
+    assert uncovered.parameter.tolist() == ["model.layers.1.mlp.scale"]
+    assert uncovered.path.tolist() == ["blocks.1.mlp"]
+    for components in ("ffn", "block", "all"):
+        with pytest.raises(gl.ComponentError, match=r"model\.layers\.1\.mlp\.scale.*allow_uncovered"):
+            gl.GraftMask.build(models, (1, 4), components=components)
+    # Part of the region, or the region at layers without the gap, is what it says.
+    gl.GraftMask.build(models, (1, 4), components="mlp_in+mlp_out+attn")
+    gl.GraftMask.build(models, (1, 4), components="ffn", layers=[0, 2])
+    models.allow_uncovered = True
+    gl.GraftMask.build(models, (1, 4), components="all")
+
+
+def test_an_unverified_architecture_loads_with_a_warning_and_reports_its_gaps(tokenizer):
+    # LFM2's short convolutions mix positions with weights: no component names them.
+    config = tiny_config("lfm2", layer_types=["conv", "full_attention"])
+    sources = [AutoModelForCausalLM.from_config(config) for _ in range(2)]
+    with pytest.warns(gl.UnverifiedArchitectureWarning, match="Lfm2ForCausalLM .* not verified"):
+        models = gl.load_models(*sources, tokenizer=tokenizer)
+    coverage = models.coverage()
+    assert set(coverage.path[~coverage.covered]) == {
+        "blocks.0.conv.conv",
+        "blocks.0.conv.in",
+        "blocks.0.conv.out",
+    }
+    with pytest.raises(gl.ComponentError, match="no component covers"):
+        gl.GraftMask.build(models, (1, 4), components="block", layers=[0])
+    gl.GraftMask.build(models, (1, 4), components="block", layers=[1])
+
+
+def test_registered_paths_name_weights_the_bridge_keys_do_not(tokenizer):
+    """Apertus's learnable activation holds parameters at blocks.{layer}.mlp.act_fn."""
+    from grafting_lens import components
+
+    config = tiny_config("apertus")
+    torch.manual_seed(0)
+    sources = [AutoModelForCausalLM.from_config(config).eval() for _ in range(2)]
+    with torch.no_grad():
+        for parameter in sources[1].parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    tokens = random_tokens(2, 5)
+    expected = sources[1](tokens).logits.detach()
+    gl.register_component_paths(
+        "ApertusForCausalLM", {"mlp_in": ["blocks.{layer}.mlp.in", "blocks.{layer}.mlp.act_fn"]}
+    )
+    try:
+        with pytest.warns(gl.UnverifiedArchitectureWarning):
+            models = gl.load_models(*sources, tokenizer=tokenizer)
+        coverage = models.coverage()
+        assert coverage.covered.all()
+        assert set(coverage.parameter[coverage.path == "blocks.0.mlp.act_fn"]) == {
+            "model.layers.0.mlp.act_fn.alpha_p",
+            "model.layers.0.mlp.act_fn.alpha_n",
+        }
+        assert len(models.slots("mlp_in", 0)) == 2
+        mask = gl.GraftMask.build(models, tokens, components="all")
+        assert (gl.graft_forward(models, tokens, mask) - expected).abs().max() <= 1e-4
+    finally:
+        components._ARCHITECTURE_PATHS.pop("ApertusForCausalLM", None)
