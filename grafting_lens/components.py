@@ -31,7 +31,7 @@ Where each component lives is not listed per model family. :func:`component_layo
 walks the bridge tree of a loaded model and names each place that holds weights by
 TransformerLens's own keys (``blocks.{layer}.attn.q_norm`` is ``q_norm`` in OLMo-2 as
 in Qwen3); what no name fits is reported as *uncovered*
-(:meth:`~grafting_lens.ModelSet.coverage`) and a graft that would take every
+(:meth:`~grafting_lens.models.ModelSet.coverage`) and a graft that would take every
 component around it refuses to run (see :func:`leftover_parameters`). An
 architecture whose tree differs registers its own paths with
 :func:`register_component_paths`, like SAELens's ``register_sae_class``.
@@ -324,9 +324,9 @@ def component_layout(bridge: nn.Module) -> ComponentLayout:
     nodes = list(_bridge_nodes(bridge))
     # Modules a bridge component wraps belong to that component, wherever else they
     # hang in the HF tree (GPT-2's c_proj is the attention's child and the bridge's o).
-    bridged = {id(node._modules.get("_original_component")) for _, node, _ in nodes}
+    bridged = {id(node.original_component) for _, node, _ in nodes}
     for path, node, parent in nodes:
-        wrapped = node._modules.get("_original_component")
+        wrapped = node.original_component
         if wrapped is None:
             continue  # a placeholder for a part this model does not have
         layer, _ = _split_layer(path)
@@ -555,7 +555,7 @@ def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
         if isinstance(module, GeneralizedComponent):
-            wrapped = module._modules.get("_original_component")
+            wrapped = module.original_component
             if wrapped is not None:
                 yield from walk(wrapped, prefix)
             return

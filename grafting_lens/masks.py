@@ -227,7 +227,7 @@ class GraftMask:
         Raises:
             ComponentError: An unknown component, one the architecture lacks (at
                 that layer), or a graft of every component around parameters no
-                component covers (see :meth:`~grafting_lens.ModelSet.coverage`).
+                component covers (see :meth:`~grafting_lens.models.ModelSet.coverage`).
             GraftMaskError: A bad layer, a tensor of another shape or dtype, or a
                 source index out of range.
         """
