@@ -13,14 +13,14 @@ Components come in two kinds:
 
 * per-layer components, addressed as ``(component, layer)``: the norms ``ln1``,
   ``ln1_post``, ``ln2``, ``ln2_post``; attention's ``q``, ``k``, ``v``, ``q_norm``,
-  ``k_norm``, ``o``; a dense MLP's ``mlp_gate``, ``mlp_in``, ``mlp_out``; a
-  mixture-of-experts block's ``router``, ``experts``, ``shared_expert`` and
-  ``shared_expert_gate``;
-* global components (``embed``, ``pos_embed``, ``ln_final``, ``unembed``), addressed
-  as ``(component, None)``.
+  ``k_norm``, ``attn_gate``, ``o``; a dense MLP's ``mlp_gate``, ``mlp_in``,
+  ``mlp_out``; a mixture-of-experts block's ``router``, ``experts`` (every routed
+  expert of the layer, as one component), ``shared_expert`` and ``shared_expert_gate``;
+* global components (``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``,
+  ``unembed``), addressed as ``(component, None)``.
 
 Groups name the sets the paper talks about: ``attn`` (what computes queries, keys and
-values: Q, K, V and their norms), ``ffn`` (the whole feed-forward block: every MLP
+values: Q, K, V, their norms and the attention's gate), ``ffn`` (the whole feed-forward block: every MLP
 matrix, or on a mixture-of-experts model the router, every expert and the shared
 expert with its gate), ``block`` (every per-layer component) and ``all``. A group
 expands to the members the architecture has; naming a single component the
