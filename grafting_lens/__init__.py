@@ -26,6 +26,7 @@ from grafting_lens import (
     scoring,
     toy,
 )
+from grafting_lens.architectures import VERIFIED_ARCHITECTURES
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -46,6 +47,8 @@ from grafting_lens.errors import (
     RunError,
     SelectionError,
     TokenError,
+    UnsupportedArchitectureError,
+    UnverifiedArchitectureWarning,
 )
 from grafting_lens.experiments import POSITION_CONFIGS, run_position_grafting
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
@@ -107,4 +110,7 @@ __all__ = [
     "summarize",
     "TokenError",
     "toy",
+    "UnsupportedArchitectureError",
+    "UnverifiedArchitectureWarning",
+    "VERIFIED_ARCHITECTURES",
 ]

@@ -1,58 +1,88 @@
-"""Architecture-neutral names for the weights a graft can swap.
+"""Architecture-neutral names for the weights a graft can swap, and where each one lives.
 
-A graft names *components* (``q``, ``mlp_out``, ``ln_final``...), not the
-parameter names of one model family: GPT-2 fuses Q, K and V into ``c_attn``,
-NeoX interleaves them per head in ``query_key_value``, Llama keeps ``q_proj``,
-``k_proj`` and ``v_proj`` apart. TransformerLens's ``TransformerBridge`` already
-maps every supported family onto one tree of bridge components (``blocks.3.attn.q``,
-``blocks.3.mlp.out``...), and splits fused projections into separate Q, K and V
-modules, so a component here is simply a path in that tree.
+A graft names *components* (``q``, ``mlp_out``, ``experts``, ``ln_final``...), not the
+parameter names of one model family: GPT-2 fuses Q, K and V into ``c_attn``, NeoX
+interleaves them per head in ``query_key_value``, Llama keeps ``q_proj``, ``k_proj``
+and ``v_proj`` apart. TransformerLens's ``TransformerBridge`` already maps every
+supported family onto one tree of bridge components (``blocks.3.attn.q``,
+``blocks.3.mlp.out``, ``blocks.3.mlp.gate``...), and splits fused projections into
+separate Q, K and V modules. A component here is a name for one or more places
+(*slots*) in that tree.
 
 Components come in two kinds:
 
-* per-layer components (``ln1``, ``q``, ``k``, ``v``, ``o``, ``ln2``, ``mlp_in``,
-  ``mlp_gate``, ``mlp_out``), addressed as ``(component, layer)``;
-* global components (``embed``, ``pos_embed``, ``ln_final``, ``unembed``), addressed
-  as ``(component, None)``.
+* per-layer components, addressed as ``(component, layer)``: the norms ``ln1``,
+  ``ln1_post``, ``ln2``, ``ln2_post``; attention's ``q``, ``k``, ``v``, ``q_norm``,
+  ``k_norm``, ``attn_gate``, ``o``; a dense MLP's ``mlp_gate``, ``mlp_in``,
+  ``mlp_out``; a mixture-of-experts block's ``router``, ``experts`` (every routed
+  expert of the layer, as one component), ``shared_expert`` and ``shared_expert_gate``;
+* global components (``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``,
+  ``unembed``), addressed as ``(component, None)``.
 
-Groups name the sets the paper talks about: ``attn`` (Q, K, V), ``ffn`` (every MLP
-matrix, the gate included where there is one), ``block`` (every per-layer
-component) and ``all``. A group expands to the members the architecture has;
-naming a single component the architecture lacks (``mlp_gate`` on GPT-2,
-``pos_embed`` on a rotary model) is an error.
+Groups name the sets the paper talks about: ``attn`` (what computes queries, keys and
+values: Q, K, V, their norms and the attention's gate), ``ffn`` (the whole feed-forward block: every MLP
+matrix, or on a mixture-of-experts model the router, every expert and the shared
+expert with its gate), ``block`` (every per-layer component) and ``all``. A group
+expands to the members the architecture has; naming a single component the
+architecture lacks (``mlp_gate`` on GPT-2, ``pos_embed`` on a rotary model) is an
+error.
 
-The map from component to bridge path is a small registry, like SAELens's
-``register_sae_class``: an architecture whose bridge tree differs registers its own
-paths with :func:`register_component_paths`.
+Where each component lives is not listed per model family. :func:`component_layout`
+walks the bridge tree of a loaded model and names each place that holds weights by
+TransformerLens's own keys (``blocks.{layer}.attn.q_norm`` is ``q_norm`` in OLMo-2 as
+in Qwen3); what no name fits is reported as *uncovered*
+(:meth:`~grafting_lens.models.ModelSet.coverage`) and a graft that would take every
+component around it refuses to run (see :func:`leftover_parameters`). An
+architecture whose tree differs registers its own paths with
+:func:`register_component_paths`, like SAELens's ``register_sae_class``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
+from transformer_lens.model_bridge.generalized_components import (
+    JointGateUpMLPBridge,
+    JointQKVAttentionBridge,
+    MoEBridge,
+    MoERouterBridge,
+)
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
 from grafting_lens.errors import ComponentError, did_you_mean
 
+_ATTENTION = ("q", "k", "v", "q_norm", "k_norm", "attn_gate")
+_FEED_FORWARD = (
+    "mlp_gate",
+    "mlp_in",
+    "mlp_out",
+    "router",
+    "experts",
+    "shared_expert",
+    "shared_expert_gate",
+)
+
 LAYER_COMPONENTS: tuple[str, ...] = (
     "ln1",
-    "q",
-    "k",
-    "v",
+    *_ATTENTION,
     "o",
+    "ln1_post",
     "ln2",
-    "mlp_in",
-    "mlp_gate",
-    "mlp_out",
+    *_FEED_FORWARD,
+    "ln2_post",
 )
 """Components that exist once per layer, addressed as ``(component, layer)``."""
 
-GLOBAL_COMPONENTS: tuple[str, ...] = ("embed", "pos_embed", "ln_final", "unembed")
+GLOBAL_COMPONENTS: tuple[str, ...] = ("embed", "pos_embed", "embed_ln", "ln_final", "unembed")
 """Components that exist once per model, addressed as ``(component, None)``."""
 
 COMPONENTS: tuple[str, ...] = (
     "embed",
     "pos_embed",
+    "embed_ln",
     *LAYER_COMPONENTS,
     "ln_final",
     "unembed",
@@ -60,85 +90,495 @@ COMPONENTS: tuple[str, ...] = (
 """Every component, in the order the residual stream meets them."""
 
 COMPONENT_GROUPS: dict[str, tuple[str, ...]] = {
-    "attn": ("q", "k", "v"),
-    "ffn": ("mlp_gate", "mlp_in", "mlp_out"),
+    "attn": _ATTENTION,
+    "ffn": _FEED_FORWARD,
     "block": LAYER_COMPONENTS,
     "all": COMPONENTS,
 }
 """Named sets of components; each expands to the members an architecture has."""
 
-DEFAULT_COMPONENT_PATHS: dict[str, str] = {
-    "embed": "embed",
-    "pos_embed": "pos_embed",
-    "ln1": "blocks.{layer}.ln1",
-    "q": "blocks.{layer}.attn.q",
-    "k": "blocks.{layer}.attn.k",
-    "v": "blocks.{layer}.attn.v",
-    "o": "blocks.{layer}.attn.o",
-    "ln2": "blocks.{layer}.ln2",
-    "mlp_in": "blocks.{layer}.mlp.in",
-    "mlp_gate": "blocks.{layer}.mlp.gate",
-    "mlp_out": "blocks.{layer}.mlp.out",
-    "ln_final": "ln_final",
-    "unembed": "unembed",
+# Where each component sits in TransformerLens 4.x's bridge tree, by the bridge's own
+# keys: inside a block (``blocks.{layer}.<key>``), or at the top of the tree. A slot
+# whose path starts with one of these keys (``mlp.shared_expert.in``) belongs to it.
+_BLOCK_KEYS: dict[str, str] = {
+    "ln1": "ln1",
+    "ln1_post": "ln1_post",
+    "ln2": "ln2",
+    "ln2_post": "ln2_post",
+    "attn.q": "q",
+    "attn.k": "k",
+    "attn.v": "v",
+    "attn.o": "o",
+    "attn.q_norm": "q_norm",
+    "attn.k_norm": "k_norm",
+    "attn.gate": "attn_gate",
+    "mlp.gate": "mlp_gate",
+    "mlp.in": "mlp_in",
+    "mlp.out": "mlp_out",
+    # The dense layers of a stack that interleaves dense and mixture-of-experts blocks.
+    "mlp.dense_gate": "mlp_gate",
+    "mlp.dense_in": "mlp_in",
+    "mlp.dense_out": "mlp_out",
+    "mlp.experts": "experts",
+    "mlp.shared_expert": "shared_expert",
+    "mlp.shared_experts": "shared_expert",
+    "mlp.shared_mlp": "shared_expert",
+    "mlp.shared_expert_gate": "shared_expert_gate",
 }
-"""Bridge paths of each component in TransformerLens 4.x's shared component tree."""
+_GLOBAL_KEYS: dict[str, str] = {name: name for name in GLOBAL_COMPONENTS}
 
-_ARCHITECTURE_PATHS: dict[str, dict[str, str]] = {}
+_ARCHITECTURE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {}
 
 
-def register_component_paths(architecture: str, paths: Mapping[str, str]) -> None:
-    """Register bridge paths for an architecture whose tree differs from the default.
+def register_component_paths(architecture: str, paths: Mapping[str, str | Sequence[str]]) -> None:
+    """Name the bridge paths of components for an architecture whose tree differs.
+
+    The default names come from TransformerLens's own keys (see the module
+    docstring); paths registered here take precedence for this architecture, in
+    model sets loaded afterwards. A second call for the same architecture replaces
+    the first.
 
     Args:
         architecture: The HF architecture name as the bridge reports it in
             ``bridge.cfg.architecture`` (e.g. ``"GPT2LMHeadModel"``).
-        paths: Component name to bridge path; per-layer paths contain ``{layer}``.
-            Components not given keep their default path.
+        paths: Component name to bridge path (or several paths, when one component
+            spans several modules); per-layer paths contain ``{layer}``. A path
+            names a bridge component (``blocks.{layer}.attn.q``) or a plain module
+            inside one (``blocks.{layer}.mlp.experts``), and everything under it.
 
     Raises:
         ComponentError: A key is not a component name, or a per-layer path lacks
             ``{layer}``.
+
+    Examples:
+        >>> register_component_paths("MyModelForCausalLM", {"q": "blocks.{layer}.attn.q"})
     """
-    for component, path in paths.items():
+    checked: dict[str, tuple[str, ...]] = {}
+    for component, given in paths.items():
         _check_name(component)
-        if component in LAYER_COMPONENTS and "{layer}" not in path:
-            raise ComponentError(
-                f"The path for per-layer component {component!r} must contain '{{layer}}', "
-                f"got {path!r}."
-            )
-    _ARCHITECTURE_PATHS[architecture] = {**DEFAULT_COMPONENT_PATHS, **paths}
+        if component in COMPONENT_GROUPS:
+            raise ComponentError(f"{component!r} is a group; register paths for its members.")
+        templates = (given,) if isinstance(given, str) else tuple(given)
+        for path in templates:
+            if component in LAYER_COMPONENTS and "{layer}" not in path:
+                raise ComponentError(
+                    f"The path for per-layer component {component!r} must contain '{{layer}}', "
+                    f"got {path!r}."
+                )
+        checked[component] = templates
+    _ARCHITECTURE_PATHS[architecture] = checked
 
 
-def component_path(architecture: str, component: str, layer: int | None) -> str:
-    """The bridge path of ``component`` (at ``layer``) for ``architecture``."""
-    path = _ARCHITECTURE_PATHS.get(architecture, DEFAULT_COMPONENT_PATHS)[component]
-    return path.format(layer=layer)
+# ------------------------------------------------------------------ the bridge tree
 
 
-def bridge_component(bridge: nn.Module, component: str, layer: int | None) -> nn.Module | None:
-    """The bridge module computing ``component`` at ``layer``, or None if it has none.
+@dataclass(frozen=True)
+class Slot:
+    """One place in the bridge tree a graft swaps: a bridge component, or a plain module in one.
 
-    A component exists when its bridge module exists and wraps a real module (the
-    bridge keeps placeholders for optional parts).
+    Attributes:
+        path: The dotted path shown to users, e.g. ``"blocks.0.attn.q"`` or
+            ``"blocks.0.mlp.experts"``.
+        owner: Path of the bridge component that holds the slot.
+        attribute: ``None`` when the slot is the bridge component itself (its wrapped
+            module is swapped with ``set_original_component``); otherwise the dotted
+            attribute of a plain module inside the component's wrapped module
+            (a mixture-of-experts block's ``experts``), swapped in its parent.
     """
-    architecture = getattr(bridge.cfg, "architecture", "")
-    try:
-        module = bridge.get_submodule(component_path(architecture, component, layer))
-    except AttributeError:
-        return None
-    if module._modules.get("_original_component") is None:
-        return None
-    return module
+
+    path: str
+    owner: str
+    attribute: str | None = None
+
+    def holder(self, bridge: nn.Module) -> GeneralizedComponent:
+        """The bridge component that holds this slot in ``bridge``."""
+        holder = bridge.get_submodule(self.owner)
+        assert isinstance(holder, GeneralizedComponent)
+        return holder
+
+    def module(self, bridge: nn.Module) -> nn.Module:
+        """The module that computes this slot in ``bridge`` now."""
+        wrapped = self.holder(bridge).original_component
+        assert wrapped is not None, f"{self.owner} wraps no module"
+        if self.attribute is None:
+            return wrapped
+        return wrapped.get_submodule(self.attribute)
+
+    def replace(self, bridge: nn.Module, module: nn.Module) -> None:
+        """Put ``module`` in this slot of ``bridge`` (TransformerLens's public API for bridges)."""
+        holder = self.holder(bridge)
+        if self.attribute is None:
+            holder.set_original_component(module)
+            return
+        parent_path, _, name = self.attribute.rpartition(".")
+        parent = holder.original_component
+        assert parent is not None, f"{self.owner} wraps no module"
+        if parent_path:
+            parent = parent.get_submodule(parent_path)
+        setattr(parent, name, module)
 
 
-def available_components(bridge: nn.Module) -> tuple[str, ...]:
-    """The components ``bridge``'s architecture has, in :data:`COMPONENTS` order."""
-    return tuple(
-        name
-        for name in COMPONENTS
-        if bridge_component(bridge, name, 0 if name in LAYER_COMPONENTS else None) is not None
-    )
+@dataclass(frozen=True)
+class ParameterRecord:
+    """Where one checkpoint parameter lives and which component, if any, grafts it.
+
+    Attributes:
+        name: The parameter's name in the checkpoint (``model.layers.0.mlp.experts.down_proj``).
+        shape: Its shape.
+        components: The components that graft it: one, or several for a weight that
+            several components share (tied embeddings: ``embed`` and ``unembed``; a
+            fused QKV matrix: ``q``, ``k`` and ``v``). Empty when none does.
+        layer: The block it lives in, or None outside the blocks.
+        path: The bridge path of the slot or bridge component that holds it, or
+            None when no bridge component wraps it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    components: tuple[str, ...]
+    layer: int | None
+    path: str | None
+
+    @property
+    def covered(self) -> bool:
+        """Whether some component grafts this parameter."""
+        return bool(self.components)
+
+    @property
+    def region(self) -> str:
+        """The group whose graft this parameter belongs to: attn, ffn, block or all."""
+        if self.layer is None or self.path is None:
+            return "all"
+        within = self.path.split(".", 2)[2] if self.path.count(".") >= 2 else ""
+        if within.startswith("attn"):
+            return "attn"
+        if within.startswith("mlp"):
+            return "ffn"
+        return "block"
+
+
+Key = tuple[str, "int | None"]
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    """Every component of a loaded architecture, its slots, and where each parameter went.
+
+    Built by :func:`component_layout` from the base of a model set; every aligned
+    source has the same tree, so the same slots.
+
+    Attributes:
+        slots: ``(component, layer)`` to the slots it swaps, for every pair the
+            architecture has (a stack of dense and mixture-of-experts layers has
+            ``mlp_in`` at some layers and ``experts`` at others).
+        parameters: One record per checkpoint parameter.
+    """
+
+    slots: Mapping[Key, tuple[Slot, ...]]
+    parameters: tuple[ParameterRecord, ...]
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The components present at some layer, in :data:`COMPONENTS` order."""
+        present = {component for component, _ in self.slots}
+        return tuple(c for c in COMPONENTS if c in present)
+
+    @property
+    def uncovered(self) -> tuple[ParameterRecord, ...]:
+        """The parameters no component grafts."""
+        return tuple(record for record in self.parameters if not record.covered)
+
+
+def component_layout(bridge: nn.Module) -> ComponentLayout:
+    """Walk ``bridge``'s tree: the slots of every component, and which parameters they hold.
+
+    A bridge component without bridge components inside is one slot. A bridge
+    component with some (an attention, an MLP, a mixture-of-experts block) hands
+    each plain module it wraps that holds parameters and no bridge component (a
+    mixture-of-experts block's batched ``experts``) to a slot of its own; parameters
+    it holds directly cannot be swapped without its children and stay uncovered.
+    Each slot is named by :data:`_BLOCK_KEYS` / :data:`_GLOBAL_KEYS` (or by the paths
+    registered for the architecture); a slot no name fits stays uncovered.
+
+    Args:
+        bridge: A ``TransformerBridge``.
+
+    Returns:
+        The layout; every parameter of ``bridge.original_model`` is in
+        :attr:`ComponentLayout.parameters` exactly once.
+    """
+    registered = _ARCHITECTURE_PATHS.get(str(getattr(bridge.cfg, "architecture", "")), {})
+    slots: dict[Key, list[Slot]] = {}
+    owners: dict[int, tuple[tuple[str, ...], int | None, str | None]] = {}
+
+    def claim(
+        parameters: Iterable[nn.Parameter], names: tuple[str, ...], layer: int | None, path: str
+    ) -> None:
+        for parameter in parameters:
+            if id(parameter) in owners:
+                # The same tensor in two slots: tied weights (GPT-2's wte and lm_head).
+                earlier, first_layer, first_path = owners[id(parameter)]
+                joined = tuple(c for c in COMPONENTS if c in {*earlier, *names})
+                owners[id(parameter)] = (joined, first_layer, first_path)
+            else:
+                owners[id(parameter)] = (names, layer, path)
+
+    nodes = list(_bridge_nodes(bridge))
+    # Modules a bridge component wraps belong to that component, wherever else they
+    # hang in the HF tree (GPT-2's c_proj is the attention's child and the bridge's o).
+    bridged = {id(node.original_component) for _, node, _ in nodes}
+    for path, node, parent in nodes:
+        wrapped = node.original_component
+        if wrapped is None:
+            continue  # a placeholder for a part this model does not have
+        layer, _ = _split_layer(path)
+        if any(True for _ in _bridge_children(node)):
+            split = _split_projection(node, path, registered)
+            for attribute, parameters, child in _plain_children(wrapped, bridged):
+                if child is None:
+                    # Held by the wrapper itself: not swappable without its bridge children.
+                    claim(parameters, (), layer, path)
+                    continue
+                child_path = f"{path}.{attribute}"
+                if split is not None and attribute == split[0]:
+                    claim(parameters, split[1], layer, child_path)
+                    continue
+                name = _name_slot(child_path, (child, node), registered)
+                if name is not None:
+                    slots.setdefault((name, layer), []).append(Slot(child_path, path, attribute))
+                claim(parameters, (name,) if name else (), layer, child_path)
+            continue
+        parent_path, _, key = path.rpartition(".")
+        split = None if parent is None else _split_projection(parent, parent_path, registered)
+        if split is not None and key == split[0]:
+            claim(wrapped.parameters(), split[1], layer, path)
+            continue
+        name = _name_slot(path, (node, parent), registered)
+        if name is not None:
+            slots.setdefault((name, layer), []).append(Slot(path, path))
+        claim(wrapped.parameters(), (name,) if name else (), layer, path)
+
+    records = []
+    original = bridge.original_model
+    assert isinstance(original, nn.Module)
+    for parameter_name, parameter in checkpoint_parameters(original):
+        names, owner_layer, owner_path = owners.get(id(parameter), ((), None, None))
+        records.append(
+            ParameterRecord(parameter_name, tuple(parameter.shape), names, owner_layer, owner_path)
+        )
+    ordered = {
+        key: tuple(slots[key])
+        for key in sorted(slots, key=lambda key: (_order(key[0]), -1 if key[1] is None else key[1]))
+    }
+    return ComponentLayout(ordered, tuple(records))
+
+
+def leftover_parameters(layout: ComponentLayout, grafted: Iterable[Key]) -> list[ParameterRecord]:
+    """Uncovered parameters that a graft of every component around them would leave behind.
+
+    A graft takes *every* component of a region when it grafts, at one layer, every
+    member of ``attn`` the layer has (the attention's uncovered weights are then
+    left behind), every member of ``ffn`` (the feed-forward block's), every
+    component of the layer (the block's), or every pair of the model (weights
+    outside the blocks), however the mask was built. A graft of part of a region
+    (``mlp_out`` alone) takes exactly what it names.
+
+    Args:
+        layout: The architecture's layout.
+        grafted: The ``(component, layer)`` pairs a mask grafts somewhere.
+
+    Returns:
+        The uncovered parameters inside a region the graft takes whole.
+    """
+    uncovered = layout.uncovered
+    if not uncovered:
+        return []
+    grafted = set(grafted)
+    present: dict[int | None, set[str]] = {}
+    for component, layer in layout.slots:
+        present.setdefault(layer, set()).add(component)
+
+    def whole(layer: int | None, members: Iterable[str]) -> bool:
+        wanted = present.get(layer, set()) & set(members)
+        return bool(wanted) and all((component, layer) in grafted for component in wanted)
+
+    everything = set(layout.slots) <= grafted
+    left = []
+    for record in uncovered:
+        region, layer = record.region, record.layer
+        if everything or (
+            region != "all"
+            and (
+                whole(layer, LAYER_COMPONENTS)
+                or (region in ("attn", "ffn") and whole(layer, COMPONENT_GROUPS[region]))
+            )
+        ):
+            left.append(record)
+    return left
+
+
+def _bridge_children(node: nn.Module) -> Iterator[tuple[str, GeneralizedComponent]]:
+    """The bridge components directly below ``node`` in the bridge tree, with their keys."""
+    for key, child in node._modules.items():
+        if key == "_original_component":
+            continue
+        if isinstance(child, GeneralizedComponent):
+            yield key, child
+        elif isinstance(child, nn.ModuleList):
+            for index, item in enumerate(child):
+                if isinstance(item, GeneralizedComponent):
+                    yield f"{key}.{index}", item
+
+
+def _bridge_nodes(
+    root: nn.Module, prefix: str = "", parent: nn.Module | None = None
+) -> Iterator[tuple[str, GeneralizedComponent, nn.Module | None]]:
+    """Every bridge component below ``root``, depth first, with its path and parent."""
+    for key, child in _bridge_children(root):
+        path = f"{prefix}.{key}" if prefix else key
+        yield path, child, parent
+        yield from _bridge_nodes(child, path, child)
+
+
+def _split_projection(
+    node: nn.Module, path: str, registered: Mapping[str, tuple[str, ...]]
+) -> tuple[str, tuple[str, ...]] | None:
+    """A fused projection that ``node`` splits into bridge children when the model loads.
+
+    GPT-2's ``c_attn`` becomes the children ``q``, ``k`` and ``v`` of a
+    ``JointQKVAttentionBridge`` (which keeps the fused module as its child ``qkv``);
+    Phi-3's ``gate_up_proj`` becomes the children ``gate`` and ``in`` of a
+    ``JointGateUpMLPBridge``. The children compute, so the fused weights are grafted
+    through the children's components.
+
+    Returns:
+        The fused module's key under ``node`` and the components of its split
+        children, or None.
+    """
+    keys: tuple[str, ...]
+    if isinstance(node, JointQKVAttentionBridge):
+        fused, keys = "qkv", ("q", "k", "v")
+    elif isinstance(node, JointGateUpMLPBridge):
+        fused, keys = str(node.fused_attr), ("gate", "in")
+    else:
+        return None
+    names = []
+    for key in keys:
+        child = node._modules.get(key)
+        name = None if child is None else _name_slot(f"{path}.{key}", (child, node), registered)
+        if name is not None and name not in names:
+            names.append(name)
+    return fused, tuple(c for c in COMPONENTS if c in names)
+
+
+def _holds_bridge(module: nn.Module, bridged: set[int]) -> bool:
+    return any(isinstance(m, GeneralizedComponent) or id(m) in bridged for m in module.modules())
+
+
+def _plain_children(
+    wrapped: nn.Module, bridged: set[int], prefix: str = ""
+) -> Iterator[tuple[str, list[nn.Parameter], nn.Module | None]]:
+    """Plain modules inside a bridge component's wrapped module that hold parameters.
+
+    Yields ``(attribute, parameters, module)``: a module with no bridge component
+    inside is a slot of its own. The parameters that ``wrapped``, or a plain module
+    with bridge components below it, holds directly come with ``module=None``: they
+    cannot be swapped without those children. Modules in ``bridged`` (the ids of
+    modules some bridge component wraps) are that component's, and skipped.
+    """
+    direct = [p for p in wrapped._parameters.values() if p is not None]
+    if direct:
+        yield prefix.rstrip("."), direct, None
+    for name, child in wrapped._modules.items():
+        if child is None or isinstance(child, GeneralizedComponent) or id(child) in bridged:
+            continue
+        if _holds_bridge(child, bridged):
+            yield from _plain_children(child, bridged, f"{prefix}{name}.")
+        elif any(True for _ in child.parameters()):
+            yield f"{prefix}{name}", list(child.parameters()), child
+
+
+_LAYER_PATH = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def _split_layer(path: str) -> tuple[int | None, str]:
+    match = _LAYER_PATH.match(path)
+    if match is None:
+        return None, path
+    return int(match.group(1)), match.group(2)
+
+
+def _name_slot(
+    path: str,
+    node_and_parent: tuple[nn.Module, nn.Module | None] | None,
+    registered: Mapping[str, tuple[str, ...]],
+) -> str | None:
+    """The component a slot at ``path`` belongs to, or None."""
+    layer, relative = _split_layer(path)
+    for component, templates in registered.items():
+        for template in templates:
+            target = template.format(layer=layer)
+            if path == target or path.startswith(target + "."):
+                return component
+    if layer is None:
+        return _longest_prefix(relative, _GLOBAL_KEYS)
+    if node_and_parent is not None:
+        node, parent = node_and_parent
+        # The bridge reuses the key "gate" for a mixture-of-experts block's router.
+        if isinstance(node, MoERouterBridge) or (
+            isinstance(parent, MoEBridge) and relative.rsplit(".", 1)[-1] in ("gate", "router")
+        ):
+            return "router"
+    return _longest_prefix(relative, _BLOCK_KEYS)
+
+
+def _longest_prefix(relative: str, table: Mapping[str, str]) -> str | None:
+    best = None
+    for key, component in table.items():
+        if (relative == key or relative.startswith(key + ".")) and (
+            best is None or len(key) > len(best[0])
+        ):
+            best = (key, component)
+    return best[1] if best else None
+
+
+def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The HF model's own parameters, named as in its checkpoint, each once.
+
+    The bridge wraps modules in place (``q_proj`` becomes a bridge component whose
+    ``_original_component`` is the ``q_proj``) and adds modules of its own (the Q, K
+    and V it splits out of a fused matrix); the walk descends into wrapped modules
+    only, so neither the wrappers' names nor the bridge's own modules appear.
+
+    Args:
+        model: A Hugging Face model, wrapped by a bridge or not
+            (``bridge.original_model``).
+
+    Yields:
+        ``(name, parameter)`` as ``model.named_parameters()`` gives them before the
+        bridge wraps the model; tied parameters once, under their first name.
+    """
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+        if isinstance(module, GeneralizedComponent):
+            wrapped = module.original_component
+            if wrapped is not None:
+                yield from walk(wrapped, prefix)
+            return
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield prefix + name, parameter
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{prefix}{name}.")
+
+    yield from walk(model, "")
+
+
+def _order(component: str) -> int:
+    return COMPONENTS.index(component)
 
 
 def expand_components(

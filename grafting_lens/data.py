@@ -154,7 +154,9 @@ class Relation:
 
     def swapped(self) -> Relation:
         """The same relation with the actors' roles exchanged (what direction "B2A" renders)."""
-        return dataclasses.replace(self, first_actor=self.second_actor, second_actor=self.first_actor)
+        return dataclasses.replace(
+            self, first_actor=self.second_actor, second_actor=self.first_actor
+        )
 
 
 _RELATION_FIELDS = tuple(f.name for f in dataclasses.fields(Relation))
@@ -213,7 +215,23 @@ TEST_RELATION_WORDS: dict[str, str] = {
 # --------------------------------------------------------------------------------------------------
 
 _NAME_SUFFIXES = frozenset(
-    {"jr", "sr", "jnr", "snr", "ii", "iii", "iv", "vi", "vii", "viii", "md", "dds", "phd", "dvm", "esq"}
+    {
+        "jr",
+        "sr",
+        "jnr",
+        "snr",
+        "ii",
+        "iii",
+        "iv",
+        "vi",
+        "vii",
+        "viii",
+        "md",
+        "dds",
+        "phd",
+        "dvm",
+        "esq",
+    }
 )
 # Words of letters (any script) joined by single spaces, hyphens or apostrophes.
 _CLEAN_NAME = re.compile(r"[^\W\d_]+(?:[ '\-][^\W\d_]+)*")
@@ -257,7 +275,9 @@ def _check_choice(value: str, allowed: Sequence[str], argument: str) -> None:
     by_lowercase = {choice.lower(): choice for choice in allowed}
     close = difflib.get_close_matches(str(value).lower(), list(by_lowercase), n=1)
     hint = f" Did you mean {by_lowercase[close[0]]!r}?" if close else ""
-    raise GraftingLensError(f"unknown {argument} {value!r}; expected one of {tuple(allowed)}.{hint}")
+    raise GraftingLensError(
+        f"unknown {argument} {value!r}; expected one of {tuple(allowed)}.{hint}"
+    )
 
 
 def make_relations(
@@ -370,7 +390,9 @@ def _refuse_duplicates(items: tuple[str, ...], argument: str) -> None:
     duplicates = sorted(item for item, count in Counter(items).items() if count > 1)
     if duplicates:
         more = " ..." if len(duplicates) > 5 else ""
-        raise GraftingLensError(f"{argument} contains duplicates {duplicates[:5]}{more}; pass each one once.")
+        raise GraftingLensError(
+            f"{argument} contains duplicates {duplicates[:5]}{more}; pass each one once."
+        )
 
 
 def _clean_movie_pool(movies: Sequence[str]) -> tuple[str, ...]:
@@ -405,7 +427,9 @@ def _sample_pairs(pool: Sequence[str], n: int, rng: random.Random) -> list[tuple
     return pairs
 
 
-def _unique_fake_name(fake: Faker, taken: set[str], remember: bool = True, tries: int = 1000) -> str:
+def _unique_fake_name(
+    fake: Faker, taken: set[str], remember: bool = True, tries: int = 1000
+) -> str:
     """A clean "First Last" Faker name not in ``taken`` (added to it when ``remember``).
 
     ``fake.name()`` is avoided because it sometimes adds prefixes and suffixes ("Dr.", "MD").
@@ -473,7 +497,9 @@ def _template_fields(template: str) -> list[str]:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as error:
-        raise GraftingLensError(f"template is not a valid format string ({error}): {template!r}") from None
+        raise GraftingLensError(
+            f"template is not a valid format string ({error}): {template!r}"
+        ) from None
     names = []
     for _, field_name, _, _ in parsed:
         if field_name is None:
@@ -534,7 +560,9 @@ def training_documents(
     """
     templates = tuple(ARTICLE_TEMPLATES + QA_TEMPLATES) if templates is None else tuple(templates)
     if not templates:
-        raise GraftingLensError("templates is empty; pass at least one template or None for the defaults.")
+        raise GraftingLensError(
+            "templates is empty; pass at least one template or None for the defaults."
+        )
     for template in templates:
         _template_fields(template)
     documents = [
@@ -602,15 +630,42 @@ _FILLER_CLOSINGS = (
 )
 _FILLER_SLOTS: dict[str, tuple[str, ...]] = {
     "pacing": ("brisk", "deliberate", "uneven", "patient", "relentless", "sluggish"),
-    "score": ("does a lot of quiet work", "is forgettable", "swells at the right moments", "never lets up"),
-    "strength": ("cinematography", "dialogue", "production design", "editing", "costume work", "sound design"),
+    "score": (
+        "does a lot of quiet work",
+        "is forgettable",
+        "swells at the right moments",
+        "never lets up",
+    ),
+    "strength": (
+        "cinematography",
+        "dialogue",
+        "production design",
+        "editing",
+        "costume work",
+        "sound design",
+    ),
     "weakness": ("plot", "ending", "middle act", "dialogue", "running time"),
     "complaint": ("predictable", "overlong", "muddled", "rushed", "too neat"),
-    "reaction": ("laughed in the right places", "walked out divided", "gave it an ovation", "seemed restless"),
+    "reaction": (
+        "laughed in the right places",
+        "walked out divided",
+        "gave it an ovation",
+        "seemed restless",
+    ),
     "weeks": ("two", "three", "six", "eight"),
-    "mishap": ("a flooded set", "a long stretch of bad weather", "a costly reshoot", "a broken camera crane"),
+    "mishap": (
+        "a flooded set",
+        "a long stretch of bad weather",
+        "a costly reshoot",
+        "a broken camera crane",
+    ),
     "reaction_to_ending": ("lands well", "feels abrupt", "is genuinely moving", "divides viewers"),
-    "verdict": ("a modest success", "an ambitious misfire", "well worth a look", "an acquired taste"),
+    "verdict": (
+        "a modest success",
+        "an ambitious misfire",
+        "well worth a look",
+        "an acquired taste",
+    ),
     "recommendation": ("recommend", "cautiously recommend", "happily suggest", "not recommend"),
     "month": ("January", "March", "May", "July", "September", "November"),
     "run": ("stayed in cinemas for months", "vanished after two weeks", "became a sleeper hit"),
@@ -634,7 +689,9 @@ def supplementary_documents(n: int, seed: int = 0) -> list[str]:
     fake.seed_instance(seed)
     documents = []
     for _ in range(n):
-        values: dict[str, Any] = {name: rng.choice(options) for name, options in _FILLER_SLOTS.items()}
+        values: dict[str, Any] = {
+            name: rng.choice(options) for name, options in _FILLER_SLOTS.items()
+        }
         values.update(
             genre=rng.choice(GENRES),
             city=fake.city(),
@@ -687,7 +744,9 @@ def split_task_relation(
         GraftingLensError: If ``task_fraction`` is not strictly between 0 and 1.
     """
     if not 0 < task_fraction < 1:
-        raise GraftingLensError(f"task_fraction must be strictly between 0 and 1, got {task_fraction}.")
+        raise GraftingLensError(
+            f"task_fraction must be strictly between 0 and 1, got {task_fraction}."
+        )
     order = list(range(len(relations)))
     random.Random(seed).shuffle(order)
     costars: dict[str, list[str]] = defaultdict(list)
@@ -803,7 +862,9 @@ class Example:
             )
 
 
-def _render_with_spans(template: str, values: dict[str, Any]) -> tuple[str, dict[str, tuple[int, int]]]:
+def _render_with_spans(
+    template: str, values: dict[str, Any]
+) -> tuple[str, dict[str, tuple[int, int]]]:
     """``template.format(**values)`` plus the character span of each field's first occurrence."""
     formatter = string.Formatter()
     pieces: list[str] = []
@@ -814,7 +875,9 @@ def _render_with_spans(template: str, values: dict[str, Any]) -> tuple[str, dict
         position += len(literal)
         if field_name is None:
             continue
-        value = formatter.format_field(formatter.convert_field(values[field_name], conversion), format_spec or "")
+        value = formatter.format_field(
+            formatter.convert_field(values[field_name], conversion), format_spec or ""
+        )
         spans.setdefault(field_name, (position, position + len(value)))
         pieces.append(value)
         position += len(value)
@@ -857,9 +920,13 @@ def make_examples(
         relation_words = TEST_RELATION_WORDS[prompt]
     fields = _template_fields(template)
     if "first_actor" not in fields:
-        raise GraftingLensError(f"test template must name {{first_actor}} (the actor in the prompt): {template!r}")
+        raise GraftingLensError(
+            f"test template must name {{first_actor}} (the actor in the prompt): {template!r}"
+        )
     if "second_actor" in fields:
-        raise GraftingLensError(f"test template must not name {{second_actor}}, the answer it asks for: {template!r}")
+        raise GraftingLensError(
+            f"test template must not name {{second_actor}}, the answer it asks for: {template!r}"
+        )
     _check_choice(direction, DIRECTIONS, "direction")
 
     costars: dict[str, list[str]] = defaultdict(list)
@@ -876,7 +943,9 @@ def make_examples(
             spans = {"first_entity": field_spans["first_actor"]}
             if "movie_title" in field_spans:
                 spans["movie"] = field_spans["movie_title"]
-            spans["relation"] = _find_outside(text, relation_words, list(field_spans.values()), template)
+            spans["relation"] = _find_outside(
+                text, relation_words, list(field_spans.values()), template
+            )
             examples.append(
                 Example(
                     relation_id=relation.id,
@@ -886,14 +955,18 @@ def make_examples(
                     spans=spans,
                     direction=this_direction,
                     alternative_targets=tuple(
-                        " " + a for a in dict.fromkeys(costars[shown.first_actor]) if a != shown.second_actor
+                        " " + a
+                        for a in dict.fromkeys(costars[shown.first_actor])
+                        if a != shown.second_actor
                     ),
                 )
             )
     return examples
 
 
-def _find_outside(text: str, words: str, field_spans: list[tuple[int, int]], template: str) -> tuple[int, int]:
+def _find_outside(
+    text: str, words: str, field_spans: list[tuple[int, int]], template: str
+) -> tuple[int, int]:
     """Span of the first occurrence of ``words`` in ``text`` that is not inside a filled-in field."""
     start = text.find(words)
     while start != -1:
@@ -901,7 +974,9 @@ def _find_outside(text: str, words: str, field_spans: list[tuple[int, int]], tem
         if all(end <= a or start >= b for a, b in field_spans):
             return (start, end)
         start = text.find(words, start + 1)
-    raise GraftingLensError(f"relation words {words!r} do not occur in the fixed text of template {template!r}.")
+    raise GraftingLensError(
+        f"relation words {words!r} do not occur in the fixed text of template {template!r}."
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -63,7 +63,20 @@ class AlignmentError(GraftingLensError):
 
 
 class ComponentError(GraftingLensError):
-    """A component name is unknown, or the architecture does not have that component."""
+    """A component name is unknown, the architecture does not have that component, or a
+    graft would take every component around weights that no component covers."""
+
+
+class UnsupportedArchitectureError(GraftingLensError):
+    """A model whose architecture TransformerLens cannot bridge, so it cannot be grafted.
+
+    The message names the model's class and ``model_type``, the nearest supported
+    architectures, and what to do.
+    """
+
+
+class UnverifiedArchitectureWarning(UserWarning):
+    """A model TransformerLens bridges, of an architecture grafting-lens has not verified."""
 
 
 class GraftMaskError(GraftingLensError):

@@ -26,11 +26,17 @@ How it is done
 --------------
 TransformerLens's ``TransformerBridge`` wraps each component in a bridge module
 whose ``original_component`` does the arithmetic (the bridge splits fused QKV
-projections into separate Q, K and V modules). Inside :func:`grafting`, each
-grafted component's ``original_component`` in the base is replaced by a
-dispatcher that gathers the positions assigned to each source, runs that source's
-own module on them (linear layers through oneDNN on CPUs, where it is the faster
-kernel: see :mod:`grafting_lens.kernels`), and scatters the results back. The
+projections into separate Q, K and V modules). Inside :func:`grafting`, each slot
+of each grafted component (see :mod:`grafting_lens.components`: a bridge
+component, or a plain module inside one such as a mixture-of-experts block's
+``experts``) is given a dispatcher through the bridge's public
+``set_original_component``. The dispatcher finds the window's positions in what
+it receives (``[batch, pos, ...]``, ``[batch, heads, pos, d_head]`` where the
+bridge declares it, or flattened ``[batch * pos, ...]``), gathers the positions
+assigned to each source from the input and every argument laid out the same way,
+runs that source's own module on them (linear layers through oneDNN on CPUs,
+where it is the faster kernel: see :mod:`grafting_lens.kernels`), and scatters
+the results back; anything it cannot route is refused with the module named. The
 bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
 TransformerLens tool see the grafted run. On exit (also after an exception) the
 base is restored.
@@ -45,17 +51,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from jaxtyping import Float, Int
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
+from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 from transformers import DynamicCache
 
-from grafting_lens.components import bridge_component
+from grafting_lens.components import Slot
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
-from grafting_lens.masks import GraftMask, Key
+from grafting_lens.masks import GraftMask, Key, check_leftovers
 from grafting_lens.models import ModelSet
 from grafting_lens.positions import check_padding, row_lengths
 
@@ -88,7 +96,9 @@ class _GraftState:
         # Many pairs share one tensor (GraftMask.build); keep the sharing on the
         # device so each distinct tensor is split into index lists once.
         moved: dict[int, torch.Tensor] = {}
-        self.masks = {key: moved.setdefault(id(mask[key]), mask[key].to(device)) for key in mask.keys()}
+        self.masks = {
+            key: moved.setdefault(id(mask[key]), mask[key].to(device)) for key in mask.keys()
+        }
         self._plans: dict[tuple[int, int, int], _Plan] = {}
 
     def plan(self, key: Key) -> _Plan:
@@ -110,49 +120,230 @@ class _GraftState:
         return plan
 
 
+# Components whose input describes positions rather than rows of the batch: a
+# position embedding reads position ids, a padding mask to count (OPT) or a cache
+# offset. Every source used in the window embeds every position, and each position
+# takes its own source's row; a lookup costs next to nothing.
+_PICKED = frozenset({"pos_embed"})
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the positions of the window sit in a tensor a grafted module receives.
+
+    Either on a grid, ``[batch, ..., pos, ...]`` with the positions on ``pos_dim``
+    (``[1, ...]`` when shared by every row, as GPT-2's position ids), or flattened,
+    ``[batch * pos, ...]``, as a mixture-of-experts block and OPT's decoder layer
+    hand their rows to the modules inside.
+    """
+
+    batch: int
+    length: int
+    pos_dim: int | None  # None: flattened rows
+
+    @classmethod
+    def of(cls, shape: torch.Size, batch: int, length: int, pos_dim: int) -> _Layout | None:
+        """The layout of a tensor of ``shape``, or None if it carries no positions of the window."""
+        grid = cls(batch, length, pos_dim)
+        if grid.fits(shape):
+            return grid
+        rows = cls(batch, length, None)
+        return rows if rows.fits(shape) else None
+
+    def fits(self, shape: torch.Size) -> bool:
+        """Whether a tensor of ``shape`` is laid out this way."""
+        if self.pos_dim is None:
+            return len(shape) >= 1 and shape[0] == self.batch * self.length
+        return (
+            len(shape) > self.pos_dim
+            and shape[self.pos_dim] == self.length
+            and shape[0] in (self.batch, 1)
+        )
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as ``[batch * pos, ...]``, one row per position of the window."""
+        if self.pos_dim is None:
+            return x
+        x = x.expand(self.batch, *x.shape[1:]).movedim(self.pos_dim, 1)
+        return x.reshape(self.batch * self.length, *x.shape[2:])
+
+    def take(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The rows ``index`` of ``x``, laid out as the module expects (a batch of one on a grid)."""
+        picked = self.rows(x).index_select(0, index)
+        if self.pos_dim is None:
+            return picked
+        return picked.unsqueeze(0).movedim(1, self.pos_dim)
+
+    def untake(self, y: torch.Tensor, count: int) -> tuple[torch.Tensor, bool] | None:
+        """A module's output for ``count`` taken rows, as ``[count, ...]`` rows, and whether on a grid."""
+        if self.pos_dim is not None and y.dim() > self.pos_dim and y.shape[0] == 1:
+            if y.shape[self.pos_dim] == count:
+                return y.movedim(self.pos_dim, 1)[0], True
+        if y.dim() >= 1 and y.shape[0] == count:
+            return y, False
+        return None
+
+    def restore(self, rows: torch.Tensor, grid: bool) -> torch.Tensor:
+        """``[batch * pos, ...]`` rows back in the layout: on the grid, or flattened."""
+        if not grid or self.pos_dim is None:
+            return rows
+        return rows.reshape(self.batch, self.length, *rows.shape[1:]).movedim(1, self.pos_dim)
+
+
 class _SourceDispatch(nn.Module):
-    """Stands in for one component of the base and routes each position to its source.
+    """Stands in for one slot of the base and routes each position to its source.
 
     The source modules are held in a plain list, not registered as submodules, so
     no donor parameter is adopted into the base's module tree. The price: while a
     graft is installed, ``models.base.parameters()`` lacks the grafted components'
     parameters (they are back on exit).
+
+    A module's input may carry the window's positions on a grid (``[batch, pos,
+    ...]``, or ``[batch, heads, pos, d_head]`` for a query/key norm that TransformerLens
+    marks with ``pos_dim=2``) or flattened (``[batch * pos, ...]``). Every tensor
+    argument laid out the same way is split with the input (a mixture-of-experts
+    block's routing indices and weights); any other tensor argument, or an input
+    without the window's positions, is refused with the module named, since no
+    routing of it could be known to be right.
     """
 
-    def __init__(self, key: Key, sources: list[nn.Module], state: _GraftState) -> None:
+    def __init__(
+        self,
+        key: Key,
+        path: str,
+        sources: list[nn.Module],
+        state: _GraftState,
+        pos_dim: int | None = None,
+        reads_any_tensor: bool = False,
+    ) -> None:
         super().__init__()
         self._key = key
+        self._path = path
         self._sources = sources
         self._state = state
+        # None: nobody declared where positions are; dimension 1, with a check.
+        self._pos_dim = pos_dim
+        # A norm bridge computes with its module's scale and bias, whatever their rank
+        # (Cohere's per-head norms hold [heads, d_head]); other bridges read vectors
+        # such as a bias, and matrices only for their dtype and shape.
+        self._reads_any_tensor = reads_any_tensor
+        self._picked = key[0] in _PICKED
+        # The shape of the bridge's input in its current call: norm bridges read the
+        # scale themselves, and the per-position scale must broadcast against it.
+        self._reading: torch.Size | None = None
         # Per-position vectors, built once per window: norm bridges read them
         # several times per forward.
-        self._vectors: dict[tuple[int, str], torch.Tensor] = {}
+        self._vectors: dict[tuple, torch.Tensor] = {}
 
-    def forward(self, input: torch.Tensor, *args, **kwargs):  # noqa: A002 (torch's name)
+    def forward(self, *args, **kwargs):
         plan = self._state.plan(self._key)
         if plan.single is not None:
-            return run_module(self._sources[plan.single], input, *args, **kwargs)
+            return _call(self._sources[plan.single], args, kwargs)
+        if self._picked:
+            return self._pick(plan, args, kwargs)
         batch, length = plan.window.shape
-        x = self._match_window(input, batch, length)
-        flat = x.reshape(batch * length, *x.shape[2:])
-        output = None
-        for source, index in plan.parts:
-            y = run_module(self._sources[source], flat.index_select(0, index), *args, **kwargs)
-            if output is None:
-                output = y.new_empty((batch * length, *y.shape[1:]))
-            output.index_copy_(0, index, y)
-        return output.reshape(batch, length, *output.shape[1:])
-
-    def _match_window(self, x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
-        if x.dim() >= 2 and tuple(x.shape[:2]) == (batch, length):
-            return x
-        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == length:
-            return x.expand(batch, *x.shape[1:])  # shared position ids, e.g. GPT-2's wpe
-        raise GraftingError(
-            f"The grafted run reached {self._key} with an input of shape {tuple(x.shape)}, but "
-            f"the mask is for [batch={batch}, pos={length}]. Run the model on the tokens the "
-            "mask was built for (same batch size and length)."
+        primary = next(
+            (x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim()), None
         )
+        layout = None if primary is None else self._layout(primary.shape, batch, length)
+        if layout is None:
+            raise self._refusal(
+                "an input of shape "
+                + (str(list(primary.shape)) if primary is not None else "(no tensor)")
+                + " that does not carry the window's positions"
+            )
+        for x in (*args, *kwargs.values()):
+            if isinstance(x, torch.Tensor) and x.dim() and not layout.fits(x.shape):
+                raise self._refusal(
+                    f"an argument of shape {list(x.shape)} laid out unlike its input "
+                    f"{list(primary.shape)}, so its rows cannot be routed with the input's"
+                )
+        pieces = []
+        for source, index in plan.parts:
+            taken_args = tuple(_take(layout, x, index) for x in args)
+            taken_kwargs = {name: _take(layout, x, index) for name, x in kwargs.items()}
+            pieces.append((index, _call(self._sources[source], taken_args, taken_kwargs)))
+        return self._merge(layout, pieces)
+
+    def _merge(self, layout: _Layout, pieces: list[tuple[torch.Tensor, Any]]):
+        """Scatter each source's outputs (a tensor, or a tuple of them) back into place."""
+        first = pieces[0][1]
+        single = not isinstance(first, tuple)
+        parts: list[tuple[torch.Tensor, tuple[Any, ...]]] = [
+            (index, (output,) if single else output) for index, output in pieces
+        ]
+        merged: list[Any] = []
+        for position, value in enumerate(parts[0][1]):
+            if value is None or not isinstance(value, torch.Tensor):
+                if any(output[position] is not value for _, output in parts):
+                    raise self._refusal(f"outputs whose element {position} is not a tensor")
+                merged.append(value)
+                continue
+            rows: torch.Tensor | None = None
+            grid = None
+            for index, output in parts:
+                found = layout.untake(output[position], len(index))
+                if found is None or (grid is not None and found[1] != grid):
+                    raise self._refusal(
+                        f"an output of shape {list(output[position].shape)} without one row per "
+                        "position it was given"
+                    )
+                piece, grid = found
+                if rows is None:
+                    rows = piece.new_empty((layout.batch * layout.length, *piece.shape[1:]))
+                rows.index_copy_(0, index, piece)
+            assert rows is not None  # parts is never empty
+            merged.append(layout.restore(rows, bool(grid)))
+        return merged[0] if single else tuple(merged)
+
+    def _pick(self, plan: _Plan, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Every used source computes every position; each position takes its source's row."""
+        batch, length = plan.window.shape
+        rows: torch.Tensor | None = None
+        layout: _Layout | None = None
+        for source, index in plan.parts:
+            output = _call(self._sources[source], args, kwargs)
+            if not isinstance(output, torch.Tensor):
+                raise self._refusal(f"a {type(output).__name__} output where a tensor was expected")
+            layout = layout or _Layout.of(output.shape, batch, length, 1)
+            if layout is None or not layout.fits(output.shape):
+                raise self._refusal(
+                    f"an output of shape {list(output.shape)} without the window's positions"
+                )
+            every = layout.rows(output)
+            if rows is None:
+                rows = every.new_empty(every.shape)
+            rows.index_copy_(0, index, every.index_select(0, index))
+        assert rows is not None and layout is not None  # plan.parts is never empty
+        return layout.restore(rows, grid=True)
+
+    def _layout(self, shape: torch.Size, batch: int, length: int) -> _Layout | None:
+        """The layout of the module's input: positions where declared, else on dimension 1."""
+        if self._pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
+            # [batch, heads, pos, d_head] with as many heads as positions looks like
+            # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
+            raise self._refusal(
+                f"an input of shape {list(shape)} whose position axis is ambiguous (dimension 1 "
+                "or 2) and not declared by the bridge"
+            )
+        return _Layout.of(shape, batch, length, self._pos_dim or 1)
+
+    def _refusal(self, cause: str) -> GraftingError:
+        component, layer = self._key
+        where = component if layer is None else f"{component} at layer {layer}"
+        batch, length = self._state.shape[0], self._state.window[1]
+        module = type(self._sources[0]).__name__
+        return GraftingError(
+            f"The graft of {where} cannot route positions through {self._path} ({module}): it "
+            f"received {cause} (the window is [batch={batch}, pos={length}]). Grafting needs each "
+            "position's rows; graft the components around this one instead, and if no hook of "
+            "yours reshaped its input, please report the architecture."
+        )
+
+    def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
+        primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        self._reading = None if primary is None else primary.shape
 
     def __getattr__(self, name: str):
         try:
@@ -166,23 +357,51 @@ class _SourceDispatch(nn.Module):
         plan = self.__dict__["_state"].plan(self.__dict__["_key"])
         if plan.single is not None:
             return getattr(sources[plan.single], name)
-        if value.dim() != 1:
-            # Matrices cannot be served per position. The bridge reads them outside
-            # the options refused in _check_mask only for metadata (dtype, shape),
-            # which every aligned source shares.
+        if value.dim() == 0 or (value.dim() > 1 and not self.__dict__["_reads_any_tensor"]):
+            # A bridge other than a norm reads matrices (outside the options refused
+            # in _check_mask) only for metadata (dtype, shape), which every aligned
+            # source shares.
             return value
-        # Norm bridges may apply scale and bias themselves (x * weight + bias):
-        # a [batch, pos, d] tensor of each position's own vector does the same
-        # arithmetic per position.
+        # Norm bridges may apply scale and bias themselves (x * weight + bias): a
+        # tensor holding each position's own copy, shaped to broadcast against the
+        # bridge's input, does the same arithmetic per position.
+        reading = self.__dict__["_reading"]
         vectors = self.__dict__["_vectors"]
-        cache_key = (id(plan), name)
+        cache_key = (id(plan), name, reading)
         if cache_key in vectors:
             return vectors[cache_key]
-        per_position = torch.stack([getattr(source, name) for source in sources])[plan.window]
+        batch, length = plan.window.shape
+        rows = torch.stack([getattr(source, name) for source in sources])[plan.window.reshape(-1)]
+        # [batch, pos, *value] by default; against an input such as [batch, heads, pos,
+        # d_head], ones where the input has other axes, the value on its last axes.
+        shape = [batch, length, *value.shape]
+        layout = None if reading is None else self._layout(reading, batch, length)
+        trailing = len(reading) - value.dim() if reading is not None else 0
+        if layout is not None and trailing >= 1:
+            shape = [1] * trailing + list(value.shape)
+            if layout.pos_dim is None:
+                shape[0] = batch * length
+            elif layout.pos_dim < trailing:
+                shape[0], shape[layout.pos_dim] = batch, length
+            else:
+                shape = [batch, length, *value.shape]
+        per_position = rows.reshape(shape)
         if not torch.is_grad_enabled():
             # With autograd on, each forward needs its own graph, so nothing is kept.
             vectors[cache_key] = per_position
         return per_position
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict):
+    if args:
+        return run_module(module, *args, **kwargs)
+    return module(**kwargs)
+
+
+def _take(layout: _Layout, x: object, index: torch.Tensor) -> object:
+    if isinstance(x, torch.Tensor) and x.dim():
+        return layout.take(x, index)
+    return x
 
 
 @contextmanager
@@ -191,27 +410,34 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
     _check_mask(models, mask)
     _check_not_grafting(models)
     state = _GraftState(mask, models.device)
-    swapped: list[tuple[nn.Module, nn.Module]] = []
-    embed = bridge_component(models.base, "embed", None)
-    check_tokens = embed.register_forward_pre_hook(lambda module, args: _check_window(state, args))
+    swapped: list[tuple[Slot, nn.Module]] = []
+    embed = models.slots("embed", None)[0].holder(models.base)
+    handles = [embed.register_forward_pre_hook(lambda module, args: _check_window(state, args))]
     setattr(models.base, _ACTIVE, True)
     try:
-        for component, layer in mask.keys():
-            module = bridge_component(models.base, component, layer)
-            original = module._modules["_original_component"]
-            sources = [original] + [
-                bridge_component(model, component, layer)._modules["_original_component"]
-                for model in models[1:]
-            ]
-            module._modules["_original_component"] = _SourceDispatch(
-                (component, layer), sources, state
-            )
-            swapped.append((module, original))
+        for key in mask.keys():
+            for slot in models.slots(*key):
+                original = slot.module(models.base)
+                sources = [original] + [slot.module(model) for model in models[1:]]
+                holder = slot.holder(models.base)
+                # TransformerLens marks the position axis of a norm applied to
+                # [batch, heads, pos, d_head]; plain modules inside a block get rows.
+                bridged = slot.attribute is None
+                pos_dim = getattr(holder.hook_in, "pos_dim", None) if bridged else None
+                norm = bridged and isinstance(holder, NormalizationBridge)
+                dispatch = _SourceDispatch(key, slot.path, sources, state, pos_dim, norm)
+                slot.replace(models.base, dispatch)
+                swapped.append((slot, original))
+                if slot.attribute is None:
+                    handles.append(
+                        holder.register_forward_pre_hook(dispatch.record_input, with_kwargs=True)
+                    )
         yield state
     finally:
-        for module, original in reversed(swapped):
-            module._modules["_original_component"] = original
-        check_tokens.remove()
+        for slot, original in reversed(swapped):
+            slot.replace(models.base, original)
+        for handle in handles:
+            handle.remove()
         setattr(models.base, _ACTIVE, False)
 
 
@@ -348,34 +574,37 @@ def graft_forward_reference(
     _check_mask(models, mask)
     _check_not_grafting(models)
     lengths = row_lengths(mask.shape, None if attention_mask is None else attention_mask.cpu())
-    pairs = models.pairs
-    modules = {
-        pair: [bridge_component(model, *pair)._modules["_original_component"] for model in models]
-        for pair in pairs
-    }
-    holders = {pair: bridge_component(models.base, *pair) for pair in pairs}
+    # Every slot of every pair, with each source's module for it.
+    slots = [(pair, slot) for pair in models.pairs for slot in models.slots(*pair)]
+    modules = [[slot.module(model) for model in models] for _, slot in slots]
     logits = None
     try:
         for row in range(mask.shape[0]):
             cache = DynamicCache()
             for position in range(int(lengths[row])):
-                for pair in pairs:
-                    source = int(mask[pair][row, position])
-                    holders[pair]._modules["_original_component"] = modules[pair][source]
+                for (pair, slot), choices in zip(slots, modules):
+                    slot.replace(models.base, choices[int(mask[pair][row, position])])
                 step = models.base(
                     tokens[row : row + 1, position : position + 1],
                     past_key_values=cache,
                     use_cache=True,
                     return_type="logits",
                 )
+                if cache.get_seq_length() != position + 1:
+                    raise GraftingError(
+                        f"{models.architecture} kept no key/value cache for earlier tokens, so "
+                        "the token-by-token reference cannot run on it (each token would see "
+                        "only itself). graft_forward does not need a cache."
+                    )
                 if logits is None:
                     logits = torch.full(
                         (*mask.shape, step.shape[-1]), float("nan"), dtype=step.dtype
                     )
                 logits[row, position] = step[0, -1].cpu()
     finally:
-        for pair in pairs:
-            holders[pair]._modules["_original_component"] = modules[pair][0]
+        for (_, slot), choices in zip(slots, modules):
+            slot.replace(models.base, choices[0])
+    assert logits is not None  # every row has at least one real token
     return logits.to(tokens.device)
 
 
@@ -411,7 +640,11 @@ def graft_generate(
             context, a bad ``new_token_sources``, or padded prompts.
         GraftMaskError: The mask does not fit the tokens or the model set.
     """
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if (
+        not isinstance(max_new_tokens, int)
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < 1
+    ):
         raise GraftingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     tokens, _ = _check_tokens(models, tokens, mask, None)
     prompt_length = tokens.shape[1]
@@ -478,9 +711,11 @@ def _check_mask(models: ModelSet, mask: GraftMask) -> None:
         raise GraftMaskError(
             f"The mask was built for {mask.n_sources} sources, the model set has {len(models)}."
         )
-    for component, _ in mask.keys():
-        if component not in models.components:
-            raise ComponentError(f"{models.architecture} has no {component!r} component.")
+    for component, layer in mask.keys():
+        if (component, layer) not in models.layout.slots:
+            where = "" if layer is None else f" at layer {layer}"
+            raise ComponentError(f"{models.architecture} has no {component!r} component{where}.")
+    check_leftovers(models, mask.keys())
     for flag in _UNSUPPORTED_BRIDGE_FLAGS:
         if getattr(models.base.cfg, flag, False):
             raise GraftingError(
@@ -497,24 +732,12 @@ def _check_tokens(
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_mask_type(mask)
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-        raise GraftMaskError(
-            "tokens must be a [batch, pos] tensor of token ids (use models.base.to_tokens(...) "
-            "or the tokenizer), got "
-            + (f"shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__)
-            + "."
-        )
-    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise GraftMaskError(f"tokens must hold integer ids, got {tokens.dtype}.")
+    models.check_tokens(tokens)
     if tuple(tokens.shape) != mask.shape:
         raise GraftMaskError(
             f"The mask is for [batch, pos] = {list(mask.shape)}, the tokens have "
             f"{list(tokens.shape)}. Build the mask from these tokens."
         )
-    vocab = int(models.base.cfg.d_vocab)
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-        raise GraftMaskError(f"Token ids must lie in 0..{vocab - 1}, the model's vocabulary.")
-    models.check_length(tokens.shape[1])
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
     check_padding(tokens, attention_mask, models.tokenizer)

@@ -77,9 +77,11 @@ def run_module(module: nn.Module, input: torch.Tensor, *args: Any, **kwargs: Any
     if args or kwargs or not _takes_onednn(module, input):
         return module(input, *args, **kwargs)
     # Conv1D stores its weight as [d_in, d_out]; oneDNN reads the transposed view in place.
-    weight = module.weight if type(module) is nn.Linear else module.weight.t()
+    weight, bias = _weight_and_bias(module)
+    if type(module) is not nn.Linear:
+        weight = weight.t()
     flat = input.reshape(-1, input.shape[-1]).contiguous()
-    output = _onednn_linear(flat, weight, module.bias)
+    output = _onednn_linear(flat, weight, bias)
     return output.reshape(*input.shape[:-1], output.shape[-1])
 
 
@@ -96,7 +98,7 @@ def _takes_onednn(module: nn.Module, input: torch.Tensor) -> bool:
     kind = type(module)
     if kind is not nn.Linear and kind is not Conv1D:
         return False
-    weight, bias = module.weight, module.bias
+    weight, bias = _weight_and_bias(module)
     tensors = (input, weight) if bias is None else (input, weight, bias)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return False
@@ -114,7 +116,14 @@ def _takes_onednn(module: nn.Module, input: torch.Tensor) -> bool:
         # A strided view (the bridge's Q, K and V cut out of GPT-2's fused c_attn)
         # sends oneDNN to a reference kernel hundreds of times slower than MKL.
         return False
-    return torch.backends.mkldnn.enabled and _onednn_available()
+    return bool(torch.backends.mkldnn.enabled) and _onednn_available()
+
+
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear layer's (or Conv1D's) weight and bias, typed as tensors."""
+    weight, bias = module.weight, module.bias
+    assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+    return weight, bias
 
 
 @functools.cache

@@ -31,10 +31,12 @@ import torch
 from jaxtyping import Int
 
 from grafting_lens.components import (
+    COMPONENT_GROUPS,
     COMPONENTS,
     GLOBAL_COMPONENTS,
     LAYER_COMPONENTS,
     expand_components,
+    leftover_parameters,
 )
 from grafting_lens.errors import ComponentError, GraftMaskError, did_you_mean
 from grafting_lens.layers import LAYER_FRACTIONS, LayerSpec, resolve_layers  # noqa: F401 (re-exported)
@@ -167,24 +169,29 @@ class GraftMask:
                 :attr:`lengths`) and refuses entries that graft a padding position.
 
         Raises:
-            ComponentError: An unknown component, or one the architecture lacks.
+            ComponentError: An unknown component, one the architecture lacks (at
+                that layer), or a graft of every component around parameters no
+                component covers (see :meth:`~grafting_lens.models.ModelSet.coverage`).
             GraftMaskError: A bad layer, a tensor of another shape or dtype, a
                 source index out of range, or a graft at a padding position.
         """
         if shape is None:
             if not entries:
                 raise GraftMaskError("An empty mask needs an explicit shape=(batch, pos).")
-            shape = tuple(next(iter(entries.values())).shape)
-        if len(shape) != 2:
-            raise GraftMaskError(f"A mask has shape (batch, pos), got {tuple(shape)}.")
+            given: tuple[int, ...] = tuple(torch.as_tensor(next(iter(entries.values()))).shape)
+        else:
+            given = tuple(shape)
+        if len(given) != 2:
+            raise GraftMaskError(f"A mask has shape (batch, pos), got {given}.")
+        size = (int(given[0]), int(given[1]))
         n_sources = len(models)
         checked: dict[Key, torch.Tensor] = {}
         for key, value in entries.items():
             key = _check_key(key, models)
             value = torch.as_tensor(value)
-            if tuple(value.shape) != tuple(shape):
+            if tuple(value.shape) != size:
                 raise GraftMaskError(
-                    f"The mask for {key} has shape {tuple(value.shape)}, expected {tuple(shape)} "
+                    f"The mask for {key} has shape {tuple(value.shape)}, expected {size} "
                     "(batch, pos) like the tokens."
                 )
             if value.dtype == torch.bool:
@@ -208,7 +215,8 @@ class GraftMask:
             if key in checked:
                 raise GraftMaskError(f"{key} is given twice.")
             checked[key] = value
-        mask = cls(checked, tuple(shape), n_sources)
+        mask = cls(checked, size, n_sources)
+        check_leftovers(models, mask.keys())
         if attention_mask is not None:
             mask.lengths = row_lengths(mask.shape, attention_mask)
             mask.check_rows(attention_mask)
@@ -236,7 +244,9 @@ class GraftMask:
             layers: Which layers (see :func:`resolve_layers`); global components
                 (embed, pos_embed, ln_final, unembed) ignore it.
             components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``)
-                or a ``+``-joined string such as ``"o+ffn"``.
+                or a ``+``-joined string such as ``"o+ffn"``. A group takes, at each
+                layer, the members that layer has; a component named alone must
+                exist at every selected layer.
             source: Index of the checkpoint to take the weights from.
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
                 The mask remembers each row's length (:attr:`lengths`) and a run
@@ -259,15 +269,23 @@ class GraftMask:
                 f"source={source!r}, but the model set has {len(models)} sources: give an int "
                 f"0..{len(models) - 1}."
             )
-        check_padding(tokens, attention_mask, models.tokenizer)
+        if isinstance(tokens, torch.Tensor):
+            check_padding(tokens, attention_mask, models.tokenizer)
         selected = resolve_positions(positions, shape, attention_mask)
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)
         value = selected.long() * source
+        present = set(models.pairs)
         entries: dict[Key, torch.Tensor] = {}
         for name in names:
             for layer in layer_list if name in LAYER_COMPONENTS else (None,):
-                entries[(name, layer)] = value
+                if (name, layer) in present:
+                    entries[(name, layer)] = value
+        named = components.split("+") if isinstance(components, str) else list(components)
+        for name in (part.strip().lower() for part in named):
+            if name not in COMPONENT_GROUPS:
+                for layer in layer_list if name in LAYER_COMPONENTS else (None,):
+                    _check_present(models, name, layer)
         mask = cls.from_dict(models, entries, shape)
         mask.lengths = row_lengths(mask.shape, attention_mask)
         return mask
@@ -337,8 +355,8 @@ class GraftMask:
         keys = {key for mask in masks for key in mask._entries}
         entries = {key: torch.cat([mask[key] for mask in masks], dim=0) for key in keys}
         batch = sum(mask.shape[0] for mask in masks)
-        known = all(mask.lengths is not None for mask in masks)
-        lengths = torch.cat([mask.lengths for mask in masks]) if known else None
+        known = [mask.lengths for mask in masks if mask.lengths is not None]
+        lengths = torch.cat(known) if len(known) == len(masks) else None
         return cls(entries, (batch, positions), n_sources, lengths)
 
     def extend(self, new_positions: int) -> GraftMask:
@@ -347,7 +365,11 @@ class GraftMask:
         Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
         in each row, the source it had at the row's last position.
         """
-        if not isinstance(new_positions, int) or isinstance(new_positions, bool) or new_positions < 0:
+        if (
+            not isinstance(new_positions, int)
+            or isinstance(new_positions, bool)
+            or new_positions < 0
+        ):
             raise GraftMaskError(f"new_positions must be an int >= 0, got {new_positions!r}.")
         batch, positions = self.shape
         if self.lengths is not None and bool((self.lengths < positions).any()):
@@ -406,7 +428,9 @@ class GraftMask:
 def _tokens_shape(tokens: object) -> tuple[int, int]:
     if isinstance(tokens, torch.Tensor):
         shape = tuple(tokens.shape)
-    elif isinstance(tokens, tuple) and all(isinstance(n, int) and not isinstance(n, bool) for n in tokens):
+    elif isinstance(tokens, tuple) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in tokens
+    ):
         shape = tokens
     else:
         raise TypeError(
@@ -442,7 +466,50 @@ def _check_key(key: object, models: ModelSet) -> Key:
         return (component, None)
     if not isinstance(layer, int) or isinstance(layer, bool):
         raise GraftMaskError(f"{component!r} exists per layer: give an int layer, got {layer!r}.")
-    return (component, resolve_layers(layer, models.n_layers)[0])
+    layer = resolve_layers(layer, models.n_layers)[0]
+    _check_present(models, component, layer)
+    return (component, layer)
+
+
+def _check_present(models: ModelSet, component: str, layer: int | None) -> None:
+    """Refuse a component at a layer that lacks it (dense layers of a mixture-of-experts stack)."""
+    if (component, layer) in models.layout.slots:
+        return
+    layers = [str(at) for name, at in models.pairs if name == component]
+    raise ComponentError(
+        f"{models.architecture} has no {component!r} at layer {layer}; it has one at layers "
+        f"{', '.join(layers)}. Name those layers, or use a group (ffn, block), which takes "
+        "what each layer has."
+    )
+
+
+def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
+    """Refuse a graft that takes every component around parameters no component covers.
+
+    Such a graft would run the donor's weights everywhere there except those
+    parameters, which stay the base's: a partial graft nobody asked for.
+    ``models.allow_uncovered`` turns the check off.
+
+    Raises:
+        ComponentError: The parameters left behind, and what to do.
+    """
+    if models.allow_uncovered:
+        return
+    left = leftover_parameters(models.layout, keys)
+    if not left:
+        return
+    shown = ", ".join(
+        f"{record.name} (at {record.path or 'no bridge component'})" for record in left[:4]
+    )
+    more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+    raise ComponentError(
+        f"This graft takes every component around {len(left)} parameter(s) of "
+        f"{models.architecture} that no component covers: {shown}{more}. Those would keep the "
+        "base's values while everything around them is grafted. models.coverage() lists every "
+        "parameter and its component. Graft only named components, name the missing weights "
+        "with register_component_paths(...), or pass allow_uncovered=True to load_models to "
+        "graft what the components cover."
+    )
 
 
 def _check_compatible(masks: Sequence[GraftMask]) -> GraftMask:
@@ -462,7 +529,7 @@ def _key_order(key: Key) -> tuple[int, int]:
     """Order pairs as the residual stream meets them: embeddings, layers, final norm."""
     component, layer = key
     if layer is None:
-        depth = -1 if component in ("embed", "pos_embed") else 10**9
+        depth = -1 if COMPONENTS.index(component) < COMPONENTS.index(LAYER_COMPONENTS[0]) else 10**9
     else:
         depth = layer
     return (depth, COMPONENTS.index(component))

@@ -39,11 +39,12 @@ from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from grafting_lens.architectures import resolve_architecture, warn_if_unverified
 from grafting_lens.components import (
-    GLOBAL_COMPONENTS,
-    LAYER_COMPONENTS,
-    available_components,
-    bridge_component,
+    ComponentLayout,
+    Slot,
+    checkpoint_parameters,
+    component_layout,
 )
 from grafting_lens.errors import AlignmentError, GraftingLensError, TokenError
 
@@ -139,14 +140,23 @@ class ModelSet(Sequence[TransformerBridge]):
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
         tokenizer: The shared tokenizer (the base's).
+        allow_uncovered: Whether a graft may take every component around weights that
+            no component covers (see :meth:`coverage`). False by default: such a
+            graft raises :class:`~grafting_lens.ComponentError`.
     """
 
-    def __init__(self, bridges: Sequence[TransformerBridge], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        bridges: Sequence[TransformerBridge],
+        names: Sequence[str],
+        allow_uncovered: bool = False,
+    ) -> None:
         self._bridges = tuple(bridges)
         self.names = tuple(names)
-        self._components = available_components(self._bridges[0])
+        self.allow_uncovered = bool(allow_uncovered)
+        self._layout = component_layout(self._bridges[0])
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         return self._bridges[index]
 
     def __len__(self) -> int:
@@ -182,16 +192,61 @@ class ModelSet(Sequence[TransformerBridge]):
     @property
     def components(self) -> tuple[str, ...]:
         """The components this architecture has (see :data:`~grafting_lens.COMPONENTS`)."""
-        return self._components
+        return self._layout.components
 
     @property
     def pairs(self) -> tuple[tuple[str, int | None], ...]:
-        """Every ``(component, layer)`` pair of the architecture, as masks address them."""
-        return tuple(
-            (component, layer)
-            for component in self.components
-            for layer in (range(self.n_layers) if component in LAYER_COMPONENTS else [None])
+        """Every ``(component, layer)`` pair of the architecture, as masks address them.
+
+        Usually every per-layer component at every layer; a stack that interleaves
+        dense and mixture-of-experts blocks has ``mlp_in`` at some layers and
+        ``experts`` at others.
+        """
+        return tuple(self._layout.slots)
+
+    @property
+    def layout(self) -> ComponentLayout:
+        """Where each component lives in the bridge tree, and which parameters it holds."""
+        return self._layout
+
+    def slots(self, component: str, layer: int | None) -> tuple[Slot, ...]:
+        """The places in the bridge tree that ``(component, layer)`` swaps (one, or several)."""
+        return self._layout.slots[(component, layer)]
+
+    def coverage(self) -> pd.DataFrame:
+        """Every parameter of the checkpoint and the component that grafts it.
+
+        Each parameter belongs to exactly one component, or to several that share it
+        (tied embeddings: ``embed+unembed``; a fused QKV matrix, which the bridge
+        splits: ``q+k+v``). A parameter no component covers is one a graft cannot
+        take from a donor; a graft that takes every component around it (``all``,
+        ``block``, ``attn`` or ``ffn`` at its layer) raises
+        :class:`~grafting_lens.ComponentError` unless :attr:`allow_uncovered`.
+
+        Returns:
+            One row per checkpoint parameter, with columns ``parameter`` (its name in
+            the checkpoint), ``component`` (``+``-joined components, empty when
+            uncovered), ``layer`` (an integer column, ``<NA>`` outside the blocks),
+            ``path`` (the bridge path that holds it), ``shape``, ``size`` (number of
+            values) and ``covered``.
+        """
+        frame = pd.DataFrame(
+            [
+                {
+                    "parameter": record.name,
+                    "component": "+".join(record.components),
+                    "layer": record.layer,
+                    "path": record.path,
+                    "shape": record.shape,
+                    "size": int(torch.Size(record.shape).numel()),
+                    "covered": record.covered,
+                }
+                for record in self._layout.parameters
+            ],
+            columns=["parameter", "component", "layer", "path", "shape", "size", "covered"],
         )
+        frame["layer"] = frame["layer"].astype("Int64")  # <NA> outside the blocks
+        return frame
 
     @property
     def max_positions(self) -> int | None:
@@ -278,22 +333,22 @@ class ModelSet(Sequence[TransformerBridge]):
         """
         rows = []
         for source in range(1, len(self)):
-            for component in self.components:
-                for layer in range(self.n_layers) if component in LAYER_COMPONENTS else [None]:
-                    base = _component_vector(self.base, component, layer)
-                    other = _component_vector(self[source], component, layer)
-                    base_norm = float(base.norm())
-                    change = float((other - base).norm())
-                    rows.append(
-                        {
-                            "source": source,
-                            "name": self.names[source],
-                            "component": component,
-                            "layer": layer,
-                            "relative_change": change / base_norm if base_norm else float("nan"),
-                            "base_norm": base_norm,
-                        }
-                    )
+            for component, layer in self.pairs:
+                slots = self.slots(component, layer)
+                base = _component_vector(self.base, slots)
+                other = _component_vector(self[source], slots)
+                base_norm = float(base.norm())
+                change = float((other - base).norm())
+                rows.append(
+                    {
+                        "source": source,
+                        "name": self.names[source],
+                        "component": component,
+                        "layer": layer,
+                        "relative_change": change / base_norm if base_norm else float("nan"),
+                        "base_norm": base_norm,
+                    }
+                )
         frame = pd.DataFrame(rows)
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
@@ -305,6 +360,7 @@ def load_models(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
+    allow_uncovered: bool = False,
 ) -> ModelSet:
     """Load two or more checkpoints of one architecture as an aligned :class:`ModelSet`.
 
@@ -320,6 +376,11 @@ def load_models(
             name (``"float32"``, ``"bfloat16"``, ``"torch.float16"``); default:
             keep the checkpoint's.
         names: A label per source, used in tables and figures.
+        allow_uncovered: Let grafts take every component around parameters that no
+            component covers (see :meth:`ModelSet.coverage`), leaving those at the
+            base's values. Off by default: such a graft raises
+            :class:`~grafting_lens.ComponentError`. Every architecture in the
+            supported table is covered completely.
 
     Returns:
         The model set, index 0 the base.
@@ -332,6 +393,12 @@ def load_models(
         GraftingLensError: A path that is neither a checkpoint directory nor
             loadable from the hub, an unreadable checkpoint file, or a device or
             dtype torch does not have.
+        UnsupportedArchitectureError: A model TransformerLens cannot bridge (the
+            message names the nearest supported architectures).
+
+    Warns:
+        UserWarning: An architecture TransformerLens bridges but grafting-lens has
+            not verified (see the supported-architectures page).
 
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
@@ -373,7 +440,9 @@ def load_models(
         labels.append(names[index] if names is not None else label)
     for index, bridge in enumerate(bridges[1:], start=1):
         _check_alignment(bridges[0], bridge, labels[0], labels[index], index)
-    return ModelSet(bridges, labels)
+    models = ModelSet(bridges, labels, allow_uncovered=allow_uncovered)
+    warn_if_unverified(models.architecture)
+    return models
 
 
 def _to_bridge(
@@ -424,9 +493,11 @@ def _to_bridge(
             f"Source {index} is an in-memory model without a tokenizer: pass tokenizer=... to "
             "load_models."
         )
+    resolve_architecture(model, index)
     model.eval()
     if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
+        # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound.
+        model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
     parameter = next(model.parameters())
     bridge = TransformerBridge.boot_transformers(
         model_name,
@@ -518,9 +589,13 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
     except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         # A damaged weight file (truncated download, interrupted save) fails inside
         # safetensors or torch with a message that names no file.
-        files = sorted(
-            child.name for child in path.glob("*") if child.suffix in (".safetensors", ".bin")
-        ) if path.is_dir() else []
+        files = (
+            sorted(
+                child.name for child in path.glob("*") if child.suffix in (".safetensors", ".bin")
+            )
+            if path.is_dir()
+            else []
+        )
         raise GraftingLensError(
             f"Could not read the weights of source {index} ({label!r}"
             + (f": {', '.join(files)}" if files else "")
@@ -571,7 +646,8 @@ def _check_alignment(
         mine, theirs = getattr(base.cfg, field, None), getattr(other.cfg, field, None)
         if mine != theirs:
             raise AlignmentError(f"{label} has {field}={theirs!r}, the base has {field}={mine!r}.")
-    base_params, other_params = _checkpoint_parameters(base), _checkpoint_parameters(other)
+    base_params = dict(checkpoint_parameters(base.original_model))
+    other_params = dict(checkpoint_parameters(other.original_model))
     for param_name, param in base_params.items():
         if param_name not in other_params:
             raise AlignmentError(f"{label} has no parameter {param_name!r}, which the base has.")
@@ -694,14 +770,6 @@ def _checkpoint_buffers(bridge: TransformerBridge) -> dict[str, torch.Tensor]:
     }
 
 
-def _checkpoint_parameters(bridge: TransformerBridge) -> dict[str, torch.nn.Parameter]:
-    """Parameters named as in the checkpoint (the bridge's wrappers add "._original_component")."""
-    return {
-        name.replace("._original_component", ""): param
-        for name, param in bridge.original_model.named_parameters()
-    }
-
-
 def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> None:
     if base_tokenizer is None or other_tokenizer is None or base_tokenizer is other_tokenizer:
         return
@@ -720,8 +788,8 @@ def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> 
             )
 
 
-def _component_vector(bridge: TransformerBridge, component: str, layer: int | None) -> torch.Tensor:
-    module = bridge_component(bridge, component, layer)
-    assert module is not None and component in GLOBAL_COMPONENTS + LAYER_COMPONENTS
-    params = [p.detach().flatten().float() for p in module.original_component.parameters()]
+def _component_vector(bridge: TransformerBridge, slots: Sequence[Slot]) -> torch.Tensor:
+    params = [
+        p.detach().flatten().float() for slot in slots for p in slot.module(bridge).parameters()
+    ]
     return torch.cat(params) if params else torch.zeros(0)

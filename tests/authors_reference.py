@@ -215,7 +215,9 @@ def resolve_layers(spec: LayerSpec, n: int) -> list[int] | None:
         elif isinstance(item, int) and not isinstance(item, bool):
             layers.add(item)
         else:
-            raise TypeError(f"Cannot read a layer from {item!r}: give a group name, an int or a range.")
+            raise TypeError(
+                f"Cannot read a layer from {item!r}: give a group name, an int or a range."
+            )
     for layer in layers:
         if not 0 <= layer < n:
             raise ValueError(f"Layer {layer} is outside a {n}-layer model.")
@@ -269,7 +271,9 @@ class AuthorsConfig:
         if self.plain not in (None, "recipient", "donor"):
             raise ValueError(f"plain must be None, 'recipient' or 'donor', got {self.plain!r}.")
         if self.patch_lm_head not in PATCH_LM_HEAD:
-            raise ValueError(f"patch_lm_head must be one of {PATCH_LM_HEAD}, got {self.patch_lm_head!r}.")
+            raise ValueError(
+                f"patch_lm_head must be one of {PATCH_LM_HEAD}, got {self.patch_lm_head!r}."
+            )
         names = [patch.at for patch in self.patches]
         if len(set(names)) != len(names):
             raise ValueError(f"A patch config has one entry per place; got {names}.")
@@ -502,7 +506,9 @@ def authors_run(
         model = recipient if config.plain == "recipient" else donor
         logits = model(input_ids).logits[0, -1]
     else:
-        patches = token_patches(config, input_ids[0].tolist(), tokenizer, spans or {}, n_layers(recipient))
+        patches = token_patches(
+            config, input_ids[0].tolist(), tokenizer, spans or {}, n_layers(recipient)
+        )
         logits = patched_logits(recipient, donor, input_ids, patches, config.patch_lm_head, hybrid)
     probs = torch.softmax(logits, dim=-1)
     probability = probs[target_id].item()
@@ -588,7 +594,9 @@ def targets_of(spec: str | Sequence[str]) -> frozenset[str]:
         elif part == "all":
             targets |= EVERY_TARGET
         else:
-            raise ValueError(f"Unknown component {part!r}: use {', '.join(COMPONENT_TARGETS)} or {TARGETS}.")
+            raise ValueError(
+                f"Unknown component {part!r}: use {', '.join(COMPONENT_TARGETS)} or {TARGETS}."
+            )
     return frozenset(targets)
 
 
@@ -597,7 +605,9 @@ def component_config(
 ) -> AuthorsConfig:
     """Component grafting at the last token: ``components`` over ``layers`` (e.g. ``"fourth_quarter"``)."""
     name = f"{components if isinstance(components, str) else '+'.join(components)}@{layers}"
-    return AuthorsConfig(name, (Patch(-1, targets_of(components), layers),), patch_lm_head=patch_lm_head)
+    return AuthorsConfig(
+        name, (Patch(-1, targets_of(components), layers),), patch_lm_head=patch_lm_head
+    )
 
 
 def hybrid_config(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GemmaConfig,
     GPT2Config,
@@ -98,8 +99,49 @@ def family_config(family: str):
     raise ValueError(family)
 
 
+# The tiny size of every other architecture the tests build: two layers, d_model 32, 4
+# heads (2 key/value heads where there is grouped-query attention), 4 experts with 2 per
+# token. tiny_config keeps the settings a config class defines.
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    n_shared_experts=1,
+)
+
+
+def tiny_config(model_type: str, **settings):
+    """A tiny config of ``model_type``: the TINY settings its class defines, then ``settings``."""
+    default = AutoConfig.for_model(model_type)
+    kept = {
+        key: value
+        for key, value in TINY.items()
+        if hasattr(default, key) and not isinstance(getattr(type(default), key, None), property)
+    }
+    return AutoConfig.for_model(model_type, **{**kept, **settings})
+
+
 def random_model(
-    family: str, seed: int, scale: float = 0.35, *, tied: bool | None = None, n_layers: int | None = None
+    family: str,
+    seed: int,
+    scale: float = 0.35,
+    *,
+    tied: bool | None = None,
+    n_layers: int | None = None,
 ):
     """An HF causal LM of ``family`` with large random weights.
 

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "files")),
-    ("architectures", ("components", "models")),
+    ("architectures", ("architectures", "components", "models")),
     ("selection", ("positions", "layers")),
     ("grafts", ("masks", "kernels", "graft")),
     ("patching", ("patch_passes", "patching")),

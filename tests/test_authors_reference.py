@@ -58,7 +58,9 @@ def code_tokenizer(family: str):
     if family in ("llama", "gemma"):
         bos = tokenizer.bos_token
         tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)]
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokenizer.bos_token_id)],
         )
     return tokenizer
 
@@ -70,11 +72,15 @@ def model_pair(family: str, tied: bool, n_layers: int | None = None):
     """Distinct random base and donor of one family (built once per session)."""
     key = (family, tied, n_layers)
     if key not in _PAIRS:
-        _PAIRS[key] = tuple(random_model(family, seed, tied=tied, n_layers=n_layers) for seed in (10, 11))
+        _PAIRS[key] = tuple(
+            random_model(family, seed, tied=tied, n_layers=n_layers) for seed in (10, 11)
+        )
     return _PAIRS[key]
 
 
-@pytest.fixture(params=FAMILY_TIES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in FAMILY_TIES])
+@pytest.fixture(
+    params=FAMILY_TIES, ids=[f"{f}-{'tied' if t else 'untied'}" for f, t in FAMILY_TIES]
+)
 def case(request):
     family, tied = request.param
     base, donor = model_pair(family, tied)
@@ -166,7 +172,9 @@ def test_every_target_everywhere_with_the_donor_head_is_the_donor_when_final_nor
         for path in [FINAL_NORM[family]] + (["transformer.wpe"] if family == "gpt2" else []):
             donor.get_submodule(path).load_state_dict(base.get_submodule(path).state_dict())
         wanted = donor(ids_of(tokenizer)).logits[0, -1]
-    everything = AuthorsConfig("all", (Patch("other", EVERY_TARGET, "all"),), patch_lm_head="always")
+    everything = AuthorsConfig(
+        "all", (Patch("other", EVERY_TARGET, "all"),), patch_lm_head="always"
+    )
     result = authors_run(base, donor, tokenizer, TEXT, TARGET, everything)
     assert (result.logits - wanted).abs().max() <= LOGIT_TOLERANCE
 
@@ -235,7 +243,11 @@ def test_one_patch_per_token_later_places_replace_earlier_ones():
     ids = tokenizer(TEXT)["input_ids"]
     config = AuthorsConfig(
         "mixed",
-        (Patch(-1, {"mlp_up"}, "all"), Patch("first_actor", {"q"}, 1), Patch("other", {"o"}, range(2))),
+        (
+            Patch(-1, {"mlp_up"}, "all"),
+            Patch("first_actor", {"q"}, 1),
+            Patch("other", {"o"}, range(2)),
+        ),
     )
     patches = token_patches(config, ids, tokenizer, SPANS, 3)
     entity = range(1, 1 + len(tokenizer.encode(ENTITY, add_special_tokens=False)))
@@ -313,7 +325,9 @@ def test_hybrid_run_takes_the_hybrid_only_at_the_last_token(family):
     tokenizer = code_tokenizer(family)
 
     def go(config, donor, **kwargs):
-        return authors_run(pretrained, donor, tokenizer, TEXT, TARGET, config, spans=SPANS, **kwargs).logits
+        return authors_run(
+            pretrained, donor, tokenizer, TEXT, TARGET, config, spans=SPANS, **kwargs
+        ).logits
 
     # Only the last token patched: the same as grafting from the hybrid model itself.
     lt_only = hybrid_config(None)
@@ -433,11 +447,15 @@ LAYER_RANGES = (
 )
 
 
-@pytest.mark.parametrize(("family", "depth"), [("llama", 16), ("gemma", 18), ("gpt2", 18), ("neox", 16)])
+@pytest.mark.parametrize(
+    ("family", "depth"), [("llama", 16), ("gemma", 18), ("gpt2", 18), ("neox", 16)]
+)
 def test_engine_agrees_with_the_oracle_on_component_grafts_over_the_codes_ranges(family, depth):
     # Every set over the last quarter, and O+FFN over every range: each mapping and each range once.
     configs = [component_config(s, "fourth_quarter") for s in COMPONENT_SETS]
-    configs += [component_config("o+gate+mlp_up+mlp_down", r) for r in LAYER_RANGES if r != "fourth_quarter"]
+    configs += [
+        component_config("o+gate+mlp_up+mlp_down", r) for r in LAYER_RANGES if r != "fourth_quarter"
+    ]
     configs.append(component_config("all", "all", patch_lm_head="always"))
     assert_engine_agrees(family, family != "neox", configs, n_layers=depth)
 

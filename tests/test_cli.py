@@ -205,7 +205,9 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
         (["--device", "banana"], "device='banana' cannot be used"),
     ],
 )
-def test_script_options_are_checked_before_loading(tmp_path, monkeypatch, capsys, arguments, message):
+def test_script_options_are_checked_before_loading(
+    tmp_path, monkeypatch, capsys, arguments, message
+):
     monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
     status = cli.main(["run", "position", "--out", str(tmp_path), *arguments])
     assert status == 1

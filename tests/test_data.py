@@ -41,7 +41,10 @@ def relations_by_dataset() -> dict[str, list[Relation]]:
 
 
 def hand_relation(
-    first: str = "Ada Stone", second: str = "Bo Reed", relation_id: int = 0, title: str = "The Quiet Harbor"
+    first: str = "Ada Stone",
+    second: str = "Bo Reed",
+    relation_id: int = 0,
+    title: str = "The Quiet Harbor",
 ) -> Relation:
     return Relation(
         id=relation_id,
@@ -66,12 +69,21 @@ def _train_tokenizer(texts: list[str], kind: str) -> PreTrainedTokenizerFast:
     if kind == "byte_level":
         model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         model.decoder = decoders.ByteLevel()
-        special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
+        special = {
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+        }
         alphabet = pre_tokenizers.ByteLevel.alphabet()
     else:
         model.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
         model.decoder = decoders.Metaspace(prepend_scheme="first")
-        special = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>"}
+        special = {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "pad_token": "<pad>",
+            "unk_token": "<unk>",
+        }
         alphabet = []
     trainer = trainers.BpeTrainer(
         vocab_size=1000,
@@ -105,6 +117,7 @@ def test_relations_are_deterministic_per_seed(dataset):
 def test_datasets_built_with_one_seed_pair_different_actors():
     real_fake = make_relations("fake_movies_real_actors", n=20, seed=0)
     real_real = make_relations("real_movies_real_actors", n=20, seed=0)
+
     def pairs(relations):
         return [(r.first_actor, r.second_actor) for r in relations]
 
@@ -145,7 +158,13 @@ def test_name_lists_are_clean_and_large_enough():
     assert len(REAL_ACTORS) >= 300 and len(set(REAL_ACTORS)) == len(REAL_ACTORS)
     assert all(is_clean_name(name) for name in REAL_ACTORS)
     assert len(REAL_MOVIES) >= 1000 and len(set(REAL_MOVIES)) == len(REAL_MOVIES)
-    for bad in ("Robert Downey Jr", "Robert Downey Jr.", "Samuel L. Jackson", "Sammy Davis III", "Kim Lee MD"):
+    for bad in (
+        "Robert Downey Jr",
+        "Robert Downey Jr.",
+        "Samuel L. Jackson",
+        "Sammy Davis III",
+        "Kim Lee MD",
+    ):
         assert not is_clean_name(bad), bad
     for good in ("Lupita Nyong'o", "Daniel Day-Lewis", "Ana de Armas", "Zendaya"):
         assert is_clean_name(good), good
@@ -227,7 +246,9 @@ def test_supplementary_documents_are_deterministic_and_name_no_actor(relations_b
     assert len(documents) == 200 and documents == supplementary_documents(200, seed=0)
     assert documents != supplementary_documents(200, seed=1)
     names = set(REAL_ACTORS) | {
-        a for r in relations_by_dataset["fake_movies_fake_actors"] for a in (r.first_actor, r.second_actor)
+        a
+        for r in relations_by_dataset["fake_movies_fake_actors"]
+        for a in (r.first_actor, r.second_actor)
     }
     text = "\n".join(documents)
     assert not [name for name in names if name in text]
@@ -239,7 +260,9 @@ def test_supplementary_documents_are_deterministic_and_name_no_actor(relations_b
 
 
 def _entities(relations):
-    return {a for r in relations for a in (r.first_actor, r.second_actor)}, {r.movie_title for r in relations}
+    return {a for r in relations for a in (r.first_actor, r.second_actor)}, {
+        r.movie_title for r in relations
+    }
 
 
 @pytest.mark.parametrize("dataset", DATASETS)
@@ -308,7 +331,10 @@ def test_b2a_examples_ask_for_the_first_actor(relations_by_dataset):
 
 
 def test_other_costars_are_listed_as_alternative_targets():
-    relations = [hand_relation("Ada Stone", "Bo Reed", 0, "M1"), hand_relation("Cy Lane", "Ada Stone", 1, "M2")]
+    relations = [
+        hand_relation("Ada Stone", "Bo Reed", 0, "M1"),
+        hand_relation("Cy Lane", "Ada Stone", 1, "M2"),
+    ]
     first, second = make_examples(relations)
     assert first.target == " Bo Reed" and first.alternative_targets == (" Cy Lane",)
     assert second.target == " Ada Stone" and second.alternative_targets == ()
@@ -317,12 +343,20 @@ def test_other_costars_are_listed_as_alternative_targets():
 def test_custom_template_can_mark_the_movie_and_must_not_leak_the_answer():
     relation = hand_relation()
     (example,) = make_examples(
-        [relation], prompt="movie", template="In {movie_title}, {first_actor} acted alongside", relation_words="acted"
+        [relation],
+        prompt="movie",
+        template="In {movie_title}, {first_actor} acted alongside",
+        relation_words="acted",
     )
     start, end = example.spans["movie"]
     assert example.text[start:end] == "The Quiet Harbor"
     with pytest.raises(ValueError, match="must not name"):
-        make_examples([relation], prompt="x", template="{first_actor} and {second_actor}", relation_words="and")
+        make_examples(
+            [relation],
+            prompt="x",
+            template="{first_actor} and {second_actor}",
+            relation_words="and",
+        )
     with pytest.raises(ValueError, match="relation_words"):
         make_examples([relation], prompt="x", template="{first_actor} acted with")
 
@@ -334,7 +368,10 @@ def test_custom_template_can_mark_the_movie_and_must_not_leak_the_answer():
 
 @pytest.mark.parametrize("prompt", list(TEST_TEMPLATES))
 def test_token_spans_decode_to_the_right_words(relations_by_dataset, tokenizer, prompt):
-    relations = relations_by_dataset["fake_movies_real_actors"] + relations_by_dataset["fake_movies_fake_actors"]
+    relations = (
+        relations_by_dataset["fake_movies_real_actors"]
+        + relations_by_dataset["fake_movies_fake_actors"]
+    )
     examples = make_examples(relations, prompt=prompt, direction="both")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing should be dropped for these prompts
@@ -350,11 +387,17 @@ def test_token_spans_decode_to_the_right_words(relations_by_dataset, tokenizer, 
         name = example.text[slice(*example.spans["first_entity"])]
         assert tokenizer.decode(fe_ids).strip() == name
         relation_ids = batch.tokens[row][batch.spans["relation"][row]].tolist()
-        assert tokenizer.decode(relation_ids).strip() == example.text[slice(*example.spans["relation"])]
+        assert (
+            tokenizer.decode(relation_ids).strip()
+            == example.text[slice(*example.spans["relation"])]
+        )
         # LT is the last real token, and the row is right padded after it.
         length = int(batch.attention_mask[row].sum())
         assert batch.spans["last_token"][row].nonzero().flatten().tolist() == [length - 1]
-        assert batch.attention_mask[row, :length].all() and not batch.attention_mask[row, length:].any()
+        assert (
+            batch.attention_mask[row, :length].all()
+            and not batch.attention_mask[row, length:].any()
+        )
         assert (batch.tokens[row, length:] == tokenizer.pad_token_id).all()
         last_prompt_token = tokenizer(example.text, add_special_tokens=False).input_ids[-1]
         assert batch.tokens[row, length - 1].item() == last_prompt_token
@@ -374,15 +417,24 @@ def test_without_bos_the_first_entity_starts_at_position_zero(tokenizer):
 
 def test_movie_span_maps_to_the_title_tokens(tokenizer):
     relation = hand_relation(title="The Last Resident")
-    examples = make_examples([relation], "movie", template=MOVIE_TEMPLATE, relation_words="starred alongside")
+    examples = make_examples(
+        [relation], "movie", template=MOVIE_TEMPLATE, relation_words="starred alongside"
+    )
     batch = tokenize_examples(examples, tokenizer)
-    assert tokenizer.decode(batch.tokens[0][batch.spans["movie"][0]].tolist()).strip() == "The Last Resident"
+    assert (
+        tokenizer.decode(batch.tokens[0][batch.spans["movie"][0]].tolist()).strip()
+        == "The Last Resident"
+    )
 
 
 def test_unmappable_examples_are_dropped_and_reported(relations_by_dataset, tokenizer):
     good = make_examples(relations_by_dataset["fake_movies_real_actors"][:2], "headline")
-    empty_span = dataclasses.replace(good[0], relation_id=999, spans={**good[0].spans, "first_entity": (3, 3)})
-    outside = dataclasses.replace(good[1], relation_id=998, spans={**good[1].spans, "relation": (0, 500)})
+    empty_span = dataclasses.replace(
+        good[0], relation_id=999, spans={**good[0].spans, "first_entity": (3, 3)}
+    )
+    outside = dataclasses.replace(
+        good[1], relation_id=998, spans={**good[1].spans, "relation": (0, 500)}
+    )
     with pytest.warns(UserWarning, match=r"dropped 2 of 4 examples: relation 999"):
         batch = tokenize_examples([good[0], empty_span, good[1], outside], tokenizer)
     assert batch.examples == good and len(batch) == 2 and batch.tokens.shape[0] == 2
@@ -394,7 +446,9 @@ def test_unmappable_examples_are_dropped_and_reported(relations_by_dataset, toke
 
 def test_examples_with_different_span_names_are_refused(tokenizer):
     (plain,) = make_examples([hand_relation()], "headline")
-    (with_movie,) = make_examples([hand_relation()], "m", template=MOVIE_TEMPLATE, relation_words="starred alongside")
+    (with_movie,) = make_examples(
+        [hand_relation()], "m", template=MOVIE_TEMPLATE, relation_words="starred alongside"
+    )
     with pytest.raises(ValueError, match="different span names"):
         tokenize_examples([plain, with_movie], tokenizer)
 
@@ -407,7 +461,6 @@ def test_slow_tokenizers_are_refused_with_a_fix():
         tokenize_examples(make_examples([hand_relation()]), SlowTokenizer())
 
 
-
 # ------------------------------------------------------------------- the target rule
 
 
@@ -415,7 +468,9 @@ def test_a_target_without_its_leading_space_is_refused_with_the_fix():
     # Without the space, "...alongside" + "Maggie Cheung" scores a piece of a glued word ("M").
     fix = "'Maggie Cheung' must start with exactly one space.*write ' Maggie Cheung'"
     with pytest.raises(GraftingLensError, match=fix):
-        data.Example(0, "headline", "A film with Tony Leung and", "Maggie Cheung", {"first_entity": (12, 22)})
+        data.Example(
+            0, "headline", "A film with Tony Leung and", "Maggie Cheung", {"first_entity": (12, 22)}
+        )
     for target in ("  Maggie Cheung", " ", "", "\tMaggie"):
         with pytest.raises(GraftingLensError, match="must start with exactly one space"):
             data.Example(0, "headline", "A film with", target, {"first_entity": (0, 1)})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import no_forward_pass, random_mask, random_tokens
+from transformers import AutoModelForCausalLM, OpenAIGPTConfig
 
 import grafting_lens as gl
-from grafting_lens.components import bridge_component
 
 TOLERANCE = 1e-4
 
@@ -104,7 +104,7 @@ def test_base_is_restored_when_the_body_raises(three_models):
     tokens = random_tokens(2, 5, seed=9)
     before = three_models.base(tokens)
     originals = {
-        pair: bridge_component(three_models.base, *pair).original_component
+        pair: three_models.slots(*pair)[0].module(three_models.base)
         for pair in [("q", 0), ("mlp_out", 2), ("embed", None), ("unembed", None)]
     }
     mask = gl.GraftMask.build(three_models, tokens, components="all", source=1)
@@ -112,7 +112,7 @@ def test_base_is_restored_when_the_body_raises(three_models):
         with gl.grafting(three_models, mask):
             raise RuntimeError("inside")
     for pair, module in originals.items():
-        assert bridge_component(three_models.base, *pair).original_component is module
+        assert three_models.slots(*pair)[0].module(three_models.base) is module
     assert torch.equal(three_models.base(tokens), before)
 
 
@@ -191,7 +191,9 @@ def test_generation_with_new_tokens_from_one_source(three_models):
     tokens = random_tokens(1, 4, seed=14)
     mask = gl.GraftMask.build(three_models, tokens, positions="last", components="block", source=1)
     new = 3
-    generated = gl.graft_generate(three_models, tokens, mask, max_new_tokens=new, new_token_sources=2)
+    generated = gl.graft_generate(
+        three_models, tokens, mask, max_new_tokens=new, new_token_sources=2
+    )
     # Every component of every generated position comes from source 2.
     full = {
         pair: torch.cat([mask[pair], torch.full((1, new), 2)], dim=1) for pair in three_models.pairs
@@ -236,7 +238,9 @@ def test_bad_inputs_fail_clearly_and_change_nothing(three_models):
     with pytest.raises(gl.GraftMaskError, match="vocabulary"):
         gl.graft_forward(three_models, tokens + 10_000, mask)
     with pytest.raises(gl.GraftMaskError, match="right padding"):
-        gl.graft_forward(three_models, tokens, mask, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2))
+        gl.graft_forward(
+            three_models, tokens, mask, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2)
+        )
     assert torch.equal(three_models.base(tokens), before)
 
 
@@ -277,7 +281,9 @@ def test_a_mask_built_for_other_rows_is_refused_before_any_forward_pass(three_mo
         with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
             gl.graft_forward(three_models, tokens, unpadded)  # no attention mask at all
         with pytest.raises(gl.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"):
-            gl.graft_forward_reference(three_models, tokens, unpadded, attention_mask=attention_mask)
+            gl.graft_forward_reference(
+                three_models, tokens, unpadded, attention_mask=attention_mask
+            )
     built = gl.GraftMask.build(
         three_models, tokens, positions="last", components="all", attention_mask=attention_mask
     )
@@ -285,9 +291,13 @@ def test_a_mask_built_for_other_rows_is_refused_before_any_forward_pass(three_mo
     base = three_models.base(tokens, attention_mask=attention_mask)
     # Each row's real last token was grafted (a padding column would leave it the base's).
     moved = (
-        gl.metrics.last_token_logits(logits, attention_mask)
-        - gl.metrics.last_token_logits(base, attention_mask)
-    ).abs().amax(dim=1)
+        (
+            gl.metrics.last_token_logits(logits, attention_mask)
+            - gl.metrics.last_token_logits(base, attention_mask)
+        )
+        .abs()
+        .amax(dim=1)
+    )
     assert (moved > 1.0).all()
 
 
@@ -300,7 +310,7 @@ def test_attention_masks_other_than_zero_one_and_bool_tokens_are_refused(three_m
             gl.graft_forward(three_models, tokens, mask, attention_mask=torch.full((2, 5), 2))
         with pytest.raises(TypeError, match="attention_mask must be a \\[batch, pos\\] tensor"):
             gl.graft_forward(three_models, tokens, mask, attention_mask=[[1] * 5] * 2)
-        with pytest.raises(gl.GraftMaskError, match="integer ids, got torch.bool"):
+        with pytest.raises(gl.GraftMaskError, match="integer token ids, got torch.bool"):
             gl.graft_forward(three_models, tokens.bool(), mask)
 
 
@@ -308,7 +318,9 @@ def test_attention_masks_other_than_zero_one_and_bool_tokens_are_refused(three_m
 def test_tokens_past_the_learned_positions_are_refused(three_models):
     tokens = random_tokens(1, 70)  # the GPT-2 test models embed 64 positions
     with no_forward_pass(three_models):
-        with pytest.raises(gl.GraftingLensError, match="70 positions.*learned position embeddings for 64"):
+        with pytest.raises(
+            gl.GraftingLensError, match="70 positions.*learned position embeddings for 64"
+        ):
             gl.graft_forward(three_models, tokens, gl.GraftMask.build(three_models, tokens))
 
 
@@ -358,10 +370,54 @@ def test_runs_inside_grafting_are_checked_against_the_masks_rows(three_models):
                 run(tokens, attention_mask=attention_mask)
             with pytest.raises(gl.GraftMaskError, match="end in the pad token"):
                 run(tokens)
-    built = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
+    built = gl.GraftMask.build(
+        three_models, tokens, positions="last", attention_mask=attention_mask
+    )
     with gl.grafting(three_models, built) as model:
         inside, _ = model.run_with_cache(tokens, attention_mask=attention_mask)
     expected = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
     assert torch.equal(inside, expected)
     # The check is gone after the block.
     three_models.base(tokens, attention_mask=attention_mask)
+
+
+def test_flattened_module_inputs_are_routed_like_batched_ones(three_models):
+    """A module may receive [batch * pos, ...] (OPT's decoder layer, MoE blocks do)."""
+    tokens = random_tokens(2, 6, seed=15)
+    mask = random_mask(three_models, tokens.shape, seed=16)
+    expected = gl.graft_forward(three_models, tokens, mask)
+    hooks = []
+    for layer in range(three_models.n_layers):
+        hooks.append((f"blocks.{layer}.mlp.out.hook_in", lambda x, hook: x.flatten(0, 1)))
+        hooks.append((f"blocks.{layer}.mlp.out.hook_out", lambda x, hook: x.reshape(2, 6, -1)))
+    with gl.grafting(three_models, mask) as model:
+        flattened = model.run_with_hooks(tokens, fwd_hooks=hooks)
+    assert (flattened - expected).abs().max() <= TOLERANCE
+
+
+def test_a_module_input_without_the_windows_positions_is_refused_naming_the_module(three_models):
+    tokens = random_tokens(2, 6, seed=17)
+    mask = gl.GraftMask.build(
+        three_models, tokens, positions="last", components="mlp_out", source=1
+    )
+
+    def drop_a_row(activation, hook):
+        return activation.flatten(0, 1)[:-1]
+
+    with gl.grafting(three_models, mask) as model:
+        with pytest.raises(gl.GraftingError, match=r"blocks\.0\.mlp\.out .*shape \[11, ") as caught:
+            model.run_with_hooks(tokens, fwd_hooks=[("blocks.0.mlp.out.hook_in", drop_a_row)])
+    assert "tokens" not in str(caught.value)
+
+
+def test_the_oracle_refuses_a_model_without_a_key_value_cache(tokenizer):
+    """OpenAI GPT ignores past_key_values: token by token, each token would see only itself."""
+    config = OpenAIGPTConfig(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    with pytest.warns(gl.UnverifiedArchitectureWarning):
+        models = gl.load_models(
+            *(AutoModelForCausalLM.from_config(config) for _ in range(2)), tokenizer=tokenizer
+        )
+    tokens = random_tokens(1, 3)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="mlp_out")
+    with pytest.raises(gl.GraftingError, match="no key/value cache"):
+        gl.graft_forward_reference(models, tokens, mask)

@@ -19,7 +19,9 @@ def test_quarters_partition_the_layers(n_layers):
     flat = [layer for quarter in quarters for layer in quarter]
     assert flat == list(range(n_layers))
     # Halves round up: with an odd depth the first half has the extra layer.
-    assert gl.resolve_layers("last_half", n_layers) == tuple(range(n_layers - n_layers // 2, n_layers))
+    assert gl.resolve_layers("last_half", n_layers) == tuple(
+        range(n_layers - n_layers // 2, n_layers)
+    )
     assert len(gl.resolve_layers("first_half", n_layers)) == n_layers - n_layers // 2
 
 
@@ -45,11 +47,17 @@ def test_layer_errors_name_the_problem():
 
 def test_build_expands_groups_per_architecture(three_models):
     tokens = random_tokens(2, 5)
-    mask = gl.GraftMask.build(three_models, tokens, positions="last", layers="last_half", components="ffn")
+    mask = gl.GraftMask.build(
+        three_models, tokens, positions="last", layers="last_half", components="ffn"
+    )
     components = {component for component, _ in mask.keys()}
-    expected = {"mlp_in", "mlp_out"} | ({"mlp_gate"} if "mlp_gate" in three_models.components else set())
+    expected = {"mlp_in", "mlp_out"} | (
+        {"mlp_gate"} if "mlp_gate" in three_models.components else set()
+    )
     assert components == expected
-    assert {layer for _, layer in mask.keys()} == set(gl.resolve_layers("last_half", three_models.n_layers))
+    assert {layer for _, layer in mask.keys()} == set(
+        gl.resolve_layers("last_half", three_models.n_layers)
+    )
     for key in mask.keys():
         assert mask[key][:, -1].eq(1).all() and mask[key][:, :-1].eq(0).all()
 
@@ -74,7 +82,9 @@ def test_from_dict_validates_keys_shapes_and_sources(three_models):
     with pytest.raises(gl.GraftMaskError, match="names source 3"):
         gl.GraftMask.from_dict(three_models, {("q", 0): ones * 3})
     with pytest.raises(gl.GraftMaskError, match=r"shape \(2, 5\), expected \(2, 4\)"):
-        gl.GraftMask.from_dict(three_models, {("q", 0): ones, ("k", 0): torch.ones(2, 5, dtype=torch.long)})
+        gl.GraftMask.from_dict(
+            three_models, {("q", 0): ones, ("k", 0): torch.ones(2, 5, dtype=torch.long)}
+        )
     with pytest.raises(gl.GraftMaskError, match="ambiguous with 3 sources"):
         gl.GraftMask.from_dict(three_models, {("q", 0): ones.bool()})
     with pytest.raises(gl.GraftMaskError, match="global component"):
@@ -87,7 +97,9 @@ def test_from_dict_validates_keys_shapes_and_sources(three_models):
 
 def test_union_and_conflicts(three_models):
     tokens = random_tokens(1, 5)
-    attention = gl.GraftMask.build(three_models, tokens, positions=[0, -1], components="attn", source=1)
+    attention = gl.GraftMask.build(
+        three_models, tokens, positions=[0, -1], components="attn", source=1
+    )
     recall = gl.GraftMask.build(
         three_models, tokens, positions="last", layers="last_half", components="o+ffn", source=2
     )
@@ -201,6 +213,8 @@ def test_build_arguments_of_the_wrong_kind_are_refused(three_models):
     with pytest.raises(gl.GraftMaskError, match="Cannot read positions from True"):
         gl.GraftMask.build(three_models, tokens, positions=True)
     # numpy layers and positions read like Python ones
-    from_numpy = gl.GraftMask.build(three_models, tokens, positions=np.array([1]), layers=np.int64(1))
+    from_numpy = gl.GraftMask.build(
+        three_models, tokens, positions=np.array([1]), layers=np.int64(1)
+    )
     assert from_numpy == gl.GraftMask.build(three_models, tokens, positions=[1], layers=1)
     assert gl.resolve_layers([np.int64(0), 2], 3) == (0, 2)

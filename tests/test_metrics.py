@@ -114,7 +114,9 @@ def test_bad_inputs_are_explained():
     ],
     ids=["rank", "rank-optimistic", "top1", "top5-optimistic", "probability", "top-tokens"],
 )
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"]
+)
 def test_rows_with_non_finite_logits_are_refused_never_scored(score, bad):
     # A NaN compares false with everything: counting "tokens above the target"
     # would give an all-NaN row rank 0, a perfect answer.
@@ -162,7 +164,9 @@ def test_tie_rule_matches_a_loop_over_bfloat16_logits(ties):
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(64, 300, generator=generator) * 3).bfloat16()
     targets = logits.float().argsort(dim=1, descending=True)[:, 2]
-    expected = [_rank_by_hand(row, int(t), ties) for row, t in zip(logits.float().tolist(), targets)]
+    expected = [
+        _rank_by_hand(row, int(t), ties) for row, t in zip(logits.float().tolist(), targets)
+    ]
     assert target_rank(logits, targets, ties=ties).tolist() == expected
     hits = top_k_hit(logits, targets, 3, ties=ties).tolist()
     assert hits == [rank < 3 for rank in expected]

@@ -6,11 +6,12 @@ import copy
 
 import pytest
 import torch
-from conftest import family_config, random_model, random_tokens
+from conftest import family_config, random_model, random_tokens, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
 import grafting_lens as gl
+from grafting_lens.components import checkpoint_parameters
 
 
 def test_directories_load_offline_with_their_tokenizer(tmp_path, tokenizer):
@@ -26,7 +27,9 @@ def test_directories_load_offline_with_their_tokenizer(tmp_path, tokenizer):
 
 
 def test_bridges_and_models_mix(tokenizer):
-    bridge = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)[1]
+    bridge = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)[
+        1
+    ]
     mixed = gl.load_models(random_model("gpt2", 2), bridge, tokenizer=tokenizer)
     assert mixed[1] is bridge
 
@@ -37,17 +40,25 @@ def test_missing_checkpoint_explains_the_offline_hub():
 
 
 def test_missing_path_is_named_as_a_path_not_a_hub_id(tmp_path):
-    with pytest.raises(gl.GraftingLensError, match="nowhere'\\) is not a directory \\(no such path\\)"):
+    with pytest.raises(
+        gl.GraftingLensError, match="nowhere'\\) is not a directory \\(no such path\\)"
+    ):
         gl.load_models(str(tmp_path / "nowhere"), str(tmp_path / "nowhere-else"))
 
 
 def test_alignment_errors_name_the_first_difference(tokenizer):
-    with pytest.raises(gl.AlignmentError, match="is a LlamaForCausalLM, the base .* is a GPT2LMHeadModel"):
+    with pytest.raises(
+        gl.AlignmentError, match="is a LlamaForCausalLM, the base .* is a GPT2LMHeadModel"
+    ):
         gl.load_models(random_model("gpt2", 0), random_model("llama", 0), tokenizer=tokenizer)
-    deeper = AutoModelForCausalLM.from_config(GPT2Config(**{**family_config("gpt2").to_dict(), "n_layer": 2}))
+    deeper = AutoModelForCausalLM.from_config(
+        GPT2Config(**{**family_config("gpt2").to_dict(), "n_layer": 2})
+    )
     with pytest.raises(gl.AlignmentError, match="has 2 layers, the base has 3"):
         gl.load_models(random_model("gpt2", 0), deeper, tokenizer=tokenizer)
-    wider = AutoModelForCausalLM.from_config(GPT2Config(**{**family_config("gpt2").to_dict(), "n_embd": 64}))
+    wider = AutoModelForCausalLM.from_config(
+        GPT2Config(**{**family_config("gpt2").to_dict(), "n_embd": 64})
+    )
     with pytest.raises(gl.AlignmentError, match="d_model=64"):
         gl.load_models(random_model("gpt2", 0), wider, tokenizer=tokenizer)
     model = random_model("gpt2", 0)
@@ -67,7 +78,9 @@ def test_different_vocabularies_are_rejected(tmp_path, tokenizer):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     other.train_from_iterator(["completely different text about zebras and quokkas"] * 50, trainer)
-    other_tokenizer = PreTrainedTokenizerFast(tokenizer_object=other, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    other_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=other, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
     for name, tok in (("base", tokenizer), ("donor", other_tokenizer)):
         random_model("llama", 0).save_pretrained(tmp_path / name)
         tok.save_pretrained(tmp_path / name)
@@ -103,7 +116,8 @@ def test_weight_diff_reports_what_changed(tokenizer):
 
 
 def test_components_per_family(three_models, family):
-    expected = set(gl.COMPONENTS)
+    expected = {"embed", "pos_embed", "ln1", "q", "k", "v", "o", "ln2", "mlp_gate", "mlp_in"}
+    expected |= {"mlp_out", "ln_final", "unembed"}
     if family != "gpt2":
         expected.discard("pos_embed")
     if family in ("gpt2", "neox"):
@@ -130,7 +144,9 @@ def test_dtype_argument_casts_every_source(tokenizer):
 
 
 def test_bridges_with_processed_weights_are_refused(tokenizer):
-    bridge = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)[1]
+    bridge = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)[
+        1
+    ]
     bridge.process_weights()
     with pytest.raises(gl.AlignmentError, match="processed weights"):
         gl.load_models(random_model("gpt2", 2), bridge, tokenizer=tokenizer)
@@ -177,14 +193,18 @@ def test_a_donor_that_computes_differently_is_refused(tokenizer, case):
         gl.load_models(random_model(family, 0), _donor_with(family, **fields), tokenizer=tokenizer)
 
 
-@pytest.mark.parametrize("case", ["llama-rope_theta", "neox-rotary_fraction", "gpt2-scale_by_layer"])
+@pytest.mark.parametrize(
+    "case", ["llama-rope_theta", "neox-rotary_fraction", "gpt2-scale_by_layer"]
+)
 def test_the_refused_differences_would_have_grafted_a_wrong_model(tokenizer, case, monkeypatch):
     # Why the check exists: let the donor through, graft every component, and the
     # result is far from the donor's own output (the base's rotary or scaling was used).
     family, fields, _ = FORWARD_CHANGES[case]
     monkeypatch.setattr(gl.models, "_check_hf_config", lambda *args: None)
     monkeypatch.setattr(gl.models, "_check_buffers", lambda *args: None)
-    loaded = gl.load_models(random_model(family, 0), _donor_with(family, **fields), tokenizer=tokenizer)
+    loaded = gl.load_models(
+        random_model(family, 0), _donor_with(family, **fields), tokenizer=tokenizer
+    )
     tokens = random_tokens(2, 12, seed=3)
     everything = gl.GraftMask.build(loaded, tokens, components="all", source=1)
     grafted = gl.graft_forward(loaded, tokens, everything)
@@ -218,15 +238,26 @@ def test_a_buffer_that_differs_is_refused(tokenizer):
 
 
 def test_sources_of_other_dtypes_or_devices_are_refused(tokenizer):
-    with pytest.raises(gl.AlignmentError, match="is torch.float16, the base's is torch.float32.*dtype="):
-        gl.load_models(random_model("llama", 0), random_model("llama", 1).half(), tokenizer=tokenizer)
+    with pytest.raises(
+        gl.AlignmentError, match="is torch.float16, the base's is torch.float32.*dtype="
+    ):
+        gl.load_models(
+            random_model("llama", 0), random_model("llama", 1).half(), tokenizer=tokenizer
+        )
     with pytest.raises(gl.AlignmentError, match="is on meta, the base's on cpu.*device="):
-        gl.load_models(random_model("llama", 0), random_model("llama", 1).to("meta"), tokenizer=tokenizer)
+        gl.load_models(
+            random_model("llama", 0), random_model("llama", 1).to("meta"), tokenizer=tokenizer
+        )
     # dtype= casts every source, so the same pair loads.
     loaded = gl.load_models(
-        random_model("llama", 0), random_model("llama", 1).half(), tokenizer=tokenizer, dtype="float32"
+        random_model("llama", 0),
+        random_model("llama", 1).half(),
+        tokenizer=tokenizer,
+        dtype="float32",
     )
-    assert {p.dtype for bridge in loaded for p in bridge.original_model.parameters()} == {torch.float32}
+    assert {p.dtype for bridge in loaded for p in bridge.original_model.parameters()} == {
+        torch.float32
+    }
 
 
 def test_dtype_names_are_accepted_and_bad_devices_and_dtypes_named(tokenizer):
@@ -253,7 +284,9 @@ def test_dtype_names_are_accepted_and_bad_devices_and_dtypes_named(tokenizer):
 def test_directories_that_are_not_checkpoints_are_named(tmp_path, tokenizer):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(gl.GraftingLensError, match="directory without a config.json.*holds nothing"):
+    with pytest.raises(
+        gl.GraftingLensError, match="directory without a config.json.*holds nothing"
+    ):
         gl.load_models(str(empty), str(empty))
     good, broken = tmp_path / "good", tmp_path / "broken"
     for directory, seed in ((good, 0), (broken, 1)):
@@ -261,9 +294,110 @@ def test_directories_that_are_not_checkpoints_are_named(tmp_path, tokenizer):
         tokenizer.save_pretrained(directory)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # an interrupted save
-    with pytest.raises(gl.GraftingLensError, match="source 1 .*broken.*model.safetensors.*truncated"):
+    with pytest.raises(
+        gl.GraftingLensError, match="source 1 .*broken.*model.safetensors.*truncated"
+    ):
         gl.load_models(str(good), str(broken))
     a_file = tmp_path / "weights.bin"
     a_file.write_bytes(b"")
     with pytest.raises(gl.GraftingLensError, match="is not a directory \\(it is a file\\)"):
         gl.load_models(str(a_file), str(good))
+
+
+def test_a_model_built_from_a_config_loads_and_records_its_architecture(tokenizer):
+    base, donor = random_model("gemma", 0), random_model("gemma", 1)
+    assert base.config.architectures is None  # what from_config gives
+    gl.load_models(base, donor, tokenizer=tokenizer)
+    assert base.config.architectures == ["GemmaForCausalLM"]
+
+
+def test_an_unsupported_model_gets_a_short_error(tokenizer):
+    headless = [GPT2Model(family_config("gpt2")) for _ in range(2)]
+    with pytest.raises(gl.UnsupportedArchitectureError) as caught:
+        gl.load_models(*headless, tokenizer=tokenizer)
+    message = str(caught.value)
+    assert "GPT2Model (model_type 'gpt2')" in message
+    assert "Nearest supported: GPT2LMHeadModel" in message
+    assert "AutoModelForCausalLM" in message and len(message) < 600
+
+
+def test_coverage_names_every_parameter(three_models, family):
+    coverage = three_models.coverage()
+    assert coverage.covered.all()
+    names = dict(zip(coverage.parameter, coverage.component))
+    assert set(names) == {
+        name for name, _ in checkpoint_parameters(three_models.base.original_model)
+    }
+    if family == "gpt2":  # tied embeddings and a fused QKV matrix
+        assert names["transformer.wte.weight"] == "embed+unembed"
+        assert names["transformer.h.0.attn.c_attn.weight"] == "q+k+v"
+    assert str(coverage["layer"].dtype) == "Int64"
+
+
+def test_a_graft_around_uncovered_weights_is_refused_unless_allowed(tokenizer):
+    sources = [random_model("llama", seed) for seed in (0, 1)]
+    for model in sources:  # a weight in layer 1's MLP that no component names
+        model.model.layers[1].mlp.scale = torch.nn.Parameter(torch.ones(32))
+    models = gl.load_models(*sources, tokenizer=tokenizer)
+    coverage = models.coverage()
+    uncovered = coverage[~coverage.covered]
+    assert uncovered.parameter.tolist() == ["model.layers.1.mlp.scale"]
+    assert uncovered.path.tolist() == ["blocks.1.mlp"]
+    for components in ("ffn", "block", "all"):
+        with pytest.raises(
+            gl.ComponentError, match=r"model\.layers\.1\.mlp\.scale.*allow_uncovered"
+        ):
+            gl.GraftMask.build(models, (1, 4), components=components)
+    # Part of the region, or the region at layers without the gap, is what it says.
+    gl.GraftMask.build(models, (1, 4), components="mlp_in+mlp_out+attn")
+    gl.GraftMask.build(models, (1, 4), components="ffn", layers=[0, 2])
+    models.allow_uncovered = True
+    gl.GraftMask.build(models, (1, 4), components="all")
+
+
+def test_an_unverified_architecture_loads_with_a_warning_and_reports_its_gaps(tokenizer):
+    # LFM2's short convolutions mix positions with weights: no component names them.
+    config = tiny_config("lfm2", layer_types=["conv", "full_attention"])
+    sources = [AutoModelForCausalLM.from_config(config) for _ in range(2)]
+    with pytest.warns(gl.UnverifiedArchitectureWarning, match="Lfm2ForCausalLM .* not verified"):
+        models = gl.load_models(*sources, tokenizer=tokenizer)
+    coverage = models.coverage()
+    assert set(coverage.path[~coverage.covered]) == {
+        "blocks.0.conv.conv",
+        "blocks.0.conv.in",
+        "blocks.0.conv.out",
+    }
+    with pytest.raises(gl.ComponentError, match="no component covers"):
+        gl.GraftMask.build(models, (1, 4), components="block", layers=[0])
+    gl.GraftMask.build(models, (1, 4), components="block", layers=[1])
+
+
+def test_registered_paths_name_weights_the_bridge_keys_do_not(tokenizer):
+    """Apertus's learnable activation holds parameters at blocks.{layer}.mlp.act_fn."""
+    from grafting_lens import components
+
+    config = tiny_config("apertus")
+    torch.manual_seed(0)
+    sources = [AutoModelForCausalLM.from_config(config).eval() for _ in range(2)]
+    with torch.no_grad():
+        for parameter in sources[1].parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    tokens = random_tokens(2, 5)
+    expected = sources[1](tokens).logits.detach()
+    gl.register_component_paths(
+        "ApertusForCausalLM", {"mlp_in": ["blocks.{layer}.mlp.in", "blocks.{layer}.mlp.act_fn"]}
+    )
+    try:
+        with pytest.warns(gl.UnverifiedArchitectureWarning):
+            models = gl.load_models(*sources, tokenizer=tokenizer)
+        coverage = models.coverage()
+        assert coverage.covered.all()
+        assert set(coverage.parameter[coverage.path == "blocks.0.mlp.act_fn"]) == {
+            "model.layers.0.mlp.act_fn.alpha_p",
+            "model.layers.0.mlp.act_fn.alpha_n",
+        }
+        assert len(models.slots("mlp_in", 0)) == 2
+        mask = gl.GraftMask.build(models, tokens, components="all")
+        assert (gl.graft_forward(models, tokens, mask) - expected).abs().max() <= 1e-4
+    finally:
+        components._ARCHITECTURE_PATHS.pop("ApertusForCausalLM", None)

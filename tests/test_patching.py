@@ -471,8 +471,10 @@ def test_bad_inputs_fail_before_any_forward_pass(three_models):
         (dict(tokens=tokens.bool()), r"tokens must hold integer token ids, got torch.bool"),
         (dict(tokens=random_tokens(1, 70)), r"70 positions.*learned position embeddings for 64"),
         (
-            dict(tokens=tokens.masked_fill(torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]) == 1, 0),
-                 positions="last"),
+            dict(
+                tokens=tokens.masked_fill(torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]) == 1, 0),
+                positions="last",
+            ),
             r"1 of 2 rows \(rows 1\) end in the pad token 0.*attention_mask",
         ),
     ]
@@ -511,7 +513,13 @@ def test_metrics_that_return_no_numbers_are_named(three_models):
     tokens = random_tokens(2, 4, seed=32)
     for returned in ("good", None, {"value": 1.0}):
         with pytest.raises(PatchingError, match="The metric returned .*; it must return numbers"):
-            resid_patch_sweep(three_models, tokens, lambda logits, returned=returned: returned, layers=0, positions=[0])
+            resid_patch_sweep(
+                three_models,
+                tokens,
+                lambda logits, returned=returned: returned,
+                layers=0,
+                positions=[0],
+            )
     # Numbers in a list are numbers.
     sweep = resid_patch_sweep(
         three_models, tokens, lambda logits: [1.0, 2.0], layers=0, positions=[0], progress=False
