@@ -17,6 +17,7 @@ tokenized batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -93,6 +94,9 @@ POSITION_GRAFTING_COLUMNS = (
 """Columns of :func:`run_position_grafting`'s table, in order."""
 
 _ORDER_COLUMNS = ("_m", "_t", "_c")
+
+_KEY_COLUMNS = (*_ORDER_COLUMNS, "example")
+"""What tells the rows of a run apart: model set, test set, configuration, example."""
 
 
 @dataclass(frozen=True)
@@ -282,9 +286,38 @@ def run_experiment(
             columns=[c for c in columns if c not in _ORDER_COLUMNS],
             chunk_ids=[c[0] for c in chunks],
         )
-        run_dir = RunDirectory.open(Path(out), spec)
-        done = run_dir.finished([c[0] for c in chunks], columns)
+        run_dir = RunDirectory.open(out, spec)
+    with run_dir if run_dir is not None else contextlib.nullcontext():
+        if run_dir is not None:
+            # What each chunk must hold: every configuration of its examples, once.
+            expected = {
+                chunk_id: [
+                    (cell.model_index, cell.test_index, config, example)
+                    for config in range(len(grid.configs))
+                    for example in index.tolist()
+                ]
+                for chunk_id, cell, index in chunks
+            }
+            done = run_dir.finished(expected, columns, _KEY_COLUMNS)
+        records = _compute(grid, chunks, done, run_dir, columns, on_chunk)
 
+    table = pd.DataFrame(
+        [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
+    )
+    table = table.sort_values([*_ORDER_COLUMNS, "example"], kind="stable")
+    return table.drop(columns=list(_ORDER_COLUMNS)).reset_index(drop=True)
+
+
+def _compute(
+    grid: _Grid,
+    chunks: Sequence[tuple[str, _TestCell, torch.Tensor]],
+    done: Mapping[str, Rows],
+    run_dir: RunDirectory | None,
+    columns: Sequence[str],
+    on_chunk: Callable[[ChunkInfo], None] | None,
+) -> dict[str, Rows]:
+    """Every chunk not in ``done``, computed (and written to ``run_dir``); with ``done``."""
+    options = grid.options
     rows_of = {chunk_id: len(index) * len(grid.configs) for chunk_id, _, index in chunks}
     bar = tqdm(
         total=sum(rows_of.values()),
@@ -314,12 +347,7 @@ def run_experiment(
             records[chunk_id] = rows
             if on_chunk is not None:
                 on_chunk(ChunkInfo(position, len(chunks), chunk_id, len(rows), path))
-
-    table = pd.DataFrame(
-        [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
-    )
-    table = table.sort_values([*_ORDER_COLUMNS, "example"], kind="stable")
-    return table.drop(columns=list(_ORDER_COLUMNS)).reset_index(drop=True)
+    return records
 
 
 def run_position_grafting(
