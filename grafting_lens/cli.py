@@ -63,6 +63,12 @@ app = typer.Typer(
 DTYPES = ("float32", "bfloat16", "float16")
 """What ``--dtype`` accepts."""
 
+DEFAULT_DATASET = "fake_movies_real_actors"
+"""The dataset ``--model`` runs ask about unless ``--dataset`` says otherwise."""
+
+_RELATION_OPTIONS = ("dataset", "n_relations", "seed", "relations")
+"""Options that choose the relations of ``--model`` runs; the toy world has its own."""
+
 
 @app.callback()
 def main_callback() -> None:
@@ -119,10 +125,11 @@ def demo(
     device: str | None = typer.Option(
         None, "--device", help="torch device, e.g. cuda (default: cpu)."
     ),
-    dataset: str = typer.Option(
-        "fake_movies_real_actors",
+    dataset: str | None = typer.Option(
+        None,
         "--dataset",
-        help="Relations for --model (see grafting_lens.data.DATASETS).",
+        help="With --model: the relations' dataset (see grafting_lens.data.DATASETS; default "
+        "fake_movies_real_actors).",
     ),
     n_relations: int | None = typer.Option(
         None,
@@ -131,7 +138,9 @@ def demo(
         help="With --model: make_relations(--dataset, n=this, seed=--seed) are the relations the "
         "donor was (or is now) finetuned on (default: 100, 20 with --quick).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the relations."),
+    seed: int | None = typer.Option(
+        None, "--seed", help="With --model: the relations' seed (default 0)."
+    ),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where toy worlds are cached."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
     png: bool = typer.Option(
@@ -152,9 +161,10 @@ def demo(
     """Position grafting (PRE, SFT, FE, LT, FE+LT and complements): grafting-lens run demo."""
     if donor is not None and model is None:
         _fail("--donor needs --model: the base the donor is grafted into.")
-    argv = ["--out", str(out), "--batch-size", str(batch_size), "--seed", str(seed)]
-    argv += ["--dataset", dataset]
+    argv = ["--out", str(out), "--batch-size", str(batch_size)]
     for flag, value in (
+        ("--seed", seed),
+        ("--dataset", dataset),
         ("--model", model),
         ("--donor", donor),
         ("--n-examples", n_examples),
@@ -231,9 +241,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     )
     add(
         "--dataset",
-        default="fake_movies_real_actors",
-        help="With --model: the dataset the donors were finetuned on (default "
-        "fake_movies_real_actors).",
+        help=f"With --model: the dataset the donors were finetuned on (default {DEFAULT_DATASET}).",
     )
     add(
         "--n-relations",
@@ -241,7 +249,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         help=f"With --model: make_relations(--dataset, n=this, seed=--seed) (default "
         f"{spec.default_relations}).",
     )
-    add("--seed", type=int, default=0, help="With --model: the relations' seed (default 0).")
+    add("--seed", type=int, help="With --model: the relations' seed (default 0).")
     add(
         "--relations",
         choices=("all", "task", "relation"),
@@ -310,6 +318,7 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     spec = get_experiment(experiment)
     out = _check_out(args.out)
     checkpoints = _checkpoints(spec, args)
+    _check_relation_options(args, toy=checkpoints is None)
     resolve_placement(args.device, args.dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
     _apply_thread_policy(args.threads, toy=checkpoints is None)
@@ -516,6 +525,27 @@ def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
     for checkpoint, option in zip(checkpoints, options):
         _check_checkpoint(checkpoint, option)
     return checkpoints
+
+
+def _check_relation_options(args: argparse.Namespace, *, toy: bool) -> None:
+    """Refuse the relation options with the toy world (which asks about its own relations,
+    so they would change nothing), and fill in their defaults for ``--model``."""
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in _RELATION_OPTIONS
+        if getattr(args, name) is not None
+    ]
+    if toy and given:
+        verb = "chooses" if len(given) == 1 else "choose"
+        raise GraftingLensError(
+            f"{' and '.join(given)} {verb} the relations of --model runs; the toy world asks "
+            "about the relations it was built with (change them with --toy-config, e.g. "
+            "'{\"seed\": 1}'). Leave them out, or pass --model."
+        )
+    if args.dataset is None:
+        args.dataset = DEFAULT_DATASET
+    if args.seed is None:
+        args.seed = 0
 
 
 def _toy_config(text: str | None) -> Any:

@@ -324,3 +324,13 @@ def test_an_unwritable_out_is_found_before_anything_is_built(tmp_path, monkeypat
         assert result.exit_code == 1
         assert f"--out {target} cannot be written" in _output(result)
         assert "Permission denied" in _output(result)
+
+
+@pytest.mark.parametrize(
+    "option", [["--seed", "5"], ["--dataset", "x"], ["--n-relations", "3"], ["--relations", "task"]]
+)
+def test_relation_options_are_refused_with_the_toy_world(tmp_path, monkeypatch, capsys, option):
+    # The toy world asks about its own relations: the option would change nothing.
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    assert cli.main(["run", "position", "--out", str(tmp_path / "out"), *option]) == 1
+    assert f"{option[0]} chooses the relations of --model runs" in capsys.readouterr().err

@@ -138,6 +138,16 @@ def test_a_chunk_copied_from_another_run_is_refused(models, test_sets, whole, tm
         _run(models, test_sets, other, include_unembed=True)
 
 
+def test_a_directory_where_a_chunk_goes_is_refused(models, test_sets, tmp_path):
+    out = tmp_path / "run"
+    _run(models, test_sets, out)
+    path, _ = _chunk(out)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(RunError, match=r"m0-t0-c1.json is not a file"):
+        _run(models, test_sets, out)
+
+
 def test_a_chunk_written_by_the_previous_format_is_refused(models, test_sets, tmp_path):
     out = tmp_path / "run"
     _run(models, test_sets, out)

@@ -251,7 +251,7 @@ def _read_report_manifest(out: Path) -> dict[str, Any] | None:
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
             raise ValueError("not a report manifest")
     except (OSError, ValueError):
-        return {"fingerprint": None, "experiment": "unknown (report.json cannot be read)"}
+        return {"fingerprint": None, "unreadable": True}
     return manifest
 
 
@@ -300,6 +300,8 @@ def _another_report(
     names = ", ".join(path.name for path in found[:6]) + (" ..." if len(found) > 6 else "")
     if manifest is None:
         what = "the report of a run that left no report.json (an older grafting-lens?)"
+    elif manifest.get("unreadable"):
+        what = "a report whose report.json cannot be read, so which run wrote it is unknown"
     else:
         what = f"the report of another run ({manifest.get('experiment')}"
         if manifest.get("command"):

@@ -493,7 +493,10 @@ class RunDirectory:
         problems = []
         for chunk_id, keys in expected.items():
             path = self.chunk_path(chunk_id)
+            if not path.exists():
+                continue
             if not path.is_file():
+                problems.append(f"{path} is not a file")
                 continue
             try:
                 done[chunk_id] = self._read(path, chunk_id, columns, positions, keys)

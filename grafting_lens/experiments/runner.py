@@ -437,12 +437,23 @@ def _grid(
     test_list = [test_sets] if isinstance(test_sets, TestSet) else list(test_sets)
     if not test_list:
         raise ExperimentError("No test set given: the example set is empty.")
-    for test_set in test_list:
+    seen: dict[tuple[Any, ...], int] = {}
+    for index, test_set in enumerate(test_list):
         if not isinstance(test_set, TestSet):
             raise ExperimentError(
                 "test_sets must hold TestSet objects (see make_test_sets), got "
                 f"{type(test_set).__name__}."
             )
+        # Rows say which test set they come from by these labels only.
+        key = (test_set.dataset, test_set.prompt, test_set.seed, _directions(test_set))
+        if key in seen:
+            raise ExperimentError(
+                f"Test sets {seen[key]} and {index} are both {test_set.label!r} (seed "
+                f"{test_set.seed}, direction {'/'.join(map(str, key[3]))}): their rows could not "
+                "be told apart, and a summary would count their examples together. Pass each "
+                "prompt once, or give the test sets different dataset labels."
+            )
+        seen[key] = index
     config_list = get_configs(configs, registry)
     resolved = [
         resolve_configs(
@@ -464,18 +475,33 @@ def _grid(
     return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options)
 
 
+def _directions(test_set: TestSet) -> tuple[str, ...]:
+    """The directions a test set's examples ask (a column of every row)."""
+    examples = test_set.examples
+    if test_set.is_tokenized:
+        examples = getattr(examples, "examples", None) or ()
+    return tuple(sorted({str(getattr(example, "direction", None)) for example in examples}))
+
+
 def _model_sets(models: ModelSet | Mapping[str, ModelSet]) -> list[tuple[str, ModelSet]]:
     if isinstance(models, ModelSet):
         return [(",".join(models.names), models)]
     if isinstance(models, Mapping):
         if not models:
             raise ExperimentError("No model set given.")
+        labels: dict[str, Any] = {}
         for label, model_set in models.items():
             if not isinstance(model_set, ModelSet):
                 raise ExperimentError(
                     f"models[{label!r}] is a {type(model_set).__name__}; pass ModelSets from "
                     "load_models."
                 )
+            if str(label) in labels:
+                raise ExperimentError(
+                    f"The model sets {labels[str(label)]!r} and {label!r} would both be labelled "
+                    f"{str(label)!r} in the models column; give them distinct names."
+                )
+            labels[str(label)] = label
         return [(str(label), model_set) for label, model_set in models.items()]
     raise ExperimentError(
         f"models must be a ModelSet (grafting_lens.load_models) or a mapping of them, got "
