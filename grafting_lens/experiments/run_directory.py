@@ -23,11 +23,11 @@ resumed table must be the table an uninterrupted run gives:
   hold exactly the rows the run puts in it. A chunk copied from another run, one with
   an edited, dropped or duplicated row, one renamed, is refused before any forward
   pass, naming the file (delete it and it is recomputed).
-* **Writes are atomic** (:func:`grafting_lens.files.atomic_write`): a chunk or the
+* **Writes are atomic** (``grafting_lens.files.atomic_write``): a chunk or the
   manifest is complete or absent. A run killed while creating its directory leaves
   at most an empty ``chunks/`` and temporary files, which the next run clears.
 * **One writer**: the process running holds a lock on the directory
-  (:class:`grafting_lens.files.DirectoryLock`); a second process is refused with a
+  (``grafting_lens.files.DirectoryLock``); a second process is refused with a
   message naming the first, before it touches a file. The system releases the lock
   of a process that dies, so there are no stale locks to clean.
 
@@ -199,17 +199,23 @@ _REMEMBERED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = (
 """Digests known without hashing, per bridge, with the state of its parameters then."""
 
 
-def _parameter_state(source: Any) -> tuple[Any, ...]:
-    """Which tensors hold a model's parameters, and how often each was changed in place."""
+def _parameter_state(source: Any) -> tuple[Any, ...] | None:
+    """Which tensors hold a model's parameters, and how often each was changed in place
+    (``None`` when that cannot be told: tensors made in inference mode keep no count)."""
     model = getattr(source, "original_model", source)
-    return tuple(
-        (name, p.data_ptr(), p._version, p.dtype, tuple(p.shape), str(p.device))
-        for name, p in model.named_parameters()
-    )
+    try:
+        return tuple(
+            (name, p.data_ptr(), p._version, p.dtype, tuple(p.shape), str(p.device))
+            for name, p in model.named_parameters()
+        )
+    except RuntimeError:
+        return None
 
 
 def _remember(source: Any, digest: str) -> None:
-    _REMEMBERED[source] = (_parameter_state(source), digest)
+    state = _parameter_state(source)
+    if state is not None:
+        _REMEMBERED[source] = (state, digest)
 
 
 def _remembered(source: Any) -> str | None:
@@ -247,7 +253,7 @@ class CheckpointDigests:
 
     A digest is not stored for a file modified in the last two seconds (a time a
     second write in the same tick could share), nor when a file changed between
-    :meth:`__init__` and :meth:`digests`; such a source is simply hashed.
+    its creation and :meth:`digests`; such a source is simply hashed.
 
     Args:
         directories: The checkpoint directory of each source, base first (``None``
