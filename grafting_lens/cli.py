@@ -33,6 +33,9 @@ and exit status 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
+import json
 import os
 import shlex
 import sys
@@ -47,6 +50,7 @@ import torch
 import typer
 
 from grafting_lens.errors import GraftingLensError
+from grafting_lens.files import DirectoryLock, check_writable
 
 app = typer.Typer(
     name="grafting-lens",
@@ -58,6 +62,12 @@ app = typer.Typer(
 
 DTYPES = ("float32", "bfloat16", "float16")
 """What ``--dtype`` accepts."""
+
+DEFAULT_DATASET = "fake_movies_real_actors"
+"""The dataset ``--model`` runs ask about unless ``--dataset`` says otherwise."""
+
+_RELATION_OPTIONS = ("dataset", "n_relations", "seed", "relations")
+"""Options that choose the relations of ``--model`` runs; the toy world has its own."""
 
 
 @app.callback()
@@ -89,7 +99,7 @@ def run(
 
 @app.command()
 def demo(
-    out: Path = typer.Option(
+    out: str = typer.Option(
         ..., "--out", help="Directory for results.csv, summary.csv and the figure."
     ),
     model: str | None = typer.Option(
@@ -115,10 +125,11 @@ def demo(
     device: str | None = typer.Option(
         None, "--device", help="torch device, e.g. cuda (default: cpu)."
     ),
-    dataset: str = typer.Option(
-        "fake_movies_real_actors",
+    dataset: str | None = typer.Option(
+        None,
         "--dataset",
-        help="Relations for --model (see grafting_lens.data.DATASETS).",
+        help="With --model: the relations' dataset (see grafting_lens.data.DATASETS; default "
+        "fake_movies_real_actors).",
     ),
     n_relations: int | None = typer.Option(
         None,
@@ -127,7 +138,9 @@ def demo(
         help="With --model: make_relations(--dataset, n=this, seed=--seed) are the relations the "
         "donor was (or is now) finetuned on (default: 100, 20 with --quick).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of the relations."),
+    seed: int | None = typer.Option(
+        None, "--seed", help="With --model: the relations' seed (default 0)."
+    ),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where toy worlds are cached."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
     png: bool = typer.Option(
@@ -139,17 +152,19 @@ def demo(
         help="Decode grafted positions through the donor's unembedding (default: the base's, "
         "as in the paper).",
     ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Replace the results of another run in --out (they are deleted first).",
+    ),
 ) -> None:
     """Position grafting (PRE, SFT, FE, LT, FE+LT and complements): grafting-lens run demo."""
-    try:
-        _check_out(out)
-    except GraftingLensError as error:
-        raise typer.BadParameter(str(error), param_hint="--out") from None
     if donor is not None and model is None:
         _fail("--donor needs --model: the base the donor is grafted into.")
-    argv = ["--out", str(out), "--batch-size", str(batch_size), "--seed", str(seed)]
-    argv += ["--dataset", dataset]
+    argv = ["--out", str(out), "--batch-size", str(batch_size)]
     for flag, value in (
+        ("--seed", seed),
+        ("--dataset", dataset),
         ("--model", model),
         ("--donor", donor),
         ("--n-examples", n_examples),
@@ -164,6 +179,7 @@ def demo(
         ("--no-progress", not progress),
         ("--no-png", not png),
         ("--include-unembed", include_unembed),
+        ("--overwrite", overwrite),
     ):
         if on:
             argv.append(flag)
@@ -225,9 +241,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     )
     add(
         "--dataset",
-        default="fake_movies_real_actors",
-        help="With --model: the dataset the donors were finetuned on (default "
-        "fake_movies_real_actors).",
+        help=f"With --model: the dataset the donors were finetuned on (default {DEFAULT_DATASET}).",
     )
     add(
         "--n-relations",
@@ -235,7 +249,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         help=f"With --model: make_relations(--dataset, n=this, seed=--seed) (default "
         f"{spec.default_relations}).",
     )
-    add("--seed", type=int, default=0, help="With --model: the relations' seed (default 0).")
+    add("--seed", type=int, help="With --model: the relations' seed (default 0).")
     add(
         "--relations",
         choices=("all", "task", "relation"),
@@ -253,6 +267,12 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     )
     add("--cache-dir", help="Where toy worlds are cached.")
     add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="Replace the results of another run in --out: its tables, figures and runs/ are "
+        "deleted first (default: refuse).",
+    )
     add("--no-png", action="store_true", help="Write HTML figures only.")
     add("--no-progress", action="store_true", help="Hide progress bars.")
     for own in spec.options:
@@ -292,21 +312,43 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
 
 
 def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
+    from grafting_lens.experiments import get_experiment
+    from grafting_lens.models import resolve_placement
+
+    spec = get_experiment(experiment)
+    out = _check_out(args.out)
+    checkpoints = _checkpoints(spec, args)
+    _check_relation_options(args, toy=checkpoints is None)
+    resolve_placement(args.device, args.dtype)  # a typo fails now, not after minutes of loading
+    toy_config = _toy_config(args.toy_config)
+    _apply_thread_policy(args.threads, toy=checkpoints is None)
+    # One process writes into --out at a time; a second is refused before it loads anything.
+    with DirectoryLock(out, "The output directory (--out)"):
+        return _run_locked(spec, args, command, out, checkpoints, toy_config)
+
+
+def _run_locked(
+    spec: Any,
+    args: argparse.Namespace,
+    command: str,
+    out: Path,
+    checkpoints: list[str] | None,
+    toy_config: Any,
+) -> int:
     from grafting_lens.experiments import (
         RunOptions,
-        get_experiment,
+        prepare_report_directory,
         run_spec,
         setup_experiment,
         write_experiment_report,
     )
-    from grafting_lens.models import resolve_placement
+    from grafting_lens.experiments.run_directory import CheckpointDigests
 
-    spec = get_experiment(experiment)
-    out = _check_out(Path(args.out))
-    checkpoints = _checkpoints(spec, args)
-    resolve_placement(args.device, args.dtype)  # a typo fails now, not after minutes of loading
-    toy_config = _toy_config(args.toy_config)
-    _apply_thread_policy(args.threads, toy=checkpoints is None)
+    # Made before loading, so that a checkpoint changed while it loads is noticed.
+    known = CheckpointDigests(
+        [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
+        load={"dtype": args.dtype},
+    )
     started = time.perf_counter()
     setup = setup_experiment(
         spec,
@@ -323,11 +365,24 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
         progress=not args.no_progress,
         on_status=lambda line: typer.echo(line, err=True),
     )
+    # Only a grid of configurations saves chunks and reads them back.
+    resumed = setup.resumable and spec.run is None
+    description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+    prepare_report_directory(
+        out,
+        spec.name,
+        fingerprint,
+        description=description,
+        command=command,
+        overwrite=args.overwrite,
+        runs=resumed,
+    )
     computed: list[int] = []
     tables = run_spec(
         spec,
         setup,
-        out=out / "runs" if setup.resumable and spec.run is None else None,
+        out=out / "runs" if resumed else None,
         quick=args.quick,
         n_examples=args.n_examples,
         options=RunOptions(
@@ -341,8 +396,6 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     )
     elapsed = time.perf_counter() - started
     results = tables["results"]
-    # Only a grid of configurations saves chunks and reads them back.
-    resumed = setup.resumable and spec.run is None
     rows_computed = sum(computed) if resumed else len(results)
     notes = [
         f"Models: {setup.label} ("
@@ -357,7 +410,14 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     if spec.note:
         notes.append(spec.note)
     report = write_experiment_report(
-        spec, tables, out, label=setup.label, command=command, notes=notes, png=not args.no_png
+        spec,
+        tables,
+        out,
+        label=setup.label,
+        command=command,
+        notes=notes,
+        png=not args.no_png,
+        fingerprint=fingerprint,
     )
     if spec.run is None:
         _print_summary(report.summary, f"{spec.title}: {setup.label}")
@@ -371,6 +431,61 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     typer.echo("  " + ", ".join(path.name for path in report.files if path.name != "results.csv"))
     typer.echo(f"Done in {elapsed:.0f}s.")
     return 0
+
+
+_FREE_OPTIONS = frozenset(
+    {
+        "out",
+        "model",
+        "batch_size",
+        "device",
+        "threads",
+        "cache_dir",
+        "overwrite",
+        "no_png",
+        "no_progress",
+    }
+)
+"""Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
+
+
+def _describe_command_run(
+    spec: Any, args: argparse.Namespace, setup: Any, digests: Sequence[str]
+) -> dict[str, Any]:
+    """What makes a command's run this run: the experiment, the weights, the relations asked
+    and every option that changes a result. Its hash is the run's fingerprint in ``--out``."""
+    free = set(_FREE_OPTIONS)
+    free |= {option.lstrip("-").replace("-", "_") for option, _ in spec.donors.values()}
+    free |= {option.dest for option in spec.options if not option.fingerprinted}
+    relations = json.dumps([dataclasses.asdict(r) for r in setup.relations], sort_keys=True)
+    # A donor finetuned in this process is a function of the base and the options.
+    weights = list(digests) if setup.resumable else list(digests[:1])
+    return {
+        "experiment": spec.name,
+        "models": {"names": list(setup.models.names), "weights": weights},
+        "relations": hashlib.sha256(relations.encode()).hexdigest()[:16],
+        "options": {key: value for key, value in sorted(vars(args).items()) if key not in free},
+    }
+
+
+def _checkpoint_dirs(checkpoints: Sequence[str] | None) -> list[Path | None]:
+    """The directory each checkpoint is read from (a hub id's snapshot in the local cache)."""
+    if checkpoints is None:
+        return []
+    found: list[Path | None] = []
+    for checkpoint in checkpoints:
+        path = Path(checkpoint).expanduser()
+        if path.is_dir():
+            found.append(path)
+            continue
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            config = try_to_load_from_cache(checkpoint, "config.json")
+        except Exception:  # noqa: BLE001, a hub id we cannot place is simply hashed
+            config = None
+        found.append(Path(config).parent if isinstance(config, str) else None)
+    return found
 
 
 def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
@@ -412,6 +527,27 @@ def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
     return checkpoints
 
 
+def _check_relation_options(args: argparse.Namespace, *, toy: bool) -> None:
+    """Refuse the relation options with the toy world (which asks about its own relations,
+    so they would change nothing), and fill in their defaults for ``--model``."""
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in _RELATION_OPTIONS
+        if getattr(args, name) is not None
+    ]
+    if toy and given:
+        verb = "chooses" if len(given) == 1 else "choose"
+        raise GraftingLensError(
+            f"{' and '.join(given)} {verb} the relations of --model runs; the toy world asks "
+            "about the relations it was built with (change them with --toy-config, e.g. "
+            "'{\"seed\": 1}'). Leave them out, or pass --model."
+        )
+    if args.dataset is None:
+        args.dataset = DEFAULT_DATASET
+    if args.seed is None:
+        args.seed = 0
+
+
 def _toy_config(text: str | None) -> Any:
     if not text:
         return None
@@ -450,22 +586,9 @@ def _unembedding_note(args: argparse.Namespace) -> str:
 # ------------------------------------------------------------------------------ checks
 
 
-def _check_out(out: Path) -> Path:
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise GraftingLensError(
-            f"{out} is an existing file; --out must be a directory (new or existing)."
-        )
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise GraftingLensError(f"{parent} is a file, so --out {out} cannot be created.")
-            if not os.access(parent, os.W_OK):
-                raise GraftingLensError(
-                    f"{parent} is not writable, so --out {out} cannot be created."
-                )
-            break
-    return out
+def _check_out(out: str | os.PathLike) -> Path:
+    """``--out``: not empty, not a file, and writable, checked before anything is computed."""
+    return check_writable(out, "--out")
 
 
 def _check_checkpoint(name: str, option: str) -> None:

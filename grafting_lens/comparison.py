@@ -582,16 +582,22 @@ def reference_scores(
         index), and the scores ``target_rank``, ``target_prob``, ``top1``, ``top5``.
 
     Raises:
-        GraftingLensError: A malformed batch or a source out of range.
+        GraftingLensError: A malformed batch, a source out of range or listed twice, or a
+            bad ``batch_size``.
     """
     if not isinstance(models, ModelSet):
         raise GraftingLensError(f"Expected a ModelSet, got {type(models).__name__}.")
     sources = list(range(len(models))) if sources is None else list(sources)
     for index in sources:
-        if not isinstance(index, int) or not 0 <= index < len(models):
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
             raise GraftingLensError(
                 f"Source {index!r} is out of range: the model set has {len(models)} sources."
             )
+    if len(set(sources)) != len(sources):
+        # Each example would be scored twice, and a summary would count it twice.
+        raise GraftingLensError(f"A source is listed twice: {sources}.")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise GraftingLensError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
     batch = as_batch(tokenized, models)
     scorer = LastTokenScorer()
     rows = []

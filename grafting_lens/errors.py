@@ -20,7 +20,7 @@ The hierarchy, one class per thing that can go wrong::
     ├── NonFiniteLogitsError  logits to be scored hold NaN or infinite values
     ├── PatchingError       a patch or sweep the model set or tokens cannot give
     ├── ExperimentError     an unknown or malformed experiment, configuration or test set
-    └── RunError            a run directory cannot be used
+    └── RunError            a run or output directory cannot be used
 
 :class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
 because selections and tokens were reported as mask errors before they had names
@@ -127,7 +127,9 @@ class ExperimentError(GraftingLensError):
 
 
 class RunError(GraftingLensError):
-    """A run directory cannot be used: it holds another run, or is not a run directory."""
+    """A run or output directory cannot be used: it holds another run (or another run's
+    report), another process is writing into it, its chunks cannot be trusted, it is not
+    a run directory, or it cannot be written."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import types
 
 import pandas as pd
@@ -13,6 +15,14 @@ from grafting_lens import cli, toy
 from grafting_lens.experiments import POSITION_CONFIGS
 
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def digest_cache(monkeypatch, tmp_path):
+    """Keep the checkpoints' weight digests in the test's directory, not the user's cache."""
+    from grafting_lens.experiments import run_directory
+
+    monkeypatch.setattr(run_directory, "_default_digest_cache", lambda: tmp_path / "digests.json")
 
 
 def _output(result) -> str:
@@ -32,6 +42,25 @@ def checkpoints(tmp_path_factory):
         random_model("llama", seed).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
     return root
+
+
+@pytest.fixture
+def world(monkeypatch, checkpoints):
+    """The tiny checkpoints as the toy world (what the experiments read of one)."""
+    from grafting_lens import data
+
+    fake = types.SimpleNamespace(
+        root=checkpoints,
+        base_dir=checkpoints / "base",
+        sft_dir=checkpoints / "sft",
+        model_dir=lambda name: checkpoints / name,
+        relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
+        load_tokenizer=make_tokenizer,
+        config=types.SimpleNamespace(seed=0, dataset="fake_movies_real_actors"),
+        manifest={},
+    )
+    monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: fake)
+    return fake
 
 
 def test_out_pointing_at_a_file_fails_with_a_clear_message(tmp_path):
@@ -74,20 +103,7 @@ def _check_outputs(out, n_relations: int) -> pd.DataFrame:
     return results
 
 
-def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, monkeypatch, checkpoints):
-    from grafting_lens import data
-
-    world = types.SimpleNamespace(  # what the experiments read of a toy world
-        root=checkpoints,
-        base_dir=checkpoints / "base",
-        sft_dir=checkpoints / "sft",
-        model_dir=lambda name: checkpoints / name,
-        relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
-        load_tokenizer=make_tokenizer,
-        config=types.SimpleNamespace(seed=0, dataset="fake_movies_real_actors"),
-        manifest={},
-    )
-    monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: world)
+def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, world):
     out = tmp_path / "new" / "dir"
     result = runner.invoke(
         cli.app, ["demo", "--out", str(out), "--n-examples", "3", "--no-progress"]
@@ -212,3 +228,109 @@ def test_script_options_are_checked_before_loading(
     status = cli.main(["run", "position", "--out", str(tmp_path), *arguments])
     assert status == 1
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the output directory
+
+
+def _demo(out, *options):
+    return runner.invoke(
+        cli.app, ["demo", "--out", str(out), "--no-progress", "--no-png", *options]
+    )
+
+
+def test_another_runs_results_are_refused_then_replaced_completely_on_overwrite(tmp_path, world):
+    out = tmp_path / "out"
+    assert _demo(out).exit_code == 0
+    first = (out / "results.csv").read_text()
+    # A PNG the first run wrote (where Chrome was), listed in its report.json.
+    (out / "position_grafting.png").write_bytes(b"png")
+    manifest = json.loads((out / "report.json").read_text())
+    manifest["files"].append("position_grafting.png")
+    (out / "report.json").write_text(json.dumps(manifest))
+
+    refused = _demo(out, "--include-unembed")
+    assert refused.exit_code == 1
+    message = _output(refused)
+    assert "holds the report of another run (demo" in message
+    assert "differs in options (include_unembed)" in message and "--overwrite" in message
+    assert (out / "results.csv").read_text() == first  # untouched
+
+    replaced = _demo(out, "--include-unembed", "--overwrite")
+    assert replaced.exit_code == 0, _output(replaced)
+    assert not (out / "position_grafting.png").exists()  # nothing of the old run is left
+    assert (out / "results.csv").read_text() != first
+    assert json.loads((out / "report.json").read_text())["files"] == [
+        "results.csv",
+        "summary.csv",
+        "summary.md",
+        "position_grafting.html",
+    ]
+
+
+def test_a_rerun_of_the_same_run_rewrites_its_report_and_drops_what_it_no_longer_writes(
+    tmp_path, world
+):
+    out = tmp_path / "out"
+    assert _demo(out).exit_code == 0
+    (out / "position_grafting.png").write_bytes(b"an older png")
+    manifest = json.loads((out / "report.json").read_text())
+    manifest["files"].append("position_grafting.png")
+    (out / "report.json").write_text(json.dumps(manifest))
+    again = _demo(out, "--batch-size", "3")  # a batch size changes no result: the same run
+    assert again.exit_code == 0, _output(again)
+    assert "0 of 96 rows computed" in (out / "summary.md").read_text()  # read back
+    assert not (out / "position_grafting.png").exists()  # --no-png: the old PNG is gone
+
+
+def test_results_left_by_an_older_version_are_refused_and_cleared_on_overwrite(tmp_path, world):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.csv", "summary.md", "position_grafting.png", "notes.txt"):
+        (out / name).write_text("old")
+    refused = _demo(out)
+    assert refused.exit_code == 1 and "left no report.json" in _output(refused)
+    assert _demo(out, "--overwrite").exit_code == 0
+    assert not (out / "position_grafting.png").exists()
+    assert (out / "notes.txt").read_text() == "old"  # not a report's file: kept
+
+
+def test_an_empty_out_is_refused(tmp_path, monkeypatch, world):
+    monkeypatch.chdir(tmp_path)
+    for command in (["demo", "--out", ""], ["run", "position", "--out", ""]):
+        result = runner.invoke(cli.app, command)
+        assert result.exit_code == 1 and "--out is an empty path" in _output(result)
+    assert not list(tmp_path.iterdir())  # nothing written into the working directory
+
+
+def test_an_unwritable_out_is_found_before_anything_is_built(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: refuse as a read-only mount would
+        real = tempfile.mkstemp
+
+        def read_only(*args, dir=None, **kwargs):
+            if str(dir).startswith(str(out)):
+                raise PermissionError(13, "Permission denied")
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    for target in (out, out / "new" / "dir"):
+        result = runner.invoke(cli.app, ["demo", "--out", str(target)])
+        assert result.exit_code == 1
+        assert f"--out {target} cannot be written" in _output(result)
+        assert "Permission denied" in _output(result)
+
+
+@pytest.mark.parametrize(
+    "option", [["--seed", "5"], ["--dataset", "x"], ["--n-relations", "3"], ["--relations", "task"]]
+)
+def test_relation_options_are_refused_with_the_toy_world(tmp_path, monkeypatch, capsys, option):
+    # The toy world asks about its own relations: the option would change nothing.
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    assert cli.main(["run", "position", "--out", str(tmp_path / "out"), *option]) == 1
+    assert f"{option[0]} chooses the relations of --model runs" in capsys.readouterr().err

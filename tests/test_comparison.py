@@ -290,6 +290,22 @@ def test_bad_arguments_raise_before_any_forward(models, batch, arguments, messag
         compare_graft_and_patch(models, batch, progress=False, **arguments)
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(sources=[1, 1]), r"listed twice: \[1, 1\]"),  # each example would count twice
+        (dict(sources=[True]), "Source True is out of range"),
+        (dict(batch_size=0), "batch_size must be an integer >= 1"),
+        (dict(batch_size=2.5), "batch_size must be an integer >= 1"),
+    ],
+)
+def test_reference_scores_refuse_bad_arguments_before_any_forward(
+    models, batch, arguments, message
+):
+    with no_forward_pass(models), pytest.raises(GraftingLensError, match=message):
+        reference_scores(models, batch, **arguments)
+
+
 def test_a_missing_span_or_batch_raises_before_any_forward(models, batch):
     without_entity = copy.copy(batch)
     without_entity.spans = {}

@@ -541,6 +541,16 @@ def test_bad_input_fails_before_any_forward_pass(
         run_experiment(two, headline, ["PRE", "PRE"], out=out)
     with pytest.raises(GraftingLensError, match="batch_size"):
         run_experiment(two, headline, ["PRE"], batch_size=0, out=out)
+    # Rows that could not be told apart: a summary would count each example twice.
+    with pytest.raises(GraftingLensError, match=r"Test sets 0 and 1 are both .*/headline'"):
+        run_experiment(two, make_test_sets(relations, prompts=("headline", "headline")), ["PRE"])
+    with pytest.raises(GraftingLensError, match="Test sets 0 and 1"):
+        run_experiment(two, [headline[0], headline[0]], ["PRE"])
+    with pytest.raises(GraftingLensError, match=r"both be labelled '1'"):
+        run_experiment({1: two, "1": two}, headline, ["PRE"])
+    for n_examples in (-1, 0, 2.5, True):
+        with pytest.raises(GraftingLensError, match="n_examples is how many relations"):
+            experiments.run_named_experiment("demo", two, relations, n_examples=n_examples)
     assert count_forwards["n"] == 0
     assert not out.exists()  # nothing was written either
 

@@ -103,6 +103,7 @@ from grafting_lens.experiments.named import (
 from grafting_lens.experiments.paper import PAPER_NUMBERS
 from grafting_lens.experiments.report import (
     ExperimentReport,
+    prepare_report_directory,
     summary_markdown,
     write_experiment_report,
     write_report,
@@ -176,6 +177,7 @@ __all__ = [
     "get_configs",
     "get_experiment",
     "make_test_sets",
+    "prepare_report_directory",
     "register_config",
     "register_experiment",
     "resolve_components",

@@ -420,8 +420,16 @@ def run_spec(
     Returns:
         ``{"results": table, ...}``: the grid's table, or what the experiment's own
         runner returns.
+
+    Raises:
+        ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left to
+            ask about. GraftingLensError: anything
+            :func:`~grafting_lens.experiments.run_experiment` refuses, for any part, before
+            the first part runs.
     """
     spec = get_experiment(experiment)
+    if n_examples is not None:
+        _check_n_examples(n_examples)  # for every runner, before anything runs
     options = dataclasses.replace(options or RunOptions(), **settings)
     if setup.seeds:  # the toy world's seed goes with every row; explicit seeds come after
         options = dataclasses.replace(options, seeds={**setup.seeds, **options.seeds})
@@ -470,6 +478,14 @@ def run_spec(
         table.insert(1, "part", name)
         tables.append(table)
     return {"results": pd.concat(tables, ignore_index=True)}
+
+
+def _check_n_examples(n_examples: Any) -> None:
+    """``n_examples`` is a count of relations: an integer >= 1 (a slice would take -1 too)."""
+    if not isinstance(n_examples, int) or isinstance(n_examples, bool) or n_examples < 1:
+        raise ExperimentError(
+            f"n_examples is how many relations to ask about: an integer >= 1, got {n_examples!r}."
+        )
 
 
 def quick_toy_config() -> Any:

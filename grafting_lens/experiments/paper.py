@@ -184,7 +184,12 @@ register_experiment(
                 choices=("sufficiency", "necessity"),
                 many=True,
             ),
-            Option("--rows-per-forward", "Rows of one forward pass (default 512).", type=int),
+            Option(
+                "--rows-per-forward",
+                "Rows of one forward pass (default 512).",
+                type=int,
+                fingerprinted=False,
+            ),
         ),
         inapplicable=("--include-unembed", "--base-embeddings"),
         run=patching_vs_grafting.run,

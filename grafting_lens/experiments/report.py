@@ -8,6 +8,16 @@ the run, and what the paper reports next to it), and the experiment's figures as
 (and PNG where a Chrome is installed). Every file is written under a temporary name
 and renamed into place.
 
+A report directory holds one run's report. ``report.json`` says which run (its
+fingerprint, the command, what differs between runs) and lists every file the report
+wrote. Writing the report of another run into it is refused (a
+:class:`~grafting_lens.errors.RunError` naming what differs) unless asked to
+overwrite; then every file of the old report, its figures and its ``runs/``
+included, is deleted first, so nothing of it is left beside the new tables. A
+rewrite of the same run's report deletes the files the new one no longer writes (a
+PNG from before ``--no-png``). :func:`prepare_report_directory` makes that check
+before a run starts, so that the refusal comes before the compute.
+
 The figure builders here draw the paper's figures from a summary:
 :func:`accuracy_bars` (figures 2, 3a and 5) and :func:`component_heatmap` /
 :func:`component_bars` (figure 4).
@@ -15,7 +25,11 @@ The figure builders here draw the paper's figures from a summary:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,21 +41,30 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from grafting_lens import metrics, plots
+from grafting_lens.errors import RunError
 from grafting_lens.experiments.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
 from grafting_lens.experiments.specs import ExperimentSpec, get_experiment
-from grafting_lens.files import atomic_write
+from grafting_lens.files import LOCK_NAME, DirectoryLock, atomic_write
 
 __all__ = [
+    "REPORT_MANIFEST",
     "ExperimentReport",
     "accuracy_bars",
     "component_bars",
     "component_figures",
     "component_heatmap",
+    "prepare_report_directory",
     "summary_markdown",
     "write_experiment_report",
     "write_report",
     "write_table",
 ]
+
+REPORT_MANIFEST = "report.json"
+"""The file in a report directory that says which run wrote it and lists its files."""
+
+_REPORT_TABLES = ("results.csv", "summary.csv", "summary.md")
+"""Files that mark a directory as holding a report, with or without ``report.json``."""
 
 _BASELINES = ("BASE", "DONOR")
 _COLORS = qualitative.Plotly
@@ -81,8 +104,14 @@ def write_experiment_report(
     command: str | None = None,
     notes: Sequence[str] = (),
     png: bool = True,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
 ) -> ExperimentReport:
     """Write a named experiment's tables, summary and figures into ``out``.
+
+    ``out`` holds one run's report (see the module's docstring): the report of
+    another run there is refused, or, with ``overwrite``, deleted first; a rewrite of
+    the same run's deletes what the new one no longer writes.
 
     Args:
         experiment: The experiment (its own ``report`` is used if it has one).
@@ -92,25 +121,243 @@ def write_experiment_report(
         command: The command that made it, shown in ``summary.md``.
         notes: Lines listed under the table.
         png: Also export each figure as PNG.
+        fingerprint: What makes the run this run (``grafting-lens run`` passes its
+            own; default: a hash of the experiment's name and of ``tables``, so the
+            same results rewrite the same report).
+        overwrite: Replace the report of another run.
 
     Returns:
         The summary, the files written and what a reader should know.
+
+    Raises:
+        RunError: ``out`` holds another run's report and ``overwrite`` is false, it
+            is an empty path, or another process is writing into it.
     """
     spec = get_experiment(experiment)
-    if spec.report is not None:
-        report: ExperimentReport = spec.report(
-            spec, tables, out, label=label, command=command, notes=notes, png=png
+    out = _report_path(out)
+    if fingerprint is None:
+        fingerprint = _tables_fingerprint(spec.name, tables)
+    with DirectoryLock(out, "The report directory"):
+        before = prepare_report_directory(
+            out, spec.name, fingerprint, command=command, overwrite=overwrite
         )
-        return report
-    results = tables["results"]
-    summary = metrics.summarize(results, by=spec.summary_by, seed=0)
-    markdown = summary_markdown(summary, spec.title, command, notes, spec.paper)
-    report = ExperimentReport(summary, write_report(out, results, summary, markdown))
-    for figure in spec.figures:
-        rows = summary if figure.part is None else summary[summary.part == figure.part]
-        if not rows.empty:
-            report.save_figure(figure.draw(rows, label), Path(out) / figure.name, png=png)
+        if spec.report is not None:
+            report: ExperimentReport = spec.report(
+                spec, tables, out, label=label, command=command, notes=notes, png=png
+            )
+        else:
+            results = tables["results"]
+            summary = metrics.summarize(results, by=spec.summary_by, seed=0)
+            markdown = summary_markdown(summary, spec.title, command, notes, spec.paper)
+            report = ExperimentReport(summary, write_report(out, results, summary, markdown))
+            for figure in spec.figures:
+                rows = summary if figure.part is None else summary[summary.part == figure.part]
+                if not rows.empty:
+                    report.save_figure(figure.draw(rows, label), out / figure.name, png=png)
+        _finish_report(out, before, report.files)
     return report
+
+
+def prepare_report_directory(
+    out: str | os.PathLike,
+    experiment: str,
+    fingerprint: str,
+    *,
+    description: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    overwrite: bool = False,
+    runs: bool = False,
+) -> dict[str, Any]:
+    """Make ``out`` ready for the report of the run ``fingerprint``, before the run starts.
+
+    A directory holding the report of the same run (the same fingerprint) is left as
+    it is: the run resumes, and its report is rewritten. One holding another run's
+    report (``report.json`` with another fingerprint, or, without ``report.json``,
+    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: every
+    file the old report lists, the tables and figures of a report without a list,
+    and the run directories under ``runs/``. Then ``report.json`` names this run.
+
+    Args:
+        out: The report directory (created if needed).
+        experiment: The experiment's name.
+        fingerprint: What makes the run this run.
+        description: What the fingerprint is a hash of, JSON-ready; kept so that a
+            refusal can say what differs.
+        command: The command that runs it.
+        overwrite: Clear another run's report instead of refusing.
+        runs: The run keeps its resumable run directories in ``out/runs``.
+
+    Returns:
+        ``report.json`` as it is now.
+
+    Raises:
+        RunError: Another run's report and no ``overwrite``; a run directory under
+            ``runs/`` that another process is writing; ``out`` cannot be written.
+    """
+    out = _report_path(out)
+    with DirectoryLock(out, "The report directory"):
+        manifest = _read_report_manifest(out)
+        if manifest is not None and manifest.get("fingerprint") == fingerprint:
+            return manifest
+        found = _report_files(out, manifest)
+        if found:
+            if not overwrite:
+                raise RunError(_another_report(out, manifest, experiment, description, found))
+            _clear_report(out, found)
+        manifest = {
+            "format": 1,
+            "experiment": experiment,
+            "fingerprint": fingerprint,
+            "description": dict(description or {}),
+            "command": command,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "runs": bool(runs),
+            "files": [],
+        }
+        _write_report_manifest(out, manifest)
+        return manifest
+
+
+def _report_path(out: str | os.PathLike) -> Path:
+    if not str(out).strip():
+        raise RunError(
+            "The report directory is an empty path (it would be the working directory); name "
+            "a directory."
+        )
+    return Path(out).expanduser()
+
+
+def _tables_fingerprint(experiment: str, tables: Mapping[str, Any]) -> str:
+    """A hash of an experiment's name and of what its run returned."""
+    digest = hashlib.sha256(experiment.encode())
+    for name in sorted(tables):
+        value = tables[name]
+        text = (
+            value.to_csv(index=False)
+            if isinstance(value, pd.DataFrame)
+            else json.dumps(value, sort_keys=True, default=str)
+        )
+        digest.update(f"\n{name}\n{text}".encode())
+    return digest.hexdigest()[:20]
+
+
+def _read_report_manifest(out: Path) -> dict[str, Any] | None:
+    """``report.json``, ``None`` without one; an unreadable one reads as an unknown run's."""
+    path = out / REPORT_MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
+            raise ValueError("not a report manifest")
+    except (OSError, ValueError):
+        return {"fingerprint": None, "unreadable": True}
+    return manifest
+
+
+def _write_report_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
+    try:
+        atomic_write(out / REPORT_MANIFEST, json.dumps(manifest, indent=1).encode())
+    except OSError as error:
+        raise RunError(
+            f"The report directory {out} cannot be written ({error.strerror or error}); choose "
+            "a directory you can write to."
+        ) from None
+
+
+def _report_files(out: Path, manifest: Mapping[str, Any] | None) -> list[Path]:
+    """What a report in ``out`` consists of: its listed files, or its tables and figures."""
+    if manifest is not None and "files" in manifest:
+        found = [out / name for name in manifest["files"] if (out / name).exists()]
+        if manifest.get("runs") and (out / "runs").is_dir():
+            found.append(out / "runs")
+        return [*found, out / REPORT_MANIFEST]
+    # A report without a list: an unreadable report.json, or one of an older grafting-lens
+    # (its tables, then its figures beside them; figures alone may be the user's own).
+    found = []
+    if manifest is not None or any((out / name).exists() for name in _REPORT_TABLES):
+        found = [
+            path
+            for path in sorted(out.iterdir())
+            if path.is_file()
+            and (
+                path.name in (*_REPORT_TABLES, "references.csv", "references_summary.csv")
+                or path.suffix in (".html", ".png")
+            )
+        ]
+    if (out / "runs").is_dir():
+        found.append(out / "runs")
+    return [*found, *([out / REPORT_MANIFEST] if manifest is not None else [])]
+
+
+def _another_report(
+    out: Path,
+    manifest: Mapping[str, Any] | None,
+    experiment: str,
+    description: Mapping[str, Any] | None,
+    found: Sequence[Path],
+) -> str:
+    names = ", ".join(path.name for path in found[:6]) + (" ..." if len(found) > 6 else "")
+    if manifest is None:
+        what = "the report of a run that left no report.json (an older grafting-lens?)"
+    elif manifest.get("unreadable"):
+        what = "a report whose report.json cannot be read, so which run wrote it is unknown"
+    else:
+        what = f"the report of another run ({manifest.get('experiment')}"
+        if manifest.get("command"):
+            what += f", `{manifest['command']}`"
+        if manifest.get("started"):
+            what += f", started {manifest['started']}"
+        what += ")"
+        old = manifest.get("description") or {}
+        if description and old:
+            what += f"; it differs in {_description_differences(old, description)}"
+        elif manifest.get("experiment") not in (None, experiment):
+            what += f"; this is {experiment}"
+    return (
+        f"{out} holds {what}: {names}. Writing this run's results there would mix two runs' "
+        "files. Pass another output directory, or --overwrite (overwrite=True) to delete that "
+        "report, its figures and its runs/ first."
+    )
+
+
+def _description_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """The keys in which two run descriptions differ, with the inner keys of mappings."""
+    details = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            inner = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            details.append(f"{key} ({', '.join(inner)})")
+        else:
+            details.append(key)
+    return ", ".join(details) or "its description"
+
+
+def _clear_report(out: Path, found: Sequence[Path]) -> None:
+    """Delete another run's report: files, figures and run directories."""
+    for path in found:
+        if path.is_dir():
+            for run in sorted(p for p in path.iterdir() if p.is_dir()):
+                # Not a run some other process is writing now.
+                with DirectoryLock(run, "The run directory"):
+                    pass
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) -> None:
+    """List the files of the report in ``report.json``; delete those the report no longer has."""
+    written = [str(Path(path).relative_to(out)) for path in files]
+    for name in before.get("files", []):
+        if name not in written and name != LOCK_NAME:
+            (out / name).unlink(missing_ok=True)
+    _write_report_manifest(
+        out, {**before, "files": written, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    )
 
 
 def summary_markdown(

@@ -17,6 +17,7 @@ tokenized batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -93,6 +94,9 @@ POSITION_GRAFTING_COLUMNS = (
 """Columns of :func:`run_position_grafting`'s table, in order."""
 
 _ORDER_COLUMNS = ("_m", "_t", "_c")
+
+_KEY_COLUMNS = (*_ORDER_COLUMNS, "example")
+"""What tells the rows of a run apart: model set, test set, configuration, example."""
 
 
 @dataclass(frozen=True)
@@ -282,9 +286,38 @@ def run_experiment(
             columns=[c for c in columns if c not in _ORDER_COLUMNS],
             chunk_ids=[c[0] for c in chunks],
         )
-        run_dir = RunDirectory.open(Path(out), spec)
-        done = run_dir.finished([c[0] for c in chunks], columns)
+        run_dir = RunDirectory.open(out, spec)
+    with run_dir if run_dir is not None else contextlib.nullcontext():
+        if run_dir is not None:
+            # What each chunk must hold: every configuration of its examples, once.
+            expected = {
+                chunk_id: [
+                    (cell.model_index, cell.test_index, config, example)
+                    for config in range(len(grid.configs))
+                    for example in index.tolist()
+                ]
+                for chunk_id, cell, index in chunks
+            }
+            done = run_dir.finished(expected, columns, _KEY_COLUMNS)
+        records = _compute(grid, chunks, done, run_dir, columns, on_chunk)
 
+    table = pd.DataFrame(
+        [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
+    )
+    table = table.sort_values([*_ORDER_COLUMNS, "example"], kind="stable")
+    return table.drop(columns=list(_ORDER_COLUMNS)).reset_index(drop=True)
+
+
+def _compute(
+    grid: _Grid,
+    chunks: Sequence[tuple[str, _TestCell, torch.Tensor]],
+    done: Mapping[str, Rows],
+    run_dir: RunDirectory | None,
+    columns: Sequence[str],
+    on_chunk: Callable[[ChunkInfo], None] | None,
+) -> dict[str, Rows]:
+    """Every chunk not in ``done``, computed (and written to ``run_dir``); with ``done``."""
+    options = grid.options
     rows_of = {chunk_id: len(index) * len(grid.configs) for chunk_id, _, index in chunks}
     bar = tqdm(
         total=sum(rows_of.values()),
@@ -314,12 +347,7 @@ def run_experiment(
             records[chunk_id] = rows
             if on_chunk is not None:
                 on_chunk(ChunkInfo(position, len(chunks), chunk_id, len(rows), path))
-
-    table = pd.DataFrame(
-        [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
-    )
-    table = table.sort_values([*_ORDER_COLUMNS, "example"], kind="stable")
-    return table.drop(columns=list(_ORDER_COLUMNS)).reset_index(drop=True)
+    return records
 
 
 def run_position_grafting(
@@ -409,12 +437,23 @@ def _grid(
     test_list = [test_sets] if isinstance(test_sets, TestSet) else list(test_sets)
     if not test_list:
         raise ExperimentError("No test set given: the example set is empty.")
-    for test_set in test_list:
+    seen: dict[tuple[Any, ...], int] = {}
+    for index, test_set in enumerate(test_list):
         if not isinstance(test_set, TestSet):
             raise ExperimentError(
                 "test_sets must hold TestSet objects (see make_test_sets), got "
                 f"{type(test_set).__name__}."
             )
+        # Rows say which test set they come from by these labels only.
+        key = (test_set.dataset, test_set.prompt, test_set.seed, _directions(test_set))
+        if key in seen:
+            raise ExperimentError(
+                f"Test sets {seen[key]} and {index} are both {test_set.label!r} (seed "
+                f"{test_set.seed}, direction {'/'.join(map(str, key[3]))}): their rows could not "
+                "be told apart, and a summary would count their examples together. Pass each "
+                "prompt once, or give the test sets different dataset labels."
+            )
+        seen[key] = index
     config_list = get_configs(configs, registry)
     resolved = [
         resolve_configs(
@@ -436,18 +475,33 @@ def _grid(
     return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options)
 
 
+def _directions(test_set: TestSet) -> tuple[str, ...]:
+    """The directions a test set's examples ask (a column of every row)."""
+    examples = test_set.examples
+    if test_set.is_tokenized:
+        examples = getattr(examples, "examples", None) or ()
+    return tuple(sorted({str(getattr(example, "direction", None)) for example in examples}))
+
+
 def _model_sets(models: ModelSet | Mapping[str, ModelSet]) -> list[tuple[str, ModelSet]]:
     if isinstance(models, ModelSet):
         return [(",".join(models.names), models)]
     if isinstance(models, Mapping):
         if not models:
             raise ExperimentError("No model set given.")
+        labels: dict[str, Any] = {}
         for label, model_set in models.items():
             if not isinstance(model_set, ModelSet):
                 raise ExperimentError(
                     f"models[{label!r}] is a {type(model_set).__name__}; pass ModelSets from "
                     "load_models."
                 )
+            if str(label) in labels:
+                raise ExperimentError(
+                    f"The model sets {labels[str(label)]!r} and {label!r} would both be labelled "
+                    f"{str(label)!r} in the models column; give them distinct names."
+                )
+            labels[str(label)] = label
         return [(str(label), model_set) for label, model_set in models.items()]
     raise ExperimentError(
         f"models must be a ModelSet (grafting_lens.load_models) or a mapping of them, got "

@@ -81,6 +81,8 @@ class Option:
         default: Its default.
         choices: The values allowed (``None``: any).
         many: Take one or more values.
+        fingerprinted: The value can change a result, so a run with another value is
+            another run (``False`` for a batching size and the like).
     """
 
     flag: str
@@ -89,6 +91,7 @@ class Option:
     default: Any = None
     choices: tuple[Any, ...] | None = None
     many: bool = False
+    fingerprinted: bool = True
 
     @property
     def dest(self) -> str:
