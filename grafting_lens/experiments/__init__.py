@@ -75,6 +75,7 @@ from grafting_lens.experiments.configs import (
     COMPONENT_CONFIGS,
     COMPONENT_LAYER_RANGES,
     COMPONENT_SETS,
+    HYBRID,
     HYBRID_CONFIGS,
     HYBRID_FIRST_ENTITY,
     MOVIE_CONFIGS,
@@ -86,6 +87,7 @@ from grafting_lens.experiments.configs import (
     TASK,
     Graft,
     GraftConfig,
+    code_hybrid_configs,
     get_configs,
     register_config,
     resolve_components,
@@ -116,6 +118,14 @@ from grafting_lens.experiments.runner import (
     run_experiment,
     run_position_grafting,
 )
+from grafting_lens.experiments.semantics import (
+    CLEAN,
+    PRESETS,
+    REFERENCE,
+    SEMANTICS_CHOICES,
+    Semantics,
+    as_semantics,
+)
 from grafting_lens.experiments.specs import (
     EXPERIMENTS,
     ExperimentSpec,
@@ -126,7 +136,12 @@ from grafting_lens.experiments.specs import (
     register_experiment,
 )
 from grafting_lens.experiments.stacking import config_masks
-from grafting_lens.experiments.testsets import MOVIE_PROMPTS, TestSet, make_test_sets
+from grafting_lens.experiments.testsets import (
+    CODE_MOVIE_PROMPTS,
+    MOVIE_PROMPTS,
+    TestSet,
+    make_test_sets,
+)
 
 # Span expressions moved to grafting_lens.positions; they stay importable from here.
 from grafting_lens.positions import (
@@ -138,10 +153,13 @@ from grafting_lens.positions import (
 )
 
 __all__ = [
+    "CLEAN",
+    "CODE_MOVIE_PROMPTS",
     "COMPONENT_CONFIGS",
     "COMPONENT_LAYER_RANGES",
     "COMPONENT_SETS",
     "EXPERIMENTS",
+    "HYBRID",
     "HYBRID_CONFIGS",
     "HYBRID_FIRST_ENTITY",
     "MOVIE_CONFIGS",
@@ -151,9 +169,12 @@ __all__ = [
     "PAPER_POSITION_CONFIGS",
     "POSITION_CONFIGS",
     "POSITION_GRAFTING_COLUMNS",
+    "PRESETS",
+    "REFERENCE",
     "REGISTRIES",
     "RELATION",
     "RUN_FORMAT",
+    "SEMANTICS_CHOICES",
     "SPAN_ALIASES",
     "TASK",
     "ChunkInfo",
@@ -168,9 +189,12 @@ __all__ = [
     "PositionFunction",
     "RunError",
     "RunOptions",
+    "Semantics",
     "Spans",
     "TestSet",
+    "as_semantics",
     "checkpoint_setup",
+    "code_hybrid_configs",
     "config_masks",
     "finetuned_setup",
     "get_configs",
