@@ -225,6 +225,29 @@ def test_the_deprecated_include_unembed_still_means_clean_with_the_donors_unembe
     assert set(pd.read_csv(tmp_path / "out" / "results.csv").semantics) == {"clean+unembed=donor"}
 
 
+def test_single_switch_flags_change_one_field_of_the_experiments_semantics():
+    import dataclasses
+
+    from grafting_lens.experiments import CLEAN, REFERENCE, get_experiment
+
+    def semantics(experiment, *flags):
+        args = cli.experiment_parser(experiment).parse_args(["--out", "x", *flags])
+        return cli._semantics(get_experiment(experiment), args)
+
+    assert semantics("position") == REFERENCE
+    assert semantics("hybrid", "--semantics", "clean") == CLEAN
+    assert semantics("patching_vs_grafting") == CLEAN
+    changed = semantics(
+        "component", "--unembed", "base", "--lm-head", "always", "--dtype", "bfloat16"
+    )
+    assert changed == dataclasses.replace(
+        REFERENCE, unembed="base", lm_head="always", dtype="bfloat16"
+    )
+    assert semantics("demo", "--unembed", "follow-embed", "--semantics", "clean").unembed == (
+        "follow_embed"
+    )
+
+
 def test_semantics_does_not_apply_to_the_patching_comparison(tmp_path, capsys):
     status = cli.main(
         ["run", "patching_vs_grafting", "--out", str(tmp_path), "--semantics", "clean"]

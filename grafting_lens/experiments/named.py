@@ -310,6 +310,9 @@ def setup_experiment(
             progress=progress,
             on_status=on_status,
         )
+        if dtype is not None:
+            for bridge in models:
+                bridge.to(dtype=dtype)
         label = f"{_short(checkpoints[0])}, finetuned here"
     else:
         models, made = checkpoint_setup(
