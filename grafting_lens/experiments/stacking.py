@@ -94,7 +94,7 @@ def resolve_configs(
     """
     semantics = as_semantics(semantics)
     n_layers = models.n_layers
-    ties = semantics.unembed == "follow_embed" and models.layout.shares_parameter(
+    tied = semantics.unembed == "follow_embed" and models.layout.shares_parameter(
         "embed", "unembed"
     )
     resolved = []
@@ -121,7 +121,7 @@ def resolve_configs(
                 grafts.append(
                     ResolvedGraft(index, graft.positions, components, layers, int(graft.source))
                 )
-            if ties and not is_whole and "embed" in components:
+            if tied and not is_whole and "embed" in components:
                 # The code loads the donor's values into a parameter the unembedding shares.
                 source = TASK if graft.source == HYBRID else int(graft.source)
                 grafts.append(ResolvedGraft(index, graft.positions, ("unembed",), (), source))
