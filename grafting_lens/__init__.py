@@ -50,7 +50,13 @@ from grafting_lens.errors import (
     UnsupportedArchitectureError,
     UnverifiedArchitectureWarning,
 )
-from grafting_lens.experiments import POSITION_CONFIGS, run_position_grafting
+from grafting_lens.experiments import (
+    CLEAN,
+    POSITION_CONFIGS,
+    REFERENCE,
+    Semantics,
+    run_position_grafting,
+)
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
 from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
 from grafting_lens.masks import GraftMask
@@ -63,12 +69,14 @@ from grafting_lens.positions import select_positions
 __version__ = "0.1.0"
 
 __all__ = [
+    "CLEAN",
     "COMPONENT_GROUPS",
     "COMPONENTS",
     "GLOBAL_COMPONENTS",
     "LAYER_COMPONENTS",
     "LAYER_FRACTIONS",
     "POSITION_CONFIGS",
+    "REFERENCE",
     "AlignmentError",
     "batch",
     "BatchError",
@@ -107,6 +115,7 @@ __all__ = [
     "scoring",
     "select_positions",
     "SelectionError",
+    "Semantics",
     "summarize",
     "TokenError",
     "toy",

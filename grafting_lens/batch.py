@@ -39,7 +39,15 @@ from grafting_lens.positions import row_lengths
 if TYPE_CHECKING:
     from grafting_lens.models import ModelSet
 
-__all__ = ["BATCH_PARTS", "TokenizedExamples", "as_batch", "tokenize_examples"]
+__all__ = [
+    "BATCH_PARTS",
+    "BOS_RULES",
+    "SPAN_RULES",
+    "TARGET_RULES",
+    "TokenizedExamples",
+    "as_batch",
+    "tokenize_examples",
+]
 
 BATCH_PARTS = ("tokens", "attention_mask", "target_ids", "spans")
 """What any object passed as a batch must have."""
@@ -177,6 +185,25 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
 
 # --------------------------------------------------------------------------- tokenizing
 
+BOS_RULES: tuple[str, ...] = ("always", "tokenizer", "never")
+"""What :func:`tokenize_examples` puts before a prompt: ``"always"`` a BOS (the EOS if
+the tokenizer has no BOS) for every tokenizer; ``"tokenizer"`` what ``tokenizer(text)``
+adds by itself, as the paper's code does (a BOS for Llama 3 and Gemma, nothing for
+GPT-2 and Pythia); ``"never"`` nothing."""
+
+TARGET_RULES: tuple[str, ...] = ("in_context", "standalone")
+"""Which token is the answer's first: ``"in_context"`` the first token of the answer
+in the tokenization of ``text + target`` (how the model reads it); ``"standalone"``
+the first token of ``target`` (``" " + name``) tokenized on its own, as the paper's
+code does."""
+
+SPAN_RULES: tuple[str, ...] = ("characters", "search")
+"""How a character span becomes token positions: ``"characters"`` the tokens that
+overlap the span; ``"search"`` the first occurrence of the span's text tokenized on
+its own (tried as given, then with a leading space added or removed), as the paper's
+code finds a template field; an example whose span is not found is dropped, as the
+code skips it."""
+
 
 def _span_positions(
     example: Any, span_names: Sequence[str], offsets: Sequence[tuple[int, int]]
@@ -195,34 +222,116 @@ def _span_positions(
     return positions
 
 
+def _searched_positions(
+    example: Any, span_names: Sequence[str], ids: Sequence[int], tokenizer: Any
+) -> dict[str, list[int]] | str:
+    """Token indices (before any BOS) of each span found by searching its tokens, as the
+    paper's code does (``find_sublist_index``), or the reason a span is not found."""
+    positions = {}
+    for name in span_names:
+        start, end = example.spans[name]
+        if not 0 <= start < end <= len(example.text):
+            return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
+        piece = example.text[start:end]
+        variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
+        found = None
+        for variant in variants:
+            needle = tokenizer(variant, add_special_tokens=False)["input_ids"]
+            for first in range(len(ids) - len(needle) + 1) if needle else ():
+                if list(ids[first : first + len(needle)]) == list(needle):
+                    found = list(range(first, first + len(needle)))
+                    break
+            if found is not None:
+                break
+        if found is None:
+            return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
+        positions[name] = found
+    return positions
+
+
+def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """The special tokens ``tokenizer(text)`` puts before each text by itself.
+
+    Raises:
+        BatchError: The tokenizer also adds tokens after the text (the prompt would not
+            end on its own last token).
+    """
+    with_special = tokenizer(list(texts))["input_ids"]
+    plain = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    prefixes = []
+    for text, full, bare in zip(texts, with_special, plain):
+        full, bare = list(full), list(bare)
+        cut = len(full) - len(bare)
+        if cut < 0 or full[cut:] != bare:
+            raise BatchError(
+                f"The tokenizer adds tokens after (or inside) the text {text!r} "
+                f"({full} against {bare} without special tokens), so the prompt would not end "
+                "on its own last token; tokenize with bos='always' or bos='never'."
+            )
+        prefixes.append(full[:cut])
+    return prefixes
+
+
 def tokenize_examples(
-    examples: Sequence[Any], tokenizer: Any, prepend_bos: bool = True
+    examples: Sequence[Any],
+    tokenizer: Any,
+    prepend_bos: bool | None = None,
+    *,
+    bos: str = "always",
+    target: str = "in_context",
+    spans: str = "characters",
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    A token belongs to a span when its character range overlaps the span, so a token straddling a
-    span's edge counts as inside it. Prompts are tokenized without the tokenizer's own special
-    tokens; when ``prepend_bos`` the BOS id (the EOS id if the tokenizer has no BOS) is prepended by
-    hand, so the result does not depend on settings like ``add_bos_token``.
+    By default a token belongs to a span when its character range overlaps the span, so a
+    token straddling a span's edge counts as inside it (``spans="search"`` finds the span's
+    tokens as the paper's code does, :data:`SPAN_RULES`). Prompts are tokenized without the
+    tokenizer's own special tokens; with ``bos="always"`` the BOS id (the EOS id if the
+    tokenizer has no BOS) is prepended by hand, so the result does not depend on settings like
+    ``add_bos_token``; ``bos="tokenizer"`` keeps what ``tokenizer(text)`` adds by itself, as the
+    paper's code does (:data:`BOS_RULES`).
 
-    The target tokens are read off the tokenization of ``text + target``, which is how the model
-    would see the answer. An example is dropped, never silently, when a span covers no token, a
-    span lies outside the text, the target adds no token, or the prompt's last token merges with the
-    target (then "the next token" is not well defined). Drops are listed in
-    :attr:`TokenizedExamples.dropped` and summarized in a warning "dropped k of n examples: ...".
+    By default the target tokens are read off the tokenization of ``text + target``, which is
+    how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
+    as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
+    a span covers no token (or, searching, is not found), a span lies outside the text, the
+    target adds no token, or (in context) the prompt's last token merges with the target (then
+    "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
+    and summarized in a warning "dropped k of n examples: ...".
 
     Args:
         examples: Examples from :func:`grafting_lens.data.make_examples` (or built by hand); all must have the same
             span names.
         tokenizer: A Hugging Face *fast* tokenizer (offsets are needed), e.g.
             ``HookedTransformer.tokenizer``.
-        prepend_bos: Prepend a BOS token to each row.
+        prepend_bos: Deprecated: ``bos="always"`` (True) or ``bos="never"`` (False).
+        bos: What comes before each prompt, one of :data:`BOS_RULES`.
+        target: Which token is the answer's first, one of :data:`TARGET_RULES`.
+        spans: How spans become token positions, one of :data:`SPAN_RULES`.
 
     Raises:
         TypeError: If the tokenizer is not a fast tokenizer.
         BatchError: If there are no examples, if their span names differ, if every example was
-            dropped, or if the tokenizer lacks the BOS/EOS/pad ids needed.
+            dropped, if the tokenizer lacks the BOS/EOS/pad ids needed or adds tokens after a
+            text, or an unknown ``bos``, ``target`` or ``spans``.
     """
+    if prepend_bos is not None:
+        warnings.warn(
+            "tokenize_examples(prepend_bos=...) is deprecated: pass bos='always' (True) or "
+            "bos='never' (False).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        bos = "always" if prepend_bos else "never"
+    for name, value, allowed in (
+        ("bos", bos, BOS_RULES),
+        ("target", target, TARGET_RULES),
+        ("spans", spans, SPAN_RULES),
+    ):
+        if value not in allowed:
+            raise BatchError(
+                f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
+            )
     examples = list(examples)
     if not examples:
         raise BatchError("no examples to tokenize.")
@@ -243,16 +352,20 @@ def tokenize_examples(
                 f"relation {example.relation_id}, prompt {example.prompt_name!r}); tokenize each "
                 f"prompt type separately."
             )
-    prefix: list[int] = []
-    if prepend_bos:
-        bos = (
+    texts = [e.text for e in examples]
+    if bos == "always":
+        first = (
             tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         )
-        if bos is None:
+        if first is None:
             raise BatchError(
-                "prepend_bos=True but the tokenizer has neither a BOS nor an EOS token; pass prepend_bos=False."
+                "bos='always' but the tokenizer has neither a BOS nor an EOS token; pass bos='never'."
             )
-        prefix = [bos]
+        prefixes = [[first]] * len(examples)
+    elif bos == "tokenizer":
+        prefixes = _tokenizer_prefix(tokenizer, texts)
+    else:
+        prefixes = [[]] * len(examples)
     pad_id = (
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
@@ -261,36 +374,50 @@ def tokenize_examples(
             "the tokenizer has neither a pad nor an EOS token to pad with; set tokenizer.pad_token."
         )
 
-    prompts = tokenizer(
-        [e.text for e in examples], add_special_tokens=False, return_offsets_mapping=True
-    )
-    # The answer's tokens as the model would see them: tokenized in context, after the prompt.
-    joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
+    prompts = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    if target == "in_context":
+        # The answer's tokens as the model would see them: tokenized in context, after the prompt.
+        joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
+        answers = [list(joint) for joint in joints["input_ids"]]
+    else:
+        answers = [
+            list(ids)
+            for ids in tokenizer([e.target for e in examples], add_special_tokens=False)[
+                "input_ids"
+            ]
+        ]
 
     kept: list[Any] = []
     rows: list[tuple[list[int], dict[str, list[int]], list[int]]] = []
     dropped: list[tuple[Any, str]] = []
     for i, example in enumerate(examples):
         ids = list(prompts["input_ids"][i])
-        joint = list(joints["input_ids"][i])
-        mapped = _span_positions(example, span_names, prompts["offset_mapping"][i])
+        if spans == "characters":
+            mapped = _span_positions(example, span_names, prompts["offset_mapping"][i])
+        else:
+            mapped = _searched_positions(example, span_names, ids, tokenizer)
+        answer = answers[i]
+        reason: str | None = None
         if isinstance(mapped, str):
-            reason: str | None = mapped
+            reason = mapped
         elif not ids:
             reason = "the prompt tokenizes to no tokens"
-        elif joint[: len(ids)] != ids:
-            reason = f"the prompt's last token merges with the target {example.target!r} when tokenized together"
-        elif len(joint) == len(ids):
-            reason = f"the target {example.target!r} adds no tokens"
-        else:
-            reason = None
+        elif target == "in_context":
+            if answer[: len(ids)] != ids:
+                reason = f"the prompt's last token merges with the target {example.target!r} when tokenized together"
+            elif len(answer) == len(ids):
+                reason = f"the target {example.target!r} adds no tokens"
+            answer = answer[len(ids) :]
+        elif not answer:
+            reason = f"the target {example.target!r} tokenizes to no tokens"
         if reason is not None:
             dropped.append((example, reason))
             continue
         assert not isinstance(mapped, str)  # a reason was recorded above
         kept.append(example)
+        prefix = list(prefixes[i])
         shifted = {name: [len(prefix) + j for j in columns] for name, columns in mapped.items()}
-        rows.append((prefix + ids, shifted, joint[len(ids) :]))
+        rows.append((prefix + ids, shifted, answer))
 
     if dropped:
         reasons = "; ".join(
@@ -319,8 +446,8 @@ def tokenize_examples(
         examples=kept,
         tokens=tokens,
         attention_mask=attention_mask,
-        target_ids=torch.tensor([target[0] for _, _, target in rows], dtype=torch.long),
-        target_full_ids=[target for _, _, target in rows],
+        target_ids=torch.tensor([answer[0] for _, _, answer in rows], dtype=torch.long),
+        target_full_ids=[answer for _, _, answer in rows],
         spans=masks,
         dropped=dropped,
     )

@@ -15,6 +15,13 @@ experiment's donor options, on real checkpoints. It writes into ``DIR``:
 * ``runs/``: the resumable runs. Run the same command again after an interruption
   and it carries on where it stopped.
 
+Every grafting experiment of the paper runs, by default, as the authors' released
+code does (``--semantics reference``: see
+:class:`grafting_lens.experiments.Semantics` and the concept page "The paper's text,
+the authors' code, and this library"); ``--semantics clean`` runs it the library's
+way, and ``--semantics reference+unembed=base`` (or ``--unembed base``) changes one
+point. ``results.csv`` records the semantics of every row.
+
 ``grafting-lens demo --out DIR`` is ``grafting-lens run demo``: position grafting
 (figure 2) end to end. With ``--model`` and no ``--donor``, the model is first
 finetuned on the relations with :func:`grafting_lens.finetune.finetune` (the paper's
@@ -146,11 +153,23 @@ def demo(
     png: bool = typer.Option(
         True, "--png/--no-png", help="Also export the figure as PNG (needs Chrome for kaleido)."
     ),
+    semantics: str | None = typer.Option(
+        None,
+        "--semantics",
+        help="reference (default: as the paper's released code), clean (the library's way), "
+        "or either with +field=value changes, e.g. reference+unembed=base.",
+    ),
+    unembed: str | None = typer.Option(
+        None,
+        "--unembed",
+        help="Which unembedding decodes grafted positions: base, donor, or follow-embed (the "
+        "code: the donor's wherever the embedding is grafted, on tied models).",
+    ),
     include_unembed: bool = typer.Option(
         False,
         "--include-unembed",
-        help="Decode grafted positions through the donor's unembedding (default: the base's, "
-        "as in the paper).",
+        hidden=True,
+        help="Deprecated: --semantics clean --unembed donor.",
     ),
     overwrite: bool = typer.Option(
         False,
@@ -171,6 +190,8 @@ def demo(
         ("--device", device),
         ("--n-relations", n_relations),
         ("--cache-dir", cache_dir),
+        ("--semantics", semantics),
+        ("--unembed", unembed),
     ):
         if value is not None:
             argv += [flag, str(value)]
@@ -233,7 +254,12 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     add("--n-examples", type=int, help="Ask about the first N relations only.")
     add("--batch-size", type=int, default=8, help="Examples per forward pass (default 8).")
     add("--device", help="torch device, e.g. cuda (default: cpu).")
-    add("--dtype", choices=DTYPES, help="Cast the models.")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        help="The models' precision (default: the semantics', float32 for reference, as the "
+        "code loaded them; the checkpoint's for clean).",
+    )
     add(
         "--threads",
         type=int,
@@ -256,15 +282,26 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         help=f"With --model: which relations to ask about (default {spec.relations}).",
     )
     add(
-        "--include-unembed",
-        action="store_true",
-        help="Groups graft the donor's unembedding too (default: the base's everywhere).",
+        "--semantics",
+        help=f"What the configurations mean: 'reference' (as the paper's released code), "
+        f"'clean' (the library's way), or either with +field=value changes, e.g. "
+        f"'reference+unembed=base' (default {spec.semantics}; fields: see "
+        "grafting_lens.experiments.Semantics).",
     )
     add(
-        "--base-embeddings",
-        action="store_true",
-        help="Keep the base's embeddings at grafted positions (default: the donor's).",
+        "--unembed",
+        choices=("base", "donor", "follow-embed"),
+        help="Which unembedding decodes a grafted position: the base's, the donor's, or "
+        "follow-embed (the code: the donor's wherever the embedding is grafted, on tied models).",
     )
+    add(
+        "--lm-head",
+        choices=("never", "always"),
+        help="The code's patch_lm_head: 'always' reads the last token through the donor's "
+        "unembedding in every configuration that grafts something (default never).",
+    )
+    add("--include-unembed", action="store_true", help=argparse.SUPPRESS)
+    add("--base-embeddings", action="store_true", help=argparse.SUPPRESS)
     add("--cache-dir", help="Where toy worlds are cached.")
     add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
     add(
@@ -319,12 +356,14 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     out = _check_out(args.out)
     checkpoints = _checkpoints(spec, args)
     _check_relation_options(args, toy=checkpoints is None)
-    resolve_placement(args.device, args.dtype)  # a typo fails now, not after minutes of loading
+    semantics = _semantics(spec, args)
+    dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
+    resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
     _apply_thread_policy(args.threads, toy=checkpoints is None)
     # One process writes into --out at a time; a second is refused before it loads anything.
     with DirectoryLock(out, "The output directory (--out)"):
-        return _run_locked(spec, args, command, out, checkpoints, toy_config)
+        return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)
 
 
 def _run_locked(
@@ -334,6 +373,8 @@ def _run_locked(
     out: Path,
     checkpoints: list[str] | None,
     toy_config: Any,
+    semantics: Any,
+    dtype: str | None,
 ) -> int:
     from grafting_lens.experiments import (
         RunOptions,
@@ -347,7 +388,7 @@ def _run_locked(
     # Made before loading, so that a checkpoint changed while it loads is noticed.
     known = CheckpointDigests(
         [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
-        load={"dtype": args.dtype},
+        load={"dtype": dtype},
     )
     started = time.perf_counter()
     setup = setup_experiment(
@@ -361,13 +402,14 @@ def _run_locked(
         relations=args.relations,
         quick=args.quick,
         device=args.device,
-        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        dtype=None if dtype is None else getattr(torch, dtype),
         progress=not args.no_progress,
         on_status=lambda line: typer.echo(line, err=True),
     )
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
         out,
@@ -386,10 +428,7 @@ def _run_locked(
         quick=args.quick,
         n_examples=args.n_examples,
         options=RunOptions(
-            batch_size=args.batch_size,
-            progress=not args.no_progress,
-            include_unembed=args.include_unembed,
-            include_embeddings=not args.base_embeddings,
+            batch_size=args.batch_size, progress=not args.no_progress, semantics=semantics
         ),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
@@ -406,7 +445,7 @@ def _run_locked(
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
-        notes.append(_unembedding_note(args))
+        notes.append(_semantics_note(semantics))
     if spec.note:
         notes.append(spec.note)
     report = write_experiment_report(
@@ -571,16 +610,70 @@ def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
         torch.set_num_threads(1)
 
 
-def _unembedding_note(args: argparse.Namespace) -> str:
-    embeddings = "base" if args.base_embeddings else "donor"
-    if args.include_unembed:
-        readout = "grafted positions decode through the donor's unembedding (--include-unembed)."
-    else:
-        readout = (
-            "every position decodes through the base's unembedding, as in the paper "
-            "(--include-unembed uses the donor's)."
+def _semantics(spec: Any, args: argparse.Namespace) -> Any:
+    """The run's semantics: ``--semantics`` (default: the experiment's), then the flags
+    that change one field of it (``--unembed``, ``--lm-head``, ``--dtype``).
+
+    Raises:
+        ExperimentError: A label that does not read, or deprecated flags that contradict
+            the new ones.
+    """
+    from grafting_lens.experiments import as_semantics
+
+    given = getattr(args, "semantics", None)
+    deprecated = [
+        flag
+        for flag, on in (
+            ("--include-unembed", getattr(args, "include_unembed", False)),
+            ("--base-embeddings", getattr(args, "base_embeddings", False)),
         )
-    return f"Grafted positions read the {embeddings}'s embeddings; {readout}"
+        if on
+    ]
+    # The deprecated flags meant the library's clean reading with one change.
+    semantics = as_semantics(given or ("clean" if deprecated else spec.semantics))
+    changes: dict[str, Any] = {}
+    if getattr(args, "unembed", None):
+        changes["unembed"] = args.unembed.replace("-", "_")
+    if getattr(args, "lm_head", None):
+        changes["lm_head"] = args.lm_head
+    if args.dtype:
+        changes["dtype"] = args.dtype
+    if "--include-unembed" in deprecated:
+        if changes.get("unembed", "donor") != "donor":
+            raise GraftingLensError("--include-unembed (deprecated) contradicts --unembed.")
+        changes["unembed"] = "donor"
+    if "--base-embeddings" in deprecated:
+        changes.update(embed=False, pos_embed=False)
+    for flag in deprecated:
+        replacement = (
+            "--unembed donor" if flag == "--include-unembed" else "+embed=false+pos_embed=false"
+        )
+        typer.echo(
+            f"Warning: {flag} is deprecated; it means --semantics clean with {replacement}, as "
+            "it did before the semantics existed. Say that instead.",
+            err=True,
+        )
+    return dataclasses.replace(semantics, **changes) if changes else semantics
+
+
+def _semantics_note(semantics: Any) -> str:
+    """One line for the report: which semantics ran, in words."""
+    from grafting_lens.experiments import CLEAN, REFERENCE
+
+    if semantics == REFERENCE:
+        meaning = (
+            "as the paper's released code (tied unembedding follows a grafted embedding, no final "
+            "norm or position embedding grafted, n // 4 quarters, the tokenizer's own BOS, SFT = "
+            "the finetuned model, ranks by probability, the code's prompts)"
+        )
+    elif semantics == CLEAN:
+        meaning = (
+            "the library's (components as named, tied weights kept apart, the base's unembedding, "
+            "a BOS before every prompt, ranks by logit)"
+        )
+    else:
+        meaning = "a preset with the changes named"
+    return f"Semantics: {semantics.label}: {meaning}; see docs/concepts/paper-code-library.md."
 
 
 # ------------------------------------------------------------------------------ checks

@@ -288,6 +288,18 @@ class ComponentLayout:
         """The parameters no component grafts."""
         return tuple(record for record in self.parameters if not record.covered)
 
+    def shares_parameter(self, *components: str) -> bool:
+        """Whether one checkpoint parameter is held by every one of ``components``.
+
+        True for ``("embed", "unembed")`` on a model with tied embeddings and for
+        ``("q", "k", "v")`` on one whose Q, K and V are a single fused matrix (GPT-2's
+        ``c_attn``, NeoX's ``query_key_value``). A graft swaps modules, so it keeps such
+        components apart; code that copies weights by value (``load_state_dict``) moves
+        them together, which is what a caller reproducing such code needs to know.
+        """
+        wanted = set(components)
+        return any(wanted <= set(record.components) for record in self.parameters)
+
 
 def component_layout(bridge: nn.Module) -> ComponentLayout:
     """Walk ``bridge``'s tree: the slots of every component, and which parameters they hold.

@@ -84,6 +84,8 @@ from grafting_lens.errors import GraftingLensError
 
 __all__ = [
     "ARTICLE_TEMPLATES",
+    "CODE_TEST_RELATION_WORDS",
+    "CODE_TEST_TEMPLATES",
     "DATASETS",
     "DIRECTIONS",
     "GENRES",
@@ -92,6 +94,7 @@ __all__ = [
     "REAL_MOVIES",
     "TEST_RELATION_WORDS",
     "TEST_TEMPLATES",
+    "TEMPLATE_SETS",
     "Example",
     "Relation",
     "TokenizedExamples",
@@ -208,6 +211,25 @@ TEST_RELATION_WORDS: dict[str, str] = {
     "qa": "starred in a movie with",
 }
 """The relation words of each test prompt, marked as the "relation" span."""
+
+CODE_TEST_TEMPLATES: dict[str, str] = {
+    "headline": "{first_actor} stars in in a movie alongside",
+    "qa": "Q: Who stars in a movie with {first_actor}? A: An actor named",
+}
+"""The same two test prompts as the paper's released code words them (its sweep's
+``sentence_1`` and ``sentence_2``, with ``relation="stars"``, ``relation_preposition="in"``;
+the doubled "in" is the code's, and the paper's table 1). Chosen with
+``make_examples(..., templates="code")``."""
+
+CODE_TEST_RELATION_WORDS: dict[str, str] = {
+    "headline": "stars in in a movie alongside",
+    "qa": "stars in a movie with",
+}
+"""The relation words of each of :data:`CODE_TEST_TEMPLATES`."""
+
+TEMPLATE_SETS: tuple[str, ...] = ("library", "code")
+"""Whose wording a test prompt's name refers to: this library's (:data:`TEST_TEMPLATES`)
+or the paper's released code's (:data:`CODE_TEST_TEMPLATES`)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -891,6 +913,7 @@ def make_examples(
     *,
     template: str | None = None,
     relation_words: str | None = None,
+    templates: str = "library",
 ) -> list[Example]:
     """Build one test prompt per relation (two for direction "both": A2B ones, then B2A ones).
 
@@ -903,21 +926,27 @@ def make_examples(
             ``{first_actor}`` (the actor in the prompt), must not name ``{second_actor}`` (the
             answer), and may name ``{movie_title}`` to get a "movie" span.
         relation_words: The relation words in a custom template (default: the test prompt's).
+        templates: Whose wording ``prompt`` names (:data:`TEMPLATE_SETS`): ``"library"``
+            (:data:`TEST_TEMPLATES`) or ``"code"``, the paper's released code
+            (:data:`CODE_TEST_TEMPLATES`).
 
     Raises:
         GraftingLensError: If ``prompt`` or ``direction`` is unknown, if a custom template is malformed as
             described above, or if the relation words do not occur in the template's fixed text.
     """
+    _check_choice(templates, TEMPLATE_SETS, "templates")
+    wordings = CODE_TEST_TEMPLATES if templates == "code" else TEST_TEMPLATES
+    words = CODE_TEST_RELATION_WORDS if templates == "code" else TEST_RELATION_WORDS
     if template is None:
-        _check_choice(prompt, tuple(TEST_TEMPLATES), "prompt")
-        template = TEST_TEMPLATES[prompt]
+        _check_choice(prompt, tuple(wordings), "prompt")
+        template = wordings[prompt]
     if relation_words is None:
-        if prompt not in TEST_RELATION_WORDS:
+        if prompt not in words:
             raise GraftingLensError(
                 f"custom template {template!r} needs relation_words= (the words that state the "
                 f"relation, e.g. 'starred in a movie with')."
             )
-        relation_words = TEST_RELATION_WORDS[prompt]
+        relation_words = words[prompt]
     fields = _template_fields(template)
     if "first_actor" not in fields:
         raise GraftingLensError(

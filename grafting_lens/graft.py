@@ -43,7 +43,11 @@ base is restored.
 
 The components' *modules* are swapped, not their parameter values, which is why
 tied embeddings stay untied under a graft: grafting ``embed`` runs the donor's
-embedding module at those positions and never touches the unembedding.
+embedding module at those positions and never touches the unembedding. (The
+paper's released code copies parameter values instead, so on a tied model a
+position whose embedding it grafts is also decoded by the donor's unembedding; a
+mask says that by grafting ``unembed`` there too, which the experiments'
+``REFERENCE`` semantics does: see :class:`grafting_lens.experiments.Semantics`.)
 """
 
 from __future__ import annotations

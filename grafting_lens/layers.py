@@ -5,7 +5,16 @@ A layer specification names blocks the way people think of them, and
 list of them, a ``range`` or ``slice``, a name from :data:`LAYER_FRACTIONS`
 (``"last_half"``, ``"third_quarter"``...) or a pair of fractions of the depth. Names
 and fractions adapt to the depth, so one experiment runs on a 4-layer toy model and
-a 32-layer Llama alike. Grafts (:mod:`grafting_lens.masks`), patches
+a 32-layer Llama alike.
+
+Names follow one of two *arithmetics* (:data:`LAYER_ARITHMETICS`). ``"fractions"``
+(the default) rounds each fraction of the depth half up, so quarters are as equal
+as the depth allows. ``"quarters"`` is the arithmetic of the paper's released code
+(its ``get_layers_dict``): a quarter is ``n // 4`` layers and the last quarter takes
+the remainder, and its "last half" is the third and fourth quarters together
+(:func:`quarter_ranges`). The two agree whenever the depth is a multiple of four
+(16, 32, 48 layers); for 18 layers (Gemma 2B) the fractions give 0-4 / 5-8 / 9-13 /
+14-17 and the code's quarters 0-3 / 4-7 / 8-11 / 12-17. Grafts (:mod:`grafting_lens.masks`), patches
 (:mod:`grafting_lens.patching`) and the experiments' configurations all select
 layers here; a specification that selects nothing, or a layer the model lacks,
 raises :class:`~grafting_lens.errors.SelectionError`.
@@ -21,7 +30,13 @@ import numpy as np
 
 from grafting_lens.errors import SelectionError, did_you_mean
 
-__all__ = ["LAYER_FRACTIONS", "LayerSpec", "resolve_layers"]
+__all__ = [
+    "LAYER_ARITHMETICS",
+    "LAYER_FRACTIONS",
+    "LayerSpec",
+    "quarter_ranges",
+    "resolve_layers",
+]
 
 LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
 """Anything :func:`resolve_layers` accepts."""
@@ -37,8 +52,38 @@ LAYER_FRACTIONS: dict[str, tuple[float, float]] = {
 }
 """Named layer ranges as fractions of the depth ``[start, end)``."""
 
+LAYER_ARITHMETICS: tuple[str, ...] = ("fractions", "quarters")
+"""How :func:`resolve_layers` turns a name into layers: ``"fractions"`` (the names'
+fractions of :data:`LAYER_FRACTIONS`, rounded half up) or ``"quarters"`` (the released
+code's ``n // 4`` quarters, :func:`quarter_ranges`)."""
 
-def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
+
+def quarter_ranges(n_layers: int) -> dict[str, range]:
+    """The named layer ranges of the paper's released code for an ``n_layers``-deep model.
+
+    A quarter is ``q = n_layers // 4`` layers: ``first_quarter`` is ``0..q-1``,
+    ``second_quarter`` ``q..2q-1``, ``third_quarter`` ``2q..3q-1`` and ``last_quarter``
+    ``3q..n-1``, so the last quarter takes the remainder (for 18 layers: 0-3, 4-7,
+    8-11, 12-17). ``first_half`` and ``last_half`` are two quarters each, as the
+    code's configurations name them (``[third_quarter, fourth_quarter]``), so for 18
+    layers ``last_half`` is 8-17. Every name of :data:`LAYER_FRACTIONS` is here; below
+    four layers some ranges are empty, as in the code.
+    """
+    q = n_layers // 4
+    return {
+        "all": range(n_layers),
+        "first_half": range(0, 2 * q),
+        "last_half": range(2 * q, n_layers),
+        "first_quarter": range(0, q),
+        "second_quarter": range(q, 2 * q),
+        "third_quarter": range(2 * q, 3 * q),
+        "last_quarter": range(3 * q, n_layers),
+    }
+
+
+def resolve_layers(
+    spec: LayerSpec, n_layers: int, *, arithmetic: str = "fractions"
+) -> tuple[int, ...]:
     """Turn a layer specification into sorted layer indices.
 
     Args:
@@ -52,11 +97,18 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
             list of layers: ``(0, 2)`` is layers 0 and 2; write ``range(0, 3)``
             for 0, 1 and 2.
         n_layers: Depth of the model.
+        arithmetic: How a *name* becomes layers (see :data:`LAYER_ARITHMETICS`):
+            ``"fractions"`` (the default) or ``"quarters"``, the released code's
+            (:func:`quarter_ranges`). Fractions, ints and ranges mean the same in both.
 
     Raises:
-        SelectionError: A layer outside the model, an unknown name, or a fraction
-            that selects no layer of this model.
+        SelectionError: A layer outside the model, an unknown name or arithmetic,
+            or a fraction that selects no layer of this model.
     """
+    if arithmetic not in LAYER_ARITHMETICS:
+        raise SelectionError(
+            f"Unknown layer arithmetic {arithmetic!r}; use one of {', '.join(LAYER_ARITHMETICS)}."
+        )
     if spec is None:
         spec = "all"
     if isinstance(spec, str):
@@ -65,6 +117,15 @@ def resolve_layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
                 f"Unknown layer range {spec!r}.{did_you_mean(spec, LAYER_FRACTIONS)} "
                 f"Known: {', '.join(LAYER_FRACTIONS)}."
             )
+        if arithmetic == "quarters":
+            layers = tuple(quarter_ranges(n_layers)[spec])
+            if not layers:
+                raise SelectionError(
+                    f"{spec!r} is empty in a {n_layers}-layer model under the code's quarters "
+                    f"(a quarter is {n_layers} // 4 = {n_layers // 4} layers); use the "
+                    "'fractions' arithmetic or name the layers."
+                )
+            return layers
         spec = LAYER_FRACTIONS[spec]
     if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(x, float) for x in spec):
         start, end = spec

@@ -20,7 +20,10 @@ Definitions, fixed once so every table agrees:
   upward. ``ties="optimistic"`` counts only strictly greater logits, the rule
   of the paper's code; a table built with it says so in its parameters, not
   here. (A mean rank over tie orderings would be unbiased, but fractional, and
-  a top-k hit would stop being a yes or a no.)
+  a top-k hit would stop being a yes or a no.) Ranks compare logits by default;
+  ``by="probability"`` compares the float32 softmax instead, as the paper's code
+  does: tokens whose logits differ by less than float32 can tell apart after the
+  softmax (an underflow to 0, say) then tie.
 * top-k hit: ``rank < k``, under the same tie rule.
 * probability: softmax of the logits, computed in float32.
 * Non-finite logits: a row holding a NaN or an infinite logit has no rank, hit
@@ -60,6 +63,7 @@ from grafting_lens.errors import GraftingLensError, NonFiniteLogitsError
 from grafting_lens.positions import row_lengths
 
 __all__ = [
+    "RANK_BY",
     "TIE_RULES",
     "TopTokens",
     "bootstrap_ci",
@@ -78,6 +82,11 @@ TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
 ``"pessimistic"`` (the default) counts them as above the target;
 ``"optimistic"`` ignores them (the rank counts strictly greater logits only).
 """
+
+
+RANK_BY: tuple[str, ...] = ("logit", "probability")
+"""What :func:`target_rank` compares: the logits (the default) or the float32 softmax
+probabilities, as the paper's code does (``torch.softmax(logits, -1)``)."""
 
 
 class TopTokens(NamedTuple):
@@ -137,6 +146,7 @@ def target_rank(
     target_ids: Int[torch.Tensor, " batch"],
     *,
     ties: str = "pessimistic",
+    by: str = "logit",
 ) -> Int[torch.Tensor, " batch"]:
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
@@ -148,20 +158,28 @@ def target_rank(
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
         target_ids: The correct next token of each row.
         ties: ``"pessimistic"`` (default: a tie counts against the target) or
-            ``"optimistic"`` (only strictly greater logits count, as in the
+            ``"optimistic"`` (only strictly greater values count, as in the
             paper's code). See :data:`TIE_RULES`.
+        by: ``"logit"`` (default) or ``"probability"``: compare the float32
+            softmax, as the paper's code does (see :data:`RANK_BY`).
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
         GraftingLensError: Shapes that do not match, a target outside the
-            vocabulary, or an unknown tie rule.
+            vocabulary, or an unknown tie rule or ``by``.
     """
     _check_ties(ties)
+    if by not in RANK_BY:
+        raise GraftingLensError(
+            f"by must be one of {', '.join(map(repr, RANK_BY))}, got {by!r}: 'logit' ranks "
+            "by logits, 'probability' by the float32 softmax (as the paper's code)."
+        )
     logits, target_ids = _check(logits, target_ids)
-    target_logit = logits.gather(1, target_ids[:, None])
-    rank = (logits > target_logit).sum(dim=1)
+    values = torch.softmax(logits.float(), dim=-1) if by == "probability" else logits
+    target_value = values.gather(1, target_ids[:, None])
+    rank = (values > target_value).sum(dim=1)
     if ties == "pessimistic":
-        rank = rank + (logits == target_logit).sum(dim=1) - 1  # the target ties with itself
+        rank = rank + (values == target_value).sum(dim=1) - 1  # the target ties with itself
     return rank
 
 
@@ -185,6 +203,7 @@ def top_k_hit(
     k: int,
     *,
     ties: str = "pessimistic",
+    by: str = "logit",
 ) -> Bool[torch.Tensor, " batch"]:
     """Whether each target is among the ``k`` most likely tokens (``rank < k``).
 
@@ -193,14 +212,15 @@ def top_k_hit(
         target_ids: The correct next token of each row.
         k: How many top tokens count as a hit.
         ties: The tie rule of the rank (see :func:`target_rank`).
+        by: What the rank compares (see :func:`target_rank`).
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
         GraftingLensError: ``k < 1``, shapes that do not match, a target
-            outside the vocabulary, or an unknown tie rule.
+            outside the vocabulary, or an unknown tie rule or ``by``.
     """
     _check_k(k)
-    return target_rank(logits, target_ids, ties=ties) < k
+    return target_rank(logits, target_ids, ties=ties, by=by) < k
 
 
 def top_k_tokens(

@@ -15,6 +15,7 @@ Importing this module warns; its names keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -23,6 +24,7 @@ from jaxtyping import Bool, Int
 
 from grafting_lens.errors import ExperimentError
 from grafting_lens.experiments import (
+    CLEAN,
     PAPER_POSITION_CONFIGS,
     POSITION_GRAFTING_COLUMNS,
     Graft,
@@ -103,10 +105,14 @@ def config_positions(
 def position_grafting_components(
     models: ModelSet, include_unembed: bool = False, include_embeddings: bool = True
 ) -> tuple[str, ...]:
-    """Deprecated: ``experiments.resolve_components("all", models, ...)``."""
-    return resolve_components(
-        "all", models, include_unembed=include_unembed, include_embeddings=include_embeddings
+    """Deprecated: ``experiments.resolve_components("all", models, semantics=...)``."""
+    semantics = dataclasses.replace(
+        CLEAN,
+        unembed="donor" if include_unembed else "base",
+        embed=include_embeddings,
+        pos_embed=include_embeddings,
     )
+    return resolve_components("all", models, semantics=semantics)
 
 
 def position_grafting_masks(

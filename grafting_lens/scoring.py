@@ -8,9 +8,11 @@ is added here, once, for all of them.
 
 The columns, in the order tables show them:
 
-* :data:`SCORE_COLUMNS`, in every table: ``target_rank`` (0 = top-1; see
-  :func:`grafting_lens.metrics.target_rank` for ties), ``target_prob`` (softmax in
-  float32), ``top1`` and ``top5`` (``rank < k``; the paper's measure is top-5);
+* :data:`SCORE_COLUMNS`, in every table: ``target_rank`` (0 = top-1, also where
+  the paper's figures add 1 to a mean rank; see
+  :func:`grafting_lens.metrics.target_rank` for ties and for ranking by logit or
+  by probability), ``target_prob`` (softmax in float32), ``top1`` and ``top5``
+  (``rank < k``; the paper's measure is top-5);
 * :data:`TOP_TOKEN_COLUMNS`, with ``top_token=True``: the model's top token,
   ``top_token_id`` and its text ``top_token``;
 * :data:`TOP_K_COLUMNS`, with ``top_k=k``: the ``k`` most likely tokens, best
@@ -58,19 +60,43 @@ class LastTokenScorer:
             ``None``.
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
+        rank_by: What ``target_rank`` compares: ``"logit"`` (default) or
+            ``"probability"`` (the float32 softmax, as the paper's code); see
+            :func:`grafting_lens.metrics.target_rank`.
+        ties: How ``target_rank`` counts ties: ``"pessimistic"`` (default) or
+            ``"optimistic"`` (the paper's code).
 
     Raises:
-        GraftingLensError: ``top_k`` that is not a positive integer.
+        GraftingLensError: ``top_k`` that is not a positive integer, or an unknown
+            ``rank_by`` or ``ties``.
     """
 
-    def __init__(self, tokenizer: Any = None, *, top_k: int | None = None, top_token: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        top_k: int | None = None,
+        top_token: bool = False,
+        rank_by: str = "logit",
+        ties: str = "pessimistic",
+    ):
         if top_k is not None and (
             not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1
         ):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
+        if rank_by not in metrics.RANK_BY:
+            raise GraftingLensError(
+                f"rank_by must be one of {', '.join(map(repr, metrics.RANK_BY))}, got {rank_by!r}."
+            )
+        if ties not in metrics.TIE_RULES:
+            raise GraftingLensError(
+                f"ties must be one of {', '.join(map(repr, metrics.TIE_RULES))}, got {ties!r}."
+            )
         self.tokenizer = tokenizer
         self.top_k = top_k
         self.top_token = top_token
+        self.rank_by = rank_by
+        self.ties = ties
         self._decoded: dict[int, str | None] = {}
 
     @property
@@ -113,7 +139,8 @@ class LastTokenScorer:
             attention_mask = attention_mask.to(logits.device)
         final = metrics.last_token_logits(logits, attention_mask)
         target_ids = torch.as_tensor(target_ids).to(final.device)
-        ranks = [int(rank) for rank in metrics.target_rank(final, target_ids).cpu().tolist()]
+        ranked = metrics.target_rank(final, target_ids, ties=self.ties, by=self.rank_by)
+        ranks = [int(rank) for rank in ranked.cpu().tolist()]
         probabilities = metrics.target_probability(final, target_ids).cpu().tolist()
         columns: dict[str, list[Any]] = {
             "target_rank": ranks,

@@ -666,7 +666,7 @@ def _top_k_correct(model, tokenizer, relations, prompt: str, direction: str, k: 
     with warnings.catch_warnings():
         # An example the tokenizer cannot score is dropped and simply not counted.
         warnings.simplefilter("ignore")
-        batch = data.tokenize_examples(examples, tokenizer, prepend_bos=True)
+        batch = data.tokenize_examples(examples, tokenizer, bos="always")
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
     final = last_token_logits(logits, batch.attention_mask)
     return int(top_k_hit(final, batch.target_ids, k=k).sum()), len(batch)

@@ -3,13 +3,14 @@
 Each test asserts something that must hold of the authors' script whatever grafting-lens does,
 and computes the expected value another way: with the models' own Hugging Face forward, with
 ``inputs_embeds``, or with weights moved by hand. The last section checks that grafting-lens's
-engine, told what the script does through a hand-built mask, agrees with the oracle: the plan
-for the "reference" preset (see docs/concepts/paper-code-library.md once it exists).
+library, run end to end under its ``REFERENCE`` semantics, agrees with the oracle (see
+docs/concepts/paper-code-library.md).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ from authors_reference import (
     resolve_layers,
     token_patches,
 )
-from conftest import FAMILIES, make_tokenizer, random_model
+from conftest import FAMILIES, VOCAB_SIZE, make_tokenizer, random_model
 from tokenizers import processors
 
 import grafting_lens as gl
@@ -341,137 +342,198 @@ def test_hybrid_run_takes_the_hybrid_only_at_the_last_token(family):
     assert torch.equal(go(fe_attn, task, hybrid=hybrid), go(fe_attn, hybrid))
 
 
-# ------------------------------------------------------------------------- grafting-lens, told the same
-# The translation below is the plan for the library's "reference" preset: each of the script's
-# targets as grafting-lens components, per family, and the tie as an unembedding graft.
+# ------------------------------------------------------------------------- grafting-lens, REFERENCE
+# The library's own API end to end (examples -> TestSet -> run_experiment under REFERENCE:
+# tokenization, configurations -> masks, graft, scoring) against the oracle. Only the
+# configurations are written here, in the library's language; what they mean is the preset's.
+
+EXAMPLE = gl.data.Example(
+    relation_id=0,
+    prompt_name="test",
+    text=TEXT,
+    target=" " + TARGET,
+    spans={"first_entity": (0, len(ENTITY))},
+)
 
 
-def library_components(target: str, family: str) -> tuple[str, ...]:
-    fused = family in FUSED_QKV
-    return {
-        "embeddings": ("embed",),
-        "q": ("q", "k", "v") if fused else ("q",),
-        "k": () if fused else ("k",),
-        "v": () if fused else ("v",),
-        "gate": () if fused else ("mlp_gate",),
-        "o": ("o",),
-        "mlp_up": ("mlp_in",),
-        "mlp_down": ("mlp_out",),
-        "ln_1": ("ln1",),
-        "ln_2": ("ln2",),
-    }[target]
-
-
-def code_mask(models, family, tied, config, ids, tokenizer, *, donor=1, relation=None):
-    """A GraftMask saying what the script does (sources: 0 base, ``donor``, optional ``relation``)."""
-    length = len(ids)
-    n = models.n_layers
-    entries: dict = {}
-
-    def put(component, layer, position, source):
-        if (component, layer) not in entries:
-            entries[(component, layer)] = torch.zeros((1, length), dtype=torch.long)
-        entries[(component, layer)][0, position] = source
-
-    if config.plain == "donor":
-        for pair in models.pairs:
-            for position in range(length):
-                put(*pair, position, donor)
-        return gl.GraftMask.from_dict(models, entries, shape=(1, length))
-    patches = token_patches(config, ids, tokenizer, SPANS, n)
-    for position, patch in patches.items():
-        if not patch.active:
-            continue
-        if "embeddings" in patch.targets:
-            put("embed", None, position, donor)
-            if tied:  # the tie: this position is decoded through the donor's embedding matrix
-                put("unembed", None, position, donor)
-        for target in patch.targets - {"embeddings"}:
-            for layer in patch.layers:
-                source = donor
-                last = position == length - 1
-                if relation is not None and last and target in HYBRID_TARGETS and layer >= n // 2:
-                    source = relation
-                for component in library_components(target, family):
-                    put(component, layer, position, source)
-    if config.patch_lm_head == "always" and config.plain is None:
-        put("unembed", None, length - 1, donor)
-    return gl.GraftMask.from_dict(models, entries, shape=(1, length))
-
-
-def library_probs(models, mask, ids):
-    with torch.no_grad():
-        logits = gl.graft_forward(models, torch.tensor([ids]), mask)[0, -1]
-    return torch.softmax(logits.float(), dim=-1)
+def test_the_example_matches_the_oracles_prompt():
+    assert EXAMPLE.text[slice(*EXAMPLE.spans["first_entity"])] == SPANS["first_actor"]
 
 
 _MODEL_SETS: dict = {}
 
 
 def library_models(family, tied, n_layers=None, sources=2):
+    """The oracle's models, and a model set of copies, with the family's tokenizer."""
     key = (family, tied, n_layers, sources)
     if key not in _MODEL_SETS:
         models = list(model_pair(family, tied, n_layers))
         if sources == 3:
             models.append(random_model(family, 12, tied=tied, n_layers=n_layers))
         copies = (copy.deepcopy(m) for m in models)  # load_models wraps HF models in place
-        _MODEL_SETS[key] = (models, gl.load_models(*copies, tokenizer=make_tokenizer()))
+        _MODEL_SETS[key] = (models, gl.load_models(*copies, tokenizer=code_tokenizer(family)))
     return _MODEL_SETS[key]
 
 
-def assert_engine_agrees(family, tied, configs, n_layers=None):
-    (base, donor), models = library_models(family, tied, n_layers)
-    tokenizer = code_tokenizer(family)
-    for config in configs:
-        oracle = authors_run(base, donor, tokenizer, TEXT, TARGET, config, spans=SPANS)
-        mask = code_mask(models, family, tied, config, oracle.input_ids, tokenizer)
-        gap = (library_probs(models, mask, oracle.input_ids) - oracle.probs).abs().max().item()
-        assert gap <= PROB_TOLERANCE, (config.name, gap)
+def run_library(models, configs, semantics, registry="position"):
+    """``run_experiment`` on the one example; every token's probability comes back
+    (``top_k`` = the vocabulary), rows in ``configs`` order."""
+    return gl.experiments.run_experiment(
+        models,
+        gl.experiments.TestSet([EXAMPLE]),
+        configs,
+        registry=registry,
+        semantics=semantics,
+        top_k=VOCAB_SIZE,
+        progress=False,
+    )
 
 
-def test_engine_agrees_with_the_oracle_on_position_configs(case):
+def library_probs(row) -> torch.Tensor:
+    probs = torch.zeros(VOCAB_SIZE)
+    probs[torch.tensor(row.topk_ids)] = torch.tensor(row.topk_probs)
+    return probs
+
+
+def assert_agrees(row, oracle, what):
+    # topk_probs are rounded to six decimals, well inside the tolerance.
+    gap = (library_probs(row) - oracle.probs).abs().max().item()
+    assert gap <= PROB_TOLERANCE, (what, gap)
+    assert row.target_id == oracle.target_id, what
+    assert abs(row.target_prob - oracle.probability) <= PROB_TOLERANCE, what
+    assert row.target_rank == oracle.rank, (what, row.target_rank, oracle.rank)
+    assert row.semantics == gl.experiments.as_semantics(row.semantics).label
+
+
+def test_reference_tokenizes_as_the_code(case):
     family, tied = case[:2]
-    configs = [position_config(name) for name in POSITION_CONFIGS]
-    configs += [position_config(name, "always") for name in ("FE", "LT", "(FE+LT)^C")]
-    assert_engine_agrees(family, tied, configs)
+    _, models = library_models(family, tied)
+    batch = gl.experiments.TestSet([EXAMPLE]).batch(models, gl.REFERENCE)
+    oracle = nothing_grafted(case)
+    assert batch.tokens[0].tolist() == oracle.input_ids
+    assert int(batch.target_ids[0]) == oracle.target_id
+    entity = gl.positions.select_positions("FE", batch.spans, batch.attention_mask)
+    patches = token_patches(position_config("FE"), oracle.input_ids, case[4], SPANS, 3)
+    assert entity[0].nonzero().flatten().tolist() == sorted(patches)
 
 
-COMPONENT_SETS = ("q", "o", "o+mlp_up+mlp_down", "o+gate+mlp_up+mlp_down", "all")
-LAYER_RANGES = (
-    "all",
-    "first_quarter",
-    "second_quarter",
-    "third_quarter",
-    "fourth_quarter",
-    ["third_quarter", "fourth_quarter"],  # the sweep's "last half"
-)
+@pytest.mark.parametrize("lm_head", ["never", "always"])
+def test_reference_equals_the_oracle_on_position_configs(case, lm_head):
+    family, tied = case[:2]
+    (base, donor), models = library_models(family, tied)
+    semantics = dataclasses.replace(gl.REFERENCE, lm_head=lm_head)
+    table = run_library(models, list(POSITION_CONFIGS), semantics)
+    _, _, _, _, tokenizer = case
+    for name, (_, row) in zip(POSITION_CONFIGS, table.iterrows()):
+        assert row.config == name
+        config = position_config(name, patch_lm_head=lm_head)
+        oracle = authors_run(base, donor, tokenizer, TEXT, TARGET, config, spans=SPANS)
+        assert_agrees(row, oracle, (name, lm_head))
+
+
+# The code's component sets, and the same in the library's words (FFN-up without the gate
+# is a semantics switch: the released configuration files are unknown on that point).
+COMPONENT_SETS = {
+    "q": ("q", {}),
+    "o": ("O", {}),
+    "o+mlp_up+mlp_down": ("O+FFN-up+FFN-down", {"ffn_up_gate": False}),
+    "o+gate+mlp_up+mlp_down": ("O+FFN", {}),
+    "all": ("all", {}),
+}
+LAYER_RANGES = {  # the code's names -> the library's
+    "all": "all",
+    "first_quarter": "first_quarter",
+    "second_quarter": "second_quarter",
+    "third_quarter": "third_quarter",
+    "fourth_quarter": "last_quarter",
+    ("third_quarter", "fourth_quarter"): "last_half",  # the sweep's "last half"
+}
 
 
 @pytest.mark.parametrize(
     ("family", "depth"), [("llama", 16), ("gemma", 18), ("gpt2", 18), ("neox", 16)]
 )
-def test_engine_agrees_with_the_oracle_on_component_grafts_over_the_codes_ranges(family, depth):
-    # Every set over the last quarter, and O+FFN over every range: each mapping and each range once.
-    configs = [component_config(s, "fourth_quarter") for s in COMPONENT_SETS]
-    configs += [
-        component_config("o+gate+mlp_up+mlp_down", r) for r in LAYER_RANGES if r != "fourth_quarter"
-    ]
-    configs.append(component_config("all", "all", patch_lm_head="always"))
-    assert_engine_agrees(family, family != "neox", configs, n_layers=depth)
+def test_reference_equals_the_oracle_on_component_grafts_over_the_codes_ranges(family, depth):
+    tied = family != "neox"
+    (base, donor), models = library_models(family, tied, depth)
+    tokenizer = code_tokenizer(family)
+    # Every set over the last quarter, and O+FFN over every range: each mapping and range once.
+    cases = [(code, "fourth_quarter", "never") for code in COMPONENT_SETS]
+    cases += [("o+gate+mlp_up+mlp_down", r, "never") for r in LAYER_RANGES if r != "fourth_quarter"]
+    cases.append(("all", "all", "always"))
+    for code, layers, lm_head in cases:
+        components, changes = COMPONENT_SETS[code]
+        semantics = dataclasses.replace(gl.REFERENCE, lm_head=lm_head, **changes)
+        config = gl.experiments.GraftConfig(
+            f"{components}@{LAYER_RANGES[layers]}",
+            (gl.experiments.Graft("LT", components, LAYER_RANGES[layers]),),
+        )
+        ((_, row),) = run_library(models, [config], semantics).iterrows()
+        code_layers = list(layers) if isinstance(layers, tuple) else layers
+        oracle = authors_run(
+            base,
+            donor,
+            tokenizer,
+            TEXT,
+            TARGET,
+            component_config(code, code_layers, patch_lm_head=lm_head),
+            spans=SPANS,
+        )
+        assert_agrees(row, oracle, (code, layers, lm_head))
+
+
+def test_the_component_registry_under_reference_is_the_codes_o_ffn_over_its_ranges():
+    (base, donor), models = library_models("gemma", True, 18)
+    tokenizer = code_tokenizer("gemma")
+    names = [f"O+FFN@{library}" for library in LAYER_RANGES.values()]
+    table = run_library(models, names, gl.REFERENCE, registry="component")
+    for (code, _), (_, row) in zip(LAYER_RANGES.items(), table.iterrows()):
+        code_layers = list(code) if isinstance(code, tuple) else code
+        config = component_config("o+gate+mlp_up+mlp_down", code_layers)
+        oracle = authors_run(base, donor, tokenizer, TEXT, TARGET, config, spans=SPANS)
+        assert_agrees(row, oracle, code)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_agrees_with_the_oracle_on_the_hybrid(family):
+@pytest.mark.parametrize("reading", ["all", "last_half"])
+def test_reference_equals_the_oracle_on_the_hybrid(family, reading):
     tied = family != "neox"
     (pretrained, task, relation), models = library_models(family, tied, 6, sources=3)
     hybrid = build_hybrid(task, relation)
     tokenizer = code_tokenizer(family)
-    for first_entity in (None, "ATTN+O", "FFN", "all"):
-        for lt_layers in ("all", ["third_quarter", "fourth_quarter"]):
-            config = hybrid_config(first_entity, last_token_layers=lt_layers)
-            oracle = authors_run(
-                pretrained, task, tokenizer, TEXT, TARGET, config, spans=SPANS, hybrid=hybrid
-            )
-            mask = code_mask(models, family, tied, config, oracle.input_ids, tokenizer, relation=2)
-            gap = (library_probs(models, mask, oracle.input_ids) - oracle.probs).abs().max().item()
-            assert gap <= PROB_TOLERANCE, (config.name, lt_layers, gap)
+    semantics = dataclasses.replace(gl.REFERENCE, hybrid_last_token_layers=reading)
+    choices = {"LT": None, "LT+FE:ATTN+O": "ATTN+O", "LT+FE:FFN": "FFN", "LT+FE:ALL": "all"}
+    table = run_library(models, list(choices), semantics, registry="hybrid")
+    code_layers = "all" if reading == "all" else ["third_quarter", "fourth_quarter"]
+    for (name, first_entity), (_, row) in zip(choices.items(), table.iterrows()):
+        config = hybrid_config(first_entity, last_token_layers=code_layers)
+        oracle = authors_run(
+            pretrained, task, tokenizer, TEXT, TARGET, config, spans=SPANS, hybrid=hybrid
+        )
+        assert_agrees(row, oracle, (name, reading))
+
+
+def test_reference_equals_the_oracle_on_the_hybrid_at_18_layers_with_the_donor_head():
+    """18 layers: the code's hybrid split (n // 2 = 9) is not its last half (8..17)."""
+    (pretrained, task, relation), models = library_models("gemma", True, 18, sources=3)
+    hybrid = build_hybrid(task, relation)
+    tokenizer = code_tokenizer("gemma")
+    semantics = dataclasses.replace(gl.REFERENCE, lm_head="always")
+    ((_, row),) = run_library(models, ["LT+FE:O+FFN"], semantics, registry="hybrid").iterrows()
+    config = hybrid_config(
+        "O+FFN", last_token_layers=["third_quarter", "fourth_quarter"], patch_lm_head="always"
+    )
+    oracle = authors_run(
+        pretrained, task, tokenizer, TEXT, TARGET, config, spans=SPANS, hybrid=hybrid
+    )
+    assert_agrees(row, oracle, "hybrid at 18 layers")
+
+
+def test_clean_differs_from_the_oracle_where_the_code_does():
+    """The check above could not pass by accident: the library's clean reading of the same
+    configurations moves the tied LT row (base unembedding, final norm grafted, a BOS)."""
+    (base, donor), models = library_models("gpt2", True)
+    tokenizer = code_tokenizer("gpt2")
+    ((_, row),) = run_library(models, ["LT"], gl.CLEAN).iterrows()
+    oracle = authors_run(base, donor, tokenizer, TEXT, TARGET, position_config("LT"), spans=SPANS)
+    assert (library_probs(row) - oracle.probs).abs().max().item() > 0.01

@@ -170,12 +170,8 @@ def test_model_directory_without_config_is_refused(tmp_path):
     assert result.exit_code == 1 and "config.json" in _output(result)
 
 
-def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoints):
-    import grafting_lens as gl
-    from grafting_lens import data, metrics
-
-    out = tmp_path / "out"
-    result = runner.invoke(
+def _demo_on_checkpoints(out, checkpoints, *flags):
+    return runner.invoke(
         cli.app,
         [
             "demo",
@@ -191,20 +187,91 @@ def test_include_unembed_makes_the_sft_rows_the_donor_itself(tmp_path, checkpoin
             "3",
             "--no-progress",
             "--no-png",
-            "--include-unembed",
+            *flags,
         ],
     )
-    assert result.exit_code == 0, _output(result)
-    assert "donor's unembedding" in _output(result)
-    rows = pd.read_csv(out / "results.csv")
-    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")]
+
+
+def _donor_ranks(checkpoints, semantics):
+    """The finetuned model's own ranks of the headline answers, tokenized as ``semantics`` says."""
+    import grafting_lens as gl
+    from grafting_lens import data, metrics
+
     models = gl.load_models(checkpoints / "base", checkpoints / "sft")
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
-    batch = data.tokenize_examples(
-        data.make_examples(relations, prompt="headline"), models.tokenizer
-    )
+    examples = data.make_examples(relations, prompt="headline", templates=semantics.prompts)
+    batch = data.tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
     final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
-    assert sft.target_rank.tolist() == metrics.target_rank(final, batch.target_ids).tolist()
+    ranks = metrics.target_rank(final, batch.target_ids, by=semantics.rank_by, ties=semantics.ties)
+    return [e.text for e in batch.examples], ranks.tolist()
+
+
+def test_demo_runs_the_reference_semantics_by_default_and_sft_is_the_donor(tmp_path, checkpoints):
+    import grafting_lens as gl
+
+    result = _demo_on_checkpoints(tmp_path / "out", checkpoints)
+    assert result.exit_code == 0, _output(result)
+    assert "Semantics: reference" in _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert set(rows.semantics) == {"reference"}
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    texts, ranks = _donor_ranks(checkpoints, gl.REFERENCE)
+    assert sft.text.tolist() == texts and all("stars in in a movie" in t for t in texts)
+    assert sft.target_rank.tolist() == ranks
+
+
+def test_unembed_donor_makes_the_clean_sft_rows_the_donor_itself(tmp_path, checkpoints):
+    import grafting_lens as gl
+
+    result = _demo_on_checkpoints(
+        tmp_path / "out", checkpoints, "--semantics", "clean", "--unembed", "donor"
+    )
+    assert result.exit_code == 0, _output(result)
+    assert "Semantics: clean+unembed=donor" in _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert set(rows.semantics) == {"clean+unembed=donor"}
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    assert sft.target_rank.tolist() == _donor_ranks(checkpoints, gl.CLEAN)[1]
+
+
+def test_the_deprecated_include_unembed_still_means_clean_with_the_donors_unembedding(
+    tmp_path, checkpoints
+):
+    result = _demo_on_checkpoints(tmp_path / "out", checkpoints, "--include-unembed")
+    assert result.exit_code == 0, _output(result)
+    assert "--include-unembed is deprecated" in _output(result)
+    assert set(pd.read_csv(tmp_path / "out" / "results.csv").semantics) == {"clean+unembed=donor"}
+
+
+def test_single_switch_flags_change_one_field_of_the_experiments_semantics():
+    import dataclasses
+
+    from grafting_lens.experiments import CLEAN, REFERENCE, get_experiment
+
+    def semantics(experiment, *flags):
+        args = cli.experiment_parser(experiment).parse_args(["--out", "x", *flags])
+        return cli._semantics(get_experiment(experiment), args)
+
+    assert semantics("position") == REFERENCE
+    assert semantics("hybrid", "--semantics", "clean") == CLEAN
+    assert semantics("patching_vs_grafting") == CLEAN
+    changed = semantics(
+        "component", "--unembed", "base", "--lm-head", "always", "--dtype", "bfloat16"
+    )
+    assert changed == dataclasses.replace(
+        REFERENCE, unembed="base", lm_head="always", dtype="bfloat16"
+    )
+    assert semantics("demo", "--unembed", "follow-embed", "--semantics", "clean").unembed == (
+        "follow_embed"
+    )
+
+
+def test_semantics_does_not_apply_to_the_patching_comparison(tmp_path, capsys):
+    status = cli.main(
+        ["run", "patching_vs_grafting", "--out", str(tmp_path), "--semantics", "clean"]
+    )
+    assert status == 1
+    assert "--semantics do not apply here" in capsys.readouterr().err
 
 
 def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
@@ -219,6 +286,9 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
     [
         (["--threads", "0"], "--threads must be >= 1, got 0"),
         (["--device", "banana"], "device='banana' cannot be used"),
+        (["--semantics", "referense"], "Unknown semantics 'referense'"),
+        (["--semantics", "reference+unembed=nowhere"], "Semantics.unembed must be one of"),
+        (["--semantics", "clean+colour=red"], "Cannot read 'colour=red'"),
     ],
 )
 def test_script_options_are_checked_before_loading(

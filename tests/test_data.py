@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import warnings
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast
 
 from grafting_lens import data
@@ -410,9 +419,109 @@ def test_token_spans_decode_to_the_right_words(relations_by_dataset, tokenizer, 
 
 def test_without_bos_the_first_entity_starts_at_position_zero(tokenizer):
     examples = make_examples([hand_relation()], "headline")
-    batch = tokenize_examples(examples, tokenizer, prepend_bos=False)
+    batch = tokenize_examples(examples, tokenizer, bos="never")
     assert batch.tokens[0, 0].item() != tokenizer.bos_token_id
     assert batch.spans["first_entity"][0, 0]
+
+
+def _with_own_bos(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """A copy of ``tokenizer`` that puts its BOS before every text by itself (as Llama 3's)."""
+    own = copy.deepcopy(tokenizer)
+    bos = own.bos_token
+    own.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, own.bos_token_id)]
+    )
+    return own
+
+
+def test_bos_as_the_tokenizer_keeps_what_tokenizer_text_adds(tokenizer):
+    examples = make_examples([hand_relation(), hand_relation("Cy Fox", "Di Moss", 1)], "qa")
+    for source in (tokenizer, _with_own_bos(tokenizer)):
+        batch = tokenize_examples(examples, source, bos="tokenizer")
+        for row, example in enumerate(batch.examples):
+            length = int(batch.attention_mask[row].sum())
+            assert batch.tokens[row, :length].tolist() == source(example.text)["input_ids"]
+        shift = int(source is not tokenizer)
+        plain = tokenize_examples(examples, source, bos="never")
+        assert torch.equal(
+            batch.spans["first_entity"][:, shift:],
+            plain.spans["first_entity"][:, : batch.tokens.shape[1] - shift],
+        )
+
+
+def test_bos_as_the_tokenizer_refuses_a_tokenizer_that_appends_tokens(tokenizer):
+    appending = copy.deepcopy(tokenizer)
+    eos = appending.eos_token
+    appending.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"$A {eos}", pair=f"$A {eos} $B", special_tokens=[(eos, appending.eos_token_id)]
+    )
+    with pytest.raises(GraftingLensError, match="adds tokens after"):
+        tokenize_examples(make_examples([hand_relation()], "qa"), appending, bos="tokenizer")
+
+
+def test_prepend_bos_is_deprecated_for_bos(tokenizer):
+    examples = make_examples([hand_relation()], "headline")
+    with pytest.warns(DeprecationWarning, match="bos='never'"):
+        old = tokenize_examples(examples, tokenizer, prepend_bos=False)
+    assert torch.equal(old.tokens, tokenize_examples(examples, tokenizer, bos="never").tokens)
+    with pytest.raises(GraftingLensError, match="bos must be one of"):
+        tokenize_examples(examples, tokenizer, bos="sometimes")
+
+
+def test_a_standalone_target_is_the_answer_tokenized_on_its_own(relations_by_dataset):
+    # A tokenizer that strips leading spaces reads " Bo Reed" alone as "Bo Reed", but in
+    # context as " Bo Reed": the first tokens differ, as they can for SentencePiece ones.
+    texts = training_documents(relations_by_dataset["fake_movies_real_actors"], shuffle=False)
+    stripping = _train_tokenizer(texts, "byte_level")
+    stripping.backend_tokenizer.normalizer = normalizers.Strip(left=True, right=False)
+    examples = make_examples([hand_relation()], "headline")
+    in_context = tokenize_examples(examples, stripping)
+    standalone = tokenize_examples(examples, stripping, target="standalone")
+    assert torch.equal(in_context.tokens, standalone.tokens)
+    assert standalone.target_full_ids[0] == stripping.encode(" Bo Reed", add_special_tokens=False)
+    assert stripping.decode(standalone.target_full_ids[0]) == "Bo Reed"
+    assert stripping.decode(in_context.target_full_ids[0]) == " Bo Reed"
+    assert standalone.target_ids[0] != in_context.target_ids[0]
+
+
+def test_searched_spans_are_the_first_occurrence_of_the_names_tokens(tokenizer):
+    text = "Ada Stone said that Ada Stone starred in a movie alongside"
+    second = text.index("Ada Stone", 1)
+    example = data.Example(0, "custom", text, " Bo Reed", {"first_entity": (second, second + 9)})
+    by_characters = tokenize_examples([example], tokenizer)
+    searched = tokenize_examples([example], tokenizer, spans="search")
+    assert torch.equal(by_characters.tokens, searched.tokens)
+    first = by_characters.spans["first_entity"][0].nonzero().flatten().tolist()
+    found = searched.spans["first_entity"][0].nonzero().flatten().tolist()
+    # The name as given ("Ada Stone", no space) occurs first at the start, after the BOS.
+    assert found[0] == 1 and found[0] < first[0]
+    assert tokenizer.decode(searched.tokens[0, found]) == "Ada Stone"
+    assert tokenizer.decode(searched.tokens[0, first]).strip() == "Ada Stone"
+
+
+def test_a_span_whose_tokens_do_not_occur_is_dropped_when_searching(tokenizer):
+    good = make_examples([hand_relation()], "headline")[0]
+    text = good.text
+    inside = text.index("tone")  # "tone" inside "Stone" is not a token of the prompt alone
+    odd = dataclasses.replace(
+        good, relation_id=1, spans={**good.spans, "first_entity": (inside, inside + 4)}
+    )
+    with pytest.warns(UserWarning, match="dropped 1 of 2"):
+        batch = tokenize_examples([good, odd], tokenizer, spans="search")
+    assert [e.relation_id for e in batch.examples] == [0]
+    assert "do not occur in the prompt" in batch.dropped[0][1]
+
+
+def test_code_templates_word_the_prompts_as_the_papers_code():
+    relation = hand_relation()
+    headline, qa = (
+        make_examples([relation], prompt, templates="code")[0] for prompt in ("headline", "qa")
+    )
+    assert headline.text == "Ada Stone stars in in a movie alongside"
+    assert qa.text == "Q: Who stars in a movie with Ada Stone? A: An actor named"
+    assert headline.text[slice(*headline.spans["relation"])] == "stars in in a movie alongside"
+    with pytest.raises(GraftingLensError, match="unknown templates 'authors'"):
+        make_examples([relation], "headline", templates="authors")
 
 
 def test_movie_span_maps_to_the_title_tokens(tokenizer):

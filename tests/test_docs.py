@@ -82,7 +82,7 @@ def _first_graft_code() -> str:
 
 
 def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
-    """The page's dozen lines give the demo's PRE and FE+LT rows (donor unembedding)."""
+    """The page's dozen lines give the clean demo's PRE and FE+LT rows (donor unembedding)."""
     run = subprocess.run(
         [sys.executable, "-c", _first_graft_code()],
         cwd=tmp_path,
@@ -100,7 +100,10 @@ def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
             "demo",
             "--out",
             str(tmp_path / "demo"),
-            "--include-unembed",
+            "--semantics",
+            "clean",
+            "--unembed",
+            "donor",
             "--no-progress",
         ],
         cwd=tmp_path,

@@ -157,10 +157,9 @@ def test_position_registry_grafts_every_component_but_the_unembedding(two):
     # Hand-checked cells: LT is position 5 in row 0, 4 in row 1 (row 1 has one pad).
     mask = config_masks(two, ["LT"], spans, attention_mask)
     assert _cell(mask, ("o", 2)) == lt_row0 and _cell(mask, ("o", 2), row=1) == [0, 0, 0, 0, 1, 0]
-    # The options: the donor's unembedding, the base's embeddings.
-    mask = config_masks(
-        two, ["FE"], spans, attention_mask, include_unembed=True, include_embeddings=False
-    )
+    # The semantics' switches: the donor's unembedding, the base's embeddings.
+    semantics = "clean+unembed=donor+embed=false+pos_embed=false"
+    mask = config_masks(two, ["FE"], spans, attention_mask, semantics=semantics)
     assert _cell(mask, ("unembed", None)) == [0, 1, 1, 0, 0, 0]
     assert ("embed", None) not in mask
 
@@ -376,7 +375,7 @@ def test_model_sets_and_test_sets_form_a_grid(two, relations):
         {"forward": two, "swapped": swapped},
         make_test_sets(relations[:3], prompts=("headline", "qa")),
         ["PRE", "SFT"],
-        include_unembed=True,
+        semantics="clean+unembed=donor",
         progress=False,
     )
     assert len(results) == 2 * 2 * 2 * 3
@@ -693,7 +692,7 @@ def test_scripts_refuse_bad_arguments_before_running(
     )
     assert "--relation-model" in capsys.readouterr().err
     versus = _script("patching_vs_grafting")
-    assert versus.main(["--out", str(tmp_path / "d"), "--include-unembed", *tiny_world_args]) == 1
+    assert versus.main(["--out", str(tmp_path / "d"), "--unembed", "donor", *tiny_world_args]) == 1
     assert "do not apply here" in capsys.readouterr().err
     assert versus.main(["--out", str(tmp_path / "e"), "--donor", "x", *tiny_world_args]) == 1
     assert "--donor need --model" in capsys.readouterr().err

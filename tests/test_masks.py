@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from authors_reference import layer_groups
+from authors_reference import resolve_layers as code_layers
 from conftest import random_tokens
 
 import grafting_lens as gl
@@ -23,6 +25,40 @@ def test_quarters_partition_the_layers(n_layers):
         range(n_layers - n_layers // 2, n_layers)
     )
     assert len(gl.resolve_layers("first_half", n_layers)) == n_layers - n_layers // 2
+
+
+@pytest.mark.parametrize("n_layers", range(4, 49))
+def test_quarters_are_the_codes_layer_groups(n_layers):
+    groups = layer_groups(n_layers)
+    names = {"last_quarter": "fourth_quarter"}
+    for name in ("all", "first_quarter", "second_quarter", "third_quarter", "last_quarter"):
+        layers = gl.resolve_layers(name, n_layers, arithmetic="quarters")
+        assert layers == tuple(groups[names.get(name, name)]), name
+    last_half = code_layers(["third_quarter", "fourth_quarter"], n_layers)
+    assert gl.resolve_layers("last_half", n_layers, arithmetic="quarters") == tuple(last_half)
+    first_half = code_layers(["first_quarter", "second_quarter"], n_layers)
+    assert gl.resolve_layers("first_half", n_layers, arithmetic="quarters") == tuple(first_half)
+    if n_layers % 4 == 0:  # where the two arithmetics agree
+        for name in gl.LAYER_FRACTIONS:
+            assert gl.resolve_layers(name, n_layers, arithmetic="quarters") == gl.resolve_layers(
+                name, n_layers
+            )
+
+
+def test_the_arithmetics_differ_at_18_layers_and_only_for_names():
+    assert gl.resolve_layers("third_quarter", 18) == (9, 10, 11, 12, 13)
+    assert gl.resolve_layers("third_quarter", 18, arithmetic="quarters") == (8, 9, 10, 11)
+    assert gl.resolve_layers("last_half", 18, arithmetic="quarters") == tuple(range(8, 18))
+    assert gl.resolve_layers((0.5, 1.0), 18, arithmetic="quarters") == tuple(range(9, 18))
+    assert gl.resolve_layers(range(3), 18, arithmetic="quarters") == (0, 1, 2)
+
+
+def test_quarters_refuse_a_range_they_leave_empty_and_unknown_arithmetics():
+    assert gl.resolve_layers("all", 2, arithmetic="quarters") == (0, 1)
+    with pytest.raises(gl.SelectionError, match="'first_quarter' is empty in a 2-layer model"):
+        gl.resolve_layers("first_quarter", 2, arithmetic="quarters")
+    with pytest.raises(gl.SelectionError, match="Unknown layer arithmetic 'eighths'"):
+        gl.resolve_layers("all", 8, arithmetic="eighths")
 
 
 def test_layer_forms():

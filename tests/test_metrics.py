@@ -18,6 +18,7 @@ from grafting_lens.metrics import (
     top_k_hit,
     top_k_tokens,
 )
+from grafting_lens.scoring import LastTokenScorer
 
 # Three rows over a vocabulary of five, no ties, so every rank is unambiguous.
 LOGITS = torch.tensor(
@@ -180,6 +181,48 @@ def test_a_bfloat16_tie_with_the_top_token_is_not_a_top1_hit():
     logits[rows, (targets + 1) % 300] = logits[rows, targets]  # another token ties with the top one
     assert not top_k_hit(logits, targets, 1).any()
     assert top_k_hit(logits, targets, 1, ties="optimistic").all()
+
+
+def test_ranking_by_probability_ties_what_the_float32_softmax_cannot_tell_apart():
+    # Logits 1000 apart: both losers' probabilities underflow to exactly 0.
+    logits = torch.tensor([[0.0, -1000.0, -2000.0]])
+    target = torch.tensor([2])
+    assert target_rank(logits, target).tolist() == [2]
+    assert target_rank(logits, target, by="probability").tolist() == [2]
+    # The paper's code: strictly greater probabilities, so the underflowed target ranks 1.
+    assert target_rank(logits, target, by="probability", ties="optimistic").tolist() == [1]
+    assert target_rank(logits, target, ties="optimistic").tolist() == [2]
+    assert top_k_hit(logits, target, 2, by="probability", ties="optimistic").item()
+    # Without such ties both are the argsort rank.
+    for ties in TIE_RULES:
+        assert target_rank(LOGITS, TARGETS, by="probability", ties=ties).tolist() == [1, 4, 0]
+
+
+def test_rank_by_probability_matches_the_papers_formula():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(16, 300, generator=generator) * 20  # many probabilities underflow
+    targets = torch.randint(0, 300, (16,), generator=generator)
+    probs = torch.softmax(logits, dim=-1)
+    expected = [int((row > row[t]).sum()) for row, t in zip(probs, targets)]
+    assert target_rank(logits, targets, by="probability", ties="optimistic").tolist() == expected
+
+
+def test_the_scorer_ranks_as_it_is_told():
+    logits = torch.tensor([[[0.0, -1000.0, -2000.0]]])
+    target = torch.tensor([2])
+    assert LastTokenScorer()(logits, target)["target_rank"] == [2]
+    code = LastTokenScorer(rank_by="probability", ties="optimistic")
+    assert code(logits, target)["target_rank"] == [1]
+    assert code(logits, target)["top1"] == [False] and code(logits, target)["top5"] == [True]
+    with pytest.raises(GraftingLensError, match="rank_by must be one of"):
+        LastTokenScorer(rank_by="odds")
+    with pytest.raises(GraftingLensError, match="ties must be one of"):
+        LastTokenScorer(ties="fair")
+
+
+def test_an_unknown_rank_basis_is_refused():
+    with pytest.raises(GraftingLensError, match="by must be one of 'logit', 'probability'"):
+        target_rank(LOGITS, TARGETS, by="prob")
 
 
 def test_an_unknown_tie_rule_is_refused():

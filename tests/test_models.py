@@ -334,6 +334,16 @@ def test_coverage_names_every_parameter(three_models, family):
     assert str(coverage["layer"].dtype) == "Int64"
 
 
+def test_the_layout_knows_which_components_share_a_parameter(three_models, family):
+    model = three_models.base.original_model
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    layout = three_models.layout
+    assert layout.shares_parameter("embed", "unembed") == tied
+    assert layout.shares_parameter("q", "k", "v") == (family in ("gpt2", "neox"))
+    assert layout.shares_parameter("q", "k") == (family in ("gpt2", "neox"))
+    assert not layout.shares_parameter("q", "o")
+
+
 def test_a_graft_around_uncovered_weights_is_refused_unless_allowed(tokenizer):
     sources = [random_model("llama", seed) for seed in (0, 1)]
     for model in sources:  # a weight in layer 1's MLP that no component names

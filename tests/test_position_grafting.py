@@ -139,20 +139,20 @@ def test_pre_rows_are_the_base_and_sft_rows_the_donor(llama_set):
         donor, cache = models[1].run_with_cache(
             tokenized.tokens, attention_mask=tokenized.attention_mask
         )
-        # The paper's default: donor computes everything, the base's unembedding predicts.
+        # The clean default: donor computes everything, the base's unembedding predicts.
         donor_through_base_unembed = models.base.unembed(cache["ln_final.hook_out"])
-    for include_unembed, sft_logits in ((True, donor), (False, donor_through_base_unembed)):
+    for semantics, sft_logits in (
+        ("clean+unembed=donor", donor),
+        ("clean", donor_through_base_unembed),
+        ("clean+sft=donor", donor),
+    ):
         results = run_position_grafting(
-            models,
-            tokenized,
-            configs=["PRE", "SFT"],
-            include_unembed=include_unembed,
-            progress=False,
+            models, tokenized, configs=["PRE", "SFT"], semantics=semantics, progress=False
         )
         for config, logits in (("PRE", base), ("SFT", sft_logits)):
             rows = results[results.config == config]
             ranks, probabilities = _expected_scores(logits, tokenized)
-            assert rows.target_rank.tolist() == ranks.tolist(), (config, include_unembed)
+            assert rows.target_rank.tolist() == ranks.tolist(), (config, semantics)
             assert rows.target_prob.to_numpy() == pytest.approx(
                 probabilities.numpy(), rel=1e-4, abs=1e-7
             )

@@ -14,10 +14,13 @@ Only the "these weights, these positions, that checkpoint" part changes between 
   into one finetuned on one direction, and asks the reversed question;
 * the **hybrid** graft (figure 5) mixes three checkpoints: the task model's attention at FE
   and LT, the relation model's O and FFN at LT over the last half of the layers, plus several
-  choices of task weights at FE.
+  choices of task weights at FE (the authors' code grafts its *hybrid model*, the task model
+  with the relation model's O, FFN-up and FFN-down from layer ``n // 2`` on: :data:`HYBRID`).
 
 The package has one room per idea:
 
+* :mod:`~grafting_lens.experiments.semantics`: :class:`Semantics`, what configurations mean
+  (the authors' code, :data:`REFERENCE`, or the library's, :data:`CLEAN`);
 * :mod:`~grafting_lens.experiments.configs`: :class:`Graft`, :class:`GraftConfig`, the
   paper's component names and the registries of configurations (:func:`register_config`);
 * :mod:`~grafting_lens.experiments.testsets`: :class:`TestSet`, one dataset under one prompt;
@@ -44,11 +47,19 @@ of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` 
 
 :func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns a tidy
 DataFrame with one row per example and configuration; with ``out=`` it saves chunks as they
-come and resumes a killed run. Two defaults follow the paper ("we use the finetuned embeddings
-for all grafted token positions and use the original model's unembeddings"): a graft naming a
-*group* that contains the embeddings (``all``) takes the donor's embeddings
-(``include_embeddings``), and the unembedding stays the base's everywhere
-(``include_unembed``). A component named on its own is always grafted.
+come and resumes a killed run.
+
+What a configuration means is a :class:`Semantics`, because the paper's text, the authors'
+released code and this library do not always agree. The paper says it uses "the finetuned
+embeddings for all grafted token positions and ... the original model's unembeddings"; its code
+copies weights by value, so on a model with tied embeddings (GPT-2, Llama 3.2 1B, Gemma) a
+grafted embedding also decodes its position through the donor's unembedding, and it differs
+on a dozen smaller points (final norm, fused QKV, layer quarters, BOS, the SFT baseline, the
+hybrid model, target and rank). :data:`REFERENCE` does what the code does, :data:`CLEAN` what
+this library does with components named as they are; every switch can be flipped alone
+(``dataclasses.replace(REFERENCE, unembed="base")``). The paper's named experiments default to
+:data:`REFERENCE`, :func:`run_experiment` and the lens to :data:`CLEAN`; every row records its
+semantics. A component named on its own is always grafted.
 
 The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
 ``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``, ``demo``) bundle
@@ -75,6 +86,7 @@ from grafting_lens.experiments.configs import (
     COMPONENT_CONFIGS,
     COMPONENT_LAYER_RANGES,
     COMPONENT_SETS,
+    HYBRID,
     HYBRID_CONFIGS,
     HYBRID_FIRST_ENTITY,
     MOVIE_CONFIGS,
@@ -86,6 +98,7 @@ from grafting_lens.experiments.configs import (
     TASK,
     Graft,
     GraftConfig,
+    code_hybrid_configs,
     get_configs,
     register_config,
     resolve_components,
@@ -117,6 +130,14 @@ from grafting_lens.experiments.runner import (
     run_experiment,
     run_position_grafting,
 )
+from grafting_lens.experiments.semantics import (
+    CLEAN,
+    PRESETS,
+    REFERENCE,
+    SEMANTICS_CHOICES,
+    Semantics,
+    as_semantics,
+)
 from grafting_lens.experiments.specs import (
     EXPERIMENTS,
     ExperimentSpec,
@@ -127,7 +148,12 @@ from grafting_lens.experiments.specs import (
     register_experiment,
 )
 from grafting_lens.experiments.stacking import config_masks
-from grafting_lens.experiments.testsets import MOVIE_PROMPTS, TestSet, make_test_sets
+from grafting_lens.experiments.testsets import (
+    CODE_MOVIE_PROMPTS,
+    MOVIE_PROMPTS,
+    TestSet,
+    make_test_sets,
+)
 
 # Span expressions moved to grafting_lens.positions; they stay importable from here.
 from grafting_lens.positions import (
@@ -139,10 +165,13 @@ from grafting_lens.positions import (
 )
 
 __all__ = [
+    "CLEAN",
+    "CODE_MOVIE_PROMPTS",
     "COMPONENT_CONFIGS",
     "COMPONENT_LAYER_RANGES",
     "COMPONENT_SETS",
     "EXPERIMENTS",
+    "HYBRID",
     "HYBRID_CONFIGS",
     "HYBRID_FIRST_ENTITY",
     "MOVIE_CONFIGS",
@@ -152,9 +181,12 @@ __all__ = [
     "PAPER_POSITION_CONFIGS",
     "POSITION_CONFIGS",
     "POSITION_GRAFTING_COLUMNS",
+    "PRESETS",
+    "REFERENCE",
     "REGISTRIES",
     "RELATION",
     "RUN_FORMAT",
+    "SEMANTICS_CHOICES",
     "SPAN_ALIASES",
     "TASK",
     "ChunkInfo",
@@ -169,9 +201,12 @@ __all__ = [
     "PositionFunction",
     "RunError",
     "RunOptions",
+    "Semantics",
     "Spans",
     "TestSet",
+    "as_semantics",
     "checkpoint_setup",
+    "code_hybrid_configs",
     "config_masks",
     "finetuned_setup",
     "get_configs",

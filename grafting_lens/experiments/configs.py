@@ -14,6 +14,11 @@ and 3a) with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its
 baselines) and :data:`HYBRID_CONFIGS` (figure 5), all reachable by name through
 :data:`REGISTRIES`. :func:`register_config` is the one door for more;
 :func:`get_configs` looks names up.
+
+What a name means depends on a :class:`~grafting_lens.experiments.Semantics`: which
+members a group such as ``all`` brings (:func:`resolve_components`), and, for the
+hybrid graft, which configurations the registry holds (the code's hybrid model,
+:data:`HYBRID`, under ``hybrid="code"``; :func:`get_configs`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jaxtyping import Bool, Int
 
 from grafting_lens.components import COMPONENT_GROUPS, COMPONENTS, expand_components
 from grafting_lens.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
+from grafting_lens.experiments.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
 from grafting_lens.layers import LayerSpec
 from grafting_lens.models import ModelSet
 from grafting_lens.positions import (
@@ -42,6 +48,7 @@ __all__ = [
     "COMPONENT_CONFIGS",
     "COMPONENT_LAYER_RANGES",
     "COMPONENT_SETS",
+    "HYBRID",
     "HYBRID_CONFIGS",
     "HYBRID_FIRST_ENTITY",
     "MOVIE_CONFIGS",
@@ -54,6 +61,7 @@ __all__ = [
     "Graft",
     "GraftConfig",
     "get_configs",
+    "code_hybrid_configs",
     "register_config",
     "resolve_components",
     "retarget",
@@ -68,33 +76,54 @@ PAPER_COMPONENTS: dict[str, tuple[str, ...]] = {
     "ffn-down": ("mlp_out",),
 }
 """The paper's names for sets of matrices: ATTN (Q, K, V), FFN (every MLP matrix), FFN-up
-(the up projection, and the gate where there is one) and FFN-down (the down projection).
-``O`` is the component ``o``. Each expands to the members an architecture has."""
+(the up projection, and the gate where there is one, unless a semantics says
+``ffn_up_gate=False``) and FFN-down (the down projection). ``O`` is the component ``o``.
+Each expands to the members an architecture has."""
 
-_EMBEDDINGS = ("embed", "pos_embed")
+_GROUP_SWITCHES = (
+    ("embed", "embed"),
+    ("pos_embed", "pos_embed"),
+    ("ln_final", "final_norm"),
+)
 
 
 def resolve_components(
     spec: str | Iterable[str],
     models: ModelSet,
     *,
-    include_unembed: bool = False,
-    include_embeddings: bool = True,
+    semantics: Semantics | str | None = None,
+    include_unembed: bool | None = None,
+    include_embeddings: bool | None = None,
 ) -> tuple[str, ...]:
     """The components a graft names, for this architecture, in :data:`~grafting_lens.COMPONENTS` order.
+
+    Which members a group brings is the semantics' to say (:class:`~grafting_lens.experiments.Semantics`:
+    ``unembed``, ``embed``, ``pos_embed``, ``final_norm``); a component named on its own
+    is always taken. With ``fused_qkv="as_code"``, on an architecture whose Q, K and V are
+    one fused matrix, ``q`` brings ``k`` and ``v`` along and ``k``, ``v`` without ``q``
+    are dropped, as the paper's code reads them.
 
     Args:
         spec: A ``+``-joined string (``"O+FFN"``, ``"ATTN+O+FFN-up"``, ``"all"``) or names.
             Case does not matter. Paper names: see :data:`PAPER_COMPONENTS`; otherwise the
             components and groups of :mod:`grafting_lens.components`.
         models: The model set (what its architecture has).
-        include_unembed: Whether a group (``all``) brings the unembedding along.
-        include_embeddings: Whether a group brings the token and position embeddings along.
+        semantics: A :class:`~grafting_lens.experiments.Semantics` or its label (default
+            :data:`~grafting_lens.experiments.CLEAN`).
+        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"`` (True) or
+            ``"base"`` (False).
+        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
 
     Raises:
         ComponentError: An unknown name, a single component the architecture lacks, or
             nothing left to graft.
     """
+    semantics = fold_group_flags(
+        as_semantics(CLEAN if semantics is None else semantics),
+        include_unembed,
+        include_embeddings,
+        "resolve_components",
+    )
     parts = [part.strip() for part in spec.split("+")] if isinstance(spec, str) else list(spec)
     available = set(models.components)
     chosen: set[str] = set()
@@ -102,6 +131,8 @@ def resolve_components(
         name = str(part).lower()
         if name in PAPER_COMPONENTS:
             members = [m for m in PAPER_COMPONENTS[name] if m in available]
+            if name == "ffn-up" and not semantics.ffn_up_gate:
+                members = [m for m in members if m != "mlp_gate"]
             if not members:
                 raise ComponentError(
                     f"{models.architecture} has none of {name.upper()}'s components "
@@ -110,10 +141,11 @@ def resolve_components(
             chosen.update(members)
         elif name in COMPONENT_GROUPS:
             group = set(expand_components(name, available, models.architecture))
-            if not include_unembed:
+            if semantics.unembed != "donor":
                 group.discard("unembed")
-            if not include_embeddings:
-                group.difference_update(_EMBEDDINGS)
+            for component, switch in _GROUP_SWITCHES:
+                if not getattr(semantics, switch):
+                    group.discard(component)
             chosen.update(group)
         else:
             if name not in COMPONENTS:
@@ -125,15 +157,34 @@ def resolve_components(
                     f"{', '.join(COMPONENT_GROUPS)}."
                 )
             chosen.update(expand_components([name], available, models.architecture))
+    if semantics.fused_qkv == "as_code" and models.layout.shares_parameter("q", "k", "v"):
+        # The code's q target is the fused module itself; its k and v name no module.
+        if "q" in chosen:
+            chosen.update(("k", "v"))
+        else:
+            chosen.difference_update(("k", "v"))
     if not chosen:
         raise ComponentError(
-            f"{spec!r} selects no component (the unembedding and embeddings are left out of "
-            "groups unless include_unembed / include_embeddings)."
+            f"{spec!r} selects no component under the semantics {semantics.label!r} (groups "
+            "leave out what its unembed, embed, pos_embed and final_norm switches leave out; "
+            "with fused_qkv='as_code', k and v without q are nothing on a fused QKV matrix)."
         )
     return tuple(c for c in COMPONENTS if c in chosen)
 
 
 # --------------------------------------------------------------------- configurations
+
+TASK, RELATION = 1, 2
+"""Sources of the hybrid model set: 0 pretrained, 1 task model, 2 relation model."""
+
+HYBRID = "hybrid"
+"""A graft source naming the paper's code's *hybrid model* over a (pretrained, task,
+relation) model set: the task model, with the relation model's O, FFN-up and FFN-down
+(``o``, ``mlp_in``, ``mlp_out``; not the gate) in layers ``n // 2`` onwards. A graft
+from it takes those from :data:`RELATION` and everything else from :data:`TASK`."""
+
+HYBRID_TARGETS: tuple[str, ...] = ("o", "mlp_in", "mlp_out")
+"""What the code's hybrid model takes from the relation model, in its last half."""
 
 
 @dataclass(frozen=True)
@@ -149,18 +200,20 @@ class Graft:
         layers: See :func:`grafting_lens.resolve_layers`: ``"all"``, ``"last_half"``,
             ``"first_quarter"``.. ``"last_quarter"``, an int, a list, a range. Global
             components (embeddings, final norm, unembedding) ignore it.
-        source: Index of the checkpoint in the model set (0 is the base).
+        source: Index of the checkpoint in the model set (0 is the base), or
+            :data:`HYBRID`, the paper's code's hybrid model over a (pretrained, task,
+            relation) model set.
 
     Raises:
         SelectionError: Positions that are neither a span expression nor a function, or
             a span expression that does not parse.
-        ExperimentError: A source that is not an int >= 0.
+        ExperimentError: A source that is neither an int >= 0 nor :data:`HYBRID`.
     """
 
     positions: Union[str, PositionFunction] = "ALL"
     components: Union[str, tuple[str, ...]] = "all"
     layers: LayerSpec = "all"
-    source: int = 1
+    source: Union[int, str] = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.positions, str):
@@ -174,8 +227,13 @@ class Graft:
             object.__setattr__(self, "components", tuple(self.components))
         if isinstance(self.layers, list):
             object.__setattr__(self, "layers", tuple(self.layers))
-        if not isinstance(self.source, int) or isinstance(self.source, bool) or self.source < 0:
-            raise ExperimentError(f"Graft source must be an int >= 0, got {self.source!r}.")
+        if self.source != HYBRID and (
+            not isinstance(self.source, int) or isinstance(self.source, bool) or self.source < 0
+        ):
+            raise ExperimentError(
+                f"Graft source must be an int >= 0 (or HYBRID, the code's hybrid model), got "
+                f"{self.source!r}."
+            )
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (what a run's fingerprint records)."""
@@ -261,7 +319,7 @@ class GraftConfig:
 def retarget(
     configs: Iterable[GraftConfig],
     components: str | Iterable[str] | None = None,
-    source: int = 1,
+    source: int | str = 1,
 ) -> list[GraftConfig]:
     """The configurations with every graft taking ``components`` (if given) from ``source``.
 
@@ -384,9 +442,6 @@ COMPONENT_CONFIGS: dict[str, GraftConfig] = _component_configs()
 :data:`COMPONENT_LAYER_RANGES`, plus ``BASE`` (nothing grafted) and ``DONOR`` (the donor
 everywhere). Source 1 is the donor."""
 
-TASK, RELATION = 1, 2
-"""Sources of the hybrid model set: 0 pretrained, 1 task model, 2 relation model."""
-
 _HYBRID_LAST_TOKEN = (
     Graft("LT", "ATTN", "all", TASK),
     Graft("LT", "O+FFN", "last_half", RELATION),
@@ -434,7 +489,47 @@ HYBRID_CONFIGS: dict[str, GraftConfig] = _hybrid_configs()
 """The hybrid graft (figure 5) over a pretrained (0), task (1) and relation (2) model set:
 ``LT`` is the task model's ATTN at the last token (all layers) with the relation model's
 O+FFN there over the last half of the layers; ``LT+FE:<x>`` adds the task model's ``x`` at
-the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines."""
+the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines.
+This is the library's reading (``hybrid="clean"``); :func:`code_hybrid_configs` is the
+paper's code's."""
+
+
+def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, GraftConfig]:
+    """The hybrid graft as the paper's released code runs it, under the names of
+    :data:`HYBRID_CONFIGS` (what a semantics with ``hybrid="code"`` looks names up in).
+
+    ``LT`` takes every ATTN, O and FFN weight of the code's hybrid model (:data:`HYBRID`)
+    at the last token over ``last_token_layers``: so the relation model's O, FFN-up and
+    FFN-down in the layers from ``n // 2`` on, the task model's elsewhere, and the task
+    model's attention and gate. ``LT+FE:<x>`` adds the task model's ``x`` at the first
+    entity over all layers; the baselines are :data:`HYBRID_CONFIGS`'.
+
+    Args:
+        last_token_layers: ``"last_half"`` (the third and fourth quarters, as the
+            authors' sweep set them for the hybrid) or ``"all"``; the released code's
+            configuration file is not public, so both readings are offered.
+
+    Raises:
+        ExperimentError: Another value of ``last_token_layers``.
+    """
+    if last_token_layers not in ("last_half", "all"):
+        raise ExperimentError(
+            f"last_token_layers must be 'last_half' or 'all', got {last_token_layers!r}."
+        )
+    configs = [HYBRID_CONFIGS[name] for name in ("PRE", "TASK", "RELATION")]
+    last_token = Graft("LT", "ATTN+O+FFN", last_token_layers, HYBRID)
+    for label, components in HYBRID_FIRST_ENTITY.items():
+        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
+        configs.append(
+            GraftConfig(
+                "LT" if components is None else f"LT+FE:{label}",
+                (last_token, *first_entity),
+                {"first_entity": label},
+                f"the code's hybrid model's ATTN+O+FFN at LT ({last_token_layers} layers)"
+                + ("" if components is None else f", task {label} at FE"),
+            )
+        )
+    return _registry(configs)
 
 
 class ChainedRegistry(ChainMap):
@@ -493,6 +588,8 @@ def get_configs(
     configs: str | GraftConfig | Iterable[str | GraftConfig],
     registry: str | Mapping[str, GraftConfig] = "position",
     kind: str | None = None,
+    *,
+    semantics: Semantics | str | None = None,
 ) -> list[GraftConfig]:
     """Look configuration names up in a registry; GraftConfig objects pass through.
 
@@ -501,6 +598,9 @@ def get_configs(
         registry: A key of :data:`REGISTRIES` or a mapping of configurations.
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
+        semantics: Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
+            the code's hybrid configurations (:func:`code_hybrid_configs`); other
+            registries do not depend on it.
 
     Raises:
         ExperimentError: No configuration, an unknown name (the message lists the
@@ -508,7 +608,12 @@ def get_configs(
     """
     if isinstance(registry, str):
         kind = kind or f"{registry}-grafting"
+        name = registry
         registry = _registry_named(registry)
+        chosen = None if semantics is None else as_semantics(semantics)
+        if name == "hybrid" and chosen is not None and chosen.hybrid == "code":
+            code = code_hybrid_configs(chosen.hybrid_last_token_layers)
+            registry = ChainedRegistry(code, dict(registry))
     kind = kind or "grafting"
     if isinstance(configs, (str, GraftConfig)):
         configs = [configs]

@@ -25,6 +25,7 @@ from grafting_lens import data
 from grafting_lens.errors import ExperimentError
 from grafting_lens.experiments.configs import get_configs
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions, run_experiment
+from grafting_lens.experiments.semantics import Semantics, as_semantics
 from grafting_lens.experiments.specs import ExperimentSpec, get_experiment
 from grafting_lens.experiments.testsets import make_test_sets
 from grafting_lens.models import ModelSet
@@ -309,6 +310,9 @@ def setup_experiment(
             progress=progress,
             on_status=on_status,
         )
+        if dtype is not None:
+            for bridge in models:
+                bridge.to(dtype=dtype)
         label = f"{_short(checkpoints[0])}, finetuned here"
     else:
         models, made = checkpoint_setup(
@@ -358,10 +362,12 @@ def run_named_experiment(
         n_examples: Ask about the first ``n_examples`` relations only.
         dataset: Label of the relations (the ``dataset`` column).
         seed: Seed the relations were made with (the ``data_seed`` column).
-        options: How to run (see :class:`~grafting_lens.experiments.RunOptions`).
+        options: How to run (see :class:`~grafting_lens.experiments.RunOptions`); its
+            ``semantics`` defaults to the experiment's (:attr:`ExperimentSpec.semantics`:
+            :data:`~grafting_lens.experiments.REFERENCE` for the paper's experiments).
         on_chunk: Called after each chunk (see :func:`~grafting_lens.experiments.run_experiment`).
         **settings: Fields of :class:`~grafting_lens.experiments.RunOptions` by name
-            (``batch_size``, ``progress``, ``seeds``...).
+            (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
 
     Returns:
         The parts' tables, concatenated, with a ``part`` column after ``models`` (for an
@@ -417,6 +423,9 @@ def run_spec(
         on_chunk: Called after each chunk.
         **settings: Fields of :class:`~grafting_lens.experiments.RunOptions`.
 
+    The semantics is ``options.semantics`` or, if none is given, the experiment's
+    (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
+
     Returns:
         ``{"results": table, ...}``: the grid's table, or what the experiment's own
         runner returns.
@@ -431,6 +440,9 @@ def run_spec(
     if n_examples is not None:
         _check_n_examples(n_examples)  # for every runner, before anything runs
     options = dataclasses.replace(options or RunOptions(), **settings)
+    options = options.with_semantics(as_semantics(spec.semantics))
+    semantics = options.semantics
+    assert isinstance(semantics, Semantics)  # with_semantics gives one
     if setup.seeds:  # the toy world's seed goes with every row; explicit seeds come after
         options = dataclasses.replace(options, seeds={**setup.seeds, **options.seeds})
     if spec.run is not None:
@@ -459,9 +471,14 @@ def run_spec(
     parts = []
     for part in spec.parts:
         names = part.quick if quick and part.quick is not None else part.configs
-        configs = get_configs(list(names), spec.registry)
+        configs = get_configs(list(names), spec.registry, semantics=semantics)
         test_sets = make_test_sets(
-            relations, part.prompts, spec.direction, dataset=setup.dataset, seed=setup.data_seed
+            relations,
+            part.prompts,
+            spec.direction,
+            dataset=setup.dataset,
+            seed=setup.data_seed,
+            templates=semantics.prompts,
         )
         parts.append((part.name, test_sets, configs))
     tables = []

@@ -12,6 +12,13 @@ Each is runnable from Python (:func:`~grafting_lens.experiments.run_named_experi
 and from the command line (``grafting-lens run <name> --out <dir>``). A new experiment
 is one more :func:`~grafting_lens.experiments.register_experiment` call (see the
 developer guide, "Adding an experiment").
+
+The grafting experiments run under :data:`~grafting_lens.experiments.REFERENCE` by
+default: they exist to reproduce the paper's figures, and those were made by the
+authors' released code, which differs from the paper's text on several points (see
+:class:`~grafting_lens.experiments.Semantics`). ``--semantics clean`` runs them the
+library's way. The grafting-versus-patching comparison is this library's own
+experiment (the paper's code has no patching) and runs clean.
 """
 
 from __future__ import annotations
@@ -69,7 +76,9 @@ COMPONENT_PART = Part(
 )
 COMPONENT_NOTE = (
     "Grafts at the last token only; ATTN = Q, K, V; FFN = every MLP matrix (gate included); "
-    "FFN-up = up projection (+ gate); FFN-down = down projection."
+    "FFN-up = up projection (+ gate); FFN-down = down projection. Layer ranges are counted "
+    "as the semantics says (reference: the code's n // 4 quarters, 'last_half' = third and "
+    "fourth quarters)."
 )
 COMPONENT_SUMMARY = ("config", "component_set", "layer_range", "prompt")
 
@@ -89,6 +98,7 @@ def _component_spec(
         figures=(Figure("component_heatmap", heatmap), Figure("component_bars", bars)),
         paper=COMPONENT_PAPER,
         note=COMPONENT_NOTE,
+        semantics="reference",
         **kwargs,
     )
 
@@ -114,6 +124,7 @@ register_experiment(
             Figure("position_grafting_movie", accuracy_bars("Position grafting"), part="movie"),
         ),
         paper=POSITION_PAPER,
+        semantics="reference",
     )
 )
 
@@ -161,9 +172,13 @@ register_experiment(
         summary_by=("config", "first_entity", "prompt"),
         figures=(Figure("hybrid_grafting", accuracy_bars("Hybrid grafting")),),
         paper=HYBRID_PAPER,
+        semantics="reference",
         note=(
-            "LT = task ATTN at the last token (all layers) + relation O+FFN there (last half); "
-            "LT+FE:<set> adds the task model's <set> at the first entity (all layers)."
+            "Reference semantics: LT = every ATTN, O and FFN weight of the code's hybrid model "
+            "(the task model with the relation model's O, FFN-up and FFN-down from layer n // 2 "
+            "on) at the last token, over the third and fourth quarters. Clean: task ATTN at the "
+            "last token (all layers) + relation O+FFN there (last half). LT+FE:<set> adds the "
+            "task model's <set> at the first entity (all layers)."
         ),
     )
 )
@@ -191,7 +206,13 @@ register_experiment(
                 fingerprinted=False,
             ),
         ),
-        inapplicable=("--include-unembed", "--base-embeddings"),
+        inapplicable=(
+            "--semantics",
+            "--unembed",
+            "--lm-head",
+            "--include-unembed",
+            "--base-embeddings",
+        ),
         run=patching_vs_grafting.run,
         report=patching_vs_grafting.report,
     )
@@ -216,6 +237,7 @@ register_experiment(
         quick_world=True,
         finetune_missing_donor=True,
         default_relations=100,
+        semantics="reference",
     )
 )
 

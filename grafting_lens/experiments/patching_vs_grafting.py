@@ -36,6 +36,7 @@ from grafting_lens.comparison import (
 from grafting_lens.experiments.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.experiments.report import ExperimentReport, write_table
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions
+from grafting_lens.experiments.semantics import CLEAN
 from grafting_lens.experiments.specs import ExperimentSpec
 from grafting_lens.files import atomic_write
 from grafting_lens.models import ModelSet
@@ -114,8 +115,11 @@ def run(
         "directions": directions,
         "quick": quick,
     }
+    results = pd.concat(tables, ignore_index=True)
+    # Tokenized and scored the library's way (the paper's code has no patching to follow).
+    results.insert(results.columns.get_loc("text") + 1, "semantics", CLEAN.label)
     return {
-        "results": pd.concat(tables, ignore_index=True),
+        "results": results,
         "references": pd.concat(references, ignore_index=True),
         "settings": settings,
     }

@@ -10,9 +10,15 @@ and a killed run started again resumes where it stopped. Everything a run is giv
 checked before the first forward pass.
 
 How a run grafts, scores, batches and saves is one :class:`RunOptions`: the place for
-a new option (it is fingerprinted with the run when it changes a row).
-:func:`run_position_grafting` is the short way to the paper's first experiment on one
-tokenized batch.
+a new option (it is fingerprinted with the run when it changes a row). Its
+``semantics`` (:class:`~grafting_lens.experiments.Semantics`) says what the
+configurations mean, how prompts are tokenized and how answers are ranked: the paper's
+released code (:data:`~grafting_lens.experiments.REFERENCE`) or this library's clean
+reading (:data:`~grafting_lens.experiments.CLEAN`, the default here). Every row
+records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
+``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
+with any other implementation. :func:`run_position_grafting` is the short way to the
+paper's first experiment on one tokenized batch.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,12 @@ from grafting_lens.experiments.run_directory import (
     RunDirectory,
     batch_digest,
     describe_run,
+)
+from grafting_lens.experiments.semantics import (
+    CLEAN,
+    Semantics,
+    as_semantics,
+    fold_group_flags,
 )
 from grafting_lens.experiments.stacking import (
     ResolvedGraft,
@@ -74,8 +86,10 @@ IDENTITY_COLUMNS = (
     "relation_id",
     "text",
     "config",
+    "semantics",
 )
-"""What a row is: which model set, test set, example and configuration (tags follow)."""
+"""What a row is: which model set, test set, example and configuration, under which
+semantics (tags follow)."""
 
 ANSWER_COLUMNS = ("target", "target_id")
 """The answer a row is scored against: its text and first token."""
@@ -87,6 +101,7 @@ POSITION_GRAFTING_COLUMNS = (
     "direction",
     "text",
     "config",
+    "semantics",
     *ANSWER_COLUMNS,
     *SCORE_COLUMNS,
     *TOP_K_COLUMNS,
@@ -108,28 +123,37 @@ class RunOptions:
             them (``batch_size * len(configs)`` rows, logits ``[rows, pos, d_vocab]``:
             lower it for large vocabularies). Free to change when resuming.
         chunk_size: Examples per chunk (the unit that is saved and resumed).
-        include_unembed: Let groups such as ``all`` graft the unembedding too (the paper
-            keeps the base's everywhere).
-        include_embeddings: Let groups graft the token and position embeddings (the
-            paper's default).
+        semantics: What the configurations mean, how prompts are tokenized and answers
+            ranked: a :class:`~grafting_lens.experiments.Semantics` or its label
+            (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
+            the entry point's default, :data:`~grafting_lens.experiments.CLEAN` for
+            :func:`run_experiment`, :data:`~grafting_lens.experiments.REFERENCE` for the
+            paper's named experiments.
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
             world's); each test set's own seed is the ``data_seed`` column.
         progress: Show a progress bar. Free to change when resuming.
+        include_unembed: Deprecated (warns): ``semantics`` with ``unembed="donor"``
+            (True) or ``"base"`` (False); folded into :data:`CLEAN` when no semantics is
+            given, which is what it meant before.
+        include_embeddings: Deprecated (warns): ``semantics`` with ``embed`` and
+            ``pos_embed``.
 
     Raises:
-        ExperimentError: A size below 1, or a seed name that cannot be a column.
+        ExperimentError: A size below 1, a seed name that cannot be a column, or a
+            semantics label that does not read.
     """
 
     batch_size: int = 8
     chunk_size: int = 64
-    include_unembed: bool = False
-    include_embeddings: bool = True
+    semantics: Semantics | str | None = None
     top_k: int = 10
     seeds: Mapping[str, int] = field(default_factory=dict)
     progress: bool = True
+    include_unembed: InitVar[bool | None] = None
+    include_embeddings: InitVar[bool | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, include_unembed: bool | None, include_embeddings: bool | None) -> None:
         for name in ("batch_size", "chunk_size", "top_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -139,14 +163,26 @@ class RunOptions:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", str(name)):
                 raise ExperimentError(f"Seed names become columns; {name!r} is not a plain name.")
         object.__setattr__(self, "seeds", seeds)
+        semantics = None if self.semantics is None else as_semantics(self.semantics)
+        if include_unembed is not None or include_embeddings is not None:
+            semantics = fold_group_flags(
+                semantics or CLEAN, include_unembed, include_embeddings, "RunOptions"
+            )
+        object.__setattr__(self, "semantics", semantics)
+
+    def with_semantics(self, default: Semantics) -> RunOptions:
+        """These options with ``default`` as the semantics if none was given."""
+        if self.semantics is not None:
+            return self
+        return dataclasses.replace(self, semantics=default)
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change a row, as a run directory records them."""
+        semantics = as_semantics(self.semantics if self.semantics is not None else CLEAN)
         return {
             "chunk_size": self.chunk_size,
             "top_k": self.top_k,
-            "include_unembed": self.include_unembed,
-            "include_embeddings": self.include_embeddings,
+            "semantics": semantics.describe(),
             "seeds": dict(self.seeds),
         }
 
@@ -191,6 +227,7 @@ class _Grid:
     resolved: list[list[list[ResolvedGraft]]]
     tag_columns: list[str]
     options: RunOptions
+    semantics: Semantics
 
 
 def run_experiment(
@@ -211,6 +248,12 @@ def run_experiment(
     every configuration of them. Examples are taken in order of length so a forward pass
     carries little padding; rows are independent, so this changes no result.
 
+    The run's semantics (``options.semantics``, default
+    :data:`~grafting_lens.experiments.CLEAN`) says what the configurations graft on each
+    model set, how the test sets' examples are tokenized and how answers are ranked
+    (see :class:`~grafting_lens.experiments.Semantics`); test sets worded for another
+    semantics, and models of another precision than its ``dtype``, are refused.
+
     With ``out``, the run lives in that directory (see
     :mod:`grafting_lens.experiments.run_directory`): calling again with the same
     arguments resumes, reading finished chunks instead of recomputing them, and a
@@ -229,14 +272,14 @@ def run_experiment(
         on_chunk: Called with a :class:`ChunkInfo` after each chunk is computed (and
             written); an exception raised there stops the run, which can be resumed.
         **settings: Fields of :class:`RunOptions` by name: ``batch_size``,
-            ``chunk_size``, ``include_unembed``, ``include_embeddings``, ``top_k``,
-            ``seeds``, ``progress``.
+            ``chunk_size``, ``semantics``, ``top_k``, ``seeds``, ``progress``.
 
     Returns:
         One row per model set, test set, configuration and example, in that order, with
         columns ``models``, ``dataset``, ``prompt``, ``direction``, ``example`` (row of the
-        test set), ``relation_id``, ``text``, ``config``, the configurations' tag columns,
-        ``target``, ``target_id``, the scores of :mod:`grafting_lens.scoring`
+        test set), ``relation_id``, ``text`` (the exact prompt), ``config``, ``semantics``
+        (its label), the configurations' tag columns, ``target``, ``target_id`` (the
+        answer's first token), the scores of :mod:`grafting_lens.scoring`
         (``target_rank`` (0 = top-1), ``target_prob``, ``top1``, ``top5``,
         ``topk_tokens``, ``topk_ids``, ``topk_probs``), ``data_seed`` and one
         ``<name>_seed`` column per entry of ``seeds``.
@@ -245,13 +288,14 @@ def run_experiment(
         GraftingLensError: Before any forward pass: an unknown configuration, a layer range
             outside a model, a component an architecture lacks, a source a model set does
             not have, a span a test set lacks, grafts that disagree on a cell, an empty test
-            set, bad sizes. RunError: ``out`` holds a different run, or files that are not a
-            run's.
+            set, bad sizes, test sets worded for another semantics, models of another
+            precision than the semantics'. RunError: ``out`` holds a different run, or files
+            that are not a run's.
     """
-    options = dataclasses.replace(options or RunOptions(), **settings)
+    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(CLEAN)
     grid = _grid(models, test_sets, configs, registry, options)
     cells = _prepare_cells(grid)
-    scorer = LastTokenScorer(top_k=options.top_k)
+    scorer = LastTokenScorer(top_k=options.top_k, **grid.semantics.scoring())
     seed_columns = [f"{name}_seed" for name in options.seeds]
     columns = [
         *_ORDER_COLUMNS,
@@ -334,7 +378,8 @@ def _compute(
                 continue
             tokenizer = grid.model_sets[cell.model_index][1].tokenizer
             scorer = scorers.setdefault(
-                id(tokenizer), LastTokenScorer(tokenizer, top_k=options.top_k)
+                id(tokenizer),
+                LastTokenScorer(tokenizer, top_k=options.top_k, **grid.semantics.scoring()),
             )
             rows: Rows = []
             for start in range(0, len(index), options.batch_size):
@@ -357,8 +402,9 @@ def run_position_grafting(
     batch_size: int = 8,
     *,
     components: str | Iterable[str] | None = None,
-    include_unembed: bool = False,
-    include_embeddings: bool = True,
+    semantics: Semantics | str | None = None,
+    include_unembed: bool | None = None,
+    include_embeddings: bool | None = None,
     source: int = 1,
     top_k: int = 10,
     progress: bool = True,
@@ -370,9 +416,16 @@ def run_position_grafting(
     (:data:`~grafting_lens.experiments.POSITION_CONFIGS`: ``PRE``, ``SFT``, ``FE``,
     ``LT``, ``FE+LT``, ``(FE+LT)^C``, ``FE^C``, ``LT^C``), and asks whether the fact comes
     back. A thin wrapper over :func:`run_experiment` for one model set and one batch,
-    kept in memory. Grafted positions read the donor's embeddings, and every position
-    predicts through the base's unembedding, as in the paper; ``include_unembed=True``
-    makes ``SFT`` exactly the donor.
+    kept in memory.
+
+    What "every weight" is follows ``semantics`` (default
+    :data:`~grafting_lens.experiments.CLEAN`: every component but the unembedding, so
+    grafted positions read the donor's embeddings and every position predicts through
+    the base's unembedding, as the paper's text says; ``SFT`` is then the donor decoded
+    through the base's unembedding). :data:`~grafting_lens.experiments.REFERENCE` does
+    what the paper's released code does (see :class:`~grafting_lens.experiments.Semantics`).
+    The batch is used as it is: tokenize it as the semantics says
+    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``).
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
@@ -382,10 +435,11 @@ def run_position_grafting(
         configs: Names in :data:`~grafting_lens.experiments.POSITION_CONFIGS`, in the
             order wanted in tables.
         batch_size: Examples per forward pass.
-        components: What to graft; overrides ``include_unembed`` and
-            ``include_embeddings``. Default: every component but the unembedding.
-        include_unembed: Graft the unembedding too (then ``SFT`` is exactly the donor).
-        include_embeddings: Graft the token and position embeddings.
+        components: What to graft instead of ``all``, read under ``semantics`` as any
+            graft's components are.
+        semantics: A :class:`~grafting_lens.experiments.Semantics` or its label.
+        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"``.
+        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
         source: Index of the donor in the model set.
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
@@ -395,28 +449,31 @@ def run_position_grafting(
         A tidy DataFrame, one row per configuration and example (grouped by
         configuration, in ``configs`` order), with the columns of
         :data:`POSITION_GRAFTING_COLUMNS`: ``example`` (row in ``tokenized``),
-        ``relation_id``, ``prompt``, ``direction``, ``text``, ``config``, ``target`` (the
-        answer's text), ``target_id`` (its first token), ``target_rank`` (0 = top-1),
-        ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens`` (decoded),
-        ``topk_ids`` and ``topk_probs``.
+        ``relation_id``, ``prompt``, ``direction``, ``text``, ``config``, ``semantics``,
+        ``target`` (the answer's text), ``target_id`` (its first token), ``target_rank``
+        (0 = top-1), ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens``
+        (decoded), ``topk_ids`` and ``topk_probs``.
 
     Raises:
         GraftingLensError: An unknown configuration (the message lists the known
             ones), an empty or malformed batch, or a bad ``batch_size``.
     """
+    chosen_semantics = fold_group_flags(
+        as_semantics(CLEAN if semantics is None else semantics),
+        include_unembed,
+        include_embeddings,
+        "run_position_grafting",
+    )
     chosen = retarget(
         get_configs(configs, POSITION_CONFIGS, kind="position-grafting"), components, source
     )
-    explicit = components is not None
     results = run_experiment(
         models,
         TestSet(tokenized),
         chosen,
         batch_size=batch_size,
         chunk_size=max(64, batch_size) if isinstance(batch_size, int) else 64,
-        # Explicit components are taken as given; the flags only filter the default "all".
-        include_unembed=include_unembed or explicit,
-        include_embeddings=include_embeddings or explicit,
+        semantics=chosen_semantics,
         top_k=top_k,
         progress=progress,
     )
@@ -454,15 +511,19 @@ def _grid(
                 "prompt once, or give the test sets different dataset labels."
             )
         seen[key] = index
-    config_list = get_configs(configs, registry)
+    semantics = as_semantics(options.semantics if options.semantics is not None else CLEAN)
+    for test_set in test_list:
+        if test_set.templates is not None and test_set.templates != semantics.prompts:
+            raise ExperimentError(
+                f"Test set {test_set.label!r} is worded as the {test_set.templates} words its "
+                f"prompts, but the semantics {semantics.label!r} asks the {semantics.prompts}'s: "
+                f"make it with make_test_sets(..., templates={semantics.prompts!r}), or run "
+                f"dataclasses.replace(semantics, prompts={test_set.templates!r})."
+            )
+    _check_precision(model_sets, semantics)
+    config_list = get_configs(configs, registry, semantics=semantics)
     resolved = [
-        resolve_configs(
-            config_list,
-            label,
-            model_set,
-            include_unembed=options.include_unembed,
-            include_embeddings=options.include_embeddings,
-        )
+        resolve_configs(config_list, label, model_set, semantics=semantics)
         for label, model_set in model_sets
     ]
     tag_columns = list(dict.fromkeys(key for config in config_list for key in config.tags))
@@ -472,7 +533,33 @@ def _grid(
         raise ExperimentError(
             f"Configuration tags may not reuse result columns: {sorted(collisions)}."
         )
-    return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options)
+    return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options, semantics)
+
+
+def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantics) -> None:
+    """Refuse models whose precision is not the one the semantics runs in.
+
+    Raises:
+        ExperimentError: Naming the model set, its dtype and the two ways out.
+    """
+    if semantics.dtype == "checkpoint":
+        return
+    wanted = getattr(torch, semantics.dtype)
+    for label, models in model_sets:
+        dtypes = {
+            parameter.dtype
+            for bridge in models
+            for parameter in bridge.original_model.parameters()
+            if parameter.is_floating_point()
+        }
+        if dtypes and dtypes != {wanted}:
+            found = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+            raise ExperimentError(
+                f"The semantics {semantics.label!r} runs models in {semantics.dtype} (the paper's "
+                f"code loaded float32), but model set {label!r} holds {found} weights: load it "
+                f"with load_models(..., dtype=torch.{semantics.dtype}), or run "
+                "dataclasses.replace(semantics, dtype='checkpoint') to keep its precision."
+            )
 
 
 def _directions(test_set: TestSet) -> tuple[str, ...]:
@@ -523,7 +610,7 @@ def _prepare_cells(grid: _Grid) -> list[_TestCell]:
             key = (id(models.tokenizer), test_index)
             try:
                 if key not in tokenized:
-                    tokenized[key] = test_set.batch(models)
+                    tokenized[key] = test_set.batch(models, grid.semantics)
                 batch = as_batch(tokenized[key], models)
             except GraftingLensError as error:
                 raise type(error)(
@@ -590,6 +677,7 @@ def _run_examples(
                     getattr(example, "relation_id", None),
                     getattr(example, "text", None),
                     config.name,
+                    grid.semantics.label,
                     *tags,
                     getattr(example, "target", None),
                     int(batch.target_ids[offset]),

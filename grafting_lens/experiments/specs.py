@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grafting_lens.errors import ExperimentError, did_you_mean
+from grafting_lens.experiments.semantics import as_semantics
 
 __all__ = [
     "EXPERIMENTS",
@@ -132,6 +133,9 @@ class ExperimentSpec:
         finetune_missing_donor: ``--model`` without a donor finetunes a copy of the
             model on the relations first.
         default_relations: How many relations ``--model`` runs make by default.
+        semantics: The semantics its runs default to, a label of
+            :class:`~grafting_lens.experiments.Semantics` (``"reference"`` for the paper's
+            experiments, which exist to reproduce its figures; ``"clean"`` by default).
     """
 
     name: str
@@ -154,6 +158,7 @@ class ExperimentSpec:
     quick_world: bool = False
     finetune_missing_donor: bool = False
     default_relations: int = 1000
+    semantics: str = "clean"
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -182,6 +187,7 @@ class ExperimentSpec:
                 f"Experiment {self.name!r}: {len(self.names)} names for {len(self.roles)} roles."
             )
         object.__setattr__(self, "donors", dict(self.donors))
+        as_semantics(self.semantics)  # a label that does not read fails here
 
     @property
     def labels(self) -> tuple[str, ...]:

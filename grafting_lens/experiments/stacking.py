@@ -8,6 +8,15 @@ two grafts of one configuration may not give one cell different sources
 (:func:`check_conflicts`). :func:`stacked_mask` then builds the one mask, sharing a
 ``[rows, pos]`` tensor among all the ``(component, layer)`` pairs a graft takes, which
 the graft engine splits into positions once per pass rather than once per pair.
+
+Checking a graft is also where a :class:`~grafting_lens.experiments.Semantics` says
+what it means on this model set (:func:`resolve_configs`): which components a name
+brings, how named layer ranges are counted, whether a whole-donor configuration is
+the donor itself, whether the unembedding follows a grafted embedding on a model
+whose two are tied, whether the donor's unembedding reads the last token
+(``lm_head="always"``), and how a graft from the code's hybrid model splits between
+the task and the relation model. The graft engine below needs no switch: every one
+of those readings is a mask.
 """
 
 from __future__ import annotations
@@ -21,11 +30,26 @@ from jaxtyping import Int
 
 from grafting_lens.components import GLOBAL_COMPONENTS
 from grafting_lens.errors import GraftingLensError, GraftMaskError
-from grafting_lens.experiments.configs import GraftConfig, get_configs, resolve_components
+from grafting_lens.experiments.configs import (
+    HYBRID,
+    HYBRID_TARGETS,
+    RELATION,
+    TASK,
+    Graft,
+    GraftConfig,
+    get_configs,
+    resolve_components,
+)
+from grafting_lens.experiments.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
 from grafting_lens.layers import resolve_layers
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
-from grafting_lens.positions import PositionFunction, Spans, select_positions
+from grafting_lens.positions import (
+    PositionFunction,
+    Spans,
+    parse_span_expression,
+    select_positions,
+)
 
 __all__ = ["ResolvedGraft", "check_conflicts", "config_masks", "resolve_configs", "stacked_mask"]
 
@@ -46,46 +70,118 @@ def resolve_configs(
     label: str,
     models: ModelSet,
     *,
-    include_unembed: bool,
-    include_embeddings: bool,
+    semantics: Semantics | str = CLEAN,
 ) -> list[list[ResolvedGraft]]:
-    """Check every graft against one model set: components, layers, source.
+    """Check every graft against one model set, and say what it takes there under ``semantics``.
+
+    Beside each graft's components (:func:`~grafting_lens.experiments.resolve_components`)
+    and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
+    semantics (:class:`~grafting_lens.experiments.Semantics`) may add or change grafts:
+
+    * ``sft="donor"``: a whole-donor graft (``all`` at ``ALL`` over ``all`` layers) takes
+      every component, the unembedding and final norm included: the donor itself;
+    * ``unembed="follow_embed"``, on a model whose embedding and unembedding share their
+      weight: wherever a graft takes ``embed``, the unembedding from the same source;
+    * ``lm_head="always"``: the unembedding of the configuration's donor (its first
+      graft's source) at the last token, unless every graft is a whole donor or there
+      is none;
+    * a graft from :data:`~grafting_lens.experiments.HYBRID` becomes grafts from the task
+      model and, for O, FFN-up and FFN-down from layer ``n // 2`` on, the relation model.
 
     Raises:
         GraftingLensError: The first problem, of its own class, with the configuration
             and the model set named.
     """
+    semantics = as_semantics(semantics)
+    n_layers = models.n_layers
+    tied = semantics.unembed == "follow_embed" and models.layout.shares_parameter(
+        "embed", "unembed"
+    )
     resolved = []
     for index, config in enumerate(configs):
-        grafts = []
-        for graft in config.grafts:
+        grafts: list[ResolvedGraft] = []
+        whole = [semantics.sft == "donor" and _is_whole_donor(graft) for graft in config.grafts]
+        for graft, is_whole in zip(config.grafts, whole):
             try:
-                if graft.source >= len(models):
-                    hybrid = graft.source == 2
-                    raise GraftMaskError(
-                        f"the graft takes source {graft.source}, but the model set has "
-                        f"{len(models)} sources (0..{len(models) - 1})"
-                        + (
-                            ": the hybrid graft needs (pretrained, task, relation)"
-                            if hybrid
-                            else ""
-                        )
-                    )
-                components = resolve_components(
-                    graft.components,
-                    models,
-                    include_unembed=include_unembed,
-                    include_embeddings=include_embeddings,
-                )
-                layers = resolve_layers(graft.layers, models.n_layers)
+                _check_source(graft, models)
+                if is_whole:
+                    components = models.components
+                    layers = tuple(range(n_layers))
+                else:
+                    components = resolve_components(graft.components, models, semantics=semantics)
+                    layers = resolve_layers(graft.layers, n_layers, arithmetic=semantics.layers)
             except GraftingLensError as error:
                 raise type(error)(
                     f"Configuration {config.name!r} on model set {label!r} "
-                    f"({models.architecture}, {models.n_layers} layers): {error}"
+                    f"({models.architecture}, {n_layers} layers): {error}"
                 ) from error
-            grafts.append(ResolvedGraft(index, graft.positions, components, layers, graft.source))
+            if graft.source == HYBRID:
+                grafts += _hybrid_grafts(index, graft.positions, components, layers, n_layers)
+            else:
+                grafts.append(
+                    ResolvedGraft(index, graft.positions, components, layers, int(graft.source))
+                )
+            if tied and not is_whole and "embed" in components:
+                # The code loads the donor's values into a parameter the unembedding shares.
+                source = TASK if graft.source == HYBRID else int(graft.source)
+                grafts.append(ResolvedGraft(index, graft.positions, ("unembed",), (), source))
+        if semantics.lm_head == "always" and config.grafts and not all(whole):
+            first = config.grafts[0].source
+            donor = TASK if first == HYBRID else int(first)  # the hybrid model's head is the task's
+            grafts.append(ResolvedGraft(index, "LT", ("unembed",), (), donor))
         resolved.append(grafts)
     return resolved
+
+
+def _is_whole_donor(graft: Graft) -> bool:
+    """Whether a graft takes every component at every position over every layer."""
+    return (
+        isinstance(graft.positions, str)
+        and parse_span_expression(graft.positions) == ("all",)
+        and isinstance(graft.components, str)
+        and graft.components.strip().lower() == "all"
+        and graft.layers in ("all", None)
+    )
+
+
+def _check_source(graft: Graft, models: ModelSet) -> None:
+    """Refuse a source the model set does not have.
+
+    Raises:
+        GraftMaskError: Naming the sources there are.
+    """
+    needed = RELATION if graft.source == HYBRID else int(graft.source)
+    if needed < len(models):
+        return
+    hybrid = needed == 2
+    raise GraftMaskError(
+        f"the graft takes source {graft.source}, but the model set has "
+        f"{len(models)} sources (0..{len(models) - 1})"
+        + (": the hybrid graft needs (pretrained, task, relation)" if hybrid else "")
+    )
+
+
+def _hybrid_grafts(
+    config: int,
+    positions: Union[str, PositionFunction],
+    components: tuple[str, ...],
+    layers: tuple[int, ...],
+    n_layers: int,
+) -> list[ResolvedGraft]:
+    """A graft from the code's hybrid model, as grafts from the task and relation models."""
+    split = n_layers // 2  # the code's range(n // 2, n)
+    moved = tuple(c for c in components if c in HYBRID_TARGETS)
+    kept = tuple(c for c in components if c not in HYBRID_TARGETS)
+    lower = tuple(layer for layer in layers if layer < split)
+    upper = tuple(layer for layer in layers if layer >= split)
+    grafts = []
+    if kept:
+        grafts.append(ResolvedGraft(config, positions, kept, layers, TASK))
+    if moved and lower:
+        grafts.append(ResolvedGraft(config, positions, moved, lower, TASK))
+    if moved and upper:
+        grafts.append(ResolvedGraft(config, positions, moved, upper, RELATION))
+    return grafts
 
 
 def check_conflicts(
@@ -124,8 +220,9 @@ def config_masks(
     attention_mask: Int[torch.Tensor, "batch pos"],
     *,
     registry: str | Mapping[str, GraftConfig] = "position",
-    include_unembed: bool = False,
-    include_embeddings: bool = True,
+    semantics: Semantics | str | None = None,
+    include_unembed: bool | None = None,
+    include_embeddings: bool | None = None,
 ) -> GraftMask:
     """The graft mask of several configurations of one batch, stacked along the batch.
 
@@ -135,19 +232,30 @@ def config_masks(
     layers and source share one ``[rows, pos]`` tensor across all their
     ``(component, layer)`` pairs, which the graft splits into positions once per pass.
 
+    Args:
+        models: The model set.
+        configs: Names in ``registry`` or :class:`GraftConfig` s.
+        spans: The batch's spans.
+        attention_mask: Its right padding.
+        registry: Where names are looked up.
+        semantics: What the configurations mean (default
+            :data:`~grafting_lens.experiments.CLEAN`); see :func:`resolve_configs`.
+        include_unembed: Deprecated: ``semantics`` with ``unembed``.
+        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+
     Raises:
         GraftingLensError: As :func:`~grafting_lens.experiments.run_experiment` for bad
             configurations.
     """
-    config_list = get_configs(configs, registry)
-    attention_mask = torch.as_tensor(attention_mask).cpu()
-    resolved = resolve_configs(
-        config_list,
-        ",".join(models.names),
-        models,
-        include_unembed=include_unembed,
-        include_embeddings=include_embeddings,
+    chosen = fold_group_flags(
+        as_semantics(CLEAN if semantics is None else semantics),
+        include_unembed,
+        include_embeddings,
+        "config_masks",
     )
+    config_list = get_configs(configs, registry, semantics=chosen)
+    attention_mask = torch.as_tensor(attention_mask).cpu()
+    resolved = resolve_configs(config_list, ",".join(models.names), models, semantics=chosen)
     positions = []
     for config, grafts in zip(config_list, resolved):
         selected = [select_positions(g.positions, spans, attention_mask) for g in grafts]
