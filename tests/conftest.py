@@ -175,6 +175,24 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def no_kernel_timing(monkeypatch):
+    """No test times kernels: a product that "auto" would measure fails the test instead.
+
+    Tests run tiny models, whose products stay under the size "auto" measures, and
+    the kernel tests inject timings. A measurement here would make a test depend on
+    the machine's speed and write a decision into the user's cache.
+    """
+
+    def refuse(module, rows):
+        raise AssertionError(
+            f"a test made grafting_lens.kernels time a {type(module).__name__} on {rows} rows; "
+            "inject the timings (see tests/test_kernels.py)"
+        )
+
+    monkeypatch.setattr(gl.kernels, "_measure", refuse)
+
+
 @contextmanager
 def no_forward_pass(models: gl.ModelSet):
     """Fail if any checkpoint of the model set runs a forward pass inside the block."""
