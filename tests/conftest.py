@@ -176,21 +176,18 @@ def one_thread():
 
 
 @pytest.fixture(autouse=True)
-def no_kernel_timing(monkeypatch):
-    """No test times kernels: a product that "auto" would measure fails the test instead.
+def kernel_decisions_without_timing(monkeypatch, tmp_path_factory):
+    """No test times kernels, nor keeps a kernel decision in the user's cache.
 
-    Tests run tiny models, whose products stay under the size "auto" measures, and
-    the kernel tests inject timings. A measurement here would make a test depend on
-    the machine's speed and write a decision into the user's cache.
+    Where "auto" would measure a product (the toy world's unembedding on a large
+    batch), it is told PyTorch's kernel was faster, so it keeps PyTorch's kernel, as
+    an ungrafted forward does, whatever the machine; the decision goes to a directory
+    of the test session. The kernel tests inject their own timings.
     """
-
-    def refuse(module, rows):
-        raise AssertionError(
-            f"a test made grafting_lens.kernels time a {type(module).__name__} on {rows} rows; "
-            "inject the timings (see tests/test_kernels.py)"
-        )
-
-    monkeypatch.setattr(gl.kernels, "_measure", refuse)
+    root = tmp_path_factory.getbasetemp() / "kernel-decisions"
+    monkeypatch.setattr(gl.kernels, "cache_root", lambda: root)
+    monkeypatch.setattr(gl.kernels, "_measure", lambda module, rows: (1.0, 2.0, 7))
+    monkeypatch.setattr(gl.kernels, "_decided", {})
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Grafted linear layers: oneDNN only where it is the same arithmetic, chosen by a kept decision.
 
 No test here times anything: the selection tests inject the timings a measurement
-would have produced (``conftest.no_kernel_timing`` fails any test that measures).
+would have produced (``conftest.kernel_decisions_without_timing`` does so for every test).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import grafting_lens as gl
-from grafting_lens import kernels
+from grafting_lens import files, kernels
 
 MEASURE = kernels._measure  # the probe itself; the suite replaces it in every test
 
@@ -27,7 +27,13 @@ def fresh_policy(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_pinned", None)
     monkeypatch.delenv(kernels.ENVIRONMENT_VARIABLE, raising=False)
     monkeypatch.setattr(kernels, "_decided", {})
+    monkeypatch.setattr(kernels, "cache_root", files.cache_root)
     monkeypatch.setenv("GRAFTING_LENS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_measure", refuse_to_time)
+
+
+def refuse_to_time(module, rows):
+    raise AssertionError(f"a kernel test timed a {type(module).__name__}; inject timings")
 
 
 @pytest.fixture
