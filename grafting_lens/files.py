@@ -1,10 +1,15 @@
-"""Writing result files so that a file that exists is complete, and one writer at a time.
+"""Where grafting-lens keeps files; writing them complete, and one writer at a time.
+
+Everything grafting-lens caches (toy worlds, the kernel decisions of this machine)
+lives under one root, :func:`cache_root`.
 
 Runs get killed (a notebook kernel restarted, a job out of time). A table or
 figure written in place would then be left half-written yet look finished, and a
 resumed run would trust it. Every file grafting-lens writes goes to a temporary
 sibling first and is renamed into place, which is atomic on one filesystem
-(:func:`atomic_write`).
+(:func:`atomic_write`). A file that records a decision (:func:`write_once`) is
+linked into place instead, so that of two processes writing it at once the first
+wins and both read the same.
 
 Two processes writing into one directory would delete or overwrite each other's
 files. A directory that grafting-lens writes results into is held by one process
@@ -29,13 +34,26 @@ from pathlib import Path
 
 from grafting_lens.errors import GraftingLensError, RunError
 
-__all__ = ["LOCK_NAME", "DirectoryLock", "atomic_write", "check_writable"]
+__all__ = [
+    "LOCK_NAME",
+    "DirectoryLock",
+    "atomic_write",
+    "cache_root",
+    "check_writable",
+    "write_once",
+]
 
 LOCK_NAME = ".lock"
 """The file inside a locked directory that holds the lock and names its holder."""
 
 _HELD: dict[Path, list[int]] = {}
 """The directories this process holds: ``[open lock file, how many holders]`` each."""
+
+
+def cache_root() -> Path:
+    """The root of every cache: ``$GRAFTING_LENS_CACHE``, else ``~/.cache/grafting_lens``."""
+    root = os.environ.get("GRAFTING_LENS_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "grafting_lens"
 
 
 def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = False) -> Path:
@@ -257,3 +275,32 @@ def _read_holder(handle: int) -> str:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not said who it is yet"
+
+
+def write_once(path: str | os.PathLike, content: bytes) -> bytes:
+    """Write ``content`` to ``path`` unless the file exists; return what the file holds.
+
+    A complete temporary sibling is hard-linked into place, which fails if the path
+    exists: of two processes writing at once, the first to link wins and both read
+    its content. Where a file system has no hard links, the sibling is renamed into
+    place if the path is still absent (two writers can then race in the gap).
+    """
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
+    )
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(content)
+        os.chmod(temporary, 0o644)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+        except OSError:
+            if not path.exists():
+                os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return path.read_bytes()

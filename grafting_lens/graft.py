@@ -35,7 +35,7 @@ it receives (``[batch, pos, ...]``, ``[batch, heads, pos, d_head]`` where the
 bridge declares it, or flattened ``[batch * pos, ...]``), gathers the positions
 assigned to each source from the input and every argument laid out the same way,
 runs that source's own module on them (linear layers through oneDNN on CPUs,
-where it is the faster kernel: see :mod:`grafting_lens.kernels`), and scatters
+where it measured faster: see :mod:`grafting_lens.kernels`), and scatters
 the results back; anything it cannot route is refused with the module named. The
 bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
 TransformerLens tool see the grafted run. On exit (also after an exception) the

@@ -83,6 +83,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens import data
 from grafting_lens.errors import GraftingLensError
+from grafting_lens.files import cache_root
 from grafting_lens.finetune import finetune
 from grafting_lens.metrics import last_token_logits, top_k_hit
 from grafting_lens.toy_corpus import (
@@ -311,9 +312,7 @@ class ToyWorld:
 
 def default_cache_dir() -> Path:
     """Where toy worlds live: ``$GRAFTING_LENS_CACHE/toy``, else ``~/.cache/grafting_lens/toy``."""
-    root = os.environ.get("GRAFTING_LENS_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "grafting_lens"
-    return base / "toy"
+    return cache_root() / "toy"
 
 
 def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
