@@ -14,6 +14,7 @@ Factual Knowledge in Transformers", ICLR 2026).
 """
 
 from grafting_lens import (
+    adapters,
     batch,
     comparison,
     data,
@@ -24,6 +25,7 @@ from grafting_lens import (
     plots,
     positions,
     scoring,
+    sources,
     toy,
 )
 from grafting_lens.architectures import VERIFIED_ARCHITECTURES
@@ -35,6 +37,7 @@ from grafting_lens.components import (
     register_component_paths,
 )
 from grafting_lens.errors import (
+    AdapterError,
     AlignmentError,
     BatchError,
     ComponentError,
@@ -42,6 +45,7 @@ from grafting_lens.errors import (
     GraftingError,
     GraftingLensError,
     GraftMaskError,
+    LazyLoadWarning,
     NonFiniteLogitsError,
     PatchingError,
     RunError,
@@ -69,6 +73,8 @@ __all__ = [
     "LAYER_COMPONENTS",
     "LAYER_FRACTIONS",
     "POSITION_CONFIGS",
+    "AdapterError",
+    "adapters",
     "AlignmentError",
     "batch",
     "BatchError",
@@ -88,6 +94,7 @@ __all__ = [
     "GraftMaskError",
     "head_patch_sweep",
     "layers",
+    "LazyLoadWarning",
     "load_models",
     "metrics",
     "ModelSet",
@@ -107,6 +114,7 @@ __all__ = [
     "scoring",
     "select_positions",
     "SelectionError",
+    "sources",
     "summarize",
     "TokenError",
     "toy",

@@ -73,7 +73,12 @@ from grafting_lens.components import (
     fused_projections,
 )
 from grafting_lens.errors import AdapterError
-from grafting_lens.sources import Source, structural_copy, tensor_bytes, weights_fingerprint
+from grafting_lens.sources import (
+    CheckpointSource,
+    Source,
+    structural_copy,
+    weights_fingerprint,
+)
 
 __all__ = [
     "LoraAdapter",
@@ -417,7 +422,7 @@ class LoraSource(Source):
         return tensors
 
     def full_bytes(self) -> int:
-        return tensor_bytes(p.detach() for _, p in checkpoint_parameters(self._base.original_model))
+        return CheckpointSource(self._base, self.name).full_bytes()  # the merged model's
 
     def fingerprint(self) -> str:
         digest = hashlib.sha256()
