@@ -773,9 +773,8 @@ def _check_declared(models: ModelSet, mask: GraftMask) -> None:
                 f"({models.names[donors[0]]}), but load_models was told that grafts take only "
                 f"{'+'.join(declared)}"
                 + (f" ({component} at layers {at})" if at else "")
-                + " from donors (components= / layers=), and a lazily loaded donor reads "
-                "nothing else. Load the model set with a declaration that includes it, or "
-                "graft only what was declared."
+                + " from donors (components= / layers=). Load the model set with a "
+                "declaration that includes it, or graft only what was declared."
             )
 
 

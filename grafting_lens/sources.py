@@ -25,7 +25,7 @@ modules in place; a lazily loaded donor is loaded whole on first use, with a
 components only, in which case running it alone is refused.
 
 What each source holds is measured the same way for all of them
-(:meth:`~grafting_lens.ModelSet.memory`): the bytes of the distinct tensors it keeps
+(:meth:`~grafting_lens.models.ModelSet.memory`): the bytes of the distinct tensors it keeps
 in memory, where tensors the base holds too (an adapter's shared weights) count once,
 for the base. :meth:`Source.fingerprint` summarises a source's weights in a short
 hash, equal for the same checkpoint however it was loaded.
@@ -40,7 +40,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
@@ -182,7 +182,7 @@ class SafetensorsCheckpoint:
     ``model.safetensors``, or the shards a ``model.safetensors.index.json`` lists.
     Names, shapes and dtypes come from the files' headers; :meth:`tensor` maps one
     tensor from disk (``safetensors`` memory-maps the file, so only what is read
-    becomes resident).
+    becomes resident, and stays so while the tensor lives).
 
     Tensors are named as the model names its parameters: transformers renames some
     when it loads a checkpoint (NeoX's ``embed_out`` is the model's ``lm_head``), and
@@ -225,26 +225,28 @@ class SafetensorsCheckpoint:
                 "safetensors files. Save it again with save_pretrained (safetensors is the "
                 "default), or load it whole (lazy=False)."
             )
-        self._handles: dict[str, Any] = {}
         self._where: dict[str, tuple[str, str]] = {}  # model name: (file, name as stored)
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self.converted: list[str] = []
-        stored = []
+        headers: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
         for file in files:
-            handle = safe_open(str(self.directory / file), framework="pt")
-            self._handles[file] = handle
-            stored += [(file, name) for name in handle.keys()]
-        renamed = _loading_names([name for _, name in stored], model)
-        for file, name in stored:
+            with safe_open(str(self.directory / file), framework="pt") as handle:
+                for name in handle.keys():
+                    view = handle.get_slice(name)
+                    headers[(file, name)] = (
+                        tuple(int(n) for n in view.get_shape()),
+                        view.get_dtype(),
+                    )
+        renamed = _loading_names([name for _, name in headers], model)
+        for (file, name), (shape, dtype) in headers.items():
             model_name = renamed.get(name)
             if model_name is None:
                 self.converted.append(name)
                 continue
-            view = self._handles[file].get_slice(name)
             self._where[model_name] = (file, name)
-            self.shapes[model_name] = tuple(int(n) for n in view.get_shape())
-            self.dtypes[model_name] = _DTYPES.get(view.get_dtype(), torch.uint8)
+            self.shapes[model_name] = shape
+            self.dtypes[model_name] = _DTYPES.get(dtype, torch.uint8)
         self.disk_bytes = sum((self.directory / file).stat().st_size for file in files)
 
     def names(self) -> list[str]:
@@ -252,9 +254,15 @@ class SafetensorsCheckpoint:
         return list(self.shapes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by the model's name for it, memory-mapped from its file."""
+        """One tensor by the model's name for it, memory-mapped from its file.
+
+        Each read opens the file anew: the tensor keeps its own mapping alive, and
+        pages read through a handle kept open would stay resident after a copy (a
+        cast to another dtype) no longer needs them.
+        """
         file, stored = self._where[name]
-        return self._handles[file].get_tensor(stored)
+        with safe_open(str(self.directory / file), framework="pt") as handle:
+            return handle.get_tensor(stored)
 
     def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
         """Bytes of one tensor in memory, in ``dtype`` (default: its dtype on disk)."""
@@ -442,8 +450,10 @@ class LazySource(Source):
         return self._files.disk_bytes
 
     def fingerprint(self) -> str:
+        # Sampled where the file is mapped, then cast: 64 values of each tensor are
+        # read, none is copied whole (to the GPU, or to another dtype).
         names = [name for name, _ in checkpoint_parameters(self._base.original_model)]
-        return weights_fingerprint((name, self._read(name)) for name in names)
+        return weights_fingerprint(((n, self._files.tensor(n)) for n in names), self._dtype)
 
     # ------------------------------------------------------------------ internals
 
@@ -570,7 +580,9 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = Non
 _SAMPLES = 64
 
 
-def weights_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+def weights_fingerprint(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> str:
     """A short hash of named tensors: names, shapes, dtypes and 64 evenly spaced values of each.
 
     Reading 64 values of a memory-mapped tensor touches 64 pages of its file, so a
@@ -578,6 +590,8 @@ def weights_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
     Args:
         tensors: ``(name, tensor)`` pairs, in a fixed order.
+        dtype: The dtype the tensors are used in, when they are stored in another
+            (the sampled values are cast to it first, as a model cast whole would be).
 
     Returns:
         16 hexadecimal digits.
@@ -586,7 +600,7 @@ def weights_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     for name, tensor in tensors:
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLES)
-        sample = flat[::step][:_SAMPLES].float().cpu().contiguous()
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(sample.numpy().tobytes())
+        sample = flat[::step][:_SAMPLES].to(dtype or tensor.dtype)
+        digest.update(f"{name}{tuple(tensor.shape)}{dtype or tensor.dtype}".encode())
+        digest.update(sample.float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]

@@ -8,7 +8,7 @@ import json
 import peft
 import pytest
 import torch
-from conftest import random_mask, random_model, random_tokens
+from conftest import random_mask, random_model, random_tokens, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -119,6 +119,39 @@ def test_a_fused_qkv_adapter_is_split_as_the_bridge_splits(tokenizer, tmp_path):
         assert (grafted - lora.base(tokens)).abs().max() > 0.1
     q = lora.sources[1].module(lora.slots("q", 0)[0])
     assert isinstance(q, LoraLinear) and q.lora_B.shape == (32, 4)
+
+
+@pytest.mark.parametrize(
+    "model_type, targets",
+    [
+        ("phi3", ["qkv_proj", "gate_up_proj", "o_proj", "down_proj"]),  # fused Q/K/V (GQA), gate/up
+        ("falcon", ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]),
+        ("bloom", ["query_key_value", "dense"]),
+    ],
+)
+def test_fused_projections_of_other_architectures(tokenizer, model_type, targets):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    with torch.no_grad():
+        for parameter in base.parameters():
+            parameter.mul_(10)  # logits that vary by tens
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(3)
+    merged = copy.deepcopy(model).merge_and_unload()
+    lora = gl.load_models(copy.deepcopy(base), model, tokenizer=tokenizer)
+    full = gl.load_models(copy.deepcopy(base), merged, tokenizer=tokenizer)
+    tokens = random_tokens(2, 7)
+    with torch.no_grad():
+        assert close(lora[1](tokens), model(tokens).logits)
+    mask = random_mask(lora, tokens.shape, seed=2)
+    grafted = gl.graft_forward(lora, tokens, mask)
+    assert close(grafted, gl.graft_forward(full, tokens, mask))
+    assert (grafted - lora.base(tokens)).abs().max() > 1.0
 
 
 @pytest.mark.parametrize(
@@ -314,3 +347,14 @@ def test_an_adapter_is_not_a_base_and_a_base_holds_no_adapter(tokenizer, tmp_pat
     # PeftModel wraps its base in place: that base no longer computes the checkpoint.
     with pytest.raises(gl.AlignmentError, match="holds PEFT layers"):
         gl.load_models(model.get_base_model(), tmp_path, tokenizer=tokenizer)
+
+
+def test_patching_runs_the_adapter_alone(tokenizer, adapter, family):
+    directory, _, merged = adapter
+    lora = gl.load_models(random_model(family, 0), directory, tokenizer=tokenizer)
+    full = gl.load_models(random_model(family, 0), copy.deepcopy(merged), tokenizer=tokenizer)
+    tokens = random_tokens(2, 6, seed=9)
+    for direction in ("sufficiency", "necessity"):  # the adapter gives, then it runs
+        options = dict(site="resid_pre", layers=1, positions="last", direction=direction)
+        patched = gl.patch_forward(lora, tokens, **options)
+        assert close(patched, gl.patch_forward(full, tokens, **options))

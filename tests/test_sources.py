@@ -221,3 +221,29 @@ def test_declarations_and_lazy_are_checked(checkpoints):
         warnings.simplefilter("error")  # declaring is not loading: nothing to warn about
         models = gl.load_models(base, donor, lazy=True, layers="last_half")
     assert {layer for _, layer in models.graftable} == {None, 2}
+
+
+def test_generation_and_the_grafting_context_read_lazily_too(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True, components="ffn")
+    tokens = random_tokens(2, 5, seed=6)
+    mask = gl.GraftMask.build(eager, tokens, positions="last", components="ffn")
+    assert torch.equal(
+        gl.graft_generate(lazy, tokens, mask, max_new_tokens=3),
+        gl.graft_generate(eager, tokens, mask, max_new_tokens=3),
+    )
+    with gl.grafting(lazy, mask) as model:
+        logits, cache = model.run_with_cache(tokens)
+    assert (logits - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-6
+    assert all(path.startswith("blocks.") and ".mlp." in path for path in lazy.sources[1].loaded)
+
+
+def test_fingerprints_agree_across_a_cast(tmp_path, tokenizer):
+    random_model("llama", 0).save_pretrained(tmp_path / "base")
+    random_model("llama", 1).to(torch.bfloat16).save_pretrained(tmp_path / "half")
+    options = dict(tokenizer=tokenizer, dtype=torch.float32)
+    lazy = gl.load_models(tmp_path / "base", tmp_path / "half", lazy=True, **options)
+    eager = gl.load_models(tmp_path / "base", tmp_path / "half", **options)
+    assert lazy.sources[1].fingerprint() == eager.sources[1].fingerprint()
+    assert lazy.memory().loc[1, "resident_bytes"] == 0
