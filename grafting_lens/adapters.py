@@ -498,6 +498,15 @@ class _AdaptedModules:
 
     def build(self) -> dict[str, nn.Module]:
         updates, replaced = self._read()
+        held = {id(p) for t in self.templates.values() for p in t.parameters()}
+        held |= {id(p) for f in self.fused.values() for p in f.fused(self.base).parameters()}
+        for name, parameter in self.parameters.items():
+            if id(parameter) in replaced and id(parameter) not in held:
+                raise AdapterError(
+                    f"The adapter {self.adapter.label} replaces {name}, which no component "
+                    "grafts (see ModelSet.coverage()). Merge it into a full checkpoint "
+                    "(merge_and_unload) and load that."
+                )
         donors: dict[str, nn.Module] = {}
         # Replaced parameters (modules_to_save, saved embedding layers) first: the
         # LoRA updates then apply to the replaced modules, as in PEFT.

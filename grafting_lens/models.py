@@ -165,7 +165,11 @@ class ModelSet(Sequence[TransformerBridge]):
     that runs alone; ``models.base`` is ``models[0]``, the model every grafted run
     goes through. ``models.sources[i]`` is the source itself (see
     :mod:`grafting_lens.sources`): a checkpoint in memory, a lazily loaded one or a
-    LoRA adapter, which grafts ask for their modules.
+    LoRA adapter, which grafts ask for their modules. ``models[i]`` (and iterating)
+    gives each source as a model that runs alone: a LoRA adapter's is built on first
+    use over the base's tensors; a lazily loaded donor is then read whole, with a
+    :class:`~grafting_lens.LazyLoadWarning`, or refused if it was declared for some
+    components only. Grafts never need it.
 
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
