@@ -14,6 +14,7 @@ Factual Knowledge in Transformers", ICLR 2026).
 """
 
 from grafting_lens import (
+    adapters,
     batch,
     comparison,
     data,
@@ -25,6 +26,7 @@ from grafting_lens import (
     plots,
     positions,
     scoring,
+    sources,
     toy,
 )
 from grafting_lens.architectures import VERIFIED_ARCHITECTURES
@@ -36,6 +38,7 @@ from grafting_lens.components import (
     register_component_paths,
 )
 from grafting_lens.errors import (
+    AdapterError,
     AlignmentError,
     BatchError,
     ComponentError,
@@ -44,6 +47,7 @@ from grafting_lens.errors import (
     GraftingLensError,
     GraftMaskError,
     KernelError,
+    LazyLoadWarning,
     NonFiniteLogitsError,
     PatchingError,
     RunError,
@@ -79,6 +83,8 @@ __all__ = [
     "LAYER_FRACTIONS",
     "POSITION_CONFIGS",
     "REFERENCE",
+    "AdapterError",
+    "adapters",
     "AlignmentError",
     "batch",
     "BatchError",
@@ -100,6 +106,7 @@ __all__ = [
     "kernels",
     "KernelError",
     "layers",
+    "LazyLoadWarning",
     "load_models",
     "metrics",
     "ModelSet",
@@ -120,6 +127,7 @@ __all__ = [
     "select_positions",
     "SelectionError",
     "Semantics",
+    "sources",
     "summarize",
     "TokenError",
     "toy",

@@ -39,6 +39,7 @@ architecture whose tree differs registers its own paths with
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -571,22 +572,117 @@ def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]
         bridge wraps the model; tied parameters once, under their first name.
     """
     seen: set[int] = set()
+    for prefix, module in checkpoint_modules(model):
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield prefix + name, parameter
 
-    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Parameter]]:
+
+def checkpoint_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The HF model's own modules, named as in its checkpoint, depth first.
+
+    The walk of :func:`checkpoint_parameters`: through each bridge component to the
+    module it wraps, never into the bridge's own modules.
+
+    Args:
+        model: A Hugging Face model, wrapped by a bridge or not.
+
+    Yields:
+        ``(prefix, module)``: the module's name followed by a dot (``""`` for the model
+        itself, ``"model.layers.0.self_attn.q_proj."``), as a parameter name starts.
+    """
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
         if isinstance(module, GeneralizedComponent):
             wrapped = module.original_component
             if wrapped is not None:
                 yield from walk(wrapped, prefix)
             return
-        for name, parameter in module._parameters.items():
-            if parameter is not None and id(parameter) not in seen:
-                seen.add(id(parameter))
-                yield prefix + name, parameter
+        yield prefix, module
         for name, child in module._modules.items():
             if child is not None:
                 yield from walk(child, f"{prefix}{name}.")
 
     yield from walk(model, "")
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """A fused projection the bridge splits into per-component modules when a model loads.
+
+    GPT-2's ``c_attn`` (Q, K and V), NeoX's interleaved ``query_key_value``, Phi-3's
+    ``gate_up_proj``: the checkpoint holds one matrix, the bridge computes with modules
+    it cuts out of it (views or copies, by the architecture's own split function).
+    Anything that brings its own version of the fused matrix (a lazily loaded donor,
+    a LoRA adapter of it) must cut it the same way: :meth:`split` runs the bridge's
+    own split function on it.
+
+    Attributes:
+        node: Bridge path of the splitting component (``"blocks.0.attn"``).
+        attribute: Name of the fused module in the module that component wraps
+            (``"c_attn"``).
+        children: Bridge keys of the split modules, in the order the split returns
+            them (``("q", "k", "v")`` or ``("gate", "in")``).
+    """
+
+    node: str
+    attribute: str
+    children: tuple[str, ...]
+
+    def fused(self, bridge: nn.Module) -> nn.Module:
+        """The fused module itself (unwrapped) in ``bridge``'s tree."""
+        wrapped = bridge.get_submodule(self.node).original_component
+        assert wrapped is not None, f"{self.node} wraps no module"
+        module = getattr(wrapped, self.attribute)
+        if isinstance(module, GeneralizedComponent):
+            module = module.original_component
+        assert isinstance(module, nn.Module)
+        return module
+
+    def split(self, bridge: nn.Module, fused: nn.Module) -> dict[str, nn.Module]:
+        """The modules the bridge would cut out of ``fused``, by child key.
+
+        Args:
+            bridge: A bridge of the architecture (its split function and settings
+                are used; nothing in it changes).
+            fused: A module like :meth:`fused` (same class and shapes), holding other
+                values.
+        """
+        node = bridge.get_submodule(self.node)
+        wrapped = node.original_component
+        assert isinstance(wrapped, nn.Module), f"{self.node} wraps no module"
+        # A stand-in for the wrapped module that differs only in the fused module: a
+        # split function may read anything else of it (head counts, settings).
+        stand_in = copy.copy(wrapped)
+        stand_in._modules = dict(wrapped._modules)
+        stand_in._modules[self.attribute] = fused
+        if isinstance(node, JointQKVAttentionBridge):
+            parts = node.split_qkv_matrix(stand_in)
+        else:
+            assert isinstance(node, JointGateUpMLPBridge)
+            parts = node.split_gate_up_matrix(stand_in)
+        return dict(zip(self.children, parts))
+
+
+def fused_projections(bridge: nn.Module) -> tuple[FusedProjection, ...]:
+    """Every fused projection the bridge split when ``bridge`` loaded (see :class:`FusedProjection`)."""
+    found = []
+    keys: tuple[str, ...]
+    for path, node, _ in _bridge_nodes(bridge):
+        if isinstance(node, JointQKVAttentionBridge):
+            qkv = node.submodules.get("qkv")
+            attribute, keys = (None if qkv is None else qkv.name), ("q", "k", "v")
+        elif isinstance(node, JointGateUpMLPBridge):
+            attribute, keys = str(node.fused_attr), ("gate", "in")
+        else:
+            continue
+        if attribute is None or node.original_component is None:
+            continue
+        if not hasattr(node.original_component, attribute):
+            continue
+        found.append(FusedProjection(path, attribute, keys))
+    return tuple(found)
 
 
 def _order(component: str) -> int:

@@ -11,6 +11,7 @@ The hierarchy, one class per thing that can go wrong::
 
     GraftingLensError
     ├── AlignmentError      the checkpoints cannot be grafted together
+    │   └── AdapterError    an adapter grafting-lens cannot compute, or made for another base
     ├── ComponentError      an unknown component, or one the architecture lacks
     ├── GraftMaskError      a graft mask does not fit the model set or the tokens
     │   ├── SelectionError  positions, spans or layers cannot be selected
@@ -34,6 +35,7 @@ import difflib
 from collections.abc import Iterable
 
 __all__ = [
+    "AdapterError",
     "AlignmentError",
     "BatchError",
     "ComponentError",
@@ -42,6 +44,7 @@ __all__ = [
     "GraftingError",
     "GraftingLensError",
     "KernelError",
+    "LazyLoadWarning",
     "NonFiniteLogitsError",
     "PatchingError",
     "RunError",
@@ -64,6 +67,19 @@ class AlignmentError(GraftingLensError):
     """
 
 
+class AdapterError(AlignmentError):
+    """A LoRA/PEFT adapter cannot be grafted: made for another base, or of a kind not computed.
+
+    An adapter whose modules or shapes do not match the base was made for another
+    model. grafting-lens computes plain LoRA (``W x + B A x * scale``, with rsLoRA's
+    scale and per-module ranks and alphas) on linear layers and embeddings, and
+    ``modules_to_save``; other PEFT methods and LoRA variants (DoRA, LoRA biases,
+    adapters of raw parameters) are refused with the variant named. The fix for
+    those: merge the adapter into a full checkpoint (PEFT's ``merge_and_unload``)
+    and load that.
+    """
+
+
 class ComponentError(GraftingLensError):
     """A component name is unknown, the architecture does not have that component, or a
     graft would take every component around weights that no component covers."""
@@ -79,6 +95,10 @@ class UnsupportedArchitectureError(GraftingLensError):
 
 class UnverifiedArchitectureWarning(UserWarning):
     """A model TransformerLens bridges, of an architecture grafting-lens has not verified."""
+
+
+class LazyLoadWarning(UserWarning):
+    """A lazily loaded donor is being loaded whole, to run alone (patching, scoring)."""
 
 
 class GraftMaskError(GraftingLensError):

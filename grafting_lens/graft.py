@@ -34,12 +34,21 @@ component, or a plain module inside one such as a mixture-of-experts block's
 it receives (``[batch, pos, ...]``, ``[batch, heads, pos, d_head]`` where the
 bridge declares it, or flattened ``[batch * pos, ...]``), gathers the positions
 assigned to each source from the input and every argument laid out the same way,
-runs that source's own module on them (linear layers through oneDNN on CPUs,
+runs that source's module on them (linear layers through oneDNN on CPUs,
 where it measured faster: see :mod:`grafting_lens.kernels`), and scatters
 the results back; anything it cannot route is refused with the module named. The
 bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
 TransformerLens tool see the grafted run. On exit (also after an exception) the
 base is restored.
+
+Each source is asked for its module for a slot (:meth:`Source.module
+<grafting_lens.sources.Source.module>`), and only where the mask uses that source:
+a checkpoint in memory answers with the module in its own tree, a LoRA adapter
+with the base's module plus its factors, a lazily loaded donor with a module it
+reads from disk on that first request and keeps (see :mod:`grafting_lens.sources`).
+A mask that takes a pair from a donor outside what :func:`~grafting_lens.load_models`
+was told would be grafted (``components=`` / ``layers=``) is refused before
+anything runs or loads.
 
 The components' *modules* are swapped, not their parameter values, which is why
 tied embeddings stay untied under a graft: grafting ``embed`` runs the donor's
@@ -64,7 +73,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 from transformers import DynamicCache
 
-from grafting_lens.components import Slot
+from grafting_lens.components import COMPONENTS, Slot
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
 from grafting_lens.masks import GraftMask, Key, check_leftovers
@@ -413,6 +422,7 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
     """Install dispatchers for every pair the mask grafts; restore the base on exit."""
     _check_mask(models, mask)
     _check_not_grafting(models)
+    used = _used_sources(mask)
     state = _GraftState(mask, models.device)
     swapped: list[tuple[Slot, nn.Module]] = []
     embed = models.slots("embed", None)[0].holder(models.base)
@@ -422,7 +432,13 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
         for key in mask.keys():
             for slot in models.slots(*key):
                 original = slot.module(models.base)
-                sources = [original] + [slot.module(model) for model in models[1:]]
+                # A source the mask never uses here is never asked: a lazily loaded
+                # donor reads nothing for it. Its place holds the base's module,
+                # which no position routes to.
+                sources = [original] + [
+                    models.sources[index].module(slot) if index in used[key] else original
+                    for index in range(1, len(models))
+                ]
                 holder = slot.holder(models.base)
                 # TransformerLens marks the position axis of a norm applied to
                 # [batch, heads, pos, d_head]; plain modules inside a block get rows.
@@ -446,6 +462,18 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
 
 
 _ACTIVE = "_grafting_lens_grafting"  # set on the base bridge while a graft is installed
+
+
+def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:
+    """The sources each pair of the mask uses at some position."""
+    distinct: dict[int, frozenset[int]] = {}
+    used = {}
+    for key in mask.keys():
+        values = mask[key]
+        if id(values) not in distinct:
+            distinct[id(values)] = frozenset(int(v) for v in torch.unique(values).tolist())
+        used[key] = distinct[id(values)]
+    return used
 
 
 def _check_not_grafting(models: ModelSet) -> None:
@@ -578,9 +606,13 @@ def graft_forward_reference(
     _check_mask(models, mask)
     _check_not_grafting(models)
     lengths = row_lengths(mask.shape, None if attention_mask is None else attention_mask.cpu())
-    # Every slot of every pair, with each source's module for it.
+    # Every slot of every pair, with the module of each source the mask uses there.
     slots = [(pair, slot) for pair in models.pairs for slot in models.slots(*pair)]
-    modules = [[slot.module(model) for model in models] for _, slot in slots]
+    used = _used_sources(mask)
+    modules = [
+        {index: models.sources[index].module(slot) for index in {0} | used.get(pair, frozenset())}
+        for pair, slot in slots
+    ]
     logits = None
     try:
         for row in range(mask.shape[0]):
@@ -720,12 +752,33 @@ def _check_mask(models: ModelSet, mask: GraftMask) -> None:
             where = "" if layer is None else f" at layer {layer}"
             raise ComponentError(f"{models.architecture} has no {component!r} component{where}.")
     check_leftovers(models, mask.keys())
+    _check_declared(models, mask)
     for flag in _UNSUPPORTED_BRIDGE_FLAGS:
         if getattr(models.base.cfg, flag, False):
             raise GraftingError(
                 f"The base bridge has {flag}=True, under which attention reads projection "
                 f"weights per head instead of calling the projection, so a graft cannot route "
                 f"positions. Call models.base.set_{flag}(False) before grafting."
+            )
+
+
+def _check_declared(models: ModelSet, mask: GraftMask) -> None:
+    """Refuse a donor at a pair :func:`load_models` was told would not be grafted."""
+    if models.graftable is None:
+        return
+    for (component, layer), sources in _used_sources(mask).items():
+        donors = sorted(source for source in sources if source)
+        if donors and (component, layer) not in models.graftable:
+            where = component if layer is None else f"{component} at layer {layer}"
+            declared = sorted({c for c, _ in models.graftable}, key=COMPONENTS.index)
+            at = sorted({at for c, at in models.graftable if at is not None and c == component})
+            raise GraftMaskError(
+                f"The mask grafts {where} from source {donors[0]} "
+                f"({models.names[donors[0]]}), but load_models was told that grafts take only "
+                f"{'+'.join(declared)}"
+                + (f" ({component} at layers {at})" if at else "")
+                + " from donors (components= / layers=). Load the model set with a "
+                "declaration that includes it, or graft only what was declared."
             )
 
 

@@ -8,6 +8,12 @@ TransformerLens 4.x ``TransformerBridge`` loaded **without weight processing**:
 no LayerNorm folding, centering or value-bias folding, because a graft swaps the
 checkpoint's own parameters and processed weights are no longer those.
 
+A donor need not be a whole model in memory (see :mod:`grafting_lens.sources`): a
+LoRA adapter (a PEFT directory or model) is grafted as the base's weights plus its
+factors, and with ``lazy=True`` a checkpoint directory is opened without reading its
+weights, each component read from disk when a graft first needs it.
+:meth:`ModelSet.memory` says what each source holds.
+
 Alignment is checked once, on load: the same architecture, the same shape,
 dtype and device for every parameter, the same vocabulary, and the same
 configuration of what the models *compute*. A graft runs the donor's modules
@@ -29,27 +35,48 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union
 
 import pandas as pd
 import torch
+from accelerate import init_empty_weights
 from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from grafting_lens.adapters import (
+    LoraAdapter,
+    LoraSource,
+    is_adapter_directory,
+    is_peft_model,
+    warn_if_other_base,
+)
 from grafting_lens.architectures import resolve_architecture, warn_if_unverified
 from grafting_lens.components import (
     ComponentLayout,
+    Key,
     Slot,
+    checkpoint_modules,
     checkpoint_parameters,
     component_layout,
+    expand_components,
 )
-from grafting_lens.errors import AlignmentError, GraftingLensError, TokenError
+from grafting_lens.errors import AlignmentError, GraftingLensError, SelectionError, TokenError
+from grafting_lens.layers import LayerSpec, resolve_layers
+from grafting_lens.sources import (
+    CheckpointSource,
+    LazySource,
+    SafetensorsCheckpoint,
+    Source,
+    tensor_bytes,
+)
 
-Source = Union[str, os.PathLike, PreTrainedModel, TransformerBridge]
-"""A checkpoint: hub id, ``save_pretrained`` directory, HF model or TransformerBridge."""
+SourceSpec = Union[str, os.PathLike, PreTrainedModel, TransformerBridge, Any]
+"""What :func:`load_models` takes as a source: a hub id, a ``save_pretrained`` directory
+(a checkpoint, or a PEFT adapter directory), an HF model, a TransformerBridge, or a PEFT
+model."""
 
 IGNORED_CONFIG_FIELDS: frozenset[str] = frozenset(
     {
@@ -134,8 +161,15 @@ _CONFIG_FIELDS = (
 class ModelSet(Sequence[TransformerBridge]):
     """Aligned checkpoints, index 0 the base; a sequence of ``TransformerBridge``.
 
-    Create one with :func:`load_models`. ``models[i]`` is source ``i``;
-    ``models.base`` is ``models[0]``, the model every grafted run goes through.
+    Create one with :func:`load_models`. ``models[i]`` is source ``i`` as a model
+    that runs alone; ``models.base`` is ``models[0]``, the model every grafted run
+    goes through. ``models.sources[i]`` is the source itself (see
+    :mod:`grafting_lens.sources`): a checkpoint in memory, a lazily loaded one or a
+    LoRA adapter, which grafts ask for their modules. ``models[i]`` (and iterating)
+    gives each source as a model that runs alone: a LoRA adapter's is built on first
+    use over the base's tensors; a lazily loaded donor is then read whole, with a
+    :class:`~grafting_lens.LazyLoadWarning`, or refused if it was declared for some
+    components only. Grafts never need it.
 
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
@@ -143,36 +177,104 @@ class ModelSet(Sequence[TransformerBridge]):
         allow_uncovered: Whether a graft may take every component around weights that
             no component covers (see :meth:`coverage`). False by default: such a
             graft raises :class:`~grafting_lens.ComponentError`.
+        graftable: The ``(component, layer)`` pairs donors may be grafted at, as
+            declared to :func:`load_models` (``components=`` / ``layers=``), or None
+            for every pair. A graft taking any other pair from a donor raises
+            :class:`~grafting_lens.GraftMaskError`.
     """
 
     def __init__(
         self,
-        bridges: Sequence[TransformerBridge],
+        sources: Sequence[TransformerBridge | Source],
         names: Sequence[str],
         allow_uncovered: bool = False,
+        graftable: Iterable[Key] | None = None,
     ) -> None:
-        self._bridges = tuple(bridges)
+        if len(names) != len(sources):
+            raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
+        wrapped: list[Source] = []
+        for index, source in enumerate(sources):
+            if isinstance(source, TransformerBridge):
+                source = CheckpointSource(source, str(names[index]))
+            if not isinstance(source, Source):
+                raise TypeError(
+                    f"Source {index} is a {type(source).__name__}; a ModelSet holds "
+                    "TransformerBridges or grafting_lens.sources.Source objects (use "
+                    "load_models to load checkpoints)."
+                )
+            wrapped.append(source)
+        if not wrapped or not isinstance(wrapped[0], CheckpointSource):
+            raise AlignmentError(
+                "The base (source 0) must be a checkpoint loaded whole: every grafted run "
+                "goes through its forward pass. Adapters and lazily loaded checkpoints are donors."
+            )
+        self._sources = tuple(wrapped)
         self.names = tuple(names)
         self.allow_uncovered = bool(allow_uncovered)
-        self._layout = component_layout(self._bridges[0])
+        self._layout = component_layout(wrapped[0].bridge)
+        self.graftable = None if graftable is None else frozenset(graftable)
 
     def __getitem__(self, index):
-        return self._bridges[index]
+        if isinstance(index, slice):
+            return tuple(source.bridge for source in self._sources[index])
+        return self._sources[index].bridge
 
     def __len__(self) -> int:
-        return len(self._bridges)
+        return len(self._sources)
 
     def __iter__(self) -> Iterator[TransformerBridge]:
-        return iter(self._bridges)
+        return (source.bridge for source in self._sources)
 
     def __repr__(self) -> str:
-        names = ", ".join(f"{i}={name}" for i, name in enumerate(self.names))
+        names = ", ".join(
+            f"{i}={name}" + ("" if source.kind == "checkpoint" else f" ({source.kind})")
+            for i, (name, source) in enumerate(zip(self.names, self._sources))
+        )
         return f"ModelSet({self.architecture}, {self.n_layers} layers: {names})"
+
+    @property
+    def sources(self) -> tuple[Source, ...]:
+        """Every source, index 0 the base (see :mod:`grafting_lens.sources`)."""
+        return self._sources
 
     @property
     def base(self) -> TransformerBridge:
         """Source 0, the model whose forward pass every graft runs through."""
-        return self._bridges[0]
+        return self._sources[0].bridge
+
+    def memory(self) -> pd.DataFrame:
+        """What each source holds in memory, against what it would hold whole and on disk.
+
+        Tensors several sources share (a LoRA donor computes with the base's weights)
+        count once, for the first source that holds them; views of one tensor (the
+        bridge's Q, K and V cut out of GPT-2's fused matrix) count once.
+
+        Returns:
+            One row per source, with columns ``source``, ``name``, ``kind``
+            (``checkpoint``, ``lazy`` or ``lora``), ``resident_bytes`` (held now, not
+            counted for an earlier source), ``declared_bytes`` (a lazily loaded donor
+            declared for some components: what those take once read; ``<NA>``
+            otherwise), ``full_bytes`` (the checkpoint whole in memory; for an
+            adapter, the merged model) and ``disk_bytes`` (its weight files, ``<NA>``
+            for an in-memory model).
+        """
+        counted: set[int] = set()
+        rows = [
+            {
+                "source": index,
+                "name": self.names[index],
+                "kind": source.kind,
+                "resident_bytes": tensor_bytes(source.resident_tensors(), counted),
+                "declared_bytes": source.declared_bytes(),
+                "full_bytes": source.full_bytes(),
+                "disk_bytes": source.disk_bytes,
+            }
+            for index, source in enumerate(self._sources)
+        ]
+        frame = pd.DataFrame(rows)
+        for column in ("declared_bytes", "disk_bytes"):
+            frame[column] = frame[column].astype("Int64")
+        return frame
 
     @property
     def tokenizer(self) -> Any:
@@ -335,8 +437,8 @@ class ModelSet(Sequence[TransformerBridge]):
         for source in range(1, len(self)):
             for component, layer in self.pairs:
                 slots = self.slots(component, layer)
-                base = _component_vector(self.base, slots)
-                other = _component_vector(self[source], slots)
+                base = _component_vector(self._sources[0], slots)
+                other = _component_vector(self._sources[source], slots)
                 base_norm = float(base.norm())
                 change = float((other - base).norm())
                 rows.append(
@@ -355,12 +457,15 @@ class ModelSet(Sequence[TransformerBridge]):
 
 
 def load_models(
-    *sources: Source,
+    *sources: SourceSpec,
     tokenizer: Any = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     names: Sequence[str] | None = None,
     allow_uncovered: bool = False,
+    lazy: bool = False,
+    components: str | Iterable[str] | None = None,
+    layers: LayerSpec = None,
 ) -> ModelSet:
     """Load two or more checkpoints of one architecture as an aligned :class:`ModelSet`.
 
@@ -368,7 +473,11 @@ def load_models(
         *sources: Base first, then donors. Each is an HF hub id, a local
             ``save_pretrained`` directory, an HF ``PreTrainedModel`` (wrapped in
             place by the bridge) or a ``TransformerBridge`` (used as is; it must
-            not have processed weights).
+            not have processed weights). A donor may also be a LoRA adapter of the
+            base: a PEFT adapter directory (``adapter_config.json`` beside
+            ``adapter_model.safetensors``) or a PEFT model object; it is grafted as
+            the base's weights plus the adapter's factors, never merged (see
+            :mod:`grafting_lens.adapters`).
         tokenizer: A tokenizer or a path/hub id to load one from. By default the
             base's own: its directory's tokenizer, or the bridge's.
         device: Where to put every model (default: where they are, CPU for paths).
@@ -381,6 +490,22 @@ def load_models(
             base's values. Off by default: such a graft raises
             :class:`~grafting_lens.ComponentError`. Every architecture in the
             supported table is covered completely.
+        lazy: Open donors given as checkpoint directories (safetensors) without
+            reading their weights: a graft reads, memory-mapped, the components its
+            mask takes from them, once (see :class:`~grafting_lens.sources.LazySource`).
+            A lazily loaded donor that runs alone (patching, scoring) is read whole,
+            with a :class:`~grafting_lens.LazyLoadWarning`. The base is always
+            loaded whole.
+        components: Declare which components grafts will take from donors: a
+            component, a group or a ``+``-joined list (``"o+ffn"``), as masks name
+            them. A graft taking another component from a donor raises
+            :class:`~grafting_lens.GraftMaskError`; a lazily loaded donor then never
+            reads more than the declaration (:meth:`ModelSet.memory` says how much),
+            and cannot run alone. Default: every component.
+        layers: Declare at which layers (any layer specification of
+            :func:`~grafting_lens.resolve_layers`, e.g. ``"last_half"``); global
+            components (``embed``, ``unembed``...) are not limited by it. Default:
+            every layer.
 
     Returns:
         The model set, index 0 the base.
@@ -389,20 +514,31 @@ def load_models(
         AlignmentError: Fewer than two sources, or sources that differ in
             architecture, configuration (any field that changes the forward
             pass, see :data:`IGNORED_CONFIG_FIELDS`), parameter shapes, dtypes or
-            devices, buffers or vocabulary.
+            devices, buffers or vocabulary; a base that is an adapter or holds PEFT
+            layers.
+        AdapterError: An adapter made for another base (a module the base lacks, a
+            shape that differs), or of a kind grafting-lens does not compute.
         GraftingLensError: A path that is neither a checkpoint directory nor
-            loadable from the hub, an unreadable checkpoint file, or a device or
-            dtype torch does not have.
+            loadable from the hub, an unreadable checkpoint file, a device or
+            dtype torch does not have, or ``lazy=True`` for a donor that is not a
+            directory of safetensors files.
+        ComponentError: ``components`` names a component the architecture lacks.
+        SelectionError: ``layers`` selects no layer of the model.
         UnsupportedArchitectureError: A model TransformerLens cannot bridge (the
             message names the nearest supported architectures).
 
     Warns:
         UserWarning: An architecture TransformerLens bridges but grafting-lens has
-            not verified (see the supported-architectures page).
+            not verified (see the supported-architectures page); an adapter whose
+            config names another base than this one (its shapes match).
 
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
         >>> models.weight_diff().sort_values("relative_change").tail()
+        >>> lora = load_models("meta-llama/Llama-3.1-8B", "out/my-lora-adapter")
+        >>> big = load_models("base_dir", "donor_dir", lazy=True, components="o+ffn",
+        ...                   layers="last_half")
+        >>> big.memory()
     """
     if len(sources) < 2:
         raise AlignmentError(
@@ -410,16 +546,26 @@ def load_models(
         )
     if names is not None and len(names) != len(sources):
         raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
+    if not isinstance(lazy, bool):
+        raise TypeError(f"lazy must be True or False, got {type(lazy).__name__}.")
     device, dtype = resolve_placement(device, dtype)
     seen: dict[int, int] = {}
     for index, source in enumerate(sources):
-        if isinstance(source, (PreTrainedModel, TransformerBridge)):
+        if isinstance(source, (PreTrainedModel, TransformerBridge)) or is_peft_model(source):
             if id(source) in seen:
                 raise AlignmentError(
                     f"Sources {seen[id(source)]} and {index} are the same model object; grafting "
                     "needs distinct models (pass copy.deepcopy(model) to graft a model into itself)."
                 )
             seen[id(source)] = index
+    if is_peft_model(sources[0]) or (
+        isinstance(sources[0], (str, os.PathLike)) and is_adapter_directory(sources[0])
+    ):
+        raise AlignmentError(
+            "Source 0 is a LoRA adapter, but source 0 is the base: every grafted run goes "
+            "through its forward pass. Pass the model the adapter was trained on first, "
+            "then the adapter: load_models(base, adapter)."
+        )
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not hasattr(tokenizer, "get_vocab"):
             raise TypeError(
@@ -428,25 +574,199 @@ def load_models(
             )
     if isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
-    bridges: list[TransformerBridge] = []
-    labels: list[str] = []
-    fallback = tokenizer
-    for index, source in enumerate(sources):
-        # A directory brings its own tokenizer, so the vocabulary check compares
-        # what each checkpoint was trained with; in-memory models borrow the base's.
-        bridge, label = _to_bridge(source, index, tokenizer, fallback, device, dtype)
-        fallback = fallback if fallback is not None else bridge.tokenizer
-        bridges.append(bridge)
-        labels.append(names[index] if names is not None else label)
-    for index, bridge in enumerate(bridges[1:], start=1):
-        _check_alignment(bridges[0], bridge, labels[0], labels[index], index)
-    models = ModelSet(bridges, labels, allow_uncovered=allow_uncovered)
+    base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
+    labels = [names[0] if names is not None else base_label]
+    base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
+    layout = component_layout(base)
+    graftable = _declared_pairs(base, layout, components, layers)
+    declared = (
+        None
+        if graftable is None
+        else [slot for key in sorted(graftable, key=str) for slot in layout.slots[key]]
+    )
+    slots = [slot for key_slots in layout.slots.values() for slot in key_slots]
+    loaded: list[Source] = [CheckpointSource(base, labels[0], _disk_bytes(sources[0]))]
+    fallback = tokenizer if tokenizer is not None else base.tokenizer
+    for index, source in enumerate(sources[1:], start=1):
+        label = _label(source, index)
+        name = names[index] if names is not None else label
+        if is_peft_model(source) or (
+            isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
+        ):
+            if is_peft_model(source):
+                adapter = LoraAdapter.from_peft_model(source)
+            else:
+                path = Path(source).expanduser()  # type: ignore[arg-type]
+                adapter = LoraAdapter.from_directory(path)
+                if tokenizer is None:
+                    _check_vocabulary(base.tokenizer, _load_tokenizer(str(path), fallback), name)
+            warn_if_other_base(adapter, base_name)
+            loaded.append(
+                LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
+            )
+        elif lazy and not isinstance(source, (PreTrainedModel, TransformerBridge)):
+            loaded.append(
+                _lazy_source(
+                    source,
+                    index,
+                    name,
+                    base,
+                    labels[0],
+                    slots,
+                    declared,
+                    tokenizer,
+                    fallback,
+                    dtype,
+                )
+            )
+        else:
+            # A directory brings its own tokenizer, so the vocabulary check compares
+            # what each checkpoint was trained with; in-memory models borrow the base's.
+            bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+            _check_alignment(base, bridge, labels[0], name, index)
+            loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
+        labels.append(name)
+    models = ModelSet(loaded, labels, allow_uncovered=allow_uncovered, graftable=graftable)
     warn_if_unverified(models.architecture)
     return models
 
 
+def _label(source: SourceSpec, index: int) -> str:
+    """A source's default label: a directory's name, a hub id, or ``source{index}``."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        return path.name if path.is_dir() else str(source)
+    return f"source{index}"
+
+
+def _disk_bytes(source: SourceSpec) -> int | None:
+    """Bytes of the weight files of a checkpoint directory (None for anything else)."""
+    if not isinstance(source, (str, os.PathLike)) or not Path(source).expanduser().is_dir():
+        return None
+    files = Path(source).expanduser().glob("*")
+    return sum(f.stat().st_size for f in files if f.suffix in (".safetensors", ".bin"))
+
+
+def _declared_pairs(
+    base: TransformerBridge,
+    layout: ComponentLayout,
+    components: str | Iterable[str] | None,
+    layers: LayerSpec,
+) -> frozenset[Key] | None:
+    """The pairs ``components=`` / ``layers=`` declare, or None when neither is given."""
+    if components is None and layers is None:
+        return None
+    architecture = str(getattr(base.cfg, "architecture", type(base.original_model).__name__))
+    chosen = set(
+        expand_components(
+            "all" if components is None else components, layout.components, architecture
+        )
+    )
+    at = set(resolve_layers(layers, int(base.cfg.n_layers)))
+    pairs = frozenset(
+        (component, layer)
+        for component, layer in layout.slots
+        if component in chosen and (layer is None or layer in at)
+    )
+    if not pairs:
+        raise SelectionError(
+            f"components={components!r} at layers={layers!r} declares nothing this "
+            f"{architecture} has; declare components it has at those layers."
+        )
+    return pairs
+
+
+def _lazy_source(
+    source: SourceSpec,
+    index: int,
+    name: str,
+    base: TransformerBridge,
+    base_name: str,
+    slots: list[Slot],
+    declared: list[Slot] | None,
+    tokenizer: Any,
+    fallback: Any,
+    dtype: torch.dtype | None,
+) -> LazySource:
+    """Open a checkpoint directory without reading its weights, checked against the base."""
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(
+            f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, a "
+            "transformers PreTrainedModel, a TransformerBridge or a PEFT model."
+        )
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise GraftingLensError(
+            f"lazy=True reads donors from checkpoint directories, but source {index} "
+            f"({str(source)!r}) is not a directory. Download it first "
+            "(huggingface_hub.snapshot_download(repo_id) returns the directory), or load "
+            "it whole (lazy=False)."
+        )
+    if not (path / "config.json").is_file():
+        _load_checkpoint(str(source), path, index)  # raises, naming what the directory holds
+    files = SafetensorsCheckpoint(path, base.original_model)
+    config = AutoConfig.from_pretrained(str(path))
+    label = f"source {index} ({name})"
+    _check_lazy_alignment(base, files, config, label, dtype)
+    if tokenizer is None:  # a directory's own tokenizer, as for a donor loaded whole
+        _check_vocabulary(base.tokenizer, _load_tokenizer(str(path), fallback), label)
+    device = next(base.original_model.parameters()).device
+
+    def load_whole() -> TransformerBridge:
+        bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+        _check_alignment(base, bridge, base_name, name, index)
+        return bridge
+
+    return LazySource(
+        name, files, base, slots, dtype=dtype, declared=declared, load_whole=load_whole
+    )
+
+
+def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
+    """A second bridge over the base's own tensors (an adapter runs alone in it).
+
+    A skeleton of the base's class is built without allocating weights, then holds
+    the base's parameters and buffers themselves, so it costs the modules, not the
+    weights.
+    """
+    original = base.original_model
+    assert isinstance(original, PreTrainedModel)
+    with init_empty_weights():
+        skeleton = type(original)._from_config(original.config)
+    tensors = {
+        prefix + name: tensor
+        for prefix, module in checkpoint_modules(original)
+        for table in (module._parameters, module._buffers)
+        for name, tensor in table.items()
+        if tensor is not None
+    }
+    for table in ("_parameters", "_buffers"):
+        named = (
+            skeleton.named_parameters(remove_duplicate=False)
+            if table == "_parameters"
+            else skeleton.named_buffers(remove_duplicate=False)
+        )
+        for name, _ in list(named):
+            owner, _, attribute = name.rpartition(".")
+            if name not in tensors:
+                raise GraftingLensError(
+                    f"Cannot run the adapter alone: the base has no {name!r} to share. Merge "
+                    "the adapter into a full checkpoint to run it alone."
+                )
+            getattr(skeleton.get_submodule(owner), table)[attribute] = tensors[name]
+    skeleton.eval()
+    parameter = next(original.parameters())
+    return TransformerBridge.boot_transformers(
+        str(getattr(base.cfg, "model_name", "") or "base"),
+        hf_model=skeleton,
+        tokenizer=base.tokenizer,
+        device=str(parameter.device),
+        dtype=parameter.dtype,
+    )
+
+
 def _to_bridge(
-    source: Source,
+    source: SourceSpec,
     index: int,
     tokenizer: Any,
     fallback: Any,
@@ -464,6 +784,13 @@ def _to_bridge(
             source.to(device=device, dtype=dtype)
         return source, f"source{index}"
     if isinstance(source, PreTrainedModel):
+        if any(type(module).__module__.startswith("peft.") for module in source.modules()):
+            raise AlignmentError(
+                f"Source {index} holds PEFT layers (get_peft_model and PeftModel.from_pretrained "
+                "add them to the model in place), so it does not compute the checkpoint alone. "
+                "Pass the model without them (a fresh load, or peft_model.unload()), and the "
+                "adapter as a donor: load_models(base, adapter_dir_or_peft_model)."
+            )
         if any("_original_component" in name for name, _ in source.named_modules()):
             raise GraftingLensError(
                 f"Source {index} is a model that a TransformerBridge already wraps (load_models "
@@ -485,7 +812,7 @@ def _to_bridge(
     else:
         raise TypeError(
             f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, a "
-            "transformers PreTrainedModel or a TransformerBridge."
+            "transformers PreTrainedModel, a TransformerBridge or (for a donor) a PEFT model."
         )
     tokenizer = tokenizer if tokenizer is not None else fallback
     if tokenizer is None:
@@ -660,9 +987,66 @@ def _check_alignment(
     if extra:
         raise AlignmentError(f"{label} has a parameter the base lacks: {extra[0]!r}.")
     _check_same_placement(base_params, other_params, label)
-    _check_hf_config(base, other, label)
+    _check_hf_config(base.original_model.config, other.original_model.config, label)
     _check_buffers(base, other, label)
     _check_vocabulary(base.tokenizer, other.tokenizer, label)
+
+
+def _check_lazy_alignment(
+    base: TransformerBridge,
+    files: SafetensorsCheckpoint,
+    config: Any,
+    label: str,
+    dtype: torch.dtype | None,
+) -> None:
+    """:func:`_check_alignment` for a checkpoint on disk: its config and its files' headers.
+
+    The architecture and every configuration field that changes the forward pass
+    (which also fixes the buffers a model derives from its configuration), every
+    tensor's name and shape, and its dtype after the cast to ``dtype``.
+    """
+    base_architecture = getattr(base.cfg, "architecture", None)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    if architecture != base_architecture:
+        raise AlignmentError(f"{label} is a {architecture}, the base is a {base_architecture}.")
+    _check_hf_config(base.original_model.config, config, label)
+    if files.converted:
+        raise AlignmentError(
+            f"transformers converts {label}'s {files.converted[0]!r} when it loads the "
+            "checkpoint (an operation on values, such as fusing experts stored apart), so the "
+            "donor cannot be read lazily, tensor by tensor: load it whole (lazy=False)."
+        )
+    original = base.original_model
+    assert isinstance(original, torch.nn.Module)
+    known = {
+        prefix + name
+        for prefix, module in checkpoint_modules(original)
+        for table in (module._parameters, module._buffers)
+        for name in table
+    }
+    for name, parameter in checkpoint_parameters(original):
+        if name not in files.shapes:
+            raise AlignmentError(
+                f"{label}'s weight files hold no {name!r}, which the base has. If the files "
+                "use other names that transformers converts when loading (some architectures' "
+                "experts, checkpoints saved from another model class), the donor cannot be "
+                "read lazily: load it whole (lazy=False)."
+            )
+        if files.shapes[name] != tuple(parameter.shape):
+            raise AlignmentError(
+                f"{label}'s {name!r} has shape {files.shapes[name]}, the base's has "
+                f"{tuple(parameter.shape)}."
+            )
+        stored = dtype or files.dtypes[name]
+        if stored != parameter.dtype:
+            raise AlignmentError(
+                f"{label}'s {name!r} is {stored}, the base's is {parameter.dtype}: a graft "
+                "mixes the sources' outputs in one forward pass, so they must share a dtype. "
+                "Pass dtype=... to load_models to cast every source."
+            )
+    extra = sorted(set(files.names()) - known)
+    if extra:
+        raise AlignmentError(f"{label} has a tensor the base lacks: {extra[0]!r}.")
 
 
 def _check_same_placement(
@@ -687,15 +1071,15 @@ def _check_same_placement(
             )
 
 
-def _check_hf_config(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
+def _check_hf_config(base_config: Any, other_config: Any, label: str) -> None:
     """Every configuration field that can change the forward pass must be equal.
 
     TransformerLens's bridge config does not carry every such field (under
     TransformerLens 4.3 it reports ``rotary_base=10000`` whatever ``rope_theta``
     is), so the Hugging Face configurations are compared instead.
     """
-    mine = _forward_config(base.original_model.config)
-    theirs = _forward_config(other.original_model.config)
+    mine = _forward_config(base_config)
+    theirs = _forward_config(other_config)
     for field in sorted(set(mine) | set(theirs)):
         a, b = mine.get(field), theirs.get(field)
         if a != b:
@@ -788,8 +1172,6 @@ def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> 
             )
 
 
-def _component_vector(bridge: TransformerBridge, slots: Sequence[Slot]) -> torch.Tensor:
-    params = [
-        p.detach().flatten().float() for slot in slots for p in slot.module(bridge).parameters()
-    ]
+def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:
+    params = [p.flatten().float() for slot in slots for p in source.weights(slot)]
     return torch.cat(params) if params else torch.zeros(0)

@@ -16,8 +16,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "files")),
-    ("architectures", ("architectures", "components", "models")),
-    ("selection", ("positions", "layers")),
+    # Layer ranges sit with the models: load_models takes them to declare what grafts take.
+    ("architectures", ("architectures", "components", "layers", "sources", "adapters", "models")),
+    ("selection", ("positions",)),
     ("grafts", ("masks", "kernels", "graft")),
     ("patching", ("patch_passes", "patching")),
     ("scores and batches", ("metrics", "batch", "scoring")),

@@ -1,0 +1,249 @@
+"""Lazily loaded donors against the same checkpoints loaded whole; declarations; memory."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import no_forward_pass, random_mask, random_model, random_tokens
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import grafting_lens as gl
+
+_DIRECTORIES: dict[str, tuple] = {}
+
+
+@pytest.fixture
+def checkpoints(family, tokenizer, tmp_path_factory):
+    """A base and a donor directory of the family (safetensors, with the tokenizer)."""
+    if family not in _DIRECTORIES:
+        root = tmp_path_factory.mktemp(f"lazy_{family}")
+        for name, seed in (("base", 0), ("donor", 1)):
+            random_model(family, seed).save_pretrained(root / name)
+            tokenizer.save_pretrained(root / name)
+        _DIRECTORIES[family] = (root / "base", root / "donor")
+    return _DIRECTORIES[family]
+
+
+def stored_bytes(directory, names) -> int:
+    """Bytes of the named tensors in a directory's safetensors file, read from the file."""
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as files:
+        return sum(files.get_tensor(name).nbytes for name in names)
+
+
+def test_a_lazy_donor_grafts_as_the_donor_loaded_whole(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True)
+    assert [source.kind for source in lazy.sources] == ["checkpoint", "lazy"]
+    assert lazy.sources[1].loaded == ()  # nothing read yet
+    tokens = random_tokens(3, 8, seed=1)
+    mask = random_mask(eager, tokens.shape, seed=2)
+    grafted = gl.graft_forward(lazy, tokens, mask)
+    assert (grafted - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-6
+    assert (grafted - gl.graft_forward_reference(lazy, tokens, mask)).abs().max() <= 1e-4
+    assert (grafted - lazy.base(tokens)).abs().max() > 1.0
+
+
+def test_a_graft_reads_only_the_components_its_mask_names_once(checkpoints, family):
+    base, donor = checkpoints
+    models = gl.load_models(base, donor, lazy=True, components="o+ffn", layers="last_half")
+    tokens = random_tokens(2, 7, seed=3)
+    mask = gl.GraftMask.build(models, tokens, positions="last", layers="last_half", components="o")
+    gl.graft_forward(models, tokens, mask)
+    # Three layers: the last half is layer 2 (with an odd depth the first half is larger).
+    assert models.sources[1].loaded == ("blocks.2.attn.o",)
+    memory = models.memory()
+    names = {
+        "gpt2": ["transformer.h.2.attn.c_proj.weight", "transformer.h.2.attn.c_proj.bias"],
+        "neox": [
+            "gpt_neox.layers.2.attention.dense.weight",
+            "gpt_neox.layers.2.attention.dense.bias",
+        ],
+        "llama": ["model.layers.2.self_attn.o_proj.weight"],
+        "gemma": ["model.layers.2.self_attn.o_proj.weight"],
+    }[family]
+    assert memory.loc[1, "resident_bytes"] == stored_bytes(donor, names)
+    loaded = models.sources[1].module(models.slots("o", 2)[0])
+    full = gl.GraftMask.build(models, tokens, layers="last_half", components="o+ffn")
+    gl.graft_forward(models, tokens, full)
+    assert models.sources[1].module(models.slots("o", 2)[0]) is loaded  # read once, kept
+    memory = models.memory()
+    assert memory.loc[1, "resident_bytes"] == memory.loc[1, "declared_bytes"]
+    assert memory.loc[1, "declared_bytes"] < memory.loc[1, "full_bytes"] / 3
+    assert memory.loc[1, "disk_bytes"] == (donor / "model.safetensors").stat().st_size
+
+
+def test_a_mask_beyond_the_declaration_is_refused_before_anything_runs(checkpoints):
+    base, donor = checkpoints
+    models = gl.load_models(base, donor, lazy=True, components="o+ffn", layers="last_half")
+    tokens = random_tokens(2, 6, seed=4)
+    outside = [
+        gl.GraftMask.build(models, tokens, components="q"),
+        gl.GraftMask.build(models, tokens, layers=0, components="o"),
+    ]
+    for mask in outside:
+        with no_forward_pass(models), pytest.raises(gl.GraftMaskError, match="declar"):
+            gl.graft_forward(models, tokens, mask)
+        with pytest.raises(gl.GraftMaskError, match="components= / layers="):
+            gl.graft_forward_reference(models, tokens, mask)
+    assert models.sources[1].loaded == ()
+    # The base may compute anything: a mask naming source 0 there is no graft from a donor.
+    base_only = gl.GraftMask.build(models, tokens, components="q", source=0)
+    assert torch.equal(gl.graft_forward(models, tokens, base_only), models.base(tokens))
+
+
+def test_a_declaration_binds_donors_loaded_whole_too(tokenizer):
+    models = gl.load_models(
+        random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer, components="attn"
+    )
+    assert models.graftable == frozenset(
+        (component, layer) for component in ("q", "k", "v") for layer in range(3)
+    )
+    tokens = random_tokens(1, 5)
+    with pytest.raises(gl.GraftMaskError, match="o at layer 0"):
+        gl.graft_forward(models, tokens, gl.GraftMask.build(models, tokens, components="o"))
+
+
+def test_a_lazy_donor_runs_alone_once_read_whole(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True)
+    tokens = random_tokens(2, 6, seed=5)
+    with pytest.warns(gl.LazyLoadWarning, match="loads it whole"):
+        alone = lazy[1](tokens)
+    assert torch.equal(alone, eager[1](tokens))
+    assert lazy.memory().loc[1, "resident_bytes"] == eager.memory().loc[1, "resident_bytes"]
+    # Patching runs each checkpoint alone, so it works on the donor read whole.
+    patched = gl.patch_forward(lazy, tokens, site="resid_pre", layers=1, positions="last")
+    assert (
+        patched - gl.patch_forward(eager, tokens, site="resid_pre", layers=1, positions="last")
+    ).abs().max() <= 1e-6
+
+
+def test_a_declared_lazy_donor_cannot_run_alone(checkpoints):
+    base, donor = checkpoints
+    models = gl.load_models(base, donor, lazy=True, components="ffn")
+    with pytest.raises(gl.GraftingLensError, match="cannot run alone"):
+        models[1]
+    with pytest.raises(gl.GraftingLensError, match="cannot run alone"):
+        gl.patch_forward(models, random_tokens(1, 4), site="resid_pre", layers=0)
+
+
+def test_weight_diff_and_fingerprints_read_without_keeping(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True)
+    assert eager.weight_diff().equals(lazy.weight_diff())
+    assert lazy.sources[1].loaded == ()
+    assert lazy.sources[1].fingerprint() == eager.sources[1].fingerprint()
+    assert lazy.sources[1].fingerprint() != eager.sources[0].fingerprint()
+    assert lazy.memory().loc[1, "resident_bytes"] == 0
+
+
+def test_a_lazy_donor_is_aligned_from_its_files(tmp_path, tokenizer):
+    def save(name, model, **options):
+        model.save_pretrained(tmp_path / name, **options)
+        tokenizer.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    base = save("base", random_model("llama", 0))
+    other_rope = random_model("llama", 1)
+    other_rope.config.rope_parameters["rope_theta"] = 500000.0
+    with pytest.raises(gl.AlignmentError, match="rope_theta"):
+        gl.load_models(base, save("rope", other_rope), lazy=True)
+    with pytest.raises(gl.AlignmentError, match="is a GPT2LMHeadModel, the base is a Llama"):
+        gl.load_models(base, save("gpt2", random_model("gpt2", 1)), lazy=True)
+    half = save("half", random_model("llama", 1).to(torch.bfloat16))
+    with pytest.raises(
+        gl.AlignmentError, match="is torch.bfloat16, the base's is torch.float32.*dtype="
+    ):
+        gl.load_models(base, half, lazy=True)
+    cast = gl.load_models(base, half, lazy=True, dtype=torch.float32)
+    whole = gl.load_models(base, half, dtype=torch.float32)
+    tokens = random_tokens(1, 6)
+    mask = gl.GraftMask.build(cast, tokens, components="all")
+    assert torch.equal(gl.graft_forward(cast, tokens, mask), gl.graft_forward(whole, tokens, mask))
+    # A file that lacks a tensor under the model's name (here: renamed by hand).
+    renamed = save("renamed", random_model("llama", 1))
+    tensors = load_file(str(renamed / "model.safetensors"))
+    tensors["model.layers.0.mlp.up.weight"] = tensors.pop("model.layers.0.mlp.up_proj.weight")
+    save_file(tensors, str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        gl.AlignmentError, match="hold no 'model.layers.0.mlp.up_proj.weight'.*lazy=False"
+    ):
+        gl.load_models(base, renamed, lazy=True)
+
+
+def test_lazy_loading_needs_a_directory_of_safetensors(tmp_path, tokenizer):
+    random_model("llama", 0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    # transformers 5 writes safetensors only; an older checkpoint may hold a .bin.
+    random_model("llama", 1).save_pretrained(tmp_path / "bin")
+    weights = load_file(str(tmp_path / "bin" / "model.safetensors"))
+    torch.save(weights, tmp_path / "bin" / "pytorch_model.bin")
+    (tmp_path / "bin" / "model.safetensors").unlink()
+    with pytest.raises(gl.GraftingLensError, match="holds no safetensors weights.*lazy=False"):
+        gl.load_models(tmp_path / "base", tmp_path / "bin", lazy=True, tokenizer=tokenizer)
+    with pytest.raises(gl.GraftingLensError, match="snapshot_download"):
+        gl.load_models(tmp_path / "base", "someone/some-model", lazy=True)
+    with pytest.raises(gl.GraftingLensError, match="without a config.json"):
+        gl.load_models(tmp_path / "base", tmp_path, lazy=True)
+
+
+def test_sharded_checkpoints_are_read_through_their_index(tmp_path, tokenizer):
+    random_model("llama", 0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    random_model("llama", 1).save_pretrained(tmp_path / "donor", max_shard_size="60KB")
+    index = json.loads((tmp_path / "donor" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    lazy = gl.load_models(tmp_path / "base", tmp_path / "donor", lazy=True, tokenizer=tokenizer)
+    eager = gl.load_models(tmp_path / "base", tmp_path / "donor", tokenizer=tokenizer)
+    tokens = random_tokens(2, 6)
+    mask = random_mask(eager, tokens.shape)
+    assert torch.equal(gl.graft_forward(lazy, tokens, mask), gl.graft_forward(eager, tokens, mask))
+
+
+def test_declarations_and_lazy_are_checked(checkpoints):
+    base, donor = checkpoints
+    with pytest.raises(TypeError, match="lazy must be True or False"):
+        gl.load_models(base, donor, lazy="yes")
+    with pytest.raises(gl.ComponentError, match="Unknown component 'ofn'"):
+        gl.load_models(base, donor, lazy=True, components="ofn")
+    with pytest.raises(gl.SelectionError):
+        gl.load_models(base, donor, lazy=True, layers=7)
+    with pytest.raises(gl.AlignmentError, match="base .* must be a checkpoint loaded whole"):
+        gl.ModelSet([gl.load_models(base, donor, lazy=True).sources[1]], ["x"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # declaring is not loading: nothing to warn about
+        models = gl.load_models(base, donor, lazy=True, layers="last_half")
+    assert {layer for _, layer in models.graftable} == {None, 2}
+
+
+def test_generation_and_the_grafting_context_read_lazily_too(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True, components="ffn")
+    tokens = random_tokens(2, 5, seed=6)
+    mask = gl.GraftMask.build(eager, tokens, positions="last", components="ffn")
+    assert torch.equal(
+        gl.graft_generate(lazy, tokens, mask, max_new_tokens=3),
+        gl.graft_generate(eager, tokens, mask, max_new_tokens=3),
+    )
+    with gl.grafting(lazy, mask) as model:
+        logits, cache = model.run_with_cache(tokens)
+    assert (logits - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-6
+    assert all(path.startswith("blocks.") and ".mlp." in path for path in lazy.sources[1].loaded)
+
+
+def test_fingerprints_agree_across_a_cast(tmp_path, tokenizer):
+    random_model("llama", 0).save_pretrained(tmp_path / "base")
+    random_model("llama", 1).to(torch.bfloat16).save_pretrained(tmp_path / "half")
+    options = dict(tokenizer=tokenizer, dtype=torch.float32)
+    lazy = gl.load_models(tmp_path / "base", tmp_path / "half", lazy=True, **options)
+    eager = gl.load_models(tmp_path / "base", tmp_path / "half", **options)
+    assert lazy.sources[1].fingerprint() == eager.sources[1].fingerprint()
+    assert lazy.memory().loc[1, "resident_bytes"] == 0
