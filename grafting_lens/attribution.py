@@ -161,7 +161,7 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "direction",
     "method",
 )
-"""Columns of :attr:`GraftAttribution.frame`, in order."""
+"""Columns of the ``frame`` of a :class:`GraftAttribution`, in order."""
 
 PositionGroups = Union[str, PositionSets]
 """``"each"`` (every position index alone), or labelled position sets (see
@@ -322,7 +322,8 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     """How well estimates rank the exact effects: per position group and over all cells.
 
     Args:
-        frame: :attr:`GraftAttribution.frame` (rows without an exact effect are left out).
+        frame: The ``frame`` of a :class:`GraftAttribution` (rows without an exact effect
+            are left out).
 
     Returns:
         One row per position group, then ``"all"``: ``positions``, ``cells`` (verified

@@ -85,7 +85,7 @@ REFERENCES: tuple[str, ...] = ("donor", "all_cells")
 """What a recovery of 1 means: the donor run whole, or the graft of every candidate cell."""
 
 CURVE_COLUMNS: tuple[str, ...] = ("prompts", "cells", "cell", "metric", "recovery")
-"""Columns of :attr:`MinimalGraft.curve`."""
+"""Columns of the ``curve`` of a :class:`MinimalGraft`."""
 
 
 @dataclass(frozen=True)

@@ -363,7 +363,7 @@ def plot_attribution(
     layer 0. Hovering shows the cell, its value and its standard error over prompts.
 
     Args:
-        frame: :attr:`grafting_lens.attribution.GraftAttribution.frame`.
+        frame: The ``frame`` of a :class:`~grafting_lens.attribution.GraftAttribution`.
         value: ``"estimate"`` or ``"exact"`` (verified cells only; the others are blank).
         title: Figure title (default: what is shown, and the direction).
         columns: Panels per row.
@@ -453,7 +453,7 @@ def plot_recovery(
     the exact graft of the first ``k`` cells, and hovering names the cell added there.
 
     Args:
-        curve: :attr:`grafting_lens.graft_search.MinimalGraft.curve`.
+        curve: The ``curve`` of a :class:`~grafting_lens.graft_search.MinimalGraft`.
         fraction: The recovery the search asked for, drawn as a dashed line.
         title: Figure title.
 
