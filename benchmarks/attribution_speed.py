@@ -22,7 +22,11 @@ Two measurements, printed as one JSON line:
 
 Times are the best of ``--repeats`` runs (noise on a shared machine only adds time).
 
-Run: ``python benchmarks/attribution_speed.py [--batch 8] [--pos 16] [--measured-cells 64]``
+On a machine shared with other jobs, ``--threads 1`` keeps the two measurements
+comparable (several threads waiting on busy cores slow each pass unevenly).
+
+Run: ``python benchmarks/attribution_speed.py [--batch 8] [--pos 16] [--measured-cells 64]
+[--threads 1]``
 """
 
 from __future__ import annotations
@@ -144,8 +148,13 @@ def main() -> None:
     parser.add_argument("--rows-per-forward", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     parser.add_argument("--skip-toy", action="store_true", help="only the speed measurement")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
     line = speed(args)
     if not args.skip_toy:

@@ -60,6 +60,7 @@ from typing import Any
 import pandas as pd
 import torch
 from jaxtyping import Float
+from tqdm.auto import tqdm
 
 from grafting_lens.attribution import (
     METHODS,
@@ -100,9 +101,10 @@ class MinimalGraft:
             exact graft: ``prompts`` (``"search"`` or ``"held_out"``), ``cells``
             (``k``), ``cell`` (the ``k``-th cell's label, empty for ``k = 0``),
             ``metric`` (mean over prompts) and ``recovery``.
-        search: The log of the search: one row per candidate tried, with its
-            ``step``, the ``cell`` it added, its ``estimate``, its exact ``recovery``
-            and whether it was ``kept`` in the beam.
+        search: The log of the search: one row per candidate set tried, with its
+            ``step``, its ``cells`` (labels joined with " + "), the ``cell`` it added,
+            that cell's ``estimate``, the set's exact ``recovery`` and whether it was
+            ``kept`` in the beam.
         fraction: The recovery asked for.
         recovery: The recovery of all the cells on the search prompts.
         held_out_recovery: The same on the held-out prompts (``None`` without them).
@@ -204,7 +206,7 @@ def find_minimal_graft(
         prune: Drop cells the result can do without.
         batch_size: Prompts per pass.
         rows_per_forward: Rows of one exact graft pass.
-        progress: Show progress bars.
+        progress: Show a progress bar over the search's steps.
 
     Returns:
         A :class:`MinimalGraft`.
@@ -260,8 +262,10 @@ def find_minimal_graft(
     beams: list[tuple[tuple[Cell, ...], float]] = [((), 0.0)]
     log: list[dict[str, Any]] = []
     step = 0
+    bar = tqdm(desc="graft search", disable=not progress, unit="step")
     while beams[0][1] < fraction and len(beams[0][0]) < limit:
         step += 1
+        bar.update()
         candidates: dict[frozenset, tuple[tuple[Cell, ...], float]] = {}
         for cells, _ in beams:
             estimates = plan.estimates(method=method, steps=steps, start_cells=cells).mean(dim=1)
@@ -282,6 +286,7 @@ def find_minimal_graft(
             log.append(
                 {
                     "step": step,
+                    "cells": " + ".join(cell_label(*cell) for cell in cells),
                     "cell": cell_label(*cells[-1]),
                     "estimate": estimate,
                     "recovery": recoveries[i],
@@ -291,6 +296,8 @@ def find_minimal_graft(
         if recoveries[order[0]] <= beams[0][1]:
             break  # no candidate improves on the best set
         beams = [(tried[i][0], recoveries[i]) for i in order[:beam]]
+        bar.set_postfix(cells=len(beams[0][0]), recovery=f"{beams[0][1]:.3f}")
+    bar.close()
 
     chosen = list(beams[0][0])
     if prune and beams[0][1] >= fraction:
@@ -328,7 +335,7 @@ def find_minimal_graft(
     return MinimalGraft(
         cells=cells_frame,
         curve=curve,
-        search=pd.DataFrame(log, columns=["step", "cell", "estimate", "recovery", "kept"]),
+        search=pd.DataFrame(log, columns=["step", "cells", "cell", "estimate", "recovery", "kept"]),
         fraction=float(fraction),
         recovery=recovery,
         held_out_recovery=held_out_recovery,

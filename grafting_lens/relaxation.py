@@ -24,8 +24,13 @@ component with interpolated weights, ``W_base + weight * (W_donor - W_base)``; t
 tests use that to check the gradient against finite differences of exact grafts of
 interpolated checkpoints. A component made of several slots (a mixture-of-experts
 shared expert) is mixed slot by slot with one weight, which agrees with the graft at
-0 and 1. An output that cannot be mixed (a router's integer choice of experts that
-differs between the checkpoints) is refused with the module named.
+0 and 1. A mixture-of-experts router chooses experts, which cannot be interpolated; it
+is relaxed as a mixture of the two *routings*: every expert gets the mixed weight of
+the two routers' top-k weights (zero where a router did not choose it), so the experts'
+output is ``lerp(output under one routing, output under the other, weight)``, exact at
+0 and 1 (every expert then computes every row where a router is relaxed). Any other
+output that is not floating point and differs between the checkpoints is refused with
+the module named.
 
 How it is done
 --------------
@@ -116,6 +121,9 @@ class _MixDispatch(nn.Module):
         rests, others = ((rest,), (other,)) if single else (rest, other)
         if single == isinstance(other, tuple) or len(rests) != len(others):
             raise self._refusal("outputs of different structure from the two checkpoints")
+        routing = _routing(rests) if self._key[0] == "router" else None
+        if routing is not None:
+            return self._mix_routing(rests, others, *routing)
         mixed = []
         for index, (first, second) in enumerate(zip(rests, others)):
             if isinstance(first, torch.Tensor) and first.is_floating_point():
@@ -131,9 +139,36 @@ class _MixDispatch(nn.Module):
                 raise self._refusal(
                     f"outputs whose element {index} ({type(first).__name__}) differs between "
                     "the two checkpoints and is not a floating-point tensor, so it cannot be "
-                    "mixed (a router's choice of experts is one)"
+                    "mixed"
                 )
         return mixed[0] if single else tuple(mixed)
+
+    def _mix_routing(
+        self, rests: tuple, others: tuple, logits_at: int, weights_at: int, indices_at: int
+    ) -> tuple:
+        """Mix two routings of a mixture of experts: each expert gets the mixed weight.
+
+        A router returns ``(logits, top-k weights, top-k experts)``; the experts' output
+        is ``sum_e weight_e * expert_e(x)``, linear in the weights. Spreading each
+        routing's top-k weights over every expert (zeros elsewhere) and mixing those
+        gives ``lerp(experts under one routing, experts under the other, w)``: at 0 and 1
+        exactly one routing's output (the other experts add exact zeros), in between a
+        mixture of the two, differentiable in ``w``. Every expert then computes every
+        row, which costs more than top-k but only where a router is relaxed.
+        """
+        logits = rests[logits_at]
+        experts = logits.shape[-1]
+        dense = []
+        for parts in (rests, others):
+            indices, weights = parts[indices_at], parts[weights_at]
+            spread = weights.new_zeros((*weights.shape[:-1], experts))
+            dense.append(spread.scatter_add(-1, indices.long(), weights))
+        mixed = list(rests)
+        mixed[logits_at] = self._mix(logits, others[logits_at])
+        mixed[weights_at] = self._mix(dense[0], dense[1])
+        every = torch.arange(experts, device=logits.device, dtype=rests[indices_at].dtype)
+        mixed[indices_at] = every.expand(*rests[indices_at].shape[:-1], experts)
+        return tuple(mixed)
 
     def _mix(self, rest: torch.Tensor, other: object) -> torch.Tensor:
         """``lerp(rest, other, weight)``, the weight of each row's position broadcast over the rest."""
@@ -283,6 +318,26 @@ def relaxing(
         for handle in handles:
             handle.remove()
         setattr(models.base, _RELAXING, False)
+
+
+def _routing(parts: tuple) -> tuple[int, int, int] | None:
+    """Where a router's output holds its logits, top-k weights and top-k experts, if it is one.
+
+    ``(logits [..., experts], weights [..., k], indices [..., k])`` in any order: the only
+    integer tensor is the experts, the floating-point tensor of its shape their weights,
+    the remaining floating-point tensor the logits.
+    """
+    tensors = [(i, part) for i, part in enumerate(parts) if isinstance(part, torch.Tensor)]
+    integer = [i for i, part in tensors if not part.is_floating_point()]
+    if len(tensors) != 3 or len(integer) != 1:
+        return None
+    indices_at = integer[0]
+    shape = parts[indices_at].shape
+    paired = [i for i, part in tensors if i != indices_at and part.shape == shape]
+    rest = [i for i, _ in tensors if i != indices_at and i not in paired]
+    if len(paired) != 1 or len(rest) != 1 or parts[rest[0]].shape[:-1] != shape[:-1]:
+        return None
+    return rest[0], paired[0], indices_at
 
 
 def _check_run(shape: tuple[int, int], args: tuple) -> None:

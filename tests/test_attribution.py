@@ -371,6 +371,20 @@ def test_spearman_is_the_rank_correlation():
 # ------------------------------------------------------------------ the search
 
 
+def graft_recovery(models, result, prompts) -> float:
+    """A search result's recovery, from the donor's and the base's own forward passes."""
+    with torch.no_grad():
+        base, donor = (
+            last_logprob(model(prompts.tokens, attention_mask=prompts.attention_mask), prompts)
+            for model in models
+        )
+        mask = result.mask(models, prompts)
+        grafted = last_logprob(
+            gl.graft_forward(models, prompts.tokens, mask, prompts.attention_mask), prompts
+        )
+    return float((grafted.mean() - base.mean()) / (donor.mean() - base.mean()))
+
+
 def test_the_minimal_graft_reaches_the_fraction_it_reports(llama):
     batch = batch_for(llama, n=4, seed=0)
     held_out = batch_for(llama, n=3, seed=1)
@@ -387,17 +401,7 @@ def test_the_minimal_graft_reaches_the_fraction_it_reports(llama):
     assert found.reached and len(found.cells) >= 1
 
     def recovery(result, prompts) -> float:
-        """The graft's recovery, from the donor's and the base's own forward passes."""
-        with torch.no_grad():
-            base, donor = (
-                last_logprob(model(prompts.tokens, attention_mask=prompts.attention_mask), prompts)
-                for model in llama
-            )
-            mask = result.mask(llama, prompts)
-            grafted = last_logprob(
-                gl.graft_forward(llama, prompts.tokens, mask, prompts.attention_mask), prompts
-            )
-        return float((grafted.mean() - base.mean()) / (donor.mean() - base.mean()))
+        return graft_recovery(llama, result, prompts)
 
     assert recovery(found, batch) == pytest.approx(found.recovery, abs=1e-4)
     assert recovery(found, held_out) == pytest.approx(found.held_out_recovery, abs=1e-4)
@@ -410,6 +414,28 @@ def test_the_minimal_graft_reaches_the_fraction_it_reports(llama):
     for dropped in range(len(found.cells)):
         smaller = dataclasses.replace(found, cells=found.cells.drop(index=dropped))
         assert recovery(smaller, batch) < 0.6
+
+
+def test_a_beam_search_keeps_several_sets_and_reports_exact_recoveries(llama):
+    batch = batch_for(llama, n=3, seed=2)
+    found = gl.find_minimal_graft(
+        llama,
+        batch,
+        fraction=0.5,
+        components="o+mlp_out",
+        positions=("FE", "LT"),
+        proposals=3,
+        beam=2,
+        prune=False,
+        progress=False,
+    )
+    assert found.reached and found.held_out_recovery is None
+    assert graft_recovery(llama, found, batch) == pytest.approx(found.recovery, abs=1e-4)
+    kept = found.search.groupby("step").kept.sum()
+    assert (kept[:-1] == 2).all()  # two sets carried from each step to the next
+    # Each logged recovery is that of the candidate set, measured: the kept ones rank first.
+    for _, step in found.search.groupby("step"):
+        assert step[step.kept].recovery.min() >= step[~step.kept].recovery.max() - 1e-9
 
 
 def test_a_search_that_cannot_reach_the_fraction_says_so(llama):
