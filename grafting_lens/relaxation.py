@@ -185,7 +185,7 @@ class _MixDispatch(nn.Module):
                 f"[batch={batch}, pos={length}]"
             )
         first, second = layout.rows(rest), layout.rows(other)
-        weight = self._weight.reshape(-1, *([1] * (first.dim() - 1)))
+        weight = self._weight.to(first.device).reshape(-1, *([1] * (first.dim() - 1)))
         if first.dtype in (torch.float32, torch.float64):
             mixed = torch.lerp(first, second, weight.to(first.dtype))
         else:
@@ -232,7 +232,7 @@ class _MixDispatch(nn.Module):
         layout = None if reading is None else self._layout(reading, batch, length)
         shape = _position_shape(layout, reading, other.shape, batch, length)
         lead = len(shape) - other.dim()
-        mixing = weight.to(other.dtype).reshape(*shape[:lead], *([1] * other.dim()))
+        mixing = weight.to(other.device, other.dtype).reshape(*shape[:lead], *([1] * other.dim()))
         return torch.lerp(value, other, mixing)
 
 
@@ -255,7 +255,7 @@ def relaxing(
     Args:
         models: The aligned checkpoints.
         weights: ``{(component, layer): [batch, pos] floating-point weights}``, one
-            shape for every key, on any device (they are used where they are).
+            shape for every key, on any device (moved to the model's, differentiably).
         source: The checkpoint mixed in (inside a :func:`grafting` block, 0 mixes the
             base's own module back in).
 
