@@ -8,7 +8,7 @@ Two measurements, printed as one JSON line:
   metric. Every cell is attributed: every component (embeddings, the 8 per-layer
   components at each of the 12 layers, the final norm, the unembedding) at every
   position alone (``positions="each"``), 1,600 cells for 16 tokens, in one
-  :func:`attribute_grafts` call (its two exact reference passes included). The
+  :func:`attribute_grafts` call. The
   exhaustive exact sweep grafts each cell alone over the same prompts, batched the way
   ``verify=`` does (``--rows-per-forward`` rows a pass: several cells' blocks of prompts);
   it is timed on ``--measured-cells`` cells spread over every component, layer and

@@ -195,15 +195,20 @@ class GraftAttribution:
         agreement: :func:`attribution_agreement` of the verified cells (``None``
             without verification).
         start_metric: The metric's mean over prompts at the start (the base in the
-            sufficiency direction, the donor in the necessity direction).
-        all_cells_metric: Its mean with every attributed cell switched (measured).
+            sufficiency direction, the donor in the necessity direction): from an exact
+            graft where cells were verified or the method is ``"integrated"``, else from
+            the relaxed pass itself (the same run, to the kernels' float rounding).
+        all_cells_metric: Its mean with every attributed cell switched, measured by a
+            graft where cells were verified or the method is ``"integrated"`` (the
+            whole that integrated estimates add up to), else ``None``: a plain
+            attribution runs no graft at all.
         steps: Gradient evaluations per prompt (1 for ``"gradient"``).
     """
 
     frame: pd.DataFrame
     agreement: pd.DataFrame | None
     start_metric: float
-    all_cells_metric: float
+    all_cells_metric: float | None
     steps: int
 
 
@@ -300,20 +305,25 @@ def attribute_grafts(
     _check_count("steps", steps)
     if verify is not None and verify != "all":
         _check_count("verify", verify, "or 'all'")
-    estimates = plan.estimates(method=method, steps=steps)  # [cells, prompts]
-    references = plan.exact([(), tuple(plan.cells)])  # the start, every cell switched
+    estimates, start_values = plan.estimates(method=method, steps=steps)  # [cells, prompts]
     exact = torch.full_like(estimates, float("nan"))
+    all_cells_metric = None
+    if verify is not None or start_values is None:
+        # Exact grafts of the start and of every cell switched: the reference of exact
+        # effects, and the whole that integrated estimates share.
+        references = plan.exact([(), tuple(plan.cells)])
+        start_values, all_cells_metric = references[0], float(references[1].mean())
     if verify is not None:
         order = estimates.mean(dim=1).abs().argsort(descending=True, stable=True)
         chosen = order if verify == "all" else order[: int(verify)]
         configs = [(plan.cells[i],) for i in chosen.tolist()]
-        exact[chosen] = plan.exact(configs) - references[0]
+        exact[chosen] = plan.exact(configs) - start_values
     frame = plan.frame(estimates, exact, method=method)
     return GraftAttribution(
         frame=frame,
         agreement=None if verify is None else attribution_agreement(frame),
-        start_metric=float(references[0].mean()),
-        all_cells_metric=float(references[1].mean()),
+        start_metric=float(start_values.mean()),
+        all_cells_metric=all_cells_metric,
         steps=1 if method == "gradient" else steps,
     )
 
@@ -492,18 +502,25 @@ class AttributionPlan:
     # ------------------------------------------------------------------ passes
     def estimates(
         self, *, method: str = "gradient", steps: int = 1, start_cells: Sequence[Cell] = ()
-    ) -> Float[torch.Tensor, "cells prompts"]:
+    ) -> tuple[Float[torch.Tensor, "cells prompts"], Float[torch.Tensor, " prompts"] | None]:
         """Each cell's estimated effect on each prompt's metric.
 
         Args:
             method: ``"gradient"`` or ``"integrated"`` (see :func:`attribute_grafts`).
             steps: Points of the integrated path.
             start_cells: Cells already switched in the start (their estimates are 0).
+
+        Returns:
+            The estimates, and for ``"gradient"`` each prompt's metric at the start, which
+            the relaxed pass computes with every weight at 0 (the start, to the rounding
+            of the kernels: autograd keeps products off oneDNN); ``None`` for
+            ``"integrated"``, whose points all lie past the start.
         """
         device = self.models.device
         points = [0.0] if method == "gradient" else [(j + 0.5) / steps for j in range(steps)]
         labels = list(self.groups)
         estimates = torch.zeros(len(self.keys), len(labels), len(self.batch))
+        start = torch.zeros(len(self.batch)) if method == "gradient" else None
         for index, rows in self.chunks():
             shape = tuple(rows.tokens.shape)
             length = shape[1]
@@ -519,6 +536,8 @@ class AttributionPlan:
                     with relaxing(self.models, weights, source=self.switch):
                         logits = model(tokens, attention_mask=attention_mask, return_type="logits")
                 values = _metric_values(self.metric, logits, rows)
+                if start is not None:
+                    start[index] = values.detach().float().cpu()
                 if not values.requires_grad:
                     raise AttributionError(
                         "The metric's values carry no gradient to the logits, so nothing can "
@@ -537,7 +556,7 @@ class AttributionPlan:
             per_cell = torch.einsum("kbp,lbp->klb", total, groups.float())
             estimates[:, :, index] = per_cell
         # Table order: position group, then the keys in residual order.
-        return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch))
+        return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch)), start
 
     @torch.no_grad()
     def exact(self, configs: Sequence[Sequence[Cell]]) -> Float[torch.Tensor, "configs prompts"]:

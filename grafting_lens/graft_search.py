@@ -268,7 +268,7 @@ def find_minimal_graft(
         bar.update()
         candidates: dict[frozenset, tuple[tuple[Cell, ...], float]] = {}
         for cells, _ in beams:
-            estimates = plan.estimates(method=method, steps=steps, start_cells=cells).mean(dim=1)
+            estimates = plan.estimates(method=method, steps=steps, start_cells=cells)[0].mean(1)
             taken = set(cells)
             ranked = [
                 i for i in estimates.argsort(descending=True).tolist() if plan.cells[i] not in taken

@@ -259,6 +259,11 @@ def test_estimate_is_the_gradient_at_the_start_and_each_position_is_a_cell(llama
     )
     length = batch.tokens.shape[1]
     assert list(result.frame.positions) == [str(t) for t in range(length)]
+    # Without verification no graft runs: the start comes from the relaxed pass itself.
+    assert result.all_cells_metric is None and result.frame.exact.isna().all()
+    with torch.no_grad():
+        base = last_logprob(llama.base(batch.tokens, attention_mask=batch.attention_mask), batch)
+    assert result.start_metric == pytest.approx(float(base.mean()), abs=1e-5)
     h = 1e-2
     for t in (1, length - 1):
         weights = {}
