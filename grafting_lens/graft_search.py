@@ -85,6 +85,8 @@ __all__ = ["REFERENCES", "MinimalGraft", "find_minimal_graft"]
 REFERENCES: tuple[str, ...] = ("donor", "all_cells")
 """What a recovery of 1 means: the donor run whole, or the graft of every candidate cell."""
 
+_REFERENCE_NAMES = {"donor": "donor", "all_cells": "graft of every candidate cell"}
+
 CURVE_COLUMNS: tuple[str, ...] = ("prompts", "cells", "cell", "metric", "recovery")
 """Columns of the ``curve`` of a :class:`MinimalGraft`."""
 
@@ -251,7 +253,7 @@ def find_minimal_graft(
     search_scale = _Scale.of(plan, reference)
     if search_scale.gap <= 0:
         raise AttributionError(
-            f"The {reference.replace('_', ' ')} does not beat the base on this metric "
+            f"The {_REFERENCE_NAMES[reference]} does not beat the base on this metric "
             f"(mean {search_scale.top:.4g} vs the base's {search_scale.bottom:.4g}), so there "
             "is nothing to recover. Check the metric's sign (higher must be better) and the "
             "donor's index."

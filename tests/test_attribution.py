@@ -443,6 +443,16 @@ def test_a_beam_search_keeps_several_sets_and_reports_exact_recoveries(llama):
         assert step[step.kept].recovery.min() >= step[~step.kept].recovery.max() - 1e-9
 
 
+def test_a_search_for_a_metric_the_donor_does_not_raise_is_refused(llama):
+    batch = batch_for(llama, n=2)  # the answer is the donor's top token
+
+    def negated(logits, batch):
+        return -last_logprob(logits, batch).float()
+
+    with pytest.raises(gl.AttributionError, match="donor does not beat the base"):
+        gl.find_minimal_graft(llama, batch, metric=negated, components="o", progress=False)
+
+
 def test_a_search_that_cannot_reach_the_fraction_says_so(llama):
     batch = batch_for(llama, n=3)
     with pytest.warns(UserWarning, match="short of"):
