@@ -14,19 +14,23 @@ Factual Knowledge in Transformers", ICLR 2026).
 """
 
 from grafting_lens import (
+    attribution,
     batch,
     comparison,
     data,
     experiments,
+    graft_search,
     layers,
     metrics,
     patching,
     plots,
     positions,
+    relaxation,
     scoring,
     toy,
 )
 from grafting_lens.architectures import VERIFIED_ARCHITECTURES
+from grafting_lens.attribution import GraftAttribution, attribute_grafts
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -36,6 +40,7 @@ from grafting_lens.components import (
 )
 from grafting_lens.errors import (
     AlignmentError,
+    AttributionError,
     BatchError,
     ComponentError,
     ExperimentError,
@@ -58,13 +63,15 @@ from grafting_lens.experiments import (
     run_position_grafting,
 )
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
+from grafting_lens.graft_search import MinimalGraft, find_minimal_graft
 from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
 from grafting_lens.masks import GraftMask
 from grafting_lens.metrics import bootstrap_ci, summarize
 from grafting_lens.models import ModelSet, load_models
 from grafting_lens.patching import head_patch_sweep, patch_forward, resid_patch_sweep
-from grafting_lens.plots import plot_accuracy, save_figure
+from grafting_lens.plots import plot_accuracy, plot_attribution, plot_recovery, save_figure
 from grafting_lens.positions import select_positions
+from grafting_lens.relaxation import relaxing
 
 __version__ = "0.1.0"
 
@@ -78,6 +85,9 @@ __all__ = [
     "POSITION_CONFIGS",
     "REFERENCE",
     "AlignmentError",
+    "attribute_grafts",
+    "attribution",
+    "AttributionError",
     "batch",
     "BatchError",
     "bootstrap_ci",
@@ -86,9 +96,12 @@ __all__ = [
     "data",
     "ExperimentError",
     "experiments",
+    "find_minimal_graft",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
+    "graft_search",
+    "GraftAttribution",
     "grafting",
     "GraftingError",
     "GraftingLensError",
@@ -98,15 +111,20 @@ __all__ = [
     "layers",
     "load_models",
     "metrics",
+    "MinimalGraft",
     "ModelSet",
     "NonFiniteLogitsError",
     "patch_forward",
     "patching",
     "PatchingError",
     "plot_accuracy",
+    "plot_attribution",
+    "plot_recovery",
     "plots",
     "positions",
     "register_component_paths",
+    "relaxation",
+    "relaxing",
     "resid_patch_sweep",
     "resolve_layers",
     "run_position_grafting",
