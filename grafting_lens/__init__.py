@@ -15,21 +15,25 @@ Factual Knowledge in Transformers", ICLR 2026).
 
 from grafting_lens import (
     adapters,
+    attribution,
     batch,
     comparison,
     data,
     experiments,
+    graft_search,
     kernels,
     layers,
     metrics,
     patching,
     plots,
     positions,
+    relaxation,
     scoring,
     sources,
     toy,
 )
 from grafting_lens.architectures import VERIFIED_ARCHITECTURES
+from grafting_lens.attribution import GraftAttribution, attribute_grafts
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -40,6 +44,7 @@ from grafting_lens.components import (
 from grafting_lens.errors import (
     AdapterError,
     AlignmentError,
+    AttributionError,
     BatchError,
     ComponentError,
     ExperimentError,
@@ -64,13 +69,15 @@ from grafting_lens.experiments import (
     run_position_grafting,
 )
 from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
+from grafting_lens.graft_search import MinimalGraft, find_minimal_graft
 from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
 from grafting_lens.masks import GraftMask
 from grafting_lens.metrics import bootstrap_ci, summarize
 from grafting_lens.models import ModelSet, load_models
 from grafting_lens.patching import head_patch_sweep, patch_forward, resid_patch_sweep
-from grafting_lens.plots import plot_accuracy, save_figure
+from grafting_lens.plots import plot_accuracy, plot_attribution, plot_recovery, save_figure
 from grafting_lens.positions import select_positions
+from grafting_lens.relaxation import relaxing
 
 __version__ = "0.1.0"
 
@@ -86,6 +93,9 @@ __all__ = [
     "AdapterError",
     "adapters",
     "AlignmentError",
+    "attribute_grafts",
+    "attribution",
+    "AttributionError",
     "batch",
     "BatchError",
     "bootstrap_ci",
@@ -94,9 +104,12 @@ __all__ = [
     "data",
     "ExperimentError",
     "experiments",
+    "find_minimal_graft",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
+    "graft_search",
+    "GraftAttribution",
     "grafting",
     "GraftingError",
     "GraftingLensError",
@@ -109,15 +122,20 @@ __all__ = [
     "LazyLoadWarning",
     "load_models",
     "metrics",
+    "MinimalGraft",
     "ModelSet",
     "NonFiniteLogitsError",
     "patch_forward",
     "patching",
     "PatchingError",
     "plot_accuracy",
+    "plot_attribution",
+    "plot_recovery",
     "plots",
     "positions",
     "register_component_paths",
+    "relaxation",
+    "relaxing",
     "resid_patch_sweep",
     "resolve_layers",
     "run_position_grafting",

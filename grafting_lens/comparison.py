@@ -115,7 +115,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -134,7 +134,7 @@ from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
 from grafting_lens.patching import DIRECTIONS, SITES, available_sites, resid_patch_sweep
-from grafting_lens.positions import SPAN_ALIASES, resolve_positions, select_positions, span_names
+from grafting_lens.positions import PositionSets, position_sets
 from grafting_lens.scoring import SCORE_COLUMNS, TOP_TOKEN_COLUMNS, LastTokenScorer
 
 __all__ = [
@@ -208,9 +208,6 @@ RESULT_COLUMNS: tuple[str, ...] = (
 
 PairSpec = Union[ComparisonPair, tuple[str, str], tuple[str, str, str]]
 """A :class:`ComparisonPair`, ``(components, site)`` or ``(name, components, site)``."""
-
-PositionSets = Union[str, Sequence[str], Mapping[str, Union[str, torch.Tensor]]]
-"""Span expressions (``"LT"``, ``"FE"``, ``"FE+LT"``...), or ``{label: expression or tensor}``."""
 
 
 # --------------------------------------------------------------------------- run
@@ -377,7 +374,7 @@ class _ComparisonPlan:
         self.layers = resolve_layers(layers, models.n_layers)
         self.pairs = _check_pairs(pairs, models, self.methods)
         self.batch = as_batch(tokenized, models)
-        self.selections = _position_sets(positions, self.batch.spans, self.batch.attention_mask)
+        self.selections = position_sets(positions, self.batch.spans, self.batch.attention_mask)
         self.scorer = LastTokenScorer(models.tokenizer, top_token=True)
         self.configs = [
             _ComparisonConfig(label, pair, layer)
@@ -748,45 +745,3 @@ def _as_pair(pair: object) -> ComparisonPair:
     raise GraftingLensError(
         f"A pair is a ComparisonPair, (components, site) or (name, components, site); got {pair!r}."
     )
-
-
-def _position_sets(
-    positions: PositionSets,
-    spans: Mapping[str, torch.Tensor],
-    attention_mask: Int[torch.Tensor, "batch pos"],
-) -> dict[str, Bool[torch.Tensor, "batch pos"]]:
-    """Label to ``[batch, pos]`` selection, checked against the batch's spans and padding."""
-    if isinstance(positions, str):
-        positions = [positions]
-    if isinstance(positions, Mapping):
-        items = list(positions.items())
-    else:
-        items = [(name, name) for name in positions]
-    if not items:
-        raise GraftingLensError(f"No position set given; e.g. {('LT', 'FE')}.")
-    shape = tuple(attention_mask.shape)
-    # Names a span expression may use here: the paper's labels, ALL, the batch's spans.
-    known = {*SPAN_ALIASES.values(), *spans}
-    vocabulary = [*SPAN_ALIASES, "ALL", *spans]
-    selections: dict[str, torch.Tensor] = {}
-    for label, spec in items:
-        if label in selections:
-            raise GraftingLensError(f"The position set {label!r} is given twice.")
-        if isinstance(spec, str):
-            unknown = sorted(span_names(spec) - known)
-            if unknown:
-                raise GraftingLensError(
-                    f"Unknown position set {spec!r}.{did_you_mean(spec, vocabulary)} Known: "
-                    f"{', '.join(vocabulary)} and span expressions over them (FE+LT, "
-                    "(FE+LT)^C...), or pass {label: [batch, pos] boolean tensor}."
-                )
-            selection = select_positions(spec, spans, attention_mask)
-        elif isinstance(spec, torch.Tensor):
-            selection = resolve_positions(spec.cpu(), shape, attention_mask)
-        else:
-            raise GraftingLensError(
-                f"Position set {label!r}: expected a span expression or a [batch, pos] boolean "
-                f"tensor, got {type(spec).__name__}."
-            )
-        selections[str(label)] = selection
-    return selections

@@ -21,6 +21,7 @@ The hierarchy, one class per thing that can go wrong::
     ├── KernelError         an unknown kernel policy, or an unusable kernel decision file
     ├── NonFiniteLogitsError  logits to be scored hold NaN or infinite values
     ├── PatchingError       a patch or sweep the model set or tokens cannot give
+    ├── AttributionError    a graft attribution or graft search that cannot be run
     ├── ExperimentError     an unknown or malformed experiment, configuration or test set
     └── RunError            a run or output directory cannot be used
 
@@ -37,6 +38,7 @@ from collections.abc import Iterable
 __all__ = [
     "AdapterError",
     "AlignmentError",
+    "AttributionError",
     "BatchError",
     "ComponentError",
     "ExperimentError",
@@ -151,6 +153,12 @@ class NonFiniteLogitsError(GraftingLensError):
 
 class PatchingError(GraftingLensError):
     """A patch or sweep was asked for something the model set or the tokens cannot give."""
+
+
+class AttributionError(GraftingLensError):
+    """A graft attribution or a search for a minimal graft was asked for something it cannot
+    give: a metric that is not one differentiable value per prompt, a fraction outside
+    (0, 1], a relaxation of a module whose outputs cannot be mixed."""
 
 
 class ExperimentError(GraftingLensError):

@@ -61,7 +61,7 @@ mask says that by grafting ``unembed`` there too, which the experiments'
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -332,14 +332,7 @@ class _SourceDispatch(nn.Module):
 
     def _layout(self, shape: torch.Size, batch: int, length: int) -> _Layout | None:
         """The layout of the module's input: positions where declared, else on dimension 1."""
-        if self._pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
-            # [batch, heads, pos, d_head] with as many heads as positions looks like
-            # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
-            raise self._refusal(
-                f"an input of shape {list(shape)} whose position axis is ambiguous (dimension 1 "
-                "or 2) and not declared by the bridge"
-            )
-        return _Layout.of(shape, batch, length, self._pos_dim or 1)
+        return _declared_layout(shape, batch, length, self._pos_dim, self._refusal)
 
     def _refusal(self, cause: str) -> GraftingError:
         component, layer = self._key
@@ -385,24 +378,53 @@ class _SourceDispatch(nn.Module):
             return vectors[cache_key]
         batch, length = plan.window.shape
         rows = torch.stack([getattr(source, name) for source in sources])[plan.window.reshape(-1)]
-        # [batch, pos, *value] by default; against an input such as [batch, heads, pos,
-        # d_head], ones where the input has other axes, the value on its last axes.
-        shape = [batch, length, *value.shape]
         layout = None if reading is None else self._layout(reading, batch, length)
-        trailing = len(reading) - value.dim() if reading is not None else 0
-        if layout is not None and trailing >= 1:
-            shape = [1] * trailing + list(value.shape)
-            if layout.pos_dim is None:
-                shape[0] = batch * length
-            elif layout.pos_dim < trailing:
-                shape[0], shape[layout.pos_dim] = batch, length
-            else:
-                shape = [batch, length, *value.shape]
-        per_position = rows.reshape(shape)
+        per_position = rows.reshape(_position_shape(layout, reading, value.shape, batch, length))
         if not torch.is_grad_enabled():
             # With autograd on, each forward needs its own graph, so nothing is kept.
             vectors[cache_key] = per_position
         return per_position
+
+
+def _declared_layout(
+    shape: torch.Size,
+    batch: int,
+    length: int,
+    pos_dim: int | None,
+    refusal: Callable[[str], Exception],
+) -> _Layout | None:
+    """Where a slot's tensor carries the window's positions: on ``pos_dim`` where the bridge
+    declares it, else on dimension 1; raises ``refusal(cause)`` where that is ambiguous."""
+    if pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
+        # [batch, heads, pos, d_head] with as many heads as positions looks like
+        # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
+        raise refusal(
+            f"an input of shape {list(shape)} whose position axis is ambiguous (dimension 1 "
+            "or 2) and not declared by the bridge"
+        )
+    return _Layout.of(shape, batch, length, pos_dim or 1)
+
+
+def _position_shape(
+    layout: _Layout | None, reading: torch.Size | None, value: torch.Size, batch: int, length: int
+) -> list[int]:
+    """The shape of per-position copies of a parameter of shape ``value``, as a bridge reads it.
+
+    ``[batch, pos, *value]`` by default; against an input (``reading``) such as
+    ``[batch, heads, pos, d_head]``, ones where the input has other axes and the value on
+    its last axes, so that it broadcasts against the input laid out as ``layout``.
+    """
+    shape = [batch, length, *value]
+    trailing = len(reading) - len(value) if reading is not None else 0
+    if layout is not None and trailing >= 1:
+        shape = [1] * trailing + list(value)
+        if layout.pos_dim is None:
+            shape[0] = batch * length
+        elif layout.pos_dim < trailing:
+            shape[0], shape[layout.pos_dim] = batch, length
+        else:
+            shape = [batch, length, *value]
+    return shape
 
 
 def _call(module: nn.Module, args: tuple, kwargs: dict):

@@ -35,7 +35,14 @@ from plotly.subplots import make_subplots
 from grafting_lens.errors import GraftingLensError, did_you_mean
 from grafting_lens.files import atomic_write
 
-__all__ = ["NO_CHROME_HINT", "plot_accuracy", "plot_comparison", "save_figure"]
+__all__ = [
+    "NO_CHROME_HINT",
+    "plot_accuracy",
+    "plot_attribution",
+    "plot_comparison",
+    "plot_recovery",
+    "save_figure",
+]
 
 NO_CHROME_HINT = (
     "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
@@ -332,6 +339,164 @@ def _add_references(
             row=r,
             col=c,
         )
+
+
+# ------------------------------------------------------------------ graft attribution
+
+_ATTRIBUTION_VALUES = {
+    "estimate": "estimated change of the metric",
+    "exact": "measured change of the metric",
+}
+
+
+def plot_attribution(
+    frame: pd.DataFrame,
+    value: str = "estimate",
+    title: str | None = None,
+    columns: int = 3,
+) -> go.Figure:
+    """Heatmaps of a graft attribution: layers x components, one panel per position group.
+
+    Each cell's colour is its estimated (or measured) change of the metric when it is
+    switched, on a diverging scale centred on 0 and shared by every panel; global
+    components (embeddings, final norm, unembedding) sit in a row of their own above
+    layer 0. Hovering shows the cell, its value and its standard error over prompts.
+
+    Args:
+        frame: The ``frame`` of a :class:`~grafting_lens.attribution.GraftAttribution`.
+        value: ``"estimate"`` or ``"exact"`` (verified cells only; the others are blank).
+        title: Figure title (default: what is shown, and the direction).
+        columns: Panels per row.
+
+    Raises:
+        GraftingLensError: An unknown ``value``, an empty table or missing columns.
+    """
+    if value not in _ATTRIBUTION_VALUES:
+        raise GraftingLensError(
+            f"Unknown value {value!r}.{did_you_mean(value, _ATTRIBUTION_VALUES)} Choose "
+            f"one of {', '.join(_ATTRIBUTION_VALUES)}."
+        )
+    needed = ["component", "layer", "positions", "cell", value, f"{value}_se"]
+    if not isinstance(frame, pd.DataFrame) or frame.empty:
+        raise GraftingLensError("plot_attribution needs a non-empty GraftAttribution.frame.")
+    missing = [column for column in needed if column not in frame.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The table lacks the columns {missing}; plot a GraftAttribution.frame."
+        )
+    groups = list(dict.fromkeys(frame["positions"]))
+    components = list(dict.fromkeys(frame["component"]))
+    layers = sorted(int(layer) for layer in frame["layer"].dropna().unique())
+    has_global = bool(frame["layer"].isna().any())
+    row_labels = (["global"] if has_global else []) + [f"layer {layer}" for layer in layers]
+    columns = max(1, min(columns, len(groups)))
+    panel_rows = -(-len(groups) // columns)
+    fig = make_subplots(
+        rows=panel_rows,
+        cols=columns,
+        subplot_titles=[f"positions {group}" for group in groups],
+        horizontal_spacing=0.06,
+        vertical_spacing=0.12 if panel_rows > 1 else 0.08,
+    )
+    extent = float(frame[value].abs().max()) if frame[value].notna().any() else 1.0
+    extent = extent or 1.0
+    for index, group in enumerate(groups):
+        part = frame[frame["positions"] == group]
+        z = [[float("nan")] * len(components) for _ in row_labels]
+        text = [[""] * len(components) for _ in row_labels]
+        for _, cell in part.iterrows():
+            r = 0 if pd.isna(cell["layer"]) else layers.index(int(cell["layer"])) + has_global
+            c = components.index(cell["component"])
+            z[r][c] = float(cell[value])
+            error = cell[f"{value}_se"]
+            text[r][c] = f"{cell['cell']}: {cell[value]:+.4f}" + (
+                "" if pd.isna(error) else f" (se {error:.4f})"
+            )
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=components,
+                y=row_labels,
+                text=text,
+                zmid=0,
+                zmin=-extent,
+                zmax=extent,
+                colorscale="RdBu",
+                showscale=index == 0,
+                colorbar=dict(title=value),
+                hovertemplate="%{text}<extra></extra>",
+                xgap=1,
+                ygap=1,
+            ),
+            row=index // columns + 1,
+            col=index % columns + 1,
+        )
+    fig.update_yaxes(autorange="reversed")
+    direction = frame["direction"].iloc[0] if "direction" in frame.columns else ""
+    fig.update_layout(
+        title=title
+        if title is not None
+        else f"Graft attribution ({direction}): {_ATTRIBUTION_VALUES[value]} per cell",
+        template="plotly_white",
+        height=max(260, (24 * len(row_labels) + 110) * panel_rows + 60),
+        width=max(420, (26 * len(components) + 90) * columns + 120),
+    )
+    return fig
+
+
+def plot_recovery(
+    curve: pd.DataFrame, fraction: float | None = None, title: str | None = None
+) -> go.Figure:
+    """The recovery curve of a minimal graft: recovery against the number of cells grafted.
+
+    One line per set of prompts (the search's, and the held-out ones); each point is
+    the exact graft of the first ``k`` cells, and hovering names the cell added there.
+
+    Args:
+        curve: The ``curve`` of a :class:`~grafting_lens.graft_search.MinimalGraft`.
+        fraction: The recovery the search asked for, drawn as a dashed line.
+        title: Figure title.
+
+    Raises:
+        GraftingLensError: An empty table or missing columns.
+    """
+    needed = ["prompts", "cells", "cell", "recovery"]
+    if not isinstance(curve, pd.DataFrame) or curve.empty:
+        raise GraftingLensError("plot_recovery needs a non-empty MinimalGraft.curve.")
+    missing = [column for column in needed if column not in curve.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The table lacks the columns {missing}; plot a MinimalGraft.curve."
+        )
+    fig = go.Figure()
+    for prompts, group in curve.groupby("prompts", sort=False):
+        fig.add_trace(
+            go.Scatter(
+                x=group["cells"],
+                y=group["recovery"],
+                mode="lines+markers",
+                name=str(prompts).replace("_", "-"),
+                customdata=group["cell"],
+                hovertemplate=(
+                    "%{x} cells (added: %{customdata})<br>recovery %{y:.1%}<extra></extra>"
+                ),
+            )
+        )
+    if fraction is not None:
+        fig.add_hline(
+            y=fraction,
+            line=dict(dash="dash", color="gray", width=1),
+            annotation_text=f"target {fraction:.0%}",
+            annotation_position="bottom right",
+        )
+    fig.update_layout(
+        title=title if title is not None else "Minimal graft: recovery of the donor's metric",
+        xaxis=dict(title="cells grafted", dtick=1),
+        yaxis=dict(title="recovery (0 = base, 1 = reference)", tickformat=".0%"),
+        legend_title_text="prompts",
+        template="plotly_white",
+    )
+    return fig
 
 
 # ----------------------------------------------------------------------- checks

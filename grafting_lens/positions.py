@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.errors import SelectionError
+from grafting_lens.errors import SelectionError, did_you_mean
 
 PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 """Anything :func:`resolve_positions` accepts."""
@@ -498,3 +498,69 @@ def _named_span(spans: Spans, name: str, attention_mask: torch.Tensor) -> torch.
             else "Tokenize with grafting_lens.data.tokenize_examples, which marks it."
         )
     )
+
+
+# --------------------------------------------------------------- labelled position sets
+
+PositionSets = Union[str, Sequence[str], Mapping[str, Union[str, torch.Tensor, PositionFunction]]]
+"""Span expressions (``"LT"``, ``"FE"``, ``"FE+LT"``...), or ``{label: expression, tensor or
+position function}``."""
+
+
+def position_sets(
+    positions: PositionSets,
+    spans: Spans,
+    attention_mask: Int[torch.Tensor, "batch pos"],
+) -> dict[str, Bool[torch.Tensor, "batch pos"]]:
+    """Labelled position sets of a batch: label to ``[batch, pos]`` selection.
+
+    The position axis of a comparison or an attribution: several places to intervene
+    at, each with a label for tables and figures.
+
+    Args:
+        positions: One span expression, several (each its own label), or a mapping from a
+            label to a span expression, a ``[batch, pos]`` boolean tensor over the batch's
+            rows, or a position function (see :func:`select_positions`).
+        spans: The batch's named spans.
+        attention_mask: The batch's right padding.
+
+    Raises:
+        SelectionError: No position set, a label given twice, an unknown span name
+            (with the names the batch has), or a specification of another kind.
+    """
+    if isinstance(positions, str):
+        positions = [positions]
+    if isinstance(positions, Mapping):
+        items = list(positions.items())
+    else:
+        items = [(name, name) for name in positions]
+    if not items:
+        raise SelectionError(f"No position set given; e.g. {('LT', 'FE')}.")
+    shape = tuple(attention_mask.shape)
+    # Names a span expression may use here: the paper's labels, ALL, the batch's spans.
+    known = {*SPAN_ALIASES.values(), *spans}
+    vocabulary = [*SPAN_ALIASES, "ALL", *spans]
+    selections: dict[str, torch.Tensor] = {}
+    for label, spec in items:
+        if label in selections:
+            raise SelectionError(f"The position set {label!r} is given twice.")
+        if isinstance(spec, str):
+            unknown = sorted(span_names(spec) - known)
+            if unknown:
+                raise SelectionError(
+                    f"Unknown position set {spec!r}.{did_you_mean(spec, vocabulary)} Known: "
+                    f"{', '.join(vocabulary)} and span expressions over them (FE+LT, "
+                    "(FE+LT)^C...), or pass {label: [batch, pos] boolean tensor}."
+                )
+            selection = select_positions(spec, spans, attention_mask)
+        elif isinstance(spec, torch.Tensor):
+            selection = resolve_positions(spec.cpu(), shape, attention_mask)
+        elif callable(spec):
+            selection = select_positions(spec, spans, attention_mask)
+        else:
+            raise SelectionError(
+                f"Position set {label!r}: expected a span expression, a [batch, pos] boolean "
+                f"tensor or a position function, got {type(spec).__name__}."
+            )
+        selections[str(label)] = selection
+    return selections

@@ -19,10 +19,10 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # Layer ranges sit with the models: load_models takes them to declare what grafts take.
     ("architectures", ("architectures", "components", "layers", "sources", "adapters", "models")),
     ("selection", ("positions",)),
-    ("grafts", ("masks", "kernels", "graft")),
+    ("grafts", ("masks", "kernels", "graft", "relaxation")),
     ("patching", ("patch_passes", "patching")),
     ("scores and batches", ("metrics", "batch", "scoring")),
-    ("comparison", ("comparison",)),
+    ("comparison and attribution", ("comparison", "attribution", "graft_search")),
     ("figures", ("plots",)),
     # The study of the paper: built on the lens, never imported by it.
     ("data and training", ("data", "finetune", "toy_corpus", "toy")),

@@ -3,7 +3,7 @@
 For each architecture of the matrix: the model loads although ``from_config`` leaves
 ``config.architectures`` empty; every checkpoint parameter belongs to a component; a
 graft of every component equals the donor's own Hugging Face forward pass (and an
-empty mask the base's); the single grafted pass equals the token-by-token procedure
+empty mask the base's), and so do the ends of the relaxed graft attribution differentiates; the single grafted pass equals the token-by-token procedure
 on random masks over every component and on the README's graft; and no donor weight
 that changes the donor's output is ignored by the every-component graft. The
 comparison with the HF model's own forward is what proves coverage: an oracle built
@@ -206,6 +206,24 @@ def test_single_pass_equals_the_token_by_token_oracle(loaded):
         fast = gl.graft_forward(models, tokens, mask)
         slow = gl.graft_forward_reference(models, tokens, mask)
         assert (fast - slow).abs().max() <= TOLERANCE
+
+
+def test_relaxed_weights_of_zero_and_one_are_the_base_and_the_donor(loaded):
+    """Every component relaxed (routers included): the ends are the HF models' own logits,
+    and in between the metric has a gradient with respect to the weights."""
+    models, tokens = loaded.models, loaded.tokens
+    for value, source in ((0.0, 0), (1.0, 1)):
+        weights = {pair: torch.full(tokens.shape, value) for pair in models.pairs}
+        with torch.no_grad(), gl.relaxing(models, weights) as model:
+            relaxed = model(tokens)
+        assert (relaxed - loaded.hf_logits[source]).abs().max() <= TOLERANCE
+    weights = {pair: torch.full(tokens.shape, 0.5, requires_grad=True) for pair in models.pairs}
+    with gl.relaxing(models, weights) as model:
+        value = model(tokens)[:, -1, 3].sum()
+    gradients = torch.autograd.grad(value, list(weights.values()), allow_unused=True)
+    found = [gradient for gradient in gradients if gradient is not None]
+    assert all(bool(torch.isfinite(gradient).all()) for gradient in found)
+    assert sum(bool(gradient.abs().sum() > 0) for gradient in found) >= len(weights) // 2
 
 
 @torch.no_grad()

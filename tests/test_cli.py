@@ -274,6 +274,21 @@ def test_semantics_does_not_apply_to_the_patching_comparison(tmp_path, capsys):
     assert "--semantics do not apply here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("experiment", ["patching_vs_grafting", "graft_attribution"])
+def test_a_semantics_an_experiment_would_ignore_is_refused(experiment, tmp_path, capsys):
+    from grafting_lens.errors import ExperimentError
+    from grafting_lens.experiments import REFERENCE
+    from grafting_lens.experiments.named import ExperimentSetup, run_spec
+
+    # These runners work the library's way only; a REFERENCE run would silently be CLEAN.
+    setup = ExperimentSetup(models=None, relations=[], label="x", dataset="x")  # type: ignore[arg-type]
+    with pytest.raises(ExperimentError, match=f"The {experiment} experiment runs with"):
+        run_spec(experiment, setup, semantics=REFERENCE)
+    status = cli.main(["run", experiment, "--out", str(tmp_path), "--semantics", "reference"])
+    assert status == 1
+    assert "--semantics do not apply here" in capsys.readouterr().err
+
+
 def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
     result = runner.invoke(cli.app, ["demo", "--out", str(tmp_path / "out"), "--device", "banana"])

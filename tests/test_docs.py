@@ -42,7 +42,7 @@ def test_every_page_and_tutorial_is_in_the_navigation():
     }
     assert pages - listed == set(), "pages missing from mkdocs.yml's nav"
     assert listed - pages == set(), "nav entries without a page"
-    assert len(TUTORIALS) == 5
+    assert len(TUTORIALS) == 6
 
 
 @pytest.mark.parametrize("notebook", TUTORIALS, ids=lambda path: path.stem)

@@ -599,6 +599,7 @@ _EXPERIMENT_OF_SCRIPT = {
     "reversal_grafting": "reversal",
     "hybrid_grafting": "hybrid",
     "patching_vs_grafting": "patching_vs_grafting",
+    "graft_attribution": "graft_attribution",
 }
 
 
@@ -672,6 +673,40 @@ def test_patching_vs_grafting_script_writes_both_methods(tiny_world_args, tmp_pa
     for name in ["summary.csv", "summary.md", "top5_sufficiency.html", "prob_sufficiency.html"]:
         assert (out / name).stat().st_size > 0, name
     assert not (out / "top5_sufficiency.png").exists()  # --no-png
+
+
+@pytest.mark.filterwarnings("ignore:.*longer than max_length")
+@pytest.mark.filterwarnings("ignore:The search stopped")  # a tiny world may fall short
+def test_graft_attribution_writes_every_cell_verified_and_the_minimal_graft(
+    tiny_world_args, tmp_path
+):
+    out = tmp_path / "attribution"
+    assert _script("graft_attribution").main(["--out", str(out), *tiny_world_args]) == 0
+    results = pd.read_csv(out / "results.csv")
+    # The tiny world's Llama: 9 per-layer components x 2 layers, embed, ln_final, unembed;
+    # three position groups; two prompts.
+    assert len(results) == (9 * 2 + 3) * 3 * 2
+    assert set(results["prompt"]) == {"headline", "qa"}
+    assert set(results["positions"]) == {"FE", "LT", "(FE+LT)^C"}
+    assert results["exact"].notna().all() and (results["n"] == 8).all()
+    agreement = pd.read_csv(out / "agreement.csv")
+    assert len(agreement) == 2 * 4 and agreement["spearman"].between(-1, 1).all()
+    recovery = pd.read_csv(out / "recovery.csv")
+    assert set(recovery["prompts"]) == {"search", "held_out"}
+    cells = pd.read_csv(out / "minimal_graft.csv")
+    assert recovery["cells"].max() == len(cells)
+    for name in [
+        "summary.md",
+        "references.csv",
+        "search.csv",
+        "attribution_headline.html",
+        "exact_qa.html",
+        "recovery.html",
+    ]:
+        assert (out / name).stat().st_size > 0, name
+    assert "## The minimal graft" in (out / "summary.md").read_text()
+    bad = ["--out", str(tmp_path / "bad"), "--verify", "some", *tiny_world_args]
+    assert _script("graft_attribution").main(bad) == 1
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")

@@ -93,3 +93,75 @@ def test_save_figure_without_a_browser_keeps_the_html_and_says_why(tmp_path, mon
 def test_save_figure_refuses_a_directory(tmp_path):
     with pytest.raises(GraftingLensError, match="is a directory"):
         plots.save_figure(go.Figure(), tmp_path, png=False)
+
+
+def _attribution_frame() -> pd.DataFrame:
+    """Two groups; per-layer components at layers 0 and 1, and a global component."""
+    rows = []
+    for group, sign in (("FE", 1.0), ("LT", -1.0)):
+        for layer, component in [
+            (None, "embed"),
+            (0, "q"),
+            (0, "mlp_out"),
+            (1, "q"),
+            (1, "mlp_out"),
+        ]:
+            value = sign * (1 + (layer or 0) + len(component) / 10)
+            rows.append(
+                {
+                    "cell": f"{component}[{layer}]@{group}",
+                    "component": component,
+                    "layer": layer,
+                    "positions": group,
+                    "estimate": value,
+                    "estimate_se": 0.1,
+                    "exact": value / 2 if group == "FE" else float("nan"),
+                    "exact_se": 0.05,
+                    "direction": "sufficiency",
+                }
+            )
+    frame = pd.DataFrame(rows)
+    frame["layer"] = frame["layer"].astype("Int64")
+    return frame
+
+
+def test_plot_attribution_puts_each_cell_at_its_layer_and_component():
+    frame = _attribution_frame()
+    fig = plots.plot_attribution(frame)
+    assert [trace.type for trace in fig.data] == ["heatmap", "heatmap"]
+    fe = fig.data[0]
+    assert list(fe.x) == ["embed", "q", "mlp_out"] and list(fe.y) == [
+        "global",
+        "layer 0",
+        "layer 1",
+    ]
+    for _, cell in frame[frame.positions == "FE"].iterrows():
+        row = 0 if pd.isna(cell.layer) else int(cell.layer) + 1
+        assert fe.z[row][list(fe.x).index(cell.component)] == cell.estimate
+    assert pd.isna(fe.z[0][1])  # no q outside the layers
+    # One colour scale for every panel, centred on 0.
+    extent = frame.estimate.abs().max()
+    assert all(trace.zmin == -extent and trace.zmax == extent for trace in fig.data)
+    exact = plots.plot_attribution(frame, value="exact")
+    assert all(pd.isna(value) for row in exact.data[1].z for value in row)  # LT unverified
+    with pytest.raises(GraftingLensError, match="Did you mean 'exact'"):
+        plots.plot_attribution(frame, value="exakt")
+    with pytest.raises(GraftingLensError, match="lacks the columns"):
+        plots.plot_attribution(frame.drop(columns="estimate_se"))
+
+
+def test_plot_recovery_draws_one_line_per_set_of_prompts_and_the_target():
+    curve = pd.DataFrame(
+        {
+            "prompts": ["search"] * 3 + ["held_out"] * 3,
+            "cells": [0, 1, 2] * 2,
+            "cell": ["", "a", "b"] * 2,
+            "recovery": [0.0, 0.5, 0.9, 0.0, 0.4, 0.7],
+        }
+    )
+    fig = plots.plot_recovery(curve, fraction=0.8)
+    assert [trace.name for trace in fig.data] == ["search", "held-out"]
+    assert list(fig.data[0].y) == [0.0, 0.5, 0.9]
+    assert fig.layout.shapes[0].y0 == 0.8
+    with pytest.raises(GraftingLensError, match="non-empty"):
+        plots.plot_recovery(curve.iloc[:0])

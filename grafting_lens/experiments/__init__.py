@@ -35,7 +35,9 @@ The package has one room per idea:
 * :mod:`~grafting_lens.experiments.report`: tables, markdown and the paper's figures;
 * :mod:`~grafting_lens.experiments.paper`: the paper's experiments, one registered spec each;
 * :mod:`~grafting_lens.experiments.patching_vs_grafting`: the comparison of both methods as
-  a named experiment.
+  a named experiment;
+* :mod:`~grafting_lens.experiments.graft_attribution`: every cell's effect by attribution,
+  verified, and the minimal graft, as a named experiment.
 
 A configuration is data, a :class:`GraftConfig`: a name as in the paper's figures and a tuple
 of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` from
@@ -62,7 +64,8 @@ this library does with components named as they are; every switch can be flipped
 semantics. A component named on its own is always grafted.
 
 The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
-``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``, ``demo``) bundle
+``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``,
+``graft_attribution``, ``demo``) bundle
 model roles, tested relations, prompts, configurations, summaries and figures; each runs from
 Python and as ``grafting-lens run <name>``.
 

@@ -440,6 +440,16 @@ def run_spec(
     if n_examples is not None:
         _check_n_examples(n_examples)  # for every runner, before anything runs
     options = dataclasses.replace(options or RunOptions(), **settings)
+    if (
+        "--semantics" in spec.inapplicable
+        and options.semantics is not None
+        and as_semantics(options.semantics) != as_semantics(spec.semantics)
+    ):
+        # Its runner works the library's way only: a semantics would be ignored.
+        raise ExperimentError(
+            f"The {spec.name} experiment runs with the {spec.semantics!r} semantics only, "
+            f"got semantics={as_semantics(options.semantics).label!r}: leave it out."
+        )
     options = options.with_semantics(as_semantics(spec.semantics))
     semantics = options.semantics
     assert isinstance(semantics, Semantics)  # with_semantics gives one

@@ -6,6 +6,8 @@
 * ``reversal``: appendix C.6, both-directions model into one-direction model, asked B2A;
 * ``hybrid``: figure 5, task attention and relation O+FFN on the pretrained model;
 * ``patching_vs_grafting``: activation patching beside grafting, layer by layer;
+* ``graft_attribution``: not in the paper: every cell's effect estimated by attribution,
+  verified by exact grafts, and the smallest graft found that recovers SFT;
 * ``demo``: position grafting end to end, the quickest look.
 
 Each is runnable from Python (:func:`~grafting_lens.experiments.run_named_experiment`)
@@ -23,7 +25,7 @@ experiment (the paper's code has no patching) and runs clean.
 
 from __future__ import annotations
 
-from grafting_lens.experiments import patching_vs_grafting
+from grafting_lens.experiments import graft_attribution, patching_vs_grafting
 from grafting_lens.experiments.configs import (
     COMPONENT_LAYER_RANGES,
     COMPONENT_SETS,
@@ -215,6 +217,41 @@ register_experiment(
         ),
         run=patching_vs_grafting.run,
         report=patching_vs_grafting.report,
+    )
+)
+
+register_experiment(
+    ExperimentSpec(
+        "graft_attribution",
+        "Graft attribution: every cell's effect, verified, and the minimal graft (SFT into PRE)",
+        ("base", "sft"),
+        donors={"sft": ("--donor", "the finetuned checkpoint (SFT) whose cells are attributed")},
+        names=("PRE", "SFT"),
+        options=(
+            Option(
+                "--method",
+                "The estimate: first-order gradient (default) or integrated gradients.",
+                choices=("gradient", "integrated"),
+            ),
+            Option("--steps", "Points of the integrated path (default 8).", type=int),
+            Option(
+                "--fraction",
+                "The share of SFT's log P(answer) the minimal graft must recover (default 0.8).",
+                type=float,
+            ),
+            Option("--verify", "Cells to graft exactly: 'all' (default) or a number."),
+        ),
+        # Attribution relaxes components as this library names them: the code's
+        # switches have nothing to act on, so they are refused rather than ignored.
+        inapplicable=(
+            "--semantics",
+            "--unembed",
+            "--lm-head",
+            "--include-unembed",
+            "--base-embeddings",
+        ),
+        run=graft_attribution.run,
+        report=graft_attribution.report,
     )
 )
 

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from grafting_lens import data, plots
 from grafting_lens.batch import TokenizedExamples
@@ -34,7 +31,12 @@ from grafting_lens.comparison import (
     summarize_comparison,
 )
 from grafting_lens.experiments.named import QUICK_RELATIONS, ExperimentSetup
-from grafting_lens.experiments.report import ExperimentReport, write_table
+from grafting_lens.experiments.report import (
+    ExperimentReport,
+    figure_lines,
+    report_settings,
+    write_table,
+)
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions
 from grafting_lens.experiments.semantics import CLEAN
 from grafting_lens.experiments.specs import ExperimentSpec
@@ -185,22 +187,20 @@ def report(
             )
             name = f"{stem}_{direction}"
             figures[name] = written.save_figure(figure, out / name, png=png)
-    settings = {
-        "title": spec.title,
-        "models": label,
-        "command": command,
-        "notes": list(notes),
-        **settings,
-        "positions": list(POSITIONS),
-        "pairs": [
-            {"name": p.name, "graft": p.components, "patch": p.site, "cumulative": p.cumulative}
-            for p in PAIRS
-        ],
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    settings = report_settings(
+        spec,
+        label,
+        command,
+        notes,
+        {
+            **settings,
+            "positions": list(POSITIONS),
+            "pairs": [
+                {"name": p.name, "graft": p.components, "patch": p.site, "cumulative": p.cumulative}
+                for p in PAIRS
+            ],
+        },
+    )
     path = out / "summary.md"
     atomic_write(path, _markdown(summary, reference_summary, settings, figures).encode())
     written.files.append(path)
@@ -244,9 +244,7 @@ def _markdown(
                     cells.append(f"{_interval(row, 'top5')} ({row.target_prob:.3f})")
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Figures", ""]
-    for written in figures.values():
-        png = Path(written["png"]).name if written["png"] else f"no PNG: {written['png_error']}"
-        lines.append(f"- `{Path(written['html']).name}` ({png})")
+    lines += figure_lines(figures)
     return "\n".join(lines) + "\n"
 
 

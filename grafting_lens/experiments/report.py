@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+import torch
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
@@ -54,6 +56,8 @@ __all__ = [
     "component_figures",
     "component_heatmap",
     "prepare_report_directory",
+    "figure_lines",
+    "report_settings",
     "summary_markdown",
     "write_experiment_report",
     "write_report",
@@ -93,6 +97,43 @@ class ExperimentReport:
         elif saved["png_error"]:
             self.problems.append(f"No PNG: {path.name} ({saved['png_error']})")
         return saved
+
+
+def report_settings(
+    spec: ExperimentSpec,
+    label: str,
+    command: str | None,
+    notes: Sequence[str],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What an experiment's ``summary.md`` records about its run, in the order it shows them.
+
+    The experiment's title, the models, the command and the notes, then ``settings``
+    (what ran), then the threads, Python and torch versions and the time of writing.
+    """
+    return {
+        "title": spec.title,
+        "models": label,
+        "command": command,
+        "notes": list(notes),
+        **settings,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def figure_lines(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One markdown line per saved figure: its HTML file, and its PNG or why there is none."""
+    lines = []
+    for written in figures.values():
+        if written["png"]:
+            png = Path(written["png"]).name
+        else:
+            png = f"no PNG: {written['png_error']}" if written["png_error"] else "HTML only"
+        lines.append(f"- `{Path(written['html']).name}` ({png})")
+    return lines
 
 
 def write_experiment_report(
