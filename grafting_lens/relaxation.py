@@ -70,6 +70,7 @@ from grafting_lens.errors import AttributionError
 # bridge reads per-position parameters, and how a source's module is called.
 from grafting_lens.graft import (
     _call,
+    _check_declared,
     _declared_layout,
     _Layout,
     _position_shape,
@@ -261,7 +262,8 @@ def relaxing(
 
     Raises:
         ComponentError: A component the architecture lacks (at that layer).
-        GraftMaskError: A malformed key.
+        GraftMaskError: A malformed key, or a component a lazily loaded donor was
+            declared not to give (``components=`` / ``layers=`` of ``load_models``).
         AttributionError: Weights that are not floating-point ``[batch, pos]`` tensors
             of one shape, a bad ``source``, a nested block, or a run on tokens of
             another shape.
@@ -278,7 +280,7 @@ def relaxing(
             "grafting_lens.load_models(base, donor, ...)."
         )
     check_source(models, source, allow_base=True)
-    shape = _check_weights(models, weights)
+    shape = _check_weights(models, weights, source)
     if getattr(models.base, _RELAXING, False):
         raise AttributionError(
             "This model set is already inside a relaxing(...) block; relaxations do not "
@@ -299,7 +301,10 @@ def relaxing(
                         current._sources[0] if isinstance(current, _SourceDispatch) else current
                     )
                 else:
-                    switch = slot.module(models[source])
+                    # The source's module for this slot, as a graft asks for it: a lazily
+                    # loaded donor reads this slot only, an adapter adds its factors to
+                    # the base's module; no whole donor model is built.
+                    switch = models.sources[source].module(slot)
                 holder = slot.holder(models.base)
                 bridged = slot.attribute is None
                 pos_dim = getattr(holder.hook_in, "pos_dim", None) if bridged else None
@@ -352,7 +357,7 @@ def _check_run(shape: tuple[int, int], args: tuple) -> None:
         )
 
 
-def _check_weights(models: ModelSet, weights: object) -> tuple[int, int]:
+def _check_weights(models: ModelSet, weights: object, source: int) -> tuple[int, int]:
     if not isinstance(weights, Mapping) or not weights:
         raise AttributionError(
             "weights must be a non-empty mapping {(component, layer): [batch, pos] tensor}, "
@@ -376,6 +381,10 @@ def _check_weights(models: ModelSet, weights: object) -> tuple[int, int]:
     # The mask builder's checks: known components, present at these layers, no graft
     # around uncovered parameters (weights of 1 everywhere are that graft).
     GraftMask.from_dict(models, {key: torch.ones(shape, dtype=torch.long) for key in weights})
+    if source:
+        # A donor declared to load_models for some components only has no others.
+        everywhere = torch.full(shape, source, dtype=torch.long)
+        _check_declared(models, GraftMask.from_dict(models, dict.fromkeys(weights, everywhere)))
     return (int(shape[0]), int(shape[1]))
 
 

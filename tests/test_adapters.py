@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 
 import peft
 import pytest
@@ -358,3 +359,15 @@ def test_patching_runs_the_adapter_alone(tokenizer, adapter, family):
         options = dict(site="resid_pre", layers=1, positions="last", direction=direction)
         patched = gl.patch_forward(lora, tokens, **options)
         assert close(patched, gl.patch_forward(full, tokens, **options))
+
+
+def test_an_adapter_directory_needs_no_peft(tokenizer, tmp_path, monkeypatch):
+    # PEFT is an optional extra: reading and grafting an adapter directory never imports it.
+    lora_model("llama").save_pretrained(tmp_path)
+    monkeypatch.setitem(sys.modules, "peft", None)  # an import of peft now fails
+    with pytest.raises(ImportError):
+        import peft  # noqa: F401
+    models = gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+    tokens = random_tokens(2, 6, seed=9)
+    mask = gl.GraftMask.build(models, tokens, components="q", source=1)
+    assert (gl.graft_forward(models, tokens, mask) - models.base(tokens)).abs().max() > 0.1

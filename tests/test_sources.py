@@ -247,3 +247,21 @@ def test_fingerprints_agree_across_a_cast(tmp_path, tokenizer):
     eager = gl.load_models(tmp_path / "base", tmp_path / "half", **options)
     assert lazy.sources[1].fingerprint() == eager.sources[1].fingerprint()
     assert lazy.memory().loc[1, "resident_bytes"] == 0
+
+
+def test_a_relaxed_graft_reads_a_lazy_donor_by_its_declaration(checkpoints):
+    base, donor = checkpoints
+    eager = gl.load_models(base, donor)
+    lazy = gl.load_models(base, donor, lazy=True, components="ffn")
+    tokens = random_tokens(2, 5, seed=7)
+    layer = lazy.base.cfg.n_layers - 1
+    ones = torch.ones(tokens.shape)
+    with torch.no_grad(), gl.relaxing(lazy, {("mlp_out", layer): ones}) as model:
+        relaxed = model(tokens)
+    # A weight of 1 is the graft; only that slot was read, no whole donor was built.
+    mask = gl.GraftMask.build(eager, tokens, layers=layer, components="mlp_out")
+    assert (relaxed - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-5
+    assert lazy.sources[1].loaded == tuple(slot.path for slot in lazy.slots("mlp_out", layer))
+    with pytest.raises(gl.GraftMaskError, match="components= / layers="):
+        with gl.relaxing(lazy, {("o", layer): ones}):
+            pass
