@@ -3,18 +3,20 @@
 For GPT-2-, Llama- and Gemma-shaped models (12 layers, d_model 768, random weights;
 nothing is downloaded) and adapters of rank 8 and 64 on every attention and MLP
 matrix (PEFT, random factors), saves the base, each adapter and, with PEFT's
-``merge_and_unload``, each merged donor as directories. Then, each in a fresh
-process, it loads ``load_models(base, adapter)`` or ``load_models(base, merged)`` and
-measures, on 8 prompts of 16 tokens:
+``merge_and_unload``, each merged donor as directories. On 8 prompts of 16 tokens it
+then measures:
 
-* ``graft_seconds``: a graft of every component at half of the positions (best of
-  ``--repeats``); ``alone_seconds``: the donor run alone (``models[1]``);
-* ``donor_resident_bytes``: what the donor holds (:meth:`ModelSet.memory`), and the
-  process's resident memory after the runs minus a base-only baseline;
-* the logits of both, compared in the parent: ``graft_max_abs_diff`` and
-  ``alone_max_abs_diff`` (LoRA against merged, float32; target <= 1e-4), beside
-  ``donor_effect`` (how far the donor's logits are from the base's, so that the
-  comparison means something) and the logits' scale.
+* logits: ``graft_max_abs_diff``, a graft of every component at half of the
+  positions, and ``alone_max_abs_diff``, the donor run alone (``models[1]``), LoRA
+  against merged in float32 (target <= 1e-4), beside ``donor_effect`` (how far the
+  donor's logits are from the base's, so that the comparison means something) and
+  the logits' scale;
+* time: the graft and the donor alone, both donors loaded in one process and timed
+  in turn, best of ``--repeats`` each, so that the load of a shared machine weighs
+  on both alike;
+* memory, each donor in a fresh process: what it holds (``resident_bytes`` of
+  :meth:`ModelSet.memory`) and the process's resident memory after a graft and a
+  run alone, minus that of a process holding the base alone.
 
 Prints one JSON object. Run: ``python benchmarks/lora_donors.py [--dir DIR]``.
 """
@@ -26,12 +28,13 @@ import json
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from graft_speed import placeholder_tokenizer, timed
+from graft_speed import placeholder_tokenizer
 from lazy_memory import rss_now, run_child
 from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig
 
@@ -96,89 +99,112 @@ def save_models(root: Path, family: str) -> None:
         lora.merge_and_unload().save_pretrained(root / family / f"merged{rank}")
 
 
-def measure(root: Path, donor: str, repeats: int, out: Path) -> dict:
-    models_ = gl.load_models(root / "base", root / donor, tokenizer=placeholder_tokenizer())
+def workload(models_: gl.ModelSet) -> tuple[torch.Tensor, gl.GraftMask]:
+    """8 prompts of 16 tokens, and every component grafted at every other position."""
     tokens = torch.randint(1, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
     half = torch.zeros(tokens.shape, dtype=torch.long)
     half[:, ::2] = 1
-    mask = gl.GraftMask.from_dict(models_, {pair: half for pair in models_.pairs})
+    return tokens, gl.GraftMask.from_dict(models_, {pair: half for pair in models_.pairs})
+
+
+def memory_of(root: Path, donor: str) -> dict:
+    """One donor (or none: the base alone) in this fresh process: what it holds."""
+    if donor == "none":
+        models_ = gl.load_models(
+            root / "base", root / "base", tokenizer=placeholder_tokenizer(), lazy=True
+        )
+        with torch.no_grad():
+            models_.base(workload(models_)[0])
+        return {"rss_after_bytes": rss_now()}
+    models_ = gl.load_models(root / "base", root / donor, tokenizer=placeholder_tokenizer())
+    tokens, mask = workload(models_)
     with torch.no_grad():
-        graft = gl.graft_forward(models_, tokens, mask)
-        alone = models_[1](tokens)
-        base = models_.base(tokens)
-        graft_seconds = timed(lambda: gl.graft_forward(models_, tokens, mask), repeats)
-        alone_seconds = timed(lambda: models_[1](tokens), repeats)
-    torch.save({"graft": graft, "alone": alone, "base": base}, out)
+        gl.graft_forward(models_, tokens, mask)
+        models_[1](tokens)
     memory = models_.memory()
     return {
-        "donor": donor,
         "kind": str(memory.loc[1, "kind"]),
-        "graft_seconds": round(graft_seconds, 4),
-        "alone_seconds": round(alone_seconds, 4),
         "donor_resident_bytes": int(memory.loc[1, "resident_bytes"]),
         "base_resident_bytes": int(memory.loc[0, "resident_bytes"]),
         "rss_after_bytes": rss_now(),
     }
 
 
-def base_only(root: Path) -> dict:
-    """The baseline process: the base alone, run once."""
-    bridge = gl.load_models(
-        root / "base", root / "base", tokenizer=placeholder_tokenizer(), lazy=True, components="o"
-    ).base
-    tokens = torch.randint(1, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
+def compare(root: Path, rank: int, repeats: int) -> dict:
+    """The LoRA donor and the merged one, in this process: logits and interleaved times."""
+    sets = {
+        kind: gl.load_models(
+            root / "base", root / f"{kind}{rank}", tokenizer=placeholder_tokenizer()
+        )
+        for kind in ("lora", "merged")
+    }
+    tokens, mask = workload(sets["lora"])
+    runs = {
+        f"{kind}_{what}": run
+        for kind, models_ in sets.items()
+        for what, run in (
+            ("graft", lambda m=models_: gl.graft_forward(m, tokens, mask)),
+            ("alone", lambda m=models_: m[1](tokens)),
+        )
+    }
     with torch.no_grad():
-        bridge(tokens)
-    return {"rss_after_bytes": rss_now()}
-
-
-def child(root: Path, donor: str, repeats: int, out: Path) -> dict:
-    arguments = ("--dir", str(root), "--donor", donor, "--repeats", str(repeats), "--out", str(out))
-    return run_child(__file__, *arguments)
+        logits = {name: run() for name, run in runs.items()}  # also the warm-up
+        base = sets["merged"].base(tokens)
+        times: dict[str, float] = {name: float("inf") for name in runs}
+        for _ in range(repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name] = min(times[name], time.perf_counter() - start)
+    return {
+        "graft_max_abs_diff": float((logits["lora_graft"] - logits["merged_graft"]).abs().max()),
+        "alone_max_abs_diff": float((logits["lora_alone"] - logits["merged_alone"]).abs().max()),
+        "logit_scale": float(logits["merged_alone"].abs().max()),
+        "donor_effect": float((logits["merged_alone"] - base).abs().max()),
+        "seconds": {name: round(value, 4) for name, value in times.items()},
+        "graft_time_ratio_lora_to_merged": round(times["lora_graft"] / times["merged_graft"], 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--donor", default=None)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--memory-of", default=None)
+    parser.add_argument("--compare-rank", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    if args.donor is not None:  # a child
-        if args.donor == "none":
-            print(json.dumps(base_only(args.dir)))
-        else:
-            print(json.dumps(measure(args.dir, args.donor, args.repeats, args.out)))
+    if args.memory_of is not None:  # a child
+        print(json.dumps(memory_of(args.dir, args.memory_of)))
+        return
+    if args.compare_rank is not None:  # a child
+        print(json.dumps(compare(args.dir, args.compare_rank, args.repeats)))
         return
     results: dict = {}
     with tempfile.TemporaryDirectory() as scratch:
         root = args.dir or Path(scratch)
         for family in SHAPES:
             save_models(root, family)
-            here = root / family
-            baseline = child(here, "none", args.repeats, here / "none.pt")["rss_after_bytes"]
+            here = str(root / family)
+            baseline = run_child(__file__, "--dir", here, "--memory-of", "none")
             rows = {}
             for rank in RANKS:
-                runs = {
-                    kind: child(here, f"{kind}{rank}", args.repeats, here / f"{kind}{rank}.pt")
-                    for kind in ("lora", "merged")
-                }
-                logits = {kind: torch.load(here / f"{kind}{rank}.pt") for kind in runs}
-                lora, merged = logits["lora"], logits["merged"]
-                for run in runs.values():
-                    run["donor_rss_bytes"] = run.pop("rss_after_bytes") - baseline
-                rows[f"rank{rank}"] = {
-                    "graft_max_abs_diff": float((lora["graft"] - merged["graft"]).abs().max()),
-                    "alone_max_abs_diff": float((lora["alone"] - merged["alone"]).abs().max()),
-                    "logit_scale": float(merged["alone"].abs().max()),
-                    "donor_effect": float((merged["alone"] - merged["base"]).abs().max()),
-                    "graft_time_ratio_lora_to_merged": round(
-                        runs["lora"]["graft_seconds"] / runs["merged"]["graft_seconds"], 3
-                    ),
-                    "lora": runs["lora"],
-                    "merged": runs["merged"],
-                }
+                row = run_child(
+                    __file__,
+                    "--dir",
+                    here,
+                    "--compare-rank",
+                    str(rank),
+                    "--repeats",
+                    str(args.repeats),
+                )
+                for kind in ("lora", "merged"):
+                    held = run_child(__file__, "--dir", here, "--memory-of", f"{kind}{rank}")
+                    held["donor_rss_bytes"] = (
+                        held.pop("rss_after_bytes") - baseline["rss_after_bytes"]
+                    )
+                    row[kind] = held
+                rows[f"rank{rank}"] = row
             results[family] = rows
     print(
         json.dumps(
