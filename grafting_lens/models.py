@@ -46,6 +46,7 @@ from grafting_lens.components import (
     checkpoint_parameters,
     component_layout,
 )
+from grafting_lens.console import quiet_loading
 from grafting_lens.errors import AlignmentError, GraftingLensError, TokenError
 
 Source = Union[str, os.PathLike, PreTrainedModel, TransformerBridge]
@@ -400,6 +401,9 @@ def load_models(
         UserWarning: An architecture TransformerLens bridges but grafting-lens has
             not verified (see the supported-architectures page).
 
+    Loading is quiet: transformers' per-checkpoint loading bars and info messages are
+    held back (see :func:`grafting_lens.console.quiet_loading`); its warnings show.
+
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
         >>> models.weight_diff().sort_values("relative_change").tail()
@@ -426,18 +430,20 @@ def load_models(
                 f"tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
                 f"got {type(tokenizer).__name__}."
             )
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
     bridges: list[TransformerBridge] = []
     labels: list[str] = []
-    fallback = tokenizer
-    for index, source in enumerate(sources):
-        # A directory brings its own tokenizer, so the vocabulary check compares
-        # what each checkpoint was trained with; in-memory models borrow the base's.
-        bridge, label = _to_bridge(source, index, tokenizer, fallback, device, dtype)
-        fallback = fallback if fallback is not None else bridge.tokenizer
-        bridges.append(bridge)
-        labels.append(names[index] if names is not None else label)
+    # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
+    with quiet_loading():
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
+        fallback = tokenizer
+        for index, source in enumerate(sources):
+            # A directory brings its own tokenizer, so the vocabulary check compares
+            # what each checkpoint was trained with; in-memory models borrow the base's.
+            bridge, label = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+            fallback = fallback if fallback is not None else bridge.tokenizer
+            bridges.append(bridge)
+            labels.append(names[index] if names is not None else label)
     for index, bridge in enumerate(bridges[1:], start=1):
         _check_alignment(bridges[0], bridge, labels[0], labels[index], index)
     models = ModelSet(bridges, labels, allow_uncovered=allow_uncovered)

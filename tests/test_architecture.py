@@ -15,7 +15,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("errors", "files")),
+    ("foundation", ("errors", "files", "console")),
     ("architectures", ("architectures", "components", "models")),
     ("selection", ("positions", "layers")),
     ("grafts", ("masks", "kernels", "graft")),

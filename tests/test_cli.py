@@ -335,6 +335,7 @@ def test_another_runs_results_are_refused_then_replaced_completely_on_overwrite(
         "summary.csv",
         "summary.md",
         "position_grafting.html",
+        "position_mean_rank.html",
     ]
 
 
