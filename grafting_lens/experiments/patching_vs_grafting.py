@@ -34,7 +34,7 @@ from grafting_lens.comparison import (
     summarize_comparison,
 )
 from grafting_lens.experiments.named import QUICK_RELATIONS, ExperimentSetup
-from grafting_lens.experiments.report import ExperimentReport, write_table
+from grafting_lens.experiments.report import ExperimentReport, figure_caption, write_table
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions
 from grafting_lens.experiments.semantics import CLEAN
 from grafting_lens.experiments.specs import ExperimentSpec
@@ -181,7 +181,8 @@ def report(
                 row=("prompt", "positions"),
                 col="pair",
                 references=reference_summary,
-                title=f"{label}: grafting vs patching SFT into PRE ({direction})",
+                title=f"Grafting vs patching SFT into PRE ({direction})",
+                caption=figure_caption(label, results),
             )
             name = f"{stem}_{direction}"
             figures[name] = written.save_figure(figure, out / name, png=png)
