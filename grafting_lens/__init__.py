@@ -20,9 +20,16 @@ first cell do not wait for them. ``gl.notebook()`` sets a notebook up in one lin
 from __future__ import annotations
 
 import importlib
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if "ipykernel" in sys.modules:
+    # In a notebook without ipywidgets, tqdm warns on import (transformers imports it) that
+    # its bars fall back to text; they do, and the warning tells a reader nothing.
+    warnings.filterwarnings("ignore", message="IProgress not found")
 
 _SUBMODULES = (
     "batch",

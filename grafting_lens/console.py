@@ -88,7 +88,8 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     It turns transformers' loading bars off for the session, drops tqdm's warning that
     widgets are not installed (the bars fall back to text), makes plotly figures render
     both in Jupyter and on a web page made from the notebook (plotly.js is embedded
-    once, so the page needs no network), and sets torch's threads and autograd.
+    once, so the page needs no network), lets pandas print cells of up to 120
+    characters, and sets torch's threads and autograd.
 
     Args:
         threads: torch CPU threads; 1 suits the toy world's tiny models, whose
@@ -101,10 +102,7 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     Raises:
         GraftingLensError: ``threads`` is not a positive int.
     """
-    import plotly.io as pio
-    import torch
     from tqdm import TqdmWarning
-    from transformers.utils import logging as transformers_logging
 
     from grafting_lens.errors import GraftingLensError
 
@@ -112,7 +110,13 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
         not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
     ):
         raise GraftingLensError(f"threads must be a positive int or None, got {threads!r}.")
+    # Before transformers is imported: it imports tqdm.auto, which warns on import.
     warnings.filterwarnings("ignore", category=TqdmWarning)
+    import pandas as pd
+    import plotly.io as pio
+    import torch
+    from transformers.utils import logging as transformers_logging
+
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
     if threads is not None:
@@ -121,6 +125,8 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     if PLOTLY_RENDERER not in pio.renderers:
         pio.renderers[PLOTLY_RENDERER] = _offline_renderer()
     pio.renderers.default = renderer or f"plotly_mimetype+{PLOTLY_RENDERER}"
+    # Tables of configurations and prompts have long cells; pandas cuts them at 50 characters.
+    pd.set_option("display.max_colwidth", 120)
 
 
 def _offline_renderer() -> Any:

@@ -328,12 +328,10 @@ def plot_mean_rank(
         )
     else:
         fig.update_yaxes(
-            title_text="mean rank of the answer", range=axis_range(ends, fraction=False)
+            title_text="mean rank of the answer (lower is better)",
+            range=axis_range(ends, fraction=False),
         )
     counts = summary["n"].tolist() if "n" in summary else []
-    caption = "; ".join(
-        filter(None, [caption, "lower is better, 1 = the top token" if log else ""])
-    )
     return figure_style(
         fig, title if title is not None else "Mean rank of the answer", _subtitle(caption, counts)
     )

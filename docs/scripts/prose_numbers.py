@@ -1,7 +1,8 @@
 """Write the toy world's numbers quoted in README.md and docs/getting-started.md from runs.
 
 Prose must quote what a reader's own run gives, not what a run on some machine once gave.
-Each such number sits between markers, ``<!-- numbers:KEY -->...<!-- /numbers -->``, and
+Each such number sits between markers, ``<!-- numbers:KEY -->...<!-- /numbers -->`` (in the
+middle of a line: a line that starts with a comment is an HTML block to Markdown), and
 this script fills them from the demo (position grafting on the toy world) under three
 settings: the default (``--semantics reference``), ``--semantics clean`` and
 ``--semantics clean --unembed donor``. After the toy world changes, run
@@ -59,8 +60,8 @@ def span(summary: pd.DataFrame, config: str) -> str:
 
 NUMBERS: dict[str, Callable[[dict[str, pd.DataFrame]], str]] = {
     "first-graft": lambda runs: (
-        f"pretrained {percent(runs['clean_donor'].loc[('PRE', 'headline'), 'top5'])}, "
-        f"grafted at FE+LT {percent(runs['clean_donor'].loc[('FE+LT', 'headline'), 'top5'])}"
+        f"`pretrained {percent(runs['clean_donor'].loc[('PRE', 'headline'), 'top5'])}, "
+        f"grafted at FE+LT {percent(runs['clean_donor'].loc[('FE+LT', 'headline'), 'top5'])}`"
     ),
     "reference-sft": lambda runs: both(runs["reference"], "SFT"),
     "reference-fe-lt": lambda runs: both(runs["reference"], "FE+LT"),
