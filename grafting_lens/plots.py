@@ -582,15 +582,24 @@ def _add_references(
         if column in matching.columns:
             matching = matching[matching[column] == key]
     for _, reference in matching.iterrows():
-        # Panels sit side by side: the label goes inside, above the line's left end.
+        # Labelled inside, above the line's left end, and in the first column only: the
+        # labels of narrow panels side by side would run into each other, and the lines
+        # align across a row.
+        label = (
+            dict(
+                annotation_text=str(reference["model"]),
+                annotation_position="top left",
+                annotation_font_size=10,
+            )
+            if c == 1
+            else {}
+        )
         fig.add_hline(
             y=float(reference[value]),
             line=dict(dash="dash", color="gray", width=1),
-            annotation_text=str(reference["model"]),
-            annotation_position="top left",
-            annotation_font_size=10,
             row=r,
             col=c,
+            **label,
         )
 
 

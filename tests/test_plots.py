@@ -190,3 +190,29 @@ def test_figure_captions_leave_out_the_cache_hash_and_say_the_decoding():
     assert "42c05be" not in caption
     assert caption.startswith("toy world, semantics clean+unembed=donor")
     assert "donor's unembedding" in caption
+
+
+def test_comparison_references_are_drawn_in_every_panel_and_labelled_once_per_row():
+    rows = [
+        dict(
+            positions=p,
+            pair=pair,
+            method=m,
+            layer=layer,
+            top5=0.1,
+            top5_low=0.05,
+            top5_high=0.2,
+            n=10,
+        )
+        for p in ("LT", "FE")
+        for pair in ("block", "mlp", "attn")
+        for m in ("graft", "patch")
+        for layer in range(2)
+    ]
+    references = pd.DataFrame([dict(model="SFT stream, PRE readout", top5=0.4)])
+    fig = plots.plot_comparison(pd.DataFrame(rows), references=references)
+    assert len(fig.layout.shapes) == 2 * 3  # a line in each of the six panels
+    labels = [a for a in fig.layout.annotations if a.text == "SFT stream, PRE readout"]
+    assert len(labels) == 2  # one per row, in the first column
+    low, high = fig.layout.yaxis.range
+    assert high == 0.5 and low < 0  # fitted to the data and the reference, not 0-100%
