@@ -93,6 +93,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens import metrics
 from grafting_lens.batch import TokenizedExamples, as_batch
+from grafting_lens.console import show_progress
 from grafting_lens.errors import AttributionError, did_you_mean
 from grafting_lens.graft import graft_forward, grafting
 from grafting_lens.layers import LayerSpec
@@ -228,7 +229,7 @@ def attribute_grafts(
     verify: int | str | None = None,
     batch_size: int = 16,
     rows_per_forward: int = 64,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> GraftAttribution:
     """Estimate the effect of grafting every cell, from one forward and backward pass.
 
@@ -269,7 +270,8 @@ def attribute_grafts(
             largest absolute estimates (an int), or of every cell (``"all"``).
         batch_size: Prompts per relaxed pass (memory grows with it).
         rows_per_forward: Rows of one exact graft pass (prompts x verified cells).
-        progress: Show a progress bar.
+        progress: Show a progress bar (``None``: only where someone watches, see
+            :func:`~grafting_lens.console.show_progress`).
 
     Returns:
         A :class:`GraftAttribution`.
@@ -421,7 +423,7 @@ class AttributionPlan:
         start: GraftMask | None,
         batch_size: int,
         rows_per_forward: int,
-        progress: bool,
+        progress: bool | None,
     ) -> None:
         _check_model_set(models)
         self.models = models
@@ -472,7 +474,9 @@ class AttributionPlan:
         """Row indices and rows of each chunk of ``batch_size`` prompts (cut to their longest)."""
         total = len(self.batch)
         starts = range(0, total, self.batch_size)
-        for first in tqdm(starts, desc="attribution", disable=not self.progress, unit="chunk"):
+        for first in tqdm(
+            starts, desc="attribution", disable=not show_progress(self.progress), unit="chunk"
+        ):
             index = torch.arange(first, min(first + self.batch_size, total))
             yield index, self.batch.rows(index)
 

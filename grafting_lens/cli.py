@@ -49,15 +49,19 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-import pandas as pd
-import torch
 import typer
 
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.files import DirectoryLock, check_writable
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# torch, pandas and the models are imported where a command needs them, so that
+# `grafting-lens --help` and a refused option answer at once.
 
 app = typer.Typer(
     name="grafting-lens",
@@ -65,6 +69,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help, wrapped to the terminal: rich's boxed tables cut long help at 80 columns.
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 120},
 )
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -149,7 +156,12 @@ def demo(
         None, "--seed", help="With --model: the relations' seed (default 0)."
     ),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where toy worlds are cached."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
+    progress: bool | None = typer.Option(
+        None,
+        "--progress/--no-progress",
+        help="Show progress bars (default: only when standard error is a terminal).",
+        show_default=False,
+    ),
     png: bool = typer.Option(
         True, "--png/--no-png", help="Also export the figure as PNG (needs Chrome for kaleido)."
     ),
@@ -197,7 +209,8 @@ def demo(
             argv += [flag, str(value)]
     for flag, on in (
         ("--quick", quick),
-        ("--no-progress", not progress),
+        ("--progress", progress is True),
+        ("--no-progress", progress is False),
         ("--no-png", not png),
         ("--include-unembed", include_unembed),
         ("--overwrite", overwrite),
@@ -311,7 +324,13 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         "deleted first (default: refuse).",
     )
     add("--no-png", action="store_true", help="Write HTML figures only.")
-    add("--no-progress", action="store_true", help="Hide progress bars.")
+    add(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Show progress bars, or --no-progress to hide them (default: only when standard "
+        "error is a terminal, so that a log file gets no bars).",
+    )
     for own in spec.options:
         add(
             own.flag,
@@ -402,8 +421,8 @@ def _run_locked(
         relations=args.relations,
         quick=args.quick,
         device=args.device,
-        dtype=None if dtype is None else getattr(torch, dtype),
-        progress=not args.no_progress,
+        dtype=None if dtype is None else getattr(_torch(), dtype),
+        progress=args.progress,
         on_status=lambda line: typer.echo(line, err=True),
     )
     # Only a grid of configurations saves chunks and reads them back.
@@ -427,9 +446,7 @@ def _run_locked(
         out=out / "runs" if resumed else None,
         quick=args.quick,
         n_examples=args.n_examples,
-        options=RunOptions(
-            batch_size=args.batch_size, progress=not args.no_progress, semantics=semantics
-        ),
+        options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
     )
@@ -441,7 +458,7 @@ def _run_locked(
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
         + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
-        f"{torch.get_num_threads()} CPU threads"
+        f"{_torch().get_num_threads()} CPU threads"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
@@ -482,7 +499,7 @@ _FREE_OPTIONS = frozenset(
         "cache_dir",
         "overwrite",
         "no_png",
-        "no_progress",
+        "progress",
     }
 )
 """Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
@@ -605,9 +622,9 @@ def _toy_config(text: str | None) -> Any:
 def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
     """The command's one policy for CPU threads (see the module docstring)."""
     if threads is not None:
-        torch.set_num_threads(threads)
+        _torch().set_num_threads(threads)
     elif toy:
-        torch.set_num_threads(1)
+        _torch().set_num_threads(1)
 
 
 def _semantics(spec: Any, args: argparse.Namespace) -> Any:
@@ -710,6 +727,12 @@ def _check_checkpoint(name: str, option: str) -> None:
             f"{where}. Pass a hub id such as 'gpt2' or a directory written by save_pretrained. "
             f"({type(error).__name__}: {' '.join(str(error).split())[:200]})"
         ) from None
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _fail(message: str) -> NoReturn:

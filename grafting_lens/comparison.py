@@ -128,6 +128,7 @@ from tqdm.auto import tqdm
 from grafting_lens import metrics
 from grafting_lens.batch import TokenizedExamples, as_batch
 from grafting_lens.components import GLOBAL_COMPONENTS, expand_components
+from grafting_lens.console import show_progress
 from grafting_lens.errors import GraftingLensError, did_you_mean
 from grafting_lens.graft import graft_forward
 from grafting_lens.layers import LayerSpec, resolve_layers
@@ -226,7 +227,7 @@ def compare_graft_and_patch(
     target: int = 0,
     batch_size: int = 8,
     rows_per_forward: int = 256,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> pd.DataFrame:
     """Graft and patch the same (positions x pair x layer) configurations; score each example.
 
@@ -255,7 +256,8 @@ def compare_graft_and_patch(
         batch_size: Examples per chunk; each chunk is cut to its own longest row.
         rows_per_forward: Rows of one forward pass (examples x configurations); a
             pass holds at least one configuration of a chunk, whatever this says.
-        progress: Show a progress bar over chunks.
+        progress: Show a progress bar over chunks (default: when standard error is a
+            terminal or in a notebook, see :func:`~grafting_lens.console.show_progress`).
 
     Returns:
         A tidy DataFrame with the columns of :data:`RESULT_COLUMNS`, one row per
@@ -289,7 +291,9 @@ def compare_graft_and_patch(
     scores: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     starts = range(0, len(plan.batch), batch_size)
     with torch.no_grad():
-        for start in tqdm(starts, desc="graft vs patch", disable=not progress, unit="chunk"):
+        for start in tqdm(
+            starts, desc="graft vs patch", disable=not show_progress(progress), unit="chunk"
+        ):
             chunk = plan.chunk(start, min(start + batch_size, len(plan.batch)))
             if "graft" in plan.methods:
                 for config, rows in _graft_chunk(plan, chunk).items():

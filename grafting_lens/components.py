@@ -40,6 +40,7 @@ architecture whose tree differs registers its own paths with
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from transformer_lens.model_bridge.generalized_components import (
 )
 from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
-from grafting_lens.errors import ComponentError, did_you_mean
+from grafting_lens.errors import ComponentError
 
 _ATTENTION = ("q", "k", "v", "q_norm", "k_norm", "attn_gate")
 _FEED_FORWARD = (
@@ -97,6 +98,37 @@ COMPONENT_GROUPS: dict[str, tuple[str, ...]] = {
     "all": COMPONENTS,
 }
 """Named sets of components; each expands to the members an architecture has."""
+
+COMPONENT_LABELS: dict[str, tuple[str, ...]] = {
+    "ffn_up": ("mlp_gate", "mlp_in"),
+    "ffn_down": ("mlp_out",),
+    "ffn_gate": ("mlp_gate",),
+}
+"""The paper's labels for parts of the feed-forward block, by their canonical names.
+
+``FFN-up`` is the up projection and, on a gated MLP, the gate beside it; ``FFN-down``
+the down projection; ``FFN-gate`` the gate alone. Written any case, with ``-`` or
+``_`` (``"FFN-up"``, ``"ffn_up"``), wherever components are accepted. Like a group, a
+label takes the members an architecture has, and naming one that has none of them is
+an error. The paper's ``ATTN``, ``O`` and ``FFN`` are the group ``attn``, the component
+``o`` and the group ``ffn``, in any case."""
+
+_LABEL_SPELLINGS = {"ffn_up": "FFN-up", "ffn_down": "FFN-down", "ffn_gate": "FFN-gate"}
+
+
+def canonical_component_name(name: str) -> str:
+    """A component, group or label as this module spells it: ``"FFN-up"`` -> ``"ffn_up"``.
+
+    Case does not matter and ``-`` reads as ``_`` (``"attn-gate"`` is ``attn_gate``);
+    the result is not checked against the known names.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"A component name is a string, got {type(name).__name__}: {name!r}.")
+    return name.strip().lower().replace("-", "_")
+
 
 # Where each component sits in TransformerLens 4.x's bridge tree, by the bridge's own
 # keys: inside a block (``blocks.{layer}.<key>``), or at the top of the tree. A slot
@@ -157,7 +189,7 @@ def register_component_paths(architecture: str, paths: Mapping[str, str | Sequen
     checked: dict[str, tuple[str, ...]] = {}
     for component, given in paths.items():
         _check_name(component)
-        if component in COMPONENT_GROUPS:
+        if component in COMPONENT_GROUPS or component in COMPONENT_LABELS:
             raise ComponentError(f"{component!r} is a group; register paths for its members.")
         templates = (given,) if isinstance(given, str) else tuple(given)
         for path in templates:
@@ -692,31 +724,42 @@ def _order(component: str) -> int:
 def expand_components(
     names: str | Iterable[str], available: Iterable[str], architecture: str = "this model"
 ) -> tuple[str, ...]:
-    """Expand component names and groups into the components an architecture has.
+    """Expand component names, groups and the paper's labels into the components an architecture has.
 
     Args:
-        names: One name or group (``"attn"``), a ``+``-joined string
-            (``"o+ffn"``), or an iterable of names and groups.
+        names: One name, group (``"attn"``) or label (``"FFN-up"``), a ``+``-joined
+            string (``"O+FFN-down"``), or an iterable of them. Case does not matter,
+            and ``-`` reads as ``_`` (see :func:`canonical_component_name`).
         available: The components the architecture has.
         architecture: Used in error messages.
 
     Returns:
-        The distinct components, in :data:`COMPONENTS` order. A group contributes
-        the members the architecture has; a single component it lacks is an error.
+        The distinct components, in :data:`COMPONENTS` order. A group or label
+        contributes the members the architecture has; a single component it lacks
+        is an error.
 
     Raises:
-        ComponentError: An unknown name (with the nearest known one), or a
-            component the architecture lacks.
+        ComponentError: An unknown name (with the nearest known one), a component
+            the architecture lacks, or a label none of whose members it has.
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split("+")]
+    names = list(names)
     available = set(available)
     chosen: set[str] = set()
-    for name in names:
-        name = name.lower()
-        _check_name(name)
+    for given in names:
+        name = canonical_component_name(given)
+        _check_name(name, given)
         if name in COMPONENT_GROUPS:
             chosen.update(member for member in COMPONENT_GROUPS[name] if member in available)
+        elif name in COMPONENT_LABELS:
+            members = [member for member in COMPONENT_LABELS[name] if member in available]
+            if not members:
+                raise ComponentError(
+                    f"{architecture} has none of {_LABEL_SPELLINGS[name]}'s components "
+                    f"({', '.join(COMPONENT_LABELS[name])})."
+                )
+            chosen.update(members)
         elif name not in available:
             raise ComponentError(
                 f"{architecture} has no {name!r} component. Its components are: "
@@ -725,14 +768,21 @@ def expand_components(
         else:
             chosen.add(name)
     if not chosen:
-        raise ComponentError(f"No component selected from {list(names)!r}.")
+        raise ComponentError(f"No component selected from {names!r}.")
     return tuple(c for c in COMPONENTS if c in chosen)
 
 
-def _check_name(name: str) -> None:
-    known = (*COMPONENTS, *COMPONENT_GROUPS)
-    if name not in known:
+def _check_name(name: str, given: str | None = None) -> None:
+    """Refuse an unknown name; the suggestion is compared and spelled as the caller wrote it."""
+    spelled = {
+        **{known: known for known in (*COMPONENTS, *COMPONENT_GROUPS)},
+        **_LABEL_SPELLINGS,
+    }
+    if name not in spelled:
+        close = difflib.get_close_matches(name, list(spelled), n=1, cutoff=0.5)
+        hint = f" Did you mean {spelled[close[0]]!r}?" if close else ""
         raise ComponentError(
-            f"Unknown component {name!r}.{did_you_mean(name, known)} Known components: "
-            f"{', '.join(COMPONENTS)}; groups: {', '.join(COMPONENT_GROUPS)}."
+            f"Unknown component {given if given is not None else name!r}.{hint} Known "
+            f"components: {', '.join(COMPONENTS)}; groups: {', '.join(COMPONENT_GROUPS)}; the "
+            f"paper's labels: ATTN, O, FFN, {', '.join(_LABEL_SPELLINGS.values())}."
         )

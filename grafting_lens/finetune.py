@@ -42,6 +42,7 @@ from typing import Any, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from grafting_lens.console import show_progress
 from grafting_lens.errors import GraftingLensError
 
 
@@ -123,7 +124,7 @@ def finetune(
     dtype: Optional[torch.dtype] = None,
     autocast_dtype: Optional[torch.dtype] = None,
     freeze_unembedding: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
     description: str = "finetune",
 ) -> FinetuneResult:
     """Finetune a causal language model on documents with next-token prediction.
@@ -172,7 +173,8 @@ def finetune(
             Grafting decodes through the base's unembedding by default, as the
             paper does; freezing it makes the donor store what it learns in the
             weights a graft can move.
-        progress: Show a tqdm progress bar.
+        progress: Show a tqdm progress bar (default: when standard error is a terminal
+            or in a notebook, see :func:`~grafting_lens.console.show_progress`).
         description: Label of the progress bar.
 
     Returns:
@@ -273,7 +275,9 @@ def finetune(
         train_losses: list[float] = []
         val_losses: list[float] = []
         step_losses: list[float] = []
-        bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=False)
+        bar = tqdm(
+            total=total_steps, desc=description, disable=not show_progress(progress), leave=False
+        )
         for param in frozen:
             param.requires_grad_(False)
         try:

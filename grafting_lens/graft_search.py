@@ -74,6 +74,7 @@ from grafting_lens.attribution import (
     resolve_groups,
 )
 from grafting_lens.batch import as_batch
+from grafting_lens.console import show_progress
 from grafting_lens.errors import AttributionError
 from grafting_lens.graft import graft_forward
 from grafting_lens.layers import LayerSpec
@@ -176,7 +177,7 @@ def find_minimal_graft(
     prune: bool = True,
     batch_size: int = 16,
     rows_per_forward: int = 64,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> MinimalGraft:
     """The smallest set of cells found whose graft recovers ``fraction`` of the donor's metric.
 
@@ -208,7 +209,8 @@ def find_minimal_graft(
         prune: Drop cells the result can do without.
         batch_size: Prompts per pass.
         rows_per_forward: Rows of one exact graft pass.
-        progress: Show a progress bar over the search's steps.
+        progress: Show a progress bar over the search's steps (``None``: only where
+            someone watches, see :func:`~grafting_lens.console.show_progress`).
 
     Returns:
         A :class:`MinimalGraft`.
@@ -264,7 +266,7 @@ def find_minimal_graft(
     beams: list[tuple[tuple[Cell, ...], float]] = [((), 0.0)]
     log: list[dict[str, Any]] = []
     step = 0
-    bar = tqdm(desc="graft search", disable=not progress, unit="step")
+    bar = tqdm(desc="graft search", disable=not show_progress(progress), unit="step")
     while beams[0][1] < fraction and len(beams[0][0]) < limit:
         step += 1
         bar.update()

@@ -32,9 +32,11 @@ from jaxtyping import Int
 
 from grafting_lens.components import (
     COMPONENT_GROUPS,
+    COMPONENT_LABELS,
     COMPONENTS,
     GLOBAL_COMPONENTS,
     LAYER_COMPONENTS,
+    canonical_component_name,
     expand_components,
     leftover_parameters,
 )
@@ -243,9 +245,10 @@ class GraftMask:
                 ``"all"``, ``"last"``, indices, per-row lists or a boolean tensor.
             layers: Which layers (see :func:`resolve_layers`); global components
                 (embed, pos_embed, ln_final, unembed) ignore it.
-            components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``)
-                or a ``+``-joined string such as ``"o+ffn"``. A group takes, at each
-                layer, the members that layer has; a component named alone must
+            components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``),
+                the paper's labels (``"O"``, ``"FFN-up"``, ``"FFN-down"``, any case) or
+                a ``+``-joined string such as ``"O+FFN"``. A group or label takes, at
+                each layer, the members that layer has; a component named alone must
                 exist at every selected layer.
             source: Index of the checkpoint to take the weights from.
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
@@ -282,8 +285,8 @@ class GraftMask:
                 if (name, layer) in present:
                     entries[(name, layer)] = value
         named = components.split("+") if isinstance(components, str) else list(components)
-        for name in (part.strip().lower() for part in named):
-            if name not in COMPONENT_GROUPS:
+        for name in (canonical_component_name(part) for part in named):
+            if name not in COMPONENT_GROUPS and name not in COMPONENT_LABELS:
                 for layer in layer_list if name in LAYER_COMPONENTS else (None,):
                     _check_present(models, name, layer)
         mask = cls.from_dict(models, entries, shape)

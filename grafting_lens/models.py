@@ -63,6 +63,7 @@ from grafting_lens.components import (
     component_layout,
     expand_components,
 )
+from grafting_lens.console import quiet_loading
 from grafting_lens.errors import AlignmentError, GraftingLensError, SelectionError, TokenError
 from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.sources import (
@@ -532,6 +533,9 @@ def load_models(
             not verified (see the supported-architectures page); an adapter whose
             config names another base than this one (its shapes match).
 
+    Loading is quiet: transformers' per-checkpoint loading bars and info messages are
+    held back (see :func:`grafting_lens.console.quiet_loading`); its warnings show.
+
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
         >>> models.weight_diff().sort_values("relative_change").tail()
@@ -572,60 +576,64 @@ def load_models(
                 f"tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
                 f"got {type(tokenizer).__name__}."
             )
-    if isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
-    base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
-    labels = [names[0] if names is not None else base_label]
-    base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
-    layout = component_layout(base)
-    graftable = _declared_pairs(base, layout, components, layers)
-    declared = (
-        None
-        if graftable is None
-        else [slot for key in sorted(graftable, key=str) for slot in layout.slots[key]]
-    )
-    slots = [slot for key_slots in layout.slots.values() for slot in key_slots]
-    loaded: list[Source] = [CheckpointSource(base, labels[0], _disk_bytes(sources[0]))]
-    fallback = tokenizer if tokenizer is not None else base.tokenizer
-    for index, source in enumerate(sources[1:], start=1):
-        label = _label(source, index)
-        name = names[index] if names is not None else label
-        if is_peft_model(source) or (
-            isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
-        ):
-            if is_peft_model(source):
-                adapter = LoraAdapter.from_peft_model(source)
-            else:
-                path = Path(source).expanduser()  # type: ignore[arg-type]
-                adapter = LoraAdapter.from_directory(path)
-                if tokenizer is None:
-                    _check_vocabulary(base.tokenizer, _load_tokenizer(str(path), fallback), name)
-            warn_if_other_base(adapter, base_name)
-            loaded.append(
-                LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
-            )
-        elif lazy and not isinstance(source, (PreTrainedModel, TransformerBridge)):
-            loaded.append(
-                _lazy_source(
-                    source,
-                    index,
-                    name,
-                    base,
-                    labels[0],
-                    slots,
-                    declared,
-                    tokenizer,
-                    fallback,
-                    dtype,
+    # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
+    with quiet_loading():
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
+        base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
+        labels = [names[0] if names is not None else base_label]
+        base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
+        layout = component_layout(base)
+        graftable = _declared_pairs(base, layout, components, layers)
+        declared = (
+            None
+            if graftable is None
+            else [slot for key in sorted(graftable, key=str) for slot in layout.slots[key]]
+        )
+        slots = [slot for key_slots in layout.slots.values() for slot in key_slots]
+        loaded: list[Source] = [CheckpointSource(base, labels[0], _disk_bytes(sources[0]))]
+        fallback = tokenizer if tokenizer is not None else base.tokenizer
+        for index, source in enumerate(sources[1:], start=1):
+            label = _label(source, index)
+            name = names[index] if names is not None else label
+            if is_peft_model(source) or (
+                isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
+            ):
+                if is_peft_model(source):
+                    adapter = LoraAdapter.from_peft_model(source)
+                else:
+                    path = Path(source).expanduser()  # type: ignore[arg-type]
+                    adapter = LoraAdapter.from_directory(path)
+                    if tokenizer is None:
+                        _check_vocabulary(
+                            base.tokenizer, _load_tokenizer(str(path), fallback), name
+                        )
+                warn_if_other_base(adapter, base_name)
+                loaded.append(
+                    LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
                 )
-            )
-        else:
-            # A directory brings its own tokenizer, so the vocabulary check compares
-            # what each checkpoint was trained with; in-memory models borrow the base's.
-            bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
-            _check_alignment(base, bridge, labels[0], name, index)
-            loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
-        labels.append(name)
+            elif lazy and not isinstance(source, (PreTrainedModel, TransformerBridge)):
+                loaded.append(
+                    _lazy_source(
+                        source,
+                        index,
+                        name,
+                        base,
+                        labels[0],
+                        slots,
+                        declared,
+                        tokenizer,
+                        fallback,
+                        dtype,
+                    )
+                )
+            else:
+                # A directory brings its own tokenizer, so the vocabulary check compares
+                # what each checkpoint was trained with; in-memory models borrow the base's.
+                bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+                _check_alignment(base, bridge, labels[0], name, index)
+                loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
+            labels.append(name)
     models = ModelSet(loaded, labels, allow_uncovered=allow_uncovered, graftable=graftable)
     warn_if_unverified(models.architecture)
     return models

@@ -101,6 +101,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 
+from grafting_lens.console import show_progress
 from grafting_lens.errors import PatchingError, SelectionError, TokenError, did_you_mean
 from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.models import ModelSet
@@ -274,7 +275,7 @@ def resid_patch_sweep(
     reduce: str = "mean",
     chunk_size: int = 64,
     reuse_prefix: bool = True,
-    progress: bool = True,
+    progress: bool | None = None,
     logits: str = "all",
 ) -> PatchSweep:
     """Patch each (layer, position) cell of a per-position site alone, batched.
@@ -319,7 +320,9 @@ def resid_patch_sweep(
             resuming mid-model reproduces it; about twice as fast for a
             (layer, ``"each"``) sweep). ``False`` recomputes every position and
             layer, for bridges whose model cannot take a ``DynamicCache``.
-        progress: Show a progress bar over forward passes.
+        progress: Show a progress bar over forward passes (default: when standard
+            error is a terminal or in a notebook, see
+            :func:`~grafting_lens.console.show_progress`).
         logits: ``"all"``: the metric gets the logits of every position, as
             TransformerLens's functions give them. ``"last"``: only each row's
             last real token, as ``[batch, 1, d_vocab]`` (``logits[:, -1]`` still
@@ -378,7 +381,7 @@ def head_patch_sweep(
     reduce: str = "mean",
     chunk_size: int = 64,
     reuse_prefix: bool = True,
-    progress: bool = True,
+    progress: bool | None = None,
     logits: str = "all",
 ) -> PatchSweep:
     """Patch each attention head's output (``z``) alone, per layer, batched.
@@ -457,7 +460,7 @@ def _sweep(
     reduce: str,
     chunk_size: int,
     reuse_prefix: bool,
-    progress: bool,
+    progress: bool | None,
     logits: str,
 ) -> PatchSweep:
     """The engine behind both sweeps: every (layer, position[, head]) cell patched alone."""
@@ -520,7 +523,9 @@ def _sweep(
     chunks = plan_passes(starts, per_pass, batch, length, run.pass_costs(last_only))
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
-    for chunk in tqdm(chunks, desc=f"{site} sweep", disable=not progress or len(chunks) <= 1):
+    for chunk in tqdm(
+        chunks, desc=f"{site} sweep", disable=not show_progress(progress) or len(chunks) <= 1
+    ):
         grouped: dict[
             int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
         ]

@@ -1,10 +1,19 @@
-"""Figures of grafting results, and saving them so they survive a machine without Chrome.
+"""Figures of grafting results, fit for a paper, and saving them so they survive a machine without Chrome.
 
 The paper's figures are grouped bar charts: one group per graft configuration
 (PRE, SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
 :func:`plot_accuracy` draws that chart from :func:`grafting_lens.metrics.summarize`'s
 table, with bootstrap confidence intervals as error bars, since a toy run has few
-examples per bar.
+examples per bar. :func:`plot_mean_rank` draws the mean rank of the answer the same
+way: where top-k accuracy sits at the floor (every bar near 0%), the rank still shows
+which grafts move the answer up.
+
+Every figure follows one style (:func:`figure_style` and the helpers it uses): the
+value axis scaled to the data (not 0-100% when every bar is under 10%), labels a reader
+knows (``"layers"``, ``"2nd quarter"``, ``(FE+LT)<sup>C</sup>``) instead of column
+names, ``n`` and what the whiskers are in the subtitle, a caption saying the setting
+(which semantics and unembedding, which prompts), zero-height bars drawn as a line so
+that a 0% is visible, and reference lines labelled in the margin, clear of the bars.
 
 :func:`save_figure` always writes an interactive, self-contained HTML file, and
 a PNG when it can. Static export goes through kaleido, which drives a headless
@@ -15,31 +24,40 @@ to a temporary name and renamed, so a file that exists is complete.
 
 Examples:
     >>> summary = metrics.summarize(results)
-    >>> fig = plot_accuracy(summary, k=5)
+    >>> fig = plot_accuracy(summary, k=5, caption="toy world, semantics reference")
     >>> save_figure(fig, "out/position_grafting")
     {'html': 'out/position_grafting.html', 'png': 'out/position_grafting.png', 'png_error': None}
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
+from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from grafting_lens.errors import GraftingLensError, did_you_mean
 from grafting_lens.files import atomic_write
 
 __all__ = [
+    "COLUMN_TITLES",
     "NO_CHROME_HINT",
+    "VALUE_LABELS",
+    "axis_range",
+    "display_label",
+    "figure_style",
     "plot_accuracy",
     "plot_attribution",
     "plot_comparison",
+    "plot_mean_rank",
     "plot_recovery",
     "save_figure",
 ]
@@ -50,6 +68,157 @@ NO_CHROME_HINT = (
 )
 """Why a PNG is missing when kaleido finds no browser, and how to fix it."""
 
+COLUMN_TITLES: dict[str, str] = {
+    "config": "graft configuration",
+    "prompt": "test prompt",
+    "component_set": "components grafted at the last token",
+    "layer_range": "layers",
+    "positions": "positions",
+    "pair": "components",
+    "method": "method",
+    "model": "model",
+    "layer": "layer",
+    "semantics": "semantics",
+}
+"""What a summary's columns are called on a figure's axes and legends."""
+
+VALUE_LABELS: dict[str, str] = {
+    "all": "all layers",
+    "first_half": "first half",
+    "last_half": "last half",
+    "first_quarter": "1st quarter",
+    "second_quarter": "2nd quarter",
+    "third_quarter": "3rd quarter",
+    "last_quarter": "4th quarter",
+}
+"""How the layer ranges read on a figure."""
+
+PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
+"""Colours, one per trace, in order."""
+
+_FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
+_INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
+
+
+def display_label(value: Any) -> str:
+    """A value as a figure shows it: ``"(FE+LT)^C"`` -> ``"(FE+LT)<sup>C</sup>"``,
+    ``"last_quarter"`` -> ``"4th quarter"``; anything else as ``str`` gives it."""
+    text = str(value)
+    if text in VALUE_LABELS:
+        return VALUE_LABELS[text]
+    return re.sub(r"\^(\w+)", r"<sup>\1</sup>", text)
+
+
+def column_title(column: str) -> str:
+    """A column's name as an axis or legend title (:data:`COLUMN_TITLES`, else spaced words)."""
+    return COLUMN_TITLES.get(column, column.replace("_", " "))
+
+
+def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]:
+    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room.
+
+    For fractions the top is the smallest of 5%, 10%, 20%, 25%, 50%, 75% and 100% that
+    leaves room above the highest value (a little over 100% when a value reaches it);
+    otherwise the highest value plus 10%.
+    """
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    top = max(finite, default=0.0)
+    if not fraction:
+        return [0.0, top * 1.1 if top > 0 else 1.0]
+    for step in (0.05, 0.1, 0.2, 0.25, 0.5, 0.75):
+        if top * 1.08 <= step:
+            return [0.0, step]
+    return [0.0, 1.05]
+
+
+def _subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
+    parts = [caption] if caption else []
+    distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
+    if len(distinct) == 1:
+        parts.append(f"n = {distinct[0]} per bar")
+    elif distinct:
+        parts.append(f"n = {distinct[0]} to {distinct[-1]} per bar")
+    if interval:
+        parts.append(_INTERVAL_NOTE)
+    if caption and len(parts) > 1:  # the setting on its own line, the counts under it
+        return caption + "<br>" + "; ".join(parts[1:])
+    return "; ".join(parts)
+
+
+def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
+    """The house style: white template, a readable font, the title and its subtitle, room
+    on the right for labelled reference lines. Returns ``fig``."""
+    fig.update_layout(
+        template="plotly_white",
+        font=_FONT,
+        title=dict(text=title, subtitle=dict(text=subtitle, font=dict(size=12, color="#555"))),
+        margin=dict(t=120, r=140),
+        **layout,
+    )
+    return fig
+
+
+def _check_summary(summary: Any, columns: Sequence[str], function: str, hint: str) -> None:
+    if not isinstance(summary, pd.DataFrame) or summary.empty:
+        raise GraftingLensError(
+            f"{function} needs a non-empty table from grafting_lens.metrics.summarize."
+        )
+    missing = [c for c in columns if c not in summary.columns]
+    if missing:
+        raise GraftingLensError(f"The summary lacks the columns {missing}. {hint}")
+
+
+def _bars(
+    summary: pd.DataFrame,
+    x: str,
+    color: str,
+    value: str,
+    hover: str,
+) -> tuple[go.Figure, list[float]]:
+    """Grouped bars of ``value`` with its interval; returns the figure and every plotted end."""
+    categories = list(dict.fromkeys(summary[x].tolist()))
+    low, high = f"{value}_low", f"{value}_high"
+    fig = go.Figure()
+    ends: list[float] = []
+    for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
+        counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
+        shade = PALETTE[index % len(PALETTE)]
+        fig.add_trace(
+            go.Bar(
+                name=display_label(name),
+                x=[display_label(v) for v in group[x]],
+                y=group[value],
+                # A bar of height 0 has no area; its outline still draws a line at 0.
+                marker=dict(color=shade, line=dict(color=shade, width=1.5)),
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=(group[high] - group[value]).clip(lower=0),
+                    arrayminus=(group[value] - group[low]).clip(lower=0),
+                    color="#333",
+                    thickness=1.2,
+                    width=3,
+                ),
+                customdata=list(zip(group[low], group[high], counts)),
+                hovertemplate=(
+                    f"{column_title(color)}: {display_label(name)}<br>"
+                    f"{column_title(x)}: %{{x}}<br>{hover}<extra></extra>"
+                ),
+            )
+        )
+        ends += [*group[value], *group[high]]
+    fig.update_layout(
+        barmode="group",
+        bargap=0.25,
+        xaxis=dict(
+            title=column_title(x),
+            categoryorder="array",
+            categoryarray=[display_label(c) for c in categories],
+        ),
+        legend_title_text=column_title(color),
+    )
+    return fig, ends
+
 
 def plot_accuracy(
     summary: pd.DataFrame,
@@ -57,6 +226,7 @@ def plot_accuracy(
     x: str = "config",
     color: str = "prompt",
     title: str | None = None,
+    caption: str | None = None,
 ) -> go.Figure:
     """Grouped bar chart of top-k accuracy: groups along ``x``, one bar per ``color``.
 
@@ -66,59 +236,135 @@ def plot_accuracy(
         k: Which top-k accuracy to plot (``summarize`` must have computed it).
         x: Column along the horizontal axis; its values keep their table order.
         color: Column giving one bar (and legend entry) per value in each group.
-        title: Figure title (default: "Top-{k} accuracy by {x}").
+        title: Figure title (default: "Top-{k} accuracy").
+        caption: The setting, shown under the title before ``n`` (e.g. "toy world,
+            semantics reference, base unembedding").
 
     Returns:
-        A plotly figure; error bars span the bootstrap confidence interval.
+        A plotly figure; error bars span the bootstrap confidence interval, the value
+        axis fits the data (see :func:`axis_range`).
 
     Raises:
         GraftingLensError: An empty table or missing columns (the message says
             which ``k`` values the table has).
     """
-    if not isinstance(summary, pd.DataFrame) or summary.empty:
-        raise GraftingLensError(
-            "plot_accuracy needs a non-empty table from grafting_lens.metrics.summarize."
-        )
-    value, low, high = f"top{k}", f"top{k}_low", f"top{k}_high"
-    missing = [c for c in (x, color, value, low, high) if c not in summary.columns]
-    if missing:
+    value = f"top{k}"
+    if isinstance(summary, pd.DataFrame):
         available = sorted(c for c in summary.columns if c.startswith("top") and c[3:].isdigit())
-        raise GraftingLensError(
-            f"The summary lacks the columns {missing}. It has the accuracies {available}; "
-            f"pass k=... accordingly or summarize(results, ks=(..., {k}))."
-        )
-    categories = list(dict.fromkeys(summary[x].tolist()))
-    fig = go.Figure()
-    for name, group in summary.groupby(color, sort=False):
-        counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
-        fig.add_trace(
-            go.Bar(
-                name=str(name),
-                x=group[x].astype(str),
-                y=group[value],
-                error_y=dict(
-                    type="data",
-                    symmetric=False,
-                    array=(group[high] - group[value]).clip(lower=0),
-                    arrayminus=(group[value] - group[low]).clip(lower=0),
-                ),
-                customdata=list(zip(group[low], group[high], counts)),
-                hovertemplate=(
-                    f"{color}={name}<br>{x}=%{{x}}<br>top-{k}: %{{y:.1%}}"
-                    " (CI %{customdata[0]:.1%} to %{customdata[1]:.1%})<br>n=%{customdata[2]}"
-                    "<extra></extra>"
-                ),
-            )
-        )
-    fig.update_layout(
-        barmode="group",
-        title=title if title is not None else f"Top-{k} accuracy by {x}",
-        xaxis=dict(title=x, categoryorder="array", categoryarray=[str(c) for c in categories]),
-        yaxis=dict(title=f"top-{k} accuracy", range=[0, 1.05], tickformat=".0%"),
-        legend_title_text=color,
-        template="plotly_white",
+    else:
+        available = []
+    _check_summary(
+        summary,
+        (x, color, value, f"{value}_low", f"{value}_high"),
+        "plot_accuracy",
+        f"It has the accuracies {available}; pass k=... accordingly or "
+        f"summarize(results, ks=(..., {k})).",
     )
-    return fig
+    fig, ends = _bars(
+        summary,
+        x,
+        color,
+        value,
+        f"top-{k}: %{{y:.1%}} (95% CI %{{customdata[0]:.1%}} to %{{customdata[1]:.1%}})"
+        "<br>n = %{customdata[2]}",
+    )
+    fig.update_yaxes(title_text=f"top-{k} accuracy", range=axis_range(ends), tickformat=".0%")
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(
+        fig, title if title is not None else f"Top-{k} accuracy", _subtitle(caption, counts)
+    )
+
+
+def plot_mean_rank(
+    summary: pd.DataFrame,
+    x: str = "config",
+    color: str = "prompt",
+    title: str | None = None,
+    caption: str | None = None,
+    log: bool = True,
+) -> go.Figure:
+    """Grouped bar chart of the answer's mean rank (0 = the top token; lower is better).
+
+    Where top-k accuracy sits at the floor the rank still moves: it tells a graft that
+    brings the answer from rank 3,000 to rank 40 from one that does nothing.
+
+    Args:
+        summary: A table from :func:`grafting_lens.metrics.summarize`, with ``x``,
+            ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
+        x: Column along the horizontal axis; its values keep their table order.
+        color: Column giving one bar per value in each group.
+        title: Figure title (default: "Mean rank of the answer").
+        caption: The setting, shown under the title before ``n``.
+        log: A logarithmic value axis (ranks span orders of magnitude); the axis
+            shows rank + 1, so that rank 0 has a place on it.
+
+    Raises:
+        GraftingLensError: An empty table or missing columns.
+    """
+    _check_summary(
+        summary,
+        (x, color, "mean_rank", "mean_rank_low", "mean_rank_high"),
+        "plot_mean_rank",
+        "summarize(results) computes mean_rank with its interval.",
+    )
+    shown = summary.copy()
+    if log:
+        for column in ("mean_rank", "mean_rank_low", "mean_rank_high"):
+            shown[column] = shown[column] + 1
+    fig, ends = _bars(
+        shown,
+        x,
+        color,
+        "mean_rank",
+        "mean rank" + (" + 1" if log else "") + ": %{y:,.1f} (95% CI %{customdata[0]:,.1f} "
+        "to %{customdata[1]:,.1f})<br>n = %{customdata[2]}",
+    )
+    if log:
+        top = max(ends, default=10.0)
+        fig.update_yaxes(
+            type="log",
+            title_text="mean rank of the answer + 1 (lower is better)",
+            range=[0, math.log10(max(top, 10.0)) + 0.15],
+            dtick=1,  # a tick per decade: 1, 10, 100...
+            tickformat=",d",
+        )
+    else:
+        fig.update_yaxes(
+            title_text="mean rank of the answer (lower is better)",
+            range=axis_range(ends, fraction=False),
+        )
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(
+        fig, title if title is not None else "Mean rank of the answer", _subtitle(caption, counts)
+    )
+
+
+def add_reference_line(
+    fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
+) -> None:
+    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars."""
+    target = {} if row is None else dict(row=row, col=col)
+    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
+    axis = "y" if row is None else _yaxis_name(fig, row, col)
+    xref = "x domain" if row is None else axis.replace("y", "x") + " domain"
+    fig.add_annotation(
+        x=1.0,
+        xref=xref,
+        xanchor="left",
+        y=y,
+        yref=axis,
+        text=text,
+        showarrow=False,
+        font=dict(size=11, color="#333"),
+        xshift=4,
+    )
+
+
+def _yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
+    """The y axis of a subplot, as an annotation names it ("y", "y2"...)."""
+    subplot = fig.get_subplot(row, col if col is not None else 1)
+    anchor = subplot.yaxis.plotly_name  # "yaxis", "yaxis2"...
+    return anchor.replace("axis", "")
 
 
 def save_figure(
@@ -210,6 +456,7 @@ def plot_comparison(
     col: str = "pair",
     references: pd.DataFrame | None = None,
     title: str | None = None,
+    caption: str | None = None,
 ) -> go.Figure:
     """Grafting and patching layer by layer, side by side, one panel per position set and pair.
 
@@ -227,6 +474,7 @@ def plot_comparison(
             have the ``row``/``col`` columns, and then each panel shows only the
             matching references.
         title: Figure title.
+        caption: The setting, shown under the title before ``n``.
 
     Raises:
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
@@ -255,8 +503,8 @@ def plot_comparison(
         cols=len(col_keys),
         shared_xaxes=True,
         shared_yaxes=True,
-        row_titles=[" / ".join(map(str, key)) for key in row_keys],
-        column_titles=[str(key) for key in col_keys],
+        row_titles=[" / ".join(map(display_label, key)) for key in row_keys],
+        column_titles=[display_label(key) for key in col_keys],
         horizontal_spacing=0.03,
         vertical_spacing=0.06,
     )
@@ -298,13 +546,19 @@ def plot_comparison(
                 )
     fig.update_xaxes(title_text="layer", dtick=1, row=len(row_keys))
     if value in ("top1", "top5", "target_prob"):
-        fig.update_yaxes(range=[-0.03, 1.03], tickformat=".0%")
+        ends = [*summary[value], *summary[f"{value}_high"]]
+        if references is not None and value in references.columns:
+            ends += list(references[value])
+        low, high = axis_range(ends)
+        fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
     fig.update_yaxes(title_text=_VALUE_TITLES[value], col=1)
-    fig.update_layout(
-        title=title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
-        template="plotly_white",
-        height=280 * len(row_keys) + 120,
-        width=280 * len(col_keys) + 200,
+    counts = summary["n"].tolist() if "n" in summary else []
+    figure_style(
+        fig,
+        title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
+        _subtitle(caption, counts).replace("per bar", "per point"),
+        height=280 * len(row_keys) + 160,
+        width=280 * len(col_keys) + 240,
         legend_title_text="method",
     )
     return fig
@@ -330,14 +584,24 @@ def _add_references(
         if column in matching.columns:
             matching = matching[matching[column] == key]
     for _, reference in matching.iterrows():
+        # Labelled inside, above the line's left end, and in the first column only: the
+        # labels of narrow panels side by side would run into each other, and the lines
+        # align across a row.
+        label = (
+            dict(
+                annotation_text=str(reference["model"]),
+                annotation_position="top left",
+                annotation_font_size=10,
+            )
+            if c == 1
+            else {}
+        )
         fig.add_hline(
             y=float(reference[value]),
             line=dict(dash="dash", color="gray", width=1),
-            annotation_text=str(reference["model"]),
-            annotation_position="top left",
-            annotation_font_size=10,
             row=r,
             col=c,
+            **label,
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 
 import pandas as pd
@@ -350,6 +351,7 @@ def test_another_runs_results_are_refused_then_replaced_completely_on_overwrite(
         "summary.csv",
         "summary.md",
         "position_grafting.html",
+        "position_mean_rank.html",
     ]
 
 
@@ -419,3 +421,26 @@ def test_relation_options_are_refused_with_the_toy_world(tmp_path, monkeypatch, 
     monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
     assert cli.main(["run", "position", "--out", str(tmp_path / "out"), *option]) == 1
     assert f"{option[0]} chooses the relations of --model runs" in capsys.readouterr().err
+
+
+def test_help_wraps_at_80_columns_instead_of_cutting_words_off():
+    """Every option's help is there in full on a narrow terminal (rich's boxes cut it)."""
+    result = CliRunner().invoke(cli.app, ["demo", "--help"], terminal_width=80)
+    assert result.exit_code == 0
+    assert "…" not in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    flat = " ".join(result.output.split())
+    assert "grafting_lens.data.DATASETS" in flat
+    assert "(default: only when standard error is a terminal)" in flat
+
+
+@pytest.mark.parametrize(("flag", "drawn"), [(None, False), ("--progress", True)])
+def test_progress_bars_stay_out_of_a_log_unless_asked_for(tmp_path, checkpoints, flag, drawn):
+    """The runner's stderr here is not a terminal: no bar by default, one with --progress."""
+    arguments = ["demo", "--out", str(tmp_path / "out"), "--model", str(checkpoints / "base")]
+    arguments += ["--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "3"]
+    arguments += ["--batch-size", "2", "--no-png", *([flag] if flag else [])]
+    result = runner.invoke(cli.app, arguments)
+    assert result.exit_code == 0, _output(result)
+    bar = re.search(r"\d+/\d+ \[\d\d:\d\d", _output(result))  # tqdm's "3/48 [00:01"
+    assert (bar is not None) is drawn

@@ -116,3 +116,42 @@ def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
     headline = summary[summary["prompt"] == "headline"].set_index("config")["top5"]
     assert int(printed.group(1)) == round(100 * headline["PRE"])
     assert int(printed.group(2)) == round(100 * headline["FE+LT"])
+    # The page quotes the same numbers (docs/scripts/prose_numbers.py rewrites them).
+    quoted = re.search(
+        r"<!-- numbers:first-graft -->(.*?)<!-- /numbers -->",
+        (DOCS / "getting-started.md").read_text(),
+    )
+    assert quoted and quoted.group(1) == f"`{printed.group(0)}`", (
+        "stale: run python docs/scripts/prose_numbers.py"
+    )
+
+
+def test_the_site_loads_nothing_from_the_network(tmp_path):
+    """Every script and stylesheet the pages load is in the site, so that it reads offline."""
+    site = tmp_path / "site"
+    env = {**_environment(), "GRAFTING_LENS_DOCS_EXECUTE": "false"}
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--site-dir", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    remote = re.compile(r"""<(?:script|link|img)\b[^>]*(?:src|href)=["']?(https?:)?//""", re.I)
+    pages = sorted(site.rglob("*.html"))
+    assert len(pages) > 40
+    offending = [str(p.relative_to(site)) for p in pages if remote.search(p.read_text())]
+    assert offending == []
+    assert (site / "javascripts" / "mathjax" / "tex-svg.js").exists()
+
+
+def test_quoted_numbers_sit_between_markers_that_markdown_keeps_inline():
+    """docs/scripts/prose_numbers.py rewrites what sits between the markers; a marker that
+    starts a line would make Markdown read the line as raw HTML and drop its formatting."""
+    pages = [ROOT / "README.md", DOCS / "getting-started.md"]
+    markers = [
+        line for page in pages for line in page.read_text().splitlines() if "<!-- numbers:" in line
+    ]
+    assert markers, "no quoted numbers found"
+    assert not [line for line in markers if line.lstrip().startswith("<!--")]

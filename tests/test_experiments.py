@@ -631,7 +631,7 @@ def tiny_world_args(tmp_path_factory):
         (
             "position_grafting",
             8 * 2 * 8 + 4 * 2 * 8,
-            ["position_grafting.html", "position_grafting_movie.html"],
+            ["position_grafting.html", "position_grafting_movie.html", "position_mean_rank.html"],
         ),
         ("component_grafting", 18 * 2 * 4, ["component_heatmap.html", "component_bars.html"]),
         ("reversal_grafting", 18 * 2 * 8, ["component_heatmap.html"]),

@@ -113,6 +113,35 @@ def test_unknown_and_missing_components(three_models):
         gl.GraftMask.build(three_models, (1, 4), components=missing)
 
 
+def test_the_papers_labels_are_components_in_any_spelling(three_models):
+    available = set(three_models.components)
+    up = {"mlp_in", "mlp_gate"} & available  # the gate where the MLP has one
+    for spelled in ("FFN-up", "ffn_up", "Ffn-Up"):
+        mask = gl.GraftMask.build(three_models, (1, 4), components=f"O+{spelled}")
+        assert {name for name, _ in mask.keys()} == {"o"} | up
+    mask = gl.GraftMask.build(three_models, (1, 4), components=["ATTN", "FFN-down"])
+    assert {name for name, _ in mask.keys()} == (
+        {"mlp_out"} | set(gl.COMPONENT_GROUPS["attn"])
+    ) & available
+    if "mlp_gate" in available:
+        mask = gl.GraftMask.build(three_models, (1, 4), components="FFN-gate")
+        assert {name for name, _ in mask.keys()} == {"mlp_gate"}
+    else:
+        with pytest.raises(gl.ComponentError, match="none of FFN-gate's components"):
+            gl.GraftMask.build(three_models, (1, 4), components="FFN-gate")
+
+
+@pytest.mark.parametrize(
+    ("typo", "suggestion"),
+    [("FFN-upp", "FFN-up"), ("ffn_dwn", "FFN-down"), ("FFNup", "FFN-up"), ("atn", "attn")],
+)
+def test_a_misspelt_label_suggests_the_label(three_models, typo, suggestion):
+    with pytest.raises(
+        gl.ComponentError, match=f"Unknown component '{typo}'. Did you mean '{suggestion}'"
+    ):
+        gl.GraftMask.build(three_models, (1, 4), components=typo)
+
+
 def test_from_dict_validates_keys_shapes_and_sources(three_models):
     ones = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(gl.GraftMaskError, match="names source 3"):

@@ -165,3 +165,126 @@ def test_plot_recovery_draws_one_line_per_set_of_prompts_and_the_target():
     assert fig.layout.shapes[0].y0 == 0.8
     with pytest.raises(GraftingLensError, match="non-empty"):
         plots.plot_recovery(curve.iloc[:0])
+
+
+def _rows(values: dict[tuple[str, str], list[int]]) -> pd.DataFrame:
+    rows = []
+    for (config, prompt), ranks in values.items():
+        rows += [{"config": config, "prompt": prompt, "target_rank": r} for r in ranks]
+    return pd.DataFrame(rows)
+
+
+def test_the_value_axis_fits_the_data():
+    """Every bar under 10%: the axis ends at 10%, not 100%, and still holds every whisker."""
+    ranks = {("PRE", "headline"): [0] + [50] * 19, ("(FE+LT)^C", "headline"): [50] * 20}
+    summary = summarize(_rows(ranks), n_resamples=200)
+    fig = plots.plot_accuracy(summary)
+    low, high = fig.layout.yaxis.range
+    assert low == 0 and high < 0.5
+    assert high >= summary.top5_high.max()
+    assert list(plots.axis_range([0.2, 0.97])) == [0, 1.05]
+
+
+def test_labels_read_as_in_the_paper_and_the_subtitle_says_n_and_the_setting():
+    ranks = {("(FE+LT)^C", "qa"): [9] * 7, ("FE", "qa"): [0] * 7}
+    summary = summarize(_rows(ranks), n_resamples=50)
+    fig = plots.plot_accuracy(summary, caption="toy world, semantics clean")
+    assert list(fig.data[0].x) == ["(FE+LT)<sup>C</sup>", "FE"]
+    assert fig.layout.xaxis.title.text == "graft configuration"  # not "config"
+    assert fig.layout.legend.title.text == "test prompt"
+    subtitle = fig.layout.title.subtitle.text
+    assert "toy world, semantics clean" in subtitle and "n = 7 per bar" in subtitle
+    assert "95% bootstrap" in subtitle
+    assert plots.display_label("last_quarter") == "4th quarter"
+
+
+def test_a_zero_bar_is_drawn_as_a_line():
+    summary = summarize(_rows({("PRE", "qa"): [99] * 5}), n_resamples=20)
+    bar = plots.plot_accuracy(summary).data[0]
+    assert list(bar.y) == [0.0]
+    assert bar.marker.line.width > 0 and bar.marker.line.color == bar.marker.color
+
+
+def test_mean_rank_bars_on_a_log_axis_from_rank_zero():
+    ranks = {("PRE", "qa"): [900, 1100], ("SFT", "qa"): [0, 0]}
+    summary = summarize(_rows(ranks), n_resamples=20)
+    fig = plots.plot_mean_rank(summary, caption="setting")
+    assert fig.layout.yaxis.type == "log"
+    assert list(fig.data[0].y) == [1001.0, 1.0]  # rank + 1, so that rank 0 has a place
+    assert 10 ** fig.layout.yaxis.range[1] > 1001  # the highest bar fits
+    assert "lower is better" in fig.layout.yaxis.title.text
+    linear = plots.plot_mean_rank(summary, log=False)
+    assert list(linear.data[0].y) == [1000.0, 0.0]
+    with pytest.raises(GraftingLensError, match="mean_rank"):
+        plots.plot_mean_rank(summary.drop(columns="mean_rank_low"))
+
+
+def _component_summary() -> pd.DataFrame:
+    from grafting_lens.experiments.configs import COMPONENT_SETS
+
+    rows = []
+    for prompt in ("headline", "qa"):
+        cells = [("BASE", "all", 99), ("DONOR", "all", 0)]
+        cells += [(c, r, 99) for c in list(COMPONENT_SETS)[:3] for r in ("all", "last_half")]
+        for component_set, layer_range, rank in cells:
+            rows += [
+                {
+                    "component_set": component_set,
+                    "layer_range": layer_range,
+                    "prompt": prompt,
+                    "target_rank": rank if i else 0,
+                }  # one hit in four: 25%
+                for i in range(4)
+            ]
+    return summarize(
+        pd.DataFrame(rows), by=("component_set", "layer_range", "prompt"), n_resamples=20
+    )
+
+
+def test_the_heatmap_colour_scale_fits_the_cells_and_references_sit_in_the_margin():
+    from grafting_lens.experiments import report
+
+    summary = _component_summary()
+    heatmap = report.component_heatmap(summary, "Component grafting", caption="setting")
+    assert heatmap.data[0].zmax == pytest.approx(0.5)  # cells at 25%, not a 0-100% scale
+    assert "DONOR 100%" in heatmap.layout.annotations[0].text
+    bars = report.component_bars(summary, "Component grafting")
+    labels = [a for a in bars.layout.annotations if a.text and "BASE" in a.text]
+    assert labels and all(a.x == 1.0 and a.xanchor == "left" for a in labels)  # right of the bars
+    assert [t.name for t in bars.data[:2]] == ["all layers", "last half"]
+
+
+def test_figure_captions_leave_out_the_cache_hash_and_say_the_decoding():
+    from grafting_lens.experiments import report
+
+    results = pd.DataFrame({"semantics": ["clean+unembed=donor"] * 2})
+    caption = report.figure_caption("toy world 42c05be14603190d", results)
+    assert "42c05be" not in caption
+    assert caption.startswith("toy world, semantics clean+unembed=donor")
+    assert "donor's unembedding" in caption
+
+
+def test_comparison_references_are_drawn_in_every_panel_and_labelled_once_per_row():
+    rows = [
+        dict(
+            positions=p,
+            pair=pair,
+            method=m,
+            layer=layer,
+            top5=0.1,
+            top5_low=0.05,
+            top5_high=0.2,
+            n=10,
+        )
+        for p in ("LT", "FE")
+        for pair in ("block", "mlp", "attn")
+        for m in ("graft", "patch")
+        for layer in range(2)
+    ]
+    references = pd.DataFrame([dict(model="SFT stream, PRE readout", top5=0.4)])
+    fig = plots.plot_comparison(pd.DataFrame(rows), references=references)
+    assert len(fig.layout.shapes) == 2 * 3  # a line in each of the six panels
+    labels = [a for a in fig.layout.annotations if a.text == "SFT stream, PRE readout"]
+    assert len(labels) == 2  # one per row, in the first column
+    low, high = fig.layout.yaxis.range
+    assert high == 0.5 and low < 0  # fitted to the data and the reference, not 0-100%

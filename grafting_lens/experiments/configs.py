@@ -31,7 +31,12 @@ from typing import Any, Union
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.components import COMPONENT_GROUPS, COMPONENTS, expand_components
+from grafting_lens.components import (
+    COMPONENT_GROUPS,
+    COMPONENTS,
+    canonical_component_name,
+    expand_components,
+)
 from grafting_lens.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
 from grafting_lens.experiments.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
 from grafting_lens.layers import LayerSpec
@@ -128,7 +133,8 @@ def resolve_components(
     available = set(models.components)
     chosen: set[str] = set()
     for part in parts:
-        name = str(part).lower()
+        # The paper's labels in any spelling ("FFN-up", "ffn_up"), as the lens reads them.
+        name = canonical_component_name(part).replace("_", "-")
         if name in PAPER_COMPONENTS:
             members = [m for m in PAPER_COMPONENTS[name] if m in available]
             if name == "ffn-up" and not semantics.ffn_up_gate:
@@ -139,8 +145,8 @@ def resolve_components(
                     f"({', '.join(PAPER_COMPONENTS[name])})."
                 )
             chosen.update(members)
-        elif name in COMPONENT_GROUPS:
-            group = set(expand_components(name, available, models.architecture))
+        elif canonical_component_name(part) in COMPONENT_GROUPS:
+            group = set(expand_components(part, available, models.architecture))
             if semantics.unembed != "donor":
                 group.discard("unembed")
             for component, switch in _GROUP_SWITCHES:
@@ -148,15 +154,9 @@ def resolve_components(
                     group.discard(component)
             chosen.update(group)
         else:
-            if name not in COMPONENTS:
-                paper = [n.upper() for n in PAPER_COMPONENTS]
-                known = (*COMPONENTS, *COMPONENT_GROUPS, *paper, "O")
-                raise ComponentError(
-                    f"Unknown component {part!r}.{did_you_mean(str(part), known)} Known: "
-                    f"{', '.join(paper)}, O; the components {', '.join(COMPONENTS)}; the groups "
-                    f"{', '.join(COMPONENT_GROUPS)}."
-                )
-            chosen.update(expand_components([name], available, models.architecture))
+            # A single component or another label; an unknown name is refused there, with
+            # the nearest known name spelled as the paper or the library spells it.
+            chosen.update(expand_components([part], available, models.architecture))
     if semantics.fused_qkv == "as_code" and models.layout.shares_parameter("q", "k", "v"):
         # The code's q target is the fused module itself; its k and v name no module.
         if "q" in chosen:

@@ -37,6 +37,7 @@ from grafting_lens.errors import ExperimentError
 from grafting_lens.experiments.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.experiments.report import (
     ExperimentReport,
+    figure_caption,
     figure_lines,
     report_settings,
     write_table,
@@ -191,6 +192,7 @@ def report(
         write_table(tables["search"], out / "search.csv"),
     ]
     written = ExperimentReport(agreement, files)
+    caption = figure_caption(label, results)  # the setting, without a cache's hash
     figures = {}
     for prompt, frame in results.groupby("prompt", sort=False):
         for value, stem in (("estimate", "attribution"), ("exact", "exact")):
@@ -199,8 +201,9 @@ def report(
             figure = plots.plot_attribution(
                 frame,
                 value=value,
-                title=f"{label}: {value} of grafting each SFT cell into PRE ({prompt} prompt)",
+                title=f"The {value} of grafting each SFT cell into PRE ({prompt} prompt)",
             )
+            figure.update_layout(title_subtitle_text=caption)
             figures[f"{stem}_{prompt}"] = written.save_figure(
                 figure, out / f"{stem}_{prompt}", png=png
             )
@@ -209,8 +212,8 @@ def report(
         plots.plot_recovery(
             tables["recovery"],
             fraction=settings.get("fraction"),
-            title=f"{label}: the minimal graft's recovery of SFT's log P(answer)",
-        ),
+            title="The minimal graft's recovery of SFT's log P(answer)",
+        ).update_layout(title_subtitle_text=caption),
         out / "recovery",
         png=png,
     )

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from grafting_lens import data
+from grafting_lens.console import show_progress
 from grafting_lens.errors import ExperimentError
 from grafting_lens.experiments.configs import get_configs
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions, run_experiment
@@ -79,7 +80,7 @@ def toy_setup(
     config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     device: str | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
     """The toy world's checkpoints and relations for one experiment.
 
@@ -98,7 +99,9 @@ def toy_setup(
     from grafting_lens.models import load_models
 
     spec = get_experiment(experiment)
-    world = toy.build_toy_world(config=config, cache_dir=cache_dir, progress=progress)
+    world = toy.build_toy_world(
+        config=config, cache_dir=cache_dir, progress=show_progress(progress)
+    )
     models = load_models(
         *(world.model_dir(role) for role in spec.roles),
         tokenizer=world.load_tokenizer(),
@@ -170,7 +173,7 @@ def finetuned_setup(
     seed: int = 0,
     epochs: int | None = None,
     device: str | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> tuple[ModelSet, list[data.Relation]]:
     """A pretrained checkpoint and a copy of it finetuned here on the experiment's relations.
@@ -188,7 +191,8 @@ def finetuned_setup(
         seed: Their seed, and the finetuning's.
         epochs: Override the preset's epochs (e.g. 2 for a smoke run).
         device: Where to finetune and run.
-        progress: Show the finetuning's progress bar.
+        progress: Show the finetuning's progress bar (default: when someone watches,
+            see :func:`~grafting_lens.console.show_progress`).
         on_status: Called with one line before finetuning starts.
 
     Raises:
@@ -246,7 +250,7 @@ def setup_experiment(
     quick: bool = False,
     device: str | None = None,
     dtype: torch.dtype | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> ExperimentSetup:
     """Load what an experiment runs on: the toy world, your checkpoints, or a finetuned copy.
@@ -267,7 +271,8 @@ def setup_experiment(
         quick: A smoke run (see :attr:`ExperimentSpec.quick_world`).
         device: Where the models go.
         dtype: Cast the models.
-        progress: Show progress bars.
+        progress: Show progress bars (default: when someone watches, see
+            :func:`~grafting_lens.console.show_progress`).
         on_status: Called with a line before long steps (building, finetuning).
 
     Raises:

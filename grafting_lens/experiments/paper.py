@@ -33,7 +33,7 @@ from grafting_lens.experiments.configs import (
     MOVIE_CONFIGS,
     PAPER_POSITION_CONFIGS,
 )
-from grafting_lens.experiments.report import accuracy_bars, component_figures
+from grafting_lens.experiments.report import accuracy_bars, component_figures, mean_rank_bars
 from grafting_lens.experiments.specs import (
     EXPERIMENTS,
     ExperimentSpec,
@@ -124,6 +124,7 @@ register_experiment(
         figures=(
             Figure("position_grafting", accuracy_bars("Position grafting"), part="paper"),
             Figure("position_grafting_movie", accuracy_bars("Position grafting"), part="movie"),
+            Figure("position_mean_rank", mean_rank_bars("Position grafting"), part="paper"),
         ),
         paper=POSITION_PAPER,
         semantics="reference",
@@ -269,7 +270,10 @@ register_experiment(
         },
         names=("PRE", "SFT"),
         parts=(Part("paper", PROMPTS, PAPER_POSITION_CONFIGS),),
-        figures=(Figure("position_grafting", accuracy_bars("Position grafting")),),
+        figures=(
+            Figure("position_grafting", accuracy_bars("Position grafting")),
+            Figure("position_mean_rank", mean_rank_bars("Position grafting")),
+        ),
         paper=POSITION_PAPER,
         quick_world=True,
         finetune_missing_donor=True,

@@ -33,6 +33,7 @@ from grafting_lens.comparison import (
 from grafting_lens.experiments.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.experiments.report import (
     ExperimentReport,
+    figure_caption,
     figure_lines,
     report_settings,
     write_table,
@@ -183,7 +184,8 @@ def report(
                 row=("prompt", "positions"),
                 col="pair",
                 references=reference_summary,
-                title=f"{label}: grafting vs patching SFT into PRE ({direction})",
+                title=f"Grafting vs patching SFT into PRE ({direction})",
+                caption=figure_caption(label, results),
             )
             name = f"{stem}_{direction}"
             figures[name] = written.save_figure(figure, out / name, png=png)

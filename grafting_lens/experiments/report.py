@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,8 @@ __all__ = [
     "component_bars",
     "component_figures",
     "component_heatmap",
+    "figure_caption",
+    "mean_rank_bars",
     "prepare_report_directory",
     "figure_lines",
     "report_settings",
@@ -191,10 +194,11 @@ def write_experiment_report(
             summary = metrics.summarize(results, by=spec.summary_by, seed=0)
             markdown = summary_markdown(summary, spec.title, command, notes, spec.paper)
             report = ExperimentReport(summary, write_report(out, results, summary, markdown))
+            caption = figure_caption(label, results)
             for figure in spec.figures:
                 rows = summary if figure.part is None else summary[summary.part == figure.part]
                 if not rows.empty:
-                    report.save_figure(figure.draw(rows, label), out / figure.name, png=png)
+                    report.save_figure(figure.draw(rows, caption), out / figure.name, png=png)
         _finish_report(out, before, report.files)
     return report
 
@@ -465,22 +469,74 @@ def write_report(
 # ----------------------------------------------------------------------------- figures
 
 
-def accuracy_bars(title: str, k: int = 5) -> Callable[[pd.DataFrame, str], go.Figure]:
-    """A figure builder: top-``k`` bars per configuration and prompt, titled ``title (label)``."""
+_UNEMBEDDINGS = {
+    "base": "grafted positions decoded by the base's unembedding",
+    "donor": "grafted positions decoded by the donor's unembedding",
+    "follow-embed": "the donor's unembedding where the embedding is grafted",
+    "follow_embed": "the donor's unembedding where the embedding is grafted",
+}
 
-    def draw(summary: pd.DataFrame, label: str) -> go.Figure:
-        return plots.plot_accuracy(summary, k=k, title=f"{title}, top-{k} accuracy ({label})")
+
+def figure_caption(label: str, results: pd.DataFrame | None = None) -> str:
+    """The setting a figure shows, for its subtitle: the models (without a cache's hash),
+    the semantics, which unembedding decodes a grafted position, and the prompts' wording.
+
+    Args:
+        label: The models in a few words (``"toy world 3f2a..."``); a hexadecimal hash
+            in it is left out, since it tells a reader nothing.
+        results: The run's rows; their ``semantics`` column says the rest.
+    """
+    from grafting_lens.experiments.semantics import as_semantics
+
+    parts = [re.sub(r"\s*\b[0-9a-f]{12,}\b", "", label).strip()]
+    if results is not None and "semantics" in results.columns:
+        for text in dict.fromkeys(results["semantics"].dropna().astype(str)):
+            semantics = as_semantics(text)
+            prompts = "the code's prompts" if semantics.prompts == "code" else "the paper's prompts"
+            decoding = _UNEMBEDDINGS.get(semantics.unembed, semantics.unembed)
+            parts.append(f"semantics {text}: {decoding}, {prompts}")
+    return ", ".join(part for part in parts if part)
+
+
+def accuracy_bars(title: str, k: int = 5) -> Callable[[pd.DataFrame, str], go.Figure]:
+    """A figure builder: top-``k`` bars per configuration and prompt, titled ``title``, with
+    the setting (see :func:`figure_caption`) under it."""
+
+    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return plots.plot_accuracy(
+            summary, k=k, title=f"{title}: top-{k} accuracy", caption=caption
+        )
 
     return draw
 
 
-def component_heatmap(summary: pd.DataFrame, title: str, k: int = 5) -> go.Figure:
-    """Top-k accuracy per layer range (rows) and component set (columns), one panel per prompt."""
+def mean_rank_bars(title: str) -> Callable[[pd.DataFrame, str], go.Figure]:
+    """A figure builder: the answer's mean rank per configuration and prompt."""
+
+    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return plots.plot_mean_rank(summary, title=f"{title}: mean rank", caption=caption)
+
+    return draw
+
+
+def component_heatmap(
+    summary: pd.DataFrame, title: str, k: int = 5, caption: str | None = None
+) -> go.Figure:
+    """Top-k accuracy per layer range (rows) and component set (columns), one panel per prompt.
+
+    The colour scale runs from 0 to just above the highest cell (see
+    :func:`grafting_lens.plots.axis_range`), so that cells under 10% are not all white;
+    each cell prints its value, and each panel's title the BASE and DONOR references.
+    """
     grid = summary[~summary.component_set.isin(_BASELINES)]
     prompts = list(dict.fromkeys(grid.prompt))
     figure = make_subplots(
-        rows=1, cols=len(prompts), subplot_titles=prompts, horizontal_spacing=0.12
+        rows=1,
+        cols=len(prompts),
+        subplot_titles=[plots.display_label(p) for p in prompts],
+        horizontal_spacing=0.14,
     )
+    top = plots.axis_range(grid[f"top{k}"])[1]
     for column, prompt in enumerate(prompts, start=1):
         values = grid[grid.prompt == prompt].pivot(
             index="layer_range", columns="component_set", values=f"top{k}"
@@ -493,35 +549,48 @@ def component_heatmap(summary: pd.DataFrame, title: str, k: int = 5) -> go.Figur
         figure.add_trace(
             go.Heatmap(
                 z=values.to_numpy(),
-                x=columns,
-                y=rows,
+                x=[plots.display_label(c) for c in columns],
+                y=[plots.display_label(r) for r in rows],
                 zmin=0,
-                zmax=1,
+                zmax=min(top, 1.0),
                 colorscale="Blues",
                 text=[[f"{v:.0%}" for v in row] for row in values.to_numpy()],
                 texttemplate="%{text}",
                 showscale=column == len(prompts),
                 colorbar=dict(title=f"top-{k}", tickformat=".0%"),
-                hovertemplate="%{y}, %{x}: %{z:.1%}<extra>" + prompt + "</extra>",
+                hovertemplate="%{y}, %{x}: %{z:.1%}<extra>" + str(prompt) + "</extra>",
             ),
             row=1,
             col=column,
         )
-        figure.layout.annotations[column - 1].text = f"{prompt} ({frame})"
+        figure.layout.annotations[column - 1].text = f"{plots.display_label(prompt)} ({frame})"
         figure.update_yaxes(autorange="reversed", row=1, col=column)
-    figure.update_layout(
-        title=f"{title}: top-{k} accuracy",
-        template="plotly_white",
-        width=560 * len(prompts) + 120,
+        figure.update_xaxes(title_text="components grafted", tickangle=-30, row=1, col=column)
+    figure.update_yaxes(title_text="layers", col=1)
+    counts = grid["n"].tolist() if "n" in grid else []
+    return plots.figure_style(
+        figure,
+        f"{title}: top-{k} accuracy",
+        plots._subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
+        width=560 * len(prompts) + 160,
+        height=520,
     )
-    return figure
 
 
-def component_bars(summary: pd.DataFrame, title: str, k: int = 5) -> go.Figure:
+def component_bars(
+    summary: pd.DataFrame, title: str, k: int = 5, caption: str | None = None
+) -> go.Figure:
     """Bars with 95% intervals, one panel per prompt: a group per component set, a bar per layer
-    range; dotted lines mark BASE (nothing grafted) and DONOR (the donor everywhere)."""
+    range; dotted lines mark BASE (nothing grafted) and DONOR (the donor everywhere), labelled
+    in the right margin."""
     prompts = list(dict.fromkeys(summary.prompt))
-    figure = make_subplots(rows=len(prompts), cols=1, subplot_titles=prompts, vertical_spacing=0.12)
+    figure = make_subplots(
+        rows=len(prompts),
+        cols=1,
+        subplot_titles=[plots.display_label(p) for p in prompts],
+        vertical_spacing=0.14,
+    )
+    top = plots.axis_range([*summary[f"top{k}"], *summary[f"top{k}_high"]])
     for row, prompt in enumerate(prompts, start=1):
         rows = summary[summary.prompt == prompt]
         panel = plots.plot_accuracy(
@@ -532,41 +601,44 @@ def component_bars(summary: pd.DataFrame, title: str, k: int = 5) -> go.Figure:
         )
         for trace in panel.data:
             # One colour per layer range in every panel.
-            position = list(COMPONENT_LAYER_RANGES).index(trace.name)
-            trace.marker.color = _COLORS[position % len(_COLORS)]
+            names = [plots.display_label(r) for r in COMPONENT_LAYER_RANGES]
+            shade = _COLORS[names.index(trace.name) % len(_COLORS)]
+            trace.marker.color = shade
+            trace.marker.line.color = shade
             trace.showlegend = row == 1
             trace.legendgroup = trace.name
             figure.add_trace(trace, row=row, col=1)
-        for _, baseline in rows[rows.component_set.isin(_BASELINES)].iterrows():
-            figure.add_hline(
-                y=baseline[f"top{k}"],
-                line_dash="dot",
-                row=row,
-                col=1,
-                annotation_text=f"{baseline.component_set} {baseline[f'top{k}']:.0%}",
-                annotation_position="top right",
-            )
-        figure.update_yaxes(
-            range=[0, 1.05], tickformat=".0%", title_text=f"top-{k}", row=row, col=1
-        )
-    figure.update_layout(
+        references = rows[rows.component_set.isin(_BASELINES)].sort_values(f"top{k}")
+        previous = None
+        for _, baseline in references.iterrows():
+            y = float(baseline[f"top{k}"])
+            # Two references a few points apart would print over each other.
+            text = f"{baseline.component_set} {y:.0%}"
+            if previous is not None and y - previous < 0.06 * top[1]:
+                text = "<br>" + text
+            plots.add_reference_line(figure, y, text, row=row, col=1)
+            previous = y
+        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
+    figure.update_xaxes(title_text="components grafted at the last token", row=len(prompts))
+    counts = summary["n"].tolist() if "n" in summary else []
+    return plots.figure_style(
+        figure,
+        f"{title}: top-{k} accuracy",
+        plots._subtitle(caption, counts),
         barmode="group",
-        template="plotly_white",
-        title=f"{title}: top-{k} accuracy",
-        legend_title_text="layer range",
+        legend_title_text="layers",
         width=1300,
-        height=420 * len(prompts),
+        height=420 * len(prompts) + 80,
     )
-    return figure
 
 
 def component_figures(title: str) -> tuple[Callable[[pd.DataFrame, str], go.Figure], ...]:
     """Figure 4's two figures for an experiment titled ``title``: the heatmap and the bars."""
 
-    def heatmap(summary: pd.DataFrame, label: str) -> go.Figure:
-        return component_heatmap(summary, f"{title}, {label}")
+    def heatmap(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return component_heatmap(summary, title, caption=caption)
 
-    def bars(summary: pd.DataFrame, label: str) -> go.Figure:
-        return component_bars(summary, f"{title}, {label}")
+    def bars(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return component_bars(summary, title, caption=caption)
 
     return heatmap, bars

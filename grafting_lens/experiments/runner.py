@@ -37,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grafting_lens.batch import TokenizedExamples, as_batch
+from grafting_lens.console import show_progress
 from grafting_lens.errors import ExperimentError, GraftingLensError
 from grafting_lens.experiments.configs import (
     PAPER_POSITION_CONFIGS,
@@ -132,7 +133,9 @@ class RunOptions:
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
             world's); each test set's own seed is the ``data_seed`` column.
-        progress: Show a progress bar. Free to change when resuming.
+        progress: Show a progress bar (default: when standard error is a terminal or
+            in a notebook, see :func:`~grafting_lens.console.show_progress`). Free to
+            change when resuming.
         include_unembed: Deprecated (warns): ``semantics`` with ``unembed="donor"``
             (True) or ``"base"`` (False); folded into :data:`CLEAN` when no semantics is
             given, which is what it meant before.
@@ -149,7 +152,7 @@ class RunOptions:
     semantics: Semantics | str | None = None
     top_k: int = 10
     seeds: Mapping[str, int] = field(default_factory=dict)
-    progress: bool = True
+    progress: bool | None = None
     include_unembed: InitVar[bool | None] = None
     include_embeddings: InitVar[bool | None] = None
 
@@ -368,7 +371,7 @@ def _compute(
         initial=sum(rows_of[chunk_id] for chunk_id in done),
         desc="grafting",
         unit="row",
-        disable=not options.progress,
+        disable=not show_progress(options.progress),
     )
     records: dict[str, Rows] = dict(done)
     scorers: dict[int, LastTokenScorer] = {}
@@ -407,7 +410,7 @@ def run_position_grafting(
     include_embeddings: bool | None = None,
     source: int = 1,
     top_k: int = 10,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> pd.DataFrame:
     """Run position-grafting configurations over a tokenized batch and score each prediction.
 
@@ -443,7 +446,8 @@ def run_position_grafting(
         source: Index of the donor in the model set.
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
-        progress: Show a progress bar.
+        progress: Show a progress bar (default: when someone watches, see
+            :func:`~grafting_lens.console.show_progress`).
 
     Returns:
         A tidy DataFrame, one row per configuration and example (grouped by

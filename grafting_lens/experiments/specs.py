@@ -61,7 +61,8 @@ class Figure:
 
     Attributes:
         name: The file's stem.
-        draw: ``(summary rows, label of the models) -> plotly figure``.
+        draw: ``(summary rows, caption) -> plotly figure``; the caption says the
+            setting (see :func:`~grafting_lens.experiments.report.figure_caption`).
         part: Draw only this part's rows (``None``: every row); no rows, no figure.
     """
 
