@@ -47,6 +47,7 @@ from grafting_lens.errors import (
     RunError,
     SelectionError,
     TokenError,
+    ToyWorldError,
     UnsupportedArchitectureError,
     UnverifiedArchitectureWarning,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "Semantics",
     "summarize",
     "TokenError",
+    "ToyWorldError",
     "toy",
     "UnsupportedArchitectureError",
     "UnverifiedArchitectureWarning",
