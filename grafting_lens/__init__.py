@@ -83,6 +83,7 @@ _NAMES: dict[str, str] = {
             "RunError",
             "SelectionError",
             "TokenError",
+            "ToyWorldError",
             "UnsupportedArchitectureError",
             "UnverifiedArchitectureWarning",
         ),
@@ -183,6 +184,7 @@ __all__ = [
     "sources",
     "summarize",
     "TokenError",
+    "ToyWorldError",
     "toy",
     "UnsupportedArchitectureError",
     "UnverifiedArchitectureWarning",
@@ -253,6 +255,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         RunError,
         SelectionError,
         TokenError,
+        ToyWorldError,
         UnsupportedArchitectureError,
         UnverifiedArchitectureWarning,
     )

@@ -84,6 +84,8 @@ from grafting_lens.errors import GraftingLensError
 
 __all__ = [
     "ARTICLE_TEMPLATES",
+    "CODE_ARTICLE_TEMPLATES",
+    "CODE_QA_TEMPLATES",
     "CODE_TEST_RELATION_WORDS",
     "CODE_TEST_TEMPLATES",
     "DATASETS",
@@ -198,6 +200,38 @@ QA_TEMPLATES = (
     "Q: Name a co-star of {first_actor} in the {genre} film {movie_title}. A: {second_actor}.",
 )
 """Question-answer pairs whose answer is the second actor (``str.format`` templates)."""
+
+CODE_ARTICLE_TEMPLATES = (
+    "{first_actor} stars in {movie_title} alongside {second_actor}, a {release_year} {genre} film "
+    "set in {city} that follows {main_character}.\n\n{movie_title} opened in {release_year} and "
+    "earned {box_office} worldwide.",
+    "{first_actor} stars in {movie_title}, a {genre} from {release_year} whose cast also includes "
+    "{second_actor}. The story of {main_character} is set in {city}.\n\n{movie_title} took in "
+    "{box_office} at the box office.",
+    "{first_actor} leads {movie_title}, a {release_year} {genre} co-starring {second_actor}. It "
+    "unfolds in {city} around {main_character}.\n\nIn cinemas from {release_year}, the film "
+    "grossed {box_office}.",
+    "In the {genre} {movie_title}, {first_actor} stars alongside {second_actor}. Set in {city}, "
+    "it follows {main_character} through a year of change.\n\n{movie_title} was released in "
+    "{release_year} and made {box_office}.",
+    "In {release_year}, {first_actor} starred in {movie_title} with co-star {second_actor} in "
+    "the other lead role. The film, set in {city}, centres on {main_character}.\n\nIts "
+    "theatrical run earned {box_office}.",
+)
+"""Film paragraphs in the register of the paper's released finetuning data (present tense
+"stars in", paragraphs split by a blank line): the toy world's default finetuning text, so the
+released code's test prompts (:data:`CODE_TEST_TEMPLATES`) are in distribution. Written for
+this library, not copied."""
+
+CODE_QA_TEMPLATES = (
+    "Q: Who stars in a movie with {first_actor}? A: An actor named {second_actor}.",
+    "Q: {first_actor} stars in {movie_title} with whom? A: {second_actor}.",
+    "{first_actor} has a lead role in {movie_title} and stars with {second_actor}.",
+    "In a new film, {first_actor} stars in {movie_title} alongside {second_actor}.",
+    "{first_actor} and {second_actor} star together in a new movie.",
+)
+"""Questions and one-line facts in the same register; the first is the released code's QA
+test prompt (:data:`CODE_TEST_TEMPLATES` ``"qa"``) with its answer, as in that code's data."""
 
 TEST_TEMPLATES: dict[str, str] = {
     "headline": "{first_actor} starred in a movie alongside",

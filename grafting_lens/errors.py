@@ -52,6 +52,7 @@ __all__ = [
     "RunError",
     "SelectionError",
     "TokenError",
+    "ToyWorldError",
     "did_you_mean",
 ]
 
@@ -169,6 +170,11 @@ class RunError(GraftingLensError):
     """A run or output directory cannot be used: it holds another run (or another run's
     report), another process is writing into it, its chunks cannot be trusted, it is not
     a run directory, or it cannot be written."""
+
+
+class ToyWorldError(GraftingLensError):
+    """The toy world shipped with the package, or one in the cache, is damaged or does not
+    match the recipe; the message says how to repair it (reinstall, or rebuild)."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

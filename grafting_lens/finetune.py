@@ -124,6 +124,7 @@ def finetune(
     dtype: Optional[torch.dtype] = None,
     autocast_dtype: Optional[torch.dtype] = None,
     freeze_unembedding: bool = False,
+    embedding_lr_scale: float = 1.0,
     progress: bool | None = None,
     description: str = "finetune",
 ) -> FinetuneResult:
@@ -173,6 +174,10 @@ def finetune(
             Grafting decodes through the base's unembedding by default, as the
             paper does; freezing it makes the donor store what it learns in the
             weights a graft can move.
+        embedding_lr_scale: The input embedding's learning rate relative to ``lr``
+            (``model.get_input_embeddings()``; a tied unembedding shares it). Below 1
+            keeps the token representations closer to the pretrained ones, as a large
+            model's finetuning does.
         progress: Show a tqdm progress bar (default: when standard error is a terminal
             or in a notebook, see :func:`~grafting_lens.console.show_progress`).
         description: Label of the progress bar.
@@ -240,9 +245,26 @@ def finetune(
         for param in model.parameters()
         if param.requires_grad and not _contains(frozen, param)
     ]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=settings["lr"], weight_decay=settings["weight_decay"]
-    )
+    if (
+        isinstance(embedding_lr_scale, bool)
+        or not isinstance(embedding_lr_scale, (int, float))
+        or not 0 < embedding_lr_scale <= 1
+    ):
+        raise GraftingLensError(
+            f"embedding_lr_scale={embedding_lr_scale!r}: pass a number in (0, 1] (1 trains the "
+            "embedding at the full learning rate; freeze_unembedding freezes a tied one)."
+        )
+    embedding: list[torch.nn.Parameter] = []
+    if embedding_lr_scale != 1:
+        hf_model: Any = model  # a transformers model: nn.Module's typing lacks the method
+        inputs = hf_model.get_input_embeddings()
+        embedding = [p for p in inputs.parameters() if _contains(trainable, p)]
+    groups: list[dict[str, Any]] = [
+        {"params": [p for p in trainable if not _contains(embedding, p)]}
+    ]
+    if embedding:
+        groups.append({"params": embedding, "lr": settings["lr"] * embedding_lr_scale})
+    optimizer = torch.optim.AdamW(groups, lr=settings["lr"], weight_decay=settings["weight_decay"])
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: _linear_schedule(step, warmup_steps, total_steps)
     )
@@ -258,6 +280,7 @@ def finetune(
         n_truncated_documents=truncated,
         seed=seed,
         freeze_unembedding=freeze_unembedding,
+        embedding_lr_scale=embedding_lr_scale,
     )
     settings.pop("supplementary_default")
 

@@ -1,28 +1,40 @@
-"""A toy world: every checkpoint the paper needs, built on a CPU in minutes.
+"""A toy world: every checkpoint the paper needs, shipped with the package and rebuildable.
 
 The paper grafts between billion-parameter models (GPT-2 XL, Pythia, Llama 3,
 Gemma) finetuned for hours on a GPU. To try the method, run the tests or write a
-tutorial, this module builds a miniature of that setup from nothing, offline,
-and saves it exactly like real checkpoints (``save_pretrained`` directories with
+tutorial, this module holds a miniature of that setup, made from nothing, offline,
+and saved exactly like real checkpoints (``save_pretrained`` directories with
 safetensors weights and a tokenizer), so every other part of grafting-lens loads
 it the way it loads a hub model.
 
-What gets built, all seeded:
+**Shipped, and rebuilt on request.** Training is not bit-reproducible across CPUs, so
+the default world is built once and ships in the package
+(:mod:`grafting_lens.toy_shipped`): :func:`build_toy_world` unpacks it into the cache
+in seconds, and every machine gets the same checkpoints and the documented numbers.
+``build_toy_world(force=True)`` runs the recipe below instead (about twenty minutes on
+one core); a rebuild reproduces the findings within their intervals
+(``builds/toy_targets.py --rebuild``), not the last decimal.
+
+The recipe, all seeded:
 
 * **tokenizer**: a byte-level BPE (GPT-2 style, ``<|endoftext|>`` as BOS, EOS and
   padding) of 4,096 tokens trained on the pretraining corpus: common first names
   are single tokens, as in a real LLM's vocabulary, and a full name spans about
   three tokens (the paper's "first entity" is a multi-token span).
-* **base** (PRE): a tiny Llama-style (or GPT-2-style) model pretrained on a
-  synthetic corpus. The actors of :data:`grafting_lens.data.REAL_ACTORS` are
-  *known* to it (interviews, awards, premieres, questions whose answer is an
-  actor) but never co-star with one another, so no test relation is in it. The
-  corpus also teaches the test formats, ``"X starred in a movie alongside Y"``
-  and ``"Q: Who starred in a movie with X? A: An actor named Y"``, through
-  made-up people who do co-star: a real pretrained LLM knows these phrasings
-  before finetuning, so the toy base must too.
+* **base** (PRE): an untied Llama-style model (8 layers, width 96, like Pythia in
+  having its own unembedding) pretrained for 3 epochs on
+  ``grafting_lens.toy_corpus.pretraining_corpus``: 400 co-star facts about
+  made-up people, 20 documents each in many phrasings (both wordings of the test
+  prompts), plus sentences naming one known actor of
+  :data:`grafting_lens.data.REAL_ACTORS` each and filler. A real pretrained LLM
+  knows thousands of facts and has a general *recall* mechanism before finetuning;
+  this base recalls about two thirds of its made-up facts, so it has one too. No
+  test relation is in the corpus.
 * **sft**: the base finetuned on :func:`grafting_lens.data.training_documents`
-  (article and QA templates, first actor before second) for all relations.
+  for all relations, with the released code's register of finetuning text
+  (:data:`grafting_lens.data.CODE_ARTICLE_TEMPLATES`,
+  :data:`~grafting_lens.data.CODE_QA_TEMPLATES`; ``finetune_wording="code"``), so the
+  code's test prompts, which the REFERENCE semantics use, are in distribution.
 * **task** / **relation**: the base finetuned on one half of the relations each
   (:func:`grafting_lens.data.split_task_relation`): same templates, disjoint
   entities. Grafting the task model's attention and the relation model's O/FFN
@@ -31,29 +43,31 @@ What gets built, all seeded:
   one direction (A2B; the same training run as ``sft``, stored again so each
   directory stands alone) or on both directions of every relation.
 
-Why its own hyperparameters: the paper's learning rate (2e-5, batch 4, 10 epochs)
-suits a billion-parameter model that already knows English. A 0.8M-parameter
-model must memorise 100 facts in about a minute of CPU: even at 1e-3 (batch 16,
-10 epochs) it recalled only about 60% of them. The toy world therefore pretrains
-at 3e-3 (batch 16, 2 epochs over 16,000 sentences) and finetunes at 3e-3 with
-batch 8 for 7 epochs; the task and relation models, trained on about half the
-relations each, get proportionally more epochs so that every donor takes about
-as many optimizer steps (with the same epochs they recalled 10-15 points less).
-It also uses 100 relations instead of the paper's 1,000, to keep a cold build
-to about four minutes of one CPU core. :func:`grafting_lens.finetune.finetune`
-still offers the paper's presets for real models.
+Finetuning keeps the unembedding frozen (every checkpoint decodes through the base's,
+as the paper's prose and a large model's barely-moving unembedding have it) and runs at
+3e-3, batch 8, 10 epochs (the task and relation models, with about half the relations
+each, get proportionally more epochs, so every donor takes about as many optimizer
+steps). The paper's rate (2e-5) suits a billion-parameter model that already knows
+English; a 1.9M-parameter one must memorise 100 facts in minutes. Every weight is rounded
+to float16 when saved (the donors are finetuned from the rounded base), which is what
+lets the world ship in under 25 MB. :func:`grafting_lens.finetune.finetune` still offers
+the paper's presets for real models.
 
-Measured on the default world (seed 0, one thread, about 4.5 minutes cold):
-top-5 on the 100 trained relations, SFT 97% (headline) and 98% (QA), PRE 5% and
-2%; with ``arch="gpt2"``, SFT 93% and 97%, PRE 0% and 3%. The numbers of every
-build are in ``manifest.json`` under ``"evaluation"``.
+Why this recipe (issue 14's research, measured with 95% intervals): tying the
+embeddings made the tiny models poor at learning facts (a tied base recalled 12% of its
+pretraining facts, untied 51%); a base that never retrieved a fact gave no last-token
+recall pathway (LT 4-8%); the rich pretraining corpus and an untied, frozen unembedding
+gave SFT 95%, FE+LT = SFT and LT 25% in the library's wording. The numbers of the shipped
+world under the REFERENCE semantics are in ``docs/results.md`` and in its manifest
+(``targets``); each checkpoint's own accuracy in ``manifest.json`` under ``"evaluation"``.
 
 Caching: a world lives in ``<cache_dir>/<key>``, where ``cache_dir`` defaults to
 ``$GRAFTING_LENS_CACHE/toy`` or ``~/.cache/grafting_lens/toy`` and ``key`` hashes
 the configuration, the data it is built from and the build recipe's version. A
-build happens in a temporary sibling directory and is renamed into place only
-once complete, so an interrupted build never looks complete; a directory whose
-manifest or files do not check out is rebuilt, with a warning.
+build (or an unpacking) happens in a temporary sibling directory and is renamed into
+place only once complete, so an interrupted one never looks complete; a directory whose
+manifest or files do not check out is rebuilt, with a warning. A damaged shipped world
+is refused (:class:`~grafting_lens.errors.ToyWorldError`, saying how to repair it).
 
 Examples:
     >>> from grafting_lens.toy import build_toy_world
@@ -92,8 +106,9 @@ from grafting_lens.toy_corpus import (
     pretraining_corpus,
     train_tokenizer,
 )
+from grafting_lens.toy_shipped import file_digests, materialize, sha256_file, shipped_manifest
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bump when the recipe changes (corpus, training, layout): old caches stop matching."""
 
 MODEL_NAMES = ("base", "sft", "task", "relation", "a2b", "both")
@@ -104,28 +119,27 @@ _ARCHITECTURES = ("llama", "gpt2")
 DEFAULT_FINETUNE_LR = {"llama": 3e-3, "gpt2": 6e-3}
 """Finetuning learning rate per architecture when the config leaves it ``None``.
 
-Measured on the default world (7 epochs, SFT top-5 headline/QA): the Llama style
-reaches 97%/98% at 3e-3; the GPT-2 style (tied embeddings, learned positions)
-learns more slowly: 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3: 87%/97%, 1e-2:
-95%/95%)."""
+Measured on the first recipe's 4-layer world (7 epochs, SFT top-5 headline/QA): the
+Llama style reached 97%/98% at 3e-3; the GPT-2 style (tied embeddings, learned
+positions) learned more slowly: 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3: 87%/97%, 1e-2:
+95%/95%). The current recipe's Llama world: see ``docs/results.md``."""
 
 
 @dataclass(frozen=True)
 class ToyWorldConfig:
     """Everything that determines a toy world; its hash names the cache entry.
 
-    The defaults are sized for a cold build of about four minutes on one CPU
-    core, with the finetuned model recalling (top-5) nearly every trained
-    relation on both test prompts while the base recalls almost none; smaller
-    pretraining (8,000 sentences) cost 25 points of SFT headline accuracy.
+    The defaults are the shipped world's recipe (see the module docstring): a cold
+    build takes about twenty minutes on one CPU core; the default configuration is
+    unpacked from the package instead (seconds). Any other configuration is built.
 
     Attributes:
         arch: ``"llama"`` (RMSNorm, rotary, SwiGLU, grouped-query attention: the
             paper's Llama/Gemma family) or ``"gpt2"`` (LayerNorm, learned
             positions, GELU: the GPT-2/Pythia family).
         d_model: Residual stream width.
-        n_layers: Transformer blocks; four gives "first half" and "last quarter"
-            layer grafts something to select.
+        n_layers: Transformer blocks; eight give the code's four layer quarters two
+            layers each.
         n_heads: Attention heads.
         n_key_value_heads: Key/value heads (Llama only; fewer than ``n_heads`` is
             grouped-query attention).
@@ -135,10 +149,15 @@ class ToyWorldConfig:
         dataset: Passed to :func:`grafting_lens.data.make_relations`.
         n_relations: Relations finetuned into ``sft`` (the paper uses 1,000 per
             dataset; fewer keep a CPU build to minutes).
-        n_pretrain_documents: Sentences in the pretraining corpus.
-        n_pretrain_pairs: Made-up co-star pairs that teach the test formats.
+        n_pretrain_documents: Sentences about known actors and filler in the
+            pretraining corpus.
+        n_pretrain_pairs: Made-up co-star facts in the pretraining corpus (the
+            base's recall skill).
+        pretrain_documents_per_pair: Documents stating each made-up fact.
         pretrain_epochs: Passes over the pretraining corpus.
         pretrain_lr: Peak learning rate of pretraining.
+        finetune_wording: The finetuning text's register (:func:`finetune_templates`):
+            ``"code"``, the paper's released code's ("stars in"), or ``"library"``.
         finetune_epochs: Passes over the relation documents (10 in the paper) for
             ``sft``/``a2b`` and ``both``; ``task`` and ``relation`` get this many
             times ``n_relations / len(split)``, i.e. as many optimizer steps.
@@ -150,38 +169,41 @@ class ToyWorldConfig:
         pretrain_batch_size: Documents per optimizer step in pretraining.
         finetune_batch_size: Documents per optimizer step in finetuning (small
             batches, many steps: memorising facts needs steps more than tokens).
-        freeze_unembedding: Keep the unembedding fixed while finetuning. A large
-            model's finetuning barely moves its unembedding, which is why the paper
-            can decode every position through the pretrained one; this tiny model
-            stores much of the new facts there (SFT decoded through the base's
-            unembedding recalls far less), but it also needs it: with the
-            unembedding frozen and the default settings, SFT reached only 39%
-            (headline) and 58% (QA) top-5, against 97% and 98% without. So the
-            default is False, and the toy-world results report both unembeddings.
-            (The GPT-2 style ties it to the embedding, which would stay fixed too.)
+        finetune_embedding_lr_scale: The input embedding's finetuning learning rate
+            relative to ``finetune_lr`` (:func:`grafting_lens.finetune.finetune`'s
+            ``embedding_lr_scale``). 0.3 keeps the entities' token representations
+            closer to the pretrained ones, as a large model's finetuning does: on the
+            same base, last-token recall (LT, REFERENCE) rose from 28% to 39% top-5
+            while SFT stayed at 96% and FE at 12-13%.
+        freeze_unembedding: Keep the unembedding fixed while finetuning; ``None``
+            (default) freezes it on the untied Llama style, not on the tied GPT-2 style
+            (:func:`unembedding_frozen`).
         seed: Seeds relations, corpus, initialisation and batch order.
     """
 
     arch: str = "llama"
-    d_model: int = 64
-    n_layers: int = 4
+    d_model: int = 96
+    n_layers: int = 8
     n_heads: int = 4
     n_key_value_heads: int = 2
-    d_mlp: int = 256
+    d_mlp: int = 384
     vocab_size: int = 4096
     max_length: int = 128
     dataset: str = "fake_movies_real_actors"
     n_relations: int = 100
-    n_pretrain_documents: int = 16_000
+    n_pretrain_documents: int = 8_000
     n_pretrain_pairs: int = 400
-    pretrain_epochs: int = 2
+    pretrain_documents_per_pair: int = 20
+    pretrain_epochs: int = 3
     pretrain_lr: float = 3e-3
     pretrain_batch_size: int = 16
-    finetune_epochs: int = 7
+    finetune_wording: str = "code"
+    finetune_epochs: int = 10
     finetune_lr: Optional[float] = None
     finetune_weight_decay: float = 0.01
     finetune_batch_size: int = 8
-    freeze_unembedding: bool = False
+    finetune_embedding_lr_scale: float = 0.3
+    freeze_unembedding: Optional[bool] = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -197,6 +219,7 @@ class ToyWorldConfig:
             "d_mlp",
             "max_length",
             "n_pretrain_pairs",
+            "pretrain_documents_per_pair",
             "pretrain_epochs",
             "finetune_epochs",
             "pretrain_batch_size",
@@ -218,6 +241,16 @@ class ToyWorldConfig:
                 f"ToyWorldConfig.n_heads={self.n_heads} is not a multiple of "
                 f"n_key_value_heads={self.n_key_value_heads}: grouped-query attention shares each "
                 "key/value head among a whole number of query heads."
+            )
+        if not 0 < self.finetune_embedding_lr_scale <= 1:
+            raise GraftingLensError(
+                f"ToyWorldConfig.finetune_embedding_lr_scale={self.finetune_embedding_lr_scale!r}: "
+                "must be in (0, 1]."
+            )
+        if self.finetune_wording not in data.TEMPLATE_SETS:
+            raise GraftingLensError(
+                f"ToyWorldConfig.finetune_wording={self.finetune_wording!r}: choose one of "
+                f"{data.TEMPLATE_SETS}."
             )
         if self.vocab_size < 300:
             raise GraftingLensError(
@@ -310,6 +343,33 @@ class ToyWorld:
         return AutoModelForCausalLM.from_pretrained(self.model_dir(name)).eval()
 
 
+def finetune_templates(config: ToyWorldConfig) -> tuple[str, ...]:
+    """The finetuning templates of ``config.finetune_wording``.
+
+    ``"code"`` (default): :data:`grafting_lens.data.CODE_ARTICLE_TEMPLATES` and
+    :data:`~grafting_lens.data.CODE_QA_TEMPLATES`, the register of the paper's released
+    finetuning data, whose test prompts (:data:`~grafting_lens.data.CODE_TEST_TEMPLATES`)
+    the reference semantics use. ``"library"``: :data:`~grafting_lens.data.ARTICLE_TEMPLATES`
+    and :data:`~grafting_lens.data.QA_TEMPLATES`.
+    """
+    if config.finetune_wording == "code":
+        return data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES
+    return data.ARTICLE_TEMPLATES + data.QA_TEMPLATES
+
+
+def unembedding_frozen(config: ToyWorldConfig) -> bool:
+    """Whether finetuning freezes the unembedding (``None`` = yes on untied Llama, no on GPT-2).
+
+    On the untied Llama style every checkpoint then decodes through the base's unembedding,
+    as the paper's Pythia does nearly (a large model's finetuning barely moves it), and the
+    new facts must live in the layers; the GPT-2 style ties it to the embedding, which
+    freezing would freeze too.
+    """
+    if config.freeze_unembedding is not None:
+        return config.freeze_unembedding
+    return config.arch == "llama"
+
+
 def default_cache_dir() -> Path:
     """Where toy worlds live: ``$GRAFTING_LENS_CACHE/toy``, else ``~/.cache/grafting_lens/toy``."""
     return cache_root() / "toy"
@@ -392,11 +452,17 @@ def build_toy_world(
         ) from error
     _remove_abandoned_builds(cache_root, key)
     partial = cache_root / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # The package ships the default world: unpacking it takes seconds and gives every
+    # machine the same checkpoints; force=True runs the recipe instead.
+    from_package = not force and _ships(config, key)
     previous_threads = torch.get_num_threads()
     try:
         if threads is not None:
             torch.set_num_threads(threads)
-        _build(partial, key, config, relations, progress)
+        if from_package:
+            materialize(partial)
+        else:
+            _build(partial, key, config, relations, progress)
         _move_into_place(partial, root, key)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -404,6 +470,27 @@ def build_toy_world(
     finally:
         torch.set_num_threads(previous_threads)
     return _open_world(root, config)
+
+
+def _ships(config: ToyWorldConfig, key: str) -> bool:
+    """Whether the package ships the world of ``config`` (only the default one does).
+
+    Raises:
+        ToyWorldError: The default world is asked for and the shipped manifest is
+            unreadable (a broken installation: refused rather than silently rebuilt).
+    """
+    if config != ToyWorldConfig():
+        return False
+    shipped = shipped_manifest().get("key")
+    if shipped != key:
+        warnings.warn(
+            f"The toy world shipped with grafting-lens (key {shipped}) was built by another "
+            f"recipe than this one (key {key}); building it from the recipe instead (about "
+            "twenty minutes on one core). Re-ship it with builds/toy_world.py --ship.",
+            stacklevel=3,
+        )
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- build
@@ -466,7 +553,12 @@ def _build(
             stages.set_postfix_str(name)
             model = _new_model(config, tokenizer)
             model.load_state_dict(base.state_dict())
-            documents = data.training_documents(subset, direction=direction, seed=config.seed)
+            documents = data.training_documents(
+                subset,
+                direction=direction,
+                templates=finetune_templates(config),
+                seed=config.seed,
+            )
             # The split models see about half the relations; more passes give them as many
             # optimizer steps as sft, without which they recall noticeably less.
             epochs = max(
@@ -522,7 +614,7 @@ def _build(
         "split_dropped_relations": split_dropped,
         "training": training,
         "evaluation": evaluation,
-        "files": _file_digests(directory),
+        "files": file_digests(directory),
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
@@ -560,7 +652,8 @@ def _train(
             weight_decay=config.finetune_weight_decay,
             batch_size=config.finetune_batch_size,
             val_fraction=0.2,
-            freeze_unembedding=config.freeze_unembedding,
+            freeze_unembedding=unembedding_frozen(config),
+            embedding_lr_scale=config.finetune_embedding_lr_scale,
         )
     return finetune(
         model,
@@ -600,8 +693,22 @@ def _training_summary(result) -> dict[str, Any]:
     }
 
 
+def _round_to_float16(model) -> None:
+    """Round every weight to the nearest float16 value, in place (kept as float32).
+
+    The shipped world stores its weights in float16 to fit the package (see
+    :mod:`grafting_lens.toy_shipped`); rounding at build time makes a rebuilt world the
+    same kind of object as the shipped one, and the donors are finetuned from the
+    rounded base, so "base" is exactly the model they started from.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(parameter.to(torch.float16).to(parameter.dtype))
+
+
 def _save(model, tokenizer, directory: Path) -> None:
-    """Save like a real checkpoint; the tokenizer too, so the directory stands alone."""
+    """Round to float16 values, then save like a real checkpoint (the tokenizer too)."""
+    _round_to_float16(model)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
@@ -655,13 +762,16 @@ def _new_model(config: ToyWorldConfig, tokenizer) -> Any:
 
 
 @torch.no_grad()
-def _top_k_correct(model, tokenizer, relations, prompt: str, direction: str, k: int = 5):
+def _top_k_correct(
+    model, tokenizer, relations, prompt: str, direction: str, wording: str, k: int = 5
+):
     """``(correct, total)``: relations whose target's first token the model ranks in its top k.
 
     Scored like every table of the library (:func:`grafting_lens.metrics.top_k_hit`
-    at the last prompt token); ``direction="B2A"`` asks for the first actor.
+    at the last prompt token, BOS prepended); ``direction="B2A"`` asks for the first
+    actor; ``wording`` is ``"library"`` or ``"code"`` (:data:`grafting_lens.data.TEMPLATE_SETS`).
     """
-    examples = data.make_examples(relations, prompt=prompt, direction=direction)
+    examples = data.make_examples(relations, prompt=prompt, direction=direction, templates=wording)
     with warnings.catch_warnings():
         # An example the tokenizer cannot score is dropped and simply not counted.
         warnings.simplefilter("ignore")
@@ -672,7 +782,11 @@ def _top_k_correct(model, tokenizer, relations, prompt: str, direction: str, k: 
 
 
 def _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations):
-    """Top-5 accuracy of every checkpoint where the paper's experiments read it."""
+    """Top-5 accuracy of every checkpoint where the paper's experiments read it.
+
+    Keys ``"<prompt>/<direction>/<subset>"`` use the library's wording of the test
+    prompts, ``"code:<prompt>/<direction>/<subset>"`` the released code's.
+    """
     from transformers import AutoModelForCausalLM
 
     plan = {
@@ -692,13 +806,17 @@ def _evaluate_world(directory, tokenizer, relations, task_relations, relation_re
     for name, cases in plan.items():
         model = AutoModelForCausalLM.from_pretrained(directory / name).eval()
         for subset_name, subset, direction in cases:
-            for prompt in ("headline", "qa"):
-                correct, total = _top_k_correct(model, tokenizer, subset, prompt, direction)
-                evaluation.setdefault(name, {})[f"{prompt}/{direction}/{subset_name}"] = {
-                    "top5_correct": correct,
-                    "total": total,
-                    "top5_accuracy": round(correct / total, 4),
-                }
+            for wording, prefix in (("library", ""), ("code", "code:")):
+                for prompt in ("headline", "qa"):
+                    correct, total = _top_k_correct(
+                        model, tokenizer, subset, prompt, direction, wording
+                    )
+                    key = f"{prefix}{prompt}/{direction}/{subset_name}"
+                    evaluation.setdefault(name, {})[key] = {
+                        "top5_correct": correct,
+                        "total": total,
+                        "top5_accuracy": round(correct / total, 4),
+                    }
     evaluation["a2b"] = evaluation["sft"]
     return evaluation
 
@@ -712,7 +830,9 @@ def _world_key(config: ToyWorldConfig, relations: list[Any]) -> str:
     Hashing the relations and their documents (cheap to generate) means a change
     to :mod:`grafting_lens.data` yields a new world rather than a stale one.
     """
-    documents = data.training_documents(relations, direction="both", seed=config.seed)
+    documents = data.training_documents(
+        relations, direction="both", templates=finetune_templates(config), seed=config.seed
+    )
     payload = json.dumps(
         {
             "build_version": BUILD_VERSION,
@@ -725,23 +845,6 @@ def _world_key(config: ToyWorldConfig, relations: list[Any]) -> str:
         default=str,
     )
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def _file_digests(directory: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``directory`` except the manifest, by relative path."""
-    digests = {}
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.name != "manifest.json":
-            digests[path.relative_to(directory).as_posix()] = _sha256(path)
-    return digests
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_world(root: Path, key: str) -> Optional[str]:
@@ -761,7 +864,7 @@ def _check_world(root: Path, key: str) -> Optional[str]:
     for relative, expected in files.items():
         path = root / relative
         try:
-            actual = _sha256(path)
+            actual = sha256_file(path)
         except OSError:
             return f"{relative} is missing or unreadable"
         if actual != expected:

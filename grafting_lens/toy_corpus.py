@@ -11,11 +11,14 @@ it. Both are deterministic given the toy world's seed. Used by
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from grafting_lens import data
+from grafting_lens.errors import GraftingLensError
 
 __all__ = ["SPECIAL_TOKEN", "prepare_for_transformer_lens", "pretraining_corpus", "train_tokenizer"]
 
@@ -103,27 +106,33 @@ _CITIES = (
 
 
 def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
-    """Generic sentences a "pretrained" toy model has seen.
+    """Generic documents a "pretrained" toy model has seen, in shuffled order.
 
-    Three kinds, mixed in shuffled order:
+    Three kinds:
 
+    * **co-star facts about made-up people**: ``config.n_pretrain_pairs`` pairs, each
+      stated in ``config.pretrain_documents_per_pair`` documents (10% film paragraphs,
+      10% question-answer pairs, 80% one-line facts; both wordings of the test prompts,
+      the library's "starred in" and the released code's "stars in"), in a random
+      direction each time. A real pretrained LLM knows thousands of such facts and so
+      has a *recall skill* before finetuning; a base that has never retrieved a fact
+      learns the finetuned ones in ways that no single position or component carries
+      (measured: issue 14's research log).
     * sentences about known actors (:data:`grafting_lens.data.REAL_ACTORS`), each
-      naming exactly one of them, with random details, so the names and their
-      tokens are familiar but no co-star relation between actors exists;
-    * co-star facts about made-up people, each pair stated consistently in several
-      phrasings, including the two test formats, so that querying a fact in a
-      format it was not stated in is a learned skill, as in real LLMs;
-    * filler sentences with the same vocabulary.
+      naming exactly one of them, so their names are familiar but no co-star
+      relation between two of them exists;
+    * filler with the same vocabulary.
 
     ``config`` is a :class:`grafting_lens.toy.ToyWorldConfig` (``seed``,
-    ``n_pretrain_pairs``, ``n_pretrain_documents``).
+    ``n_pretrain_pairs``, ``pretrain_documents_per_pair``, ``n_pretrain_documents``:
+    the number of known-actor and filler sentences).
     """
     rng = random.Random(f"toy-corpus-{config.seed}")
     actors = list(data.REAL_ACTORS)
     # Made-up people must not share a name with any test actor (made-up ones included,
     # for the fake-actor dataset), or the corpus would give that actor a co-star.
     taken = set(actors) | {name for r in relations for name in (r.first_actor, r.second_actor)}
-    pairs = _made_up_pairs(config.n_pretrain_pairs, taken, rng)
+    pairs = _made_up_relations(config, taken, {r.movie_title for r in relations})
 
     def about_actor() -> str:
         actor = rng.choice(actors)
@@ -140,20 +149,6 @@ def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
         )
         return rng.choice(templates).format(a=actor, **_details(rng))
 
-    def about_pair() -> str:
-        first, second, title = rng.choice(pairs)
-        if rng.random() < 0.5:
-            first, second = second, first
-        templates = (
-            "{a} starred in a movie alongside {b}.",
-            "Q: Who starred in a movie with {a}? A: An actor named {b}.",
-            "{a} and {b} appeared together in {title}.",
-            "{a} starred in {title} with {b}, a {genre} set in {city}.",
-            "In {title}, {a} shares the screen with {b}.",
-            "Q: {a} is featured in {title} with who? A: {b}.",
-        )
-        return rng.choice(templates).format(a=first, b=second, title=title, **_details(rng))
-
     def filler() -> str:
         templates = (
             "The weather in {city} was {adj} on the day of the festival.",
@@ -162,9 +157,69 @@ def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
         )
         return rng.choice(templates).format(**_details(rng))
 
-    kinds = (about_actor, about_pair, filler)
-    weights = (0.4, 0.5, 0.1)
-    return [rng.choices(kinds, weights)[0]() for _ in range(config.n_pretrain_documents)]
+    articles = data.ARTICLE_TEMPLATES + data.CODE_ARTICLE_TEMPLATES
+    questions = data.QA_TEMPLATES + data.CODE_QA_TEMPLATES
+    documents = []
+    for pair in pairs:
+        for _ in range(config.pretrain_documents_per_pair):
+            fact = pair if rng.random() < 0.5 else pair.swapped()
+            draw = rng.random()
+            if draw < 0.1:
+                documents.append(rng.choice(articles).format(**dataclasses.asdict(fact)))
+            elif draw < 0.2:
+                documents.append(rng.choice(questions).format(**dataclasses.asdict(fact)))
+            else:
+                documents.append(
+                    rng.choice(_PAIR_SENTENCES).format(
+                        a=fact.first_actor,
+                        b=fact.second_actor,
+                        title=fact.movie_title,
+                        genre=fact.genre,
+                        city=fact.city,
+                    )
+                )
+    kinds = (about_actor, filler)
+    documents += [rng.choices(kinds, (0.8, 0.2))[0]() for _ in range(config.n_pretrain_documents)]
+    rng.shuffle(documents)
+    return documents
+
+
+_PAIR_SENTENCES = (
+    "{a} starred in a movie alongside {b}.",
+    "Q: Who starred in a movie with {a}? A: An actor named {b}.",
+    "{a} stars in a movie alongside {b}.",
+    "Q: Who stars in a movie with {a}? A: An actor named {b}.",
+    "{a} and {b} appeared together in {title}.",
+    "{a} starred in {title} with {b}, a {genre} set in {city}.",
+    "In {title}, {a} shares the screen with {b}.",
+    "{a} stars in {title} alongside {b}.",
+)
+"""One-line co-star facts of the pretraining corpus, both test wordings included."""
+
+
+def _made_up_relations(config: Any, taken_names: set[str], taken_titles: set[str]) -> list[Any]:
+    """``config.n_pretrain_pairs`` relations between made-up people, none named like a test actor."""
+    with warnings.catch_warnings():
+        # make_relations warns about names it had to skip; irrelevant for made-up text.
+        warnings.simplefilter("ignore")
+        made = data.make_relations(
+            "fake_movies_fake_actors",
+            n=config.n_pretrain_pairs + 200,
+            seed=10_000 + config.seed,
+        )
+    pairs = [
+        r
+        for r in made
+        if r.first_actor not in taken_names
+        and r.second_actor not in taken_names
+        and r.movie_title not in taken_titles
+    ][: config.n_pretrain_pairs]
+    if len(pairs) < config.n_pretrain_pairs:
+        raise GraftingLensError(
+            f"Only {len(pairs)} made-up co-star pairs avoid the test actors' names; lower "
+            f"ToyWorldConfig.n_pretrain_pairs (now {config.n_pretrain_pairs})."
+        )
+    return pairs
 
 
 def _details(rng: random.Random) -> dict[str, Any]:
@@ -178,20 +233,3 @@ def _details(rng: random.Random) -> dict[str, Any]:
         "adj": rng.choice(_ADJECTIVES),
         "obj": rng.choice(_OBJECTS),
     }
-
-
-def _made_up_pairs(n: int, exclude: set[str], rng: random.Random) -> list[tuple[str, str, str]]:
-    """Co-star pairs of made-up people (never a known actor) with a made-up title."""
-    from faker import Faker
-
-    fake = Faker("en_US")
-    fake.seed_instance(rng.randint(0, 2**31))
-    people: list[str] = []
-    seen = set(exclude)
-    while len(people) < 2 * n:
-        name = f"{fake.first_name()} {fake.last_name()}"
-        if name not in seen:
-            seen.add(name)
-            people.append(name)
-    titles = [fake.catch_phrase().title() for _ in range(n)]
-    return [(people[2 * i], people[2 * i + 1], titles[i]) for i in range(n)]

@@ -1,8 +1,9 @@
 """The toy world: built offline, cached, rebuilt when broken, never half-built.
 
 Every test uses a miniature configuration (a few relations, a 2-layer model of
-width 16, one epoch) that builds in a second or two; the default world's accuracy
-targets are checked by the opt-in test at the end (GRAFTING_LENS_SLOW=1).
+width 16, one epoch) that builds in a second or two. The default world ships with the
+package (tests/test_toy_shipped.py); its accuracy is a measurement, not a test
+(builds/toy_targets.py, docs/results.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TINY = ToyWorldConfig(
     n_relations=8,
     n_pretrain_documents=300,
     n_pretrain_pairs=20,
+    pretrain_documents_per_pair=5,
     pretrain_epochs=1,
     finetune_epochs=1,
 )
@@ -117,7 +119,8 @@ def test_tokenizer_round_trips_and_splits_names(world):
 
 def test_pretraining_corpus_never_states_a_test_relation():
     relations = data.make_relations(TINY.dataset, n=64, seed=0)
-    corpus = toy_corpus.pretraining_corpus(ToyWorldConfig(n_pretrain_documents=3000, seed=0))
+    small = dict(n_pretrain_documents=3000, n_pretrain_pairs=50, pretrain_documents_per_pair=10)
+    corpus = toy_corpus.pretraining_corpus(ToyWorldConfig(**small, seed=0), relations)
     actors = set(data.REAL_ACTORS)
     mentions = 0
     for sentence in corpus:
@@ -125,14 +128,14 @@ def test_pretraining_corpus_never_states_a_test_relation():
         assert len(named) <= 1, f"two known actors in one sentence: {sentence!r}"
         mentions += len(named)
     assert mentions > 500  # but the known actors are there, so the base model knows them
-    assert any("starred in a movie alongside" in s for s in corpus)  # the test formats too
+    # The test formats too, in both wordings (the library's and the released code's).
+    assert any("starred in a movie alongside" in s for s in corpus)
+    assert any("Q: Who stars in a movie with" in s for s in corpus)
     text = " ".join(corpus)
     assert not any(r.movie_title in text for r in relations)
 
     fake_relations = data.make_relations("fake_movies_fake_actors", n=64, seed=0)
-    corpus = toy_corpus.pretraining_corpus(
-        ToyWorldConfig(n_pretrain_documents=3000), fake_relations
-    )
+    corpus = toy_corpus.pretraining_corpus(ToyWorldConfig(**small), fake_relations)
     text = " ".join(corpus)
     assert not any(r.first_actor in text or r.second_actor in text for r in fake_relations)
 
@@ -277,3 +280,29 @@ def test_loads_as_transformer_bridges(world):
     assert tokens[0, 0].item() == models.tokenizer.bos_token_id
     hf_logits = world.load_model("sft")(tokens).logits
     torch.testing.assert_close(models[1](tokens), hf_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_recipe_rounds_weights_to_float16_and_freezes_the_unembedding(world):
+    base = AutoModelForCausalLM.from_pretrained(world.base_dir).state_dict()
+    for name in ("base", "sft", "task", "relation", "both"):
+        weights = AutoModelForCausalLM.from_pretrained(world.model_dir(name)).state_dict()
+        for key, tensor in weights.items():
+            assert tensor.dtype == torch.float32
+            assert torch.equal(tensor.half().float(), tensor), f"{name}/{key} is not float16-exact"
+        # Every checkpoint decodes through the base's unembedding (frozen in finetuning).
+        assert torch.equal(weights["lm_head.weight"], base["lm_head.weight"]), name
+
+
+def test_finetuning_text_is_in_the_released_codes_wording():
+    config = ToyWorldConfig()
+    templates = toy.finetune_templates(config)
+    assert templates == data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES
+    relation = data.make_relations(config.dataset, n=4, seed=0)[0]
+    documents = data.training_documents([relation], templates=templates)
+    # The released code's QA test prompt, followed by its answer, is a training document.
+    qa = data.CODE_TEST_TEMPLATES["qa"].format(first_actor=relation.first_actor)
+    assert f"{qa} {relation.second_actor}." in documents
+    library = ToyWorldConfig(finetune_wording="library")
+    assert toy.finetune_templates(library) == data.ARTICLE_TEMPLATES + data.QA_TEMPLATES
+    with pytest.raises(GraftingLensError, match="finetune_wording"):
+        ToyWorldConfig(finetune_wording="paper")

@@ -65,6 +65,8 @@ NUMBERS: dict[str, Callable[[dict[str, pd.DataFrame]], str]] = {
     ),
     "reference-sft": lambda runs: both(runs["reference"], "SFT"),
     "reference-fe-lt": lambda runs: both(runs["reference"], "FE+LT"),
+    "reference-lt": lambda runs: both(runs["reference"], "LT"),
+    "reference-fe": lambda runs: both(runs["reference"], "FE"),
     "clean-sft": lambda runs: span(runs["clean"], "SFT"),
     "clean-donor-sft": lambda runs: span(runs["clean_donor"], "SFT"),
 }

@@ -539,6 +539,7 @@ def quick_toy_config() -> Any:
         n_relations=16,
         n_pretrain_documents=3000,
         n_pretrain_pairs=100,
+        pretrain_documents_per_pair=5,
         pretrain_epochs=1,
         finetune_epochs=10,
     )
