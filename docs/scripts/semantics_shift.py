@@ -161,6 +161,11 @@ def main() -> None:
         Path(args.out) / "semantics_shift",
         include_plotlyjs="cdn",
     )
+    # The page shows the PNG; an HTML left in docs/ would be built into the site, and it
+    # loads plotly from a CDN, which an offline reader cannot.
+    if written.get("png"):
+        Path(written["html"]).unlink(missing_ok=True)
+        written["html"] = None
     print(json.dumps({"written": written}))
 
 
