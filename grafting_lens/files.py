@@ -22,6 +22,7 @@ are ready.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from grafting_lens.errors import GraftingLensError, RunError
@@ -70,6 +72,15 @@ def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = Fal
         The path written.
     """
     path = Path(path)
+    with _complete_sibling(path, content, durable=durable) as temporary:
+        os.replace(temporary, path)
+    return path
+
+
+@contextlib.contextmanager
+def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> Iterator[str]:
+    """A temporary file beside ``path`` holding all of ``content``; removed afterwards
+    unless the block moved it into place."""
     handle, temporary = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
     )
@@ -80,12 +91,10 @@ def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = Fal
                 file.flush()
                 os.fsync(file.fileno())
         os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be shared
-        os.replace(temporary, path)
-    except BaseException:
+        yield temporary
+    finally:
         if os.path.exists(temporary):
             os.unlink(temporary)
-        raise
-    return path
 
 
 def check_writable(path: str | os.PathLike, what: str = "The output directory") -> Path:
@@ -286,13 +295,7 @@ def write_once(path: str | os.PathLike, content: bytes) -> bytes:
     place if the path is still absent (two writers can then race in the gap).
     """
     path = Path(path)
-    handle, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
-    )
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(content)
-        os.chmod(temporary, 0o644)
+    with _complete_sibling(path, content) as temporary:
         try:
             os.link(temporary, path)
         except FileExistsError:
@@ -300,7 +303,4 @@ def write_once(path: str | os.PathLike, content: bytes) -> bytes:
         except OSError:
             if not path.exists():
                 os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
     return path.read_bytes()
