@@ -348,8 +348,7 @@ class _SourceDispatch(nn.Module):
 
     def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
-        primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-        self._reading = None if primary is None else primary.shape
+        self._reading = _input_shape(args, kwargs)
 
     def __getattr__(self, name: str):
         try:
@@ -384,6 +383,12 @@ class _SourceDispatch(nn.Module):
             # With autograd on, each forward needs its own graph, so nothing is kept.
             vectors[cache_key] = per_position
         return per_position
+
+
+def _input_shape(args: tuple, kwargs: dict) -> torch.Size | None:
+    """The shape of a module call's first tensor argument, or None if it has none."""
+    primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    return None if primary is None else primary.shape
 
 
 def _declared_layout(

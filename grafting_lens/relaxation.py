@@ -72,6 +72,7 @@ from grafting_lens.graft import (
     _call,
     _check_declared,
     _declared_layout,
+    _input_shape,
     _Layout,
     _position_shape,
     _SourceDispatch,
@@ -210,8 +211,7 @@ class _MixDispatch(nn.Module):
 
     def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
-        primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-        self._reading = None if primary is None else primary.shape
+        self._reading = _input_shape(args, kwargs)
 
     def __getattr__(self, name: str):
         try:
