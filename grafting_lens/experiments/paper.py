@@ -105,6 +105,18 @@ def _component_spec(
     )
 
 
+LIBRARY_READING_ONLY = (
+    "--semantics",
+    "--unembed",
+    "--lm-head",
+    "--include-unembed",
+    "--base-embeddings",
+)
+"""The options of an experiment whose runner works the library's way only (the paper's code
+has nothing to follow there, e.g. patching or attribution): the code's switches would have
+nothing to act on, so they are refused rather than ignored."""
+
+
 register_experiment(
     ExperimentSpec(
         "position",
@@ -209,13 +221,7 @@ register_experiment(
                 fingerprinted=False,
             ),
         ),
-        inapplicable=(
-            "--semantics",
-            "--unembed",
-            "--lm-head",
-            "--include-unembed",
-            "--base-embeddings",
-        ),
+        inapplicable=LIBRARY_READING_ONLY,
         run=patching_vs_grafting.run,
         report=patching_vs_grafting.report,
     )
@@ -242,15 +248,7 @@ register_experiment(
             ),
             Option("--verify", "Cells to graft exactly: 'all' (default) or a number."),
         ),
-        # Attribution relaxes components as this library names them: the code's
-        # switches have nothing to act on, so they are refused rather than ignored.
-        inapplicable=(
-            "--semantics",
-            "--unembed",
-            "--lm-head",
-            "--include-unembed",
-            "--base-embeddings",
-        ),
+        inapplicable=LIBRARY_READING_ONLY,
         run=graft_attribution.run,
         report=graft_attribution.report,
     )
