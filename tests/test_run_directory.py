@@ -309,6 +309,9 @@ def holder():
         process.wait()
 
 
+# The holder is a second, independent implementation of the lock protocol (flock on
+# ".lock", then its JSON), so that the test does not trust the library's own locking;
+# flock exists on POSIX only, so on Windows the test has no holder to run.
 @pytest.mark.skipif(sys.platform == "win32", reason="the holder uses fcntl")
 def test_a_second_process_is_refused_and_a_dead_ones_lock_is_no_obstacle(
     models, test_sets, whole, tmp_path, holder, forwards
@@ -389,6 +392,9 @@ def test_a_report_of_another_run_is_refused_and_overwritten_completely(models, t
     assert set(pd.read_csv(out / "results.csv").target_prob) == {0.5}
 
 
+# The holder is a second, independent implementation of the lock protocol (flock on
+# ".lock", then its JSON), so that the test does not trust the library's own locking;
+# flock exists on POSIX only, so on Windows the test has no holder to run.
 @pytest.mark.skipif(sys.platform == "win32", reason="the holder uses fcntl")
 def test_a_second_command_into_the_same_out_is_refused_before_loading(
     tmp_path, monkeypatch, holder, capsys
