@@ -23,7 +23,8 @@ The hierarchy, one class per thing that can go wrong::
     ├── PatchingError       a patch or sweep the model set or tokens cannot give
     ├── AttributionError    a graft attribution or graft search that cannot be run
     ├── ExperimentError     an unknown or malformed experiment, configuration or test set
-    └── RunError            a run or output directory cannot be used
+    ├── RunError            a run or output directory cannot be used
+    └── DependencyError     an installed release computes something this library does not expect
 
 :class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
 because selections and tokens were reported as mask errors before they had names
@@ -41,6 +42,7 @@ __all__ = [
     "AttributionError",
     "BatchError",
     "ComponentError",
+    "DependencyError",
     "ExperimentError",
     "GraftMaskError",
     "GraftingError",
@@ -127,6 +129,19 @@ class TokenError(GraftMaskError):
 class BatchError(GraftingLensError):
     """A tokenized batch is malformed: a missing part, or parts whose shapes disagree
     (see :func:`grafting_lens.batch.as_batch`)."""
+
+
+class DependencyError(GraftingLensError):
+    """An installed release of transformers, TransformerLens or torch no longer computes what
+    this library relies on.
+
+    Paths that rely on more than a plain forward pass (continuing a pass over a
+    key/value cache: the token-by-token reference, generation, patching that resumes
+    the unpatched run) check that behaviour once per model against a plain pass and
+    raise this, with the installed versions, instead of returning a number that a new
+    release made wrong. The fix: install the versions of the project's lock, or report
+    the versions named to grafting-lens.
+    """
 
 
 class GraftingError(GraftingLensError):

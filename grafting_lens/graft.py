@@ -73,6 +73,7 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 from transformers import DynamicCache
 
+from grafting_lens.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.components import COMPONENTS, Slot
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
@@ -640,6 +641,7 @@ def graft_forward_reference(
         {index: models.sources[index].module(slot) for index in {0} | used.get(pair, frozenset())}
         for pair, slot in slots
     ]
+    check_cache_continuation(models.base, "the token-by-token reference", GraftingError)
     logits = None
     try:
         for row in range(mask.shape[0]):
@@ -647,17 +649,11 @@ def graft_forward_reference(
             for position in range(int(lengths[row])):
                 for (pair, slot), choices in zip(slots, modules):
                     slot.replace(models.base, choices[int(mask[pair][row, position])])
-                step = models.base(
-                    tokens[row : row + 1, position : position + 1],
-                    past_key_values=cache,
-                    use_cache=True,
-                    return_type="logits",
-                )
-                if cache.get_seq_length() != position + 1:
-                    raise GraftingError(
-                        f"{models.architecture} kept no key/value cache for earlier tokens, so "
-                        "the token-by-token reference cannot run on it (each token would see "
-                        "only itself). graft_forward does not need a cache."
+                with cache_visible(models.base):
+                    step = models.base(
+                        tokens[row : row + 1, position : position + 1],
+                        return_type="logits",
+                        **cached_forward_kwargs(models.base, cache),
                     )
                 if logits is None:
                     logits = torch.full(
@@ -743,20 +739,22 @@ def graft_generate(
             f"new_token_sources must be 'last' or a source index 0..{len(models) - 1}, "
             f"got {new_token_sources!r}."
         )
+    _check_mask(models, full)
+    _check_not_grafting(models)
+    check_cache_continuation(models.base, "graft_generate", GraftingError)
     generated = [tokens]
-    with _installed(models, full) as state:
+    with _installed(models, full) as state, cache_visible(models.base):
         cache = DynamicCache()
+        continuing = cached_forward_kwargs(models.base, cache)
         state.window = (0, prompt_length)
-        logits = models.base(tokens, past_key_values=cache, use_cache=True, return_type="logits")
+        logits = models.base(tokens, return_type="logits", **continuing)
         for step in range(max_new_tokens):
             next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
             generated.append(next_token)
             if step == max_new_tokens - 1:
                 break
             state.window = (prompt_length + step, 1)
-            logits = models.base(
-                next_token, past_key_values=cache, use_cache=True, return_type="logits"
-            )
+            logits = models.base(next_token, return_type="logits", **continuing)
     return torch.cat(generated, dim=1)
 
 

@@ -54,6 +54,7 @@ from grafting_lens.adapters import (
     warn_if_other_base,
 )
 from grafting_lens.architectures import resolve_architecture, warn_if_unverified
+from grafting_lens.compat import adapt_bridge
 from grafting_lens.components import (
     ComponentLayout,
     Key,
@@ -764,12 +765,14 @@ def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
             getattr(skeleton.get_submodule(owner), table)[attribute] = tensors[name]
     skeleton.eval()
     parameter = next(original.parameters())
-    return TransformerBridge.boot_transformers(
-        str(getattr(base.cfg, "model_name", "") or "base"),
-        hf_model=skeleton,
-        tokenizer=base.tokenizer,
-        device=str(parameter.device),
-        dtype=parameter.dtype,
+    return adapt_bridge(
+        TransformerBridge.boot_transformers(
+            str(getattr(base.cfg, "model_name", "") or "base"),
+            hf_model=skeleton,
+            tokenizer=base.tokenizer,
+            device=str(parameter.device),
+            dtype=parameter.dtype,
+        )
     )
 
 
@@ -790,7 +793,7 @@ def _to_bridge(
             )
         if device is not None or dtype is not None:
             source.to(device=device, dtype=dtype)
-        return source, f"source{index}"
+        return adapt_bridge(source), f"source{index}"
     if isinstance(source, PreTrainedModel):
         if any(type(module).__module__.startswith("peft.") for module in source.modules()):
             raise AlignmentError(
@@ -841,7 +844,7 @@ def _to_bridge(
         device=str(parameter.device),
         dtype=parameter.dtype,
     )
-    return bridge, label
+    return adapt_bridge(bridge), label
 
 
 def resolve_placement(

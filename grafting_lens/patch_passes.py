@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Bool
 from transformers import DynamicCache
 
+from grafting_lens.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.errors import PatchingError
 from grafting_lens.models import ModelSet
 from grafting_lens.positions import row_lengths
@@ -153,17 +154,22 @@ class PatchRun:
 
             return hook
 
-        logits = self.running_model.run_with_hooks(
-            self.tokens,
-            attention_mask=self.attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-            return_type="logits",
-            fwd_hooks=[
-                (HOOKS["resid_pre"].format(layer=layer), store(layer))
-                for layer in range(self.models.n_layers)
-            ],
+        check_cache_continuation(
+            self.running_model,
+            "patching with reuse_prefix=True (pass reuse_prefix=False)",
+            PatchingError,
         )
+        with cache_visible(self.running_model):
+            logits = self.running_model.run_with_hooks(
+                self.tokens,
+                attention_mask=self.attention_mask,
+                return_type="logits",
+                fwd_hooks=[
+                    (HOOKS["resid_pre"].format(layer=layer), store(layer))
+                    for layer in range(self.models.n_layers)
+                ],
+                **cached_forward_kwargs(self.running_model, cache),
+            )
         return UnpatchedPrefix(
             logits, cache, [residuals[layer] for layer in range(self.models.n_layers)]
         )
@@ -299,32 +305,9 @@ class PatchRun:
                     cached.values[..., :start, :].repeat(repeats, 1, 1, 1),
                     layer,
                 )
-            options.update(past_key_values=past, use_cache=True)
-        if first_layer == 0:
-            rest = self.running_model.run_with_hooks(
-                tokens[:, start:],
-                attention_mask=mask,
-                return_type="logits",
-                fwd_hooks=hooks,
-                **options,
-            )
-        else:
-            assert prefix is not None
-            residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
-            parent, attribute = self._block_list()  # type: ignore[misc]
-            every_block = getattr(parent, attribute)
-            setattr(parent, attribute, torch.nn.ModuleList(list(every_block)[first_layer:]))
-            try:
-                rest = self.running_model.run_with_hooks(
-                    residual,
-                    start_at_layer=first_layer,
-                    attention_mask=mask,
-                    return_type="logits",
-                    fwd_hooks=hooks,
-                    **options,
-                )
-            finally:
-                setattr(parent, attribute, every_block)
+            options.update(cached_forward_kwargs(self.running_model, past))
+        with cache_visible(self.running_model):
+            rest = self._forward(tokens, start, mask, hooks, options, first_layer, prefix)
         if last_only:
             return self._last(rest, start, repeats, prefix, kept)
         if start == 0:
@@ -335,6 +318,43 @@ class PatchRun:
         per_cell[:, :, :start] = prefix.logits[:, :start]  # the same for every cell
         logits[:, start:] = rest
         return logits
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+        hooks: list,
+        options: dict[str, object],
+        first_layer: int,
+        prefix: UnpatchedPrefix | None,
+    ) -> torch.Tensor:
+        """One hooked pass from position ``start`` and block ``first_layer`` on."""
+        repeats = tokens.shape[0] // self.shape[0]
+        if first_layer == 0:
+            return self.running_model.run_with_hooks(
+                tokens[:, start:],
+                attention_mask=mask,
+                return_type="logits",
+                fwd_hooks=hooks,
+                **options,
+            )
+        assert prefix is not None
+        residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
+        parent, attribute = self._block_list()  # type: ignore[misc]
+        every_block = getattr(parent, attribute)
+        setattr(parent, attribute, torch.nn.ModuleList(list(every_block)[first_layer:]))
+        try:
+            return self.running_model.run_with_hooks(
+                residual,
+                start_at_layer=first_layer,
+                attention_mask=mask,
+                return_type="logits",
+                fwd_hooks=hooks,
+                **options,
+            )
+        finally:
+            setattr(parent, attribute, every_block)
 
 
 def site_hooks(

@@ -50,6 +50,7 @@ Consequences a reader should know (they are what make this the *reference*, not 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -456,13 +457,16 @@ def patched_logits(
                     if hybrid is not None and index == length - 1:
                         source = head_source = hybrid
                     _load(model, source, f"{layout.layers}.{layer}.{path}")
+        # transformers 5.24 renamed the cache argument and output `past_key_values` -> `cache`.
+        name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else None
+        name = name or "past_key_values"
         output = model(
             input_ids[:, index : index + 1],
-            past_key_values=cache,
             use_cache=True,
             output_hidden_states=True,
+            **{name: cache},
         )
-        cache = output.past_key_values
+        cache = getattr(output, name)
     if patch_lm_head == "always":
         # hidden_states[-1] is after the final norm in every family here.
         head = head_source.get_submodule(layout_of(head_source).lm_head)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from conftest import make_tokenizer, random_model
 import grafting_lens as gl
 from grafting_lens import data, files
 from grafting_lens.errors import GraftingLensError, RunError
-from grafting_lens.experiments import make_test_sets, run_directory, run_experiment, runner
+from grafting_lens.experiments import CLEAN, make_test_sets, run_directory, run_experiment, runner
 from grafting_lens.experiments.report import REPORT_MANIFEST, write_experiment_report
 from grafting_lens.experiments.run_directory import (
     CheckpointDigests,
@@ -56,6 +57,10 @@ def forwards(monkeypatch):
 
     monkeypatch.setattr(runner, "graft_forward", counted)
     return calls
+
+
+DONOR_UNEMBED = dataclasses.replace(CLEAN, unembed="donor")
+"""What --include-unembed asked for: the library's reading, decoded by the donor's unembedding."""
 
 
 def _run(models, test_sets, out=None, **options):
@@ -126,7 +131,7 @@ def test_a_tampered_chunk_is_refused_and_recomputed_once_deleted(
 def test_a_chunk_copied_from_another_run_is_refused(models, test_sets, whole, tmp_path):
     # The case of the issue: a chunk of an --include-unembed run, same id and columns.
     other = tmp_path / "unembed"
-    _run(models, test_sets, other, include_unembed=True)
+    _run(models, test_sets, other, semantics=DONOR_UNEMBED)
     out = tmp_path / "run"
     _run(models, test_sets, out)
     shutil.copy(other / "chunks" / "m0-t0-c0.json", out / "chunks" / "m0-t0-c0.json")
@@ -135,7 +140,7 @@ def test_a_chunk_copied_from_another_run_is_refused(models, test_sets, whole, tm
     # Renamed within its own run: the id inside says which chunk it is.
     shutil.copy(other / "chunks" / "m0-t0-c1.json", other / "chunks" / "m0-t0-c0.json")
     with pytest.raises(RunError, match=r"holds the chunk 'm0-t0-c1', not 'm0-t0-c0'"):
-        _run(models, test_sets, other, include_unembed=True)
+        _run(models, test_sets, other, semantics=DONOR_UNEMBED)
 
 
 def test_a_directory_where_a_chunk_goes_is_refused(models, test_sets, tmp_path):
