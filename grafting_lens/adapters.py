@@ -51,6 +51,7 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -72,7 +73,7 @@ from grafting_lens.components import (
     checkpoint_parameters,
     fused_projections,
 )
-from grafting_lens.errors import AdapterError
+from grafting_lens.errors import AdapterError, unsafe_pickle
 from grafting_lens.sources import (
     CheckpointSource,
     Source,
@@ -148,7 +149,14 @@ class LoraAdapter:
         if (path / "adapter_model.safetensors").is_file():
             tensors = load_file(str(path / "adapter_model.safetensors"))
         elif (path / "adapter_model.bin").is_file():
-            tensors = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+            try:
+                tensors = torch.load(
+                    path / "adapter_model.bin", map_location="cpu", weights_only=True
+                )
+            except pickle.UnpicklingError as error:
+                if "weights only" not in str(error).lower():
+                    raise
+                raise AdapterError(unsafe_pickle(str(path / "adapter_model.bin"))) from None
         else:
             raise AdapterError(
                 f"{str(path)!r} has an adapter_config.json but no adapter_model.safetensors "

@@ -169,12 +169,13 @@ def check_cache_continuation(
     expected = plain[:, 3:].float()
     scale = float(expected.abs().max()) + 1e-6
     tolerance = (1e-4 if plain.dtype == torch.float32 else 1e-2) * scale
-    error = float((continued.float() - expected).abs().max())
-    if kept != 3 or not error <= tolerance:
+    difference = float((continued.float() - expected).abs().max())
+    if kept != 3 or not difference <= tolerance:
         found = (
             f"the cache holds {kept} positions after a 3-token prefix"
             if kept != 3
-            else f"its logits differ from a plain pass by {error:.3g} (tolerance {tolerance:.3g})"
+            else f"its logits differ from a plain pass by {difference:.3g} (tolerance "
+            f"{tolerance:.3g})"
         )
         raise DependencyError(
             f"{what} continues a pass over a key/value cache, and on "

@@ -56,6 +56,7 @@ __all__ = [
     "TokenError",
     "ToyWorldError",
     "did_you_mean",
+    "unsafe_pickle",
 ]
 
 
@@ -196,3 +197,18 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A " Did you mean 'x'?" suffix naming the closest choice, or an empty string."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def unsafe_pickle(what: str) -> str:
+    """The message for a pickled file that torch's safe loader refused.
+
+    torch's own message advises retrying with ``weights_only=False``, which would run
+    whatever code the file holds; grafting-lens never does, and says so instead.
+    """
+    return (
+        f"{what} is a pickle holding more than tensors, refused as unsafe: unpickling it "
+        "could run arbitrary code, so grafting-lens reads pickled weights only with torch's "
+        "weights-only loader and never retries without it. If you trust the file, convert it "
+        "to safetensors where it was made (save_pretrained(..., safe_serialization=True)) and "
+        "load that."
+    )

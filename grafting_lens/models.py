@@ -42,7 +42,10 @@ from typing import Any, Union
 import pandas as pd
 import torch
 from accelerate import init_empty_weights
-from safetensors import SafetensorError
+
+# safetensors < 0.5 declares neither SafetensorError nor safe_open as a context manager in its
+# stubs (its runtime has both): the ignores below are for those releases.
+from safetensors import SafetensorError  # type: ignore[attr-defined, unused-ignore]
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -65,13 +68,21 @@ from grafting_lens.components import (
     expand_components,
 )
 from grafting_lens.console import quiet_loading
-from grafting_lens.errors import AlignmentError, GraftingLensError, SelectionError, TokenError
+from grafting_lens.errors import (
+    AlignmentError,
+    GraftingLensError,
+    SelectionError,
+    TokenError,
+    unsafe_pickle,
+)
 from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.sources import (
+    SHARD_INDEXES,
     CheckpointSource,
     LazySource,
     SafetensorsCheckpoint,
     Source,
+    shard_files,
     tensor_bytes,
 )
 
@@ -904,6 +915,9 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
                 f"a checkpoint (it holds {contents or 'nothing'}). Point to the directory "
                 "save_pretrained wrote (config.json next to the weights)."
             )
+        for index_name in SHARD_INDEXES:
+            if (path / index_name).is_file():
+                shard_files(path, index_name)  # every shard inside the checkpoint
         target = str(path)
     else:
         hub_id_form = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is not None
@@ -925,6 +939,10 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
             "connection or a filled HF cache (HF_HUB_OFFLINE=1 forbids downloads)."
         ) from error
     except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        if isinstance(error, pickle.UnpicklingError) and "weights only" in str(error).lower():
+            raise GraftingLensError(
+                unsafe_pickle(f"A weight file of source {index} ({label!r})")
+            ) from None
         # A damaged weight file (truncated download, interrupted save) fails inside
         # safetensors or torch with a message that names no file.
         files = (

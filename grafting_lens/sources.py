@@ -67,6 +67,46 @@ __all__ = [
 ]
 
 
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+"""The files in which a sharded checkpoint lists its shards."""
+
+
+def shard_files(directory: Path, index_name: str) -> list[str]:
+    """The shards a checkpoint's index lists, each a file of ``directory`` itself.
+
+    An index is a file like any other in a directory that may come from anywhere: a
+    shard named with a directory part, ``..`` or an absolute path, or resolving
+    outside the checkpoint through a link, would read weights from outside it, and is
+    refused.
+
+    Raises:
+        GraftingLensError: The index is not JSON with a ``weight_map`` of file names,
+            or names a shard outside the checkpoint directory.
+    """
+    index = directory / index_name
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise TypeError("weight_map is not a non-empty mapping")
+        files = sorted({str(file) for file in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise GraftingLensError(
+            f"{index} cannot be read as a shard index ({type(error).__name__}: {error}); it "
+            "must be JSON with a 'weight_map' of tensor names to shard files, as save_pretrained "
+            "writes it. Save the checkpoint again."
+        ) from None
+    root = directory.resolve()
+    for file in files:
+        inside = Path(file).name == file and file not in ("", ".", "..") and "\\" not in file
+        if not inside or (directory / file).resolve().parent != root:
+            raise GraftingLensError(
+                f"{index} lists the shard {file!r}, which is not a file of {directory} itself; "
+                "grafting-lens reads no weights from outside a checkpoint's directory. Save the "
+                "checkpoint again, or put its shards beside the index."
+            )
+    return files
+
+
 class Source:
     """One checkpoint of a model set, as a graft and a run see it.
 
@@ -212,8 +252,7 @@ class SafetensorsCheckpoint:
         index = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = shard_files(self.directory, index.name)
         elif single.is_file():
             files = [single.name]
         else:
@@ -231,7 +270,7 @@ class SafetensorsCheckpoint:
         self.converted: list[str] = []
         headers: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
         for file in files:
-            with safe_open(str(self.directory / file), framework="pt") as handle:
+            with safe_open(str(self.directory / file), framework="pt") as handle:  # type: ignore[attr-defined, unused-ignore]
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     headers[(file, name)] = (
@@ -261,7 +300,7 @@ class SafetensorsCheckpoint:
         cast to another dtype) no longer needs them.
         """
         file, stored = self._where[name]
-        with safe_open(str(self.directory / file), framework="pt") as handle:
+        with safe_open(str(self.directory / file), framework="pt") as handle:  # type: ignore[attr-defined, unused-ignore]
             return handle.get_tensor(stored)
 
     def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:

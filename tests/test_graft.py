@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+import weakref
+from importlib.metadata import version
+
 import pytest
 import torch
-from conftest import no_forward_pass, random_mask, random_tokens
+from conftest import no_forward_pass, random_mask, random_model, random_tokens
 from transformers import AutoModelForCausalLM, OpenAIGPTConfig
 
 import grafting_lens as gl
@@ -421,3 +426,57 @@ def test_the_oracle_refuses_a_model_without_a_key_value_cache(tokenizer):
     mask = gl.GraftMask.build(models, tokens, positions="last", components="mlp_out")
     with pytest.raises(gl.GraftingError, match="no key/value cache"):
         gl.graft_forward_reference(models, tokens, mask)
+
+
+@pytest.mark.parametrize("source", [0, 1])
+def test_generation_equals_the_checkpoints_own_greedy_generation(family, three_models, source):
+    """Every position and new token computed by one checkpoint: its own HF generate()."""
+    tokens = random_tokens(2, 5, seed=18)
+    mask = gl.GraftMask.build(three_models, tokens, components="all", source=source)
+    generated = gl.graft_generate(
+        three_models, tokens, mask, max_new_tokens=6, new_token_sources=source
+    )
+    # A fresh copy of the checkpoint (same seed), run by transformers alone.
+    model = random_model(family, source)
+    expected = model.generate(
+        tokens,
+        attention_mask=torch.ones_like(tokens),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert torch.equal(generated, expected)
+
+
+def test_a_cache_the_installed_releases_do_not_keep_is_an_error_not_a_number(
+    three_models, monkeypatch
+):
+    """The canary: a model whose forward drops the cache makes every cached path refuse."""
+    from grafting_lens import compat
+
+    tokens = random_tokens(1, 4, seed=19)
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="mlp_out")
+    model = three_models.base.original_model
+    forward = type(model).forward
+
+    def dropping_the_cache(self, *args, cache=None, past_key_values=None, **kwargs):
+        kwargs.pop("use_cache", None)
+        return forward(self, *args, use_cache=False, **kwargs)
+
+    dropping_the_cache.__signature__ = inspect.signature(forward)  # still declares a cache
+    monkeypatch.setattr(type(model), "forward", dropping_the_cache)
+    monkeypatch.setattr(compat, "_CONTINUATION_CHECKED", weakref.WeakKeyDictionary())
+    versions = rf"transformers {re.escape(version('transformers'))}, transformer-lens"
+    with pytest.raises(gl.errors.DependencyError, match=rf"graft_generate .*{versions}"):
+        gl.graft_generate(three_models, tokens, mask, max_new_tokens=2)
+    with pytest.raises(gl.errors.DependencyError, match="token-by-token reference"):
+        gl.graft_forward_reference(three_models, tokens, mask)
+    with pytest.raises(gl.errors.DependencyError, match="reuse_prefix=False"):
+        gl.resid_patch_sweep(three_models, tokens, lambda logits: logits[:, -1, 3], progress=False)
+    # What needs no cache still runs, and patching without the resumed prefix too.
+    gl.graft_forward(three_models, tokens, mask)
+    gl.resid_patch_sweep(
+        three_models, tokens, lambda logits: logits[:, -1, 3], reuse_prefix=False, progress=False
+    )

@@ -47,7 +47,7 @@ from grafting_lens import metrics, plots
 from grafting_lens.errors import RunError
 from grafting_lens.experiments.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
 from grafting_lens.experiments.specs import ExperimentSpec, get_experiment
-from grafting_lens.files import LOCK_NAME, DirectoryLock, atomic_write
+from grafting_lens.files import DirectoryLock, atomic_write
 
 __all__ = [
     "REPORT_MANIFEST",
@@ -310,13 +310,54 @@ def _write_report_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
         ) from None
 
 
+_REPORT_SUFFIXES = (".csv", ".md", ".html", ".png")
+"""What a report writes: tables, a summary and figures, directly in its directory."""
+
+
+def _report_file(out: Path, name: object) -> Path | None:
+    """The file ``name`` of the report in ``out``, if it exists; refused unless it is one
+    a report writes.
+
+    ``report.json`` lists a report's files, but a report directory may come from
+    anywhere (shared, downloaded, edited), so its list is never trusted for what to
+    delete: a name is taken only if it is a single file name (no directory part, no
+    ``..``, not absolute) with a report's suffix, and the path a regular file in ``out``
+    itself, not a link. Anything else is refused before anything is deleted.
+    """
+    path = None
+    if isinstance(name, str) and name not in ("", ".", "..") and "\\" not in name:
+        if Path(name).name == name and Path(name).suffix in _REPORT_SUFFIXES:
+            path = out / name
+    if path is not None and not path.is_symlink() and (path.is_file() or not path.exists()):
+        return path if path.exists() else None
+    raise RunError(
+        f"{out / REPORT_MANIFEST} lists {name!r} as a file of its report, which is not a file a "
+        f"report writes (one of its {', '.join(_REPORT_SUFFIXES)} files, directly in {out}, "
+        "not a link or a directory). grafting-lens deletes nothing outside what a report "
+        f"writes; the report.json was edited or damaged. Delete {out / REPORT_MANIFEST} (and "
+        "what you do not want kept), or choose another output directory."
+    )
+
+
+def _report_runs(out: Path) -> Path | None:
+    """``out/runs`` if it is a real directory; refused if it is a link (never followed)."""
+    runs = out / "runs"
+    if runs.is_symlink():
+        raise RunError(
+            f"{runs} is a symbolic link; grafting-lens keeps its run directories in a runs/ it "
+            "makes itself and never deletes through a link. Remove the link, or choose another "
+            "output directory."
+        )
+    return runs if runs.is_dir() else None
+
+
 def _report_files(out: Path, manifest: Mapping[str, Any] | None) -> list[Path]:
     """What a report in ``out`` consists of: its listed files, or its tables and figures."""
     if manifest is not None and "files" in manifest:
-        found = [out / name for name in manifest["files"] if (out / name).exists()]
-        if manifest.get("runs") and (out / "runs").is_dir():
-            found.append(out / "runs")
-        return [*found, out / REPORT_MANIFEST]
+        listed = [_report_file(out, name) for name in manifest["files"]]
+        found = [path for path in listed if path is not None]
+        runs = _report_runs(out) if manifest.get("runs") else None
+        return [*found, *([runs] if runs is not None else []), out / REPORT_MANIFEST]
     # A report without a list: an unreadable report.json, or one of an older grafting-lens
     # (its tables, then its figures beside them; figures alone may be the user's own).
     found = []
@@ -325,13 +366,15 @@ def _report_files(out: Path, manifest: Mapping[str, Any] | None) -> list[Path]:
             path
             for path in sorted(out.iterdir())
             if path.is_file()
+            and not path.is_symlink()
             and (
                 path.name in (*_REPORT_TABLES, "references.csv", "references_summary.csv")
                 or path.suffix in (".html", ".png")
             )
         ]
-    if (out / "runs").is_dir():
-        found.append(out / "runs")
+    runs = _report_runs(out)
+    if runs is not None:
+        found.append(runs)
     return [*found, *([out / REPORT_MANIFEST] if manifest is not None else [])]
 
 
@@ -397,9 +440,10 @@ def _clear_report(out: Path, found: Sequence[Path]) -> None:
 def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) -> None:
     """List the files of the report in ``report.json``; delete those the report no longer has."""
     written = [str(Path(path).relative_to(out)) for path in files]
-    for name in before.get("files", []):
-        if name not in written and name != LOCK_NAME:
-            (out / name).unlink(missing_ok=True)
+    stale = [name for name in before.get("files", []) if name not in written]
+    for path in [_report_file(out, name) for name in stale]:  # all checked, then deleted
+        if path is not None:
+            path.unlink(missing_ok=True)
     _write_report_manifest(
         out, {**before, "files": written, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     )
