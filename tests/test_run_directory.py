@@ -314,6 +314,62 @@ def holder():
         process.wait()
 
 
+HOSTILE_NAMES = ["../victim.txt", "{victim}", "sub/../../victim.txt", "victim_dir", "..", ""]
+"""Names an edited report.json may list: outside the report, absolute, a directory."""
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("hostile", HOSTILE_NAMES)
+def test_a_report_json_never_decides_what_is_deleted_outside_the_report(
+    models, test_sets, tmp_path, hostile, overwrite
+):
+    results = _run(models, test_sets)
+    out = tmp_path / "shared" / "report"
+    write_experiment_report("demo", {"results": results}, out, label="tiny", png=False)
+    victim = tmp_path / "shared" / "victim.txt"
+    victim.write_text("keep me")
+    (out / "victim_dir").mkdir()
+    (out / "victim_dir" / "inside.txt").write_text("keep me")
+    manifest = json.loads((out / REPORT_MANIFEST).read_text())
+    manifest["files"].append(hostile.format(victim=victim))
+    (out / REPORT_MANIFEST).write_text(json.dumps(manifest))
+    # The same run again (a resume drops files the report no longer writes), or another
+    # run with --overwrite (the old report's files are cleared first): both refuse.
+    other = results if not overwrite else results.assign(target_prob=0.5)
+    with pytest.raises(RunError, match="not a file a report writes"):
+        write_experiment_report(
+            "demo", {"results": other}, out, label="tiny", png=False, overwrite=overwrite
+        )
+    assert victim.read_text() == "keep me"
+    assert (out / "victim_dir" / "inside.txt").read_text() == "keep me"
+    assert (out / "results.csv").exists()  # refused before anything was deleted
+
+
+def test_a_symlinked_runs_directory_is_refused_before_anything_is_deleted(
+    models, test_sets, tmp_path
+):
+    results = _run(models, test_sets)
+    out = tmp_path / "report"
+    write_experiment_report("demo", {"results": results}, out, label="tiny", png=False)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "a-run").mkdir(parents=True)
+    (elsewhere / "a-run" / "keep.txt").write_text("keep me")
+    (out / "runs").symlink_to(elsewhere, target_is_directory=True)
+    manifest = json.loads((out / REPORT_MANIFEST).read_text())
+    (out / REPORT_MANIFEST).write_text(json.dumps({**manifest, "runs": True}))  # as `run` writes
+    with pytest.raises(RunError, match="runs is a symbolic link"):
+        write_experiment_report(
+            "demo",
+            {"results": results.assign(target_prob=0.5)},
+            out,
+            label="tiny",
+            png=False,
+            overwrite=True,
+        )
+    assert (elsewhere / "a-run" / "keep.txt").read_text() == "keep me"
+    assert (out / "results.csv").exists()
+
+
 # The holder is a second, independent implementation of the lock protocol (flock on
 # ".lock", then its JSON), so that the test does not trust the library's own locking;
 # flock exists on POSIX only, so on Windows the test has no holder to run.

@@ -265,3 +265,49 @@ def test_a_relaxed_graft_reads_a_lazy_donor_by_its_declaration(checkpoints):
     with pytest.raises(gl.GraftMaskError, match="components= / layers="):
         with gl.relaxing(lazy, {("o", layer): ones}):
             pass
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, tokenizer, lazy):
+    random_model("llama", 0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    donor = tmp_path / "donor"
+    random_model("llama", 1).save_pretrained(donor, max_shard_size="60KB")
+    index_path = donor / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    # The shard moved beside the checkpoint, and the index pointing at it there.
+    (donor / shard).rename(tmp_path / shard)
+    index["weight_map"] = {
+        name: (f"../{file}" if file == shard else file)
+        for name, file in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(gl.GraftingLensError, match=rf"lists the shard '\.\./{shard}'.*outside"):
+        gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
+    # A link inside the directory that resolves outside it is refused the same way.
+    (donor / shard).symlink_to(tmp_path / shard)
+    index["weight_map"] = {
+        name: file.removeprefix("../") for name, file in index["weight_map"].items()
+    }
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(gl.GraftingLensError, match="not a file of"):
+        gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
+    index_path.write_text("{not json")
+    with pytest.raises(gl.GraftingLensError, match="cannot be read as a shard index"):
+        gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
+
+
+def test_a_pickled_checkpoint_holding_code_is_refused_as_unsafe(tmp_path, tokenizer):
+    random_model("gpt2", 0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    pickled = tmp_path / "pickled"
+    model = random_model("gpt2", 1)
+    model.config.save_pretrained(pickled)
+    state = dict(model.state_dict())
+    state["not a tensor"] = print  # a global the weights-only loader refuses
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(gl.GraftingLensError, match="refused as unsafe") as caught:
+        gl.load_models(tmp_path / "base", pickled, tokenizer=tokenizer)
+    assert "weights_only=False" not in str(caught.value)
+    assert "truncated" not in str(caught.value)
