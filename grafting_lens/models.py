@@ -43,9 +43,7 @@ import pandas as pd
 import torch
 from accelerate import init_empty_weights
 
-# safetensors < 0.5 declares neither SafetensorError nor safe_open as a context manager in its
-# stubs (its runtime has both): the ignores below are for those releases.
-from safetensors import SafetensorError  # type: ignore[attr-defined, unused-ignore]
+from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 

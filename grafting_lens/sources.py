@@ -270,7 +270,7 @@ class SafetensorsCheckpoint:
         self.converted: list[str] = []
         headers: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
         for file in files:
-            with safe_open(str(self.directory / file), framework="pt") as handle:  # type: ignore[attr-defined, unused-ignore]
+            with safe_open(str(self.directory / file), framework="pt") as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     headers[(file, name)] = (
@@ -300,7 +300,7 @@ class SafetensorsCheckpoint:
         cast to another dtype) no longer needs them.
         """
         file, stored = self._where[name]
-        with safe_open(str(self.directory / file), framework="pt") as handle:  # type: ignore[attr-defined, unused-ignore]
+        with safe_open(str(self.directory / file), framework="pt") as handle:
             return handle.get_tensor(stored)
 
     def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
