@@ -42,7 +42,6 @@ from typing import Any, Union
 import pandas as pd
 import torch
 from accelerate import init_empty_weights
-
 from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
