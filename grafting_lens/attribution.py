@@ -551,6 +551,17 @@ class AttributionPlan:
                 gradients = torch.autograd.grad(
                     values.sum(), list(weights.values()), allow_unused=True
                 )
+                if all(gradient is None for gradient in gradients):
+                    # A metric that carries a gradient but not through the run (a tensor
+                    # rebuilt from .tolist(), a constant made to require grad) would give
+                    # every cell an estimate of exactly 0.
+                    raise AttributionError(
+                        "The metric's values require a gradient but do not depend on the grafted "
+                        "run (no gradient reaches any grafted component), so every estimate "
+                        "would be 0. Compute the metric from the logits it is given with torch "
+                        "operations (e.g. logits[:, -1].log_softmax(-1)[:, answer]), not from "
+                        "values copied out of them (.tolist(), .numpy(), torch.tensor(...))."
+                    )
                 for position, gradient in enumerate(gradients):
                     if gradient is not None:
                         total[position] += gradient.detach().float().cpu()

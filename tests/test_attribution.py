@@ -518,6 +518,11 @@ def test_bad_inputs_fail_clearly_before_any_forward_pass(llama):
         (lambda logits, batch: batch.target_ids, "torch.int64"),
         (lambda logits, batch: logits[:, -1, 0].detach(), "no gradient"),
         (lambda logits, batch: logits[:, -1, 0] * float("nan"), "not finite"),
+        # Rebuilt from copied values: it requires a gradient, but not through the run.
+        (
+            lambda logits, batch: torch.tensor(logits[:, -1, 0].tolist(), requires_grad=True),
+            "do not depend on the grafted run",
+        ),
     ],
 )
 def test_a_metric_that_is_not_one_differentiable_value_per_prompt_is_named(llama, metric, message):

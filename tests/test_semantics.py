@@ -20,11 +20,13 @@ from grafting_lens.errors import ComponentError, ExperimentError
 from grafting_lens.experiments import (
     CLEAN,
     HYBRID,
+    HYBRID_CONFIGS,
     REFERENCE,
     RELATION,
     SEMANTICS_CHOICES,
     TASK,
     Graft,
+    GraftConfig,
     RunError,
     RunOptions,
     Semantics,
@@ -267,6 +269,24 @@ def test_the_codes_hybrid_takes_relation_o_and_ffn_up_down_from_layer_n_over_2(r
     clean = resolved(models, "LT", dataclasses.replace(REFERENCE, hybrid="clean"), "hybrid")
     assert clean[("LT", TASK)] == (("q", "k", "v"), tuple(range(6)))
     assert clean[("LT", RELATION)] == (("o", "mlp_gate", "mlp_in", "mlp_out"), (2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("registry", ["hybrid", "position", HYBRID_CONFIGS])
+def test_hybrid_configurations_given_as_objects_run_as_the_semantics_says(registry):
+    """Objects and names agree: under the code's hybrid, the library's LT object is the code's."""
+    objects = get_configs(list(HYBRID_CONFIGS.values()), registry, semantics=REFERENCE)
+    by_name = get_configs(list(HYBRID_CONFIGS), "hybrid", semantics=REFERENCE)
+    assert objects == by_name
+    assert objects[HYBRID_CONFIGS_NAMES.index("LT")].grafts[0].source == HYBRID
+    # Under the library's hybrid, the objects are themselves.
+    clean = get_configs(list(HYBRID_CONFIGS.values()), registry, semantics=CLEAN)
+    assert clean == list(HYBRID_CONFIGS.values())
+    # A configuration of the caller's own is taken as it is under any semantics.
+    own = GraftConfig("mine", (Graft("LT", "O", "all", RELATION),))
+    assert get_configs([own], registry, semantics=REFERENCE) == [own]
+
+
+HYBRID_CONFIGS_NAMES = list(HYBRID_CONFIGS)
 
 
 def test_a_hybrid_graft_needs_three_sources():

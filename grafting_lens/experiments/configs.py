@@ -599,27 +599,32 @@ def get_configs(
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
         semantics: Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
-            the code's hybrid configurations (:func:`code_hybrid_configs`); other
-            registries do not depend on it.
+            the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
+            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
+            configurations do not depend on it.
 
     Raises:
         ExperimentError: No configuration, an unknown name (the message lists the
             known ones), or a name given twice.
     """
+    chosen = None if semantics is None else as_semantics(semantics)
+    code = None
+    if chosen is not None and chosen.hybrid == "code":
+        code = code_hybrid_configs(chosen.hybrid_last_token_layers)
     if isinstance(registry, str):
         kind = kind or f"{registry}-grafting"
         name = registry
         registry = _registry_named(registry)
-        chosen = None if semantics is None else as_semantics(semantics)
-        if name == "hybrid" and chosen is not None and chosen.hybrid == "code":
-            code = code_hybrid_configs(chosen.hybrid_last_token_layers)
+        if name == "hybrid" and code is not None:
             registry = ChainedRegistry(code, dict(registry))
     kind = kind or "grafting"
     if isinstance(configs, (str, GraftConfig)):
         configs = [configs]
     resolved = []
     for item in configs:
-        if isinstance(item, GraftConfig):
+        if isinstance(item, GraftConfig) and code is not None:
+            resolved.append(_as_code_hybrid(item, code))
+        elif isinstance(item, GraftConfig):
             resolved.append(item)
         elif isinstance(item, str) and item in registry:
             resolved.append(registry[item])
@@ -635,3 +640,16 @@ def get_configs(
     if repeated:
         raise ExperimentError(f"Configurations are listed twice: {repeated}.")
     return resolved
+
+
+def _as_code_hybrid(config: GraftConfig, code: Mapping[str, GraftConfig]) -> GraftConfig:
+    """A configuration given as an object, under a semantics whose hybrid is the code's.
+
+    The library's own hybrid configurations (:data:`HYBRID_CONFIGS`' objects, in any
+    registry or none) run as the code runs them, as their names do, so that a row's
+    semantics says what was grafted; any other configuration is the caller's own graft
+    and is taken as it is.
+    """
+    if HYBRID_CONFIGS.get(config.name) == config and config.name in code:
+        return code[config.name]
+    return config
