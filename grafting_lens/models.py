@@ -530,7 +530,9 @@ def load_models(
             devices, buffers or vocabulary; a base that is an adapter or holds PEFT
             layers.
         AdapterError: An adapter made for another base (a module the base lacks, a
-            shape that differs), or of a kind grafting-lens does not compute.
+            shape that differs), of a kind grafting-lens does not compute (other
+            methods, LoRA variants, initialisations that rewrite the base's weights),
+            or whose files cannot be read or disagree (each named, with the fix).
         GraftingLensError: A path that is neither a checkpoint directory nor
             loadable from the hub, an unreadable checkpoint file, a device or
             dtype torch does not have, or ``lazy=True`` for a donor that is not a
