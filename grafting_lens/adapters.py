@@ -31,10 +31,22 @@ bridge tree:
 An adapted embedding (``lora_embedding_A``/``lora_embedding_B``) adds ``B A`` rows to
 the lookup, scaled like the base's lookup (Gemma's ``sqrt(d_model)``) as PEFT does.
 ``modules_to_save`` (whole modules trained and saved with the adapter, often the
-unembedding) replace the base's parameters of those components. Dropout is never
+unembedding) replace the parameters of those modules only: PEFT trains a copy of
+each, so on a model whose unembedding is tied to the embedding a saved ``lm_head``
+changes the unembedding and leaves the lookup as the base's. Dropout is never
 applied: a graft computes the model in eval mode. Anything else an adapter can be
 (DoRA, LoRA biases, other PEFT methods) is refused with :class:`~grafting_lens.AdapterError`
 naming it; merge such an adapter into a full checkpoint and load that.
+
+An adapter is grafted only where PEFT computes ``W x + B A x * scale`` on the base's
+own ``W``. Initialisations that rewrite ``W`` when PEFT creates or loads the adapter
+(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA: ``W`` minus the initial factors' product) are
+refused, with PEFT's conversion to plain LoRA as the fix; so is a config whose rank
+disagrees with the saved factors (PEFT refuses to load it, and the scale
+``lora_alpha / r`` would be taken from the wrong ``r``), and a weights file without
+tensors (PEFT would leave the factors as initialised). Files written from a PEFT
+model's own ``state_dict`` name every tensor with the adapter's name
+(``lora_A.default.weight``); they are read without it.
 
 An adapter whose module names or shapes do not match the base was made for another
 model, and is refused with :class:`~grafting_lens.AdapterError` (an
@@ -61,6 +73,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError  # type: ignore[attr-defined, unused-ignore]
 from safetensors.torch import load_file
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
@@ -109,7 +122,36 @@ _REFUSED_SETTINGS = {
     "ensure_weight_tying": "tied modules_to_save (ensure_weight_tying=True)",
 }
 
+# Values of init_lora_weights under which PEFT leaves the base's weights as they are
+# when it creates (or loads) the adapter: the trained model is W x + B A x * scale on
+# the base's own W. Every other value rewrites W (see _REWRITING_INITS), or is one
+# grafting-lens does not know, and is refused.
+_PLAIN_INITS = frozenset({"true", "false", "none", "gaussian", "eva", "orthogonal", "mica"})
+
+# Initialisations that subtract the initial factors' product from the base's weight
+# (or quantize it) when PEFT creates the adapter, and again when it loads one.
+_REWRITING_INITS = {
+    "pissa": "PiSSA",
+    "olora": "OLoRA",
+    "corda": "CorDA",
+    "loftq": "LoftQ",
+    "lora_ga": "LoRA-GA",
+}
+
 _PREFIX = "base_model.model."
+
+# PEFT names a factor with the adapter's name inside a model (lora_A.default.weight)
+# and without it in the files save_pretrained writes (lora_A.weight). A file written
+# from the model's own state_dict keeps the name.
+_NAMED_KEYS = (
+    re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?P<adapter>[^.]+)\.weight$"),
+    re.compile(
+        r"^(?P<module>.+)\.(?P<part>lora_embedding_A|lora_embedding_B)\.(?P<adapter>[^.]+)$"
+    ),
+    re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<part>.+)$"),
+)
+
+_RESAVE = "Save the adapter again with PEFT (peft_model.save_pretrained(dir))."
 
 
 def is_adapter_directory(path: str | os.PathLike) -> bool:
@@ -130,39 +172,53 @@ class LoraAdapter:
         label: Where it came from (the directory's name, or ``"peft model"``).
         config: PEFT's ``LoraConfig`` as a dictionary (``adapter_config.json``).
         tensors: Its tensors, named as PEFT saves them without the
-            ``base_model.model.`` prefix (``model.layers.0.self_attn.q_proj.lora_A.weight``).
+            ``base_model.model.`` prefix (``model.layers.0.self_attn.q_proj.lora_A.weight``);
+            names that carry the adapter's name (``lora_A.default.weight``, as in a
+            PEFT model's own ``state_dict``) are read without it.
+        saved_modules: Modules the file holds whole under PEFT's ``modules_to_save``
+            form (``lm_head.modules_to_save.default.weight``), besides those the
+            config's ``modules_to_save`` names.
     """
 
     label: str
     config: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(repr=False)
+    saved_modules: frozenset[str] = frozenset()
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> LoraAdapter:
         """Read ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``.bin``).
 
         Raises:
-            AdapterError: No adapter weights beside the config, or not a LoRA adapter.
+            AdapterError: A config or weights file that cannot be read (naming the
+                file), no adapter weights beside the config, a weights file with no
+                tensors, or not a plain LoRA adapter.
         """
         path = Path(path).expanduser()
-        config = json.loads((path / "adapter_config.json").read_text())
-        if (path / "adapter_model.safetensors").is_file():
-            tensors = load_file(str(path / "adapter_model.safetensors"))
-        elif (path / "adapter_model.bin").is_file():
-            try:
-                tensors = torch.load(
-                    path / "adapter_model.bin", map_location="cpu", weights_only=True
-                )
-            except pickle.UnpicklingError as error:
-                if "weights only" not in str(error).lower():
-                    raise
-                raise AdapterError(unsafe_pickle(str(path / "adapter_model.bin"))) from None
+        config = _read_config(path / "adapter_config.json")
+        safetensors_file = path / "adapter_model.safetensors"
+        bin_file = path / "adapter_model.bin"
+        if safetensors_file.is_file():
+            tensors = _read_weights(safetensors_file)
+        elif bin_file.is_file():
+            tensors = _read_weights(bin_file)
         else:
+            dangling = [f.name for f in (safetensors_file, bin_file) if f.is_symlink()]
             raise AdapterError(
                 f"{str(path)!r} has an adapter_config.json but no adapter_model.safetensors "
-                "(or .bin) beside it. Point to the directory PEFT's save_pretrained wrote."
+                "(or .bin) beside it"
+                + (f" ({dangling[0]} is a link to a file that does not exist)" if dangling else "")
+                + ". Point to the directory PEFT's save_pretrained wrote."
             )
-        adapter = cls(path.name, config, _strip(tensors))
+        file = safetensors_file if safetensors_file.is_file() else bin_file
+        if not tensors:
+            raise AdapterError(
+                f"{file} holds no tensors, so as a donor it would be the base itself (PEFT "
+                "would leave the adapter's factors as initialised): the adapter was not saved "
+                f"whole. {_RESAVE}"
+            )
+        named, saved = _without_adapter_names(tensors, str(file))
+        adapter = cls(path.name, config, named, saved)
         adapter.check_supported()
         return adapter
 
@@ -171,7 +227,7 @@ class LoraAdapter:
         """The active adapter of a PEFT model (its factors copied, as they are now).
 
         Raises:
-            AdapterError: Several active adapters, or not a LoRA adapter.
+            AdapterError: Several active adapters, or not a plain LoRA adapter.
         """
         from peft import get_peft_model_state_dict  # the caller has PEFT: it made the model
 
@@ -186,24 +242,35 @@ class LoraAdapter:
         config = model.peft_config[active].to_dict()
         state = get_peft_model_state_dict(model, adapter_name=active)
         tensors = {name: tensor.detach().clone() for name, tensor in state.items()}
-        adapter = cls(f"peft model ({active})", config, _strip(tensors))
+        label = f"peft model ({active})"
+        named, saved = _without_adapter_names(tensors, label)
+        adapter = cls(label, config, named, saved)
         adapter.check_supported()
         return adapter
 
     def check_supported(self) -> None:
-        """Refuse what grafting-lens does not compute: other PEFT methods, LoRA variants.
+        """Refuse what grafting-lens does not compute, or what PEFT would not load.
+
+        Other PEFT methods, LoRA variants, initialisations that rewrite the base's
+        weights (PiSSA, OLoRA...), and settings PEFT refuses (a rank or alpha that is
+        not a number, a rank below 1).
 
         Raises:
             AdapterError: Naming the method or setting, and the fix (merge the
-                adapter into a full checkpoint and load that).
+                adapter into a full checkpoint and load that, or save it again).
         """
-        peft_type = str(
-            getattr(self.config.get("peft_type"), "value", self.config.get("peft_type"))
-        )
         merge = (
             "Merge it into a full checkpoint instead (model = peft_model.merge_and_unload(); "
             "model.save_pretrained(dir)) and load that directory as the donor."
         )
+        raw_type = self.config.get("peft_type")
+        if raw_type is None:
+            raise AdapterError(
+                f"The adapter {self.label}'s config has no peft_type, so it does not say what "
+                "kind of adapter it is (PEFT's save_pretrained always writes one, e.g. "
+                '"peft_type": "LORA"). ' + _RESAVE
+            )
+        peft_type = str(getattr(raw_type, "value", raw_type))
         if peft_type.upper() != "LORA":
             raise AdapterError(
                 f"The adapter {self.label} is a {peft_type} adapter; grafting-lens computes "
@@ -220,6 +287,89 @@ class LoraAdapter:
                 f"The adapter {self.label} trained biases (bias={self.config['bias']!r}); "
                 f"grafting-lens computes LoRA with the base's biases only. {merge}"
             )
+        self._check_initialisation(merge)
+        self._check_numbers()
+
+    def _check_initialisation(self, merge: str) -> None:
+        init = self.config.get("init_lora_weights", True)
+        if str(init).lower() in _PLAIN_INITS:
+            return
+        key = str(init).lower()
+        known = next(
+            (name for prefix, name in _REWRITING_INITS.items() if key.startswith(prefix)), None
+        )
+        if known is None:
+            raise AdapterError(
+                f"The adapter {self.label} was initialised with init_lora_weights={init!r}, an "
+                "initialisation grafting-lens does not know, so it cannot tell whether PEFT "
+                "rewrites the base's weights when it loads the adapter. " + merge
+            )
+        raise AdapterError(
+            f"The adapter {self.label} was initialised with init_lora_weights={init!r} "
+            f"({known}), which rewrites the base's weights when PEFT creates or loads it (W "
+            "becomes W minus the initial factors' product), so the trained model is not "
+            "W x + B A x * scale on this base's own weights. Save it converted to plain LoRA "
+            "(peft_model.save_pretrained(dir, path_initial_model_for_weight_conversion="
+            "<the adapter saved before training>)) and load that directory, or "
+            + merge[0].lower()
+            + merge[1:]
+        )
+
+    def _check_numbers(self) -> None:
+        def number(value: Any) -> bool:
+            return (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+
+        def rank(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+        fix = (
+            "Set it as it was when the adapter was trained, or " + _RESAVE[0].lower() + _RESAVE[1:]
+        )
+        if not rank(self.config.get("r", 8)):
+            raise AdapterError(
+                f"The adapter {self.label} has r={self.config['r']!r}; a LoRA rank is an "
+                f"integer >= 1 (PEFT refuses anything else). {fix}"
+            )
+        if not number(self.config.get("lora_alpha", 8)):
+            raise AdapterError(
+                f"The adapter {self.label} has lora_alpha={self.config['lora_alpha']!r}; the LoRA "
+                f"scale is lora_alpha / r, so lora_alpha must be a finite number. {fix}"
+            )
+        for setting, valid, what in (
+            ("rank_pattern", rank, "ranks (integers >= 1)"),
+            ("alpha_pattern", number, "alphas (finite numbers)"),
+        ):
+            pattern = self.config.get(setting) or {}
+            if not isinstance(pattern, dict):
+                raise AdapterError(
+                    f"The adapter {self.label} has {setting}={pattern!r}; it must map module "
+                    f"names to {what}. {fix}"
+                )
+            for key, value in pattern.items():
+                try:
+                    re.compile(str(key))
+                except re.error as error:
+                    raise AdapterError(
+                        f"The adapter {self.label}'s {setting} key {key!r} is not a regular "
+                        f"expression ({error}); PEFT matches module names with it. {fix}"
+                    ) from None
+                if not valid(value):
+                    raise AdapterError(
+                        f"The adapter {self.label}'s {setting} gives {key!r} the value "
+                        f"{value!r}; it must map module names to {what}. {fix}"
+                    )
+
+    def rank(self, module: str) -> int:
+        """The rank PEFT gives ``module``: its ``rank_pattern`` entry, else ``r``.
+
+        Keys are matched as PEFT matches them: a key matches a module name that ends
+        with it after a dot.
+        """
+        return int(_pattern_value(self.config.get("rank_pattern"), module, self.config.get("r", 8)))
 
     def scale(self, module: str, rank: int) -> float:
         """``lora_alpha / r`` for ``module`` (``lora_alpha / sqrt(r)`` with rsLoRA).
@@ -227,14 +377,28 @@ class LoraAdapter:
         Per-module alphas (``alpha_pattern``) are matched as PEFT matches them: a key
         matches a module name that ends with it after a dot.
         """
-        alpha = float(self.config.get("lora_alpha", 8))
-        for key, value in (self.config.get("alpha_pattern") or {}).items():
-            if re.match(rf"(.*\.)?({key})$", module):
-                alpha = float(value)
-                break
+        alpha = float(
+            _pattern_value(
+                self.config.get("alpha_pattern"), module, self.config.get("lora_alpha", 8)
+            )
+        )
         if self.config.get("use_rslora"):
             return alpha / math.sqrt(rank)
         return alpha / rank
+
+    def saved_whole(self, module: str) -> bool:
+        """Whether PEFT holds ``module`` as a ``modules_to_save`` copy of the base's module.
+
+        Such a copy is that module's own: on a model whose unembedding is tied to the
+        embedding, a saved ``lm_head`` changes the unembedding and not the lookup.
+        """
+        if module in self.saved_modules:
+            return True
+        targets = self.config.get("modules_to_save") or []
+        if isinstance(targets, str):
+            targets = [targets]
+        # PEFT's own rule (peft.utils.other._set_trainable): the module's name ends with it.
+        return any(module.endswith(str(target)) for target in targets)
 
     @property
     def base_name(self) -> str | None:
@@ -243,8 +407,109 @@ class LoraAdapter:
         return str(name) if name else None
 
 
-def _strip(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name.removeprefix(_PREFIX): tensor for name, tensor in tensors.items()}
+def _pattern_value(pattern: Any, module: str, default: Any) -> Any:
+    r"""The value of the first key of ``pattern`` that ``module`` ends with after a dot.
+
+    PEFT's ``get_pattern_key``: ``re.match(rf"(.*\.)?({key})$", module)``.
+    """
+    for key, value in (pattern or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    """``adapter_config.json`` as a dictionary, or an error naming the file and the fix."""
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise AdapterError(
+            f"{file} cannot be read as an adapter config ({type(error).__name__}: {error}); it "
+            "must be the JSON object of LoraConfig fields that PEFT's save_pretrained writes "
+            f"(the file is truncated or damaged?). {_RESAVE}"
+        ) from None
+    if not isinstance(config, dict):
+        raise AdapterError(
+            f"{file} holds a JSON {type(config).__name__}, not the object of LoraConfig fields "
+            f"that PEFT's save_pretrained writes. {_RESAVE}"
+        )
+    return config
+
+
+def _read_weights(file: Path) -> dict[str, torch.Tensor]:
+    """An adapter's weights file, or an error naming the file and the fix."""
+    damaged = (
+        "the file is truncated or damaged (an interrupted download or save). Save or "
+        "download the adapter again."
+    )
+    try:
+        if file.suffix == ".safetensors":
+            tensors = load_file(str(file))
+        else:
+            tensors = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" in str(error).lower():
+            raise AdapterError(unsafe_pickle(str(file))) from None
+        raise AdapterError(f"{file} cannot be read ({error}): {damaged}") from None
+    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
+        raise AdapterError(
+            f"{file} cannot be read ({type(error).__name__}: {error}): {damaged}"
+        ) from None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(name, str) and isinstance(tensor, torch.Tensor)
+        for name, tensor in tensors.items()
+    ):
+        raise AdapterError(
+            f"{file} holds a {type(tensors).__name__} that is not a mapping of names to "
+            f"tensors, as PEFT saves an adapter. {_RESAVE}"
+        )
+    return tensors
+
+
+def _without_adapter_names(
+    tensors: Mapping[str, torch.Tensor], where: str
+) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """Tensors named as PEFT's files name them: no ``base_model.model.``, no adapter name.
+
+    Returns the tensors and the modules held whole as ``modules_to_save`` copies.
+
+    Raises:
+        AdapterError: Factors of several adapters in one file, or two names that
+            become one.
+    """
+    renamed: dict[str, str] = {}
+    adapters: set[str] = set()
+    saved: set[str] = set()
+    for key in tensors:
+        name = key.removeprefix(_PREFIX)
+        for pattern in _NAMED_KEYS:
+            match = pattern.match(name)
+            if match is None:
+                continue
+            adapters.add(match["adapter"])
+            module, part = match["module"], match["part"]
+            if pattern is _NAMED_KEYS[2]:
+                saved.add(module)
+                name = f"{module}.{part}"
+            else:
+                name = f"{module}.{part}" + (".weight" if pattern is _NAMED_KEYS[0] else "")
+            break
+        renamed[key] = name
+    if len(adapters) > 1:
+        raise AdapterError(
+            f"{where} holds the factors of several adapters ({', '.join(sorted(adapters))}); a "
+            "donor is one adapter. Save one: peft_model.save_pretrained(dir, "
+            "selected_adapters=[name])."
+        )
+    names: dict[str, torch.Tensor] = {}
+    for key, name in renamed.items():
+        if name in names:
+            raise AdapterError(
+                f"{where} holds {key} and another tensor that both name {name}; an adapter "
+                f"holds each factor once. {_RESAVE}"
+            )
+        names[name] = tensors[key]
+    return names, frozenset(saved)
 
 
 def _read_through(module: nn.Module, name: str) -> Any:
@@ -351,6 +616,23 @@ class _Update:
     lora_A: torch.Tensor | None = None
     lora_B: torch.Tensor | None = None
     embedding: bool = False
+
+
+@dataclass
+class _Replacement:
+    """A parameter of the base that the adapter holds whole, with its new value.
+
+    ``owner`` is the module whose copy PEFT trains (``modules_to_save``): only that
+    module computes with the new value, even where the base ties the parameter to
+    another module. ``None`` is a value PEFT loads into the base's parameter itself
+    (an embedding layer saved beside an embedding adapter), which every module
+    sharing it then computes with.
+    """
+
+    name: str
+    parameter: nn.Parameter
+    value: nn.Parameter
+    owner: nn.Module | None
 
 
 class LoraSource(Source):
@@ -495,6 +777,7 @@ class _AdaptedModules:
         self.fused: dict[int, FusedProjection] = {
             id(f.fused(base)): f for f in fused_projections(base)
         }
+        self.replacements: list[_Replacement] = []
 
     def _another_base(self, what: str) -> AdapterError:
         named = self.adapter.base_name
@@ -505,26 +788,28 @@ class _AdaptedModules:
         )
 
     def build(self) -> dict[str, nn.Module]:
-        updates, replaced = self._read()
-        held = {id(p) for t in self.templates.values() for p in t.parameters()}
-        held |= {id(p) for f in self.fused.values() for p in f.fused(self.base).parameters()}
-        for name, parameter in self.parameters.items():
-            if id(parameter) in replaced and id(parameter) not in held:
+        updates, self.replacements = self._read()
+        modules = list(self.templates.values())
+        modules += [f.fused(self.base) for f in self.fused.values()]
+        for replacement in self.replacements:
+            if not any(id(replacement.parameter) in self._replacing(m) for m in modules):
                 raise AdapterError(
-                    f"The adapter {self.adapter.label} replaces {name}, which no component "
-                    "grafts (see ModelSet.coverage()). Merge it into a full checkpoint "
-                    "(merge_and_unload) and load that."
+                    f"The adapter {self.adapter.label} replaces {replacement.name}, which no "
+                    "component grafts (see ModelSet.coverage()). Merge it into a full "
+                    "checkpoint (merge_and_unload) and load that."
                 )
         donors: dict[str, nn.Module] = {}
         # Replaced parameters (modules_to_save, saved embedding layers) first: the
         # LoRA updates then apply to the replaced modules, as in PEFT.
-        touched = {path for path, t in self.templates.items() if _holds(t, replaced)}
-        for path in touched:
-            donors[path] = structural_copy(self.templates[path], replaced)
+        for path, template in self.templates.items():
+            replacing = self._replacing(template)
+            if replacing:
+                donors[path] = structural_copy(template, replacing)
         for fused in self.fused.values():
             template = fused.fused(self.base)
-            if _holds(template, replaced):
-                parts = fused.split(self.base, structural_copy(template, replaced))
+            replacing = self._replacing(template)
+            if replacing:
+                parts = fused.split(self.base, structural_copy(template, replacing))
                 for child, module in parts.items():
                     donors[f"{fused.node}.{child}"] = module
         nested: dict[str, dict[int, nn.Module]] = {}
@@ -544,7 +829,7 @@ class _AdaptedModules:
                     donors[child_path] = self._wrap(inner, part)
             elif id(module) in self.inside:
                 path = self.inside[id(module)]
-                inner = structural_copy(module, replaced)
+                inner = structural_copy(module, self._replacing(module))
                 nested.setdefault(path, {})[id(module)] = self._wrap(inner, update)
             else:
                 raise AdapterError(
@@ -554,13 +839,28 @@ class _AdaptedModules:
                     "components hold (q, k, v, o, the MLP matrices, embed, unembed)."
                 )
         for path, inner_modules in nested.items():
-            donors[path] = structural_copy(self.templates[path], replaced, inner_modules)
+            template = self.templates[path]
+            donors[path] = structural_copy(template, self._replacing(template), inner_modules)
         return donors
 
-    def _read(self) -> tuple[dict[str, _Update], dict[int, nn.Parameter]]:
-        """The adapter's LoRA updates by module, and its replaced parameters by base parameter id."""
+    def _replacing(self, module: nn.Module) -> dict[int, nn.Parameter]:
+        """The replacements that apply inside ``module``, by ``id`` of the base's parameter.
+
+        A ``modules_to_save`` copy applies where its own module is inside ``module``;
+        a value loaded into the base's parameter applies wherever that parameter is.
+        """
+        inside = {id(sub) for sub in module.modules()}
+        held = {id(p) for _, p in module.named_parameters(remove_duplicate=False)}
+        return {
+            id(r.parameter): r.value
+            for r in self.replacements
+            if id(r.parameter) in held and (r.owner is None or id(r.owner) in inside)
+        }
+
+    def _read(self) -> tuple[dict[str, _Update], list[_Replacement]]:
+        """The adapter's LoRA updates by module, and the base parameters it replaces."""
         updates: dict[str, _Update] = {}
-        replaced: dict[int, nn.Parameter] = {}
+        replacements: list[_Replacement] = []
         lora_keys = {
             ".lora_A.weight": ("lora_A", False),
             ".lora_B.weight": ("lora_B", False),
@@ -578,14 +878,21 @@ class _AdaptedModules:
                     break
             else:
                 if ".lora_" in key:
+                    what = (
+                        "DoRA's magnitude vector"
+                        if ".lora_magnitude_vector" in key
+                        else "not one of plain LoRA's A and B factors"
+                    )
                     raise AdapterError(
                         f"The adapter {self.adapter.label} holds {key}, a LoRA tensor of a kind "
-                        "grafting-lens does not compute (plain LoRA A and B only). Merge it "
-                        "into a full checkpoint (merge_and_unload) and load that."
+                        f"grafting-lens does not compute ({what}; plain LoRA A and B only). "
+                        "Merge it into a full checkpoint (merge_and_unload) and load that."
                     )
-                # A whole parameter: modules_to_save, or the embedding layers PEFT saves
-                # beside embedding adapters (as base_layer.weight).
-                name = key.replace(".base_layer.", ".")
+                # A whole parameter: modules_to_save, the embedding layers PEFT saves
+                # beside embedding adapters (as base_layer.weight), or PEFT's copy of
+                # the base's own module beside a modules_to_save (original_module).
+                original = ".original_module." in key
+                name = key.replace(".base_layer.", ".").replace(".original_module.", ".")
                 parameter = self.parameters.get(name)
                 if parameter is None:
                     raise self._another_base(f"holds {key}, a parameter the base lacks")
@@ -595,11 +902,25 @@ class _AdaptedModules:
                         f"{name} has {tuple(parameter.shape)}"
                     )
                 value = tensor.to(device=parameter.device, dtype=parameter.dtype)
-                if not torch.equal(value, parameter.detach()):
-                    replaced[id(parameter)] = nn.Parameter(value, requires_grad=False)
+                if torch.equal(value, parameter.detach()):
+                    continue
+                if original:
+                    raise self._another_base(
+                        f"holds {key}, its copy of the base's {name}, with other values than "
+                        "this base's"
+                    )
+                module_name = name.rpartition(".")[0]
+                owner = (
+                    self.named.get(module_name)
+                    if ".base_layer." not in key and self.adapter.saved_whole(module_name)
+                    else None
+                )
+                replacements.append(
+                    _Replacement(name, parameter, nn.Parameter(value, requires_grad=False), owner)
+                )
         for update in updates.values():
             self._check(update)
-        return updates, replaced
+        return updates, replacements
 
     def _check(self, update: _Update) -> None:
         module = self.named[update.name]
@@ -641,6 +962,15 @@ class _AdaptedModules:
                 f"adapts {update.name} with A {tuple(update.lora_A.shape)} and B "
                 f"{tuple(update.lora_B.shape)}, but the base's {update.name} maps {d_in} to "
                 f"{d_out} features (A must be [r, {d_in}], B [{d_out}, r])"
+            )
+        expected = self.adapter.rank(update.name)
+        if rank != expected:
+            raise AdapterError(
+                f"The adapter {self.adapter.label} adapts {update.name} with factors of rank "
+                f"{rank} (A {tuple(update.lora_A.shape)}), but its config gives that module "
+                f"rank {expected} (r, or its rank_pattern entry), and the LoRA scale is "
+                "lora_alpha / rank: the config does not belong to these weights, and PEFT "
+                f"refuses to load them. {_RESAVE}"
             )
         weight = module.weight
         update.lora_A = update.lora_A.to(device=weight.device, dtype=weight.dtype)
@@ -697,10 +1027,6 @@ class _AdaptedModules:
                 )
             rows[child] = index.to(update.lora_B.device)
         return rows
-
-
-def _holds(module: nn.Module, parameters: Mapping[int, nn.Parameter]) -> bool:
-    return any(id(p) in parameters for p in module.parameters())
 
 
 def warn_if_other_base(adapter: LoraAdapter, base_name: str) -> None:

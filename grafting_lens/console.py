@@ -65,8 +65,11 @@ def show_progress(progress: bool | None) -> bool:
 def quiet_loading() -> Iterator[None]:
     """Silence transformers' progress bars and info messages inside the block, then restore them.
 
-    Warnings and errors still show: only the per-checkpoint "Loading weights" bars
-    and transformers' informational logging are held back.
+    Only the per-checkpoint "Loading weights" bars and transformers' informational
+    logging are held back here. Its warnings do not show once TransformerLens is
+    imported either: TransformerLens sets the ``transformers`` logger to ERROR, which
+    hides transformers' report of weights a checkpoint lacks. :func:`~grafting_lens.load_models`
+    reads that report itself and raises on it.
     """
     from transformers.utils import logging as transformers_logging
 

@@ -527,9 +527,12 @@ def load_models(
             devices, buffers or vocabulary; a base that is an adapter or holds PEFT
             layers.
         AdapterError: An adapter made for another base (a module the base lacks, a
-            shape that differs), or of a kind grafting-lens does not compute.
+            shape that differs), of a kind grafting-lens does not compute (other
+            methods, LoRA variants, initialisations that rewrite the base's weights),
+            or whose files cannot be read or disagree (each named, with the fix).
         GraftingLensError: A path that is neither a checkpoint directory nor
-            loadable from the hub, an unreadable checkpoint file, a device or
+            loadable from the hub, an unreadable checkpoint file, weights missing,
+            extra or of another shape than the config's model, a device or
             dtype torch does not have, or ``lazy=True`` for a donor that is not a
             directory of safetensors files.
         ComponentError: ``components`` names a component the architecture lacks.
@@ -543,7 +546,11 @@ def load_models(
             config names another base than this one (its shapes match).
 
     Loading is quiet: transformers' per-checkpoint loading bars and info messages are
-    held back (see :func:`grafting_lens.console.quiet_loading`); its warnings show.
+    held back (see :func:`grafting_lens.console.quiet_loading`). Its warnings do not
+    show either (TransformerLens sets transformers' logger to ERROR on import), so the
+    one that matters is checked here: a checkpoint directory or hub id whose weights
+    are missing, extra or of another shape than its config's model raises
+    :class:`~grafting_lens.GraftingLensError` instead of loading with random values.
 
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
@@ -927,7 +934,14 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
             )
         target = label
     try:
-        return AutoModelForCausalLM.from_pretrained(target)
+        # The loading report is read here, not logged: TransformerLens sets transformers'
+        # logger to ERROR on import, which hides it. Mismatched shapes are reported in it
+        # too, instead of a RuntimeError that points at the hidden report.
+        # With output_loading_info, transformers returns (model, info); its stubs say a model.
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            target, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+        model, info = loaded
     except (OSError, ValueError) as error:
         where = "directory" if path.is_dir() else "hub id"
         raise GraftingLensError(
@@ -955,6 +969,65 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
             + f"): {type(error).__name__}: {error}. The file is probably truncated or damaged "
             "(an interrupted download or save): save or download the checkpoint again."
         ) from error
+    _check_loading_info(info, label, index)
+    assert isinstance(model, PreTrainedModel)
+    return model
+
+
+def _check_loading_info(info: Any, label: str, index: int) -> None:
+    """Refuse a checkpoint whose weights are not the model's: missing, extra, other shapes.
+
+    transformers fills a weight the checkpoint lacks (or holds in another shape) with
+    random values and reports it in a log that TransformerLens silences; a graft from
+    such a model would be silently wrong. Weights transformers ties (the unembedding of
+    GPT-2 or Gemma) and those its model classes expect to lack or ignore (old buffers)
+    are not in the report.
+
+    Raises:
+        GraftingLensError: Naming the weights and the fix.
+    """
+
+    def first(names: list[str]) -> str:
+        shown = ", ".join(names[:3])
+        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    def entries(name: str) -> Any:  # a dict in transformers 5, fields of an object in others
+        found = info.get(name) if isinstance(info, dict) else getattr(info, name, None)
+        return found or ()
+
+    missing = sorted(str(key) for key in entries("missing_keys"))
+    unexpected = sorted(str(key) for key in entries("unexpected_keys"))
+    mismatched = sorted(
+        (
+            f"{entry[0]} ({tuple(entry[1])} in the checkpoint, {tuple(entry[2])} in the model)"
+            if isinstance(entry, tuple) and len(entry) == 3
+            else str(entry)
+        )
+        for entry in entries("mismatched_keys")
+    )
+    problems = []
+    if missing:
+        problems.append(
+            f"it lacks {len(missing)} weight(s) of the model ({first(missing)}), which "
+            "transformers filled with random values"
+        )
+    if mismatched:
+        problems.append(
+            f"it holds {len(mismatched)} weight(s) in another shape than the model's "
+            f"({first(mismatched)}), which transformers filled with random values"
+        )
+    if unexpected:
+        problems.append(
+            f"it holds {len(unexpected)} weight(s) the model does not have ({first(unexpected)})"
+        )
+    if problems:
+        raise GraftingLensError(
+            f"Source {index} ({label!r}) does not hold the weights of the model its config "
+            f"describes: {'; '.join(problems)}. A model loaded from it would not be the "
+            "checkpoint, and every graft from it would be wrong. The checkpoint is incomplete "
+            "(an interrupted save or download) or its config.json belongs to another model: "
+            "save or download it again, or load it with the config it was saved with."
+        )
 
 
 def _load_tokenizer(name: str, fallback: Any) -> Any:

@@ -10,8 +10,9 @@ that can answer is a source, and the answer need not be a whole model in memory:
 * :class:`LazySource`: a checkpoint directory of safetensors files, opened without
   reading its weights. Its module for a slot is built on first use: a copy of the
   base's module (same class, same settings, buffers shared) holding the donor's
-  tensors, memory-mapped from disk, read once and kept. A graft of the O projection
-  and MLP in the last half of the layers reads those and nothing else.
+  tensors, read from disk once and kept. A graft of the O projection and MLP in the
+  last half of the layers reads those and nothing else. Each read first checks that
+  the file is still the one opened at load time, and refuses if it changed.
 * :class:`~grafting_lens.adapters.LoraSource` (in :mod:`grafting_lens.adapters`): a
   LoRA adapter on the base. Its module for an adapted slot computes
   ``W x + B A x * scale`` from the base's own weight and the adapter's factors; for
@@ -38,12 +39,13 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import BinaryIO, ClassVar
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
@@ -72,12 +74,14 @@ SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def shard_files(directory: Path, index_name: str) -> list[str]:
-    """The shards a checkpoint's index lists, each a file of ``directory`` itself.
+    """The shards a checkpoint's index lists, each an entry of ``directory`` itself.
 
     An index is a file like any other in a directory that may come from anywhere: a
-    shard named with a directory part, ``..`` or an absolute path, or resolving
-    outside the checkpoint through a link, would read weights from outside it, and is
-    refused.
+    shard named with a directory part, ``..`` or an absolute path would read weights
+    from wherever the index says, and is refused. An entry of the directory that is a
+    link is taken, as any file of it is: the Hugging Face cache keeps every file of a
+    snapshot as a link into its ``blobs/``, and a link is made by whoever made the
+    directory, not named by the index.
 
     Raises:
         GraftingLensError: The index is not JSON with a ``weight_map`` of file names,
@@ -95,10 +99,8 @@ def shard_files(directory: Path, index_name: str) -> list[str]:
             "must be JSON with a 'weight_map' of tensor names to shard files, as save_pretrained "
             "writes it. Save the checkpoint again."
         ) from None
-    root = directory.resolve()
     for file in files:
-        inside = Path(file).name == file and file not in ("", ".", "..") and "\\" not in file
-        if not inside or (directory / file).resolve().parent != root:
+        if Path(file).name != file or file in ("", ".", "..") or "\\" in file:
             raise GraftingLensError(
                 f"{index} lists the shard {file!r}, which is not a file of {directory} itself; "
                 "grafting-lens reads no weights from outside a checkpoint's directory. Save the "
@@ -216,13 +218,46 @@ class CheckpointSource(Source):
         return weights_fingerprint(checkpoint_parameters(self._bridge.original_model))
 
 
+@dataclass(frozen=True)
+class _FileIdentity:
+    """What tells a file apart from the one opened earlier at its path."""
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> _FileIdentity:
+        return cls(status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor lies in its file, as the file's header says."""
+
+    file: str
+    stored: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute offsets in the file
+    end: int
+
+
 class SafetensorsCheckpoint:
     """The weight files of a checkpoint directory, opened without reading a tensor.
 
     ``model.safetensors``, or the shards a ``model.safetensors.index.json`` lists.
-    Names, shapes and dtypes come from the files' headers; :meth:`tensor` maps one
-    tensor from disk (``safetensors`` memory-maps the file, so only what is read
-    becomes resident, and stays so while the tensor lives).
+    Names, shapes and dtypes come from the files' headers; :meth:`tensor` reads one
+    tensor from disk into memory of its own.
+
+    Each file's identity (size, modification time, inode and device) is recorded when
+    it is opened, and checked before and after every read: a file replaced, rewritten
+    or truncated since would give later reads another checkpoint than the one loaded,
+    and is refused with an error naming it. No file stays memory-mapped, so a file
+    truncated under a tensor already read cannot kill the process (a memory-mapped
+    page past a file's end raises SIGBUS), and tensors already read keep the values
+    the checkpoint had when it was loaded.
 
     Tensors are named as the model names its parameters: transformers renames some
     when it loads a checkpoint (NeoX's ``embed_out`` is the model's ``lm_head``), and
@@ -244,13 +279,22 @@ class SafetensorsCheckpoint:
 
     Raises:
         GraftingLensError: The directory holds no safetensors weights (only
-            ``pytorch_model.bin``, which cannot be read a tensor at a time).
+            ``pytorch_model.bin``, which cannot be read a tensor at a time), its
+            weights file or a shard is missing or a link to nothing, its index cannot
+            be read, or a file is not a whole safetensors file (truncated, damaged).
     """
 
     def __init__(self, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
         self.directory = Path(directory)
         index = self.directory / "model.safetensors.index.json"
         single = self.directory / "model.safetensors"
+        for path in (index, single):
+            if path.is_symlink() and not path.exists():
+                raise GraftingLensError(
+                    f"{path} is a link to {os.readlink(path)!r}, which does not exist (a "
+                    "download cleaned up half-way, or a cache whose files were deleted). "
+                    "Download or save the checkpoint again."
+                )
         if index.is_file():
             files = shard_files(self.directory, index.name)
         elif single.is_file():
@@ -260,48 +304,86 @@ class SafetensorsCheckpoint:
             raise GraftingLensError(
                 f"{str(self.directory)!r} holds no safetensors weights"
                 + (f" (only {', '.join(found)})" if found else "")
-                + ", so it cannot be loaded lazily: lazy loading maps tensors from "
+                + ", so it cannot be loaded lazily: lazy loading reads tensors from "
                 "safetensors files. Save it again with save_pretrained (safetensors is the "
                 "default), or load it whole (lazy=False)."
             )
-        self._where: dict[str, tuple[str, str]] = {}  # model name: (file, name as stored)
+        self._identities: dict[str, _FileIdentity] = {}
+        entries: list[_Entry] = []
+        for file in files:
+            path = self.directory / file
+            if not path.is_file():
+                raise GraftingLensError(
+                    f"{index} lists the shard {file!r}, which {self.directory} does not hold"
+                    + (" (it is a link to a file that does not exist)" if path.is_symlink() else "")
+                    + ". Download or save the checkpoint again, with all its shards."
+                )
+            with open(path, "rb") as handle:
+                identity = _FileIdentity.of(os.fstat(handle.fileno()))
+                entries += _read_header(handle, path, file, identity.size)
+            self._identities[file] = identity
+        self._where: dict[str, _Entry] = {}  # by the model's name
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self.converted: list[str] = []
-        headers: dict[tuple[str, str], tuple[tuple[int, ...], str]] = {}
-        for file in files:
-            with safe_open(str(self.directory / file), framework="pt") as handle:
-                for name in handle.keys():
-                    view = handle.get_slice(name)
-                    headers[(file, name)] = (
-                        tuple(int(n) for n in view.get_shape()),
-                        view.get_dtype(),
-                    )
-        renamed = _loading_names([name for _, name in headers], model)
-        for (file, name), (shape, dtype) in headers.items():
-            model_name = renamed.get(name)
+        renamed = _loading_names([entry.stored for entry in entries], model)
+        for entry in entries:
+            model_name = renamed.get(entry.stored)
             if model_name is None:
-                self.converted.append(name)
+                self.converted.append(entry.stored)
                 continue
-            self._where[model_name] = (file, name)
-            self.shapes[model_name] = shape
-            self.dtypes[model_name] = _DTYPES.get(dtype, torch.uint8)
-        self.disk_bytes = sum((self.directory / file).stat().st_size for file in files)
+            self._where[model_name] = entry
+            self.shapes[model_name] = entry.shape
+            self.dtypes[model_name] = _DTYPES.get(entry.dtype, torch.uint8)
+        self.disk_bytes = sum(identity.size for identity in self._identities.values())
 
     def names(self) -> list[str]:
         """Every tensor name, as the model names it (converted tensors excluded)."""
         return list(self.shapes)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by the model's name for it, memory-mapped from its file.
+        """One tensor by the model's name for it, read from its file into memory of its own.
 
-        Each read opens the file anew: the tensor keeps its own mapping alive, and
-        pages read through a handle kept open would stay resident after a copy (a
-        cast to another dtype) no longer needs them.
+        Raises:
+            GraftingLensError: Its file changed since the checkpoint was opened, or is
+                not the whole file it was (naming the file and the fix).
         """
-        file, stored = self._where[name]
-        with safe_open(str(self.directory / file), framework="pt") as handle:
-            return handle.get_tensor(stored)
+        entry = self._where[name]
+        dtype = self._dtype(entry)
+        data = bytearray(entry.end - entry.begin)
+        with self._open(entry.file) as handle:
+            self._read_into(handle, entry, entry.begin, memoryview(data))
+        return _as_tensor(data, dtype).reshape(entry.shape)
+
+    def sample(self, name: str, indices: Sequence[int]) -> torch.Tensor:
+        """Values of one tensor at flat ``indices``, read one by one (no tensor is read whole).
+
+        Raises:
+            GraftingLensError: As :meth:`tensor`.
+        """
+        entry = self._where[name]
+        dtype = self._dtype(entry)
+        size = dtype.itemsize
+        data = bytearray(len(indices) * size)
+        view = memoryview(data)
+        with self._open(entry.file) as handle:
+            for at, index in enumerate(indices):
+                offset = entry.begin + index * size
+                self._read_into(handle, entry, offset, view[at * size : (at + 1) * size])
+        return _as_tensor(data, dtype)
+
+    def check(self) -> None:
+        """Refuse when a weight file changed since the checkpoint was opened.
+
+        Raises:
+            GraftingLensError: Naming the file, what changed, and the fix.
+        """
+        for file in self._identities:
+            try:
+                status = os.stat(self.directory / file)
+            except OSError as error:
+                raise self._changed(file, f"it cannot be opened ({error.strerror})") from None
+            self._check_identity(file, status)
 
     def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
         """Bytes of one tensor in memory, in ``dtype`` (default: its dtype on disk)."""
@@ -309,6 +391,125 @@ class SafetensorsCheckpoint:
         for size in self.shapes[name]:
             numel *= size
         return numel * (dtype or self.dtypes[name]).itemsize
+
+    # ------------------------------------------------------------------ internals
+
+    @contextmanager
+    def _open(self, file: str) -> Iterator[BinaryIO]:
+        """The file, opened unbuffered, checked against its identity when opened."""
+        try:
+            handle = open(self.directory / file, "rb", buffering=0)  # noqa: SIM115
+        except OSError as error:
+            raise self._changed(file, f"it cannot be opened ({error.strerror})") from None
+        with handle:
+            self._check_identity(file, os.fstat(handle.fileno()))
+            yield handle
+            # A write while the bytes were read changes the file's identity too.
+            self._check_identity(file, os.fstat(handle.fileno()))
+
+    def _read_into(self, handle: BinaryIO, entry: _Entry, offset: int, target: memoryview) -> None:
+        handle.seek(offset)
+        done = 0
+        while done < len(target):
+            count = handle.readinto(target[done:])  # type: ignore[attr-defined]
+            if not count:
+                raise self._changed(
+                    entry.file,
+                    f"it ends before the bytes of {entry.stored} (it was truncated)",
+                )
+            done += count
+
+    def _dtype(self, entry: _Entry) -> torch.dtype:
+        dtype = _DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise GraftingLensError(
+                f"{self.directory / entry.file} stores {entry.stored} as {entry.dtype}, a dtype "
+                "grafting-lens cannot read a tensor at a time. Load the checkpoint whole "
+                "(lazy=False)."
+            )
+        return dtype
+
+    def _check_identity(self, file: str, status: os.stat_result) -> None:
+        recorded = self._identities[file]
+        now = _FileIdentity.of(status)
+        if now == recorded:
+            return
+        if (now.inode, now.device) != (recorded.inode, recorded.device):
+            what = "another file now has its name (it was replaced)"
+        elif now.size != recorded.size:
+            what = f"its size went from {recorded.size} to {now.size} bytes"
+        else:
+            what = "it was written to (its modification time changed)"
+        raise self._changed(file, what)
+
+    def _changed(self, file: str, what: str) -> GraftingLensError:
+        return GraftingLensError(
+            f"{self.directory / file} changed after load_models opened it: {what}. A graft "
+            "reads the checkpoint that was loaded, and that file no longer holds it, so "
+            "nothing more is read from it. Load the model set again with load_models (and "
+            "keep a checkpoint's files unchanged while a model set reads them lazily)."
+        )
+
+
+def _as_tensor(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` (little-endian, as safetensors stores it) as a flat tensor that owns it."""
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def _read_header(handle: BinaryIO, path: Path, file: str, size: int) -> list[_Entry]:
+    """The tensors a safetensors file's header lists, checked against the file's size.
+
+    The format: 8 bytes (little-endian) giving the header's length, the header (JSON:
+    each tensor's dtype, shape and data offsets, counted from the header's end), then
+    the data.
+    """
+
+    def damaged(reason: str) -> GraftingLensError:
+        return GraftingLensError(
+            f"{path} is not a whole safetensors file ({reason}): it is truncated or damaged "
+            "(an interrupted download or save). Download or save the checkpoint again."
+        )
+
+    start = handle.read(8)
+    if len(start) < 8:
+        raise damaged(f"{size} bytes, fewer than a header needs")
+    length = int.from_bytes(start, "little")
+    if 8 + length > size:
+        raise damaged(f"its header claims {length} bytes, the file has {size}")
+    try:
+        header = json.loads(handle.read(length))
+    except ValueError as error:
+        raise damaged(f"its header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise damaged("its header is not a JSON object")
+    entries = []
+    for stored, fields in header.items():
+        if stored == "__metadata__":
+            continue
+        try:
+            dtype = str(fields["dtype"])
+            shape = tuple(int(n) for n in fields["shape"])
+            begin, end = (int(n) for n in fields["data_offsets"])
+        except (TypeError, KeyError, ValueError):
+            raise damaged(f"its header describes {stored!r} as {fields!r}") from None
+        numel = 1
+        for n in shape:
+            numel *= n
+        known = _DTYPES.get(dtype)
+        if (
+            min(shape, default=0) < 0
+            or not 0 <= begin <= end
+            or 8 + length + end > size
+            or (known is not None and end - begin != numel * known.itemsize)
+        ):
+            raise damaged(
+                f"{stored!r} ({dtype} {list(shape)}) at bytes {begin}..{end} of the data, "
+                f"which does not fit it or the file's {size} bytes"
+            )
+        entries.append(_Entry(file, stored, dtype, shape, 8 + length + begin, 8 + length + end))
+    return entries
 
 
 def _loading_names(stored: list[str], model: nn.Module | None) -> dict[str, str]:
@@ -362,6 +563,8 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -369,8 +572,10 @@ class LazySource(Source):
     """A donor read from safetensors files a component at a time, on first use.
 
     Its module for a slot is a copy of the base's module (same class and settings,
-    the base's buffers) whose parameters are the donor's tensors, memory-mapped from
-    disk, cast and moved where the base's are, read once and kept. A slot the bridge
+    the base's buffers) whose parameters are the donor's tensors, read from disk,
+    cast and moved where the base's are, read once and kept. A file that changed since
+    load time is refused before anything more is read from it (see
+    :class:`SafetensorsCheckpoint`). A slot the bridge
     cuts out of a fused matrix (GPT-2's Q, K and V out of ``c_attn``) is cut from the
     donor's fused matrix by the bridge's own split function, so the fused matrix is
     read whole. Created by :func:`~grafting_lens.load_models` with ``lazy=True``,
@@ -449,6 +654,7 @@ class LazySource(Source):
                 LazyLoadWarning,
                 stacklevel=3,
             )
+            self._files.check()  # the checkpoint read whole is the one opened lazily
             self._whole = self._load_whole()
             # The whole model's modules serve grafts from now on.
             self._modules.clear()
@@ -489,10 +695,17 @@ class LazySource(Source):
         return self._files.disk_bytes
 
     def fingerprint(self) -> str:
-        # Sampled where the file is mapped, then cast: 64 values of each tensor are
-        # read, none is copied whole (to the GPU, or to another dtype).
-        names = [name for name, _ in checkpoint_parameters(self._base.original_model)]
-        return weights_fingerprint(((n, self._files.tensor(n)) for n in names), self._dtype)
+        # 64 values of each tensor are read from its file, then cast: none is read
+        # whole (nor copied to the GPU, or to another dtype).
+        digest = hashlib.sha256()
+        for name, _ in checkpoint_parameters(self._base.original_model):
+            numel = 1
+            for size in self._files.shapes[name]:
+                numel *= size
+            sample = self._files.sample(name, _sample_indices(numel))
+            dtype = self._dtype or self._files.dtypes[name]
+            _digest_sample(digest, name, self._files.shapes[name], sample, dtype)
+        return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------------ internals
 
@@ -624,8 +837,8 @@ def weights_fingerprint(
 ) -> str:
     """A short hash of named tensors: names, shapes, dtypes and 64 evenly spaced values of each.
 
-    Reading 64 values of a memory-mapped tensor touches 64 pages of its file, so a
-    lazily loaded checkpoint is fingerprinted without being read.
+    A lazily loaded checkpoint reads the same 64 values of each tensor from its files
+    (:meth:`SafetensorsCheckpoint.sample`), so it is fingerprinted without being read.
 
     Args:
         tensors: ``(name, tensor)`` pairs, in a fixed order.
@@ -639,7 +852,22 @@ def weights_fingerprint(
     for name, tensor in tensors:
         flat = tensor.detach().reshape(-1)
         step = max(1, flat.numel() // _SAMPLES)
-        sample = flat[::step][:_SAMPLES].to(dtype or tensor.dtype)
-        digest.update(f"{name}{tuple(tensor.shape)}{dtype or tensor.dtype}".encode())
-        digest.update(sample.float().cpu().contiguous().numpy().tobytes())
+        sample = flat[::step][:_SAMPLES]
+        _digest_sample(digest, name, tuple(tensor.shape), sample, dtype or tensor.dtype)
     return digest.hexdigest()[:16]
+
+
+def _sample_indices(numel: int) -> range:
+    """The flat indices :func:`weights_fingerprint` samples: ``flat[::step][:64]``."""
+    return range(0, numel, max(1, numel // _SAMPLES))[:_SAMPLES]
+
+
+def _digest_sample(
+    digest: hashlib._Hash,
+    name: str,
+    shape: tuple[int, ...],
+    sample: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    digest.update(f"{name}{tuple(shape)}{dtype}".encode())
+    digest.update(sample.to(dtype).float().cpu().contiguous().numpy().tobytes())

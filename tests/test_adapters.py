@@ -371,3 +371,208 @@ def test_an_adapter_directory_needs_no_peft(tokenizer, tmp_path, monkeypatch):
     tokens = random_tokens(2, 6, seed=9)
     mask = gl.GraftMask.build(models, tokens, components="q", source=1)
     assert (gl.graft_forward(models, tokens, mask) - models.base(tokens)).abs().max() > 0.1
+
+
+# ------------------------------------------------------------------ not plain LoRA on the base
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.parametrize(
+    "family_name, saved, other",
+    [
+        ("gpt2", "lm_head", "embed"),  # tied: the saved head must leave the lookup alone
+        ("gemma", "lm_head", "embed"),
+        ("gemma", "embed_tokens", "unembed"),  # and a saved embedding the head
+    ],
+)
+def test_modules_to_save_on_a_tied_weight_change_only_their_module(
+    tokenizer, tmp_path, family_name, saved, other
+):
+    # PEFT trains a copy of each module in modules_to_save; the base's tied matrix,
+    # which the other module keeps computing with, is not changed.
+    model = lora_model(
+        family_name, target_modules=TARGETS[family_name][:1], modules_to_save=[saved]
+    )
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter))
+    model.save_pretrained(tmp_path)
+    models = gl.load_models(random_model(family_name, 0), tmp_path, tokenizer=tokenizer)
+    tokens = random_tokens(2, 7, seed=10)
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert close(models[1](tokens), expected)
+    untouched = gl.GraftMask.build(models, tokens, components=other, source=1)
+    assert torch.equal(gl.graft_forward(models, tokens, untouched), models.base(tokens))
+    changed = gl.GraftMask.build(models, tokens, components=saved_component(saved), source=1)
+    assert (gl.graft_forward(models, tokens, changed) - models.base(tokens)).abs().max() > 1.0
+
+
+def saved_component(module: str) -> str:
+    return {"lm_head": "unembed", "embed_tokens": "embed"}[module]
+
+
+@pytest.mark.filterwarnings("ignore:(PiSSA|OLoRA) changes the base weights")
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_initialisations_that_rewrite_the_base_are_refused_and_their_conversion_loads(
+    tokenizer, tmp_path, init
+):
+    # PiSSA and OLoRA subtract the initial factors' product from W when PEFT creates
+    # or loads the adapter: the trained model is not W x + B A x * scale on the base.
+    base = random_model("llama", 0)
+    config = peft.LoraConfig(r=4, target_modules=TARGETS["llama"], init_lora_weights=init)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    model.save_pretrained(tmp_path / "initial")
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))  # "training"
+    model.save_pretrained(tmp_path / "trained")
+    refused = rf"init_lora_weights='{init}'.*rewrites the base's weights.*path_initial_model"
+    with pytest.raises(gl.AdapterError, match=refused):
+        gl.load_models(copy.deepcopy(base), tmp_path / "trained", tokenizer=tokenizer)
+    with pytest.raises(gl.AdapterError, match=refused):
+        gl.load_models(copy.deepcopy(base), model, tokenizer=tokenizer)
+    # The fix the message names: PEFT's conversion to plain LoRA on the original base.
+    model.save_pretrained(
+        tmp_path / "converted", path_initial_model_for_weight_conversion=str(tmp_path / "initial")
+    )
+    models = gl.load_models(copy.deepcopy(base), tmp_path / "converted", tokenizer=tokenizer)
+    tokens = random_tokens(2, 7, seed=11)
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert close(models[1](tokens), expected)
+    assert (expected - models.base(tokens)).abs().max() > 1.0
+
+
+def test_an_unknown_initialisation_is_refused(tokenizer, tmp_path):
+    lora_model("llama").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config["init_lora_weights"] = "something_new"
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        gl.AdapterError, match="'something_new', an initialisation.*merge_and_unload"
+    ):
+        gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"r": 8}, {"rank_pattern": {"o_proj": 2}}],
+    ids=["r", "rank_pattern"],
+)
+def test_a_rank_that_disagrees_with_the_factors_is_refused_as_peft_refuses_it(
+    tokenizer, tmp_path, change
+):
+    lora_model("llama").save_pretrained(tmp_path)  # rank 4 everywhere
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    config.update(change)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        peft.PeftModel.from_pretrained(random_model("llama", 0), str(tmp_path))
+    with pytest.raises(
+        gl.AdapterError, match=r"factors of rank 4 .* config gives that module rank"
+    ):
+        gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+
+
+def test_an_adapter_file_without_tensors_is_refused(tokenizer, tmp_path):
+    lora_model("llama").save_pretrained(tmp_path)
+    save_file({}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(gl.AdapterError, match="adapter_model.safetensors holds no tensors.*again"):
+        gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("embed", [False, True], ids=["linear", "embedding_and_modules_to_save"])
+def test_factors_named_with_the_adapter_name_are_read_as_peft_computes(tokenizer, tmp_path, embed):
+    # A file written from the PEFT model's own state_dict names every factor with the
+    # adapter's name (q_proj.lora_A.default.weight), as PEFT's model does.
+    settings = (
+        {"target_modules": ["embed_tokens", "q_proj"], "modules_to_save": ["o_proj"]}
+        if embed
+        else {}
+    )
+    model = lora_model("llama", **settings)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name:
+                parameter.add_(torch.randn_like(parameter))
+    model.peft_config["default"].save_pretrained(tmp_path)
+    state = {
+        key: tensor.contiguous()
+        for key, tensor in model.state_dict().items()
+        if "lora_" in key or "modules_to_save" in key or "original_module" in key
+    }
+    assert any(".lora_A.default." in key for key in state)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    models = gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+    tokens = random_tokens(2, 7, seed=12)
+    with torch.no_grad():
+        expected = model(tokens).logits
+    assert close(models[1](tokens), expected)
+    assert (expected - models.base(tokens)).abs().max() > 1.0
+    # Two adapters in one file are two donors.
+    other = {key.replace(".default.", ".other."): t.clone() for key, t in state.items()}
+    save_file({**state, **other}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(gl.AdapterError, match=r"several adapters \(default, other\).*selected"):
+        gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+
+
+def _edit_config(path, edit):
+    config_path = path / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    edit(config)
+    config_path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (
+            lambda p: (p / "adapter_config.json").write_text(
+                (p / "adapter_config.json").read_text()[:40]
+            ),
+            r"adapter_config.json cannot be read as an adapter config \(JSONDecodeError",
+        ),
+        (
+            lambda p: (p / "adapter_config.json").write_text("[1, 2]"),
+            "adapter_config.json holds a JSON list, not the object of LoraConfig fields",
+        ),
+        (
+            lambda p: _edit_config(p, lambda c: c.update(lora_alpha=None)),
+            "has lora_alpha=None; .* must be a finite number",
+        ),
+        (lambda p: _edit_config(p, lambda c: c.update(r=0)), "has r=0; a LoRA rank is an integer"),
+        (
+            lambda p: _edit_config(p, lambda c: c.update(alpha_pattern={"o_proj": "x"})),
+            "alpha_pattern gives 'o_proj' the value 'x'",
+        ),
+        (
+            lambda p: _edit_config(p, lambda c: c.pop("peft_type")),
+            "config has no peft_type, so it does not say what kind of adapter",
+        ),
+        (
+            lambda p: (p / "adapter_model.safetensors").write_bytes(
+                (p / "adapter_model.safetensors").read_bytes()[:1000]
+            ),
+            r"adapter_model.safetensors cannot be read \(.*truncated or damaged",
+        ),
+    ],
+    ids=[
+        "truncated_config",
+        "list_config",
+        "null_alpha",
+        "rank_0",
+        "alpha_pattern",
+        "no_peft_type",
+        "truncated_weights",
+    ],
+)
+def test_malformed_adapter_files_name_the_problem_and_the_fix(tokenizer, tmp_path, damage, named):
+    lora_model("llama").save_pretrained(tmp_path)
+    damage(tmp_path)
+    with pytest.raises(gl.AdapterError, match=named) as caught:
+        gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
+    assert "again" in str(caught.value)  # the fix: save or download it again

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 from conftest import family_config, random_model, random_tokens, tiny_config
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
@@ -411,3 +413,42 @@ def test_registered_paths_name_weights_the_bridge_keys_do_not(tokenizer):
         assert (gl.graft_forward(models, tokens, mask) - expected).abs().max() <= 1e-4
     finally:
         components._ARCHITECTURE_PATHS.pop("ApertusForCausalLM", None)
+
+
+def test_a_checkpoint_whose_weights_are_not_its_models_is_refused(tmp_path, tokenizer, family):
+    # transformers fills a weight the file lacks with random values and logs it where
+    # TransformerLens has silenced its logger; the model would not be the checkpoint.
+    random_model(family, 0).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    complete = tmp_path / "complete"
+    random_model(family, 1).save_pretrained(complete)
+    # Tied unembeddings (GPT-2, Gemma) are not in the file and not missing.
+    tokens = random_tokens(1, 5)
+    models = gl.load_models(tmp_path / "base", complete, tokenizer=tokenizer)
+    assert (models[1](tokens) - random_model(family, 1)(tokens).logits).abs().max() <= 1e-5
+    weights = load_file(str(complete / "model.safetensors"))
+    dropped = next(name for name in sorted(weights) if ".mlp." in name)
+    cases = {
+        "missing": (
+            {name: t for name, t in weights.items() if name != dropped},
+            rf"lacks 1 weight\(s\) of the model \({re.escape(dropped)}\), which transformers "
+            "filled with random values",
+        ),
+        "extra": (
+            {**weights, "extra.weight": torch.zeros(3)},
+            r"holds 1 weight\(s\) the model does not have \(extra.weight\)",
+        ),
+        "reshaped": (
+            {**weights, dropped: weights[dropped].reshape(-1)[:7].clone()},
+            rf"another shape than the model's \({re.escape(dropped)} \(\(7,\) in the checkpoint",
+        ),
+    }
+    for case, (tensors, named) in cases.items():
+        broken = tmp_path / case
+        random_model(family, 1).config.save_pretrained(broken)
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(gl.GraftingLensError, match=named) as caught:
+            gl.load_models(tmp_path / "base", broken, tokenizer=tokenizer)
+        assert "save or download it again" in str(caught.value)
+    with pytest.raises(gl.GraftingLensError, match="lacks 1 weight"):  # a base too
+        gl.load_models(tmp_path / "missing", tmp_path / "base", tokenizer=tokenizer)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,14 +289,21 @@ def test_a_shard_index_naming_files_outside_the_checkpoint_is_refused(tmp_path, 
     index_path.write_text(json.dumps(index))
     with pytest.raises(gl.GraftingLensError, match=rf"lists the shard '\.\./{shard}'.*outside"):
         gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
-    # A link inside the directory that resolves outside it is refused the same way.
+    # The Hugging Face cache's layout: every shard a link into blobs/ outside the snapshot
+    # directory. The index names entries of the directory itself, so it loads.
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for file in sorted(set(index["weight_map"].values())):
+        if file != f"../{shard}":
+            (donor / file).rename(blobs / file)
+            (donor / file).symlink_to(blobs / file)
     (donor / shard).symlink_to(tmp_path / shard)
     index["weight_map"] = {
         name: file.removeprefix("../") for name, file in index["weight_map"].items()
     }
     index_path.write_text(json.dumps(index))
-    with pytest.raises(gl.GraftingLensError, match="not a file of"):
-        gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
+    linked = gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
+    assert len(linked) == 2
     index_path.write_text("{not json")
     with pytest.raises(gl.GraftingLensError, match="cannot be read as a shard index"):
         gl.load_models(tmp_path / "base", donor, lazy=lazy, tokenizer=tokenizer)
@@ -311,3 +322,141 @@ def test_a_pickled_checkpoint_holding_code_is_refused_as_unsafe(tmp_path, tokeni
         gl.load_models(tmp_path / "base", pickled, tokenizer=tokenizer)
     assert "weights_only=False" not in str(caught.value)
     assert "truncated" not in str(caught.value)
+
+
+# ------------------------------------------------------------------ files that change or break
+
+
+def _lazy_pair(tmp_path, tokenizer, **options):
+    """A base, a donor and another donor of the same shapes, saved under tmp_path."""
+    for name, seed in (("base", 0), ("donor", 1), ("other", 2)):
+        random_model("llama", seed).save_pretrained(tmp_path / name, **options)
+        tokenizer.save_pretrained(tmp_path / name)
+    return tmp_path / "base", tmp_path / "donor", tmp_path / "other"
+
+
+def _rewrite(donor, other):
+    # Same header, other values: the bytes of another donor written over the file.
+    data = (other / "model.safetensors").read_bytes()
+    assert len(data) == (donor / "model.safetensors").stat().st_size
+    with open(donor / "model.safetensors", "r+b") as handle:
+        handle.write(data)
+
+
+def _replace(donor, other):
+    # An atomic swap, as a download or save_pretrained to a temporary name does.
+    os.replace(other / "model.safetensors", donor / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [(_rewrite, "it was written to"), (_replace, "another file now has its name")],
+    ids=["rewritten_in_place", "replaced"],
+)
+def test_a_donor_file_changed_after_a_graft_is_refused_not_read(tmp_path, tokenizer, change, what):
+    base, donor, other = _lazy_pair(tmp_path, tokenizer)
+    tokens = random_tokens(2, 6, seed=8)
+    eager = gl.load_models(base, donor)
+    first = gl.GraftMask.build(eager, tokens, components="o")
+    expected = gl.graft_forward(eager, tokens, first).clone()
+    models = gl.load_models(base, donor, lazy=True)
+    assert torch.equal(gl.graft_forward(models, tokens, first), expected)
+    change(donor, other)
+    # What was read is the checkpoint that was loaded, and stays so.
+    assert torch.equal(gl.graft_forward(models, tokens, first), expected)
+    refused = rf"model.safetensors changed after load_models opened it: {what}.*load_models"
+    ffn = gl.GraftMask.build(models, tokens, components="ffn")
+    with pytest.raises(gl.GraftingLensError, match=refused):
+        gl.graft_forward(models, tokens, ffn)
+    with pytest.raises(gl.GraftingLensError, match=refused):
+        models.sources[1].fingerprint()
+    with pytest.raises(gl.GraftingLensError, match=refused):
+        models.weight_diff()
+    with pytest.warns(gl.LazyLoadWarning), pytest.raises(gl.GraftingLensError, match=refused):
+        models[1]  # read whole: the same checkpoint, or nothing
+
+
+_TRUNCATE_AFTER_A_GRAFT = """
+import os, sys, torch
+import grafting_lens as gl
+from conftest import random_tokens
+base, donor = sys.argv[1:3]
+models = gl.load_models(base, donor, lazy=True)
+tokens = random_tokens(2, 6, seed=8)
+first = gl.GraftMask.build(models, tokens, components="o")
+before = gl.graft_forward(models, tokens, first)
+file = os.path.join(donor, "model.safetensors")
+os.truncate(file, os.path.getsize(file) // 2)
+assert torch.equal(gl.graft_forward(models, tokens, first), before), "kept tensors changed"
+try:
+    gl.graft_forward(models, tokens, gl.GraftMask.build(models, tokens, components="ffn"))
+except gl.GraftingLensError as error:
+    print(error)
+    sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_a_donor_file_truncated_after_a_graft_is_an_error_not_a_crash(tmp_path, tokenizer):
+    # A memory-mapped tensor whose file is cut short kills the process with SIGBUS
+    # when touched; run where that cannot take the test session with it.
+    base, donor, _ = _lazy_pair(tmp_path, tokenizer)
+    tests = str(Path(__file__).parent)
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", _TRUNCATE_AFTER_A_GRAFT, str(base), str(donor)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=300,
+    )
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "model.safetensors changed after load_models opened it: its size went" in result.stdout
+    assert "Load the model set again with load_models" in result.stdout
+
+
+def _no_weight_map(donor):
+    (donor / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+
+def _missing_shard(donor):
+    index = json.loads((donor / "model.safetensors.index.json").read_text())
+    (donor / sorted(set(index["weight_map"].values()))[-1]).unlink()
+
+
+def _dangling_link(donor):
+    (donor / "model.safetensors").unlink()
+    (donor / "model.safetensors").symlink_to(donor / "blobs" / "deleted")
+
+
+def _truncated(donor):
+    file = donor / "model.safetensors"
+    os.truncate(file, file.stat().st_size // 2)
+
+
+@pytest.mark.parametrize(
+    "sharded, damage, named",
+    [
+        (True, _no_weight_map, r"index.json cannot be read as a shard index.*again"),
+        (True, _missing_shard, r"lists the shard 'model-\S+', which .* does not hold.*again"),
+        (
+            False,
+            _dangling_link,
+            r"model.safetensors is a link to '.*deleted', which does not exist",
+        ),
+        (False, _truncated, r"model.safetensors is not a whole safetensors file .*again"),
+    ],
+    ids=["no_weight_map", "missing_shard", "dangling_link", "truncated"],
+)
+def test_malformed_lazy_checkpoints_name_the_file_and_the_fix(
+    tmp_path, tokenizer, sharded, damage, named
+):
+    options = {"max_shard_size": "60KB"} if sharded else {}
+    base, donor, _ = _lazy_pair(tmp_path, tokenizer, **options)
+    damage(donor)
+    with pytest.raises(gl.GraftingLensError, match=named):
+        gl.load_models(base, donor, lazy=True)
