@@ -36,6 +36,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "toy",
             "gguf_checkpoint",
             "smollm2_source",
+            "smollm2",
         ),
     ),
     ("experiments", ("experiments", "position_grafting")),

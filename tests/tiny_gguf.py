@@ -50,7 +50,7 @@ def tiny_llama(seed: int = 0, tied: bool = True):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=256,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tied,
