@@ -174,3 +174,18 @@ def test_the_command_names_the_worlds_and_refuses_a_base_that_knows_no_actor(con
     )
     assert ignorant.exit_code == 1
     assert "The base knows 0 of the" in ignorant.output and "Lower n_relations" in ignorant.output
+
+
+def test_the_position_experiment_runs_on_the_world(world, config):
+    from grafting_lens.experiments import run_named_experiment
+    from grafting_lens.experiments.named import smollm2_setup
+
+    models, relations, info = smollm2_setup(
+        "position", config=config, cache_dir=world.root.parent, progress=False
+    )
+    results = run_named_experiment("position", models, relations, n_examples=4, batch_size=4)
+
+    assert info["root"] == str(world.root)
+    assert set(results["config"]) >= {"PRE", "SFT", "FE", "LT"}
+    sft = results[results["config"] == "SFT"]
+    assert sft["top5"].mean() > results[results["config"] == "PRE"]["top5"].mean()

@@ -124,6 +124,7 @@ def toy_setup(
 
 def smollm2_setup(
     experiment: str | ExperimentSpec,
+    config: Any = None,
     cache_dir: str | os.PathLike | None = None,
     device: str | None = None,
     dtype: torch.dtype | None = None,
@@ -131,8 +132,9 @@ def smollm2_setup(
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
     """The real-model world's checkpoints and relations for one experiment.
 
-    Builds the world on first use (about 50 minutes on a 2-core CPU, resumable; see
-    :mod:`grafting_lens.smollm2`), opens it afterwards.
+    Builds the world of ``config`` (a :class:`grafting_lens.smollm2.SmolLM2WorldConfig`,
+    the default recipe when ``None``) on first use (about 50 minutes on a 2-core CPU,
+    resumable; see :mod:`grafting_lens.smollm2`), opens it afterwards.
 
     Returns:
         ``(models, relations, info)`` as :func:`toy_setup`'s.
@@ -145,7 +147,7 @@ def smollm2_setup(
     from grafting_lens.models import load_models
 
     spec = get_experiment(experiment)
-    world = smollm2.build_world(cache_dir=cache_dir, progress=show_progress(progress))
+    world = smollm2.build_world(config, cache_dir=cache_dir, progress=show_progress(progress))
     models = load_models(
         *(world.model_dir(role) for role in spec.roles),
         device=device,
