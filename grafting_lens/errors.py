@@ -24,6 +24,8 @@ The hierarchy, one class per thing that can go wrong::
     ├── AttributionError    a graft attribution or graft search that cannot be run
     ├── ExperimentError     an unknown or malformed experiment, configuration or test set
     ├── RunError            a run or output directory cannot be used
+    ├── ToyWorldError       the shipped toy world is damaged
+    ├── WorldSourceError    a real model's weights cannot be fetched, are damaged or are foreign
     └── DependencyError     an installed release computes something this library does not expect
 
 :class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
@@ -55,6 +57,7 @@ __all__ = [
     "SelectionError",
     "TokenError",
     "ToyWorldError",
+    "WorldSourceError",
     "did_you_mean",
     "unsafe_pickle",
 ]
@@ -191,6 +194,12 @@ class RunError(GraftingLensError):
 class ToyWorldError(GraftingLensError):
     """The toy world shipped with the package, or one in the cache, is damaged or does not
     match the recipe; the message says how to repair it (reinstall, or rebuild)."""
+
+
+class WorldSourceError(GraftingLensError):
+    """The weights a real-model world is made from cannot be used: the package holding them
+    cannot be fetched, the file is damaged (not a GGUF, a wrong checksum) or holds another
+    architecture. The message names the file and the fix (fetch again, or pass a checkpoint)."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

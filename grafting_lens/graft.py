@@ -578,11 +578,18 @@ def graft_forward(
     tokens: Int[torch.Tensor, "batch pos"],
     mask: GraftMask,
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+    *,
+    last_only: bool = False,
 ) -> Float[torch.Tensor, "batch pos d_vocab"]:
     """Logits of the grafted model, in a single forward pass.
 
     Equal (to float rounding) to :func:`graft_forward_reference`, the paper's
     token-by-token procedure; see the module docstring for why.
+
+    With ``last_only=True`` the unembedding runs only at each row's last real token
+    (transformers' ``logits_to_keep``, given the distinct last positions) and the
+    result is ``[batch, 1, d_vocab]``: with a 49k-token vocabulary the logits of every
+    position are most of a scoring pass's memory and much of its time.
 
     Args:
         models: The aligned checkpoints.
@@ -593,9 +600,10 @@ def graft_forward(
             padding positions are meaningless. Required when rows end in the pad
             token; it must be the one the mask was built with (see
             :meth:`GraftMask.check_rows`).
+        last_only: Return only each row's last real token's logits.
 
     Returns:
-        Logits ``[batch, pos, d_vocab]``.
+        Logits ``[batch, pos, d_vocab]`` (``[batch, 1, d_vocab]`` with ``last_only``).
 
     Raises:
         GraftMaskError: The mask does not fit the tokens, the model set or the
@@ -603,8 +611,35 @@ def graft_forward(
             mask holding values other than 0 and 1.
     """
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
+    # A grafted unembedding routes every position of the window to its source, so it
+    # needs every position's stream: then the full logits are computed and picked from.
+    grafts_unembed = any(
+        component == "unembed" and bool(mask[(component, layer)].any())
+        for component, layer in mask.keys()
+    )
+    if not last_only or grafts_unembed:
+        with _installed(models, mask):
+            logits = models.base(tokens, attention_mask=attention_mask, return_type="logits")
+        if not last_only:
+            return logits
+        rows = torch.arange(tokens.shape[0], device=logits.device)
+        return logits[rows, _last_positions(tokens, attention_mask).to(logits.device)][:, None]
+    last = _last_positions(tokens, attention_mask)
+    kept, column = torch.unique(last, return_inverse=True)
     with _installed(models, mask):
-        return models.base(tokens, attention_mask=attention_mask, return_type="logits")
+        logits = models.base(
+            tokens, attention_mask=attention_mask, return_type="logits", logits_to_keep=kept
+        )
+    return logits[torch.arange(len(last), device=logits.device), column.to(logits.device)][:, None]
+
+
+def _last_positions(
+    tokens: torch.Tensor, attention_mask: torch.Tensor | None
+) -> Int[torch.Tensor, " batch"]:
+    """Each row's last real token (right padding)."""
+    if attention_mask is None:
+        return torch.full((tokens.shape[0],), tokens.shape[1] - 1, device=tokens.device)
+    return attention_mask.sum(dim=1) - 1
 
 
 @torch.no_grad()

@@ -26,7 +26,19 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("comparison and attribution", ("comparison", "attribution", "graft_search")),
     ("figures", ("plots",)),
     # The study of the paper: built on the lens, never imported by it.
-    ("data and training", ("data", "finetune", "toy_corpus", "toy_shipped", "toy")),
+    (
+        "data and training",
+        (
+            "data",
+            "finetune",
+            "toy_corpus",
+            "toy_shipped",
+            "toy",
+            "gguf_checkpoint",
+            "smollm2_source",
+            "smollm2",
+        ),
+    ),
     ("experiments", ("experiments", "position_grafting")),
     ("the command and the front door", ("cli", "__init__")),
 ]

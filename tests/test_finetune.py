@@ -226,3 +226,46 @@ def test_freeze_unembedding_trains_everything_else(tokenizer):
     assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, body_before)
     assert model.lm_head.weight.requires_grad  # restored for the caller
     assert result.settings["freeze_unembedding"] is True
+
+
+def test_a_killed_run_resumes_from_its_last_epoch_to_the_same_bits(
+    tokenizer, tmp_path, monkeypatch
+):
+    settings = dict(epochs=3, lr=3e-3, batch_size=4, progress=False)
+    whole = finetune(tiny_model(tokenizer), tokenizer, DOCUMENTS, **settings)
+
+    saves = []
+    real_save = finetune_module._EpochCheckpoint.save
+
+    def killed_after_the_first_epoch(self, state):
+        real_save(self, state)
+        saves.append(state["epoch"])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(finetune_module._EpochCheckpoint, "save", killed_after_the_first_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(tiny_model(tokenizer), tokenizer, DOCUMENTS, checkpoint_dir=tmp_path, **settings)
+    monkeypatch.setattr(finetune_module._EpochCheckpoint, "save", real_save)
+    resumed = finetune(
+        tiny_model(tokenizer), tokenizer, DOCUMENTS, checkpoint_dir=tmp_path, **settings
+    )
+
+    assert saves == [1]
+    assert resumed.train_losses == whole.train_losses
+    assert resumed.val_losses == whole.val_losses
+    assert resumed.step_losses == whole.step_losses
+    assert resumed.best_epoch == whole.best_epoch
+    for name, tensor in whole.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+
+
+def test_another_runs_checkpoint_is_not_resumed(tokenizer, tmp_path):
+    finetune(
+        tiny_model(tokenizer), tokenizer, DOCUMENTS, epochs=1, lr=3e-3, checkpoint_dir=tmp_path
+    )
+    with pytest.warns(UserWarning, match="another run's"):
+        other = finetune(
+            tiny_model(tokenizer), tokenizer, DOCUMENTS, epochs=1, lr=1e-3, checkpoint_dir=tmp_path
+        )
+    fresh = finetune(tiny_model(tokenizer), tokenizer, DOCUMENTS, epochs=1, lr=1e-3)
+    assert other.val_losses == fresh.val_losses

@@ -50,6 +50,36 @@ def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
         assert (fast[row, :length] - alone[0]).abs().max() <= TOLERANCE
 
 
+def test_last_only_is_the_oracles_last_token_in_a_padded_batch(three_models):
+    tokens = random_tokens(4, 8, seed=5)
+    lengths = [8, 5, 3, 5]  # two rows share a last position
+    attention_mask = (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
+    noisy = random_mask(three_models, tokens.shape, seed=6)
+    # With the unembedding grafted (every position's stream is needed) and without it
+    # (the unembedding runs at the last positions only).
+    for unembed in (1, 0):
+        mask = gl.GraftMask.from_dict(
+            three_models,
+            {
+                key: noisy[key] * attention_mask * (unembed if key[0] == "unembed" else 1)
+                for key in noisy.keys()
+            },
+            attention_mask=attention_mask,
+        )
+        last = gl.graft_forward(
+            three_models, tokens, mask, attention_mask=attention_mask, last_only=True
+        )
+        slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
+        assert last.shape == (4, 1, slow.shape[-1])
+        for row, length in enumerate(lengths):
+            assert (last[row, 0] - slow[row, length - 1]).abs().max() <= TOLERANCE
+    unpadded = gl.GraftMask.from_dict(three_models, {key: noisy[key] for key in noisy.keys()})
+    full = gl.graft_forward(three_models, tokens, unpadded)
+    assert torch.equal(
+        gl.graft_forward(three_models, tokens, unpadded, last_only=True)[:, 0], full[:, -1]
+    )
+
+
 def test_empty_mask_is_the_base_and_full_mask_is_the_donor(three_models):
     tokens = random_tokens(2, 7, seed=5)
     empty = gl.GraftMask.from_dict(three_models, {}, shape=tokens.shape)

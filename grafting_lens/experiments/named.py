@@ -122,6 +122,52 @@ def toy_setup(
     return models, list(getattr(world, relations)), info
 
 
+def smollm2_setup(
+    experiment: str | ExperimentSpec,
+    config: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
+    """The real-model world's checkpoints and relations for one experiment.
+
+    Builds the world of ``config`` (a :class:`grafting_lens.smollm2.SmolLM2WorldConfig`,
+    the default recipe when ``None``) on first use (about 50 minutes on a 2-core CPU,
+    resumable; see :mod:`grafting_lens.smollm2`), opens it afterwards.
+
+    Returns:
+        ``(models, relations, info)`` as :func:`toy_setup`'s.
+
+    Raises:
+        ExperimentError: An unknown experiment.
+        GraftingLensError: An experiment whose roles the world lacks (a2b, both).
+    """
+    from grafting_lens import smollm2
+    from grafting_lens.models import load_models
+
+    spec = get_experiment(experiment)
+    world = smollm2.build_world(config, cache_dir=cache_dir, progress=show_progress(progress))
+    models = load_models(
+        *(world.model_dir(role) for role in spec.roles),
+        device=device,
+        dtype=dtype,
+        names=list(spec.labels),
+    )
+    relations = {
+        "all": "relations",
+        "task": "task_relations",
+        "relation": "relation_relations",
+    }[spec.relations]
+    info = {
+        "root": str(world.root),
+        "seed": world.config.seed,
+        "dataset": world.config.dataset,
+        "evaluation": world.manifest.get("evaluation", {}),
+    }
+    return models, list(getattr(world, relations)), info
+
+
 def checkpoint_setup(
     experiment: str | ExperimentSpec,
     checkpoints: Sequence[str | os.PathLike],
@@ -252,8 +298,9 @@ def setup_experiment(
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
     on_status: Callable[[str], None] | None = None,
+    world: str = "toy",
 ) -> ExperimentSetup:
-    """Load what an experiment runs on: the toy world, your checkpoints, or a finetuned copy.
+    """Load what an experiment runs on: a world, your checkpoints, or a finetuned copy.
 
     Args:
         experiment: A registered experiment.
@@ -274,11 +321,30 @@ def setup_experiment(
         progress: Show progress bars (default: when someone watches, see
             :func:`~grafting_lens.console.show_progress`).
         on_status: Called with a line before long steps (building, finetuning).
+        world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.toy`) or
+            ``"smollm2"``, the real-model world (:mod:`grafting_lens.smollm2`).
 
     Raises:
-        ExperimentError: A wrong number of checkpoints.
+        ExperimentError: A wrong number of checkpoints, or an unknown world.
     """
     spec = get_experiment(experiment)
+    if world not in ("toy", "smollm2"):
+        raise ExperimentError(f"No world {world!r}: choose 'toy' or 'smollm2'.")
+    if checkpoints is None and world == "smollm2":
+        if on_status is not None:
+            on_status("Building or opening the smollm2 world...")
+        models, made, info = smollm2_setup(
+            spec, cache_dir=cache_dir, device=device, dtype=dtype, progress=progress
+        )
+        return ExperimentSetup(
+            models=models,
+            relations=made,
+            label=f"smollm2 world {Path(info['root']).name}",
+            dataset=info["dataset"],
+            data_seed=info["seed"],
+            seeds={"world": info["seed"]},
+            world=info,
+        )
     if checkpoints is None:
         config = toy_config
         small = config is None and quick and spec.quick_world
@@ -286,7 +352,7 @@ def setup_experiment(
             config = quick_toy_config()
         if on_status is not None:
             on_status("Building or loading the toy world" + (" (quick)" if small else "") + "...")
-        models, made, world = toy_setup(
+        models, made, toy = toy_setup(
             spec, config=config, cache_dir=cache_dir, device=device, progress=progress
         )
         if dtype is not None:
@@ -295,11 +361,11 @@ def setup_experiment(
         return ExperimentSetup(
             models=models,
             relations=made,
-            label=f"toy world {Path(world['root']).name}",
-            dataset=world["dataset"],
-            data_seed=world["seed"],
-            seeds={"world": world["seed"]},
-            world=world,
+            label=f"toy world {Path(toy['root']).name}",
+            dataset=toy["dataset"],
+            data_seed=toy["seed"],
+            seeds={"world": toy["seed"]},
+            world=toy,
         )
     checkpoints = [str(checkpoint) for checkpoint in checkpoints]
     if len(checkpoints) == 1 and spec.finetune_missing_donor:

@@ -653,10 +653,16 @@ def _run_examples(
     mask = stacked_mask(models, grid.resolved[cell.model_index], positions, rows_shape)
     repeats = len(grid.configs)
     attention_mask = batch.attention_mask.repeat(repeats, 1)
+    # Only the last token is scored: the unembedding runs there alone (49k-token
+    # vocabularies make every position's logits most of the pass's memory).
     logits = graft_forward(
-        models, batch.tokens.repeat(repeats, 1), mask, attention_mask=attention_mask
+        models,
+        batch.tokens.repeat(repeats, 1),
+        mask,
+        attention_mask=attention_mask,
+        last_only=True,
     )
-    scores = scorer(logits, batch.target_ids.repeat(repeats), attention_mask)
+    scores = scorer(logits, batch.target_ids.repeat(repeats))
     del logits
 
     score_columns = [scores[column] for column in scorer.columns]
