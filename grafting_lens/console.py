@@ -104,11 +104,10 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     """
     from tqdm import TqdmWarning
 
+    from grafting_lens.arguments import is_integer
     from grafting_lens.errors import GraftingLensError
 
-    if threads is not None and (
-        not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
-    ):
+    if threads is not None and (not is_integer(threads) or threads < 1):
         raise GraftingLensError(f"threads must be a positive int or None, got {threads!r}.")
     # Before transformers is imported: it imports tqdm.auto, which warns on import.
     warnings.filterwarnings("ignore", category=TqdmWarning)

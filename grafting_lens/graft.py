@@ -73,12 +73,13 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 from transformers import DynamicCache
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.components import COMPONENTS, Slot
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
 from grafting_lens.masks import GraftMask, Key, check_leftovers
-from grafting_lens.models import ModelSet
+from grafting_lens.models import ModelSet, token_ids
 from grafting_lens.positions import check_padding, row_lengths
 
 # Bridge options under which attention code reads projection weights directly,
@@ -699,12 +700,9 @@ def graft_generate(
             context, a bad ``new_token_sources``, or padded prompts.
         GraftMaskError: The mask does not fit the tokens or the model set.
     """
-    if (
-        not isinstance(max_new_tokens, int)
-        or isinstance(max_new_tokens, bool)
-        or max_new_tokens < 1
-    ):
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise GraftingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
+    max_new_tokens = int(max_new_tokens)
     tokens, _ = _check_tokens(models, tokens, mask, None)
     prompt_length = tokens.shape[1]
     if mask.lengths is not None and bool((mask.lengths < prompt_length).any()):
@@ -722,13 +720,9 @@ def graft_generate(
         )
     if new_token_sources == "last":
         full = mask.extend(max_new_tokens)
-    elif (
-        isinstance(new_token_sources, int)
-        and not isinstance(new_token_sources, bool)
-        and 0 <= new_token_sources < len(models)
-    ):
+    elif is_integer(new_token_sources) and 0 <= int(new_token_sources) < len(models):
         batch = mask.shape[0]
-        new = torch.full((batch, max_new_tokens), new_token_sources, dtype=torch.long)
+        new = torch.full((batch, max_new_tokens), int(new_token_sources), dtype=torch.long)
         full = GraftMask(
             {pair: torch.cat([mask[pair], new], dim=1) for pair in models.pairs},
             (batch, prompt_length + max_new_tokens),
@@ -826,4 +820,4 @@ def _check_tokens(
     mask.check_rows(attention_mask)
     if attention_mask is not None:
         attention_mask = attention_mask.to(models.device)
-    return tokens.to(models.device), attention_mask
+    return token_ids(tokens).to(models.device), attention_mask

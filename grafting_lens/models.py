@@ -405,6 +405,10 @@ class ModelSet(Sequence[TransformerBridge]):
         Returns:
             ``(batch, pos)``.
 
+        Any integer dtype is accepted (``uint8`` and ``int16`` ids included); the
+        functions that run tokens widen them with :func:`token_ids`, since torch's
+        embedding takes ``int64`` and ``int32`` only.
+
         Raises:
             TokenError: Not a two-dimensional tensor, not integer ids, empty, an id
                 outside the vocabulary, or more positions than the model learned
@@ -423,9 +427,15 @@ class ModelSet(Sequence[TransformerBridge]):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TokenError(f"{name} must hold integer token ids, got {tokens.dtype}.")
         if tokens.numel() == 0:
-            raise TokenError(f"{name} is empty (shape {list(tokens.shape)}).")
+            raise TokenError(
+                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row "
+                "of at least one token. Check the tokenization (an empty prompt, or a slice "
+                "past the end)."
+            )
         vocab = int(self.base.cfg.d_vocab)
-        low, high = int(tokens.min()), int(tokens.max())
+        # torch has no min/max for its unsigned types wider than 8 bits: compare as int64.
+        ids = token_ids(tokens)
+        low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise TokenError(
                 f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
@@ -467,6 +477,19 @@ class ModelSet(Sequence[TransformerBridge]):
         frame = pd.DataFrame(rows)
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
+
+
+def token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is.
+
+    :meth:`ModelSet.check_tokens` accepts ids of any integer dtype; every function that
+    runs them passes them through this first, so that ``uint8`` or ``int16`` ids (a
+    compact dataset on disk) run as the same ids instead of failing inside the
+    embedding.
+    """
+    if tokens.dtype in (torch.int64, torch.int32):
+        return tokens
+    return tokens.to(torch.int64)
 
 
 def load_models(

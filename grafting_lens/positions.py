@@ -203,9 +203,9 @@ def resolve_positions(
 
     Raises:
         SelectionError: An index outside a row's real tokens, a tensor of the wrong
-            shape, a specification of an unknown form, an empty list (it would
-            select nothing), or a bool where an index is expected (``True``
-            would read as position 1).
+            shape, a specification of an unknown form, an empty list or per-row
+            lists that are all empty (they would select nothing), or a bool where an
+            index is expected (``True`` would read as position 1).
     """
     batch, pos = shape
     lengths = row_lengths(shape, attention_mask)
@@ -269,6 +269,13 @@ def resolve_positions(
                     f"(positions 0..{length - 1})."
                 )
             selected[row, resolved] = True
+    if not bool(selected.any()):
+        # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
+        raise SelectionError(
+            f"positions={spec!r} selects no position in any row, so nothing would be grafted "
+            "or patched. Give at least one index in some row, e.g. [[1, 2], []], or "
+            "positions='last'."
+        )
     return selected
 
 

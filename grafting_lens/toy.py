@@ -96,6 +96,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grafting_lens import data
+from grafting_lens.arguments import is_integer
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.files import cache_root
 from grafting_lens.finetune import finetune
@@ -227,10 +228,12 @@ class ToyWorldConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise GraftingLensError(
                     f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1."
                 )
+            # Python's int: the configuration is hashed as JSON to name the world's cache.
+            object.__setattr__(self, name, int(value))
         if self.d_model % self.n_heads:
             raise GraftingLensError(
                 f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
@@ -424,7 +427,7 @@ def build_toy_world(
         raise GraftingLensError(
             f"config is a {type(config).__name__}; pass a grafting_lens.toy.ToyWorldConfig."
         )
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
+    if threads is not None and (not is_integer(threads) or threads < 1):
         raise GraftingLensError(
             f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
         )

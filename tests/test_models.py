@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import family_config, random_model, random_tokens, tiny_config
+from conftest import family_config, no_forward_pass, random_model, random_tokens, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, PreTrainedTokenizerFast
 
@@ -411,3 +411,49 @@ def test_registered_paths_name_weights_the_bridge_keys_do_not(tokenizer):
         assert (gl.graft_forward(models, tokens, mask) - expected).abs().max() <= 1e-4
     finally:
         components._ARCHITECTURE_PATHS.pop("ApertusForCausalLM", None)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(three_models):
+    """uint8 or int16 ids (a compact dataset on disk) mean the same ids at every entry point
+    that runs tokens, where torch's embedding takes int64 only; empty tokens are refused by
+    every entry point before a forward pass, naming the fix."""
+    tokens = random_tokens(2, 5, seed=41)
+    assert 127 < int(tokens.max()) < 256  # past int8 (which would wrap), within uint8
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="o+ffn")
+    expected = gl.graft_forward(three_models, tokens, mask)
+    patched = gl.patch_forward(three_models, tokens, "resid_pre", layers=1, positions="last")
+    targets = tokens[:, 0]
+    scored = gl.scoring.LastTokenScorer()(expected, targets)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        narrow = tokens.to(dtype)
+        assert (
+            gl.GraftMask.build(three_models, narrow, positions="last", components="o+ffn") == mask
+        )
+        assert torch.equal(gl.graft_forward(three_models, narrow, mask), expected)
+        reference = gl.graft_forward_reference(three_models, narrow, mask)
+        assert (reference - expected).abs().max() <= 1e-4
+        generated = gl.graft_generate(three_models, narrow, mask, max_new_tokens=2)
+        assert torch.equal(generated[:, :5], tokens)
+        assert torch.equal(
+            gl.patch_forward(three_models, narrow, "resid_pre", layers=1, positions="last"),
+            patched,
+        )
+        assert gl.scoring.LastTokenScorer()(expected, targets.to(dtype)) == scored
+
+    empty = tokens[:, :0]
+    with no_forward_pass(three_models):
+        for call in (
+            lambda: gl.GraftMask.build(three_models, empty),
+            lambda: gl.graft_forward(three_models, empty, mask),
+            lambda: gl.graft_forward_reference(three_models, empty, mask),
+            lambda: gl.graft_generate(three_models, empty, mask),
+        ):
+            with pytest.raises(gl.TokenError, match=r"tokens is empty \(shape \[2, 0\]\).*tokeniz"):
+                call()
+        with pytest.raises(gl.PatchingError, match=r"tokens is empty"):
+            gl.patch_forward(three_models, empty, "resid_pre")
+        with pytest.raises(gl.PatchingError, match=r"tokens is empty"):
+            gl.resid_patch_sweep(three_models, empty, lambda logits: logits[:, -1, 0])
+        with pytest.raises(gl.GraftMaskError, match=r"\(batch, pos\) = \(2, 0\) describes no"):
+            gl.GraftMask.build(three_models, (2, 0))

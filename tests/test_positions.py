@@ -97,6 +97,13 @@ def test_empty_and_boolean_position_specs_are_refused():
     assert positions.resolve_positions([[], [1]], (2, 5)).nonzero().tolist() == [[1, 1]]
 
 
+def test_per_row_lists_that_are_all_empty_are_refused():
+    # One empty list per row reads as a selection, yet grafts or patches nothing.
+    for spec, shape in (([[]], (1, 5)), ([[], []], (2, 5)), ([(), np.array([], int)], (2, 5))):
+        with pytest.raises(GraftMaskError, match="selects no position in any row.*positions="):
+            positions.resolve_positions(spec, shape)
+
+
 def test_numpy_positions_read_like_python_ones():
     shape = (2, 5)
     assert torch.equal(
