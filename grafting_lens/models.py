@@ -555,7 +555,9 @@ def load_models(
         AdapterError: An adapter made for another base (a module the base lacks, a
             shape that differs), or of a kind grafting-lens does not compute.
         GraftingLensError: A path that is neither a checkpoint directory nor
-            loadable from the hub, an unreadable checkpoint file, a device or
+            loadable from the hub, an unreadable checkpoint file, a ``tokenizer=``
+            path that does not exist or holds no tokenizer, a base without a
+            tokenizer of its own when none is given, a device or
             dtype torch does not have, or ``lazy=True`` for a donor that is not a
             directory of safetensors files.
         ComponentError: ``components`` names a component the architecture lacks.
@@ -614,7 +616,7 @@ def load_models(
     # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
     with quiet_loading():
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
+            tokenizer = _tokenizer_from(tokenizer)
         base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
         labels = [names[0] if names is not None else base_label]
         base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
@@ -986,13 +988,66 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
 def _load_tokenizer(name: str, fallback: Any) -> Any:
     """The tokenizer saved with a checkpoint, or ``fallback`` when it has none."""
     try:
-        return _prepare_tokenizer(AutoTokenizer.from_pretrained(name), name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):
+        tokenizer = None
+    if tokenizer is None or _only_special_tokens(tokenizer):
         if fallback is None:
             raise GraftingLensError(
-                f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models."
-            ) from None
+                f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models "
+                "(a tokenizer, or the directory or hub id of the one the checkpoint was "
+                "trained with)."
+            )
         return fallback
+    return _prepare_tokenizer(tokenizer, name)
+
+
+def _tokenizer_from(name: str | os.PathLike) -> Any:
+    """The tokenizer ``tokenizer=`` names (a directory or a hub id), or an error saying why not."""
+    label = str(name)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise GraftingLensError(
+            f"tokenizer={label!r} is a file; give the directory a tokenizer was saved in "
+            "(tokenizer.save_pretrained(directory) writes tokenizer.json and its config there), "
+            "or a hub id such as 'gpt2'."
+        )
+    if not path.exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is None:
+        raise GraftingLensError(
+            f"tokenizer={label!r} does not exist (no such path, and not a hub id). Give the "
+            "directory a tokenizer was saved in, or a hub id such as 'gpt2'."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else label)
+    except (OSError, ValueError) as error:
+        where = "the directory" if path.is_dir() else "the hub id"
+        reason = " ".join(str(error).split())[:200]
+        raise GraftingLensError(
+            f"tokenizer={label!r}: no tokenizer could be loaded from {where} ({reason}). Give "
+            "the directory tokenizer.save_pretrained wrote (tokenizer.json and its config), or "
+            "a hub id that is reachable (HF_HUB_OFFLINE=1 needs it in the local HF cache)."
+        ) from None
+    if _only_special_tokens(tokenizer):
+        # transformers builds a tokenizer from a config.json alone, with nothing but its
+        # special tokens: every text would tokenize to unknown or nothing.
+        raise GraftingLensError(
+            f"tokenizer={label!r} holds no tokenizer: no vocabulary files were found there, "
+            f"so the tokenizer transformers made knows only its {len(tokenizer.get_vocab())} "
+            "special token(s). Give the directory tokenizer.save_pretrained wrote (tokenizer.json "
+            "and its config), or a hub id such as 'gpt2'."
+        )
+    return _prepare_tokenizer(tokenizer, label)
+
+
+def _only_special_tokens(tokenizer: Any) -> bool:
+    """Whether a tokenizer's vocabulary is its special and added tokens alone (an empty one)."""
+    try:
+        vocabulary = set(tokenizer.get_vocab())
+    except (AttributeError, NotImplementedError, TypeError):
+        return False  # cannot tell: leave it to the vocabulary check against the base
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    added = set(getattr(tokenizer, "added_tokens_encoder", None) or ())
+    return not vocabulary - special - added
 
 
 def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:

@@ -457,3 +457,28 @@ def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(thr
             gl.resid_patch_sweep(three_models, empty, lambda logits: logits[:, -1, 0])
         with pytest.raises(gl.GraftMaskError, match=r"\(batch, pos\) = \(2, 0\) describes no"):
             gl.GraftMask.build(three_models, (2, 0))
+
+
+def test_a_tokenizer_path_that_is_missing_or_holds_no_tokenizer_is_named(tmp_path, tokenizer):
+    for name, seed in (("base", 0), ("donor", 1)):
+        random_model("gpt2", seed).save_pretrained(tmp_path / name)
+    (tmp_path / "empty").mkdir()
+    base, donor = tmp_path / "base", tmp_path / "donor"
+    cases = [
+        (tmp_path / "nope", r"tokenizer='.*nope' does not exist \(no such path, and not a hub"),
+        (base / "config.json", r"config\.json' is a file; give the directory a tokenizer"),
+        (tmp_path / "empty", r"'.*empty': no tokenizer could be loaded from the directory"),
+        # transformers makes a tokenizer of GPT-2's class from config.json alone, holding
+        # nothing but <|endoftext|>: every text would tokenize to nothing.
+        (base, r"'.*base' holds no tokenizer: .*knows only its 1 special token"),
+    ]
+    for path, message in cases:
+        with pytest.raises(gl.GraftingLensError, match=message):
+            gl.load_models(base, donor, tokenizer=path)
+    # The base's own directory has no tokenizer either: named, with the fix.
+    with pytest.raises(gl.GraftingLensError, match=r"'.*base' has no tokenizer and none was"):
+        gl.load_models(base, donor)
+    # A donor without one borrows the base's (it was "1 token" against the base's 300).
+    tokenizer.save_pretrained(base)
+    loaded = gl.load_models(base, donor)
+    assert loaded.tokenizer.get_vocab() == tokenizer.get_vocab()
