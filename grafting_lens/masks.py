@@ -59,7 +59,8 @@ class GraftMask:
     """Source indices for every ``(component, layer)`` pair and token position.
 
     Build one with :meth:`from_dict`, :meth:`build`, :meth:`union` or :meth:`cat`
-    rather than the constructor, which trusts its arguments.
+    rather than the constructor, which trusts its arguments (it only moves the tensors
+    to the CPU, where masks are kept whatever device the models are on).
 
     Attributes:
         shape: ``(batch, pos)`` of the tokens the mask is for.
@@ -87,10 +88,15 @@ class GraftMask:
                 f"lengths has shape {tuple(self.lengths.shape)}, expected one length per row "
                 f"({self.shape[0]},)."
             )
-        # Only pairs that graft something are stored: an all-zero pair is the base.
-        self._entries: dict[Key, torch.Tensor] = {
-            key: value for key, value in entries.items() if bool(value.any())
-        }
+        # Only pairs that graft something are stored: an all-zero pair is the base. On the
+        # CPU, as from_dict keeps them: masks combine (union, cat, check_rows) on one device,
+        # and a grafted run moves them to the models'. Pairs that share a tensor keep sharing.
+        on_cpu: dict[int, torch.Tensor] = {}
+        self._entries: dict[Key, torch.Tensor] = {}
+        for key, value in entries.items():
+            value = on_cpu.setdefault(id(value), value.cpu())
+            if bool(value.any()):
+                self._entries[key] = value
 
     # ----------------------------------------------------------------- access
     def keys(self) -> list[Key]:

@@ -444,6 +444,39 @@ class ModelSet(Sequence[TransformerBridge]):
         self.check_length(int(tokens.shape[1]))
         return (int(tokens.shape[0]), int(tokens.shape[1]))
 
+    def check_placement(self, indices: Iterable[int], what: str = "This run") -> None:
+        """Refuse sources cast or moved since :func:`load_models` placed them alike.
+
+        Load time checks that every parameter shares the base's dtype and device; a
+        model cast or moved afterwards (``models.base.half()``, ``models[1].to("cuda")``)
+        would fail inside torch naming neither, or run on in another precision. Each
+        source's set of (dtype, device) over its floating parameters must be the base's.
+        Grafts check the modules they take instead, without building any source's model.
+
+        Args:
+            indices: The sources a run uses (each runs alone, as a model).
+            what: What runs them, for the message.
+
+        Raises:
+            AlignmentError: A source whose parameters are of another dtype or on another
+                device than the base's.
+        """
+        placements = {0: _placement(self.base)}
+        for index in indices:
+            if index not in placements:
+                placements[index] = _placement(self[index])
+            if placements[index] != placements[0]:
+                found = ", ".join(f"{dtype} on {device}" for dtype, device in placements[index])
+                base = ", ".join(f"{dtype} on {device}" for dtype, device in placements[0])
+                raise AlignmentError(
+                    f"{what} runs source {index} ({self.names[index]}), whose weights are "
+                    f"{found}, and the base's are {base}: the sources of a model set must share "
+                    "a dtype and a device, and one was cast or moved after load_models "
+                    "(models.base.half(), models[1].to('cuda')...). Load the model set with "
+                    "load_models(..., dtype=..., device=...), which places every source alike, "
+                    "or cast and move every source the same way."
+                )
+
     def weight_diff(self) -> pd.DataFrame:
         """Relative change of every component in every source against the base.
 
@@ -1277,6 +1310,16 @@ def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> 
                 f"{label}'s vocabulary differs from the base's: token {token!r} is id "
                 f"{token_id} in the base and {other_vocab.get(token)} in {label}."
             )
+
+
+def _placement(bridge: TransformerBridge) -> frozenset[tuple[torch.dtype, torch.device]]:
+    """The (dtype, device) pairs of a model's floating parameters (a model kept partly in
+    float32, its norms say, has two)."""
+    return frozenset(
+        (parameter.dtype, parameter.device)
+        for parameter in bridge.parameters()
+        if parameter.is_floating_point()
+    )
 
 
 def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:

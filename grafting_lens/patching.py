@@ -103,7 +103,13 @@ from tqdm.auto import tqdm
 
 from grafting_lens.arguments import is_integer
 from grafting_lens.console import show_progress
-from grafting_lens.errors import PatchingError, SelectionError, TokenError, did_you_mean
+from grafting_lens.errors import (
+    AlignmentError,
+    PatchingError,
+    SelectionError,
+    TokenError,
+    did_you_mean,
+)
 from grafting_lens.layers import LayerSpec, resolve_layers
 from grafting_lens.models import ModelSet, token_ids
 from grafting_lens.patch_passes import (
@@ -625,6 +631,10 @@ def _patch_run(
     # The checkpoint under study (source) and the reference (target) keep their meaning
     # in both directions; only which of them runs changes.
     running, giving = (target, source) if direction == "sufficiency" else (source, target)
+    try:
+        models.check_placement({running, giving}, "This patch")
+    except AlignmentError as error:
+        raise PatchingError(str(error)) from error
     run = PatchRun(
         models,
         site=site,

@@ -480,3 +480,27 @@ def test_a_cache_the_installed_releases_do_not_keep_is_an_error_not_a_number(
     gl.resid_patch_sweep(
         three_models, tokens, lambda logits: logits[:, -1, 3], reuse_prefix=False, progress=False
     )
+
+
+def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
+    """load_models places every source alike; one cast or moved afterwards failed inside
+    torch ("mat1 and mat2 must have the same dtype"), naming neither the source nor the fix."""
+    models = gl.load_models(random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer)
+    tokens = random_tokens(2, 5, seed=31)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="o")
+    expected = gl.graft_forward(models, tokens, mask)
+    models.base.half()
+    cast = r"Source 1 \(source1\)'s o at layer 0 is torch.float32 on cpu, the base's is "
+    with no_forward_pass(models):
+        for run in (gl.graft_forward, gl.graft_forward_reference, gl.graft_generate):
+            with pytest.raises(gl.GraftingError, match=cast + r"torch.float16.*load_models\("):
+                run(models, tokens, mask)
+    models.base.float()
+    models[1].to("meta")  # another device, on a machine without a second one
+    with no_forward_pass(models):
+        with pytest.raises(gl.GraftingError, match=r"o at layer 0 is torch.float32 on meta"):
+            gl.graft_forward(models, tokens, mask)
+    # A graft that takes nothing from the moved source runs, and the base is intact.
+    nothing = gl.GraftMask.build(models, tokens, positions="last", components="o", source=0)
+    assert torch.equal(gl.graft_forward(models, tokens, nothing), models.base(tokens))
+    assert not torch.equal(expected, models.base(tokens))

@@ -311,3 +311,20 @@ def test_numpy_numbers_read_like_python_ones_and_bools_are_refused():
         gl.resolve_layers((True, 0.5), 6)
     with pytest.raises(gl.SelectionError, match="Layers must be ints, got np.False_|False"):
         gl.resolve_layers(np.array([False]), 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+@pytest.mark.parametrize("family", ["llama"])
+def test_masks_of_tensors_on_another_device_are_kept_on_the_cpu(three_models):
+    """Masks combine (union, cat, the check against a run's padding) on one device: a mask
+    made of GPU tensors is moved to the CPU, and a run moves it to the models'."""
+    tokens = random_tokens(2, 5)
+    cpu = gl.GraftMask.build(three_models, tokens, positions="last", components="o")
+    gpu = gl.GraftMask({key: cpu[key].cuda() for key in cpu.keys()}, cpu.shape, 3)
+    assert all(gpu[key].device.type == "cpu" for key in gpu.keys())
+    assert gl.GraftMask.union(cpu, gpu) == cpu and len(gl.GraftMask.cat([cpu, gpu])) == 4
+    attention_mask = torch.ones_like(tokens).cuda()
+    assert torch.equal(
+        gl.graft_forward(three_models, tokens, gpu, attention_mask=attention_mask),
+        gl.graft_forward(three_models, tokens, cpu),
+    )
