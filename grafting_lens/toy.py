@@ -97,6 +97,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens import data
 from grafting_lens.arguments import is_integer
+from grafting_lens.console import threads_beyond_cores
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.files import cache_root
 from grafting_lens.finetune import finetune
@@ -417,7 +418,8 @@ def build_toy_world(
 
     Raises:
         GraftingLensError: The configuration is invalid (raised by
-            :class:`ToyWorldConfig`), or the cache directory cannot be written.
+            :class:`ToyWorldConfig`), ``threads`` is not between 1 and the cores this
+            process may use, or the cache directory cannot be written.
 
     Warns:
         UserWarning: A cached world was incomplete or corrupt and is rebuilt.
@@ -431,6 +433,9 @@ def build_toy_world(
         raise GraftingLensError(
             f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
         )
+    too_many = None if threads is None else threads_beyond_cores(threads)
+    if too_many:
+        raise GraftingLensError(too_many)
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
