@@ -758,7 +758,16 @@ def graft_generate(
     if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise GraftingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
     max_new_tokens = int(max_new_tokens)
-    tokens, _ = _check_tokens(models, tokens, mask, None)
+    # It takes no attention mask, so the usual fix (pass one) would not be true here.
+    tokens, _ = _check_tokens(
+        models,
+        tokens,
+        mask,
+        None,
+        padding_fix="graft_generate takes no attention_mask: it continues every row after its "
+        "last column, so it needs prompts without padding. Generate for prompts of one length "
+        "(e.g. one prompt at a time, its padding cut off).",
+    )
     prompt_length = tokens.shape[1]
     if mask.lengths is not None and bool((mask.lengths < prompt_length).any()):
         raise GraftingError(
@@ -766,6 +775,12 @@ def graft_generate(
             "for padded prompts. Generate for prompts of one length (e.g. one prompt at a time)."
         )
     context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
+    if context and prompt_length >= context:
+        raise GraftingError(
+            f"The prompt alone ({prompt_length} tokens) fills the model's context of {context} "
+            "positions, leaving no room for a new token. Shorten the prompt to at most "
+            f"{context - 1} tokens."
+        )
     if context and prompt_length + max_new_tokens > context:
         # Also the bound on memory: the cache and mask grow with every new token.
         raise GraftingError(
@@ -862,6 +877,7 @@ def _check_tokens(
     tokens: torch.Tensor,
     mask: GraftMask,
     attention_mask: torch.Tensor | None,
+    padding_fix: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_mask_type(mask)
     models.check_tokens(tokens)
@@ -872,7 +888,7 @@ def _check_tokens(
         )
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
-    check_padding(tokens, attention_mask, models.tokenizer)
+    check_padding(tokens, attention_mask, models.tokenizer, fix=padding_fix)
     mask.check_rows(attention_mask)
     if attention_mask is not None:
         attention_mask = attention_mask.to(models.device)

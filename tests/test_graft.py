@@ -504,3 +504,26 @@ def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
     nothing = gl.GraftMask.build(models, tokens, positions="last", components="o", source=0)
     assert torch.equal(gl.graft_forward(models, tokens, nothing), models.base(tokens))
     assert not torch.equal(expected, models.base(tokens))
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_generation_refusals_say_what_is_true_of_generation(three_models):
+    """Padded prompts were told to pass an attention_mask graft_generate does not take, and a
+    prompt past the context to "Ask for at most -14 new tokens"."""
+    tokens = random_tokens(2, 5, seed=23)
+    tokens[1, 3:] = 0  # right padding
+    mask = gl.GraftMask.build(
+        three_models, tokens, positions="last", attention_mask=(tokens != 0).long()
+    )
+    with no_forward_pass(three_models):
+        with pytest.raises(gl.GraftMaskError, match="graft_generate takes no attention_mask") as e:
+            gl.graft_generate(three_models, tokens, mask, max_new_tokens=2)
+        assert "attention_mask=" not in str(e.value)
+        long = random_tokens(1, 78)  # rotary: 78 positions embed, but exceed n_ctx=64
+        with pytest.raises(
+            gl.GraftingError,
+            match=r"The prompt alone \(78 tokens\) fills the model's context of 64 positions.*"
+            r"at most 63 tokens\.",
+        ):
+            gl.graft_generate(three_models, long, gl.GraftMask.build(three_models, long), 1)
+
