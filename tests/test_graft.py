@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 import pytest
 import torch
-from conftest import no_forward_pass, random_mask, random_model, random_tokens
+from conftest import no_forward_pass, random_mask, random_model, random_tokens, tiny_config
 from transformers import AutoModelForCausalLM, OpenAIGPTConfig
 
 import grafting_lens as gl
@@ -428,6 +428,45 @@ def test_the_oracle_refuses_a_model_without_a_key_value_cache(tokenizer):
         gl.graft_forward_reference(models, tokens, mask)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "settings", "message"),
+    [
+        (
+            "rwkv",
+            dict(attention_hidden_size=32, context_length=64),
+            r"RwkvForCausalLM keeps no key/value cache a pass can be continued over: it carries "
+            r"a state of its own between calls instead \(its forward takes 'state'",
+        ),
+        (
+            "recurrent_gemma",
+            dict(block_types=["recurrent", "attention"], lru_width=32),
+            r"RecurrentGemmaForCausalLM keeps a sliding-window cache of 2048 tokens "
+            r"\(config.sliding_window=2048\) and layers that keep a recurrent state of their own "
+            r"\(linear_attention\), which a pass continued over a key/value cache given from "
+            r"outside does not reproduce \(the continued pass failed: RuntimeError",
+        ),
+    ],
+)
+def test_a_model_keeping_its_own_state_or_window_is_named_not_called_cacheless(
+    tokenizer, model_type, settings, message
+):
+    """RWKV was said to keep "no key/value cache"; RecurrentGemma's windowed cache and
+    recurrent layers failed inside torch ("The size of tensor a (6) must match...")."""
+    config = tiny_config(model_type, **settings)
+    with pytest.warns(gl.UnverifiedArchitectureWarning):
+        models = gl.load_models(
+            *(AutoModelForCausalLM.from_config(config) for _ in range(2)),
+            tokenizer=tokenizer,
+            allow_uncovered=True,
+        )
+    tokens = random_tokens(1, 4)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="ln_final")
+    assert gl.graft_forward(models, tokens, mask).shape == (1, 4, 300)  # one pass works
+    for run in (gl.graft_forward_reference, gl.graft_generate):
+        with pytest.raises(gl.GraftingError, match=message):
+            run(models, tokens, mask)
+
+
 @pytest.mark.parametrize("source", [0, 1])
 def test_generation_equals_the_checkpoints_own_greedy_generation(family, three_models, source):
     """Every position and new token computed by one checkpoint: its own HF generate()."""
@@ -526,4 +565,3 @@ def test_generation_refusals_say_what_is_true_of_generation(three_models):
             r"at most 63 tokens\.",
         ):
             gl.graft_generate(three_models, long, gl.GraftMask.build(three_models, long), 1)
-
