@@ -119,8 +119,8 @@ def last_token_logits(
             so the last position of every row is taken.
 
     Raises:
-        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]``, or an
-            attention mask of another shape, with values other than 0 and 1,
+        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]`` or have no
+            position, or an attention mask of another shape, with values other than 0 and 1,
             not right padded, or with an empty row (see
             :func:`~grafting_lens.positions.row_lengths`).
     """
@@ -129,6 +129,11 @@ def last_token_logits(
             "last_token_logits expects [batch, pos, d_vocab] logits, got " + _describe(logits) + "."
         )
     batch, positions, _ = logits.shape
+    if positions == 0:
+        raise GraftingLensError(
+            f"The logits have no position (shape {tuple(logits.shape)}), so there is no last "
+            "token to score: they came from empty tokens. Run at least one token per row."
+        )
     if attention_mask is None:
         return logits[:, -1]
     if tuple(attention_mask.shape) != (batch, positions):
