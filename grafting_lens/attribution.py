@@ -92,6 +92,7 @@ from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
 from grafting_lens import metrics
+from grafting_lens.arguments import is_integer
 from grafting_lens.batch import TokenizedExamples, as_batch
 from grafting_lens.console import show_progress
 from grafting_lens.errors import AttributionError, did_you_mean
@@ -672,7 +673,8 @@ def resolve_groups(
     """
     selections: dict[str, torch.Tensor] = {}
     for label, spec in groups.items():
-        if isinstance(spec, int):
+        if is_integer(spec):
+            spec = int(spec)
             real = batch.attention_mask.bool()
             selection = torch.zeros_like(real)
             if spec < real.shape[1]:
@@ -745,8 +747,8 @@ def _check_model_set(models: object) -> None:
         )
 
 
-def _check_count(name: str, value: object, alternative: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def _check_count(name: str, value: Any, alternative: str = "") -> None:
+    if not is_integer(value) or value < 1:
         extra = f" {alternative}" if alternative else ""
         raise AttributionError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
 

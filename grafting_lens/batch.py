@@ -295,8 +295,9 @@ def tokenize_examples(
     how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
     as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
     a span covers no token (or, searching, is not found), a span lies outside the text, the
-    target adds no token, or (in context) the prompt's last token merges with the target (then
-    "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
+    target adds no token, the target holds the tokenizer's unknown token (which every unknown
+    word shares, so two targets would be one answer), or (in context) the prompt's last token
+    merges with the target (then "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
     and summarized in a warning "dropped k of n examples: ...".
 
     Args:
@@ -387,6 +388,7 @@ def tokenize_examples(
             ]
         ]
 
+    unknown = getattr(tokenizer, "unk_token_id", None)
     kept: list[Any] = []
     rows: list[tuple[list[int], dict[str, list[int]], list[int]]] = []
     dropped: list[tuple[Any, str]] = []
@@ -410,6 +412,14 @@ def tokenize_examples(
             answer = answer[len(ids) :]
         elif not answer:
             reason = f"the target {example.target!r} tokenizes to no tokens"
+        if reason is None and unknown is not None and unknown in answer:
+            # Every word the tokenizer does not know is this one id: two different targets
+            # would be scored as the same answer.
+            reason = (
+                f"the target {example.target!r} tokenizes to the unknown token "
+                f"{tokenizer.unk_token!r} (id {unknown}), which stands for every word the "
+                "tokenizer does not know, so the answer could not be told from another"
+            )
         if reason is not None:
             dropped.append((example, reason))
             continue

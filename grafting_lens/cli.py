@@ -51,9 +51,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import click
 import typer
 
+from grafting_lens.console import threads_beyond_cores
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.files import DirectoryLock, check_writable
 
@@ -247,12 +247,16 @@ def world_build(
         None,
         "--threads",
         min=1,
-        help="torch CPU threads (default: torch's for smollm2, 1 for toy).",
+        help="torch CPU threads, at most the cores this process may use (default: torch's "
+        "for smollm2, 1 for toy).",
     ),
     cache_dir: Path | None = typer.Option(None, "--cache-dir", help="Where the world is cached."),
 ) -> None:
     """Build a world (resumable: run it again after an interruption), or report the built one."""
     started = time.perf_counter()
+    too_many = None if threads is None else threads_beyond_cores(threads, "--threads")
+    if too_many:
+        _fail(too_many)
     try:
         if name == "toy":
             from grafting_lens.toy import build_toy_world
@@ -285,18 +289,53 @@ def world_build(
     typer.echo(f"The {name} world is at {root} ({time.perf_counter() - started:.0f} s).")
 
 
+def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
+    """The usage errors and aborts ``command.main`` raises when not in standalone mode.
+
+    typer before 0.29 raises click's own exceptions; from 0.29 it carries its own copy
+    of click, whose exceptions derive from ``typer.exceptions.TyperException`` and are
+    not click's: catching click's alone let "No such option" escape as a traceback.
+    """
+    usage: list[type[Exception]] = []
+    aborts: list[type[Exception]] = [typer.Abort]
+    typer_exception = getattr(typer.exceptions, "TyperException", None)
+    if isinstance(typer_exception, type):
+        usage.append(typer_exception)
+    try:
+        import click
+    except ImportError:  # typer >= 0.29 does not need click
+        pass
+    else:
+        usage.append(click.ClickException)
+        aborts.append(click.exceptions.Abort)
+    return tuple(usage), tuple(aborts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command with ``argv`` (default: the process's) and return its exit status."""
+    """Run the command with ``argv`` (default: the process's) and return its exit status.
+
+    Usage errors (an unknown option or command, a missing value, no arguments at all)
+    are printed as the command line prints them, with the usage, and return 2; never a
+    traceback.
+    """
     command = typer.main.get_command(app)
+    usage_errors, aborts = _click_errors()
     try:
         result = command.main(
             args=list(sys.argv[1:] if argv is None else argv),
             prog_name="grafting-lens",
             standalone_mode=False,
         )
-    except click.ClickException as error:  # a usage error: say it as the command line would
-        error.show()
-        return int(error.exit_code)
+    except usage_errors as error:  # say it as the command line would
+        show = getattr(error, "show", None)
+        if callable(show):
+            show()
+        else:
+            typer.echo(f"Error: {error}", err=True)
+        return int(getattr(error, "exit_code", 2))
+    except aborts:  # Ctrl-C or end of input at a prompt
+        typer.echo("Aborted!", err=True)
+        return 1
     return int(result or 0)
 
 
@@ -347,7 +386,8 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     add(
         "--threads",
         type=int,
-        help="torch CPU threads (default: 1 for the toy world, torch's default for --model).",
+        help="torch CPU threads, at most the cores this process may use (default: 1 for the toy "
+        "world, torch's default for --model).",
     )
     add(
         "--dataset",
@@ -638,6 +678,9 @@ def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise GraftingLensError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    too_many = None if args.threads is None else threads_beyond_cores(args.threads, "--threads")
+    if too_many:
+        raise GraftingLensError(too_many)
     donors = {
         role: getattr(args, option.lstrip("-").replace("-", "_"))
         for role, (option, _) in spec.donors.items()
@@ -782,13 +825,29 @@ def _check_out(out: str | os.PathLike) -> Path:
 
 
 def _check_checkpoint(name: str, option: str) -> None:
-    """Fail early, with a clear message, on a checkpoint that cannot be found."""
+    """Fail early, with a clear message, on a checkpoint that cannot be found.
+
+    A donor may be a LoRA adapter directory, as :func:`~grafting_lens.load_models` takes;
+    the base (``--model``) may not.
+    """
     path = Path(name).expanduser()
     if path.exists():
+        from grafting_lens.adapters import is_adapter_directory
+
+        if path.is_dir() and is_adapter_directory(path):
+            if option == "--model":
+                raise GraftingLensError(
+                    f"--model {name!r} is a LoRA adapter, but --model is the base every graft "
+                    "runs through: pass the model the adapter was trained on as --model, and "
+                    "the adapter as a donor (--donor, or the experiment's donor options)."
+                )
+            return
         if not (path.is_dir() and (path / "config.json").is_file()):
             raise GraftingLensError(
                 f"{option} {name!r} is not a checkpoint: expected a directory with config.json "
-                "(written by save_pretrained) or a Hugging Face hub id."
+                "(written by save_pretrained)"
+                + ("" if option == "--model" else ", a LoRA adapter directory")
+                + " or a Hugging Face hub id."
             )
         return
     from transformers import AutoConfig

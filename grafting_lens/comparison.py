@@ -126,6 +126,7 @@ from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 
 from grafting_lens import metrics
+from grafting_lens.arguments import is_integer
 from grafting_lens.batch import TokenizedExamples, as_batch
 from grafting_lens.components import GLOBAL_COMPONENTS, expand_components
 from grafting_lens.console import show_progress
@@ -355,8 +356,7 @@ class _ComparisonPlan:
             )
         self.direction = DIRECTIONS[direction]
         for name, index in (("source", source), ("target", target)):
-            valid = isinstance(index, int) and not isinstance(index, bool)
-            if not valid or not 0 <= index < len(models):
+            if not is_integer(index) or not 0 <= index < len(models):
                 raise GraftingLensError(
                     f"{name}={index!r}, but the model set has {len(models)} sources "
                     f"(0..{len(models) - 1})."
@@ -366,15 +366,15 @@ class _ComparisonPlan:
                 f"source and target are both {source}: importing a checkpoint into itself "
                 "changes nothing."
             )
-        self.source, self.target = source, target
+        self.source, self.target = int(source), int(target)
         # Which checkpoint runs, and which one the grafted weights come from.
         self.running, self.giving = (
             (target, source) if self.direction == "sufficiency" else (source, target)
         )
         for name, value in (("batch_size", batch_size), ("rows_per_forward", rows_per_forward)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise GraftingLensError(f"{name} must be an integer >= 1, got {value!r}.")
-        self.rows_per_forward = rows_per_forward
+        self.rows_per_forward = int(rows_per_forward)
         self.layers = resolve_layers(layers, models.n_layers)
         self.pairs = _check_pairs(pairs, models, self.methods)
         self.batch = as_batch(tokenized, models)
@@ -590,15 +590,17 @@ def reference_scores(
         raise GraftingLensError(f"Expected a ModelSet, got {type(models).__name__}.")
     sources = list(range(len(models))) if sources is None else list(sources)
     for index in sources:
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
+        if not is_integer(index) or not 0 <= index < len(models):
             raise GraftingLensError(
                 f"Source {index!r} is out of range: the model set has {len(models)} sources."
             )
+    sources = [int(index) for index in sources]
     if len(set(sources)) != len(sources):
         # Each example would be scored twice, and a summary would count it twice.
         raise GraftingLensError(f"A source is listed twice: {sources}.")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+    if not is_integer(batch_size) or batch_size < 1:
         raise GraftingLensError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    batch_size = int(batch_size)
     batch = as_batch(tokenized, models)
     scorer = LastTokenScorer()
     rows = []

@@ -80,10 +80,20 @@ def cache_argument(bridge: TransformerBridge, what: str, error: type[GraftingLen
     for name in _CACHE_NAMES:
         if name in parameters:
             return name
+    # RWKV and its kin carry a recurrent state between calls instead: not "no cache".
+    state = [name for name in ("state", "use_cache") if name in parameters]
+    kept = (
+        "keeps no key/value cache a pass can be continued over: it carries a state of its own "
+        f"between calls instead (its forward takes {' and '.join(map(repr, state))}, but neither "
+        "'cache' nor 'past_key_values'"
+        if state
+        else "kept no key/value cache for earlier tokens (its forward takes neither 'cache' nor "
+        "'past_key_values'"
+    )
     raise error(
-        f"{type(model).__name__} kept no key/value cache for earlier tokens (its forward takes "
-        f"neither 'cache' nor 'past_key_values'; installed: {installed_versions()}), so {what} "
-        "cannot continue a pass over earlier tokens on it."
+        f"{type(model).__name__} {kept}; installed: {installed_versions()}), so {what} cannot "
+        "continue a pass over earlier tokens on it. graft_forward runs the whole prompt at "
+        "once and is unaffected."
     )
 
 
@@ -145,10 +155,12 @@ def check_cache_continuation(
         error: The error to raise when the model's architecture takes no cache.
 
     Raises:
-        error: The model takes no key/value cache at all.
-        DependencyError: The continued pass differs from the plain one: the installed
-            transformers or TransformerLens no longer keeps or reads the cache the way
-            this library uses it.
+        error: The model takes no key/value cache at all, or keeps a cache of its own
+            kind (recurrent layers, a sliding window shorter than the check) that a
+            continued pass does not reproduce; the message names it.
+        DependencyError: The continued pass fails or differs from the plain one on a
+            model without such a cache: the installed transformers or TransformerLens no
+            longer keeps or reads the cache the way this library uses it.
     """
     model = bridge.original_model
     if _CONTINUATION_CHECKED.get(model):
@@ -156,16 +168,28 @@ def check_cache_continuation(
     cache_argument(bridge, what, error)
     vocabulary = int(bridge.cfg.d_vocab)
     device = next(bridge.parameters()).device
-    tokens = (torch.arange(6, device=device) * 7919 + 11) % vocabulary
+    tokens = (torch.arange(_CHECKED_TOKENS, device=device) * 7919 + 11) % vocabulary
     tokens = tokens[None]
-    with torch.no_grad(), cache_visible(bridge):
-        plain = bridge(tokens, return_type="logits")
-        cache = DynamicCache()
-        bridge(tokens[:, :3], return_type="logits", **cached_forward_kwargs(bridge, cache))
-        kept = int(cache.get_seq_length())
-        continued = bridge(
-            tokens[:, 3:], return_type="logits", **cached_forward_kwargs(bridge, cache)
-        )
+    own = _own_cache(getattr(model, "config", None))
+    try:
+        with torch.no_grad(), cache_visible(bridge):
+            plain = bridge(tokens, return_type="logits")
+            cache = DynamicCache()
+            bridge(tokens[:, :3], return_type="logits", **cached_forward_kwargs(bridge, cache))
+            kept = int(cache.get_seq_length())
+            continued = bridge(
+                tokens[:, 3:], return_type="logits", **cached_forward_kwargs(bridge, cache)
+            )
+    except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as failure:
+        found = f"the continued pass failed: {type(failure).__name__}: {_first_line(failure)}"
+        if own:
+            raise _own_cache_error(model, own, found, what, error) from None
+        raise DependencyError(
+            f"{what} continues a pass over a key/value cache, and on {type(model).__name__} "
+            f"under the installed releases ({installed_versions()}) {found}. Install the "
+            "versions of the lock (README: 'Two commands'), or report the versions above to "
+            "grafting-lens."
+        ) from None
     expected = plain[:, 3:].float()
     scale = float(expected.abs().max()) + 1e-6
     tolerance = (1e-4 if plain.dtype == torch.float32 else 1e-2) * scale
@@ -177,6 +201,8 @@ def check_cache_continuation(
             else f"its logits differ from a plain pass by {difference:.3g} (tolerance "
             f"{tolerance:.3g})"
         )
+        if own:
+            raise _own_cache_error(model, own, found, what, error)
         raise DependencyError(
             f"{what} continues a pass over a key/value cache, and on "
             f"{type(model).__name__} under the installed releases ({installed_versions()}) "
@@ -185,6 +211,57 @@ def check_cache_continuation(
             "or report the versions above to grafting-lens."
         )
     _CONTINUATION_CHECKED[model] = True
+
+
+_CHECKED_TOKENS = 6
+"""Tokens of the continuation canary: a plain pass of 6, then 3 continued over 3 cached."""
+
+_WINDOW_FIELDS = ("sliding_window", "attention_window_size", "window_size")
+"""Configuration fields that bound how many earlier tokens an attention layer sees."""
+
+_RECURRENT_LAYERS = ("linear", "recurrent", "mamba", "conv", "rwkv")
+"""Words in a ``layer_types`` entry of a layer that keeps a state instead of keys and values."""
+
+
+def _own_cache(config: Any) -> str | None:
+    """What a model keeps between calls that a cache given from outside may not reproduce.
+
+    Layers that keep a recurrent state of their own, or a sliding window shorter than the
+    canary's tokens (a longer one cannot change the canary); None for neither, where a
+    failed continuation is the releases' doing.
+    """
+    if config is None:
+        return None
+    layer_types = [str(kind) for kind in getattr(config, "layer_types", None) or ()]
+    parts = []
+    recurrent = sorted({kind for kind in layer_types if any(w in kind for w in _RECURRENT_LAYERS)})
+    windows = [
+        (field, value)
+        for field in _WINDOW_FIELDS
+        if isinstance(value := getattr(config, field, None), int) and value > 0
+    ]
+    if windows and (recurrent or windows[0][1] < _CHECKED_TOKENS):
+        field, value = windows[0]
+        parts.append(f"a sliding-window cache of {value} tokens (config.{field}={value})")
+    if recurrent:
+        parts.append(f"layers that keep a recurrent state of their own ({', '.join(recurrent)})")
+    return " and ".join(parts) or None
+
+
+def _own_cache_error(
+    model: Any, own: str, found: str, what: str, error: type[GraftingLensError]
+) -> GraftingLensError:
+    """The architecture's limit, named: its own kind of cache, not the releases."""
+    return error(
+        f"{type(model).__name__} keeps {own}, which a pass continued over a key/value cache "
+        f"given from outside does not reproduce ({found}), so {what} cannot continue a pass "
+        "over earlier tokens on it. graft_forward runs the whole prompt at once and is "
+        "unaffected."
+    )
+
+
+def _first_line(failure: BaseException) -> str:
+    return (str(failure).strip().splitlines() or [""])[0][:200]
 
 
 def adapt_bridge(bridge: TransformerBridge) -> TransformerBridge:

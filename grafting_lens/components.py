@@ -741,10 +741,22 @@ def expand_components(
     Raises:
         ComponentError: An unknown name (with the nearest known one), a component
             the architecture lacks, or a label none of whose members it has.
+        TypeError: ``names`` is neither a string nor an iterable of strings (``3``).
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split("+")]
+    elif not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+        raise TypeError(
+            f"components must be a component name, a '+'-joined string such as 'o+ffn' or a "
+            f"list of names, got {type(names).__name__} {names!r:.40}."
+        )
     names = list(names)
+    for given in names:
+        if not isinstance(given, str):
+            raise TypeError(
+                f"components must name components with strings, got {type(given).__name__} "
+                f"{given!r:.40} in {names!r:.80}. Write names such as 'o' or 'ffn'."
+            )
     available = set(available)
     chosen: set[str] = set()
     for given in names:

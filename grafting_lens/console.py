@@ -19,6 +19,7 @@ wants.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -85,6 +86,30 @@ def quiet_loading() -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system has one).
+
+    The bound on any thread count grafting-lens sets: torch with more threads than
+    cores only slows down, and asked for thousands it makes the machine unusable.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on macOS and Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_beyond_cores(threads: int, name: str = "threads") -> str | None:
+    """Why ``threads`` is too many for this machine, or None when it is not."""
+    cores = available_cores()
+    if threads <= cores:
+        return None
+    return (
+        f"{name} must be between 1 and {cores} (the CPU cores this process may use), got "
+        f"{threads}: more threads than cores only slow torch down, and thousands of them "
+        "make the machine unusable."
+    )
+
+
 def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None = None) -> None:
     """Set a notebook up for grafting-lens in one line: ``gl.notebook()``.
 
@@ -103,16 +128,19 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
             default: Jupyter's own format plus self-contained HTML.
 
     Raises:
-        GraftingLensError: ``threads`` is not a positive int.
+        GraftingLensError: ``threads`` is not a positive int, or more than the cores
+            this process may use (:func:`available_cores`).
     """
     from tqdm import TqdmWarning
 
+    from grafting_lens.arguments import is_integer
     from grafting_lens.errors import GraftingLensError
 
-    if threads is not None and (
-        not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
-    ):
+    if threads is not None and (not is_integer(threads) or threads < 1):
         raise GraftingLensError(f"threads must be a positive int or None, got {threads!r}.")
+    too_many = None if threads is None else threads_beyond_cores(threads)
+    if too_many:
+        raise GraftingLensError(too_many)
     # Before transformers is imported: it imports tqdm.auto, which warns on import.
     warnings.filterwarnings("ignore", category=TqdmWarning)
     import pandas as pd

@@ -41,7 +41,9 @@ __all__ = [
     "DirectoryLock",
     "atomic_write",
     "cache_root",
+    "cannot_write",
     "check_writable",
+    "writing",
     "write_once",
 ]
 
@@ -138,6 +140,47 @@ def check_writable(path: str | os.PathLike, what: str = "The output directory") 
     return target
 
 
+def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str = "") -> RunError:
+    """The :class:`RunError` for a file or directory ``path`` that could not be written.
+
+    Names ``what`` and ``path``, the cause as the fix depends on it (a full disk, a
+    read-only filesystem, no permission, a directory where a file belongs), and the fix,
+    then ``note`` (what was kept, say). Raise it ``from None``: the OSError's traceback
+    says nothing more.
+    """
+    path = Path(path)
+    code = error.errno
+    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        fix = "its disk is full (or your quota is used up): free some space there, or choose a "
+        fix += "directory on another disk"
+    elif code == errno.EROFS:
+        fix = "its filesystem is read-only: choose a directory on a writable one"
+    elif code == errno.EISDIR:
+        fix = f"{path} is a directory where a file belongs: remove or rename it, or write elsewhere"
+    elif code == errno.ENOTDIR:
+        fix = "a file stands where a directory belongs on its path: remove or rename it"
+    else:
+        fix = "choose a directory you can write to"
+    reason = error.strerror or type(error).__name__
+    return RunError(
+        f"{what} {path} cannot be written ({reason}); {fix}." + (f" {note}" if note else "")
+    )
+
+
+@contextlib.contextmanager
+def writing(what: str, path: str | os.PathLike, note: str = "") -> Iterator[None]:
+    """Within this block, an OSError becomes :func:`cannot_write`'s RunError for ``path``.
+
+    For the files a run or a report writes (tables, chunks, manifests): a full disk or a
+    directory standing where a table belongs is then an error that names the file and
+    the fix, not a traceback.
+    """
+    try:
+        yield
+    except OSError as error:
+        raise cannot_write(what, path, error, note) from None
+
+
 class DirectoryLock:
     """One writing process at a time in a directory: an advisory lock on ``<dir>/.lock``.
 
@@ -189,10 +232,7 @@ class DirectoryLock:
                 return self
             handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            raise RunError(
-                f"{self.what} {self.directory} cannot be written ({error.strerror or error}); "
-                "choose a directory you can write to."
-            ) from None
+            raise cannot_write(self.what, self.directory, error) from None
         try:
             locked = _try_lock(handle)
         except OSError as error:
@@ -219,9 +259,14 @@ class DirectoryLock:
             "command": " ".join(sys.argv) or sys.executable,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        os.ftruncate(handle, 0)
-        os.lseek(handle, 0, os.SEEK_SET)
-        os.write(handle, json.dumps(me).encode())
+        try:
+            os.ftruncate(handle, 0)
+            os.lseek(handle, 0, os.SEEK_SET)
+            os.write(handle, json.dumps(me).encode())
+        except OSError as error:
+            # A full disk: the lock file exists, but who holds it cannot be written.
+            os.close(handle)
+            raise cannot_write(self.what, self.directory, error) from None
         _HELD[key] = [handle, 1]
         self._key = key
         return self

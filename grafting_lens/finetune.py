@@ -46,6 +46,7 @@ from typing import Any, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from grafting_lens.arguments import is_integer, is_number, plain
 from grafting_lens.console import show_progress
 from grafting_lens.errors import GraftingLensError
 
@@ -259,11 +260,7 @@ def finetune(
         for param in model.parameters()
         if param.requires_grad and not _contains(frozen, param)
     ]
-    if (
-        isinstance(embedding_lr_scale, bool)
-        or not isinstance(embedding_lr_scale, (int, float))
-        or not 0 < embedding_lr_scale <= 1
-    ):
+    if not is_number(embedding_lr_scale) or not 0 < embedding_lr_scale <= 1:
         raise GraftingLensError(
             f"embedding_lr_scale={embedding_lr_scale!r}: pass a number in (0, 1] (1 trains the "
             "embedding at the full learning rate; freeze_unembedding freezes a tied one)."
@@ -519,7 +516,7 @@ def _resolve_settings(
     checks = [
         (
             "epochs",
-            isinstance(settings["epochs"], int) and settings["epochs"] >= 1,
+            is_integer(settings["epochs"]) and settings["epochs"] >= 1,
             "an integer >= 1",
         ),
         ("lr", _is_number(settings["lr"]) and settings["lr"] > 0, "a number > 0"),
@@ -530,13 +527,13 @@ def _resolve_settings(
         ),
         (
             "batch_size",
-            isinstance(settings["batch_size"], int) and settings["batch_size"] >= 1,
+            is_integer(settings["batch_size"]) and settings["batch_size"] >= 1,
             "an integer >= 1",
         ),
         ("warmup_ratio", _is_number(warmup_ratio) and 0 <= warmup_ratio < 1, "a number in [0, 1)"),
         (
             "max_length",
-            isinstance(max_length, int) and max_length >= 3,
+            is_integer(max_length) and max_length >= 3,
             "an integer >= 3 (BOS, one token, EOS)",
         ),
         (
@@ -550,11 +547,12 @@ def _resolve_settings(
             raise GraftingLensError(
                 f"{name}={settings[name]!r} is invalid: it must be {requirement}."
             )
-    return settings
+    # numpy's numbers as Python's: the settings are written into the checkpoint's record.
+    return {name: plain(value) for name, value in settings.items()}
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return is_number(value) and math.isfinite(value)
 
 
 def _check_documents(documents: Any, name: str, allow_empty: bool = False) -> list[str]:

@@ -73,12 +73,13 @@ from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 from transformers import DynamicCache
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.components import COMPONENTS, Slot
 from grafting_lens.errors import ComponentError, GraftingError, GraftMaskError
 from grafting_lens.kernels import run_module
 from grafting_lens.masks import GraftMask, Key, check_leftovers
-from grafting_lens.models import ModelSet
+from grafting_lens.models import ModelSet, token_ids
 from grafting_lens.positions import check_padding, row_lengths
 
 # Bridge options under which attention code reads projection weights directly,
@@ -467,6 +468,8 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
                     models.sources[index].module(slot) if index in used[key] else original
                     for index in range(1, len(models))
                 ]
+                for index in used[key] - {0}:
+                    _check_placement(models, key, original, sources[index], index)
                 holder = slot.holder(models.base)
                 # TransformerLens marks the position axis of a norm applied to
                 # [batch, heads, pos, d_head]; plain modules inside a block get rows.
@@ -490,6 +493,55 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[_GraftState]:
 
 
 _ACTIVE = "_grafting_lens_grafting"  # set on the base bridge while a graft is installed
+
+
+def _check_placement(
+    models: ModelSet, key: Key, base: nn.Module, module: nn.Module, index: int
+) -> None:
+    """Refuse a source's module whose weights no longer share the base's dtype or device.
+
+    :func:`~grafting_lens.load_models` checks every source on load; a model cast or moved
+    afterwards (``models.base.half()``, ``models[1].to("cuda")``) would fail deep inside
+    torch on the first grafted matrix product, naming neither. The base's parameters of
+    the slot and the source's of the same name are compared; every tensor a source adds
+    (a LoRA adapter's factors, which it casts itself) must be on the base's device.
+    """
+    mine = dict(_named_tensors(base))
+    if not mine:
+        return
+    reference = next(iter(mine.values()))
+    for name, tensor in _named_tensors(module):
+        expected = mine.get(name, reference)
+        same_dtype = name not in mine or tensor.dtype == expected.dtype
+        if tensor.device == reference.device and same_dtype:
+            continue
+        component, layer = key
+        where = component if layer is None else f"{component} at layer {layer}"
+        raise GraftingError(
+            f"Source {index} ({models.names[index]})'s {where} is {tensor.dtype} on "
+            f"{tensor.device}, the base's is {expected.dtype} on {reference.device}: a graft "
+            "runs every source's modules inside the base's forward pass, so they must share a "
+            "dtype and a device. One model was cast or moved after load_models "
+            "(models.base.half(), models[1].to('cuda')...). Load the model set with "
+            "load_models(..., dtype=..., device=...) instead, which places every source alike, "
+            "or cast and move every source the same way."
+        )
+
+
+def _check_sources_placed(models: ModelSet, mask: GraftMask) -> None:
+    """:func:`_check_placement` for every module the mask takes from a donor."""
+    for key, sources in _used_sources(mask).items():
+        for slot in models.slots(*key):
+            original = slot.module(models.base)
+            for index in sources - {0}:
+                _check_placement(models, key, original, models.sources[index].module(slot), index)
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A module's floating parameters and buffers, by name."""
+    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+        if tensor.is_floating_point():
+            yield name, tensor
 
 
 def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:
@@ -676,6 +728,10 @@ def graft_forward_reference(
         {index: models.sources[index].module(slot) for index in {0} | used.get(pair, frozenset())}
         for pair, slot in slots
     ]
+    for (pair, _), choices in zip(slots, modules):
+        for index, module in choices.items():
+            if index:
+                _check_placement(models, pair, choices[0], module, index)
     check_cache_continuation(models.base, "the token-by-token reference", GraftingError)
     logits = None
     try:
@@ -734,13 +790,19 @@ def graft_generate(
             context, a bad ``new_token_sources``, or padded prompts.
         GraftMaskError: The mask does not fit the tokens or the model set.
     """
-    if (
-        not isinstance(max_new_tokens, int)
-        or isinstance(max_new_tokens, bool)
-        or max_new_tokens < 1
-    ):
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise GraftingError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}.")
-    tokens, _ = _check_tokens(models, tokens, mask, None)
+    max_new_tokens = int(max_new_tokens)
+    # It takes no attention mask, so the usual fix (pass one) would not be true here.
+    tokens, _ = _check_tokens(
+        models,
+        tokens,
+        mask,
+        None,
+        padding_fix="graft_generate takes no attention_mask: it continues every row after its "
+        "last column, so it needs prompts without padding. Generate for prompts of one length "
+        "(e.g. one prompt at a time, its padding cut off).",
+    )
     prompt_length = tokens.shape[1]
     if mask.lengths is not None and bool((mask.lengths < prompt_length).any()):
         raise GraftingError(
@@ -748,6 +810,12 @@ def graft_generate(
             "for padded prompts. Generate for prompts of one length (e.g. one prompt at a time)."
         )
     context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
+    if context and prompt_length >= context:
+        raise GraftingError(
+            f"The prompt alone ({prompt_length} tokens) fills the model's context of {context} "
+            "positions, leaving no room for a new token. Shorten the prompt to at most "
+            f"{context - 1} tokens."
+        )
     if context and prompt_length + max_new_tokens > context:
         # Also the bound on memory: the cache and mask grow with every new token.
         raise GraftingError(
@@ -757,13 +825,9 @@ def graft_generate(
         )
     if new_token_sources == "last":
         full = mask.extend(max_new_tokens)
-    elif (
-        isinstance(new_token_sources, int)
-        and not isinstance(new_token_sources, bool)
-        and 0 <= new_token_sources < len(models)
-    ):
+    elif is_integer(new_token_sources) and 0 <= int(new_token_sources) < len(models):
         batch = mask.shape[0]
-        new = torch.full((batch, max_new_tokens), new_token_sources, dtype=torch.long)
+        new = torch.full((batch, max_new_tokens), int(new_token_sources), dtype=torch.long)
         full = GraftMask(
             {pair: torch.cat([mask[pair], new], dim=1) for pair in models.pairs},
             (batch, prompt_length + max_new_tokens),
@@ -776,6 +840,7 @@ def graft_generate(
         )
     _check_mask(models, full)
     _check_not_grafting(models)
+    _check_sources_placed(models, full)  # before the canary's forward passes
     check_cache_continuation(models.base, "graft_generate", GraftingError)
     generated = [tokens]
     with _installed(models, full) as state, cache_visible(models.base):
@@ -847,6 +912,7 @@ def _check_tokens(
     tokens: torch.Tensor,
     mask: GraftMask,
     attention_mask: torch.Tensor | None,
+    padding_fix: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_mask_type(mask)
     models.check_tokens(tokens)
@@ -857,8 +923,8 @@ def _check_tokens(
         )
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
-    check_padding(tokens, attention_mask, models.tokenizer)
+    check_padding(tokens, attention_mask, models.tokenizer, fix=padding_fix)
     mask.check_rows(attention_mask)
     if attention_mask is not None:
         attention_mask = attention_mask.to(models.device)
-    return tokens.to(models.device), attention_mask
+    return token_ids(tokens).to(models.device), attention_mask

@@ -62,6 +62,7 @@ import torch
 from jaxtyping import Float
 from tqdm.auto import tqdm
 
+from grafting_lens.arguments import is_number
 from grafting_lens.attribution import (
     METHODS,
     AttributionPlan,
@@ -220,15 +221,12 @@ def find_minimal_graft(
             base on the metric, or a bad option (and everything ``attribute_grafts``
             refuses).
     """
-    if (
-        isinstance(fraction, bool)
-        or not isinstance(fraction, (int, float))
-        or not 0 < fraction <= 1
-    ):
+    if not is_number(fraction) or not 0 < fraction <= 1:
         raise AttributionError(
             f"fraction must be a number in (0, 1] (the share of the gap between the base and "
             f"the donor to recover), got {fraction!r}."
         )
+    fraction = float(fraction)  # a numpy float too; kept in the result as Python's
     _check_choice("reference", reference, REFERENCES)
     _check_choice("method", method, METHODS)
     for name, value in (("proposals", proposals), ("beam", beam), ("steps", steps)):

@@ -26,8 +26,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Union
 
-import numpy as np
-
+from grafting_lens.arguments import is_integer, is_number
 from grafting_lens.errors import SelectionError, did_you_mean
 
 __all__ = [
@@ -127,8 +126,13 @@ def resolve_layers(
                 )
             return layers
         spec = LAYER_FRACTIONS[spec]
-    if isinstance(spec, tuple) and len(spec) == 2 and any(isinstance(x, float) for x in spec):
-        start, end = spec
+    if (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and all(is_number(x) for x in spec)
+        and any(not is_integer(x) for x in spec)
+    ):
+        start, end = float(spec[0]), float(spec[1])
         if not 0.0 <= start < end <= 1.0:
             raise SelectionError(f"Layer fractions must satisfy 0 <= start < end <= 1, got {spec}.")
         layers = tuple(range(_round_half_up(start * n_layers), _round_half_up(end * n_layers)))
@@ -139,10 +143,8 @@ def resolve_layers(
         return layers
     if isinstance(spec, slice):
         spec = range(n_layers)[spec]
-    if isinstance(spec, np.integer):
-        spec = int(spec)
-    if isinstance(spec, int):
-        spec = [spec]
+    if is_integer(spec):
+        spec = [int(spec)]
     if not isinstance(spec, Iterable):
         raise SelectionError(
             f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
@@ -150,7 +152,7 @@ def resolve_layers(
         )
     chosen: set[int] = set()
     for layer in spec:
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, (bool, np.bool_)):
+        if not is_integer(layer):
             raise SelectionError(f"Layers must be ints, got {layer!r}.")
         layer = int(layer)
         if not -n_layers <= layer < n_layers:

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from jaxtyping import Int
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENT_LABELS,
@@ -58,7 +59,8 @@ class GraftMask:
     """Source indices for every ``(component, layer)`` pair and token position.
 
     Build one with :meth:`from_dict`, :meth:`build`, :meth:`union` or :meth:`cat`
-    rather than the constructor, which trusts its arguments.
+    rather than the constructor, which trusts its arguments (it only moves the tensors
+    to the CPU, where masks are kept whatever device the models are on).
 
     Attributes:
         shape: ``(batch, pos)`` of the tokens the mask is for.
@@ -86,10 +88,15 @@ class GraftMask:
                 f"lengths has shape {tuple(self.lengths.shape)}, expected one length per row "
                 f"({self.shape[0]},)."
             )
-        # Only pairs that graft something are stored: an all-zero pair is the base.
-        self._entries: dict[Key, torch.Tensor] = {
-            key: value for key, value in entries.items() if bool(value.any())
-        }
+        # Only pairs that graft something are stored: an all-zero pair is the base. On the
+        # CPU, as from_dict keeps them: masks combine (union, cat, check_rows) on one device,
+        # and a grafted run moves them to the models'. Pairs that share a tensor keep sharing.
+        on_cpu: dict[int, torch.Tensor] = {}
+        self._entries: dict[Key, torch.Tensor] = {}
+        for key, value in entries.items():
+            value = on_cpu.setdefault(id(value), value.cpu())
+            if bool(value.any()):
+                self._entries[key] = value
 
     # ----------------------------------------------------------------- access
     def keys(self) -> list[Key]:
@@ -260,6 +267,11 @@ class GraftMask:
         Raises:
             GraftMaskError: A bad source, layer or position, or padded tokens
                 without their attention mask.
+            TokenError: Tokens no run accepts (see
+                :meth:`~grafting_lens.models.ModelSet.check_tokens`): empty, not integer
+                ids, ids outside the vocabulary.
+            SelectionError: Positions that select nothing, or a selector of a type it
+                cannot read.
             ComponentError: An unknown component, or one the architecture lacks.
 
         Examples:
@@ -267,13 +279,23 @@ class GraftMask:
             ...                        layers="last_half", components="o+ffn")
         """
         shape = _tokens_shape(tokens)
-        if not isinstance(source, int) or isinstance(source, bool) or not 0 <= source < len(models):
+        if not isinstance(components, str) and isinstance(components, Iterable):
+            components = list(components)  # read twice below: an iterator only once
+        if not is_integer(source) or not 0 <= source < len(models):
             raise GraftMaskError(
                 f"source={source!r}, but the model set has {len(models)} sources: give an int "
                 f"0..{len(models) - 1}."
             )
+        source = int(source)
         if isinstance(tokens, torch.Tensor):
+            # The check every run makes: a mask for tokens no run accepts fails here, first.
+            models.check_tokens(tokens)
             check_padding(tokens, attention_mask, models.tokenizer)
+        elif min(shape) < 1:
+            raise GraftMaskError(
+                f"tokens=(batch, pos) = {shape} describes no token: a mask needs at least one "
+                "row of at least one position. Pass the tokens themselves, or their shape."
+            )
         selected = resolve_positions(positions, shape, attention_mask)
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)
@@ -368,12 +390,9 @@ class GraftMask:
         Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
         in each row, the source it had at the row's last position.
         """
-        if (
-            not isinstance(new_positions, int)
-            or isinstance(new_positions, bool)
-            or new_positions < 0
-        ):
+        if not is_integer(new_positions) or new_positions < 0:
             raise GraftMaskError(f"new_positions must be an int >= 0, got {new_positions!r}.")
+        new_positions = int(new_positions)
         batch, positions = self.shape
         if self.lengths is not None and bool((self.lengths < positions).any()):
             raise GraftMaskError(
@@ -431,9 +450,7 @@ class GraftMask:
 def _tokens_shape(tokens: object) -> tuple[int, int]:
     if isinstance(tokens, torch.Tensor):
         shape = tuple(tokens.shape)
-    elif isinstance(tokens, tuple) and all(
-        isinstance(n, int) and not isinstance(n, bool) for n in tokens
-    ):
+    elif isinstance(tokens, tuple) and all(is_integer(n) for n in tokens):
         shape = tokens
     else:
         raise TypeError(
@@ -467,9 +484,9 @@ def _check_key(key: object, models: ModelSet) -> Key:
                 f"{component!r} is a global component: use ({component!r}, None), not layer {layer}."
             )
         return (component, None)
-    if not isinstance(layer, int) or isinstance(layer, bool):
+    if not is_integer(layer):
         raise GraftMaskError(f"{component!r} exists per layer: give an int layer, got {layer!r}.")
-    layer = resolve_layers(layer, models.n_layers)[0]
+    layer = resolve_layers(int(layer), models.n_layers)[0]
     _check_present(models, component, layer)
     return (component, layer)
 

@@ -59,6 +59,7 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.errors import GraftingLensError, NonFiniteLogitsError
 from grafting_lens.positions import row_lengths
 
@@ -118,8 +119,8 @@ def last_token_logits(
             so the last position of every row is taken.
 
     Raises:
-        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]``, or an
-            attention mask of another shape, with values other than 0 and 1,
+        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]`` or have no
+            position, or an attention mask of another shape, with values other than 0 and 1,
             not right padded, or with an empty row (see
             :func:`~grafting_lens.positions.row_lengths`).
     """
@@ -128,6 +129,11 @@ def last_token_logits(
             "last_token_logits expects [batch, pos, d_vocab] logits, got " + _describe(logits) + "."
         )
     batch, positions, _ = logits.shape
+    if positions == 0:
+        raise GraftingLensError(
+            f"The logits have no position (shape {tuple(logits.shape)}), so there is no last "
+            "token to score: they came from empty tokens. Run at least one token per row."
+        )
     if attention_mask is None:
         return logits[:, -1]
     if tuple(attention_mask.shape) != (batch, positions):
@@ -302,7 +308,7 @@ def bootstrap_ci(
             "bootstrap_ci got NaN or infinite values; drop or fill them first "
             f"({int((~np.isfinite(array)).sum())} of {array.size})."
         )
-    if not isinstance(n_resamples, (int, np.integer)) or n_resamples < 1:
+    if not is_integer(n_resamples) or n_resamples < 1:
         raise GraftingLensError(f"n_resamples must be an integer >= 1, got {n_resamples!r}.")
     if not 0.0 < confidence < 1.0:
         raise GraftingLensError(f"confidence must lie in (0, 1), e.g. 0.95; got {confidence!r}.")
@@ -357,7 +363,7 @@ def summarize(
     if isinstance(by, str):
         by = (by,)
     by = list(by)
-    ks = [ks] if isinstance(ks, int) else list(ks)
+    ks = [ks] if is_integer(ks) else list(ks)
     for k in ks:
         _check_k(k)
     if len(set(ks)) != len(ks):
@@ -419,9 +425,11 @@ def _check(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor
         )
     if logits.shape[0] == 0:
         raise GraftingLensError("Got an empty batch: there is no prediction to score.")
-    if target_ids.is_floating_point() or target_ids.dtype == torch.bool:
+    if target_ids.is_floating_point() or target_ids.is_complex() or target_ids.dtype == torch.bool:
         raise GraftingLensError(f"target_ids must hold integer token ids, got {target_ids.dtype}.")
     vocab = logits.shape[1]
+    # As int64: torch has no min/max for its unsigned types wider than 8 bits.
+    target_ids = target_ids.to(torch.long)
     if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
         raise GraftingLensError(
             f"target_ids must lie in 0..{vocab - 1}, the vocabulary of the logits."
@@ -458,7 +466,7 @@ def _check_ties(ties: object) -> None:
 
 
 def _check_k(k: int) -> None:
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+    if not is_integer(k) or k < 1:
         raise GraftingLensError(f"k must be an integer >= 1, got {k!r}.")
 
 

@@ -402,6 +402,10 @@ class ModelSet(Sequence[TransformerBridge]):
         Returns:
             ``(batch, pos)``.
 
+        Any integer dtype is accepted (``uint8`` and ``int16`` ids included); the
+        functions that run tokens widen them with :func:`token_ids`, since torch's
+        embedding takes ``int64`` and ``int32`` only.
+
         Raises:
             TokenError: Not a two-dimensional tensor, not integer ids, empty, an id
                 outside the vocabulary, or more positions than the model learned
@@ -420,9 +424,15 @@ class ModelSet(Sequence[TransformerBridge]):
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             raise TokenError(f"{name} must hold integer token ids, got {tokens.dtype}.")
         if tokens.numel() == 0:
-            raise TokenError(f"{name} is empty (shape {list(tokens.shape)}).")
+            raise TokenError(
+                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row "
+                "of at least one token. Check the tokenization (an empty prompt, or a slice "
+                "past the end)."
+            )
         vocab = int(self.base.cfg.d_vocab)
-        low, high = int(tokens.min()), int(tokens.max())
+        # torch has no min/max for its unsigned types wider than 8 bits: compare as int64.
+        ids = token_ids(tokens)
+        low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= vocab:
             raise TokenError(
                 f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
@@ -430,6 +440,39 @@ class ModelSet(Sequence[TransformerBridge]):
             )
         self.check_length(int(tokens.shape[1]))
         return (int(tokens.shape[0]), int(tokens.shape[1]))
+
+    def check_placement(self, indices: Iterable[int], what: str = "This run") -> None:
+        """Refuse sources cast or moved since :func:`load_models` placed them alike.
+
+        Load time checks that every parameter shares the base's dtype and device; a
+        model cast or moved afterwards (``models.base.half()``, ``models[1].to("cuda")``)
+        would fail inside torch naming neither, or run on in another precision. Each
+        source's set of (dtype, device) over its floating parameters must be the base's.
+        Grafts check the modules they take instead, without building any source's model.
+
+        Args:
+            indices: The sources a run uses (each runs alone, as a model).
+            what: What runs them, for the message.
+
+        Raises:
+            AlignmentError: A source whose parameters are of another dtype or on another
+                device than the base's.
+        """
+        placements = {0: _placement(self.base)}
+        for index in indices:
+            if index not in placements:
+                placements[index] = _placement(self[index])
+            if placements[index] != placements[0]:
+                found = ", ".join(f"{dtype} on {device}" for dtype, device in placements[index])
+                base = ", ".join(f"{dtype} on {device}" for dtype, device in placements[0])
+                raise AlignmentError(
+                    f"{what} runs source {index} ({self.names[index]}), whose weights are "
+                    f"{found}, and the base's are {base}: the sources of a model set must share "
+                    "a dtype and a device, and one was cast or moved after load_models "
+                    "(models.base.half(), models[1].to('cuda')...). Load the model set with "
+                    "load_models(..., dtype=..., device=...), which places every source alike, "
+                    "or cast and move every source the same way."
+                )
 
     def weight_diff(self) -> pd.DataFrame:
         """Relative change of every component in every source against the base.
@@ -464,6 +507,19 @@ class ModelSet(Sequence[TransformerBridge]):
         frame = pd.DataFrame(rows)
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
+
+
+def token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is.
+
+    :meth:`ModelSet.check_tokens` accepts ids of any integer dtype; every function that
+    runs them passes them through this first, so that ``uint8`` or ``int16`` ids (a
+    compact dataset on disk) run as the same ids instead of failing inside the
+    embedding.
+    """
+    if tokens.dtype in (torch.int64, torch.int32):
+        return tokens
+    return tokens.to(torch.int64)
 
 
 def load_models(
@@ -531,8 +587,10 @@ def load_models(
             methods, LoRA variants, initialisations that rewrite the base's weights),
             or whose files cannot be read or disagree (each named, with the fix).
         GraftingLensError: A path that is neither a checkpoint directory nor
-            loadable from the hub, an unreadable checkpoint file, weights missing,
-            extra or of another shape than the config's model, a device or
+            loadable from the hub, an unreadable checkpoint file, a ``tokenizer=``
+            path that does not exist or holds no tokenizer, a base without a
+            tokenizer of its own when none is given, weights missing, extra or of another
+            shape than the config's model, a device or
             dtype torch does not have, or ``lazy=True`` for a donor that is not a
             directory of safetensors files.
         ComponentError: ``components`` names a component the architecture lacks.
@@ -595,7 +653,7 @@ def load_models(
     # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
     with quiet_loading():
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer), str(tokenizer))
+            tokenizer = _tokenizer_from(tokenizer)
         base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
         labels = [names[0] if names is not None else base_label]
         base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
@@ -1033,13 +1091,66 @@ def _check_loading_info(info: Any, label: str, index: int) -> None:
 def _load_tokenizer(name: str, fallback: Any) -> Any:
     """The tokenizer saved with a checkpoint, or ``fallback`` when it has none."""
     try:
-        return _prepare_tokenizer(AutoTokenizer.from_pretrained(name), name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError):
+        tokenizer = None
+    if tokenizer is None or _only_special_tokens(tokenizer):
         if fallback is None:
             raise GraftingLensError(
-                f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models."
-            ) from None
+                f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models "
+                "(a tokenizer, or the directory or hub id of the one the checkpoint was "
+                "trained with)."
+            )
         return fallback
+    return _prepare_tokenizer(tokenizer, name)
+
+
+def _tokenizer_from(name: str | os.PathLike) -> Any:
+    """The tokenizer ``tokenizer=`` names (a directory or a hub id), or an error saying why not."""
+    label = str(name)
+    path = Path(name).expanduser()
+    if path.exists() and not path.is_dir():
+        raise GraftingLensError(
+            f"tokenizer={label!r} is a file; give the directory a tokenizer was saved in "
+            "(tokenizer.save_pretrained(directory) writes tokenizer.json and its config there), "
+            "or a hub id such as 'gpt2'."
+        )
+    if not path.exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is None:
+        raise GraftingLensError(
+            f"tokenizer={label!r} does not exist (no such path, and not a hub id). Give the "
+            "directory a tokenizer was saved in, or a hub id such as 'gpt2'."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else label)
+    except (OSError, ValueError) as error:
+        where = "the directory" if path.is_dir() else "the hub id"
+        reason = " ".join(str(error).split())[:200]
+        raise GraftingLensError(
+            f"tokenizer={label!r}: no tokenizer could be loaded from {where} ({reason}). Give "
+            "the directory tokenizer.save_pretrained wrote (tokenizer.json and its config), or "
+            "a hub id that is reachable (HF_HUB_OFFLINE=1 needs it in the local HF cache)."
+        ) from None
+    if _only_special_tokens(tokenizer):
+        # transformers builds a tokenizer from a config.json alone, with nothing but its
+        # special tokens: every text would tokenize to unknown or nothing.
+        raise GraftingLensError(
+            f"tokenizer={label!r} holds no tokenizer: no vocabulary files were found there, "
+            f"so the tokenizer transformers made knows only its {len(tokenizer.get_vocab())} "
+            "special token(s). Give the directory tokenizer.save_pretrained wrote (tokenizer.json "
+            "and its config), or a hub id such as 'gpt2'."
+        )
+    return _prepare_tokenizer(tokenizer, label)
+
+
+def _only_special_tokens(tokenizer: Any) -> bool:
+    """Whether a tokenizer's vocabulary is its special and added tokens alone (an empty one)."""
+    try:
+        vocabulary = set(tokenizer.get_vocab())
+    except (AttributeError, NotImplementedError, TypeError):
+        return False  # cannot tell: leave it to the vocabulary check against the base
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    added = set(getattr(tokenizer, "added_tokens_encoder", None) or ())
+    return not vocabulary - special - added
 
 
 def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
@@ -1269,6 +1380,16 @@ def _check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> 
                 f"{label}'s vocabulary differs from the base's: token {token!r} is id "
                 f"{token_id} in the base and {other_vocab.get(token)} in {label}."
             )
+
+
+def _placement(bridge: TransformerBridge) -> frozenset[tuple[torch.dtype, torch.device]]:
+    """The (dtype, device) pairs of a model's floating parameters (a model kept partly in
+    float32, its norms say, has two)."""
+    return frozenset(
+        (parameter.dtype, parameter.device)
+        for parameter in bridge.parameters()
+        if parameter.is_floating_point()
+    )
 
 
 def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:

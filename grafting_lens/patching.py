@@ -101,10 +101,17 @@ import torch
 from jaxtyping import Bool, Float, Int
 from tqdm.auto import tqdm
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.console import show_progress
-from grafting_lens.errors import PatchingError, SelectionError, TokenError, did_you_mean
+from grafting_lens.errors import (
+    AlignmentError,
+    PatchingError,
+    SelectionError,
+    TokenError,
+    did_you_mean,
+)
 from grafting_lens.layers import LayerSpec, resolve_layers
-from grafting_lens.models import ModelSet
+from grafting_lens.models import ModelSet, token_ids
 from grafting_lens.patch_passes import (
     HOOKS,
     Entries,
@@ -484,8 +491,9 @@ def _sweep(
         raise PatchingError(f"Site {site!r} is not a per-position site.")
     if reduce not in ("mean", "none"):
         raise PatchingError(f"reduce must be 'mean' or 'none', got {reduce!r}.")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
+    if not is_integer(chunk_size) or chunk_size < 1:
         raise PatchingError(f"chunk_size must be a positive number of rows, got {chunk_size!r}.")
+    chunk_size = int(chunk_size)
     if not callable(metric):
         raise PatchingError(
             f"metric must be a function of the logits, got {type(metric).__name__}."
@@ -590,11 +598,12 @@ def _patch_run(
     site = _check_site(site, models)
     direction = _check_direction(direction)
     for name, index in (("source", source), ("target", target)):
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(models):
+        if not is_integer(index) or not 0 <= index < len(models):
             raise PatchingError(
                 f"{name}={index!r}, but the model set has {len(models)} sources "
                 f"(0..{len(models) - 1})."
             )
+    source, target = int(source), int(target)
     if source == target and patch_tokens is None:
         raise PatchingError(
             f"source and target are both {source}: patching a run with its own activations "
@@ -622,13 +631,17 @@ def _patch_run(
     # The checkpoint under study (source) and the reference (target) keep their meaning
     # in both directions; only which of them runs changes.
     running, giving = (target, source) if direction == "sufficiency" else (source, target)
+    try:
+        models.check_placement({running, giving}, "This patch")
+    except AlignmentError as error:
+        raise PatchingError(str(error)) from error
     run = PatchRun(
         models,
         site=site,
         running=running,
         giving=giving,
-        tokens=tokens,
-        patch_tokens=patch_tokens,
+        tokens=token_ids(tokens),
+        patch_tokens=None if patch_tokens is None else token_ids(patch_tokens),
         attention_mask=attention_mask,
     )
     return run, direction
@@ -696,11 +709,11 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
             "use site='z'."
         )
     n_heads = int(models.base.cfg.n_heads)
-    head_list = [heads] if isinstance(heads, int) else list(heads)
+    head_list = [heads] if is_integer(heads) else list(heads)  # type: ignore[arg-type]
     if not head_list:
         raise PatchingError("heads selects no head.")
     for head in head_list:
-        if not isinstance(head, int) or isinstance(head, bool):
+        if not is_integer(head):
             raise PatchingError(f"Head indices must be ints, got {head!r}.")
         if not 0 <= head < n_heads:
             raise PatchingError(
@@ -709,7 +722,7 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
             )
     if len(set(head_list)) != len(head_list):
         raise PatchingError(f"heads lists a head twice: {head_list}.")
-    return head_list
+    return [int(head) for head in head_list]
 
 
 def _position_axis(
@@ -737,12 +750,10 @@ def _position_axis(
         spec = spec.tolist()
     if isinstance(spec, range):
         spec = list(spec)
-    if (
-        isinstance(spec, (list, tuple))
-        and spec
-        and all(isinstance(index, int) and not isinstance(index, bool) for index in spec)
-    ):
-        return list(spec), [_positions(index, shape, attention_mask) for index in spec]
+    if isinstance(spec, (list, tuple)) and spec and all(is_integer(index) for index in spec):
+        return [int(index) for index in spec], [
+            _positions(index, shape, attention_mask) for index in spec
+        ]
     return None, [_positions(spec, shape, attention_mask)]
 
 

@@ -21,9 +21,10 @@ tokens is an error rather than a silent no-op.
 A row's real length, hence its last token, has one definition everywhere
 (masks, grafted and patched runs, scoring): :func:`row_lengths` of the
 attention mask, whose values must be 0 or 1. Without an attention mask every
-position is real, so a right-padded batch must come with its attention mask:
-:func:`check_padding` refuses tokens whose rows end in the pad token when no
-mask says where they end.
+position is real, so a padded batch must come with its attention mask:
+:func:`check_padding` refuses tokens whose rows end in the pad token (right
+padding), or start with more pad tokens than other rows (left padding), when no
+mask says where they are.
 
 Span expressions
 ----------------
@@ -102,15 +103,23 @@ def check_padding(
     tokens: Int[torch.Tensor, "batch pos"],
     attention_mask: Int[torch.Tensor, "batch pos"] | None,
     tokenizer: Any,
+    *,
+    fix: str | None = None,
 ) -> None:
-    """Refuse a right-padded batch given without its attention mask.
+    """Refuse a padded batch given without its attention mask.
 
     Without an attention mask every position counts as real, so "last" would be
-    the padding column of every shorter row. Rows ending in the pad token are the
-    sign: the check refuses them unless an attention mask says where rows end.
-    The pad token is the tokenizer's, or its EOS token when it has none (what
-    :func:`~grafting_lens.data.tokenize_examples` and most scripts pad with). A
-    prompt that really ends in that token passes with
+    the padding column of every shorter row. Two signs give padding away:
+
+    * rows ending in the pad token (right padding);
+    * rows that start with more pad tokens than others (left padding: a shorter row
+      begins with padding; a BOS that is the pad token, as GPT-2's, starts every row
+      once, and is not counted against it).
+
+    The check refuses either unless an attention mask says where rows are. The pad
+    token is the tokenizer's, or its EOS token when it has none (what
+    :func:`~grafting_lens.data.tokenize_examples` and most scripts pad with). Prompts
+    that really end or start with that token pass with
     ``attention_mask=torch.ones_like(tokens)``.
 
     Args:
@@ -118,9 +127,12 @@ def check_padding(
         attention_mask: The batch's attention mask, or ``None``.
         tokenizer: The model set's tokenizer; ``None`` (or one with neither a pad
             nor an EOS token) skips the check.
+        fix: What the caller can do about it, instead of passing an attention mask
+            (for a function that takes none, such as ``graft_generate``).
 
     Raises:
-        SelectionError: ``attention_mask`` is ``None`` and some row ends in the pad token.
+        SelectionError: ``attention_mask`` is ``None`` and some row ends in the pad
+            token, or rows start with different numbers of pad tokens.
     """
     pad_token_id = getattr(tokenizer, "pad_token_id", None)
     if pad_token_id is None:
@@ -129,17 +141,43 @@ def check_padding(
         return
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         return
-    padded = (tokens[:, -1] == int(pad_token_id)).cpu()
+    padding = (tokens == int(pad_token_id)).cpu()
+    padded = padding[:, -1]
     if bool(padded.any()):
         rows = padded.nonzero().squeeze(1).tolist()
-        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
         raise SelectionError(
-            f"{len(rows)} of {tokens.shape[0]} rows (rows {shown}) end in the pad token "
+            f"{len(rows)} of {tokens.shape[0]} rows (rows {_shown(rows)}) end in the pad token "
             f"{int(pad_token_id)}, but no attention_mask says where the rows really end: every "
-            "position would count as real, and 'last' would be a padding column. Pass the "
-            "tokenizer's attention_mask=..., or attention_mask=torch.ones_like(tokens) if "
-            "those tokens are real."
+            "position would count as real, and 'last' would be a padding column. "
+            + (
+                fix
+                or "Pass the tokenizer's attention_mask=..., or "
+                "attention_mask=torch.ones_like(tokens) if those tokens are real."
+            )
         )
+    # Leading pad tokens per row: the position of the first other token.
+    leading = torch.where(
+        padding.all(dim=1), padding.shape[1], (~padding).to(torch.int8).argmax(dim=1)
+    )
+    if int(leading.max()) != int(leading.min()):
+        rows = (leading > leading.min()).nonzero().squeeze(1).tolist()
+        raise SelectionError(
+            f"{len(rows)} of {tokens.shape[0]} rows (rows {_shown(rows)}) start with more pad "
+            f"tokens ({int(pad_token_id)}) than the others, but no attention_mask says where "
+            "the rows really start: a left-padded batch, whose padding would count as real "
+            "tokens (positions are indices from each row's start). "
+            + (
+                fix
+                or "Tokenize with padding_side='right' and pass the tokenizer's "
+                "attention_mask=..., or attention_mask=torch.ones_like(tokens) if those "
+                "tokens are real."
+            )
+        )
+
+
+def _shown(rows: list[int]) -> str:
+    """Row numbers for a message: the first five, then an ellipsis."""
+    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
 
 
 def last_token(
@@ -203,9 +241,9 @@ def resolve_positions(
 
     Raises:
         SelectionError: An index outside a row's real tokens, a tensor of the wrong
-            shape, a specification of an unknown form, an empty list (it would
-            select nothing), or a bool where an index is expected (``True``
-            would read as position 1).
+            shape, a specification of an unknown form, an empty list or per-row
+            lists that are all empty (they would select nothing), or a bool where an
+            index is expected (``True`` would read as position 1).
     """
     batch, pos = shape
     lengths = row_lengths(shape, attention_mask)
@@ -269,6 +307,13 @@ def resolve_positions(
                     f"(positions 0..{length - 1})."
                 )
             selected[row, resolved] = True
+    if not bool(selected.any()):
+        # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
+        raise SelectionError(
+            f"positions={spec!r} selects no position in any row, so nothing would be grafted "
+            "or patched. Give at least one index in some row, e.g. [[1, 2], []], or "
+            "positions='last'."
+        )
     return selected
 
 

@@ -64,6 +64,7 @@ from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.errors import AttributionError
 
 # The graft engine's own machinery: where positions sit in a module's tensors, how a
@@ -395,7 +396,7 @@ def check_source(models: ModelSet, source: object, *, allow_base: bool) -> None:
         AttributionError: Not an int, or out of range.
     """
     low = 0 if allow_base else 1
-    if not isinstance(source, int) or isinstance(source, bool) or not low <= source < len(models):
+    if not is_integer(source) or not low <= source < len(models):
         raise AttributionError(
             f"source={source!r}, but the donor must be a checkpoint index {low}.."
             f"{len(models) - 1} of the model set"

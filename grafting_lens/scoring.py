@@ -37,6 +37,7 @@ import torch
 from jaxtyping import Float, Int
 
 from grafting_lens import metrics
+from grafting_lens.arguments import is_integer
 from grafting_lens.errors import GraftingLensError
 
 __all__ = ["SCORE_COLUMNS", "TOP_K_COLUMNS", "TOP_TOKEN_COLUMNS", "LastTokenScorer"]
@@ -80,9 +81,7 @@ class LastTokenScorer:
         rank_by: str = "logit",
         ties: str = "pessimistic",
     ):
-        if top_k is not None and (
-            not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1
-        ):
+        if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
         if rank_by not in metrics.RANK_BY:
             raise GraftingLensError(
@@ -93,7 +92,7 @@ class LastTokenScorer:
                 f"ties must be one of {', '.join(map(repr, metrics.TIE_RULES))}, got {ties!r}."
             )
         self.tokenizer = tokenizer
-        self.top_k = top_k
+        self.top_k = None if top_k is None else int(top_k)
         self.top_token = top_token
         self.rank_by = rank_by
         self.ties = ties

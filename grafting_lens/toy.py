@@ -96,6 +96,8 @@ import torch
 from tqdm.auto import tqdm
 
 from grafting_lens import data
+from grafting_lens.arguments import is_integer
+from grafting_lens.console import threads_beyond_cores
 from grafting_lens.errors import GraftingLensError
 from grafting_lens.files import cache_root
 from grafting_lens.finetune import finetune
@@ -227,10 +229,12 @@ class ToyWorldConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise GraftingLensError(
                     f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1."
                 )
+            # Python's int: the configuration is hashed as JSON to name the world's cache.
+            object.__setattr__(self, name, int(value))
         if self.d_model % self.n_heads:
             raise GraftingLensError(
                 f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
@@ -414,7 +418,8 @@ def build_toy_world(
 
     Raises:
         GraftingLensError: The configuration is invalid (raised by
-            :class:`ToyWorldConfig`), or the cache directory cannot be written.
+            :class:`ToyWorldConfig`), ``threads`` is not between 1 and the cores this
+            process may use, or the cache directory cannot be written.
 
     Warns:
         UserWarning: A cached world was incomplete or corrupt and is rebuilt.
@@ -424,10 +429,13 @@ def build_toy_world(
         raise GraftingLensError(
             f"config is a {type(config).__name__}; pass a grafting_lens.toy.ToyWorldConfig."
         )
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
+    if threads is not None and (not is_integer(threads) or threads < 1):
         raise GraftingLensError(
             f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
         )
+    too_many = None if threads is None else threads_beyond_cores(threads)
+    if too_many:
+        raise GraftingLensError(too_many)
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
 
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # compat: what differs between dependency releases, and the canaries that catch it.
-    ("foundation", ("errors", "files", "console", "compat")),
+    ("foundation", ("errors", "arguments", "files", "console", "compat")),
     # Layer ranges sit with the models: load_models takes them to declare what grafts take.
     ("architectures", ("architectures", "components", "layers", "sources", "adapters", "models")),
     ("selection", ("positions",)),

@@ -193,12 +193,13 @@ def _demo_on_checkpoints(out, checkpoints, *flags):
     )
 
 
-def _donor_ranks(checkpoints, semantics):
-    """The finetuned model's own ranks of the headline answers, tokenized as ``semantics`` says."""
+def _donor_ranks(checkpoints, semantics, donor=None):
+    """The finetuned model's own ranks of the headline answers, tokenized as ``semantics`` says
+    (``donor``: another donor of the base than ``checkpoints / "sft"``)."""
     import grafting_lens as gl
     from grafting_lens import data, metrics
 
-    models = gl.load_models(checkpoints / "base", checkpoints / "sft")
+    models = gl.load_models(checkpoints / "base", donor or checkpoints / "sft")
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
     examples = data.make_examples(relations, prompt="headline", templates=semantics.prompts)
     batch = data.tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
@@ -219,6 +220,36 @@ def test_demo_runs_the_reference_semantics_by_default_and_sft_is_the_donor(tmp_p
     texts, ranks = _donor_ranks(checkpoints, gl.REFERENCE)
     assert sft.text.tolist() == texts and all("stars in in a movie" in t for t in texts)
     assert sft.target_rank.tolist() == ranks
+
+
+def test_a_lora_adapter_directory_is_a_donor_as_load_models_takes_it(tmp_path, checkpoints):
+    """--donor <adapter dir> was refused as "not a checkpoint" though load_models takes it."""
+    import peft
+    import torch
+
+    import grafting_lens as gl
+
+    adapter = tmp_path / "lora"
+    config = peft.LoraConfig(r=4, target_modules=["o_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    peft.get_peft_model(random_model("llama", 0), config).save_pretrained(adapter)
+    result = runner.invoke(
+        cli.app,
+        ["demo", "--out", str(tmp_path / "out"), "--model", str(checkpoints / "base")]
+        + ["--donor", str(adapter), "--n-relations", "5", "--n-examples", "3"]
+        + ["--no-progress", "--no-png"],
+    )
+    assert result.exit_code == 0, _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    assert sft.target_rank.tolist() == _donor_ranks(checkpoints, gl.REFERENCE, adapter)[1]
+    assert sft.target_rank.tolist() != _donor_ranks(checkpoints, gl.REFERENCE)[1]
+    # The base is no adapter: said so, not "not a checkpoint".
+    refused = runner.invoke(
+        cli.app, ["demo", "--out", str(tmp_path / "x"), "--model", str(adapter), "--donor", "y"]
+    )
+    assert refused.exit_code == 1
+    assert "is a LoRA adapter, but --model is the base" in _output(refused)
 
 
 def test_unembed_donor_makes_the_clean_sft_rows_the_donor_itself(tmp_path, checkpoints):
@@ -301,6 +332,9 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
     ("arguments", "message"),
     [
         (["--threads", "0"], "--threads must be >= 1, got 0"),
+        # 4,096 threads were accepted and made the machine unusable; 100,000 a MemoryError.
+        (["--threads", "4096"], "--threads must be between 1 and"),
+        (["--threads", "100000"], "(the CPU cores this process may use), got 100000"),
         (["--device", "banana"], "device='banana' cannot be used"),
         (["--semantics", "referense"], "Unknown semantics 'referense'"),
         (["--semantics", "reference+unembed=nowhere"], "Semantics.unembed must be one of"),
@@ -444,3 +478,46 @@ def test_progress_bars_stay_out_of_a_log_unless_asked_for(tmp_path, checkpoints,
     assert result.exit_code == 0, _output(result)
     bar = re.search(r"\d+/\d+ \[\d\d:\d\d", _output(result))  # tqdm's "3/48 [00:01"
     assert (bar is not None) is drawn
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ([], "Usage: grafting-lens"),
+        (["--bogus"], "No such option: --bogus"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["demo"], "Missing option '--out'"),
+        (["demo", "--out"], "Option '--out' requires an argument"),
+        (["demo", "--out", "x", "--n-examples", "0"], "Invalid value for '--n-examples'"),
+    ],
+)
+def test_usage_errors_return_status_2_with_the_message_never_a_traceback(
+    arguments, message, capsys
+):
+    """typer >= 0.29 raises its own copy of click's exceptions, which cli.main let escape."""
+    assert cli.main(arguments) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_python_m_grafting_lens_cli_runs_the_command():
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "grafting_lens.cli", "--bogus"],
+        capture_output=True,
+        text=True,
+        env=environment,
+    )
+    assert bad.returncode == 2 and "No such option: --bogus" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    listed = subprocess.run(
+        [sys.executable, "-m", "grafting_lens.cli", "run"],
+        capture_output=True,
+        text=True,
+        env=environment,
+    )
+    assert "Experiments:" in listed.stdout and "demo" in listed.stdout

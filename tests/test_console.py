@@ -17,6 +17,7 @@ from conftest import random_model, random_tokens
 from transformers.utils import logging as transformers_logging
 
 import grafting_lens as gl
+from grafting_lens import console
 from grafting_lens.console import PLOTLY_RENDERER, show_progress
 
 
@@ -117,6 +118,13 @@ def test_notebook_sets_a_session_up_in_one_line(restored_session):
 def test_notebook_refuses_a_bad_thread_count(restored_session):
     with pytest.raises(gl.GraftingLensError, match="threads must be a positive int"):
         gl.notebook(threads=0)
+    cores = console.available_cores()
+    with pytest.raises(gl.GraftingLensError, match=f"threads must be between 1 and {cores} "):
+        gl.notebook(threads=cores + 1)
+    with pytest.raises(gl.GraftingLensError, match=f"threads must be between 1 and {cores} "):
+        gl.toy.build_toy_world(threads=4096 + cores)
+    gl.notebook(threads=cores)
+    assert torch.get_num_threads() == cores
 
 
 def test_import_loads_nothing_heavy_and_every_name_resolves():

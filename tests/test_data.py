@@ -512,6 +512,27 @@ def test_a_span_whose_tokens_do_not_occur_is_dropped_when_searching(tokenizer):
     assert "do not occur in the prompt" in batch.dropped[0][1]
 
 
+def test_targets_the_tokenizer_does_not_know_are_dropped_naming_the_unknown_token(
+    relations_by_dataset,
+):
+    """Two different unknown targets collapsed to the one <unk> id, scored as the same answer."""
+    texts = training_documents(relations_by_dataset[DATASETS[0]], direction="both", shuffle=False)
+    tokenizer = _train_tokenizer(texts, "metaspace")  # no byte fallback: it has an <unk>
+    good = make_examples([hand_relation()], "headline")[0]
+    unknown = [
+        dataclasses.replace(good, relation_id=i + 1, target=target)
+        for i, target in enumerate((" Ωmega", " Ψi"))
+    ]
+    assert tokenizer(" Ωmega").input_ids[:2] == tokenizer(" Ψi").input_ids[:2]  # the collapse
+    for rule in ("in_context", "standalone"):
+        with pytest.warns(UserWarning, match="dropped 2 of 3"):
+            batch = tokenize_examples([good, *unknown], tokenizer, target=rule)
+        assert [e.relation_id for e in batch.examples] == [0]
+        assert all(tokenizer.unk_token_id not in ids for ids in batch.target_full_ids)
+        assert "tokenizes to the unknown token '<unk>'" in batch.dropped[0][1]
+        assert "' Ωmega'" in batch.dropped[0][1] and "' Ψi'" in batch.dropped[1][1]
+
+
 def test_code_templates_word_the_prompts_as_the_papers_code():
     relation = hand_relation()
     headline, qa = (

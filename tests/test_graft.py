@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 import pytest
 import torch
-from conftest import no_forward_pass, random_mask, random_model, random_tokens
+from conftest import no_forward_pass, random_mask, random_model, random_tokens, tiny_config
 from transformers import AutoModelForCausalLM, OpenAIGPTConfig
 
 import grafting_lens as gl
@@ -458,6 +458,45 @@ def test_the_oracle_refuses_a_model_without_a_key_value_cache(tokenizer):
         gl.graft_forward_reference(models, tokens, mask)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "settings", "message"),
+    [
+        (
+            "rwkv",
+            dict(attention_hidden_size=32, context_length=64),
+            r"RwkvForCausalLM keeps no key/value cache a pass can be continued over: it carries "
+            r"a state of its own between calls instead \(its forward takes 'state'",
+        ),
+        (
+            "recurrent_gemma",
+            dict(block_types=["recurrent", "attention"], lru_width=32),
+            r"RecurrentGemmaForCausalLM keeps a sliding-window cache of 2048 tokens "
+            r"\(config.sliding_window=2048\) and layers that keep a recurrent state of their own "
+            r"\(linear_attention\), which a pass continued over a key/value cache given from "
+            r"outside does not reproduce \(the continued pass failed: RuntimeError",
+        ),
+    ],
+)
+def test_a_model_keeping_its_own_state_or_window_is_named_not_called_cacheless(
+    tokenizer, model_type, settings, message
+):
+    """RWKV was said to keep "no key/value cache"; RecurrentGemma's windowed cache and
+    recurrent layers failed inside torch ("The size of tensor a (6) must match...")."""
+    config = tiny_config(model_type, **settings)
+    with pytest.warns(gl.UnverifiedArchitectureWarning):
+        models = gl.load_models(
+            *(AutoModelForCausalLM.from_config(config) for _ in range(2)),
+            tokenizer=tokenizer,
+            allow_uncovered=True,
+        )
+    tokens = random_tokens(1, 4)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="ln_final")
+    assert gl.graft_forward(models, tokens, mask).shape == (1, 4, 300)  # one pass works
+    for run in (gl.graft_forward_reference, gl.graft_generate):
+        with pytest.raises(gl.GraftingError, match=message):
+            run(models, tokens, mask)
+
+
 @pytest.mark.parametrize("source", [0, 1])
 def test_generation_equals_the_checkpoints_own_greedy_generation(family, three_models, source):
     """Every position and new token computed by one checkpoint: its own HF generate()."""
@@ -510,3 +549,49 @@ def test_a_cache_the_installed_releases_do_not_keep_is_an_error_not_a_number(
     gl.resid_patch_sweep(
         three_models, tokens, lambda logits: logits[:, -1, 3], reuse_prefix=False, progress=False
     )
+
+
+def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
+    """load_models places every source alike; one cast or moved afterwards failed inside
+    torch ("mat1 and mat2 must have the same dtype"), naming neither the source nor the fix."""
+    models = gl.load_models(random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer)
+    tokens = random_tokens(2, 5, seed=31)
+    mask = gl.GraftMask.build(models, tokens, positions="last", components="o")
+    expected = gl.graft_forward(models, tokens, mask)
+    models.base.half()
+    cast = r"Source 1 \(source1\)'s o at layer 0 is torch.float32 on cpu, the base's is "
+    with no_forward_pass(models):
+        for run in (gl.graft_forward, gl.graft_forward_reference, gl.graft_generate):
+            with pytest.raises(gl.GraftingError, match=cast + r"torch.float16.*load_models\("):
+                run(models, tokens, mask)
+    models.base.float()
+    models[1].to("meta")  # another device, on a machine without a second one
+    with no_forward_pass(models):
+        with pytest.raises(gl.GraftingError, match=r"o at layer 0 is torch.float32 on meta"):
+            gl.graft_forward(models, tokens, mask)
+    # A graft that takes nothing from the moved source runs, and the base is intact.
+    nothing = gl.GraftMask.build(models, tokens, positions="last", components="o", source=0)
+    assert torch.equal(gl.graft_forward(models, tokens, nothing), models.base(tokens))
+    assert not torch.equal(expected, models.base(tokens))
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_generation_refusals_say_what_is_true_of_generation(three_models):
+    """Padded prompts were told to pass an attention_mask graft_generate does not take, and a
+    prompt past the context to "Ask for at most -14 new tokens"."""
+    tokens = random_tokens(2, 5, seed=23)
+    tokens[1, 3:] = 0  # right padding
+    mask = gl.GraftMask.build(
+        three_models, tokens, positions="last", attention_mask=(tokens != 0).long()
+    )
+    with no_forward_pass(three_models):
+        with pytest.raises(gl.GraftMaskError, match="graft_generate takes no attention_mask") as e:
+            gl.graft_generate(three_models, tokens, mask, max_new_tokens=2)
+        assert "attention_mask=" not in str(e.value)
+        long = random_tokens(1, 78)  # rotary: 78 positions embed, but exceed n_ctx=64
+        with pytest.raises(
+            gl.GraftingError,
+            match=r"The prompt alone \(78 tokens\) fills the model's context of 64 positions.*"
+            r"at most 63 tokens\.",
+        ):
+            gl.graft_generate(three_models, long, gl.GraftMask.build(three_models, long), 1)

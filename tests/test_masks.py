@@ -283,3 +283,48 @@ def test_build_arguments_of_the_wrong_kind_are_refused(three_models):
     )
     assert from_numpy == gl.GraftMask.build(three_models, tokens, positions=[1], layers=1)
     assert gl.resolve_layers([np.int64(0), 2], 3) == (0, 2)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+def test_selectors_of_the_wrong_type_or_selecting_nothing_name_the_argument(three_models):
+    tokens = random_tokens(1, 5)
+    for components in (3, None, ["o", 3], b"o"):
+        with pytest.raises(TypeError, match="components must"):
+            gl.GraftMask.build(three_models, tokens, components=components)
+    # One empty list per row used to build a mask that grafts nothing, silently.
+    for empty in ([[]], [np.array([], dtype=int)]):
+        with pytest.raises(gl.SelectionError, match="selects no position in any row"):
+            gl.GraftMask.build(three_models, tokens, positions=empty)
+    with pytest.raises(gl.SelectionError, match="Cannot read layers from 'x'|Unknown layer"):
+        gl.GraftMask.build(three_models, tokens, layers="x")
+    # An iterator of names is read once, like a list of them.
+    assert gl.GraftMask.build(
+        three_models, tokens, components=(name for name in ["o", "ffn"])
+    ) == gl.GraftMask.build(three_models, tokens, components=["o", "ffn"])
+
+
+def test_numpy_numbers_read_like_python_ones_and_bools_are_refused():
+    assert gl.resolve_layers((np.float32(0.5), np.float32(1.0)), 6) == (3, 4, 5)
+    assert gl.resolve_layers((np.float64(0.5), 1), 6) == (3, 4, 5)
+    assert gl.resolve_layers((0, 2), 6) == (0, 2)  # a tuple of ints is a list of layers
+    with pytest.raises(gl.SelectionError, match="Layers must be ints, got True"):
+        gl.resolve_layers((True, 0.5), 6)
+    with pytest.raises(gl.SelectionError, match="Layers must be ints, got np.False_|False"):
+        gl.resolve_layers(np.array([False]), 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+@pytest.mark.parametrize("family", ["llama"])
+def test_masks_of_tensors_on_another_device_are_kept_on_the_cpu(three_models):
+    """Masks combine (union, cat, the check against a run's padding) on one device: a mask
+    made of GPU tensors is moved to the CPU, and a run moves it to the models'."""
+    tokens = random_tokens(2, 5)
+    cpu = gl.GraftMask.build(three_models, tokens, positions="last", components="o")
+    gpu = gl.GraftMask({key: cpu[key].cuda() for key in cpu.keys()}, cpu.shape, 3)
+    assert all(gpu[key].device.type == "cpu" for key in gpu.keys())
+    assert gl.GraftMask.union(cpu, gpu) == cpu and len(gl.GraftMask.cat([cpu, gpu])) == 4
+    attention_mask = torch.ones_like(tokens).cuda()
+    assert torch.equal(
+        gl.graft_forward(three_models, tokens, gpu, attention_mask=attention_mask),
+        gl.graft_forward(three_models, tokens, cpu),
+    )

@@ -100,6 +100,18 @@ def test_bad_inputs_are_explained():
         last_token_logits(torch.zeros(2, 4, 3), torch.ones(2, 5))
 
 
+def test_the_scorer_refuses_empty_runs_and_reads_narrow_target_ids():
+    """Logits of empty tokens failed with IndexError; uint8 or int16 targets are their ids."""
+    scorer = LastTokenScorer()
+    with pytest.raises(GraftingLensError, match=r"no position \(shape \(2, 0, 5\)\).*empty tok"):
+        scorer(torch.zeros(2, 0, 5), TARGETS[:2])
+    with pytest.raises(GraftingLensError, match="empty batch"):
+        scorer(torch.zeros(0, 3, 5), torch.zeros(0, dtype=torch.long))
+    expected = scorer(LOGITS[:, None], TARGETS)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert scorer(LOGITS[:, None], TARGETS.to(dtype)) == expected
+
+
 # ----------------------------------------------------------------- non-finite logits
 
 

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import family_config, random_model, random_tokens, tiny_config
+from conftest import family_config, no_forward_pass, random_model, random_tokens, tiny_config
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model, PreTrainedTokenizerFast
@@ -452,3 +452,74 @@ def test_a_checkpoint_whose_weights_are_not_its_models_is_refused(tmp_path, toke
         assert "save or download it again" in str(caught.value)
     with pytest.raises(gl.GraftingLensError, match="lacks 1 weight"):  # a base too
         gl.load_models(tmp_path / "missing", tmp_path / "base", tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(three_models):
+    """uint8 or int16 ids (a compact dataset on disk) mean the same ids at every entry point
+    that runs tokens, where torch's embedding takes int64 only; empty tokens are refused by
+    every entry point before a forward pass, naming the fix."""
+    tokens = random_tokens(2, 5, seed=41)
+    assert 127 < int(tokens.max()) < 256  # past int8 (which would wrap), within uint8
+    mask = gl.GraftMask.build(three_models, tokens, positions="last", components="o+ffn")
+    expected = gl.graft_forward(three_models, tokens, mask)
+    patched = gl.patch_forward(three_models, tokens, "resid_pre", layers=1, positions="last")
+    targets = tokens[:, 0]
+    scored = gl.scoring.LastTokenScorer()(expected, targets)
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        narrow = tokens.to(dtype)
+        assert (
+            gl.GraftMask.build(three_models, narrow, positions="last", components="o+ffn") == mask
+        )
+        assert torch.equal(gl.graft_forward(three_models, narrow, mask), expected)
+        reference = gl.graft_forward_reference(three_models, narrow, mask)
+        assert (reference - expected).abs().max() <= 1e-4
+        generated = gl.graft_generate(three_models, narrow, mask, max_new_tokens=2)
+        assert torch.equal(generated[:, :5], tokens)
+        assert torch.equal(
+            gl.patch_forward(three_models, narrow, "resid_pre", layers=1, positions="last"),
+            patched,
+        )
+        assert gl.scoring.LastTokenScorer()(expected, targets.to(dtype)) == scored
+
+    empty = tokens[:, :0]
+    with no_forward_pass(three_models):
+        for call in (
+            lambda: gl.GraftMask.build(three_models, empty),
+            lambda: gl.graft_forward(three_models, empty, mask),
+            lambda: gl.graft_forward_reference(three_models, empty, mask),
+            lambda: gl.graft_generate(three_models, empty, mask),
+        ):
+            with pytest.raises(gl.TokenError, match=r"tokens is empty \(shape \[2, 0\]\).*tokeniz"):
+                call()
+        with pytest.raises(gl.PatchingError, match=r"tokens is empty"):
+            gl.patch_forward(three_models, empty, "resid_pre")
+        with pytest.raises(gl.PatchingError, match=r"tokens is empty"):
+            gl.resid_patch_sweep(three_models, empty, lambda logits: logits[:, -1, 0])
+        with pytest.raises(gl.GraftMaskError, match=r"\(batch, pos\) = \(2, 0\) describes no"):
+            gl.GraftMask.build(three_models, (2, 0))
+
+
+def test_a_tokenizer_path_that_is_missing_or_holds_no_tokenizer_is_named(tmp_path, tokenizer):
+    for name, seed in (("base", 0), ("donor", 1)):
+        random_model("gpt2", seed).save_pretrained(tmp_path / name)
+    (tmp_path / "empty").mkdir()
+    base, donor = tmp_path / "base", tmp_path / "donor"
+    cases = [
+        (tmp_path / "nope", r"tokenizer='.*nope' does not exist \(no such path, and not a hub"),
+        (base / "config.json", r"config\.json' is a file; give the directory a tokenizer"),
+        (tmp_path / "empty", r"'.*empty': no tokenizer could be loaded from the directory"),
+        # transformers makes a tokenizer of GPT-2's class from config.json alone, holding
+        # nothing but <|endoftext|>: every text would tokenize to nothing.
+        (base, r"'.*base' holds no tokenizer: .*knows only its 1 special token"),
+    ]
+    for path, message in cases:
+        with pytest.raises(gl.GraftingLensError, match=message):
+            gl.load_models(base, donor, tokenizer=path)
+    # The base's own directory has no tokenizer either: named, with the fix.
+    with pytest.raises(gl.GraftingLensError, match=r"'.*base' has no tokenizer and none was"):
+        gl.load_models(base, donor)
+    # A donor without one borrows the base's (it was "1 token" against the base's 300).
+    tokenizer.save_pretrained(base)
+    loaded = gl.load_models(base, donor)
+    assert loaded.tokenizer.get_vocab() == tokenizer.get_vocab()

@@ -525,3 +525,19 @@ def test_metrics_that_return_no_numbers_are_named(three_models):
         three_models, tokens, lambda logits: [1.0, 2.0], layers=0, positions=[0], progress=False
     )
     assert sweep.values.tolist() == [[1.5]]
+
+
+def test_a_source_cast_or_moved_after_loading_is_refused(tokenizer):
+    models = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)
+    tokens = random_tokens(2, 5)
+    models[1].half()
+    with no_forward_pass(models):
+        with pytest.raises(PatchingError, match=r"source 1 \(source1\), whose weights are torch"):
+            patch_forward(models, tokens, "resid_pre", layers=1)
+        with pytest.raises(PatchingError, match=r"torch.float16 on cpu, and the base's are torch"):
+            resid_patch_sweep(models, tokens, lambda logits: logits[:, -1, 0])
+    models[1].float().to("meta")  # patching silently returned logits on the meta device
+    with pytest.raises(
+        PatchingError, match=r"float32 on meta, and the base's are torch.float32 on"
+    ):
+        patch_forward(models, tokens, "resid_pre", layers=1, direction="necessity")

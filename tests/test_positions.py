@@ -81,6 +81,22 @@ def test_rows_ending_in_the_pad_token_need_an_attention_mask():
     positions.check_padding(tokens, None, None)
 
 
+def test_left_padded_rows_need_an_attention_mask_too():
+    """A left-padded batch without its mask was taken as real tokens (right padding was not)."""
+    padded_with_0 = SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    left = torch.tensor([[5, 6, 7, 8], [0, 0, 5, 6], [0, 5, 6, 7]])
+    with pytest.raises(GraftMaskError, match=r"2 of 3 rows \(rows 1, 2\) start with more pad"):
+        positions.check_padding(left, None, padded_with_0)
+    # A BOS that is the pad token (GPT-2's) starts every row once: not padding.
+    with_bos = torch.tensor([[0, 5, 6, 7], [0, 8, 9, 10]])
+    positions.check_padding(with_bos, None, padded_with_0)
+    with pytest.raises(GraftMaskError, match=r"rows \(rows 1\) start with more pad tokens"):
+        positions.check_padding(torch.tensor([[0, 5, 6, 7], [0, 0, 0, 8]]), None, padded_with_0)
+    positions.check_padding(left, torch.ones_like(left), padded_with_0)  # "they are real"
+    with pytest.raises(GraftMaskError, match=r"than the others.*Generate one at a time\.$"):
+        positions.check_padding(left, None, padded_with_0, fix="Generate one at a time.")
+
+
 def test_empty_and_boolean_position_specs_are_refused():
     with pytest.raises(GraftMaskError, match="positions=\\[\\] selects no position"):
         positions.resolve_positions([], (2, 5))
@@ -95,6 +111,13 @@ def test_empty_and_boolean_position_specs_are_refused():
         positions.resolve_positions([[1], 2], (2, 5))
     # A row with no position is fine when another row has some.
     assert positions.resolve_positions([[], [1]], (2, 5)).nonzero().tolist() == [[1, 1]]
+
+
+def test_per_row_lists_that_are_all_empty_are_refused():
+    # One empty list per row reads as a selection, yet grafts or patches nothing.
+    for spec, shape in (([[]], (1, 5)), ([[], []], (2, 5)), ([(), np.array([], int)], (2, 5))):
+        with pytest.raises(GraftMaskError, match="selects no position in any row.*positions="):
+            positions.resolve_positions(spec, shape)
 
 
 def test_numpy_positions_read_like_python_ones():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -22,7 +23,14 @@ from conftest import make_tokenizer, random_model
 import grafting_lens as gl
 from grafting_lens import data, files
 from grafting_lens.errors import GraftingLensError, RunError
-from grafting_lens.experiments import CLEAN, make_test_sets, run_directory, run_experiment, runner
+from grafting_lens.experiments import (
+    CLEAN,
+    make_test_sets,
+    report,
+    run_directory,
+    run_experiment,
+    runner,
+)
 from grafting_lens.experiments.report import REPORT_MANIFEST, write_experiment_report
 from grafting_lens.experiments.run_directory import (
     CheckpointDigests,
@@ -455,6 +463,40 @@ def test_a_report_of_another_run_is_refused_and_overwritten_completely(models, t
     )
     assert not stale.exists()
     assert set(pd.read_csv(out / "results.csv").target_prob) == {0.5}
+
+
+def test_a_full_disk_at_the_first_chunk_names_the_file_and_resumes(
+    models, test_sets, whole, tmp_path, monkeypatch
+):
+    out = tmp_path / "run"
+    real = run_directory.atomic_write
+
+    def disk_full_for_chunks(path, content, **options):
+        if path.parent.name == "chunks":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, content, **options)
+
+    monkeypatch.setattr(run_directory, "atomic_write", disk_full_for_chunks)
+    with pytest.raises(
+        RunError,
+        match=r"A chunk of the run in .*run, .*chunks/m0-t0-c0\.json cannot be written \(No "
+        r"space left on device\); its disk is full.*run again once it can be, to resume\.",
+    ):
+        _run(models, test_sets, out)
+    monkeypatch.undo()
+    pd.testing.assert_frame_equal(_run(models, test_sets, out), whole)
+
+
+def test_a_directory_where_a_table_goes_is_refused_before_the_report(models, test_sets, tmp_path):
+    results = _run(models, test_sets)
+    out = tmp_path / "report"
+    (out / "results.csv").mkdir(parents=True)
+    with pytest.raises(RunError, match=r"results\.csv is a directory where the report writes"):
+        write_experiment_report("demo", {"results": results}, out, label="tiny", png=False)
+    assert not (out / REPORT_MANIFEST).exists()
+    # Written later than that check (a directory made during the run): named too.
+    with pytest.raises(RunError, match=r"results\.csv cannot be written \(Is a directory\); .*"):
+        report.write_table(results, out / "results.csv")
 
 
 # The holder is a second, independent implementation of the lock protocol (flock on

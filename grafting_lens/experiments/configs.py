@@ -31,6 +31,7 @@ from typing import Any, Union
 import torch
 from jaxtyping import Bool, Int
 
+from grafting_lens.arguments import is_integer, plain
 from grafting_lens.components import (
     COMPONENT_GROUPS,
     COMPONENTS,
@@ -227,13 +228,13 @@ class Graft:
             object.__setattr__(self, "components", tuple(self.components))
         if isinstance(self.layers, list):
             object.__setattr__(self, "layers", tuple(self.layers))
-        if self.source != HYBRID and (
-            not isinstance(self.source, int) or isinstance(self.source, bool) or self.source < 0
-        ):
+        if self.source != HYBRID and (not is_integer(self.source) or self.source < 0):
             raise ExperimentError(
                 f"Graft source must be an int >= 0 (or HYBRID, the code's hybrid model), got "
                 f"{self.source!r}."
             )
+        # A numpy integer is kept as Python's: a configuration's description is JSON.
+        object.__setattr__(self, "source", plain(self.source))
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description (what a run's fingerprint records)."""

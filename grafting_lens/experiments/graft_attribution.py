@@ -45,7 +45,7 @@ from grafting_lens.experiments.report import (
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions
 from grafting_lens.experiments.semantics import CLEAN
 from grafting_lens.experiments.specs import ExperimentSpec
-from grafting_lens.files import atomic_write
+from grafting_lens.files import atomic_write, writing
 from grafting_lens.graft_search import find_minimal_graft
 
 __all__ = ["POSITIONS", "PROMPTS", "report", "run"]
@@ -228,7 +228,8 @@ def report(
         },
     )
     path = out / "summary.md"
-    atomic_write(path, _markdown(tables, settings, figures).encode())
+    with writing("The summary", path):
+        atomic_write(path, _markdown(tables, settings, figures).encode())
     written.files.append(path)
     return written
 

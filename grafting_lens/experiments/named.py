@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from grafting_lens import data
+from grafting_lens.arguments import is_integer
 from grafting_lens.console import show_progress
 from grafting_lens.errors import ExperimentError
 from grafting_lens.experiments.configs import get_configs
@@ -580,7 +581,7 @@ def run_spec(
 
 def _check_n_examples(n_examples: Any) -> None:
     """``n_examples`` is a count of relations: an integer >= 1 (a slice would take -1 too)."""
-    if not isinstance(n_examples, int) or isinstance(n_examples, bool) or n_examples < 1:
+    if not is_integer(n_examples) or n_examples < 1:
         raise ExperimentError(
             f"n_examples is how many relations to ask about: an integer >= 1, got {n_examples!r}."
         )

@@ -41,7 +41,7 @@ from grafting_lens.experiments.report import (
 from grafting_lens.experiments.runner import ChunkInfo, RunOptions
 from grafting_lens.experiments.semantics import CLEAN
 from grafting_lens.experiments.specs import ExperimentSpec
-from grafting_lens.files import atomic_write
+from grafting_lens.files import atomic_write, writing
 from grafting_lens.models import ModelSet
 
 __all__ = ["PAIRS", "POSITIONS", "PROMPTS", "READOUT", "readout_ceiling", "report", "run"]
@@ -204,7 +204,8 @@ def report(
         },
     )
     path = out / "summary.md"
-    atomic_write(path, _markdown(summary, reference_summary, settings, figures).encode())
+    with writing("The summary", path):
+        atomic_write(path, _markdown(summary, reference_summary, settings, figures).encode())
     written.files.append(path)
     return written
 

@@ -47,7 +47,7 @@ from grafting_lens import metrics, plots
 from grafting_lens.errors import RunError
 from grafting_lens.experiments.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
 from grafting_lens.experiments.specs import ExperimentSpec, get_experiment
-from grafting_lens.files import DirectoryLock, atomic_write
+from grafting_lens.files import DirectoryLock, atomic_write, writing
 
 __all__ = [
     "REPORT_MANIFEST",
@@ -241,6 +241,7 @@ def prepare_report_directory(
     """
     out = _report_path(out)
     with DirectoryLock(out, "The report directory"):
+        _check_table_places(out)
         manifest = _read_report_manifest(out)
         if manifest is not None and manifest.get("fingerprint") == fingerprint:
             return manifest
@@ -261,6 +262,19 @@ def prepare_report_directory(
         }
         _write_report_manifest(out, manifest)
         return manifest
+
+
+def _check_table_places(out: Path) -> None:
+    """Refuse, before the run, a directory (or anything but a file) where a table goes:
+    renaming the finished table onto it would fail after the compute."""
+    for name in (*_REPORT_TABLES, REPORT_MANIFEST):
+        path = out / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a link" if path.is_symlink() else "a directory"
+            raise RunError(
+                f"{path} is {kind} where the report writes its file {name}. Remove or rename "
+                "it, or choose another output directory."
+            )
 
 
 def _report_path(out: str | os.PathLike) -> Path:
@@ -301,13 +315,8 @@ def _read_report_manifest(out: Path) -> dict[str, Any] | None:
 
 
 def _write_report_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
-    try:
+    with writing("The report directory's", out / REPORT_MANIFEST):
         atomic_write(out / REPORT_MANIFEST, json.dumps(manifest, indent=1).encode())
-    except OSError as error:
-        raise RunError(
-            f"The report directory {out} cannot be written ({error.strerror or error}); choose "
-            "a directory you can write to."
-        ) from None
 
 
 _REPORT_SUFFIXES = (".csv", ".md", ".html", ".png")
@@ -491,22 +500,33 @@ def summary_markdown(
 
 
 def write_table(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
-    """Write a DataFrame as CSV under a temporary name, then rename it into place."""
+    """Write a DataFrame as CSV under a temporary name, then rename it into place.
+
+    Raises:
+        RunError: The file cannot be written (a full disk, a directory in its place...).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, frame.to_csv(index=False).encode())
+    with writing("The table", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, frame.to_csv(index=False).encode())
     return path
 
 
 def write_report(
     out: str | os.PathLike, results: pd.DataFrame, summary: pd.DataFrame, markdown: str
 ) -> list[Path]:
-    """Write ``results.csv``, ``summary.csv`` and ``summary.md`` into ``out``, each atomically."""
+    """Write ``results.csv``, ``summary.csv`` and ``summary.md`` into ``out``, each atomically.
+
+    Raises:
+        RunError: A file cannot be written (a full disk, a directory in its place...).
+    """
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with writing("The report directory", out):
+        out.mkdir(parents=True, exist_ok=True)
     written = [write_table(results, out / "results.csv"), write_table(summary, out / "summary.csv")]
     path = out / "summary.md"
-    atomic_write(path, markdown.encode())
+    with writing("The summary", path):
+        atomic_write(path, markdown.encode())
     return [*written, path]
 
 

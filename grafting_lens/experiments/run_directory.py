@@ -61,7 +61,7 @@ from grafting_lens.batch import TokenizedExamples
 from grafting_lens.errors import RunError
 from grafting_lens.experiments.configs import GraftConfig
 from grafting_lens.experiments.testsets import TestSet
-from grafting_lens.files import DirectoryLock, atomic_write
+from grafting_lens.files import DirectoryLock, atomic_write, writing
 from grafting_lens.models import ModelSet
 
 __all__ = [
@@ -567,8 +567,10 @@ class RunDirectory:
             "rows": rows,
         }
         payload["sha256"] = _content_hash(payload)
-        path.parent.mkdir(exist_ok=True)
-        atomic_write(path, json.dumps(payload, separators=(",", ":")).encode())
+        kept = "The chunks written so far are kept: run again once it can be, to resume."
+        with writing(f"A chunk of the run in {self.path},", path, kept):
+            path.parent.mkdir(exist_ok=True)
+            atomic_write(path, json.dumps(payload, separators=(",", ":")).encode())
         return path
 
 
@@ -630,14 +632,9 @@ def _claim(run_dir: Path, fingerprint: str, spec: Mapping[str, Any]) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "spec": dict(spec),
     }
-    try:
+    with writing("The run directory", run_dir):
         atomic_write(manifest_path, json.dumps(manifest, indent=1).encode(), durable=True)
         chunks.mkdir(exist_ok=True)
-    except OSError as error:
-        raise RunError(
-            f"The run directory {run_dir} cannot be written ({error.strerror or error}); choose "
-            "a directory you can write to."
-        ) from None
 
 
 def _check_manifest(

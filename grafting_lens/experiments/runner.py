@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from grafting_lens.arguments import is_integer
 from grafting_lens.batch import TokenizedExamples, as_batch
 from grafting_lens.console import show_progress
 from grafting_lens.errors import ExperimentError, GraftingLensError
@@ -159,8 +160,10 @@ class RunOptions:
     def __post_init__(self, include_unembed: bool | None, include_embeddings: bool | None) -> None:
         for name in ("batch_size", "chunk_size", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ExperimentError(f"{name} must be an integer >= 1, got {value!r}.")
+            # Python's int, whichever way it came: the options are part of a run's JSON.
+            object.__setattr__(self, name, int(value))
         seeds = dict(self.seeds or {})
         for name in seeds:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", str(name)):
@@ -476,7 +479,7 @@ def run_position_grafting(
         TestSet(tokenized),
         chosen,
         batch_size=batch_size,
-        chunk_size=max(64, batch_size) if isinstance(batch_size, int) else 64,
+        chunk_size=max(64, int(batch_size)) if is_integer(batch_size) else 64,
         semantics=chosen_semantics,
         top_k=top_k,
         progress=progress,
