@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shlex
@@ -292,22 +293,27 @@ def world_build(
 def _click_errors() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
     """The usage errors and aborts ``command.main`` raises when not in standalone mode.
 
-    typer before 0.29 raises click's own exceptions; from 0.29 it carries its own copy
-    of click, whose exceptions derive from ``typer.exceptions.TyperException`` and are
-    not click's: catching click's alone let "No such option" escape as a traceback.
+    Which classes those are depends on the typer release: older ones raise click's own
+    exceptions; newer ones carry a copy of click (``typer._click``, from 0.26 on) whose
+    exceptions are not click's, and 0.29 adds ``typer.exceptions.TyperException`` above
+    them. Catching click's alone let "No such option" escape as a traceback. Every class
+    the installed release has is caught.
     """
     usage: list[type[Exception]] = []
     aborts: list[type[Exception]] = [typer.Abort]
-    typer_exception = getattr(typer.exceptions, "TyperException", None)
-    if isinstance(typer_exception, type):
-        usage.append(typer_exception)
-    try:
-        import click
-    except ImportError:  # typer >= 0.29 does not need click
-        pass
-    else:
-        usage.append(click.ClickException)
-        aborts.append(click.exceptions.Abort)
+    for module_name, usage_name in (
+        ("typer.exceptions", "TyperException"),
+        ("typer._click.exceptions", "ClickException"),
+        ("click.exceptions", "ClickException"),
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for names, found in ((usage_name, usage), ("Abort", aborts)):
+            value = getattr(module, names, None)
+            if isinstance(value, type) and issubclass(value, Exception) and value not in found:
+                found.append(value)
     return tuple(usage), tuple(aborts)
 
 
