@@ -109,6 +109,12 @@ def toy_setup(
         device=device,
         names=list(spec.labels),
     )
+    return models, *_world_relations(world, spec)
+
+
+def _world_relations(world: Any, spec: ExperimentSpec) -> tuple[list[data.Relation], dict]:
+    """The relations an experiment asks about in a built world (toy or real), and what to
+    record of the world: one reading for every world."""
     relations = {
         "all": "relations",
         "task": "task_relations",
@@ -120,7 +126,7 @@ def toy_setup(
         "dataset": world.config.dataset,
         "evaluation": world.manifest.get("evaluation", {}),
     }
-    return models, list(getattr(world, relations)), info
+    return list(getattr(world, relations)), info
 
 
 def smollm2_setup(
@@ -155,18 +161,7 @@ def smollm2_setup(
         dtype=dtype,
         names=list(spec.labels),
     )
-    relations = {
-        "all": "relations",
-        "task": "task_relations",
-        "relation": "relation_relations",
-    }[spec.relations]
-    info = {
-        "root": str(world.root),
-        "seed": world.config.seed,
-        "dataset": world.config.dataset,
-        "evaluation": world.manifest.get("evaluation", {}),
-    }
-    return models, list(getattr(world, relations)), info
+    return models, *_world_relations(world, spec)
 
 
 def checkpoint_setup(
