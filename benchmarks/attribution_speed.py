@@ -45,9 +45,10 @@ import torch
 from graft_speed import gpt2_small, placeholder_tokenizer
 
 import grafting_lens as gl
-from grafting_lens import data, experiments
-from grafting_lens.attribution import AttributionPlan
-from grafting_lens.batch import TokenizedExamples
+from grafting_lens import study as experiments
+from grafting_lens.analysis.attribution import AttributionPlan
+from grafting_lens.analysis.batch import TokenizedExamples
+from grafting_lens.worlds import data
 
 
 def best_of(function, repeats: int) -> tuple[float, object]:

@@ -12,7 +12,7 @@ the layers at the last token, it computes:
   (the embedding only at the looked-up rows); a grafted pass also reads the donor's
   grafted matrices, once, however many rows use them; a LoRA donor reads its
   factors, and either the base's matrix a second time (a LoRA module run on the
-  donor's rows, as ``grafting_lens.adapters`` does) or not (the base's product shared
+  donor's rows, as ``grafting_lens.models.adapters`` does) or not (the base's product shared
   by every row, the delta added on the donor's rows: Punica's decomposition);
 * lower bounds on the time of one pass on one H100 SXM or H200 (a pass split over
   devices by layers runs them one after another, so the bound holds for it too):

@@ -16,7 +16,7 @@ prompts, and prints one JSON line:
 * ``auto_over_torch``: each grafted pass on ``"auto"``'s kernels over the same pass on
   PyTorch's kernel; the choice never loses where these are <= 1 (within the spread);
 * ``kernels``: what ``"auto"`` chose for each shape bucket of the run, with the
-  timings the choice rests on (``grafting_lens.kernels.decisions()``). The first run
+  timings the choice rests on (``grafting_lens.engine.kernels.decisions()``). The first run
   on a machine measures them and keeps them in ``$GRAFTING_LENS_CACHE/kernels``;
   later runs read them back;
 * ``gather_scatter``: the share of the half-grafted pass (PyTorch's kernel) spent in
@@ -48,7 +48,7 @@ from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import grafting_lens as gl
-from grafting_lens import kernels
+from grafting_lens.engine import kernels
 
 
 def gpt2_small(seed: int) -> GPT2LMHeadModel:

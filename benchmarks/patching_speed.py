@@ -5,7 +5,7 @@ d_model 768, vocabulary 50,257; nothing is downloaded), and sweeps patching the
 donor's ``resid_pre`` into the base at every (layer, position) cell of 16-token
 prompts, twice on the same inputs:
 
-* :func:`grafting_lens.patching.resid_patch_sweep`: every cell a block of rows of
+* :func:`grafting_lens.patching.patch.resid_patch_sweep`: every cell a block of rows of
   one large batch, at most ``--chunk-size`` rows per forward pass, each pass
   computed only from the first position and the first layer its cells patch;
 * TransformerLens's ``get_act_patch_resid_pre`` (one forward pass per cell), with
@@ -42,7 +42,7 @@ from graft_speed import gpt2_small, placeholder_tokenizer
 from transformer_lens import patching as tl_patching
 
 import grafting_lens as gl
-from grafting_lens.patching import resid_patch_sweep
+from grafting_lens.patching.patch import resid_patch_sweep
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Benchmark: the paper's full position sweep on the toy world's checkpoints.
 
 Eight position configurations (PRE, SFT, FE, LT, FE+LT and the complements) x 1,000
-examples x 2 prompts (headline, QA), through :func:`grafting_lens.experiments.run_experiment`,
+examples x 2 prompts (headline, QA), through :func:`grafting_lens.study.run_experiment`,
 in memory. The examples are 1,000 relations made for the purpose (the toy models were
 finetuned on fewer; only the time is measured). Builds the toy world on first use.
 Prints one JSON line: rows, seconds, rows per second and the settings.
@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from grafting_lens import data, experiments
+from grafting_lens import study as experiments
+from grafting_lens.worlds import data
 
 
 def main() -> None:

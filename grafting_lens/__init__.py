@@ -31,257 +31,124 @@ if "ipykernel" in sys.modules:
     # its bars fall back to text; they do, and the warning tells a reader nothing.
     warnings.filterwarnings("ignore", message="IProgress not found")
 
-_SUBMODULES = (
-    "adapters",
-    "attribution",
-    "batch",
-    "comparison",
-    "data",
-    "experiments",
-    "graft_search",
-    "kernels",
-    "layers",
-    "metrics",
-    "patching",
-    "plots",
-    "positions",
-    "relaxation",
-    "scoring",
-    "sources",
-    "toy",
-)
-"""Submodules reachable as ``gl.<name>``, imported on first use."""
-
-_NAMES: dict[str, str] = {
-    **dict.fromkeys(("VERIFIED_ARCHITECTURES",), "architectures"),
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("load_models",), "models.loading"),
+    **dict.fromkeys(("ModelSet",), "models.model_set"),
+    **dict.fromkeys(("GraftMask",), "engine.masks"),
+    **dict.fromkeys(("select_positions",), "engine.positions"),
+    **dict.fromkeys(("resolve_layers",), "models.layers"),
     **dict.fromkeys(
-        (
-            "COMPONENT_GROUPS",
-            "COMPONENT_LABELS",
-            "COMPONENTS",
-            "GLOBAL_COMPONENTS",
-            "LAYER_COMPONENTS",
-            "register_component_paths",
-        ),
-        "components",
+        ("graft_forward", "graft_forward_reference", "graft_generate", "grafting"), "engine.graft"
     ),
+    **dict.fromkeys(("head_patch_sweep", "patch_forward", "resid_patch_sweep"), "patching.patch"),
+    **dict.fromkeys(("compare_graft_and_patch",), "analysis.comparison"),
+    **dict.fromkeys(("attribute_grafts",), "analysis.attribution"),
+    **dict.fromkeys(("find_minimal_graft",), "analysis.graft_search"),
+    **dict.fromkeys(("bootstrap_ci", "summarize"), "analysis.metrics"),
     **dict.fromkeys(
-        (
-            "AdapterError",
-            "AlignmentError",
-            "AttributionError",
-            "BatchError",
-            "ComponentError",
-            "ExperimentError",
-            "GraftingError",
-            "GraftingLensError",
-            "GraftMaskError",
-            "KernelError",
-            "LazyLoadWarning",
-            "NonFiniteLogitsError",
-            "PatchingError",
-            "RunError",
-            "SelectionError",
-            "TokenError",
-            "ToyWorldError",
-            "UnsupportedArchitectureError",
-            "UnverifiedArchitectureWarning",
-            "WorldSourceError",
-        ),
-        "errors",
+        ("plot_accuracy", "plot_attribution", "plot_recovery", "save_figure"), "analysis.plots"
     ),
-    **dict.fromkeys(
-        ("CLEAN", "POSITION_CONFIGS", "REFERENCE", "Semantics", "run_position_grafting"),
-        "experiments",
-    ),
-    **dict.fromkeys(
-        ("graft_forward", "graft_forward_reference", "graft_generate", "grafting"), "graft"
-    ),
-    **dict.fromkeys(("GraftAttribution", "attribute_grafts"), "attribution"),
-    **dict.fromkeys(("MinimalGraft", "find_minimal_graft"), "graft_search"),
-    **dict.fromkeys(("relaxing",), "relaxation"),
-    **dict.fromkeys(("LAYER_FRACTIONS", "resolve_layers"), "layers"),
-    **dict.fromkeys(("GraftMask",), "masks"),
-    **dict.fromkeys(("bootstrap_ci", "summarize"), "metrics"),
-    **dict.fromkeys(("ModelSet", "load_models"), "models"),
-    **dict.fromkeys(("notebook", "quiet_loading"), "console"),
-    **dict.fromkeys(("head_patch_sweep", "patch_forward", "resid_patch_sweep"), "patching"),
-    **dict.fromkeys(
-        ("plot_accuracy", "plot_attribution", "plot_mean_rank", "plot_recovery", "save_figure"),
-        "plots",
-    ),
-    **dict.fromkeys(("select_positions",), "positions"),
+    **dict.fromkeys(("build_toy_world",), "worlds.toy"),
+    **dict.fromkeys(("build_smollm2_world",), "worlds.smollm2"),
+    **dict.fromkeys(("CLEAN", "REFERENCE"), "study.semantics"),
+    **dict.fromkeys(("run_experiment", "run_position_grafting"), "study.runner"),
+    **dict.fromkeys(("notebook",), "core.console"),
+    **dict.fromkeys(("GraftingLensError",), "core.errors"),
 }
-"""Each public name, and the module it lives in."""
+"""Each name of the front door, and the module it lives in (the one list: ``__all__`` and
+the type checkers' imports below are checked against it by tests/test_floors.py)."""
+
+_FLOORS = ("core", "models", "engine", "patching", "analysis", "worlds", "study")
+"""The subpackages, one per floor, reachable as ``gl.<floor>`` (imported on first use)."""
 
 __all__ = [
-    "AdapterError",
-    "adapters",
-    "AlignmentError",
     "attribute_grafts",
-    "attribution",
-    "AttributionError",
-    "batch",
-    "BatchError",
     "bootstrap_ci",
+    "build_smollm2_world",
+    "build_toy_world",
     "CLEAN",
-    "comparison",
-    "COMPONENT_GROUPS",
-    "COMPONENT_LABELS",
-    "ComponentError",
-    "COMPONENTS",
-    "data",
-    "ExperimentError",
-    "experiments",
+    "compare_graft_and_patch",
+    "errors",
     "find_minimal_graft",
-    "GLOBAL_COMPONENTS",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
-    "graft_search",
-    "GraftAttribution",
     "grafting",
-    "GraftingError",
     "GraftingLensError",
     "GraftMask",
-    "GraftMaskError",
     "head_patch_sweep",
-    "KernelError",
-    "kernels",
-    "LAYER_COMPONENTS",
-    "LAYER_FRACTIONS",
-    "layers",
-    "LazyLoadWarning",
     "load_models",
-    "metrics",
-    "MinimalGraft",
     "ModelSet",
-    "NonFiniteLogitsError",
     "notebook",
     "patch_forward",
-    "patching",
-    "PatchingError",
     "plot_accuracy",
     "plot_attribution",
-    "plot_mean_rank",
     "plot_recovery",
-    "plots",
-    "POSITION_CONFIGS",
-    "positions",
-    "quiet_loading",
     "REFERENCE",
-    "register_component_paths",
-    "relaxation",
-    "relaxing",
     "resid_patch_sweep",
     "resolve_layers",
+    "run_experiment",
     "run_position_grafting",
-    "RunError",
     "save_figure",
-    "scoring",
     "select_positions",
-    "SelectionError",
-    "Semantics",
-    "sources",
     "summarize",
-    "TokenError",
-    "ToyWorldError",
-    "toy",
-    "UnsupportedArchitectureError",
-    "UnverifiedArchitectureWarning",
-    "VERIFIED_ARCHITECTURES",
-    "WorldSourceError",
 ]
+"""The front door; tests/test_floors.py checks it against ``_EXPORTS``."""
 
 
 def __getattr__(name: str) -> Any:
-    """Import a submodule, or the module a public name lives in, on first use (PEP 562)."""
-    if name in _SUBMODULES:
+    if name in _FLOORS:
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    if name == "errors":
+        return importlib.import_module(f"{__name__}.core.errors")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
         globals()[name] = value  # later lookups skip this function
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_FLOORS})
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and editors
-    from grafting_lens import (
-        adapters,
-        attribution,
-        batch,
-        comparison,
-        data,
-        experiments,
-        graft_search,
-        kernels,
-        layers,
-        metrics,
+    # The floors are reachable as attributes but not star-exported.
+    from grafting_lens import (  # noqa: F401
+        analysis,
+        core,
+        engine,
+        models,
         patching,
-        plots,
-        positions,
-        relaxation,
-        scoring,
-        sources,
-        toy,
+        study,
+        worlds,
     )
-    from grafting_lens.architectures import VERIFIED_ARCHITECTURES
-    from grafting_lens.attribution import GraftAttribution, attribute_grafts
-    from grafting_lens.components import (
-        COMPONENT_GROUPS,
-        COMPONENT_LABELS,
-        COMPONENTS,
-        GLOBAL_COMPONENTS,
-        LAYER_COMPONENTS,
-        register_component_paths,
-    )
-    from grafting_lens.console import notebook, quiet_loading
-    from grafting_lens.errors import (
-        AdapterError,
-        AlignmentError,
-        AttributionError,
-        BatchError,
-        ComponentError,
-        ExperimentError,
-        GraftingError,
-        GraftingLensError,
-        GraftMaskError,
-        KernelError,
-        LazyLoadWarning,
-        NonFiniteLogitsError,
-        PatchingError,
-        RunError,
-        SelectionError,
-        TokenError,
-        ToyWorldError,
-        UnsupportedArchitectureError,
-        UnverifiedArchitectureWarning,
-        WorldSourceError,
-    )
-    from grafting_lens.experiments import (
-        CLEAN,
-        POSITION_CONFIGS,
-        REFERENCE,
-        Semantics,
-        run_position_grafting,
-    )
-    from grafting_lens.graft import graft_forward, graft_forward_reference, graft_generate, grafting
-    from grafting_lens.graft_search import MinimalGraft, find_minimal_graft
-    from grafting_lens.layers import LAYER_FRACTIONS, resolve_layers
-    from grafting_lens.masks import GraftMask
-    from grafting_lens.metrics import bootstrap_ci, summarize
-    from grafting_lens.models import ModelSet, load_models
-    from grafting_lens.patching import head_patch_sweep, patch_forward, resid_patch_sweep
-    from grafting_lens.plots import (
+    from grafting_lens.analysis.attribution import attribute_grafts
+    from grafting_lens.analysis.comparison import compare_graft_and_patch
+    from grafting_lens.analysis.graft_search import find_minimal_graft
+    from grafting_lens.analysis.metrics import bootstrap_ci, summarize
+    from grafting_lens.analysis.plots import (
         plot_accuracy,
         plot_attribution,
-        plot_mean_rank,
         plot_recovery,
         save_figure,
     )
-    from grafting_lens.positions import select_positions
-    from grafting_lens.relaxation import relaxing
+    from grafting_lens.core import errors
+    from grafting_lens.core.console import notebook
+    from grafting_lens.core.errors import GraftingLensError
+    from grafting_lens.engine.graft import (
+        graft_forward,
+        graft_forward_reference,
+        graft_generate,
+        grafting,
+    )
+    from grafting_lens.engine.masks import GraftMask
+    from grafting_lens.engine.positions import select_positions
+    from grafting_lens.models.layers import resolve_layers
+    from grafting_lens.models.loading import load_models
+    from grafting_lens.models.model_set import ModelSet
+    from grafting_lens.patching.patch import head_patch_sweep, patch_forward, resid_patch_sweep
+    from grafting_lens.study.runner import run_experiment, run_position_grafting
+    from grafting_lens.study.semantics import CLEAN, REFERENCE
+    from grafting_lens.worlds.smollm2 import build_smollm2_world
+    from grafting_lens.worlds.toy import build_toy_world

@@ -8,7 +8,9 @@ and an equivalence test could not fail.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -185,9 +187,9 @@ def kernel_decisions_without_timing(monkeypatch, tmp_path_factory):
     of the test session. The kernel tests inject their own timings.
     """
     root = tmp_path_factory.getbasetemp() / "kernel-decisions"
-    monkeypatch.setattr(gl.kernels, "cache_root", lambda: root)
-    monkeypatch.setattr(gl.kernels, "_measure", lambda module, rows: (1.0, 2.0, 7))
-    monkeypatch.setattr(gl.kernels, "_decided", {})
+    monkeypatch.setattr(gl.engine.kernels, "cache_root", lambda: root)
+    monkeypatch.setattr(gl.engine.kernels, "_measure", lambda module, rows: (1.0, 2.0, 7))
+    monkeypatch.setattr(gl.engine.kernels, "_decided", {})
 
 
 @contextmanager
@@ -242,3 +244,23 @@ def random_mask(models: gl.ModelSet, shape: tuple[int, int], seed: int = 0) -> g
         pair: torch.randint(0, len(models), shape, generator=generator) for pair in models.pairs
     }
     return gl.GraftMask.from_dict(models, entries)
+
+
+class CommandResult(NamedTuple):
+    """What a user of the command sees: its exit status and its output (stdout and stderr)."""
+
+    exit_code: int
+    output: str
+
+
+def invoke(args: Sequence[object]) -> CommandResult:
+    """Run ``grafting-lens <args>`` in this process, as the console script would."""
+    import contextlib
+    import io
+
+    from grafting_lens.study import cli
+
+    seen = io.StringIO()
+    with contextlib.redirect_stdout(seen), contextlib.redirect_stderr(seen):
+        code = cli.main([str(arg) for arg in args])
+    return CommandResult(code, seen.getvalue())

@@ -34,7 +34,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, arguments in RUNS.items():
             out = Path(tmp) / name
-            command = [sys.executable, "-m", "grafting_lens.cli", "run", *arguments]
+            command = [sys.executable, "-m", "grafting_lens.study.cli", "run", *arguments]
             subprocess.run([*command, "--out", str(out), "--no-progress"], check=True, cwd=ROOT)
             pngs = sorted(p for p in out.glob("*.png") if not p.name.startswith("prob_"))
             if not pngs:

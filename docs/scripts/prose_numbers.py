@@ -38,7 +38,7 @@ SETTINGS = {
 
 def demo_summary(options: list[str], out: Path) -> pd.DataFrame:
     """The demo's top-5 per configuration and prompt, for these options."""
-    command = [sys.executable, "-m", "grafting_lens.cli", "demo", "--out", str(out)]
+    command = [sys.executable, "-m", "grafting_lens.study.cli", "demo", "--out", str(out)]
     subprocess.run([*command, "--no-progress", "--no-png", *options], check=True, cwd=ROOT)
     return pd.read_csv(out / "summary.csv").set_index(["config", "prompt"])
 

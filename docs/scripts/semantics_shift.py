@@ -27,7 +27,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from grafting_lens import experiments, metrics, plots
+from grafting_lens import study as experiments
+from grafting_lens.analysis import metrics, plots
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["part", "prompt", "config", "relation_id"]

@@ -1,0 +1,463 @@
+"""The tokenized batch: the one form in which prompts reach every runner.
+
+A batch of test prompts, right padded, with what a runner needs to graft and score
+them: the token ids, the attention mask, the answer's first token per row, and named
+``[batch, pos]`` spans (first entity, relation words, movie, last token) that
+position selectors read (:func:`grafting_lens.engine.positions.select_positions`). It is
+built from prompts with character spans by :func:`tokenize_examples`, or by hand;
+every runner (:func:`~grafting_lens.analysis.comparison.compare_graft_and_patch`,
+:func:`~grafting_lens.study.run_experiment`,
+:func:`~grafting_lens.study.run_position_grafting`) takes it through
+:func:`as_batch`, the one place where a batch is checked: parts that disagree in
+shape, padding that is not right padding, ids outside the model's vocabulary.
+
+The examples it tokenizes are any objects with a ``text``, a ``target`` (the answer,
+as the next token sees it) and character ``spans``, as
+:class:`grafting_lens.worlds.data.Example` has; ``relation_id`` and ``prompt_name`` label
+rows in messages and tables when present.
+
+Examples:
+    >>> batch = tokenize_examples(examples, models.tokenizer)
+    >>> batch.tokens.shape, batch.spans["first_entity"].shape
+    >>> checked = as_batch(batch, models)  # what a runner does first
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from jaxtyping import Bool, Int
+
+from grafting_lens.core.errors import BatchError
+from grafting_lens.engine.positions import row_lengths
+
+if TYPE_CHECKING:
+    from grafting_lens.models.model_set import ModelSet
+
+__all__ = [
+    "BATCH_PARTS",
+    "BOS_RULES",
+    "SPAN_RULES",
+    "TARGET_RULES",
+    "TokenizedExamples",
+    "as_batch",
+    "tokenize_examples",
+]
+
+BATCH_PARTS = ("tokens", "attention_mask", "target_ids", "spans")
+"""What any object passed as a batch must have."""
+
+
+@dataclass
+class TokenizedExamples:
+    """A padded batch of test prompts with token-position masks for grafting.
+
+    Attributes:
+        examples: The examples that were kept, aligned with the rows below (``None``
+            for a batch built without them).
+        tokens: Token ids, right padded with the tokenizer's pad id (its eos id if it has none).
+        attention_mask: 1 on real tokens (including a prepended BOS), 0 on padding.
+        target_ids: The first token of each example's target, i.e. the correct next token.
+        target_full_ids: Every token of each target, for whole-name log-probabilities
+            (``None`` for a batch built without them).
+        spans: Boolean position masks: "first_entity" (FE), "relation", "movie" (M) when the
+            examples have one, and "last_token" (LT, the last non-pad position). The BOS is never in
+            a span.
+        dropped: Examples that could not be used, each with the reason.
+    """
+
+    examples: list[Any] | None
+    tokens: Int[torch.Tensor, "batch pos"]
+    attention_mask: Int[torch.Tensor, "batch pos"]
+    target_ids: Int[torch.Tensor, " batch"]
+    target_full_ids: list[list[int]] | None
+    spans: dict[str, Bool[torch.Tensor, "batch pos"]]
+    dropped: list[tuple[Any, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def to(self, device: torch.device | str) -> TokenizedExamples:
+        """A copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            tokens=self.tokens.to(device),
+            attention_mask=self.attention_mask.to(device),
+            target_ids=self.target_ids.to(device),
+            spans={name: mask.to(device) for name, mask in self.spans.items()},
+        )
+
+    def rows(self, index: Sequence[int] | torch.Tensor) -> TokenizedExamples:
+        """The rows ``index``, cut to the longest of them (so a pass computes no extra padding).
+
+        Rows are independent, so running a batch in pieces gives what running it
+        whole gives; the runners take their batches this way, a few rows at a time.
+        """
+        index = torch.as_tensor(index, dtype=torch.long)
+        attention_mask = self.attention_mask[index]
+        length = int(attention_mask.sum(dim=1).max())
+        chosen = index.tolist()
+        return TokenizedExamples(
+            examples=None if self.examples is None else [self.examples[i] for i in chosen],
+            tokens=self.tokens[index, :length],
+            attention_mask=attention_mask[:, :length],
+            target_ids=self.target_ids[index],
+            target_full_ids=(
+                None if self.target_full_ids is None else [self.target_full_ids[i] for i in chosen]
+            ),
+            spans={name: span[index, :length] for name, span in self.spans.items()},
+        )
+
+
+def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
+    """Check a tokenized batch against a model set, once, and return it on the CPU.
+
+    Every runner calls this first, so every runner accepts the same batches and
+    refuses bad ones with the same messages, before any forward pass.
+
+    Args:
+        tokenized: A :class:`TokenizedExamples`, or anything with ``tokens``,
+            ``attention_mask`` (``None`` for no padding), ``target_ids`` and ``spans``
+            (and optionally ``examples``, ``target_full_ids``, ``dropped``).
+        models: The model set the batch will run on (its vocabulary bounds the ids).
+
+    Returns:
+        A new :class:`TokenizedExamples` with ``long`` CPU tensors.
+
+    Raises:
+        BatchError: A missing part, an attention mask, target ids, a span or an
+            example list whose shape disagrees with the tokens.
+        TokenError: Tokens or target ids that are not ids of the model's vocabulary.
+        SelectionError: An attention mask that is not right padding, or a row
+            without a real token.
+    """
+    missing = [name for name in BATCH_PARTS if not hasattr(tokenized, name)]
+    if missing:
+        raise BatchError(
+            f"Expected a tokenized batch with tokens, attention_mask, target_ids and spans; "
+            f"{type(tokenized).__name__} lacks {missing}. Build one with "
+            "grafting_lens.worlds.data.tokenize_examples(examples, models.tokenizer)."
+        )
+    tokens = torch.as_tensor(tokenized.tokens).cpu()
+    shape = models.check_tokens(tokens, "tokens")
+    tokens = tokens.long()
+    attention_mask = (
+        torch.ones(shape, dtype=torch.long)
+        if tokenized.attention_mask is None
+        else torch.as_tensor(tokenized.attention_mask).cpu().long()
+    )
+    if tuple(attention_mask.shape) != shape:
+        raise BatchError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens have {shape}."
+        )
+    row_lengths(shape, attention_mask)  # right padding, no empty row
+    target_ids = torch.as_tensor(tokenized.target_ids).cpu()
+    if tuple(target_ids.shape) != (shape[0],):
+        raise BatchError(
+            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per example, "
+            f"({shape[0]},)."
+        )
+    models.check_tokens(target_ids[:, None], "target_ids")
+    spans = {name: torch.as_tensor(value).cpu() for name, value in dict(tokenized.spans).items()}
+    for name, value in spans.items():
+        if tuple(value.shape) != shape:
+            raise BatchError(
+                f"The span {name!r} has shape {tuple(value.shape)}, the tokens have {shape}."
+            )
+    examples = getattr(tokenized, "examples", None)
+    if examples is not None and len(examples) != shape[0]:
+        raise BatchError(f"The batch has {len(examples)} examples but {shape[0]} rows of tokens.")
+    return TokenizedExamples(
+        examples=None if examples is None else list(examples),
+        tokens=tokens,
+        attention_mask=attention_mask,
+        target_ids=target_ids.long(),
+        target_full_ids=getattr(tokenized, "target_full_ids", None),
+        spans=spans,
+        dropped=list(getattr(tokenized, "dropped", None) or []),
+    )
+
+
+# --------------------------------------------------------------------------- tokenizing
+
+BOS_RULES: tuple[str, ...] = ("always", "tokenizer", "never")
+"""What :func:`tokenize_examples` puts before a prompt: ``"always"`` a BOS (the EOS if
+the tokenizer has no BOS) for every tokenizer; ``"tokenizer"`` what ``tokenizer(text)``
+adds by itself, as the paper's code does (a BOS for Llama 3 and Gemma, nothing for
+GPT-2 and Pythia); ``"never"`` nothing."""
+
+TARGET_RULES: tuple[str, ...] = ("in_context", "standalone")
+"""Which token is the answer's first: ``"in_context"`` the first token of the answer
+in the tokenization of ``text + target`` (how the model reads it); ``"standalone"``
+the first token of ``target`` (``" " + name``) tokenized on its own, as the paper's
+code does."""
+
+SPAN_RULES: tuple[str, ...] = ("characters", "search")
+"""How a character span becomes token positions: ``"characters"`` the tokens that
+overlap the span; ``"search"`` the first occurrence of the span's text tokenized on
+its own (tried as given, then with a leading space added or removed), as the paper's
+code finds a template field; an example whose span is not found is dropped, as the
+code skips it."""
+
+
+def _span_positions(
+    example: Any, span_names: Sequence[str], offsets: Sequence[tuple[int, int]]
+) -> dict[str, list[int]] | str:
+    """Token indices (before any BOS) overlapping each span, or the reason a span cannot be mapped."""
+    positions = {}
+    for name in span_names:
+        start, end = example.spans[name]
+        if not 0 <= start < end <= len(example.text):
+            return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
+        # Zero-width tokens (a < b fails) carry no characters and so belong to no span.
+        covered = [j for j, (a, b) in enumerate(offsets) if a < b and a < end and b > start]
+        if not covered:
+            return f"span {name!r} (characters {start}-{end}, {example.text[start:end]!r}) overlaps no token"
+        positions[name] = covered
+    return positions
+
+
+def _searched_positions(
+    example: Any, span_names: Sequence[str], ids: Sequence[int], tokenizer: Any
+) -> dict[str, list[int]] | str:
+    """Token indices (before any BOS) of each span found by searching its tokens, as the
+    paper's code does (``find_sublist_index``), or the reason a span is not found."""
+    positions = {}
+    for name in span_names:
+        start, end = example.spans[name]
+        if not 0 <= start < end <= len(example.text):
+            return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
+        piece = example.text[start:end]
+        variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
+        found = None
+        for variant in variants:
+            needle = tokenizer(variant, add_special_tokens=False)["input_ids"]
+            for first in range(len(ids) - len(needle) + 1) if needle else ():
+                if list(ids[first : first + len(needle)]) == list(needle):
+                    found = list(range(first, first + len(needle)))
+                    break
+            if found is not None:
+                break
+        if found is None:
+            return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
+        positions[name] = found
+    return positions
+
+
+def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """The special tokens ``tokenizer(text)`` puts before each text by itself.
+
+    Raises:
+        BatchError: The tokenizer also adds tokens after the text (the prompt would not
+            end on its own last token).
+    """
+    with_special = tokenizer(list(texts))["input_ids"]
+    plain = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    prefixes = []
+    for text, full, bare in zip(texts, with_special, plain):
+        full, bare = list(full), list(bare)
+        cut = len(full) - len(bare)
+        if cut < 0 or full[cut:] != bare:
+            raise BatchError(
+                f"The tokenizer adds tokens after (or inside) the text {text!r} "
+                f"({full} against {bare} without special tokens), so the prompt would not end "
+                "on its own last token; tokenize with bos='always' or bos='never'."
+            )
+        prefixes.append(full[:cut])
+    return prefixes
+
+
+def tokenize_examples(
+    examples: Sequence[Any],
+    tokenizer: Any,
+    prepend_bos: bool | None = None,
+    *,
+    bos: str = "always",
+    target: str = "in_context",
+    spans: str = "characters",
+) -> TokenizedExamples:
+    """Tokenize test prompts and map their character spans to token positions.
+
+    By default a token belongs to a span when its character range overlaps the span, so a
+    token straddling a span's edge counts as inside it (``spans="search"`` finds the span's
+    tokens as the paper's code does, :data:`SPAN_RULES`). Prompts are tokenized without the
+    tokenizer's own special tokens; with ``bos="always"`` the BOS id (the EOS id if the
+    tokenizer has no BOS) is prepended by hand, so the result does not depend on settings like
+    ``add_bos_token``; ``bos="tokenizer"`` keeps what ``tokenizer(text)`` adds by itself, as the
+    paper's code does (:data:`BOS_RULES`).
+
+    By default the target tokens are read off the tokenization of ``text + target``, which is
+    how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
+    as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
+    a span covers no token (or, searching, is not found), a span lies outside the text, the
+    target adds no token, the target holds the tokenizer's unknown token (which every unknown
+    word shares, so two targets would be one answer), or (in context) the prompt's last token
+    merges with the target (then "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
+    and summarized in a warning "dropped k of n examples: ...".
+
+    Args:
+        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by hand); all must have the same
+            span names.
+        tokenizer: A Hugging Face *fast* tokenizer (offsets are needed), e.g.
+            ``HookedTransformer.tokenizer``.
+        prepend_bos: Deprecated: ``bos="always"`` (True) or ``bos="never"`` (False).
+        bos: What comes before each prompt, one of :data:`BOS_RULES`.
+        target: Which token is the answer's first, one of :data:`TARGET_RULES`.
+        spans: How spans become token positions, one of :data:`SPAN_RULES`.
+
+    Raises:
+        TypeError: If the tokenizer is not a fast tokenizer.
+        BatchError: If there are no examples, if their span names differ, if every example was
+            dropped, if the tokenizer lacks the BOS/EOS/pad ids needed or adds tokens after a
+            text, or an unknown ``bos``, ``target`` or ``spans``.
+    """
+    if prepend_bos is not None:
+        warnings.warn(
+            "tokenize_examples(prepend_bos=...) is deprecated: pass bos='always' (True) or "
+            "bos='never' (False).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        bos = "always" if prepend_bos else "never"
+    for name, value, allowed in (
+        ("bos", bos, BOS_RULES),
+        ("target", target, TARGET_RULES),
+        ("spans", spans, SPAN_RULES),
+    ):
+        if value not in allowed:
+            raise BatchError(
+                f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
+            )
+    examples = list(examples)
+    if not examples:
+        raise BatchError("no examples to tokenize.")
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(
+            f"tokenize_examples needs a fast tokenizer for character offsets, got "
+            f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
+        )
+    span_names = list(examples[0].spans)
+    if "last_token" in span_names:
+        raise BatchError(
+            '"last_token" is computed by tokenize_examples; remove it from Example.spans.'
+        )
+    for example in examples:
+        if set(example.spans) != set(span_names):
+            raise BatchError(
+                f"examples have different span names ({sorted(span_names)} vs {sorted(example.spans)}, "
+                f"relation {example.relation_id}, prompt {example.prompt_name!r}); tokenize each "
+                f"prompt type separately."
+            )
+    texts = [e.text for e in examples]
+    if bos == "always":
+        first = (
+            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        )
+        if first is None:
+            raise BatchError(
+                "bos='always' but the tokenizer has neither a BOS nor an EOS token; pass bos='never'."
+            )
+        prefixes = [[first]] * len(examples)
+    elif bos == "tokenizer":
+        prefixes = _tokenizer_prefix(tokenizer, texts)
+    else:
+        prefixes = [[]] * len(examples)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise BatchError(
+            "the tokenizer has neither a pad nor an EOS token to pad with; set tokenizer.pad_token."
+        )
+
+    prompts = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    if target == "in_context":
+        # The answer's tokens as the model would see them: tokenized in context, after the prompt.
+        joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
+        answers = [list(joint) for joint in joints["input_ids"]]
+    else:
+        answers = [
+            list(ids)
+            for ids in tokenizer([e.target for e in examples], add_special_tokens=False)[
+                "input_ids"
+            ]
+        ]
+
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    kept: list[Any] = []
+    rows: list[tuple[list[int], dict[str, list[int]], list[int]]] = []
+    dropped: list[tuple[Any, str]] = []
+    for i, example in enumerate(examples):
+        ids = list(prompts["input_ids"][i])
+        if spans == "characters":
+            mapped = _span_positions(example, span_names, prompts["offset_mapping"][i])
+        else:
+            mapped = _searched_positions(example, span_names, ids, tokenizer)
+        answer = answers[i]
+        reason: str | None = None
+        if isinstance(mapped, str):
+            reason = mapped
+        elif not ids:
+            reason = "the prompt tokenizes to no tokens"
+        elif target == "in_context":
+            if answer[: len(ids)] != ids:
+                reason = f"the prompt's last token merges with the target {example.target!r} when tokenized together"
+            elif len(answer) == len(ids):
+                reason = f"the target {example.target!r} adds no tokens"
+            answer = answer[len(ids) :]
+        elif not answer:
+            reason = f"the target {example.target!r} tokenizes to no tokens"
+        if reason is None and unknown is not None and unknown in answer:
+            # Every word the tokenizer does not know is this one id: two different targets
+            # would be scored as the same answer.
+            reason = (
+                f"the target {example.target!r} tokenizes to the unknown token "
+                f"{tokenizer.unk_token!r} (id {unknown}), which stands for every word the "
+                "tokenizer does not know, so the answer could not be told from another"
+            )
+        if reason is not None:
+            dropped.append((example, reason))
+            continue
+        assert not isinstance(mapped, str)  # a reason was recorded above
+        kept.append(example)
+        prefix = list(prefixes[i])
+        shifted = {name: [len(prefix) + j for j in columns] for name, columns in mapped.items()}
+        rows.append((prefix + ids, shifted, answer))
+
+    if dropped:
+        reasons = "; ".join(
+            f"relation {e.relation_id} ({e.prompt_name}): {why}" for e, why in dropped[:3]
+        )
+        more = f"; and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        summary = f"dropped {len(dropped)} of {len(examples)} examples: {reasons}{more}"
+        if not kept:
+            raise BatchError(f"no example could be tokenized; {summary}.")
+        warnings.warn(f"{summary}. See TokenizedExamples.dropped.", stacklevel=2)
+
+    length = max(len(ids) for ids, _, _ in rows)
+    tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    masks = {
+        name: torch.zeros((len(rows), length), dtype=torch.bool)
+        for name in [*span_names, "last_token"]
+    }
+    for row, (ids, positions, _) in enumerate(rows):
+        tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, : len(ids)] = 1
+        for name, columns in positions.items():
+            masks[name][row, columns] = True
+        masks["last_token"][row, len(ids) - 1] = True
+    return TokenizedExamples(
+        examples=kept,
+        tokens=tokens,
+        attention_mask=attention_mask,
+        target_ids=torch.tensor([answer[0] for _, _, answer in rows], dtype=torch.long),
+        target_full_ids=[answer for _, _, answer in rows],
+        spans=masks,
+        dropped=dropped,
+    )

@@ -1,0 +1,766 @@
+"""Figures of grafting results, fit for a paper, and saving them so they survive a machine without Chrome.
+
+The paper's figures are grouped bar charts: one group per graft configuration
+(PRE, SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
+:func:`plot_accuracy` draws that chart from :func:`grafting_lens.analysis.metrics.summarize`'s
+table, with bootstrap confidence intervals as error bars, since a toy run has few
+examples per bar. :func:`plot_mean_rank` draws the mean rank of the answer the same
+way: where top-k accuracy sits at the floor (every bar near 0%), the rank still shows
+which grafts move the answer up.
+
+Every figure follows one style (:func:`figure_style` and the helpers it uses): the
+value axis scaled to the data (not 0-100% when every bar is under 10%), labels a reader
+knows (``"layers"``, ``"2nd quarter"``, ``(FE+LT)<sup>C</sup>``) instead of column
+names, ``n`` and what the whiskers are in the subtitle, a caption saying the setting
+(which semantics and unembedding, which prompts), zero-height bars drawn as a line so
+that a 0% is visible, and reference lines labelled in the margin, clear of the bars.
+
+:func:`save_figure` always writes an interactive, self-contained HTML file, and
+a PNG when it can. Static export goes through kaleido, which drives a headless
+Chrome; on a server or in CI there often is none. Then the HTML is still
+written, and the returned dict (and a warning) says why the PNG is missing and
+how to get it, instead of a crash at the end of a long run. Both files are written
+to a temporary name and renamed, so a file that exists is complete.
+
+Examples:
+    >>> summary = metrics.summarize(results)
+    >>> fig = plot_accuracy(summary, k=5, caption="toy world, semantics reference")
+    >>> save_figure(fig, "out/position_grafting")
+    {'html': 'out/position_grafting.html', 'png': 'out/position_grafting.png', 'png_error': None}
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from grafting_lens.core.errors import GraftingLensError, did_you_mean
+from grafting_lens.core.files import atomic_write
+
+__all__ = [
+    "COLUMN_TITLES",
+    "NO_CHROME_HINT",
+    "VALUE_LABELS",
+    "axis_range",
+    "display_label",
+    "figure_style",
+    "plot_accuracy",
+    "plot_attribution",
+    "plot_comparison",
+    "plot_mean_rank",
+    "plot_recovery",
+    "save_figure",
+]
+
+NO_CHROME_HINT = (
+    "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
+    "(or set BROWSER_PATH to a Chrome/Chromium binary), then save again"
+)
+"""Why a PNG is missing when kaleido finds no browser, and how to fix it."""
+
+COLUMN_TITLES: dict[str, str] = {
+    "config": "graft configuration",
+    "prompt": "test prompt",
+    "component_set": "components grafted at the last token",
+    "layer_range": "layers",
+    "positions": "positions",
+    "pair": "components",
+    "method": "method",
+    "model": "model",
+    "layer": "layer",
+    "semantics": "semantics",
+}
+"""What a summary's columns are called on a figure's axes and legends."""
+
+VALUE_LABELS: dict[str, str] = {
+    "all": "all layers",
+    "first_half": "first half",
+    "last_half": "last half",
+    "first_quarter": "1st quarter",
+    "second_quarter": "2nd quarter",
+    "third_quarter": "3rd quarter",
+    "last_quarter": "4th quarter",
+}
+"""How the layer ranges read on a figure."""
+
+PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
+"""Colours, one per trace, in order."""
+
+_FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
+_INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
+
+
+def display_label(value: Any) -> str:
+    """A value as a figure shows it: ``"(FE+LT)^C"`` -> ``"(FE+LT)<sup>C</sup>"``,
+    ``"last_quarter"`` -> ``"4th quarter"``; anything else as ``str`` gives it."""
+    text = str(value)
+    if text in VALUE_LABELS:
+        return VALUE_LABELS[text]
+    return re.sub(r"\^(\w+)", r"<sup>\1</sup>", text)
+
+
+def column_title(column: str) -> str:
+    """A column's name as an axis or legend title (:data:`COLUMN_TITLES`, else spaced words)."""
+    return COLUMN_TITLES.get(column, column.replace("_", " "))
+
+
+def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]:
+    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room.
+
+    For fractions the top is the smallest of 5%, 10%, 20%, 25%, 50%, 75% and 100% that
+    leaves room above the highest value (a little over 100% when a value reaches it);
+    otherwise the highest value plus 10%.
+    """
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    top = max(finite, default=0.0)
+    if not fraction:
+        return [0.0, top * 1.1 if top > 0 else 1.0]
+    for step in (0.05, 0.1, 0.2, 0.25, 0.5, 0.75):
+        if top * 1.08 <= step:
+            return [0.0, step]
+    return [0.0, 1.05]
+
+
+def _subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
+    parts = [caption] if caption else []
+    distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
+    if len(distinct) == 1:
+        parts.append(f"n = {distinct[0]} per bar")
+    elif distinct:
+        parts.append(f"n = {distinct[0]} to {distinct[-1]} per bar")
+    if interval:
+        parts.append(_INTERVAL_NOTE)
+    if caption and len(parts) > 1:  # the setting on its own line, the counts under it
+        return caption + "<br>" + "; ".join(parts[1:])
+    return "; ".join(parts)
+
+
+def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
+    """The house style: white template, a readable font, the title and its subtitle, room
+    on the right for labelled reference lines. Returns ``fig``."""
+    fig.update_layout(
+        template="plotly_white",
+        font=_FONT,
+        title=dict(text=title, subtitle=dict(text=subtitle, font=dict(size=12, color="#555"))),
+        margin=dict(t=120, r=140),
+        **layout,
+    )
+    return fig
+
+
+def _check_summary(summary: Any, columns: Sequence[str], function: str, hint: str) -> None:
+    if not isinstance(summary, pd.DataFrame) or summary.empty:
+        raise GraftingLensError(
+            f"{function} needs a non-empty table from grafting_lens.analysis.metrics.summarize."
+        )
+    missing = [c for c in columns if c not in summary.columns]
+    if missing:
+        raise GraftingLensError(f"The summary lacks the columns {missing}. {hint}")
+
+
+def _bars(
+    summary: pd.DataFrame,
+    x: str,
+    color: str,
+    value: str,
+    hover: str,
+) -> tuple[go.Figure, list[float]]:
+    """Grouped bars of ``value`` with its interval; returns the figure and every plotted end."""
+    categories = list(dict.fromkeys(summary[x].tolist()))
+    low, high = f"{value}_low", f"{value}_high"
+    fig = go.Figure()
+    ends: list[float] = []
+    for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
+        counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
+        shade = PALETTE[index % len(PALETTE)]
+        fig.add_trace(
+            go.Bar(
+                name=display_label(name),
+                x=[display_label(v) for v in group[x]],
+                y=group[value],
+                # A bar of height 0 has no area; its outline still draws a line at 0.
+                marker=dict(color=shade, line=dict(color=shade, width=1.5)),
+                error_y=dict(
+                    type="data",
+                    symmetric=False,
+                    array=(group[high] - group[value]).clip(lower=0),
+                    arrayminus=(group[value] - group[low]).clip(lower=0),
+                    color="#333",
+                    thickness=1.2,
+                    width=3,
+                ),
+                customdata=list(zip(group[low], group[high], counts)),
+                hovertemplate=(
+                    f"{column_title(color)}: {display_label(name)}<br>"
+                    f"{column_title(x)}: %{{x}}<br>{hover}<extra></extra>"
+                ),
+            )
+        )
+        ends += [*group[value], *group[high]]
+    fig.update_layout(
+        barmode="group",
+        bargap=0.25,
+        xaxis=dict(
+            title=column_title(x),
+            categoryorder="array",
+            categoryarray=[display_label(c) for c in categories],
+        ),
+        legend_title_text=column_title(color),
+    )
+    return fig, ends
+
+
+def plot_accuracy(
+    summary: pd.DataFrame,
+    k: int = 5,
+    x: str = "config",
+    color: str = "prompt",
+    title: str | None = None,
+    caption: str | None = None,
+) -> go.Figure:
+    """Grouped bar chart of top-k accuracy: groups along ``x``, one bar per ``color``.
+
+    Args:
+        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with columns
+            ``x``, ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
+        k: Which top-k accuracy to plot (``summarize`` must have computed it).
+        x: Column along the horizontal axis; its values keep their table order.
+        color: Column giving one bar (and legend entry) per value in each group.
+        title: Figure title (default: "Top-{k} accuracy").
+        caption: The setting, shown under the title before ``n`` (e.g. "toy world,
+            semantics reference, base unembedding").
+
+    Returns:
+        A plotly figure; error bars span the bootstrap confidence interval, the value
+        axis fits the data (see :func:`axis_range`).
+
+    Raises:
+        GraftingLensError: An empty table or missing columns (the message says
+            which ``k`` values the table has).
+    """
+    value = f"top{k}"
+    if isinstance(summary, pd.DataFrame):
+        available = sorted(c for c in summary.columns if c.startswith("top") and c[3:].isdigit())
+    else:
+        available = []
+    _check_summary(
+        summary,
+        (x, color, value, f"{value}_low", f"{value}_high"),
+        "plot_accuracy",
+        f"It has the accuracies {available}; pass k=... accordingly or "
+        f"summarize(results, ks=(..., {k})).",
+    )
+    fig, ends = _bars(
+        summary,
+        x,
+        color,
+        value,
+        f"top-{k}: %{{y:.1%}} (95% CI %{{customdata[0]:.1%}} to %{{customdata[1]:.1%}})"
+        "<br>n = %{customdata[2]}",
+    )
+    fig.update_yaxes(title_text=f"top-{k} accuracy", range=axis_range(ends), tickformat=".0%")
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(
+        fig, title if title is not None else f"Top-{k} accuracy", _subtitle(caption, counts)
+    )
+
+
+def plot_mean_rank(
+    summary: pd.DataFrame,
+    x: str = "config",
+    color: str = "prompt",
+    title: str | None = None,
+    caption: str | None = None,
+    log: bool = True,
+) -> go.Figure:
+    """Grouped bar chart of the answer's mean rank (0 = the top token; lower is better).
+
+    Where top-k accuracy sits at the floor the rank still moves: it tells a graft that
+    brings the answer from rank 3,000 to rank 40 from one that does nothing.
+
+    Args:
+        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
+            ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
+        x: Column along the horizontal axis; its values keep their table order.
+        color: Column giving one bar per value in each group.
+        title: Figure title (default: "Mean rank of the answer").
+        caption: The setting, shown under the title before ``n``.
+        log: A logarithmic value axis (ranks span orders of magnitude); the axis
+            shows rank + 1, so that rank 0 has a place on it.
+
+    Raises:
+        GraftingLensError: An empty table or missing columns.
+    """
+    _check_summary(
+        summary,
+        (x, color, "mean_rank", "mean_rank_low", "mean_rank_high"),
+        "plot_mean_rank",
+        "summarize(results) computes mean_rank with its interval.",
+    )
+    shown = summary.copy()
+    if log:
+        for column in ("mean_rank", "mean_rank_low", "mean_rank_high"):
+            shown[column] = shown[column] + 1
+    fig, ends = _bars(
+        shown,
+        x,
+        color,
+        "mean_rank",
+        "mean rank" + (" + 1" if log else "") + ": %{y:,.1f} (95% CI %{customdata[0]:,.1f} "
+        "to %{customdata[1]:,.1f})<br>n = %{customdata[2]}",
+    )
+    if log:
+        top = max(ends, default=10.0)
+        fig.update_yaxes(
+            type="log",
+            title_text="mean rank of the answer + 1 (lower is better)",
+            range=[0, math.log10(max(top, 10.0)) + 0.15],
+            dtick=1,  # a tick per decade: 1, 10, 100...
+            tickformat=",d",
+        )
+    else:
+        fig.update_yaxes(
+            title_text="mean rank of the answer (lower is better)",
+            range=axis_range(ends, fraction=False),
+        )
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(
+        fig, title if title is not None else "Mean rank of the answer", _subtitle(caption, counts)
+    )
+
+
+def add_reference_line(
+    fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
+) -> None:
+    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars."""
+    target = {} if row is None else dict(row=row, col=col)
+    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
+    axis = "y" if row is None else _yaxis_name(fig, row, col)
+    xref = "x domain" if row is None else axis.replace("y", "x") + " domain"
+    fig.add_annotation(
+        x=1.0,
+        xref=xref,
+        xanchor="left",
+        y=y,
+        yref=axis,
+        text=text,
+        showarrow=False,
+        font=dict(size=11, color="#333"),
+        xshift=4,
+    )
+
+
+def _yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
+    """The y axis of a subplot, as an annotation names it ("y", "y2"...)."""
+    subplot = fig.get_subplot(row, col if col is not None else 1)
+    anchor = subplot.yaxis.plotly_name  # "yaxis", "yaxis2"...
+    return anchor.replace("axis", "")
+
+
+def save_figure(
+    fig: go.Figure,
+    path: str | os.PathLike,
+    png: bool = True,
+    scale: float = 2.0,
+    include_plotlyjs: bool | str = True,
+    warn: bool = True,
+) -> dict[str, Any]:
+    """Write ``path.html`` always, and ``path.png`` when a browser for kaleido is available.
+
+    Args:
+        fig: The figure.
+        path: Destination without suffix, e.g. ``"out/position_grafting"``; its
+            directory is created if needed.
+        png: Also try the static PNG.
+        scale: PNG resolution multiplier.
+        include_plotlyjs: Passed to ``Figure.to_html``; ``True`` embeds plotly.js so
+            the HTML opens offline, ``"cdn"`` makes it small but needs a network.
+        warn: Emit a warning when the PNG could not be written.
+
+    Returns:
+        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths
+        written and, when ``png`` was asked for but not written, the reason.
+
+    Raises:
+        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
+            be written (nothing else is worth the HTML's loss).
+    """
+    base = Path(path)
+    if base.suffix.lower() in (".html", ".png"):
+        base = base.with_suffix("")
+    if base.is_dir():
+        raise GraftingLensError(
+            f"{base} is a directory; pass a file path without suffix, e.g. {base / 'figure'}."
+        )
+    base.parent.mkdir(parents=True, exist_ok=True)
+    html_path = base.with_name(base.name + ".html")
+    png_path = base.with_name(base.name + ".png")
+    try:
+        atomic_write(
+            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
+        )
+    except OSError as error:
+        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
+    result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
+    if not png:
+        return result
+    try:
+        image = fig.to_image(format="png", scale=scale)
+        atomic_write(png_path, image)
+        result["png"] = str(png_path)
+    except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
+        result["png_error"] = _png_failure_reason(error)
+        if warn:
+            warnings.warn(
+                f"Wrote {html_path} but no PNG: {result['png_error']}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return result
+
+
+def _png_failure_reason(error: BaseException) -> str:
+    """A one-line reason for a failed PNG export, with the fix when one is known."""
+    message = " ".join(str(error).split())
+    lowered = message.lower()
+    if "chrome" in lowered or "chromium" in lowered or "browser" in lowered:
+        return f"{NO_CHROME_HINT} (kaleido said: {message})"
+    if "kaleido" in lowered and ("install" in lowered or "requires" in lowered):
+        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message})"
+    return f"PNG export failed with {type(error).__name__}: {message}"
+
+
+_METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
+_VALUE_TITLES = {
+    "top1": "top-1 accuracy",
+    "top5": "top-5 accuracy",
+    "target_prob": "probability of the answer",
+    "mean_rank": "mean rank of the answer",
+}
+
+
+def plot_comparison(
+    summary: pd.DataFrame,
+    value: str = "top5",
+    row: str | Sequence[str] = "positions",
+    col: str = "pair",
+    references: pd.DataFrame | None = None,
+    title: str | None = None,
+    caption: str | None = None,
+) -> go.Figure:
+    """Grafting and patching layer by layer, side by side, one panel per position set and pair.
+
+    Each panel has one line per method over the layers, with the bootstrap
+    interval as error bars; dashed horizontal lines mark the references
+    (e.g. the base and the donor, from :func:`reference_scores`).
+
+    Args:
+        summary: From :func:`summarize_comparison`, grouped by ``method``, ``layer``
+            and the ``row`` and ``col`` columns.
+        value: ``"top5"``, ``"top1"``, ``"target_prob"`` or ``"mean_rank"``.
+        row: Column (or columns, joined with " / ") giving one row of panels per value.
+        col: Column giving one column of panels per value.
+        references: A summary with a ``model`` column and ``value``; it may also
+            have the ``row``/``col`` columns, and then each panel shows only the
+            matching references.
+        title: Figure title.
+        caption: The setting, shown under the title before ``n``.
+
+    Raises:
+        GraftingLensError: An unknown ``value``, an empty summary or missing columns.
+    """
+    if value not in _VALUE_TITLES:
+        raise GraftingLensError(
+            f"Unknown value {value!r}.{did_you_mean(value, _VALUE_TITLES)} "
+            f"Choose one of {', '.join(_VALUE_TITLES)}."
+        )
+    rows = [row] if isinstance(row, str) else list(row)
+    if not isinstance(summary, pd.DataFrame) or summary.empty:
+        raise GraftingLensError(
+            "plot_comparison needs a non-empty table from summarize_comparison."
+        )
+    needed = [*rows, col, "method", "layer", value, f"{value}_low", f"{value}_high"]
+    missing = [column for column in needed if column not in summary.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The summary lacks the columns {missing}; summarize with "
+            f"by=({', '.join(repr(c) for c in [*rows, col, 'method', 'layer'])})."
+        )
+    row_keys = list(dict.fromkeys(map(tuple, summary[rows].itertuples(index=False))))
+    col_keys = list(dict.fromkeys(summary[col]))
+    fig = make_subplots(
+        rows=len(row_keys),
+        cols=len(col_keys),
+        shared_xaxes=True,
+        shared_yaxes=True,
+        row_titles=[" / ".join(map(display_label, key)) for key in row_keys],
+        column_titles=[display_label(key) for key in col_keys],
+        horizontal_spacing=0.03,
+        vertical_spacing=0.06,
+    )
+    legend_shown: set[str] = set()
+    for r, row_key in enumerate(row_keys, start=1):
+        in_row = (summary[rows] == pd.Series(row_key, index=rows)).all(axis=1)
+        for c, col_key in enumerate(col_keys, start=1):
+            panel = summary[in_row & (summary[col] == col_key)]
+            for method, group in panel.groupby("method", sort=False):
+                group = group.sort_values("layer")
+                color = _METHOD_COLORS.get(str(method))
+                fig.add_trace(
+                    go.Scatter(
+                        x=group["layer"],
+                        y=group[value],
+                        mode="lines+markers",
+                        name=str(method),
+                        legendgroup=str(method),
+                        showlegend=str(method) not in legend_shown,
+                        line=dict(color=color),
+                        error_y=dict(
+                            type="data",
+                            symmetric=False,
+                            array=(group[f"{value}_high"] - group[value]).clip(lower=0),
+                            arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0),
+                        ),
+                        hovertemplate=(
+                            f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
+                            "<extra></extra>"
+                        ),
+                    ),
+                    row=r,
+                    col=c,
+                )
+                legend_shown.add(str(method))
+            if references is not None:
+                _add_references(
+                    fig, references, value, dict(zip(rows, row_key)), col, col_key, r, c
+                )
+    fig.update_xaxes(title_text="layer", dtick=1, row=len(row_keys))
+    if value in ("top1", "top5", "target_prob"):
+        ends = [*summary[value], *summary[f"{value}_high"]]
+        if references is not None and value in references.columns:
+            ends += list(references[value])
+        low, high = axis_range(ends)
+        fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
+    fig.update_yaxes(title_text=_VALUE_TITLES[value], col=1)
+    counts = summary["n"].tolist() if "n" in summary else []
+    figure_style(
+        fig,
+        title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
+        _subtitle(caption, counts).replace("per bar", "per point"),
+        height=280 * len(row_keys) + 160,
+        width=280 * len(col_keys) + 240,
+        legend_title_text="method",
+    )
+    return fig
+
+
+def _add_references(
+    fig: go.Figure,
+    references: pd.DataFrame,
+    value: str,
+    row_values: Mapping[str, Any],
+    col: str,
+    col_key: Any,
+    r: int,
+    c: int,
+) -> None:
+    if "model" not in references.columns or value not in references.columns:
+        raise GraftingLensError(
+            f"references needs the columns 'model' and {value!r}: summarize "
+            "reference_scores(...) with by=('model',) (plus any panel columns)."
+        )
+    matching = references
+    for column, key in [*row_values.items(), (col, col_key)]:
+        if column in matching.columns:
+            matching = matching[matching[column] == key]
+    for _, reference in matching.iterrows():
+        # Labelled inside, above the line's left end, and in the first column only: the
+        # labels of narrow panels side by side would run into each other, and the lines
+        # align across a row.
+        label = (
+            dict(
+                annotation_text=str(reference["model"]),
+                annotation_position="top left",
+                annotation_font_size=10,
+            )
+            if c == 1
+            else {}
+        )
+        fig.add_hline(
+            y=float(reference[value]),
+            line=dict(dash="dash", color="gray", width=1),
+            row=r,
+            col=c,
+            **label,
+        )
+
+
+# ------------------------------------------------------------------ graft attribution
+
+_ATTRIBUTION_VALUES = {
+    "estimate": "estimated change of the metric",
+    "exact": "measured change of the metric",
+}
+
+
+def plot_attribution(
+    frame: pd.DataFrame,
+    value: str = "estimate",
+    title: str | None = None,
+    columns: int = 3,
+) -> go.Figure:
+    """Heatmaps of a graft attribution: layers x components, one panel per position group.
+
+    Each cell's colour is its estimated (or measured) change of the metric when it is
+    switched, on a diverging scale centred on 0 and shared by every panel; global
+    components (embeddings, final norm, unembedding) sit in a row of their own above
+    layer 0. Hovering shows the cell, its value and its standard error over prompts.
+
+    Args:
+        frame: The ``frame`` of a :class:`~grafting_lens.analysis.attribution.GraftAttribution`.
+        value: ``"estimate"`` or ``"exact"`` (verified cells only; the others are blank).
+        title: Figure title (default: what is shown, and the direction).
+        columns: Panels per row.
+
+    Raises:
+        GraftingLensError: An unknown ``value``, an empty table or missing columns.
+    """
+    if value not in _ATTRIBUTION_VALUES:
+        raise GraftingLensError(
+            f"Unknown value {value!r}.{did_you_mean(value, _ATTRIBUTION_VALUES)} Choose "
+            f"one of {', '.join(_ATTRIBUTION_VALUES)}."
+        )
+    needed = ["component", "layer", "positions", "cell", value, f"{value}_se"]
+    if not isinstance(frame, pd.DataFrame) or frame.empty:
+        raise GraftingLensError("plot_attribution needs a non-empty GraftAttribution.frame.")
+    missing = [column for column in needed if column not in frame.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The table lacks the columns {missing}; plot a GraftAttribution.frame."
+        )
+    groups = list(dict.fromkeys(frame["positions"]))
+    components = list(dict.fromkeys(frame["component"]))
+    layers = sorted(int(layer) for layer in frame["layer"].dropna().unique())
+    has_global = bool(frame["layer"].isna().any())
+    row_labels = (["global"] if has_global else []) + [f"layer {layer}" for layer in layers]
+    columns = max(1, min(columns, len(groups)))
+    panel_rows = -(-len(groups) // columns)
+    fig = make_subplots(
+        rows=panel_rows,
+        cols=columns,
+        subplot_titles=[f"positions {group}" for group in groups],
+        horizontal_spacing=0.06,
+        vertical_spacing=0.12 if panel_rows > 1 else 0.08,
+    )
+    extent = float(frame[value].abs().max()) if frame[value].notna().any() else 1.0
+    extent = extent or 1.0
+    for index, group in enumerate(groups):
+        part = frame[frame["positions"] == group]
+        z = [[float("nan")] * len(components) for _ in row_labels]
+        text = [[""] * len(components) for _ in row_labels]
+        for _, cell in part.iterrows():
+            r = 0 if pd.isna(cell["layer"]) else layers.index(int(cell["layer"])) + has_global
+            c = components.index(cell["component"])
+            z[r][c] = float(cell[value])
+            error = cell[f"{value}_se"]
+            text[r][c] = f"{cell['cell']}: {cell[value]:+.4f}" + (
+                "" if pd.isna(error) else f" (se {error:.4f})"
+            )
+        fig.add_trace(
+            go.Heatmap(
+                z=z,
+                x=components,
+                y=row_labels,
+                text=text,
+                zmid=0,
+                zmin=-extent,
+                zmax=extent,
+                colorscale="RdBu",
+                showscale=index == 0,
+                colorbar=dict(title=value),
+                hovertemplate="%{text}<extra></extra>",
+                xgap=1,
+                ygap=1,
+            ),
+            row=index // columns + 1,
+            col=index % columns + 1,
+        )
+    fig.update_yaxes(autorange="reversed")
+    direction = frame["direction"].iloc[0] if "direction" in frame.columns else ""
+    fig.update_layout(
+        title=title
+        if title is not None
+        else f"Graft attribution ({direction}): {_ATTRIBUTION_VALUES[value]} per cell",
+        template="plotly_white",
+        height=max(260, (24 * len(row_labels) + 110) * panel_rows + 60),
+        width=max(420, (26 * len(components) + 90) * columns + 120),
+    )
+    return fig
+
+
+def plot_recovery(
+    curve: pd.DataFrame, fraction: float | None = None, title: str | None = None
+) -> go.Figure:
+    """The recovery curve of a minimal graft: recovery against the number of cells grafted.
+
+    One line per set of prompts (the search's, and the held-out ones); each point is
+    the exact graft of the first ``k`` cells, and hovering names the cell added there.
+
+    Args:
+        curve: The ``curve`` of a :class:`~grafting_lens.analysis.graft_search.MinimalGraft`.
+        fraction: The recovery the search asked for, drawn as a dashed line.
+        title: Figure title.
+
+    Raises:
+        GraftingLensError: An empty table or missing columns.
+    """
+    needed = ["prompts", "cells", "cell", "recovery"]
+    if not isinstance(curve, pd.DataFrame) or curve.empty:
+        raise GraftingLensError("plot_recovery needs a non-empty MinimalGraft.curve.")
+    missing = [column for column in needed if column not in curve.columns]
+    if missing:
+        raise GraftingLensError(
+            f"The table lacks the columns {missing}; plot a MinimalGraft.curve."
+        )
+    fig = go.Figure()
+    for prompts, group in curve.groupby("prompts", sort=False):
+        fig.add_trace(
+            go.Scatter(
+                x=group["cells"],
+                y=group["recovery"],
+                mode="lines+markers",
+                name=str(prompts).replace("_", "-"),
+                customdata=group["cell"],
+                hovertemplate=(
+                    "%{x} cells (added: %{customdata})<br>recovery %{y:.1%}<extra></extra>"
+                ),
+            )
+        )
+    if fraction is not None:
+        fig.add_hline(
+            y=fraction,
+            line=dict(dash="dash", color="gray", width=1),
+            annotation_text=f"target {fraction:.0%}",
+            annotation_position="bottom right",
+        )
+    fig.update_layout(
+        title=title if title is not None else "Minimal graft: recovery of the donor's metric",
+        xaxis=dict(title="cells grafted", dtick=1),
+        yaxis=dict(title="recovery (0 = base, 1 = reference)", tickformat=".0%"),
+        legend_title_text="prompts",
+        template="plotly_white",
+    )
+    return fig
+
+
+# ----------------------------------------------------------------------- checks

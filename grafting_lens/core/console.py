@@ -1,0 +1,181 @@
+"""What the library prints: progress bars, the loading bars of transformers, notebook set-up.
+
+A progress bar helps a person watching a terminal and spams a log file: every redraw
+is a line there. So ``progress=None``, the default wherever a long loop shows one,
+means *when someone is watching*: on when standard error is a terminal or the code
+runs in a Jupyter kernel, off when it is redirected to a file or a pipe (a batch job,
+CI). ``True`` and ``False`` say it outright (:func:`show_progress`).
+
+Loading a checkpoint with transformers draws a "Loading weights" bar per checkpoint;
+:func:`quiet_loading` silences it for the duration of a block and restores what was
+set before, and :func:`grafting_lens.load_models` loads inside it.
+
+:func:`notebook` is the one line a notebook starts with: quiet loading, no warnings
+that say nothing to a reader, figures that render in Jupyter and on a web page
+rendered from the notebook, without a network, and the torch settings a small model
+wants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["PLOTLY_RENDERER", "notebook", "quiet_loading", "show_progress"]
+
+PLOTLY_RENDERER = "grafting_lens"
+"""The plotly renderer :func:`notebook` registers: plotly.js embedded once, no CDN."""
+
+
+def in_notebook() -> bool:
+    """Whether this code runs in a Jupyter kernel (where tqdm draws a widget, not lines)."""
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return False
+    ipython = shell.get_ipython()
+    return ipython is not None and type(ipython).__name__ == "ZMQInteractiveShell"
+
+
+def show_progress(progress: bool | None) -> bool:
+    """Whether to draw a progress bar: ``progress`` if given, else whether someone watches.
+
+    Args:
+        progress: ``True`` or ``False`` to decide; ``None`` to draw one only when
+            standard error is a terminal or the code runs in a Jupyter kernel.
+
+    Raises:
+        TypeError: ``progress`` is neither a bool nor None.
+    """
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress must be True, False or None, got {progress!r}.")
+    if progress is not None:
+        return progress
+    stream = sys.stderr
+    try:
+        interactive = stream is not None and stream.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        interactive = False
+    return interactive or in_notebook()
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Silence transformers' progress bars and info messages inside the block, then restore them.
+
+    Only the per-checkpoint "Loading weights" bars and transformers' informational
+    logging are held back here. Its warnings do not show once TransformerLens is
+    imported either: TransformerLens sets the ``transformers`` logger to ERROR, which
+    hides transformers' report of weights a checkpoint lacks. :func:`~grafting_lens.load_models`
+    reads that report itself and raises on it.
+    """
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity(max(verbosity, transformers_logging.WARNING))
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system has one).
+
+    The bound on any thread count grafting-lens sets: torch with more threads than
+    cores only slows down, and asked for thousands it makes the machine unusable.
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on macOS and Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_beyond_cores(threads: int, name: str = "threads") -> str | None:
+    """Why ``threads`` is too many for this machine, or None when it is not."""
+    cores = available_cores()
+    if threads <= cores:
+        return None
+    return (
+        f"{name} must be between 1 and {cores} (the CPU cores this process may use), got "
+        f"{threads}: more threads than cores only slow torch down, and thousands of them "
+        "make the machine unusable."
+    )
+
+
+def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None = None) -> None:
+    """Set a notebook up for grafting-lens in one line: ``gl.notebook()``.
+
+    It turns transformers' loading bars off for the session, drops tqdm's warning that
+    widgets are not installed (the bars fall back to text), makes plotly figures render
+    both in Jupyter and on a web page made from the notebook (plotly.js is embedded
+    once, so the page needs no network), lets pandas print cells of up to 120
+    characters, and sets torch's threads and autograd.
+
+    Args:
+        threads: torch CPU threads; 1 suits the toy world's tiny models, whose
+            matrices are too small to gain from more. ``None`` leaves torch's default
+            (use it for real models).
+        grad: Keep autograd on (off by default: grafting runs forward passes).
+        renderer: A plotly renderer to use instead (``"browser"``, ``"vscode"``...);
+            default: Jupyter's own format plus self-contained HTML.
+
+    Raises:
+        GraftingLensError: ``threads`` is not a positive int, or more than the cores
+            this process may use (:func:`available_cores`).
+    """
+    from tqdm import TqdmWarning
+
+    from grafting_lens.core.arguments import is_integer
+    from grafting_lens.core.errors import GraftingLensError
+
+    if threads is not None and (not is_integer(threads) or threads < 1):
+        raise GraftingLensError(f"threads must be a positive int or None, got {threads!r}.")
+    too_many = None if threads is None else threads_beyond_cores(threads)
+    if too_many:
+        raise GraftingLensError(too_many)
+    # Before transformers is imported: it imports tqdm.auto, which warns on import.
+    warnings.filterwarnings("ignore", category=TqdmWarning)
+    import pandas as pd
+    import plotly.io as pio
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_error()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.set_grad_enabled(grad)
+    if PLOTLY_RENDERER not in pio.renderers:
+        pio.renderers[PLOTLY_RENDERER] = _offline_renderer()
+    pio.renderers.default = renderer or f"plotly_mimetype+{PLOTLY_RENDERER}"
+    # Tables of configurations and prompts have long cells; pandas cuts them at 50 characters.
+    pd.set_option("display.max_colwidth", 120)
+
+
+def _offline_renderer() -> Any:
+    """plotly's notebook renderer without its CDN MathJax: plotly.js embedded once per notebook."""
+    from plotly.io import to_html
+    from plotly.io._base_renderers import NotebookRenderer
+
+    class OfflineNotebookRenderer(NotebookRenderer):
+        def to_mimebundle(self, fig_dict: Any) -> dict[str, str]:
+            html = to_html(
+                fig_dict,
+                include_plotlyjs=False,  # the activation embedded it once
+                include_mathjax=False,  # plotly's default fetches MathJax 2 from a CDN
+                full_html=False,
+                default_width="100%",
+                default_height=525,
+                validate=False,
+            )
+            return {"text/html": html}
+
+    return OfflineNotebookRenderer(connected=False)

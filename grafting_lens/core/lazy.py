@@ -1,0 +1,33 @@
+"""Submodules reached as attributes of their package, imported on first use.
+
+Each floor's package (``grafting_lens.analysis``...) imports none of its modules when it
+is imported, so ``import grafting_lens`` stays quick and no floor drags in another; yet a
+notebook can write ``gl.analysis.metrics.top_k_hit`` without an import line of its own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from types import ModuleType
+
+
+def submodules(package: str) -> Callable[[str], ModuleType]:
+    """A module ``__getattr__`` for ``package`` that imports ``package.<name>`` on first use.
+
+    Args:
+        package: The package's ``__name__``.
+
+    Returns:
+        The function to assign to the package's ``__getattr__``; it raises
+        :class:`AttributeError`, as Python's own lookup does, for a name that is no
+        submodule.
+    """
+
+    def __getattr__(name: str) -> ModuleType:
+        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f"{package}.{name}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

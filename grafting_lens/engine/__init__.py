@@ -1,0 +1,7 @@
+"""The graft itself: position selection, the graft mask, the grafted linear kernels, the
+single-pass graft with its token-by-token oracle, and the relaxed (differentiable) graft.
+"""
+
+from grafting_lens.core.lazy import submodules
+
+__getattr__ = submodules(__name__)

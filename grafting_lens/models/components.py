@@ -1,0 +1,800 @@
+"""Architecture-neutral names for the weights a graft can swap, and where each one lives.
+
+A graft names *components* (``q``, ``mlp_out``, ``experts``, ``ln_final``...), not the
+parameter names of one model family: GPT-2 fuses Q, K and V into ``c_attn``, NeoX
+interleaves them per head in ``query_key_value``, Llama keeps ``q_proj``, ``k_proj``
+and ``v_proj`` apart. TransformerLens's ``TransformerBridge`` already maps every
+supported family onto one tree of bridge components (``blocks.3.attn.q``,
+``blocks.3.mlp.out``, ``blocks.3.mlp.gate``...), and splits fused projections into
+separate Q, K and V modules. A component here is a name for one or more places
+(*slots*) in that tree.
+
+Components come in two kinds:
+
+* per-layer components, addressed as ``(component, layer)``: the norms ``ln1``,
+  ``ln1_post``, ``ln2``, ``ln2_post``; attention's ``q``, ``k``, ``v``, ``q_norm``,
+  ``k_norm``, ``attn_gate``, ``o``; a dense MLP's ``mlp_gate``, ``mlp_in``,
+  ``mlp_out``; a mixture-of-experts block's ``router``, ``experts`` (every routed
+  expert of the layer, as one component), ``shared_expert`` and ``shared_expert_gate``;
+* global components (``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``,
+  ``unembed``), addressed as ``(component, None)``.
+
+Groups name the sets the paper talks about: ``attn`` (what computes queries, keys and
+values: Q, K, V, their norms and the attention's gate), ``ffn`` (the whole feed-forward block: every MLP
+matrix, or on a mixture-of-experts model the router, every expert and the shared
+expert with its gate), ``block`` (every per-layer component) and ``all``. A group
+expands to the members the architecture has; naming a single component the
+architecture lacks (``mlp_gate`` on GPT-2, ``pos_embed`` on a rotary model) is an
+error.
+
+Where each component lives is not listed per model family. :func:`component_layout`
+walks the bridge tree of a loaded model and names each place that holds weights by
+TransformerLens's own keys (``blocks.{layer}.attn.q_norm`` is ``q_norm`` in OLMo-2 as
+in Qwen3); what no name fits is reported as *uncovered*
+(:meth:`~grafting_lens.models.model_set.ModelSet.coverage`) and a graft that would take every
+component around it refuses to run (see :func:`leftover_parameters`). An
+architecture whose tree differs registers its own paths with
+:func:`register_component_paths`, like SAELens's ``register_sae_class``.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+from transformer_lens.model_bridge.generalized_components import (
+    JointGateUpMLPBridge,
+    JointQKVAttentionBridge,
+    MoEBridge,
+    MoERouterBridge,
+)
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
+
+from grafting_lens.core.errors import ComponentError
+
+_ATTENTION = ("q", "k", "v", "q_norm", "k_norm", "attn_gate")
+_FEED_FORWARD = (
+    "mlp_gate",
+    "mlp_in",
+    "mlp_out",
+    "router",
+    "experts",
+    "shared_expert",
+    "shared_expert_gate",
+)
+
+LAYER_COMPONENTS: tuple[str, ...] = (
+    "ln1",
+    *_ATTENTION,
+    "o",
+    "ln1_post",
+    "ln2",
+    *_FEED_FORWARD,
+    "ln2_post",
+)
+"""Components that exist once per layer, addressed as ``(component, layer)``."""
+
+GLOBAL_COMPONENTS: tuple[str, ...] = ("embed", "pos_embed", "embed_ln", "ln_final", "unembed")
+"""Components that exist once per model, addressed as ``(component, None)``."""
+
+COMPONENTS: tuple[str, ...] = (
+    "embed",
+    "pos_embed",
+    "embed_ln",
+    *LAYER_COMPONENTS,
+    "ln_final",
+    "unembed",
+)
+"""Every component, in the order the residual stream meets them."""
+
+COMPONENT_GROUPS: dict[str, tuple[str, ...]] = {
+    "attn": _ATTENTION,
+    "ffn": _FEED_FORWARD,
+    "block": LAYER_COMPONENTS,
+    "all": COMPONENTS,
+}
+"""Named sets of components; each expands to the members an architecture has."""
+
+COMPONENT_LABELS: dict[str, tuple[str, ...]] = {
+    "ffn_up": ("mlp_gate", "mlp_in"),
+    "ffn_down": ("mlp_out",),
+    "ffn_gate": ("mlp_gate",),
+}
+"""The paper's labels for parts of the feed-forward block, by their canonical names.
+
+``FFN-up`` is the up projection and, on a gated MLP, the gate beside it; ``FFN-down``
+the down projection; ``FFN-gate`` the gate alone. Written any case, with ``-`` or
+``_`` (``"FFN-up"``, ``"ffn_up"``), wherever components are accepted. Like a group, a
+label takes the members an architecture has, and naming one that has none of them is
+an error. The paper's ``ATTN``, ``O`` and ``FFN`` are the group ``attn``, the component
+``o`` and the group ``ffn``, in any case."""
+
+_LABEL_SPELLINGS = {"ffn_up": "FFN-up", "ffn_down": "FFN-down", "ffn_gate": "FFN-gate"}
+
+
+def canonical_component_name(name: str) -> str:
+    """A component, group or label as this module spells it: ``"FFN-up"`` -> ``"ffn_up"``.
+
+    Case does not matter and ``-`` reads as ``_`` (``"attn-gate"`` is ``attn_gate``);
+    the result is not checked against the known names.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"A component name is a string, got {type(name).__name__}: {name!r}.")
+    return name.strip().lower().replace("-", "_")
+
+
+# Where each component sits in TransformerLens 4.x's bridge tree, by the bridge's own
+# keys: inside a block (``blocks.{layer}.<key>``), or at the top of the tree. A slot
+# whose path starts with one of these keys (``mlp.shared_expert.in``) belongs to it.
+_BLOCK_KEYS: dict[str, str] = {
+    "ln1": "ln1",
+    "ln1_post": "ln1_post",
+    "ln2": "ln2",
+    "ln2_post": "ln2_post",
+    "attn.q": "q",
+    "attn.k": "k",
+    "attn.v": "v",
+    "attn.o": "o",
+    "attn.q_norm": "q_norm",
+    "attn.k_norm": "k_norm",
+    "attn.gate": "attn_gate",
+    "mlp.gate": "mlp_gate",
+    "mlp.in": "mlp_in",
+    "mlp.out": "mlp_out",
+    # The dense layers of a stack that interleaves dense and mixture-of-experts blocks.
+    "mlp.dense_gate": "mlp_gate",
+    "mlp.dense_in": "mlp_in",
+    "mlp.dense_out": "mlp_out",
+    "mlp.experts": "experts",
+    "mlp.shared_expert": "shared_expert",
+    "mlp.shared_experts": "shared_expert",
+    "mlp.shared_mlp": "shared_expert",
+    "mlp.shared_expert_gate": "shared_expert_gate",
+}
+_GLOBAL_KEYS: dict[str, str] = {name: name for name in GLOBAL_COMPONENTS}
+
+_ARCHITECTURE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {}
+
+
+def register_component_paths(architecture: str, paths: Mapping[str, str | Sequence[str]]) -> None:
+    """Name the bridge paths of components for an architecture whose tree differs.
+
+    The default names come from TransformerLens's own keys (see the module
+    docstring); paths registered here take precedence for this architecture, in
+    model sets loaded afterwards. A second call for the same architecture replaces
+    the first.
+
+    Args:
+        architecture: The HF architecture name as the bridge reports it in
+            ``bridge.cfg.architecture`` (e.g. ``"GPT2LMHeadModel"``).
+        paths: Component name to bridge path (or several paths, when one component
+            spans several modules); per-layer paths contain ``{layer}``. A path
+            names a bridge component (``blocks.{layer}.attn.q``) or a plain module
+            inside one (``blocks.{layer}.mlp.experts``), and everything under it.
+
+    Raises:
+        ComponentError: A key is not a component name, or a per-layer path lacks
+            ``{layer}``.
+
+    Examples:
+        >>> register_component_paths("MyModelForCausalLM", {"q": "blocks.{layer}.attn.q"})
+    """
+    checked: dict[str, tuple[str, ...]] = {}
+    for component, given in paths.items():
+        _check_name(component)
+        if component in COMPONENT_GROUPS or component in COMPONENT_LABELS:
+            raise ComponentError(f"{component!r} is a group; register paths for its members.")
+        templates = (given,) if isinstance(given, str) else tuple(given)
+        for path in templates:
+            if component in LAYER_COMPONENTS and "{layer}" not in path:
+                raise ComponentError(
+                    f"The path for per-layer component {component!r} must contain '{{layer}}', "
+                    f"got {path!r}."
+                )
+        checked[component] = templates
+    _ARCHITECTURE_PATHS[architecture] = checked
+
+
+# ------------------------------------------------------------------ the bridge tree
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place in the bridge tree a graft swaps: a bridge component, or a plain module in one.
+
+    Attributes:
+        path: The dotted path shown to users, e.g. ``"blocks.0.attn.q"`` or
+            ``"blocks.0.mlp.experts"``.
+        owner: Path of the bridge component that holds the slot.
+        attribute: ``None`` when the slot is the bridge component itself (its wrapped
+            module is swapped with ``set_original_component``); otherwise the dotted
+            attribute of a plain module inside the component's wrapped module
+            (a mixture-of-experts block's ``experts``), swapped in its parent.
+    """
+
+    path: str
+    owner: str
+    attribute: str | None = None
+
+    def holder(self, bridge: nn.Module) -> GeneralizedComponent:
+        """The bridge component that holds this slot in ``bridge``."""
+        holder = bridge.get_submodule(self.owner)
+        assert isinstance(holder, GeneralizedComponent)
+        return holder
+
+    def module(self, bridge: nn.Module) -> nn.Module:
+        """The module that computes this slot in ``bridge`` now."""
+        wrapped = self.holder(bridge).original_component
+        assert wrapped is not None, f"{self.owner} wraps no module"
+        if self.attribute is None:
+            return wrapped
+        return wrapped.get_submodule(self.attribute)
+
+    def replace(self, bridge: nn.Module, module: nn.Module) -> None:
+        """Put ``module`` in this slot of ``bridge`` (TransformerLens's public API for bridges)."""
+        holder = self.holder(bridge)
+        if self.attribute is None:
+            holder.set_original_component(module)
+            return
+        parent_path, _, name = self.attribute.rpartition(".")
+        parent = holder.original_component
+        assert parent is not None, f"{self.owner} wraps no module"
+        if parent_path:
+            parent = parent.get_submodule(parent_path)
+        setattr(parent, name, module)
+
+
+@dataclass(frozen=True)
+class ParameterRecord:
+    """Where one checkpoint parameter lives and which component, if any, grafts it.
+
+    Attributes:
+        name: The parameter's name in the checkpoint (``model.layers.0.mlp.experts.down_proj``).
+        shape: Its shape.
+        components: The components that graft it: one, or several for a weight that
+            several components share (tied embeddings: ``embed`` and ``unembed``; a
+            fused QKV matrix: ``q``, ``k`` and ``v``). Empty when none does.
+        layer: The block it lives in, or None outside the blocks.
+        path: The bridge path of the slot or bridge component that holds it, or
+            None when no bridge component wraps it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    components: tuple[str, ...]
+    layer: int | None
+    path: str | None
+
+    @property
+    def covered(self) -> bool:
+        """Whether some component grafts this parameter."""
+        return bool(self.components)
+
+    @property
+    def region(self) -> str:
+        """The group whose graft this parameter belongs to: attn, ffn, block or all."""
+        if self.layer is None or self.path is None:
+            return "all"
+        within = self.path.split(".", 2)[2] if self.path.count(".") >= 2 else ""
+        if within.startswith("attn"):
+            return "attn"
+        if within.startswith("mlp"):
+            return "ffn"
+        return "block"
+
+
+Key = tuple[str, "int | None"]
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    """Every component of a loaded architecture, its slots, and where each parameter went.
+
+    Built by :func:`component_layout` from the base of a model set; every aligned
+    source has the same tree, so the same slots.
+
+    Attributes:
+        slots: ``(component, layer)`` to the slots it swaps, for every pair the
+            architecture has (a stack of dense and mixture-of-experts layers has
+            ``mlp_in`` at some layers and ``experts`` at others).
+        parameters: One record per checkpoint parameter.
+    """
+
+    slots: Mapping[Key, tuple[Slot, ...]]
+    parameters: tuple[ParameterRecord, ...]
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        """The components present at some layer, in :data:`COMPONENTS` order."""
+        present = {component for component, _ in self.slots}
+        return tuple(c for c in COMPONENTS if c in present)
+
+    @property
+    def uncovered(self) -> tuple[ParameterRecord, ...]:
+        """The parameters no component grafts."""
+        return tuple(record for record in self.parameters if not record.covered)
+
+    def shares_parameter(self, *components: str) -> bool:
+        """Whether one checkpoint parameter is held by every one of ``components``.
+
+        True for ``("embed", "unembed")`` on a model with tied embeddings and for
+        ``("q", "k", "v")`` on one whose Q, K and V are a single fused matrix (GPT-2's
+        ``c_attn``, NeoX's ``query_key_value``). A graft swaps modules, so it keeps such
+        components apart; code that copies weights by value (``load_state_dict``) moves
+        them together, which is what a caller reproducing such code needs to know.
+        """
+        wanted = set(components)
+        return any(wanted <= set(record.components) for record in self.parameters)
+
+
+def component_layout(bridge: nn.Module) -> ComponentLayout:
+    """Walk ``bridge``'s tree: the slots of every component, and which parameters they hold.
+
+    A bridge component without bridge components inside is one slot. A bridge
+    component with some (an attention, an MLP, a mixture-of-experts block) hands
+    each plain module it wraps that holds parameters and no bridge component (a
+    mixture-of-experts block's batched ``experts``) to a slot of its own; parameters
+    it holds directly cannot be swapped without its children and stay uncovered.
+    Each slot is named by :data:`_BLOCK_KEYS` / :data:`_GLOBAL_KEYS` (or by the paths
+    registered for the architecture); a slot no name fits stays uncovered.
+
+    Args:
+        bridge: A ``TransformerBridge``.
+
+    Returns:
+        The layout; every parameter of ``bridge.original_model`` is in
+        :attr:`ComponentLayout.parameters` exactly once.
+    """
+    registered = _ARCHITECTURE_PATHS.get(str(getattr(bridge.cfg, "architecture", "")), {})
+    slots: dict[Key, list[Slot]] = {}
+    owners: dict[int, tuple[tuple[str, ...], int | None, str | None]] = {}
+
+    def claim(
+        parameters: Iterable[nn.Parameter], names: tuple[str, ...], layer: int | None, path: str
+    ) -> None:
+        for parameter in parameters:
+            if id(parameter) in owners:
+                # The same tensor in two slots: tied weights (GPT-2's wte and lm_head).
+                earlier, first_layer, first_path = owners[id(parameter)]
+                joined = tuple(c for c in COMPONENTS if c in {*earlier, *names})
+                owners[id(parameter)] = (joined, first_layer, first_path)
+            else:
+                owners[id(parameter)] = (names, layer, path)
+
+    nodes = list(_bridge_nodes(bridge))
+    # Modules a bridge component wraps belong to that component, wherever else they
+    # hang in the HF tree (GPT-2's c_proj is the attention's child and the bridge's o).
+    bridged = {id(node.original_component) for _, node, _ in nodes}
+    for path, node, parent in nodes:
+        wrapped = node.original_component
+        if wrapped is None:
+            continue  # a placeholder for a part this model does not have
+        layer, _ = _split_layer(path)
+        if any(True for _ in _bridge_children(node)):
+            split = _split_projection(node, path, registered)
+            for attribute, parameters, child in _plain_children(wrapped, bridged):
+                if child is None:
+                    # Held by the wrapper itself: not swappable without its bridge children.
+                    claim(parameters, (), layer, path)
+                    continue
+                child_path = f"{path}.{attribute}"
+                if split is not None and attribute == split[0]:
+                    claim(parameters, split[1], layer, child_path)
+                    continue
+                name = _name_slot(child_path, (child, node), registered)
+                if name is not None:
+                    slots.setdefault((name, layer), []).append(Slot(child_path, path, attribute))
+                claim(parameters, (name,) if name else (), layer, child_path)
+            continue
+        parent_path, _, key = path.rpartition(".")
+        split = None if parent is None else _split_projection(parent, parent_path, registered)
+        if split is not None and key == split[0]:
+            claim(wrapped.parameters(), split[1], layer, path)
+            continue
+        name = _name_slot(path, (node, parent), registered)
+        if name is not None:
+            slots.setdefault((name, layer), []).append(Slot(path, path))
+        claim(wrapped.parameters(), (name,) if name else (), layer, path)
+
+    records = []
+    original = bridge.original_model
+    assert isinstance(original, nn.Module)
+    for parameter_name, parameter in checkpoint_parameters(original):
+        names, owner_layer, owner_path = owners.get(id(parameter), ((), None, None))
+        records.append(
+            ParameterRecord(parameter_name, tuple(parameter.shape), names, owner_layer, owner_path)
+        )
+    ordered = {
+        key: tuple(slots[key])
+        for key in sorted(slots, key=lambda key: (_order(key[0]), -1 if key[1] is None else key[1]))
+    }
+    return ComponentLayout(ordered, tuple(records))
+
+
+def leftover_parameters(layout: ComponentLayout, grafted: Iterable[Key]) -> list[ParameterRecord]:
+    """Uncovered parameters that a graft of every component around them would leave behind.
+
+    A graft takes *every* component of a region when it grafts, at one layer, every
+    member of ``attn`` the layer has (the attention's uncovered weights are then
+    left behind), every member of ``ffn`` (the feed-forward block's), every
+    component of the layer (the block's), or every pair of the model (weights
+    outside the blocks), however the mask was built. A graft of part of a region
+    (``mlp_out`` alone) takes exactly what it names.
+
+    Args:
+        layout: The architecture's layout.
+        grafted: The ``(component, layer)`` pairs a mask grafts somewhere.
+
+    Returns:
+        The uncovered parameters inside a region the graft takes whole.
+    """
+    uncovered = layout.uncovered
+    if not uncovered:
+        return []
+    grafted = set(grafted)
+    present: dict[int | None, set[str]] = {}
+    for component, layer in layout.slots:
+        present.setdefault(layer, set()).add(component)
+
+    def whole(layer: int | None, members: Iterable[str]) -> bool:
+        wanted = present.get(layer, set()) & set(members)
+        return bool(wanted) and all((component, layer) in grafted for component in wanted)
+
+    everything = set(layout.slots) <= grafted
+    left = []
+    for record in uncovered:
+        region, layer = record.region, record.layer
+        if everything or (
+            region != "all"
+            and (
+                whole(layer, LAYER_COMPONENTS)
+                or (region in ("attn", "ffn") and whole(layer, COMPONENT_GROUPS[region]))
+            )
+        ):
+            left.append(record)
+    return left
+
+
+def _bridge_children(node: nn.Module) -> Iterator[tuple[str, GeneralizedComponent]]:
+    """The bridge components directly below ``node`` in the bridge tree, with their keys."""
+    for key, child in node._modules.items():
+        if key == "_original_component":
+            continue
+        if isinstance(child, GeneralizedComponent):
+            yield key, child
+        elif isinstance(child, nn.ModuleList):
+            for index, item in enumerate(child):
+                if isinstance(item, GeneralizedComponent):
+                    yield f"{key}.{index}", item
+
+
+def _bridge_nodes(
+    root: nn.Module, prefix: str = "", parent: nn.Module | None = None
+) -> Iterator[tuple[str, GeneralizedComponent, nn.Module | None]]:
+    """Every bridge component below ``root``, depth first, with its path and parent."""
+    for key, child in _bridge_children(root):
+        path = f"{prefix}.{key}" if prefix else key
+        yield path, child, parent
+        yield from _bridge_nodes(child, path, child)
+
+
+def _split_projection(
+    node: nn.Module, path: str, registered: Mapping[str, tuple[str, ...]]
+) -> tuple[str, tuple[str, ...]] | None:
+    """A fused projection that ``node`` splits into bridge children when the model loads.
+
+    GPT-2's ``c_attn`` becomes the children ``q``, ``k`` and ``v`` of a
+    ``JointQKVAttentionBridge`` (which keeps the fused module as its child ``qkv``);
+    Phi-3's ``gate_up_proj`` becomes the children ``gate`` and ``in`` of a
+    ``JointGateUpMLPBridge``. The children compute, so the fused weights are grafted
+    through the children's components.
+
+    Returns:
+        The fused module's key under ``node`` and the components of its split
+        children, or None.
+    """
+    keys: tuple[str, ...]
+    if isinstance(node, JointQKVAttentionBridge):
+        fused, keys = "qkv", ("q", "k", "v")
+    elif isinstance(node, JointGateUpMLPBridge):
+        fused, keys = str(node.fused_attr), ("gate", "in")
+    else:
+        return None
+    names = []
+    for key in keys:
+        child = node._modules.get(key)
+        name = None if child is None else _name_slot(f"{path}.{key}", (child, node), registered)
+        if name is not None and name not in names:
+            names.append(name)
+    return fused, tuple(c for c in COMPONENTS if c in names)
+
+
+def _holds_bridge(module: nn.Module, bridged: set[int]) -> bool:
+    return any(isinstance(m, GeneralizedComponent) or id(m) in bridged for m in module.modules())
+
+
+def _plain_children(
+    wrapped: nn.Module, bridged: set[int], prefix: str = ""
+) -> Iterator[tuple[str, list[nn.Parameter], nn.Module | None]]:
+    """Plain modules inside a bridge component's wrapped module that hold parameters.
+
+    Yields ``(attribute, parameters, module)``: a module with no bridge component
+    inside is a slot of its own. The parameters that ``wrapped``, or a plain module
+    with bridge components below it, holds directly come with ``module=None``: they
+    cannot be swapped without those children. Modules in ``bridged`` (the ids of
+    modules some bridge component wraps) are that component's, and skipped.
+    """
+    direct = [p for p in wrapped._parameters.values() if p is not None]
+    if direct:
+        yield prefix.rstrip("."), direct, None
+    for name, child in wrapped._modules.items():
+        if child is None or isinstance(child, GeneralizedComponent) or id(child) in bridged:
+            continue
+        if _holds_bridge(child, bridged):
+            yield from _plain_children(child, bridged, f"{prefix}{name}.")
+        elif any(True for _ in child.parameters()):
+            yield f"{prefix}{name}", list(child.parameters()), child
+
+
+_LAYER_PATH = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def _split_layer(path: str) -> tuple[int | None, str]:
+    match = _LAYER_PATH.match(path)
+    if match is None:
+        return None, path
+    return int(match.group(1)), match.group(2)
+
+
+def _name_slot(
+    path: str,
+    node_and_parent: tuple[nn.Module, nn.Module | None] | None,
+    registered: Mapping[str, tuple[str, ...]],
+) -> str | None:
+    """The component a slot at ``path`` belongs to, or None."""
+    layer, relative = _split_layer(path)
+    for component, templates in registered.items():
+        for template in templates:
+            target = template.format(layer=layer)
+            if path == target or path.startswith(target + "."):
+                return component
+    if layer is None:
+        return _longest_prefix(relative, _GLOBAL_KEYS)
+    if node_and_parent is not None:
+        node, parent = node_and_parent
+        # The bridge reuses the key "gate" for a mixture-of-experts block's router.
+        if isinstance(node, MoERouterBridge) or (
+            isinstance(parent, MoEBridge) and relative.rsplit(".", 1)[-1] in ("gate", "router")
+        ):
+            return "router"
+    return _longest_prefix(relative, _BLOCK_KEYS)
+
+
+def _longest_prefix(relative: str, table: Mapping[str, str]) -> str | None:
+    best = None
+    for key, component in table.items():
+        if (relative == key or relative.startswith(key + ".")) and (
+            best is None or len(key) > len(best[0])
+        ):
+            best = (key, component)
+    return best[1] if best else None
+
+
+def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """The HF model's own parameters, named as in its checkpoint, each once.
+
+    The bridge wraps modules in place (``q_proj`` becomes a bridge component whose
+    ``_original_component`` is the ``q_proj``) and adds modules of its own (the Q, K
+    and V it splits out of a fused matrix); the walk descends into wrapped modules
+    only, so neither the wrappers' names nor the bridge's own modules appear.
+
+    Args:
+        model: A Hugging Face model, wrapped by a bridge or not
+            (``bridge.original_model``).
+
+    Yields:
+        ``(name, parameter)`` as ``model.named_parameters()`` gives them before the
+        bridge wraps the model; tied parameters once, under their first name.
+    """
+    seen: set[int] = set()
+    for prefix, module in checkpoint_modules(model):
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield prefix + name, parameter
+
+
+def checkpoint_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The HF model's own modules, named as in its checkpoint, depth first.
+
+    The walk of :func:`checkpoint_parameters`: through each bridge component to the
+    module it wraps, never into the bridge's own modules.
+
+    Args:
+        model: A Hugging Face model, wrapped by a bridge or not.
+
+    Yields:
+        ``(prefix, module)``: the module's name followed by a dot (``""`` for the model
+        itself, ``"model.layers.0.self_attn.q_proj."``), as a parameter name starts.
+    """
+
+    def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+        if isinstance(module, GeneralizedComponent):
+            wrapped = module.original_component
+            if wrapped is not None:
+                yield from walk(wrapped, prefix)
+            return
+        yield prefix, module
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from walk(child, f"{prefix}{name}.")
+
+    yield from walk(model, "")
+
+
+@dataclass(frozen=True)
+class FusedProjection:
+    """A fused projection the bridge splits into per-component modules when a model loads.
+
+    GPT-2's ``c_attn`` (Q, K and V), NeoX's interleaved ``query_key_value``, Phi-3's
+    ``gate_up_proj``: the checkpoint holds one matrix, the bridge computes with modules
+    it cuts out of it (views or copies, by the architecture's own split function).
+    Anything that brings its own version of the fused matrix (a lazily loaded donor,
+    a LoRA adapter of it) must cut it the same way: :meth:`split` runs the bridge's
+    own split function on it.
+
+    Attributes:
+        node: Bridge path of the splitting component (``"blocks.0.attn"``).
+        attribute: Name of the fused module in the module that component wraps
+            (``"c_attn"``).
+        children: Bridge keys of the split modules, in the order the split returns
+            them (``("q", "k", "v")`` or ``("gate", "in")``).
+    """
+
+    node: str
+    attribute: str
+    children: tuple[str, ...]
+
+    def fused(self, bridge: nn.Module) -> nn.Module:
+        """The fused module itself (unwrapped) in ``bridge``'s tree."""
+        wrapped = bridge.get_submodule(self.node).original_component
+        assert wrapped is not None, f"{self.node} wraps no module"
+        module = getattr(wrapped, self.attribute)
+        if isinstance(module, GeneralizedComponent):
+            module = module.original_component
+        assert isinstance(module, nn.Module)
+        return module
+
+    def split(self, bridge: nn.Module, fused: nn.Module) -> dict[str, nn.Module]:
+        """The modules the bridge would cut out of ``fused``, by child key.
+
+        Args:
+            bridge: A bridge of the architecture (its split function and settings
+                are used; nothing in it changes).
+            fused: A module like :meth:`fused` (same class and shapes), holding other
+                values.
+        """
+        node = bridge.get_submodule(self.node)
+        wrapped = node.original_component
+        assert isinstance(wrapped, nn.Module), f"{self.node} wraps no module"
+        # A stand-in for the wrapped module that differs only in the fused module: a
+        # split function may read anything else of it (head counts, settings).
+        stand_in = copy.copy(wrapped)
+        stand_in._modules = dict(wrapped._modules)
+        stand_in._modules[self.attribute] = fused
+        if isinstance(node, JointQKVAttentionBridge):
+            parts = node.split_qkv_matrix(stand_in)
+        else:
+            assert isinstance(node, JointGateUpMLPBridge)
+            parts = node.split_gate_up_matrix(stand_in)
+        return dict(zip(self.children, parts))
+
+
+def fused_projections(bridge: nn.Module) -> tuple[FusedProjection, ...]:
+    """Every fused projection the bridge split when ``bridge`` loaded (see :class:`FusedProjection`)."""
+    found = []
+    keys: tuple[str, ...]
+    for path, node, _ in _bridge_nodes(bridge):
+        if isinstance(node, JointQKVAttentionBridge):
+            qkv = node.submodules.get("qkv")
+            attribute, keys = (None if qkv is None else qkv.name), ("q", "k", "v")
+        elif isinstance(node, JointGateUpMLPBridge):
+            attribute, keys = str(node.fused_attr), ("gate", "in")
+        else:
+            continue
+        if attribute is None or node.original_component is None:
+            continue
+        if not hasattr(node.original_component, attribute):
+            continue
+        found.append(FusedProjection(path, attribute, keys))
+    return tuple(found)
+
+
+def _order(component: str) -> int:
+    return COMPONENTS.index(component)
+
+
+def expand_components(
+    names: str | Iterable[str], available: Iterable[str], architecture: str = "this model"
+) -> tuple[str, ...]:
+    """Expand component names, groups and the paper's labels into the components an architecture has.
+
+    Args:
+        names: One name, group (``"attn"``) or label (``"FFN-up"``), a ``+``-joined
+            string (``"O+FFN-down"``), or an iterable of them. Case does not matter,
+            and ``-`` reads as ``_`` (see :func:`canonical_component_name`).
+        available: The components the architecture has.
+        architecture: Used in error messages.
+
+    Returns:
+        The distinct components, in :data:`COMPONENTS` order. A group or label
+        contributes the members the architecture has; a single component it lacks
+        is an error.
+
+    Raises:
+        ComponentError: An unknown name (with the nearest known one), a component
+            the architecture lacks, or a label none of whose members it has.
+        TypeError: ``names`` is neither a string nor an iterable of strings (``3``).
+    """
+    if isinstance(names, str):
+        names = [part.strip() for part in names.split("+")]
+    elif not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+        raise TypeError(
+            f"components must be a component name, a '+'-joined string such as 'o+ffn' or a "
+            f"list of names, got {type(names).__name__} {names!r:.40}."
+        )
+    names = list(names)
+    for given in names:
+        if not isinstance(given, str):
+            raise TypeError(
+                f"components must name components with strings, got {type(given).__name__} "
+                f"{given!r:.40} in {names!r:.80}. Write names such as 'o' or 'ffn'."
+            )
+    available = set(available)
+    chosen: set[str] = set()
+    for given in names:
+        name = canonical_component_name(given)
+        _check_name(name, given)
+        if name in COMPONENT_GROUPS:
+            chosen.update(member for member in COMPONENT_GROUPS[name] if member in available)
+        elif name in COMPONENT_LABELS:
+            members = [member for member in COMPONENT_LABELS[name] if member in available]
+            if not members:
+                raise ComponentError(
+                    f"{architecture} has none of {_LABEL_SPELLINGS[name]}'s components "
+                    f"({', '.join(COMPONENT_LABELS[name])})."
+                )
+            chosen.update(members)
+        elif name not in available:
+            raise ComponentError(
+                f"{architecture} has no {name!r} component. Its components are: "
+                f"{', '.join(c for c in COMPONENTS if c in available)}."
+            )
+        else:
+            chosen.add(name)
+    if not chosen:
+        raise ComponentError(f"No component selected from {names!r}.")
+    return tuple(c for c in COMPONENTS if c in chosen)
+
+
+def _check_name(name: str, given: str | None = None) -> None:
+    """Refuse an unknown name; the suggestion is compared and spelled as the caller wrote it."""
+    spelled = {
+        **{known: known for known in (*COMPONENTS, *COMPONENT_GROUPS)},
+        **_LABEL_SPELLINGS,
+    }
+    if name not in spelled:
+        close = difflib.get_close_matches(name, list(spelled), n=1, cutoff=0.5)
+        hint = f" Did you mean {spelled[close[0]]!r}?" if close else ""
+        raise ComponentError(
+            f"Unknown component {given if given is not None else name!r}.{hint} Known "
+            f"components: {', '.join(COMPONENTS)}; groups: {', '.join(COMPONENT_GROUPS)}; the "
+            f"paper's labels: ATTN, O, FFN, {', '.join(_LABEL_SPELLINGS.values())}."
+        )

@@ -1,0 +1,558 @@
+"""A LoRA adapter as a source of weights: the base's modules plus the adapter's factors.
+
+A :class:`~grafting_lens.models.adapters.LoraAdapter` is what was read from disk or a PEFT
+model; a :class:`LoraSource` is what a graft asks for modules: for a component the adapter
+touches, a module computing ``W x + B A x * scale`` from the base's own weight and the
+factors (:class:`LoraLinear`, :class:`LoraEmbedding`; fused projections split by rows);
+for any other component, the base's module itself. Nothing is merged, so an adapter donor
+holds its factors and no second copy of the base.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformer_lens.model_bridge import TransformerBridge
+from transformers.pytorch_utils import Conv1D
+
+from grafting_lens.core.errors import AdapterError
+from grafting_lens.models.adapters import RESAVE, LoraAdapter
+from grafting_lens.models.components import (
+    FusedProjection,
+    Slot,
+    checkpoint_modules,
+    checkpoint_parameters,
+    fused_projections,
+)
+from grafting_lens.models.sources import (
+    CheckpointSource,
+    Source,
+    structural_copy,
+    weights_fingerprint,
+)
+
+__all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
+
+
+def _read_through(module: nn.Module, name: str) -> Any:
+    """``module``'s attribute ``name``, or its base layer's (PEFT's LoRA layers do the same)."""
+    try:
+        return nn.Module.__getattr__(module, name)
+    except AttributeError:
+        base = module.__dict__.get("_modules", {}).get("base_layer")
+        if base is None:
+            raise
+        return getattr(base, name)
+
+
+class _LoraLayer(nn.Module):
+    """A base layer and LoRA factors; attributes it lacks are read from the base layer."""
+
+    def __init__(
+        self, base_layer: nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.lora_A = nn.Parameter(lora_A, requires_grad=False)
+        self.lora_B = nn.Parameter(lora_B, requires_grad=False)
+        self.scale = float(scale)
+
+    def __getattr__(self, name: str) -> Any:
+        return _read_through(self, name)
+
+    def delta(self) -> torch.Tensor:
+        """``B A * scale``, laid out like ``base_layer.weight``."""
+        raise NotImplementedError
+
+
+class LoraLinear(_LoraLayer):
+    """A linear layer with a LoRA update: ``base_layer(x) + B A x * scale``.
+
+    ``base_layer`` is the base's own module (``nn.Linear`` or GPT-2's ``Conv1D``), not a
+    copy. Attributes it does not have (``in_features``, ``weight``...) are read from
+    ``base_layer``, as PEFT's LoRA layers do, so code that inspects a module's shape or
+    dtype keeps working; the weight read that way is the base's, without the update.
+
+    Args:
+        base_layer: The base's linear layer.
+        lora_A: ``[r, d_in]``.
+        lora_B: ``[d_out, r]``.
+        scale: The LoRA scale.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        # The order of PEFT's own forward: base output plus B(A(x)) * scale.
+        update = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
+        return result + update.to(result.dtype)
+
+    def delta(self) -> torch.Tensor:
+        """``B A * scale``, laid out like ``base_layer.weight`` (transposed for ``Conv1D``)."""
+        delta = (self.lora_B.float() @ self.lora_A.float()) * self.scale
+        return delta.t() if isinstance(self.base_layer, Conv1D) else delta
+
+
+class LoraEmbedding(_LoraLayer):
+    """An embedding with a LoRA update: ``base_layer(ids) + (B A)^T[ids] * scale``.
+
+    The update is multiplied by the base layer's ``embed_scale`` where it has one
+    (Gemma scales its lookup by ``sqrt(d_model)``), as PEFT does, so that it equals
+    the merged model's lookup.
+
+    Args:
+        base_layer: The base's embedding.
+        lora_A: ``[r, vocab]``.
+        lora_B: ``[d_model, r]``.
+        scale: The LoRA scale.
+    """
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        base = self._modules["base_layer"]
+        assert isinstance(base, nn.Embedding)
+        result = base(ids)
+        after_A = F.embedding(
+            ids,
+            self.lora_A.t(),
+            padding_idx=base.padding_idx,
+            max_norm=base.max_norm,
+            norm_type=base.norm_type,
+            scale_grad_by_freq=base.scale_grad_by_freq,
+            sparse=base.sparse,
+        )
+        update = (after_A @ self.lora_B.t()) * self.scale
+        embed_scale = getattr(base, "embed_scale", None)
+        if embed_scale is not None:
+            update = update * torch.as_tensor(embed_scale).to(update)
+        return result + update.to(result.dtype)
+
+    def delta(self) -> torch.Tensor:
+        """``(B A)^T * scale``, laid out like the embedding's weight ``[vocab, d_model]``."""
+        return ((self.lora_B.float() @ self.lora_A.float()) * self.scale).t()
+
+
+@dataclass
+class _Update:
+    """What an adapter does to one module of the base: LoRA factors, and what they adapt."""
+
+    name: str
+    lora_A: torch.Tensor | None = None
+    lora_B: torch.Tensor | None = None
+    embedding: bool = False
+
+
+@dataclass
+class _Replacement:
+    """A parameter of the base that the adapter holds whole, with its new value.
+
+    ``owner`` is the module whose copy PEFT trains (``modules_to_save``): only that
+    module computes with the new value, even where the base ties the parameter to
+    another module. ``None`` is a value PEFT loads into the base's parameter itself
+    (an embedding layer saved beside an embedding adapter), which every module
+    sharing it then computes with.
+    """
+
+    name: str
+    parameter: nn.Parameter
+    value: nn.Parameter
+    owner: nn.Module | None
+
+
+class LoraSource(Source):
+    """A LoRA adapter on the base, as a donor: the base's modules plus the adapter's factors.
+
+    Created by :func:`~grafting_lens.load_models` for an adapter directory or a PEFT
+    model. Its module for an adapted slot is a :class:`LoraLinear` or
+    :class:`LoraEmbedding` around the base's own module (or a copy of the base's
+    module holding a ``modules_to_save`` replacement); for any other slot, the base's
+    module itself. It runs alone (:attr:`bridge`) as a second bridge over the base's
+    own tensors with the adapted modules in place, built on first use.
+
+    Args:
+        name: The source's label.
+        adapter: The adapter.
+        base: The base's bridge.
+        slots: Every slot of the architecture.
+        make_bridge: Builds a bridge over the base's own tensors (for :attr:`bridge`).
+
+    Raises:
+        AdapterError: A module the base lacks, a shape the base's module does not
+            have, a module no component computes, or a fused projection whose split
+            does not follow its output rows.
+    """
+
+    kind = "lora"
+
+    def __init__(
+        self,
+        name: str,
+        adapter: LoraAdapter,
+        base: TransformerBridge,
+        slots: Iterable[Slot],
+        *,
+        make_bridge: Callable[[], TransformerBridge],
+    ) -> None:
+        super().__init__(name)
+        self.adapter = adapter
+        self._base = base
+        self._slots = {slot.path: slot for slot in slots}
+        self._templates = {path: slot.module(base) for path, slot in self._slots.items()}
+        self._make_bridge = make_bridge
+        self._bridge: TransformerBridge | None = None
+        self._modules = _AdaptedModules(adapter, base, self._templates).build()
+
+    @property
+    def adapted(self) -> tuple[str, ...]:
+        """The slots the adapter changes, by bridge path."""
+        return tuple(self._modules)
+
+    @property
+    def bridge(self) -> TransformerBridge:
+        """The base with the adapter: a second bridge over the base's own tensors.
+
+        Moving or casting it moves the base too (the tensors are the same): place
+        the model set with ``device=`` / ``dtype=`` of :func:`~grafting_lens.load_models`.
+        """
+        if self._bridge is None:
+            bridge = self._make_bridge()
+            for path, module in self._modules.items():
+                self._slots[path].replace(bridge, module)
+            self._bridge = bridge
+        return self._bridge
+
+    def module(self, slot: Slot) -> nn.Module:
+        module = self._modules.get(slot.path)
+        return module if module is not None else self._templates[slot.path]
+
+    def weights(self, slot: Slot) -> list[torch.Tensor]:
+        return _merged_parameters(self.module(slot))
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.detach() for m in self._modules.values() for p in m.parameters()]
+        if self._bridge is not None:
+            tensors += [p.detach() for p in self._bridge.parameters()]
+            tensors += list(self._bridge.buffers())
+        return tensors
+
+    def full_bytes(self) -> int:
+        return CheckpointSource(self._base, self.name).full_bytes()  # the merged model's
+
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(
+            weights_fingerprint(checkpoint_parameters(self._base.original_model)).encode()
+        )
+        for name in sorted(self.adapter.tensors):
+            tensor = self.adapter.tensors[name]
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
+        settings["use_rslora"] = self.adapter.config.get("use_rslora")
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        return digest.hexdigest()[:16]
+
+
+def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters ``module`` computes with, LoRA updates merged, in the base's order."""
+    if isinstance(module, _LoraLayer):
+        base = module._modules["base_layer"]
+        assert base is not None
+        merged = _merged_parameters(base)
+        own = [p for p in base._parameters.values() if p is not None]
+        if not own or own[0] is not base.weight:
+            raise AdapterError(f"Cannot merge the LoRA update into a {type(base).__name__}.")
+        # The weight comes first among its parameters (nn.Linear, Conv1D, nn.Embedding).
+        merged[0] = merged[0] + module.delta().to(merged[0])
+        return merged
+    values: list[torch.Tensor] = [p.detach() for p in module._parameters.values() if p is not None]
+    return values + [
+        p
+        for child in module._modules.values()
+        if child is not None
+        for p in _merged_parameters(child)
+    ]
+
+
+class _AdaptedModules:
+    """Builds, for every slot an adapter changes, the module that computes it."""
+
+    def __init__(
+        self, adapter: LoraAdapter, base: TransformerBridge, templates: Mapping[str, nn.Module]
+    ) -> None:
+        self.adapter = adapter
+        self.base = base
+        self.templates = templates
+        self.architecture = type(base.original_model).__name__
+        original = base.original_model
+        assert isinstance(original, nn.Module)
+        self.named = {prefix[:-1]: m for prefix, m in checkpoint_modules(original) if prefix}
+        self.parameters = {
+            prefix + name: p
+            for prefix, m in checkpoint_modules(original)
+            for name, p in m._parameters.items()
+            if p is not None
+        }
+        self.slot_of = {id(m): path for path, m in templates.items()}
+        self.inside: dict[int, str] = {}
+        for path, template in templates.items():
+            for sub in template.modules():
+                self.inside.setdefault(id(sub), path)
+        self.fused: dict[int, FusedProjection] = {
+            id(f.fused(base)): f for f in fused_projections(base)
+        }
+        self.replacements: list[_Replacement] = []
+
+    def _another_base(self, what: str) -> AdapterError:
+        named = self.adapter.base_name
+        made_for = f" (its config names the base {named!r})" if named else ""
+        return AdapterError(
+            f"The adapter {self.adapter.label}{made_for} {what}: it was made for another model "
+            f"than this base ({self.architecture}). Load it on the base it was trained on."
+        )
+
+    def build(self) -> dict[str, nn.Module]:
+        updates, self.replacements = self._read()
+        modules = list(self.templates.values())
+        modules += [f.fused(self.base) for f in self.fused.values()]
+        for replacement in self.replacements:
+            if not any(id(replacement.parameter) in self._replacing(m) for m in modules):
+                raise AdapterError(
+                    f"The adapter {self.adapter.label} replaces {replacement.name}, which no "
+                    "component grafts (see ModelSet.coverage()). Merge it into a full "
+                    "checkpoint (merge_and_unload) and load that."
+                )
+        donors: dict[str, nn.Module] = {}
+        # Replaced parameters (modules_to_save, saved embedding layers) first: the
+        # LoRA updates then apply to the replaced modules, as in PEFT.
+        for path, template in self.templates.items():
+            replacing = self._replacing(template)
+            if replacing:
+                donors[path] = structural_copy(template, replacing)
+        for fused in self.fused.values():
+            template = fused.fused(self.base)
+            replacing = self._replacing(template)
+            if replacing:
+                parts = fused.split(self.base, structural_copy(template, replacing))
+                for child, module in parts.items():
+                    donors[f"{fused.node}.{child}"] = module
+        nested: dict[str, dict[int, nn.Module]] = {}
+        for update in updates.values():
+            module = self.named[update.name]
+            slot_path = self.slot_of.get(id(module))
+            if slot_path is not None:
+                donors[slot_path] = self._wrap(donors.get(slot_path, module), update)
+            elif id(module) in self.fused:
+                fused = self.fused[id(module)]
+                rows = self._rows(fused, update)
+                for child, index in rows.items():
+                    child_path = f"{fused.node}.{child}"
+                    inner = donors.get(child_path, self.templates[child_path])
+                    assert update.lora_B is not None
+                    part = _Update(update.name, update.lora_A, update.lora_B[index])
+                    donors[child_path] = self._wrap(inner, part)
+            elif id(module) in self.inside:
+                path = self.inside[id(module)]
+                inner = structural_copy(module, self._replacing(module))
+                nested.setdefault(path, {})[id(module)] = self._wrap(inner, update)
+            else:
+                raise AdapterError(
+                    f"The adapter {self.adapter.label} adapts {update.name} "
+                    f"({type(module).__name__}), which no component of the bridge computes: "
+                    "grafting-lens grafts adapters of the linear layers and embeddings that "
+                    "components hold (q, k, v, o, the MLP matrices, embed, unembed)."
+                )
+        for path, inner_modules in nested.items():
+            template = self.templates[path]
+            donors[path] = structural_copy(template, self._replacing(template), inner_modules)
+        return donors
+
+    def _replacing(self, module: nn.Module) -> dict[int, nn.Parameter]:
+        """The replacements that apply inside ``module``, by ``id`` of the base's parameter.
+
+        A ``modules_to_save`` copy applies where its own module is inside ``module``;
+        a value loaded into the base's parameter applies wherever that parameter is.
+        """
+        inside = {id(sub) for sub in module.modules()}
+        held = {id(p) for _, p in module.named_parameters(remove_duplicate=False)}
+        return {
+            id(r.parameter): r.value
+            for r in self.replacements
+            if id(r.parameter) in held and (r.owner is None or id(r.owner) in inside)
+        }
+
+    def _read(self) -> tuple[dict[str, _Update], list[_Replacement]]:
+        """The adapter's LoRA updates by module, and the base parameters it replaces."""
+        updates: dict[str, _Update] = {}
+        replacements: list[_Replacement] = []
+        lora_keys = {
+            ".lora_A.weight": ("lora_A", False),
+            ".lora_B.weight": ("lora_B", False),
+            ".lora_embedding_A": ("lora_A", True),
+            ".lora_embedding_B": ("lora_B", True),
+        }
+        for key, tensor in self.adapter.tensors.items():
+            for suffix, (part, embedding) in lora_keys.items():
+                if key.endswith(suffix):
+                    name = key[: -len(suffix)]
+                    if name not in self.named:
+                        raise self._another_base(f"adapts {name}, which the base lacks")
+                    update = updates.setdefault(name, _Update(name, embedding=embedding))
+                    setattr(update, part, tensor)
+                    break
+            else:
+                if ".lora_" in key:
+                    what = (
+                        "DoRA's magnitude vector"
+                        if ".lora_magnitude_vector" in key
+                        else "not one of plain LoRA's A and B factors"
+                    )
+                    raise AdapterError(
+                        f"The adapter {self.adapter.label} holds {key}, a LoRA tensor of a kind "
+                        f"grafting-lens does not compute ({what}; plain LoRA A and B only). "
+                        "Merge it into a full checkpoint (merge_and_unload) and load that."
+                    )
+                # A whole parameter: modules_to_save, the embedding layers PEFT saves
+                # beside embedding adapters (as base_layer.weight), or PEFT's copy of
+                # the base's own module beside a modules_to_save (original_module).
+                original = ".original_module." in key
+                name = key.replace(".base_layer.", ".").replace(".original_module.", ".")
+                parameter = self.parameters.get(name)
+                if parameter is None:
+                    raise self._another_base(f"holds {key}, a parameter the base lacks")
+                if tuple(tensor.shape) != tuple(parameter.shape):
+                    raise self._another_base(
+                        f"holds {key} of shape {tuple(tensor.shape)}, where the base's "
+                        f"{name} has {tuple(parameter.shape)}"
+                    )
+                value = tensor.to(device=parameter.device, dtype=parameter.dtype)
+                if torch.equal(value, parameter.detach()):
+                    continue
+                if original:
+                    raise self._another_base(
+                        f"holds {key}, its copy of the base's {name}, with other values than "
+                        "this base's"
+                    )
+                module_name = name.rpartition(".")[0]
+                owner = (
+                    self.named.get(module_name)
+                    if ".base_layer." not in key and self.adapter.saved_whole(module_name)
+                    else None
+                )
+                replacements.append(
+                    _Replacement(name, parameter, nn.Parameter(value, requires_grad=False), owner)
+                )
+        for update in updates.values():
+            self._check(update)
+        return updates, replacements
+
+    def _check(self, update: _Update) -> None:
+        module = self.named[update.name]
+        if update.lora_A is None or update.lora_B is None:
+            missing = "A" if update.lora_A is None else "B"
+            raise AdapterError(
+                f"The adapter {self.adapter.label} holds LoRA B without A (or A without B) for "
+                f"{update.name} (no {missing}); its weights file is incomplete."
+            )
+        if update.lora_A.dim() != 2 or update.lora_B.dim() != 2:
+            raise AdapterError(
+                f"The adapter {self.adapter.label} adapts {update.name} with factors of "
+                f"shapes {tuple(update.lora_A.shape)} and {tuple(update.lora_B.shape)}; "
+                "grafting-lens computes LoRA of linear layers and embeddings (2-d factors)."
+            )
+        if update.embedding:
+            if not isinstance(module, nn.Embedding):
+                raise self._another_base(
+                    f"adapts {update.name} as an embedding, which in the base is a "
+                    f"{type(module).__name__}"
+                )
+            d_in, d_out = module.num_embeddings, module.embedding_dim
+        elif isinstance(module, nn.Linear):
+            d_in, d_out = module.in_features, module.out_features
+        elif isinstance(module, Conv1D):
+            d_in, d_out = module.weight.shape[0], module.weight.shape[1]
+        else:
+            raise AdapterError(
+                f"The adapter {self.adapter.label} adapts {update.name}, a "
+                f"{type(module).__name__}; grafting-lens computes LoRA of linear layers "
+                "(nn.Linear, Conv1D) and embeddings."
+            )
+        rank = update.lora_A.shape[0]
+        if tuple(update.lora_A.shape) != (rank, d_in) or tuple(update.lora_B.shape) != (
+            d_out,
+            rank,
+        ):
+            raise self._another_base(
+                f"adapts {update.name} with A {tuple(update.lora_A.shape)} and B "
+                f"{tuple(update.lora_B.shape)}, but the base's {update.name} maps {d_in} to "
+                f"{d_out} features (A must be [r, {d_in}], B [{d_out}, r])"
+            )
+        expected = self.adapter.rank(update.name)
+        if rank != expected:
+            raise AdapterError(
+                f"The adapter {self.adapter.label} adapts {update.name} with factors of rank "
+                f"{rank} (A {tuple(update.lora_A.shape)}), but its config gives that module "
+                f"rank {expected} (r, or its rank_pattern entry), and the LoRA scale is "
+                "lora_alpha / rank: the config does not belong to these weights, and PEFT "
+                f"refuses to load them. {RESAVE}"
+            )
+        weight = module.weight
+        update.lora_A = update.lora_A.to(device=weight.device, dtype=weight.dtype)
+        update.lora_B = update.lora_B.to(device=weight.device, dtype=weight.dtype)
+
+    def _wrap(self, module: nn.Module, update: _Update) -> nn.Module:
+        assert update.lora_A is not None and update.lora_B is not None
+        scale = self.adapter.scale(update.name, int(update.lora_A.shape[0]))
+        kind = LoraEmbedding if update.embedding else LoraLinear
+        return kind(module, update.lora_A, update.lora_B, scale)
+
+    def _rows(self, fused: FusedProjection, update: _Update) -> dict[str, torch.Tensor]:
+        """Which rows of ``B`` (outputs of the fused module) each split module computes.
+
+        The bridge's split function runs on a stand-in whose weight holds each
+        output's row number in every entry; a split module's row ``i`` then holds the
+        fused output it computes. Checked against the base's own split modules.
+        """
+        template = fused.fused(self.base)
+        weight = template.weight
+        bias = getattr(template, "bias", None)
+        assert isinstance(weight, torch.Tensor) and update.lora_B is not None
+        d_out = update.lora_B.shape[0]
+        numbers = torch.arange(d_out, dtype=torch.float32)
+        by_rows = weight.shape[0] == d_out and not isinstance(template, Conv1D)
+        probe = (numbers[:, None] if by_rows else numbers[None, :]).expand(weight.shape)
+        replacements = {id(weight): nn.Parameter(probe.contiguous(), requires_grad=False)}
+        if bias is not None:
+            replacements[id(bias)] = nn.Parameter(numbers.clone(), requires_grad=False)
+        parts = fused.split(self.base, structural_copy(template, replacements))
+        matrix = weight.detach() if by_rows else weight.detach().t()  # [d_out, d_in]
+        rows = {}
+        for child, module in parts.items():
+            split = getattr(module, "weight", None)
+            base_child = self.templates[f"{fused.node}.{child}"]
+            index = None
+            if isinstance(module, nn.Linear) and isinstance(split, torch.Tensor):
+                first = split[:, 0]
+                if torch.equal(split, first[:, None].expand_as(split)) and torch.equal(
+                    first, first.round()
+                ):
+                    index = first.long()
+            if (
+                index is None
+                or not isinstance(base_child, nn.Linear)
+                or not torch.equal(base_child.weight.detach(), matrix[index.to(matrix.device)])
+            ):
+                raise AdapterError(
+                    f"The adapter {self.adapter.label} adapts {update.name}, which the bridge "
+                    f"splits into {', '.join(fused.children)} in a way that does not select "
+                    "whole output rows, so the adapter's B cannot be split with it. Merge the "
+                    "adapter into a full checkpoint (merge_and_unload) and load that, and "
+                    "please report the architecture."
+                )
+            rows[child] = index.to(update.lora_B.device)
+        return rows

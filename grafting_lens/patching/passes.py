@@ -1,0 +1,483 @@
+"""How a patch or a sweep runs: hooks, resumed passes, and cells planned into passes.
+
+Internal to :mod:`grafting_lens.patching.patch`, which validates every argument and then
+hands this module a :class:`PatchRun`: which checkpoint runs (the *running* one),
+which one the patched-in activations come from (the *giving* one), on which tokens.
+In the sufficiency direction the base runs and the donor gives; in the necessity
+direction the donor runs and the base gives. The names say which runs, never which
+checkpoint is which.
+
+Three things happen here, each explained where it is done:
+
+* :meth:`PatchRun.given_activations` records the activations to patch in, in one
+  forward pass of the giving checkpoint; :func:`site_hooks` writes them over the
+  running checkpoint's own (``resid_mid`` through the attention output, because the
+  bridge's ``hook_resid_mid`` is ``ln2``'s input, not the residual);
+* :meth:`PatchRun.run` computes one pass in which many cells are patched, each in its
+  own block of rows, resuming the unpatched run (:class:`UnpatchedPrefix`) from the
+  first position and the first layer the pass patches;
+* :func:`plan_passes` groups cells into passes so that the skipped work outweighs
+  each pass's fixed cost.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Union
+
+import torch
+from jaxtyping import Bool
+from transformers import DynamicCache
+
+from grafting_lens.core.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
+from grafting_lens.core.errors import PatchingError
+from grafting_lens.engine.positions import row_lengths
+from grafting_lens.models.model_set import ModelSet
+
+HOOKS = {
+    "resid_pre": "blocks.{layer}.hook_resid_pre",
+    "resid_mid": "blocks.{layer}.hook_resid_mid",
+    "resid_post": "blocks.{layer}.hook_resid_post",
+    "attn_out": "blocks.{layer}.hook_attn_out",
+    "mlp_out": "blocks.{layer}.hook_mlp_out",
+    "z": "blocks.{layer}.attn.hook_z",
+}
+"""The bridge's hook of each site, per layer."""
+
+# Per layer: row, position and head (or None) of every patched entry, and the
+# prompt (row of the activations patched in) each one takes its value from.
+Entries = dict[int, tuple[torch.Tensor, torch.Tensor, Union[torch.Tensor, None], torch.Tensor]]
+
+
+class UnpatchedPrefix(NamedTuple):
+    """The unpatched run: its logits, every position's keys and values, and the
+    residual stream entering each block (``[batch, pos, d_model]`` per layer)."""
+
+    logits: torch.Tensor
+    cache: DynamicCache
+    residuals: list[torch.Tensor]
+
+
+# Whether a bridge reproduces its own run when resumed mid-model (see
+# PatchRun.can_skip_layers); a property of the architecture, checked once per bridge.
+_RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+class PatchRun:
+    """One patch or sweep, validated: the running and giving checkpoints and their tokens.
+
+    Args:
+        models: The model set.
+        site: A site the architecture has.
+        running: Index of the checkpoint that runs.
+        giving: Index of the checkpoint whose activations are patched in.
+        tokens: ``[batch, pos]`` ids of the running checkpoint's run.
+        patch_tokens: Ids of the giving run (default: ``tokens``), same shape.
+        attention_mask: ``[batch, pos]`` right padding of both runs, or ``None``.
+    """
+
+    def __init__(
+        self,
+        models: ModelSet,
+        *,
+        site: str,
+        running: int,
+        giving: int,
+        tokens: torch.Tensor,
+        patch_tokens: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+    ) -> None:
+        self.models = models
+        self.site = site
+        self.running_model, self.giving_model = models[running], models[giving]
+        self.shape = (int(tokens.shape[0]), int(tokens.shape[1]))
+        self.cpu_attention_mask = None if attention_mask is None else attention_mask.cpu()
+        device = models.device
+        self.tokens = tokens.to(device)
+        self.patch_tokens = self.tokens if patch_tokens is None else patch_tokens.to(device)
+        self.attention_mask = None if attention_mask is None else attention_mask.to(device)
+        self.n_heads = int(models.base.cfg.n_heads)
+        lengths = row_lengths(self.shape, self.cpu_attention_mask)
+        self.last_positions = (lengths - 1).to(device)
+        self._distinct_last_positions = torch.unique(self.last_positions)  # sorted
+
+    def check_layers(self, layers: Sequence[int]) -> None:
+        hooks = self.running_model.hook_dict
+        for layer in layers:
+            if HOOKS[self.site].format(layer=layer) not in hooks:
+                raise PatchingError(
+                    f"Layer {layer} of {self.models.architecture} has no {self.site!r} site."
+                )
+
+    def given_activations(self, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+        """The activations to patch in, from one forward pass of the giving checkpoint."""
+        wanted = {HOOKS[self.site].format(layer=layer): layer for layer in layers}
+        if self.site == "resid_mid":
+            for layer in layers:
+                wanted[HOOKS["resid_pre"].format(layer=layer)] = layer
+                wanted[HOOKS["attn_out"].format(layer=layer)] = layer
+        stored: dict[str, torch.Tensor] = {}
+
+        def store(name: str) -> Callable:
+            # Keyed by the name asked for: the bridge reports aliases by their target.
+            def hook(activation, hook):
+                stored[name] = activation.detach()
+
+            return hook
+
+        self.giving_model.run_with_hooks(
+            self.patch_tokens,
+            attention_mask=self.attention_mask,
+            return_type=None,
+            fwd_hooks=[(name, store(name)) for name in wanted],
+        )
+        given = {}
+        for layer in layers:
+            activation = stored[HOOKS[self.site].format(layer=layer)]
+            if self.site == "z":
+                activation = per_head(activation, self.n_heads)
+            if self.site == "resid_mid":
+                check_resid_mid(self.models, layer, stored)
+            given[layer] = activation
+        return given
+
+    def unpatched_prefix(self) -> UnpatchedPrefix:
+        """The run model's own logits, keys, values and residual stream, to resume
+        patched runs from."""
+        cache = DynamicCache()
+        residuals: dict[int, torch.Tensor] = {}
+
+        def store(layer: int) -> Callable:
+            def hook(activation, hook):
+                residuals[layer] = activation.detach()
+
+            return hook
+
+        check_cache_continuation(
+            self.running_model,
+            "patching with reuse_prefix=True (pass reuse_prefix=False)",
+            PatchingError,
+        )
+        with cache_visible(self.running_model):
+            logits = self.running_model.run_with_hooks(
+                self.tokens,
+                attention_mask=self.attention_mask,
+                return_type="logits",
+                fwd_hooks=[
+                    (HOOKS["resid_pre"].format(layer=layer), store(layer))
+                    for layer in range(self.models.n_layers)
+                ],
+                **cached_forward_kwargs(self.running_model, cache),
+            )
+        return UnpatchedPrefix(
+            logits, cache, [residuals[layer] for layer in range(self.models.n_layers)]
+        )
+
+    def can_skip_layers(self, prefix: UnpatchedPrefix) -> bool:
+        """Whether resuming from a later block reproduces the unpatched run.
+
+        Skipping blocks swaps the Hugging Face model's list of decoder layers for
+        its tail for one pass. The models this library is tested on loop over
+        that list and nothing else; an architecture whose forward also indexes
+        per-layer settings by loop position would compute something else. One
+        unhooked pass from the middle block checks it against the unpatched
+        logits, once per bridge, and a model that fails keeps computing every block.
+        """
+        known = _RESUMABLE.get(self.running_model)
+        if known is not None:
+            return known
+        if self._block_list() is None or self.models.n_layers < 2:
+            return False
+        start = 1 if self.shape[1] > 1 else 0
+        logits = self.run(
+            1, {}, {}, start=start, prefix=prefix, first_layer=self.models.n_layers // 2
+        )
+        expected = prefix.logits
+        scale = float(expected.abs().max()) + 1e-6
+        _RESUMABLE[self.running_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
+        return _RESUMABLE[self.running_model]
+
+    def _last(
+        self,
+        computed: torch.Tensor,
+        start: int,
+        repeats: int,
+        prefix: UnpatchedPrefix | None,
+        kept: torch.Tensor,
+    ) -> torch.Tensor:
+        """Each row's last-token logits, ``[rows, 1, d_vocab]``.
+
+        ``computed`` holds the logits of positions ``kept`` (absolute, all at or
+        after ``start``); rows whose last token comes before ``start`` were not
+        computed and take the unpatched run's.
+        """
+        last = self.last_positions.repeat(repeats)
+        rows = torch.arange(len(last), device=last.device)
+        if len(kept) == 0:
+            return computed[rows % self.shape[0], last][:, None]
+        column = torch.searchsorted(kept, last.clamp(min=start)).clamp(max=len(kept) - 1)
+        logits = computed[rows, column]
+        early = last < start
+        if bool(early.any()):
+            assert prefix is not None
+            logits[early] = prefix.logits[rows[early] % self.shape[0], last[early]]
+        return logits[:, None]
+
+    def pass_costs(self, last_only: bool) -> tuple[int, float, float]:
+        """What :func:`plan_passes` needs: layers, the unembedding's cost in blocks,
+        and a pass's fixed cost in tokens (small on a CPU, large on an accelerator,
+        where a pass of a few tokens is dominated by kernel launches)."""
+        block = sum(parameter.numel() for parameter in self.running_model.blocks[0].parameters())
+        cfg = self.running_model.cfg
+        unembed = cfg.d_vocab * cfg.d_model / max(block, 1)
+        if last_only:
+            unembed /= self.shape[1]  # one position per row instead of every one
+        overhead = 64.0 if self.tokens.device.type == "cpu" else 1024.0
+        return self.models.n_layers, unembed, overhead
+
+    def _block_list(self) -> tuple[torch.nn.Module, str] | None:
+        """The module and attribute name holding the Hugging Face model's decoder layers."""
+        blocks = getattr(self.running_model, "blocks", None)
+        if blocks is None or len(blocks) == 0:
+            return None
+        for name, module in self.running_model.original_model.named_modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) == len(blocks):
+                if all(mine is theirs for mine, theirs in zip(module, blocks)):
+                    parent, _, attribute = name.rpartition(".")
+                    return self.running_model.original_model.get_submodule(parent), attribute
+        return None
+
+    def run(
+        self,
+        repeats: int,
+        entries: Entries,
+        given: dict[int, torch.Tensor],
+        *,
+        start: int = 0,
+        prefix: UnpatchedPrefix | None = None,
+        first_layer: int = 0,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The patched run's logits, with every entry written in one forward pass.
+
+        The tokens run ``repeats`` times along the batch. With ``start > 0`` only
+        positions ``start..pos-1`` are computed, attending over ``prefix``'s keys and
+        values of the earlier positions: a patch never changes what comes before it,
+        so those are the unpatched run's. With ``first_layer > 0`` blocks before it
+        are not run at all: the pass enters block ``first_layer`` with the unpatched
+        run's residual stream, which no patch at a later layer can change. With
+        ``last_only`` the result is each row's last real token, ``[rows, 1, d_vocab]``,
+        and the unembedding runs on those positions only. Entry positions are absolute.
+        """
+        hooks = []
+        device = self.tokens.device
+        for layer, (rows, pos, heads, prompts) in entries.items():
+            if len(rows) == 0:
+                continue
+            rows, pos, prompts = rows.to(device), pos.to(device), prompts.to(device)
+            index: tuple[torch.Tensor, ...]
+            if heads is None:
+                index = (rows, pos - start)
+                values = given[layer][prompts, pos]
+            else:
+                heads = heads.to(device)
+                index = (rows, pos - start, heads)
+                values = given[layer][prompts, pos, heads]
+            hooks.extend(site_hooks(self.site, layer, index, values, self.n_heads))
+        tokens = self.tokens.repeat(repeats, 1)
+        mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
+        options: dict[str, object] = {}
+        if last_only:
+            kept = self._distinct_last_positions
+            kept = kept[kept >= start]
+            if len(kept) == 0:  # no row reaches the computed window: nothing changes
+                assert prefix is not None
+                return self._last(prefix.logits, start, repeats, prefix, kept)
+            options["logits_to_keep"] = kept - start
+        if start > 0:
+            assert prefix is not None
+            past = DynamicCache()
+            cached: Any  # a DynamicCache layer: keys and values [batch, heads, pos, d_head]
+            for layer, cached in enumerate(prefix.cache.layers):
+                past.update(
+                    cached.keys[..., :start, :].repeat(repeats, 1, 1, 1),
+                    cached.values[..., :start, :].repeat(repeats, 1, 1, 1),
+                    layer,
+                )
+            options.update(cached_forward_kwargs(self.running_model, past))
+        with cache_visible(self.running_model):
+            rest = self._forward(tokens, start, mask, hooks, options, first_layer, prefix)
+        if last_only:
+            return self._last(rest, start, repeats, prefix, kept)
+        if start == 0:
+            return rest
+        assert prefix is not None  # start > 0 resumes from it
+        logits = rest.new_empty((rest.shape[0], start + rest.shape[1], rest.shape[2]))
+        per_cell = logits.view(repeats, -1, *logits.shape[1:])
+        per_cell[:, :, :start] = prefix.logits[:, :start]  # the same for every cell
+        logits[:, start:] = rest
+        return logits
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+        hooks: list,
+        options: dict[str, object],
+        first_layer: int,
+        prefix: UnpatchedPrefix | None,
+    ) -> torch.Tensor:
+        """One hooked pass from position ``start`` and block ``first_layer`` on."""
+        repeats = tokens.shape[0] // self.shape[0]
+        if first_layer == 0:
+            return self.running_model.run_with_hooks(
+                tokens[:, start:],
+                attention_mask=mask,
+                return_type="logits",
+                fwd_hooks=hooks,
+                **options,
+            )
+        assert prefix is not None
+        residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
+        parent, attribute = self._block_list()  # type: ignore[misc]
+        every_block = getattr(parent, attribute)
+        setattr(parent, attribute, torch.nn.ModuleList(list(every_block)[first_layer:]))
+        try:
+            return self.running_model.run_with_hooks(
+                residual,
+                start_at_layer=first_layer,
+                attention_mask=mask,
+                return_type="logits",
+                fwd_hooks=hooks,
+                **options,
+            )
+        finally:
+            setattr(parent, attribute, every_block)
+
+
+def site_hooks(
+    site: str,
+    layer: int,
+    index: tuple[torch.Tensor, ...],
+    values: torch.Tensor,
+    n_heads: int,
+) -> list[tuple[str, Callable]]:
+    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place)."""
+    if site == "resid_mid":
+        # The bridge's hook_resid_mid is ln2's input, not the residual that is added
+        # to the MLP output; writing attn_out = patched - resid_pre puts the patched
+        # vector in both places.
+        captured: dict[str, torch.Tensor] = {}
+
+        def capture(activation, hook):
+            captured["resid_pre"] = activation
+            return activation
+
+        def write_attention(activation, hook):
+            update = values.to(activation.dtype) - captured["resid_pre"][index]
+            return activation.index_put(index, update)
+
+        return [
+            (HOOKS["resid_pre"].format(layer=layer), capture),
+            (HOOKS["attn_out"].format(layer=layer), write_attention),
+        ]
+
+    def write(activation, hook):
+        shaped = per_head(activation, n_heads) if site == "z" else activation
+        patched = shaped.index_put(index, values.to(activation.dtype))
+        return patched.reshape(activation.shape)
+
+    return [(HOOKS[site].format(layer=layer), write)]
+
+
+def plan_passes(
+    starts: list[tuple[int, int]],
+    per_pass: int,
+    rows_per_cell: int,
+    length: int,
+    costs: tuple[int, float, float],
+) -> list[list[int]]:
+    """Group cells into forward passes of at most ``per_pass`` cells, cheaply.
+
+    A pass computes from the earliest position and the earliest layer of its
+    cells on, so cells that start alike should share one; but every pass also
+    has a fixed cost (reading every weight, launching kernels). Cells are tiled
+    over the grid of (first position, first layer) with every power-of-two tile
+    shape, and the tiling whose modelled cost is lowest wins: a pass costs
+    ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
+
+    Args:
+        starts: ``(first position, first layer)`` of each cell.
+        per_pass: Most cells in one pass.
+        rows_per_cell: Rows (prompts) each cell adds to a pass.
+        length: Tokens per row.
+        costs: ``(n_layers, unembedding cost in blocks, fixed cost of a pass in tokens)``.
+
+    Returns:
+        Cell indices, one list per pass.
+    """
+    n_layers, unembed, overhead = costs
+    position_index = {value: i for i, value in enumerate(sorted({p for p, _ in starts}))}
+    layer_index = {value: i for i, value in enumerate(sorted({layer for _, layer in starts}))}
+
+    def cost(cells: list[int]) -> float:
+        start = min(starts[cell][0] for cell in cells)
+        layer = min(starts[cell][1] for cell in cells)
+        tokens = len(cells) * rows_per_cell * (length - start)
+        return (tokens + overhead) * (n_layers - layer + unembed)
+
+    def tiling(tile_positions: int, tile_layers: int) -> list[list[int]]:
+        tiles: dict[tuple[int, int], list[int]] = {}
+        for cell, (start, layer) in enumerate(starts):
+            key = (position_index[start] // tile_positions, layer_index[layer] // tile_layers)
+            tiles.setdefault(key, []).append(cell)
+        passes = []
+        for key in sorted(tiles):
+            members = sorted(tiles[key], key=lambda cell: starts[cell])
+            passes += [members[i : i + per_pass] for i in range(0, len(members), per_pass)]
+        return passes
+
+    def sizes(n: int) -> list[int]:
+        return sorted({min(2**power, n) for power in range(n.bit_length() + 1)})
+
+    candidates = [
+        tiling(tile_positions, tile_layers)
+        for tile_positions in sizes(len(position_index))
+        for tile_layers in sizes(len(layer_index))
+    ]
+    return min(candidates, key=lambda passes: sum(map(cost, passes)))
+
+
+def first_position(selection: Bool[torch.Tensor, "batch pos"], length: int) -> int:
+    """The first position a selection patches in any row (the last one if it patches none)."""
+    columns = selection.any(dim=0).nonzero()
+    return int(columns[0]) if len(columns) else length - 1
+
+
+def per_head(activation: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``hook_z`` as ``[batch, pos, head, d_head]``, whether the bridge gives it flat or split."""
+    if activation.dim() == 4:
+        return activation
+    if activation.dim() == 3 and activation.shape[-1] % n_heads == 0:
+        return activation.reshape(*activation.shape[:2], n_heads, -1)
+    raise PatchingError(
+        f"hook_z has shape {list(activation.shape)}; expected [batch, pos, {n_heads} heads, "
+        "d_head] or [batch, pos, n_heads * d_head]."
+    )
+
+
+def check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor]) -> None:
+    """Refuse blocks whose mid residual is not resid_pre + attn_out (scaled residuals)."""
+    pre = stored[HOOKS["resid_pre"].format(layer=layer)]
+    attention = stored[HOOKS["attn_out"].format(layer=layer)]
+    mid = stored[HOOKS["resid_mid"].format(layer=layer)]
+    scale = float(mid.abs().max()) + 1e-6
+    if float((pre + attention - mid).abs().max()) > 1e-4 * scale:
+        raise PatchingError(
+            f"In {models.architecture}, blocks.{layer}.hook_resid_mid is not hook_resid_pre + "
+            "hook_attn_out (the block scales or normalises attention before adding it), so the "
+            "residual between attention and MLP cannot be patched. Patch 'attn_out' or "
+            "'resid_pre' instead."
+        )

@@ -1,0 +1,239 @@
+"""The paper's experiments: graft configurations as data, and one resumable runner for all of them.
+
+Every experiment in the paper asks the same question of many prompts: *if these weights, at
+these token positions, came from that checkpoint, would the model still name the right actor?*
+Only the "these weights, these positions, that checkpoint" part changes between figures:
+
+* **position grafting** (figures 2 and 3a) takes every weight of the finetuned model (SFT) at
+  some positions (the first entity FE, the last token LT, both, their complements) and the
+  pretrained model (PRE) elsewhere;
+* **component grafting** (figure 4 and its baselines) takes only some matrices (ATTN, O, FFN,
+  the FFN's up or down projection) at the last token, over a range of layers, from a model
+  that knows the tested relations into one that knows only the task;
+* the **reversal** variant grafts from a model finetuned on both directions of each relation
+  into one finetuned on one direction, and asks the reversed question;
+* the **hybrid** graft (figure 5) mixes three checkpoints: the task model's attention at FE
+  and LT, the relation model's O and FFN at LT over the last half of the layers, plus several
+  choices of task weights at FE (the authors' code grafts its *hybrid model*, the task model
+  with the relation model's O, FFN-up and FFN-down from layer ``n // 2`` on: :data:`HYBRID`).
+
+The package has one room per idea:
+
+* :mod:`~grafting_lens.study.semantics`: :class:`Semantics`, what configurations mean
+  (the authors' code, :data:`REFERENCE`, or the library's, :data:`CLEAN`);
+* :mod:`~grafting_lens.study.configs`: :class:`Graft`, :class:`GraftConfig`, the
+  paper's component names and the registries of configurations (:func:`register_config`);
+* :mod:`~grafting_lens.study.testsets`: :class:`TestSet`, one dataset under one prompt;
+* :mod:`~grafting_lens.study.stacking`: configurations checked against a model set and
+  stacked into one graft mask;
+* :mod:`~grafting_lens.study.runner`: :func:`run_experiment` and its :class:`RunOptions`;
+* :mod:`~grafting_lens.study.run_directory`: resumable run directories (manifest,
+  fingerprint, chunks);
+* :mod:`~grafting_lens.study.specs`: :class:`ExperimentSpec` and the registry of named
+  experiments (:func:`register_experiment`);
+* :mod:`~grafting_lens.study.named`: setting up and running a named experiment;
+* :mod:`~grafting_lens.study.report`: tables, markdown and the paper's figures;
+* :mod:`~grafting_lens.study.paper`: the paper's experiments, one registered spec each;
+* :mod:`~grafting_lens.study.patching_vs_grafting`: the comparison of both methods as
+  a named experiment;
+* :mod:`~grafting_lens.study.graft_attribution`: every cell's effect by attribution,
+  verified, and the minimal graft, as a named experiment.
+
+A configuration is data, a :class:`GraftConfig`: a name as in the paper's figures and a tuple
+of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` from
+``source``". Positions are *span expressions* over the spans every tokenized batch carries
+(:func:`grafting_lens.engine.positions.select_positions`): ``FE``, ``LT``, ``M`` (movie title),
+``REL`` (relation words), ``ALL``, joined with ``+`` and complemented with ``^C``, as in
+``(FE+LT)^C``. Components use the paper's names (``ATTN``, ``O``, ``FFN``, ``FFN-up``,
+``FFN-down``) or any component or group of :mod:`grafting_lens.models.components`.
+
+:func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns a tidy
+DataFrame with one row per example and configuration; with ``out=`` it saves chunks as they
+come and resumes a killed run.
+
+What a configuration means is a :class:`Semantics`, because the paper's text, the authors'
+released code and this library do not always agree. The paper says it uses "the finetuned
+embeddings for all grafted token positions and ... the original model's unembeddings"; its code
+copies weights by value, so on a model with tied embeddings (GPT-2, Llama 3.2 1B, Gemma) a
+grafted embedding also decodes its position through the donor's unembedding, and it differs
+on a dozen smaller points (final norm, fused QKV, layer quarters, BOS, the SFT baseline, the
+hybrid model, target and rank). :data:`REFERENCE` does what the code does, :data:`CLEAN` what
+this library does with components named as they are; every switch can be flipped alone
+(``dataclasses.replace(REFERENCE, unembed="base")``). The paper's named experiments default to
+:data:`REFERENCE`, :func:`run_experiment` and the lens to :data:`CLEAN`; every row records its
+semantics. A component named on its own is always grafted.
+
+The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
+``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``,
+``graft_attribution``, ``demo``) bundle
+model roles, tested relations, prompts, configurations, summaries and figures; each runs from
+Python and as ``grafting-lens run <name>``.
+
+Examples:
+    >>> from grafting_lens import experiments
+    >>> models, relations, info = experiments.toy_setup("hybrid")  # builds the toy world once
+    >>> results = experiments.run_named_experiment("hybrid", models, relations)
+    >>> metrics.summarize(results, by=("config", "prompt"))
+
+    A grid of your own:
+
+    >>> config = GraftConfig("O+FFN@last_half", (Graft("LT", "O+FFN", "last_half"),))
+    >>> test_sets = make_test_sets(relations, prompts=("headline", "qa"))
+    >>> results = run_experiment(models, test_sets, ["PRE", "LT", config], out="runs/mine")
+"""
+
+from __future__ import annotations
+
+from grafting_lens.core.errors import RunError
+from grafting_lens.core.lazy import submodules
+
+# Span expressions moved to grafting_lens.engine.positions; they stay importable from here.
+from grafting_lens.engine.positions import (
+    SPAN_ALIASES,
+    PositionFunction,
+    Spans,
+    select_positions,
+    span_names,
+)
+from grafting_lens.study.configs import (
+    COMPONENT_CONFIGS,
+    COMPONENT_LAYER_RANGES,
+    COMPONENT_SETS,
+    HYBRID,
+    HYBRID_CONFIGS,
+    HYBRID_FIRST_ENTITY,
+    MOVIE_CONFIGS,
+    PAPER_COMPONENTS,
+    PAPER_POSITION_CONFIGS,
+    POSITION_CONFIGS,
+    REGISTRIES,
+    RELATION,
+    TASK,
+    Graft,
+    GraftConfig,
+    code_hybrid_configs,
+    get_configs,
+    register_config,
+    resolve_components,
+    retarget,
+)
+from grafting_lens.study.named import (
+    ExperimentSetup,
+    checkpoint_setup,
+    finetuned_setup,
+    run_named_experiment,
+    run_spec,
+    setup_experiment,
+    toy_setup,
+)
+from grafting_lens.study.paper import PAPER_NUMBERS
+from grafting_lens.study.report import (
+    ExperimentReport,
+    prepare_report_directory,
+    summary_markdown,
+    write_experiment_report,
+    write_report,
+    write_table,
+)
+from grafting_lens.study.run_directory import RUN_FORMAT
+from grafting_lens.study.runner import (
+    POSITION_GRAFTING_COLUMNS,
+    ChunkInfo,
+    RunOptions,
+    run_experiment,
+    run_position_grafting,
+)
+from grafting_lens.study.semantics import (
+    CLEAN,
+    PRESETS,
+    REFERENCE,
+    SEMANTICS_CHOICES,
+    Semantics,
+    as_semantics,
+)
+from grafting_lens.study.specs import (
+    EXPERIMENTS,
+    ExperimentSpec,
+    Figure,
+    Option,
+    Part,
+    get_experiment,
+    register_experiment,
+)
+from grafting_lens.study.stacking import config_masks
+from grafting_lens.study.testsets import (
+    CODE_MOVIE_PROMPTS,
+    MOVIE_PROMPTS,
+    TestSet,
+    make_test_sets,
+)
+
+__all__ = [
+    "CLEAN",
+    "CODE_MOVIE_PROMPTS",
+    "COMPONENT_CONFIGS",
+    "COMPONENT_LAYER_RANGES",
+    "COMPONENT_SETS",
+    "EXPERIMENTS",
+    "HYBRID",
+    "HYBRID_CONFIGS",
+    "HYBRID_FIRST_ENTITY",
+    "MOVIE_CONFIGS",
+    "MOVIE_PROMPTS",
+    "PAPER_COMPONENTS",
+    "PAPER_NUMBERS",
+    "PAPER_POSITION_CONFIGS",
+    "POSITION_CONFIGS",
+    "POSITION_GRAFTING_COLUMNS",
+    "PRESETS",
+    "REFERENCE",
+    "REGISTRIES",
+    "RELATION",
+    "RUN_FORMAT",
+    "SEMANTICS_CHOICES",
+    "SPAN_ALIASES",
+    "TASK",
+    "ChunkInfo",
+    "ExperimentReport",
+    "ExperimentSetup",
+    "ExperimentSpec",
+    "Figure",
+    "Graft",
+    "GraftConfig",
+    "Option",
+    "Part",
+    "PositionFunction",
+    "RunError",
+    "RunOptions",
+    "Semantics",
+    "Spans",
+    "TestSet",
+    "as_semantics",
+    "checkpoint_setup",
+    "code_hybrid_configs",
+    "config_masks",
+    "finetuned_setup",
+    "get_configs",
+    "get_experiment",
+    "make_test_sets",
+    "prepare_report_directory",
+    "register_config",
+    "register_experiment",
+    "resolve_components",
+    "retarget",
+    "run_experiment",
+    "run_named_experiment",
+    "run_position_grafting",
+    "run_spec",
+    "select_positions",
+    "setup_experiment",
+    "span_names",
+    "summary_markdown",
+    "toy_setup",
+    "write_experiment_report",
+    "write_report",
+    "write_table",
+]
+
+
+__getattr__ = submodules(__name__)

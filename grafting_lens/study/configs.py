@@ -1,0 +1,656 @@
+"""Graft configurations as data, and the registries that name the paper's.
+
+A configuration is a :class:`GraftConfig`: a name as in the paper's figures and a
+tuple of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions``
+from ``source``". Positions are span expressions
+(:func:`grafting_lens.engine.positions.select_positions`: ``FE``, ``LT``, ``FE+LT``,
+``(FE+LT)^C``...); components use the paper's names (``ATTN``, ``O``, ``FFN``,
+``FFN-up``, ``FFN-down``, see :func:`resolve_components`) or any component or group
+of :mod:`grafting_lens.models.components`; layers are layer ranges
+(:func:`grafting_lens.models.layers.resolve_layers`).
+
+The registries hold the paper's configurations: :data:`POSITION_CONFIGS` (figures 2
+and 3a) with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its
+baselines) and :data:`HYBRID_CONFIGS` (figure 5), all reachable by name through
+:data:`REGISTRIES`. :func:`register_config` is the one door for more;
+:func:`get_configs` looks names up.
+
+What a name means depends on a :class:`~grafting_lens.study.Semantics`: which
+members a group such as ``all`` brings (:func:`resolve_components`), and, for the
+hybrid graft, which configurations the registry holds (the code's hybrid model,
+:data:`HYBRID`, under ``hybrid="code"``; :func:`get_configs`).
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from jaxtyping import Bool, Int
+
+from grafting_lens.core.arguments import is_integer, plain
+from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
+from grafting_lens.engine.positions import (
+    PositionFunction,
+    Spans,
+    callable_name,
+    parse_span_expression,
+    select_positions,
+)
+from grafting_lens.models.components import (
+    COMPONENT_GROUPS,
+    COMPONENTS,
+    canonical_component_name,
+    expand_components,
+)
+from grafting_lens.models.layers import LayerSpec
+from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+
+__all__ = [
+    "COMPONENT_CONFIGS",
+    "COMPONENT_LAYER_RANGES",
+    "COMPONENT_SETS",
+    "HYBRID",
+    "HYBRID_CONFIGS",
+    "HYBRID_FIRST_ENTITY",
+    "MOVIE_CONFIGS",
+    "PAPER_COMPONENTS",
+    "PAPER_POSITION_CONFIGS",
+    "POSITION_CONFIGS",
+    "REGISTRIES",
+    "RELATION",
+    "TASK",
+    "Graft",
+    "GraftConfig",
+    "get_configs",
+    "code_hybrid_configs",
+    "register_config",
+    "resolve_components",
+    "retarget",
+]
+
+# ---------------------------------------------------------------------- components
+
+PAPER_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "attn": COMPONENT_GROUPS["attn"],
+    "ffn": COMPONENT_GROUPS["ffn"],
+    "ffn-up": ("mlp_in", "mlp_gate"),
+    "ffn-down": ("mlp_out",),
+}
+"""The paper's names for sets of matrices: ATTN (Q, K, V), FFN (every MLP matrix), FFN-up
+(the up projection, and the gate where there is one, unless a semantics says
+``ffn_up_gate=False``) and FFN-down (the down projection). ``O`` is the component ``o``.
+Each expands to the members an architecture has."""
+
+_GROUP_SWITCHES = (
+    ("embed", "embed"),
+    ("pos_embed", "pos_embed"),
+    ("ln_final", "final_norm"),
+)
+
+
+def resolve_components(
+    spec: str | Iterable[str],
+    models: ModelSet,
+    *,
+    semantics: Semantics | str | None = None,
+    include_unembed: bool | None = None,
+    include_embeddings: bool | None = None,
+) -> tuple[str, ...]:
+    """The components a graft names, for this architecture, in :data:`~grafting_lens.models.components.COMPONENTS` order.
+
+    Which members a group brings is the semantics' to say (:class:`~grafting_lens.study.Semantics`:
+    ``unembed``, ``embed``, ``pos_embed``, ``final_norm``); a component named on its own
+    is always taken. With ``fused_qkv="as_code"``, on an architecture whose Q, K and V are
+    one fused matrix, ``q`` brings ``k`` and ``v`` along and ``k``, ``v`` without ``q``
+    are dropped, as the paper's code reads them.
+
+    Args:
+        spec: A ``+``-joined string (``"O+FFN"``, ``"ATTN+O+FFN-up"``, ``"all"``) or names.
+            Case does not matter. Paper names: see :data:`PAPER_COMPONENTS`; otherwise the
+            components and groups of :mod:`grafting_lens.models.components`.
+        models: The model set (what its architecture has).
+        semantics: A :class:`~grafting_lens.study.Semantics` or its label (default
+            :data:`~grafting_lens.study.CLEAN`).
+        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"`` (True) or
+            ``"base"`` (False).
+        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+
+    Raises:
+        ComponentError: An unknown name, a single component the architecture lacks, or
+            nothing left to graft.
+    """
+    semantics = fold_group_flags(
+        as_semantics(CLEAN if semantics is None else semantics),
+        include_unembed,
+        include_embeddings,
+        "resolve_components",
+    )
+    parts = [part.strip() for part in spec.split("+")] if isinstance(spec, str) else list(spec)
+    available = set(models.components)
+    chosen: set[str] = set()
+    for part in parts:
+        # The paper's labels in any spelling ("FFN-up", "ffn_up"), as the lens reads them.
+        name = canonical_component_name(part).replace("_", "-")
+        if name in PAPER_COMPONENTS:
+            members = [m for m in PAPER_COMPONENTS[name] if m in available]
+            if name == "ffn-up" and not semantics.ffn_up_gate:
+                members = [m for m in members if m != "mlp_gate"]
+            if not members:
+                raise ComponentError(
+                    f"{models.architecture} has none of {name.upper()}'s components "
+                    f"({', '.join(PAPER_COMPONENTS[name])})."
+                )
+            chosen.update(members)
+        elif canonical_component_name(part) in COMPONENT_GROUPS:
+            group = set(expand_components(part, available, models.architecture))
+            if semantics.unembed != "donor":
+                group.discard("unembed")
+            for component, switch in _GROUP_SWITCHES:
+                if not getattr(semantics, switch):
+                    group.discard(component)
+            chosen.update(group)
+        else:
+            # A single component or another label; an unknown name is refused there, with
+            # the nearest known name spelled as the paper or the library spells it.
+            chosen.update(expand_components([part], available, models.architecture))
+    if semantics.fused_qkv == "as_code" and models.layout.shares_parameter("q", "k", "v"):
+        # The code's q target is the fused module itself; its k and v name no module.
+        if "q" in chosen:
+            chosen.update(("k", "v"))
+        else:
+            chosen.difference_update(("k", "v"))
+    if not chosen:
+        raise ComponentError(
+            f"{spec!r} selects no component under the semantics {semantics.label!r} (groups "
+            "leave out what its unembed, embed, pos_embed and final_norm switches leave out; "
+            "with fused_qkv='as_code', k and v without q are nothing on a fused QKV matrix)."
+        )
+    return tuple(c for c in COMPONENTS if c in chosen)
+
+
+# --------------------------------------------------------------------- configurations
+
+TASK, RELATION = 1, 2
+"""Sources of the hybrid model set: 0 pretrained, 1 task model, 2 relation model."""
+
+HYBRID = "hybrid"
+"""A graft source naming the paper's code's *hybrid model* over a (pretrained, task,
+relation) model set: the task model, with the relation model's O, FFN-up and FFN-down
+(``o``, ``mlp_in``, ``mlp_out``; not the gate) in layers ``n // 2`` onwards. A graft
+from it takes those from :data:`RELATION` and everything else from :data:`TASK`."""
+
+HYBRID_TARGETS: tuple[str, ...] = ("o", "mlp_in", "mlp_out")
+"""What the code's hybrid model takes from the relation model, in its last half."""
+
+
+@dataclass(frozen=True)
+class Graft:
+    """Take ``components`` over ``layers`` at ``positions`` from checkpoint ``source``.
+
+    Attributes:
+        positions: A span expression (``"FE"``, ``"LT"``, ``"FE+LT"``, ``"(FE+LT)^C"``,
+            ``"ALL"``; see :func:`grafting_lens.engine.positions.select_positions`) or a function
+            ``(spans, attention_mask) -> [batch, pos]`` boolean tensor.
+        components: See :func:`resolve_components`; ``"all"`` by default (what position
+            grafting takes).
+        layers: See :func:`grafting_lens.resolve_layers`: ``"all"``, ``"last_half"``,
+            ``"first_quarter"``.. ``"last_quarter"``, an int, a list, a range. Global
+            components (embeddings, final norm, unembedding) ignore it.
+        source: Index of the checkpoint in the model set (0 is the base), or
+            :data:`HYBRID`, the paper's code's hybrid model over a (pretrained, task,
+            relation) model set.
+
+    Raises:
+        SelectionError: Positions that are neither a span expression nor a function, or
+            a span expression that does not parse.
+        ExperimentError: A source that is neither an int >= 0 nor :data:`HYBRID`.
+    """
+
+    positions: Union[str, PositionFunction] = "ALL"
+    components: Union[str, tuple[str, ...]] = "all"
+    layers: LayerSpec = "all"
+    source: Union[int, str] = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.positions, str):
+            parse_span_expression(self.positions)
+        elif not callable(self.positions):
+            raise SelectionError(
+                f"Graft positions must be a span expression such as 'FE+LT' or a function "
+                f"(spans, attention_mask) -> tensor, got {self.positions!r}."
+            )
+        if not isinstance(self.components, str):
+            object.__setattr__(self, "components", tuple(self.components))
+        if isinstance(self.layers, list):
+            object.__setattr__(self, "layers", tuple(self.layers))
+        if self.source != HYBRID and (not is_integer(self.source) or self.source < 0):
+            raise ExperimentError(
+                f"Graft source must be an int >= 0 (or HYBRID, the code's hybrid model), got "
+                f"{self.source!r}."
+            )
+        # A numpy integer is kept as Python's: a configuration's description is JSON.
+        object.__setattr__(self, "source", plain(self.source))
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description (what a run's fingerprint records)."""
+        positions = (
+            self.positions
+            if isinstance(self.positions, str)
+            else f"<function {callable_name(self.positions)}>"
+        )
+        layers: Any = self.layers
+        if isinstance(layers, range):
+            layers = f"range({layers.start}, {layers.stop}, {layers.step})"
+        elif isinstance(layers, slice):
+            layers = f"slice({layers.start}, {layers.stop}, {layers.step})"
+        elif isinstance(layers, tuple):
+            layers = list(layers)
+        components = self.components if isinstance(self.components, str) else list(self.components)
+        return {
+            "positions": positions,
+            "components": components,
+            "layers": layers,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class GraftConfig:
+    """One configuration: a name as in the paper's figures and the grafts it applies.
+
+    No grafts is the base model (the paper's PRE). Grafts may overlap where they agree
+    on the source; two grafts giving one cell different sources are refused.
+
+    Attributes:
+        name: The label in tables and figures (``"FE+LT"``, ``"O+FFN@last_quarter"``).
+        grafts: What to take from where.
+        tags: Extra columns for the results table, e.g.
+            ``{"component_set": "O+FFN", "layer_range": "last_quarter"}``.
+        description: One line for humans.
+
+    Raises:
+        ExperimentError: An empty name, or grafts that are not :class:`Graft` s.
+    """
+
+    name: str
+    grafts: tuple[Graft, ...] = ()
+    tags: Mapping[str, str] = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ExperimentError(f"A configuration needs a non-empty name, got {self.name!r}.")
+        grafts = (self.grafts,) if isinstance(self.grafts, Graft) else tuple(self.grafts)
+        for graft in grafts:
+            if not isinstance(graft, Graft):
+                raise ExperimentError(
+                    f"Configuration {self.name!r}: grafts must be Graft objects, got {graft!r}."
+                )
+        object.__setattr__(self, "grafts", grafts)
+        object.__setattr__(self, "tags", dict(self.tags))
+
+    def grafted_positions(
+        self, spans: Spans, attention_mask: Int[torch.Tensor, "batch pos"]
+    ) -> Bool[torch.Tensor, "batch pos"]:
+        """The positions any of its grafts selects in each row of a batch.
+
+        Raises:
+            SelectionError: A span the batch lacks, or positions on padding.
+        """
+        attention_mask = torch.as_tensor(attention_mask).cpu()
+        selected = torch.zeros(tuple(attention_mask.shape), dtype=torch.bool)
+        for graft in self.grafts:
+            selected |= select_positions(graft.positions, spans, attention_mask)
+        return selected
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description (what a run's fingerprint records)."""
+        return {
+            "name": self.name,
+            "grafts": [graft.describe() for graft in self.grafts],
+            "tags": dict(self.tags),
+        }
+
+
+def retarget(
+    configs: Iterable[GraftConfig],
+    components: str | Iterable[str] | None = None,
+    source: int | str = 1,
+) -> list[GraftConfig]:
+    """The configurations with every graft taking ``components`` (if given) from ``source``.
+
+    Position grafting asks "these positions, every weight, from the donor"; this asks
+    the same positions for other weights or of another checkpoint.
+    """
+    configs = list(configs)
+    if components is None and source == 1:
+        return configs
+    chosen = components if components is None or isinstance(components, str) else tuple(components)
+    return [
+        GraftConfig(
+            config.name,
+            tuple(
+                Graft(
+                    graft.positions,
+                    graft.components if chosen is None else chosen,
+                    graft.layers,
+                    source,
+                )
+                for graft in config.grafts
+            ),
+            config.tags,
+            config.description,
+        )
+        for config in configs
+    ]
+
+
+# ------------------------------------------------------------------------ registries
+
+
+def _registry(configs: Iterable[GraftConfig]) -> dict[str, GraftConfig]:
+    return {config.name: config for config in configs}
+
+
+def _position(name: str, positions: str | None, description: str) -> GraftConfig:
+    grafts = () if positions is None else (Graft(positions),)
+    return GraftConfig(name, grafts, description=description)
+
+
+POSITION_CONFIGS: dict[str, GraftConfig] = _registry(
+    [
+        _position("PRE", None, "nothing grafted: the pretrained model"),
+        _position("SFT", "ALL", "every position grafted: the finetuned model"),
+        _position("FE", "FE", "the first entity's tokens"),
+        _position("LT", "LT", "the last token"),
+        _position("FE+LT", "FE+LT", "the first entity and the last token"),
+        _position("(FE+LT)^C", "(FE+LT)^C", "every position but the first entity and last token"),
+        _position("FE^C", "FE^C", "every position but the first entity"),
+        _position("LT^C", "LT^C", "every position but the last token"),
+    ]
+)
+"""Position grafting (figures 2 and 3a): every weight of the donor at some positions."""
+
+PAPER_POSITION_CONFIGS: tuple[str, ...] = tuple(POSITION_CONFIGS)
+"""The paper's eight position configurations, in the order of its figures."""
+
+MOVIE_CONFIGS: dict[str, GraftConfig] = _registry(
+    [
+        _position("M", "M", "the movie title's tokens"),
+        _position("FE+M", "FE+M", "the first entity and the movie title"),
+        _position("M+LT", "M+LT", "the movie title and the last token"),
+        _position("FE+M+LT", "FE+M+LT", "first entity, movie title and last token"),
+    ]
+)
+"""Position grafting at the movie title; needs prompts that name it
+(:data:`~grafting_lens.study.MOVIE_PROMPTS`)."""
+
+COMPONENT_SETS: dict[str, str] = {
+    "ATTN+O+FFN": "ATTN+O+FFN",
+    "ATTN+O": "ATTN+O",
+    "O+FFN": "O+FFN",
+    "ATTN+FFN": "ATTN+FFN",
+    "O": "O",
+    "FFN": "FFN",
+    "O+FFN-up": "O+FFN-up",
+    "O+FFN-down": "O+FFN-down",
+}
+"""Figure 4's component sets at the last token, label -> components."""
+
+COMPONENT_LAYER_RANGES: tuple[str, ...] = (
+    "all",
+    "first_quarter",
+    "second_quarter",
+    "third_quarter",
+    "last_quarter",
+    "last_half",
+)
+"""The layer ranges each component set is grafted over (names of
+:data:`grafting_lens.models.layers.LAYER_FRACTIONS`)."""
+
+
+def _component_configs() -> dict[str, GraftConfig]:
+    configs = [
+        GraftConfig("BASE", (), {"component_set": "BASE", "layer_range": "-"}, "nothing grafted"),
+        GraftConfig(
+            "DONOR",
+            (Graft("ALL", "all", "all"),),
+            {"component_set": "DONOR", "layer_range": "-"},
+            "every weight of the donor at every position",
+        ),
+    ]
+    for layers in COMPONENT_LAYER_RANGES:
+        for label, components in COMPONENT_SETS.items():
+            configs.append(
+                GraftConfig(
+                    f"{label}@{layers}",
+                    (Graft("LT", components, layers),),
+                    {"component_set": label, "layer_range": layers},
+                    f"the donor's {label} at the last token, layers: {layers}",
+                )
+            )
+    return _registry(configs)
+
+
+COMPONENT_CONFIGS: dict[str, GraftConfig] = _component_configs()
+"""Component grafting at the last token (figure 4, its baselines and the reversal variant):
+``"<set>@<layer range>"`` for every set of :data:`COMPONENT_SETS` and range of
+:data:`COMPONENT_LAYER_RANGES`, plus ``BASE`` (nothing grafted) and ``DONOR`` (the donor
+everywhere). Source 1 is the donor."""
+
+_HYBRID_LAST_TOKEN = (
+    Graft("LT", "ATTN", "all", TASK),
+    Graft("LT", "O+FFN", "last_half", RELATION),
+)
+HYBRID_FIRST_ENTITY: dict[str, str | None] = {
+    "none": None,
+    "ATTN": "ATTN",
+    "ATTN+O": "ATTN+O",
+    "FFN": "FFN",
+    "O+FFN": "O+FFN",
+    "ALL": "all",
+}
+"""Figure 5's choices of task-model weights at the first entity (all layers)."""
+
+
+def _hybrid_configs() -> dict[str, GraftConfig]:
+    everywhere = {"first_entity": "-"}
+    configs = [
+        GraftConfig("PRE", (), everywhere, "the pretrained model"),
+        GraftConfig(
+            "TASK", (Graft("ALL", "all", "all", TASK),), everywhere, "the task model everywhere"
+        ),
+        GraftConfig(
+            "RELATION",
+            (Graft("ALL", "all", "all", RELATION),),
+            everywhere,
+            "the relation model everywhere",
+        ),
+    ]
+    for label, components in HYBRID_FIRST_ENTITY.items():
+        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
+        configs.append(
+            GraftConfig(
+                "LT" if components is None else f"LT+FE:{label}",
+                _HYBRID_LAST_TOKEN + first_entity,
+                {"first_entity": label},
+                "task ATTN at LT, relation O+FFN at LT over the last half"
+                + ("" if components is None else f", task {label} at FE"),
+            )
+        )
+    return _registry(configs)
+
+
+HYBRID_CONFIGS: dict[str, GraftConfig] = _hybrid_configs()
+"""The hybrid graft (figure 5) over a pretrained (0), task (1) and relation (2) model set:
+``LT`` is the task model's ATTN at the last token (all layers) with the relation model's
+O+FFN there over the last half of the layers; ``LT+FE:<x>`` adds the task model's ``x`` at
+the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines.
+This is the library's reading (``hybrid="clean"``); :func:`code_hybrid_configs` is the
+paper's code's."""
+
+
+def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, GraftConfig]:
+    """The hybrid graft as the paper's released code runs it, under the names of
+    :data:`HYBRID_CONFIGS` (what a semantics with ``hybrid="code"`` looks names up in).
+
+    ``LT`` takes every ATTN, O and FFN weight of the code's hybrid model (:data:`HYBRID`)
+    at the last token over ``last_token_layers``: so the relation model's O, FFN-up and
+    FFN-down in the layers from ``n // 2`` on, the task model's elsewhere, and the task
+    model's attention and gate. ``LT+FE:<x>`` adds the task model's ``x`` at the first
+    entity over all layers; the baselines are :data:`HYBRID_CONFIGS`'.
+
+    Args:
+        last_token_layers: ``"last_half"`` (the third and fourth quarters, as the
+            authors' sweep set them for the hybrid) or ``"all"``; the released code's
+            configuration file is not public, so both readings are offered.
+
+    Raises:
+        ExperimentError: Another value of ``last_token_layers``.
+    """
+    if last_token_layers not in ("last_half", "all"):
+        raise ExperimentError(
+            f"last_token_layers must be 'last_half' or 'all', got {last_token_layers!r}."
+        )
+    configs = [HYBRID_CONFIGS[name] for name in ("PRE", "TASK", "RELATION")]
+    last_token = Graft("LT", "ATTN+O+FFN", last_token_layers, HYBRID)
+    for label, components in HYBRID_FIRST_ENTITY.items():
+        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
+        configs.append(
+            GraftConfig(
+                "LT" if components is None else f"LT+FE:{label}",
+                (last_token, *first_entity),
+                {"first_entity": label},
+                f"the code's hybrid model's ATTN+O+FFN at LT ({last_token_layers} layers)"
+                + ("" if components is None else f", task {label} at FE"),
+            )
+        )
+    return _registry(configs)
+
+
+class ChainedRegistry(ChainMap):
+    """Several registries read as one, listed in the order they are given (a ChainMap
+    lists the last first); additions go to the first."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(dict.fromkeys(name for mapping in self.maps for name in mapping))
+
+
+REGISTRIES: dict[str, Mapping[str, GraftConfig]] = {
+    "position": ChainedRegistry(POSITION_CONFIGS, MOVIE_CONFIGS),
+    "component": COMPONENT_CONFIGS,
+    "hybrid": HYBRID_CONFIGS,
+}
+"""Configurations by experiment; names passed to a run are looked up here."""
+
+
+def register_config(
+    config: GraftConfig, registry: str = "position", overwrite: bool = False
+) -> None:
+    """Add a configuration to a registry so runs can name it.
+
+    Args:
+        config: The configuration.
+        registry: ``"position"`` (added next to the paper's eight), ``"component"`` or
+            ``"hybrid"``.
+        overwrite: Allow replacing a configuration of the same name.
+
+    Raises:
+        ExperimentError: An unknown registry, or a name that is taken.
+    """
+    if not isinstance(config, GraftConfig):
+        raise ExperimentError(f"register_config needs a GraftConfig, got {type(config).__name__}.")
+    target = _registry_named(registry)
+    if isinstance(target, ChainMap):
+        target = target.maps[0]
+    if config.name in target and not overwrite:
+        raise ExperimentError(
+            f"A {registry} configuration named {config.name!r} exists; pass overwrite=True to "
+            "replace it."
+        )
+    target[config.name] = config  # type: ignore[index]
+
+
+def _registry_named(name: str) -> Mapping[str, GraftConfig]:
+    if name not in REGISTRIES:
+        raise ExperimentError(
+            f"Unknown registry {name!r}.{did_you_mean(name, REGISTRIES)} Known: "
+            f"{', '.join(REGISTRIES)}."
+        )
+    return REGISTRIES[name]
+
+
+def get_configs(
+    configs: str | GraftConfig | Iterable[str | GraftConfig],
+    registry: str | Mapping[str, GraftConfig] = "position",
+    kind: str | None = None,
+    *,
+    semantics: Semantics | str | None = None,
+) -> list[GraftConfig]:
+    """Look configuration names up in a registry; GraftConfig objects pass through.
+
+    Args:
+        configs: Names, :class:`GraftConfig` s, or a mix.
+        registry: A key of :data:`REGISTRIES` or a mapping of configurations.
+        kind: What to call the configurations in messages (default: the registry's
+            name, e.g. ``"component-grafting"``).
+        semantics: Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
+            the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
+            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
+            configurations do not depend on it.
+
+    Raises:
+        ExperimentError: No configuration, an unknown name (the message lists the
+            known ones), or a name given twice.
+    """
+    chosen = None if semantics is None else as_semantics(semantics)
+    code = None
+    if chosen is not None and chosen.hybrid == "code":
+        code = code_hybrid_configs(chosen.hybrid_last_token_layers)
+    if isinstance(registry, str):
+        kind = kind or f"{registry}-grafting"
+        name = registry
+        registry = _registry_named(registry)
+        if name == "hybrid" and code is not None:
+            registry = ChainedRegistry(code, dict(registry))
+    kind = kind or "grafting"
+    if isinstance(configs, (str, GraftConfig)):
+        configs = [configs]
+    resolved = []
+    for item in configs:
+        if isinstance(item, GraftConfig) and code is not None:
+            resolved.append(_as_code_hybrid(item, code))
+        elif isinstance(item, GraftConfig):
+            resolved.append(item)
+        elif isinstance(item, str) and item in registry:
+            resolved.append(registry[item])
+        else:
+            raise ExperimentError(
+                f"Unknown {kind} configuration {item!r}.{did_you_mean(str(item), registry)} "
+                f"Known: {', '.join(registry)}."
+            )
+    if not resolved:
+        raise ExperimentError(f"No configuration given; choose from {', '.join(registry)}.")
+    names = [config.name for config in resolved]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ExperimentError(f"Configurations are listed twice: {repeated}.")
+    return resolved
+
+
+def _as_code_hybrid(config: GraftConfig, code: Mapping[str, GraftConfig]) -> GraftConfig:
+    """A configuration given as an object, under a semantics whose hybrid is the code's.
+
+    The library's own hybrid configurations (:data:`HYBRID_CONFIGS`' objects, in any
+    registry or none) run as the code runs them, as their names do, so that a row's
+    semantics says what was grafted; any other configuration is the caller's own graft
+    and is taken as it is.
+    """
+    if HYBRID_CONFIGS.get(config.name) == config and config.name in code:
+        return code[config.name]
+    return config

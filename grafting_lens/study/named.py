@@ -1,0 +1,629 @@
+"""Running a named experiment: its checkpoints in their roles, its relations, its parts.
+
+:func:`toy_setup` loads the toy world's checkpoints in an experiment's roles (building
+the world on first use); :func:`checkpoint_setup` does the same for your checkpoints,
+with the relations they were finetuned on; :func:`finetuned_setup` finetunes a copy of a
+pretrained checkpoint first. :func:`setup_experiment` chooses among them, and
+:func:`run_spec` runs the experiment on what it set up: every part of a configuration
+grid through :func:`run_named_experiment`, or the experiment's own runner.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.console import show_progress
+from grafting_lens.core.errors import ExperimentError
+from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study.configs import get_configs
+from grafting_lens.study.runner import ChunkInfo, RunOptions, run_experiment
+from grafting_lens.study.semantics import Semantics, as_semantics
+from grafting_lens.study.specs import ExperimentSpec, get_experiment
+from grafting_lens.study.testsets import make_test_sets
+from grafting_lens.worlds import data
+from grafting_lens.worlds.documents import training_documents
+
+__all__ = [
+    "QUICK_RELATIONS",
+    "ExperimentSetup",
+    "checkpoint_setup",
+    "finetuned_setup",
+    "run_named_experiment",
+    "run_spec",
+    "setup_experiment",
+    "toy_setup",
+]
+
+QUICK_RELATIONS = 16
+"""How many relations a ``quick`` run asks about."""
+
+
+@dataclass(frozen=True)
+class ExperimentSetup:
+    """What a named experiment runs on.
+
+    Attributes:
+        models: The model set, in the experiment's roles.
+        relations: The relations to ask about.
+        label: The models in a few words, for reports (``"toy world 3f2a..."``,
+            ``"gpt2 <- gpt2-sft"``).
+        dataset: The dataset the relations come from (the ``dataset`` column).
+        data_seed: The seed they were made with (the ``data_seed`` column).
+        seeds: Further seeds to record with every row (the toy world's).
+        world: The toy world's ``root``, ``seed``, ``dataset`` and ``evaluation``, or
+            ``None`` for your own checkpoints.
+        resumable: Whether a run on these models can resume from a run directory (not
+            when a donor was finetuned in this process: another process finetunes
+            another donor).
+    """
+
+    models: ModelSet
+    relations: list[data.Relation]
+    label: str
+    dataset: str
+    data_seed: int | None = None
+    seeds: dict[str, int] = field(default_factory=dict)
+    world: dict[str, Any] | None = None
+    resumable: bool = True
+
+
+def toy_setup(
+    experiment: str | ExperimentSpec,
+    config: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+    device: str | None = None,
+    progress: bool | None = None,
+) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
+    """The toy world's checkpoints and relations for one experiment.
+
+    Builds the toy world on first use (minutes; cached afterwards, see
+    :func:`grafting_lens.worlds.toy.build_toy_world`).
+
+    Returns:
+        ``(models, relations, info)``: the model set in the experiment's roles, the
+        relations to ask about, and ``info`` with the world's ``root``, ``seed``,
+        ``dataset`` and its own ``evaluation`` of each checkpoint.
+
+    Raises:
+        ExperimentError: An unknown experiment.
+    """
+    from grafting_lens.models.loading import load_models
+    from grafting_lens.worlds import toy
+
+    spec = get_experiment(experiment)
+    world = toy.build_toy_world(
+        config=config, cache_dir=cache_dir, progress=show_progress(progress)
+    )
+    models = load_models(
+        *(world.model_dir(role) for role in spec.roles),
+        tokenizer=world.load_tokenizer(),
+        device=device,
+        names=list(spec.labels),
+    )
+    return models, *_world_relations(world, spec)
+
+
+def _world_relations(world: Any, spec: ExperimentSpec) -> tuple[list[data.Relation], dict]:
+    """The relations an experiment asks about in a built world (toy or real), and what to
+    record of the world: one reading for every world."""
+    relations = {
+        "all": "relations",
+        "task": "task_relations",
+        "relation": "relation_relations",
+    }[spec.relations]
+    info = {
+        "root": str(world.root),
+        "seed": world.config.seed,
+        "dataset": world.config.dataset,
+        "evaluation": world.manifest.get("evaluation", {}),
+    }
+    return list(getattr(world, relations)), info
+
+
+def smollm2_setup(
+    experiment: str | ExperimentSpec,
+    config: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
+    """The real-model world's checkpoints and relations for one experiment.
+
+    Builds the world of ``config`` (a :class:`grafting_lens.worlds.smollm2.SmolLM2WorldConfig`,
+    the default recipe when ``None``) on first use (about 50 minutes on a 2-core CPU,
+    resumable; see :mod:`grafting_lens.worlds.smollm2`), opens it afterwards.
+
+    Returns:
+        ``(models, relations, info)`` as :func:`toy_setup`'s.
+
+    Raises:
+        ExperimentError: An unknown experiment.
+        GraftingLensError: An experiment whose roles the world lacks (a2b, both).
+    """
+    from grafting_lens.models.loading import load_models
+    from grafting_lens.worlds import smollm2
+
+    spec = get_experiment(experiment)
+    world = smollm2.build_smollm2_world(
+        config, cache_dir=cache_dir, progress=show_progress(progress)
+    )
+    models = load_models(
+        *(world.model_dir(role) for role in spec.roles),
+        device=device,
+        dtype=dtype,
+        names=list(spec.labels),
+    )
+    return models, *_world_relations(world, spec)
+
+
+def checkpoint_setup(
+    experiment: str | ExperimentSpec,
+    checkpoints: Sequence[str | os.PathLike],
+    dataset: str = "fake_movies_real_actors",
+    n_relations: int = 1000,
+    seed: int = 0,
+    relations: str | None = None,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[ModelSet, list[data.Relation]]:
+    """Real checkpoints in an experiment's roles, and the relations they were finetuned on.
+
+    Args:
+        experiment: A key of :data:`~grafting_lens.study.EXPERIMENTS`.
+        checkpoints: Hub ids or directories, one per role (``EXPERIMENTS[experiment].roles``:
+            e.g. pretrained then finetuned for ``position``; task then relation model for
+            ``component``; pretrained, task, relation for ``hybrid``).
+        dataset: The dataset the donors were finetuned on: the relations are
+            ``make_relations(dataset, n_relations, seed)``.
+        n_relations: How many relations, as in ``make_relations``.
+        seed: The seed of ``make_relations``.
+        relations: Which of them to ask about (``"all"``, ``"task"``, ``"relation"``;
+            default: the experiment's).
+        device: Passed to :func:`grafting_lens.load_models`.
+        dtype: Passed to :func:`grafting_lens.load_models`.
+
+    Raises:
+        ExperimentError: A wrong number of checkpoints or an unknown choice.
+    """
+    from grafting_lens.models.loading import load_models
+
+    spec = get_experiment(experiment)
+    if len(checkpoints) != len(spec.roles):
+        raise ExperimentError(
+            f"The {spec.name} experiment needs {len(spec.roles)} checkpoints "
+            f"({', '.join(spec.roles)}), got {len(checkpoints)}."
+        )
+    made = _relations(spec, dataset, n_relations, seed, relations)
+    models = load_models(*checkpoints, device=device, dtype=dtype, names=list(spec.labels))
+    return models, made
+
+
+def finetuned_setup(
+    experiment: str | ExperimentSpec,
+    checkpoint: str,
+    *,
+    dataset: str = "fake_movies_real_actors",
+    n_relations: int = 100,
+    seed: int = 0,
+    epochs: int | None = None,
+    device: str | None = None,
+    progress: bool | None = None,
+    on_status: Callable[[str], None] | None = None,
+) -> tuple[ModelSet, list[data.Relation]]:
+    """A pretrained checkpoint and a copy of it finetuned here on the experiment's relations.
+
+    The copy is finetuned with the paper's "aggressive" preset
+    (:func:`grafting_lens.worlds.finetune.finetune`) on the A2B training documents of
+    ``make_relations(dataset, n_relations, seed)``; anything but a small model wants a
+    GPU for that.
+
+    Args:
+        experiment: An experiment with two roles (base and donor).
+        checkpoint: Hub id or directory of the pretrained model.
+        dataset: The relations' dataset.
+        n_relations: How many relations to teach.
+        seed: Their seed, and the finetuning's.
+        epochs: Override the preset's epochs (e.g. 2 for a smoke run).
+        device: Where to finetune and run.
+        progress: Show the finetuning's progress bar (default: when someone watches,
+            see :func:`~grafting_lens.core.console.show_progress`).
+        on_status: Called with one line before finetuning starts.
+
+    Raises:
+        ExperimentError: An experiment with more than two roles.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grafting_lens.models.loading import load_models
+    from grafting_lens.worlds.finetune import finetune
+
+    spec = get_experiment(experiment)
+    if len(spec.roles) != 2:
+        raise ExperimentError(
+            f"The {spec.name} experiment needs {len(spec.roles)} checkpoints; only a base and "
+            "one donor can be made by finetuning here."
+        )
+    relations = _relations(spec, dataset, n_relations, seed, None)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    base = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    finetuned = copy.deepcopy(base)
+    documents = training_documents(relations, direction="A2B", seed=seed)
+    if on_status is not None:
+        name = Path(checkpoint).name if Path(checkpoint).is_dir() else checkpoint
+        on_status(
+            f"Finetuning {name} on {len(relations)} relations ({len(documents)} documents)..."
+        )
+    finetune(
+        finetuned,
+        tokenizer,
+        documents,
+        preset="aggressive",
+        epochs=epochs,
+        device=device,
+        seed=seed,
+        progress=progress,
+    )
+    if device is not None:
+        base.to(device)
+    models = load_models(
+        base, finetuned, tokenizer=tokenizer, device=device, names=list(spec.labels)
+    )
+    return models, relations
+
+
+def setup_experiment(
+    experiment: str | ExperimentSpec,
+    checkpoints: Sequence[str] | None = None,
+    *,
+    toy_config: Any = None,
+    cache_dir: str | os.PathLike | None = None,
+    dataset: str = "fake_movies_real_actors",
+    n_relations: int | None = None,
+    seed: int = 0,
+    relations: str | None = None,
+    quick: bool = False,
+    device: str | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+    on_status: Callable[[str], None] | None = None,
+    world: str = "toy",
+) -> ExperimentSetup:
+    """Load what an experiment runs on: a world, your checkpoints, or a finetuned copy.
+
+    Args:
+        experiment: A registered experiment.
+        checkpoints: ``None`` for the toy world; one checkpoint per role; or, for an
+            experiment that finetunes a missing donor, the base alone.
+        toy_config: A :class:`grafting_lens.worlds.toy.ToyWorldConfig` (default: the standard
+            world; a small one for ``quick`` runs of an experiment with ``quick_world``).
+        cache_dir: Where toy worlds are cached.
+        dataset: With checkpoints: the dataset they were (or are now) finetuned on.
+        n_relations: With checkpoints: how many relations (default: the experiment's,
+            20 for a ``quick`` finetune).
+        seed: With checkpoints: the relations' seed.
+        relations: With checkpoints: which relations to ask about (default: the
+            experiment's).
+        quick: A smoke run (see :attr:`ExperimentSpec.quick_world`).
+        device: Where the models go.
+        dtype: Cast the models.
+        progress: Show progress bars (default: when someone watches, see
+            :func:`~grafting_lens.core.console.show_progress`).
+        on_status: Called with a line before long steps (building, finetuning).
+        world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.worlds.toy`) or
+            ``"smollm2"``, the real-model world (:mod:`grafting_lens.worlds.smollm2`).
+
+    Raises:
+        ExperimentError: A wrong number of checkpoints, or an unknown world.
+    """
+    spec = get_experiment(experiment)
+    if world not in ("toy", "smollm2"):
+        raise ExperimentError(f"No world {world!r}: choose 'toy' or 'smollm2'.")
+    if checkpoints is None and world == "smollm2":
+        if on_status is not None:
+            on_status("Building or opening the smollm2 world...")
+        models, made, info = smollm2_setup(
+            spec, cache_dir=cache_dir, device=device, dtype=dtype, progress=progress
+        )
+        return ExperimentSetup(
+            models=models,
+            relations=made,
+            label=f"smollm2 world {Path(info['root']).name}",
+            dataset=info["dataset"],
+            data_seed=info["seed"],
+            seeds={"world": info["seed"]},
+            world=info,
+        )
+    if checkpoints is None:
+        config = toy_config
+        small = config is None and quick and spec.quick_world
+        if small:
+            config = quick_toy_config()
+        if on_status is not None:
+            on_status("Building or loading the toy world" + (" (quick)" if small else "") + "...")
+        models, made, toy = toy_setup(
+            spec, config=config, cache_dir=cache_dir, device=device, progress=progress
+        )
+        if dtype is not None:
+            for bridge in models:
+                bridge.to(dtype=dtype)
+        return ExperimentSetup(
+            models=models,
+            relations=made,
+            label=f"toy world {Path(toy['root']).name}",
+            dataset=toy["dataset"],
+            data_seed=toy["seed"],
+            seeds={"world": toy["seed"]},
+            world=toy,
+        )
+    checkpoints = [str(checkpoint) for checkpoint in checkpoints]
+    if len(checkpoints) == 1 and spec.finetune_missing_donor:
+        count = n_relations or (20 if quick else spec.default_relations)
+        models, made = finetuned_setup(
+            spec,
+            checkpoints[0],
+            dataset=dataset,
+            n_relations=count,
+            seed=seed,
+            epochs=2 if quick else None,
+            device=device,
+            progress=progress,
+            on_status=on_status,
+        )
+        if dtype is not None:
+            for bridge in models:
+                bridge.to(dtype=dtype)
+        label = f"{_short(checkpoints[0])}, finetuned here"
+    else:
+        models, made = checkpoint_setup(
+            spec,
+            checkpoints,
+            dataset=dataset,
+            n_relations=n_relations or spec.default_relations,
+            seed=seed,
+            relations=relations,
+            device=device,
+            dtype=dtype,
+        )
+        label = " <- ".join(_short(checkpoint) for checkpoint in checkpoints)
+    return ExperimentSetup(
+        models=models,
+        relations=made,
+        label=label,
+        dataset=dataset,
+        data_seed=seed,
+        resumable=not (len(checkpoints) == 1 and spec.finetune_missing_donor),
+    )
+
+
+def run_named_experiment(
+    experiment: str | ExperimentSpec,
+    models: ModelSet,
+    relations: Sequence[data.Relation],
+    *,
+    out: str | os.PathLike | None = None,
+    quick: bool = False,
+    n_examples: int | None = None,
+    dataset: str = "fake_movies_real_actors",
+    seed: int | None = None,
+    options: RunOptions | None = None,
+    on_chunk: Callable[[ChunkInfo], None] | None = None,
+    **settings: Any,
+) -> pd.DataFrame:
+    """Run one of :data:`~grafting_lens.study.EXPERIMENTS` over ``relations``: every part, every prompt.
+
+    Args:
+        experiment: A key of :data:`~grafting_lens.study.EXPERIMENTS`.
+        models: The model set in the experiment's roles (see :func:`toy_setup`).
+        relations: What to ask about.
+        out: A directory; each part runs (resumably) in ``out/<part>``.
+        quick: Ask about the first 16 relations only, with the experiment's short list
+            of configurations.
+        n_examples: Ask about the first ``n_examples`` relations only.
+        dataset: Label of the relations (the ``dataset`` column).
+        seed: Seed the relations were made with (the ``data_seed`` column).
+        options: How to run (see :class:`~grafting_lens.study.RunOptions`); its
+            ``semantics`` defaults to the experiment's (:attr:`ExperimentSpec.semantics`:
+            :data:`~grafting_lens.study.REFERENCE` for the paper's experiments).
+        on_chunk: Called after each chunk (see :func:`~grafting_lens.study.run_experiment`).
+        **settings: Fields of :class:`~grafting_lens.study.RunOptions` by name
+            (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
+
+    Returns:
+        The parts' tables, concatenated, with a ``part`` column after ``models`` (for an
+        experiment with its own runner, its ``results`` table).
+
+    Raises:
+        GraftingLensError: Anything :func:`~grafting_lens.study.run_experiment`
+            refuses, for any part, before the first part runs.
+    """
+    spec = get_experiment(experiment)
+    setup = ExperimentSetup(
+        models=models,
+        relations=list(relations),
+        label=",".join(models.names),
+        dataset=dataset,
+        data_seed=seed,
+    )
+    tables = run_spec(
+        spec,
+        setup,
+        out=out,
+        quick=quick,
+        n_examples=n_examples,
+        options=options,
+        on_chunk=on_chunk,
+        **settings,
+    )
+    return tables["results"]
+
+
+def run_spec(
+    experiment: str | ExperimentSpec,
+    setup: ExperimentSetup,
+    *,
+    out: str | os.PathLike | None = None,
+    quick: bool = False,
+    n_examples: int | None = None,
+    options: RunOptions | None = None,
+    extras: Mapping[str, Any] | None = None,
+    on_chunk: Callable[[ChunkInfo], None] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """Run a named experiment on what :func:`setup_experiment` loaded.
+
+    Args:
+        experiment: A registered experiment.
+        setup: Its models and relations.
+        out: A directory for its resumable runs (``out/<part>``).
+        quick: A short run: 16 relations and the parts' ``quick`` configurations.
+        n_examples: Ask about the first ``n_examples`` relations only.
+        options: How to run; ``settings`` override its fields.
+        extras: Values of the experiment's own options (see :class:`Option`).
+        on_chunk: Called after each chunk.
+        **settings: Fields of :class:`~grafting_lens.study.RunOptions`.
+
+    The semantics is ``options.semantics`` or, if none is given, the experiment's
+    (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
+
+    Returns:
+        ``{"results": table, ...}``: the grid's table, or what the experiment's own
+        runner returns.
+
+    Raises:
+        ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left to
+            ask about. GraftingLensError: anything
+            :func:`~grafting_lens.study.run_experiment` refuses, for any part, before
+            the first part runs.
+    """
+    spec = get_experiment(experiment)
+    if n_examples is not None:
+        _check_n_examples(n_examples)  # for every runner, before anything runs
+    options = dataclasses.replace(options or RunOptions(), **settings)
+    if (
+        "--semantics" in spec.inapplicable
+        and options.semantics is not None
+        and as_semantics(options.semantics) != as_semantics(spec.semantics)
+    ):
+        # Its runner works the library's way only: a semantics would be ignored.
+        raise ExperimentError(
+            f"The {spec.name} experiment runs with the {spec.semantics!r} semantics only, "
+            f"got semantics={as_semantics(options.semantics).label!r}: leave it out."
+        )
+    options = options.with_semantics(as_semantics(spec.semantics))
+    semantics = options.semantics
+    assert isinstance(semantics, Semantics)  # with_semantics gives one
+    if setup.seeds:  # the toy world's seed goes with every row; explicit seeds come after
+        options = dataclasses.replace(options, seeds={**setup.seeds, **options.seeds})
+    if spec.run is not None:
+        return dict(
+            spec.run(
+                spec,
+                setup,
+                out=out,
+                quick=quick,
+                n_examples=n_examples,
+                options=options,
+                extras=dict(extras or {}),
+                on_chunk=on_chunk,
+            )
+        )
+    # An experiment whose quick run is a small toy world asks every question of it.
+    quick = quick and not spec.quick_world
+    relations = list(setup.relations)
+    if n_examples is not None:
+        relations = relations[:n_examples]
+    if quick:
+        relations = relations[:QUICK_RELATIONS]
+    if not relations:
+        raise ExperimentError("No relations to ask about: the example set is empty.")
+    # Check every part before running any of them.
+    parts = []
+    for part in spec.parts:
+        names = part.quick if quick and part.quick is not None else part.configs
+        configs = get_configs(list(names), spec.registry, semantics=semantics)
+        test_sets = make_test_sets(
+            relations,
+            part.prompts,
+            spec.direction,
+            dataset=setup.dataset,
+            seed=setup.data_seed,
+            templates=semantics.prompts,
+        )
+        parts.append((part.name, test_sets, configs))
+    tables = []
+    for name, test_sets, configs in parts:
+        table = run_experiment(
+            setup.models,
+            test_sets,
+            configs,
+            registry=spec.registry,
+            out=None if out is None else Path(out) / name,
+            options=options,
+            on_chunk=on_chunk,
+        )
+        table.insert(1, "part", name)
+        tables.append(table)
+    return {"results": pd.concat(tables, ignore_index=True)}
+
+
+def _check_n_examples(n_examples: Any) -> None:
+    """``n_examples`` is a count of relations: an integer >= 1 (a slice would take -1 too)."""
+    if not is_integer(n_examples) or n_examples < 1:
+        raise ExperimentError(
+            f"n_examples is how many relations to ask about: an integer >= 1, got {n_examples!r}."
+        )
+
+
+def quick_toy_config() -> Any:
+    """A toy world small enough to build in one to four minutes on two CPU cores.
+
+    Good for checking that the pipeline runs; too small for the finetuned model to
+    recall much, so its numbers are not the paper's picture.
+    """
+    from grafting_lens.worlds.toy import ToyWorldConfig
+
+    return ToyWorldConfig(
+        d_model=48,
+        n_layers=2,
+        n_heads=4,
+        n_key_value_heads=2,
+        d_mlp=128,
+        vocab_size=768,
+        max_length=64,
+        n_relations=16,
+        n_pretrain_documents=3000,
+        n_pretrain_pairs=100,
+        pretrain_documents_per_pair=5,
+        pretrain_epochs=1,
+        finetune_epochs=10,
+    )
+
+
+def _relations(
+    spec: ExperimentSpec, dataset: str, n_relations: int, seed: int, which: str | None
+) -> list[data.Relation]:
+    which = which or spec.relations
+    if which not in ("all", "task", "relation"):
+        raise ExperimentError(f"relations must be 'all', 'task' or 'relation', got {which!r}.")
+    made = data.make_relations(dataset, n=n_relations, seed=seed)
+    if which != "all":
+        task, relation = data.split_task_relation(made, seed=seed)
+        made = task if which == "task" else relation
+    return made
+
+
+def _short(name: str) -> str:
+    """A checkpoint's label for tables: a directory's name, or the hub id."""
+    path = Path(name).expanduser()
+    return path.name if path.is_dir() else name

@@ -1,0 +1,259 @@
+"""The grafting-versus-patching experiment: both methods, layer by layer, on the same prompts.
+
+For the same configurations (position set x component pair x layer) the pretrained
+model (PRE) is run with the finetuned model's (SFT) weights grafted in, and with SFT's
+activations patched in; both are scored on the paper's two test prompts (headline and
+QA), next to each checkpoint's own scores and the most any intervention can reach
+(SFT's stream read out by PRE's final norm and unembedding). See
+:mod:`grafting_lens.analysis.comparison` for which patch goes with which graft and why they
+differ. Registered as ``patching_vs_grafting``; its report writes ``results.csv``,
+``references.csv``, ``summary.csv``, ``references_summary.csv``, ``summary.md`` and,
+per direction, ``top5_<direction>`` and ``prob_<direction>`` figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from grafting_lens.analysis import plots
+from grafting_lens.analysis.batch import TokenizedExamples
+from grafting_lens.analysis.comparison import (
+    DEFAULT_PAIRS,
+    STREAM_PAIR,
+    compare_graft_and_patch,
+    reference_scores,
+    summarize_comparison,
+)
+from grafting_lens.core.files import atomic_write, writing
+from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study.named import QUICK_RELATIONS, ExperimentSetup
+from grafting_lens.study.report import (
+    ExperimentReport,
+    figure_caption,
+    figure_lines,
+    report_settings,
+    write_table,
+)
+from grafting_lens.study.runner import ChunkInfo, RunOptions
+from grafting_lens.study.semantics import CLEAN
+from grafting_lens.study.specs import ExperimentSpec
+from grafting_lens.worlds import data
+
+__all__ = ["PAIRS", "POSITIONS", "PROMPTS", "READOUT", "readout_ceiling", "report", "run"]
+
+PROMPTS = ("headline", "qa")
+"""The test prompts it asks."""
+
+POSITIONS = ("LT", "FE", "FE+LT")
+"""Where it grafts and patches."""
+
+PAIRS = (*DEFAULT_PAIRS, STREAM_PAIR)
+"""What it compares at each layer."""
+
+READOUT = "SFT stream, PRE readout"
+"""The reference that keeps PRE's final norm and unembedding, as every intervention does."""
+
+DIRECTIONS = ("sufficiency", "necessity")
+"""Both directions by default; a quick run asks the first only."""
+
+
+def run(
+    spec: ExperimentSpec,
+    setup: ExperimentSetup,
+    *,
+    out: str | os.PathLike | None = None,
+    quick: bool = False,
+    n_examples: int | None = None,
+    options: RunOptions,
+    extras: Mapping[str, Any],
+    on_chunk: Callable[[ChunkInfo], None] | None = None,
+) -> dict[str, Any]:
+    """Graft and patch every configuration on both prompts, in each direction asked.
+
+    ``extras``: ``directions`` (default both; a quick run: sufficiency only) and
+    ``rows_per_forward`` (rows of one forward pass, default 512). ``out`` and
+    ``on_chunk`` are not used: a comparison is not saved chunk by chunk.
+
+    Returns:
+        ``{"results": one row per example, configuration and method, "references":
+        each checkpoint's own scores and the readout ceiling, "settings": what ran}``.
+    """
+    del spec, out, on_chunk  # a comparison runs in memory
+    models = setup.models
+    directions = list(dict.fromkeys(extras.get("directions") or DIRECTIONS))
+    if quick:
+        directions = ["sufficiency"]
+    count = QUICK_RELATIONS if quick else n_examples
+    rows_per_forward = extras.get("rows_per_forward") or 512
+    batches = {}
+    for prompt in PROMPTS:
+        examples = data.make_examples(setup.relations, prompt=prompt)[:count]
+        batches[prompt] = data.tokenize_examples(examples, models.tokenizer)
+    tables, references = [], []
+    for batch in batches.values():
+        references.append(reference_scores(models, batch, sources=[0, 1]))
+        references.append(readout_ceiling(models, batch))
+        for direction in directions:
+            tables.append(
+                compare_graft_and_patch(
+                    models,
+                    batch,
+                    positions=POSITIONS,
+                    layers="all",
+                    pairs=PAIRS,
+                    direction=direction,
+                    batch_size=options.batch_size,
+                    rows_per_forward=rows_per_forward,
+                    progress=options.progress,
+                )
+            )
+    settings = {
+        "examples": {prompt: len(batch) for prompt, batch in batches.items()},
+        "dropped": {prompt: len(batch.dropped) for prompt, batch in batches.items()},
+        "directions": directions,
+        "quick": quick,
+    }
+    results = pd.concat(tables, ignore_index=True)
+    # Tokenized and scored the library's way (the paper's code has no patching to follow).
+    results.insert(results.columns.get_loc("text") + 1, "semantics", CLEAN.label)
+    return {
+        "results": results,
+        "references": pd.concat(references, ignore_index=True),
+        "settings": settings,
+    }
+
+
+def readout_ceiling(models: ModelSet, batch: TokenizedExamples) -> pd.DataFrame:
+    """SFT's final residual stream read out by PRE's final norm and unembedding.
+
+    Every intervention here keeps PRE's readout, so this, not SFT itself, is the
+    most any of them can reach: it is the graft of the embeddings and every block
+    at every position, and equally the patch of the last ``resid_post`` there.
+    """
+    rows = compare_graft_and_patch(
+        models,
+        batch,
+        positions={"all": batch.attention_mask.bool()},
+        layers=-1,
+        pairs=[STREAM_PAIR],
+        methods="graft",
+        progress=False,
+    )
+    columns = ["example", "relation_id", "prompt", "target_rank", "target_prob", "top1", "top5"]
+    return rows[columns].assign(model=READOUT, source=None)
+
+
+def report(
+    spec: ExperimentSpec,
+    tables: Mapping[str, Any],
+    out: str | os.PathLike,
+    *,
+    label: str,
+    command: str | None = None,
+    notes: Sequence[str] = (),
+    png: bool = True,
+) -> ExperimentReport:
+    """Write the comparison's tables, summaries, figures and ``summary.md``."""
+    out = Path(out)
+    results, references = tables["results"], tables["references"]
+    settings = dict(tables.get("settings", {}))
+    files = [
+        write_table(results, out / "results.csv"),
+        write_table(references, out / "references.csv"),
+    ]
+    by = ("direction", "prompt", "positions", "pair", "method", "layer")
+    summary = summarize_comparison(results, by=by)
+    reference_summary = summarize_comparison(references, by=("prompt", "model"))
+    files += [
+        write_table(summary, out / "summary.csv"),
+        write_table(reference_summary, out / "references_summary.csv"),
+    ]
+    written = ExperimentReport(summary, files)
+    figures = {}
+    for direction in dict.fromkeys(summary.direction):
+        panel = summary[summary.direction == direction]
+        for value, stem in (("top5", "top5"), ("target_prob", "prob")):
+            figure = plots.plot_comparison(
+                panel,
+                value=value,
+                row=("prompt", "positions"),
+                col="pair",
+                references=reference_summary,
+                title=f"Grafting vs patching SFT into PRE ({direction})",
+                caption=figure_caption(label, results),
+            )
+            name = f"{stem}_{direction}"
+            figures[name] = written.save_figure(figure, out / name, png=png)
+    settings = report_settings(
+        spec,
+        label,
+        command,
+        notes,
+        {
+            **settings,
+            "positions": list(POSITIONS),
+            "pairs": [
+                {"name": p.name, "graft": p.components, "patch": p.site, "cumulative": p.cumulative}
+                for p in PAIRS
+            ],
+        },
+    )
+    path = out / "summary.md"
+    with writing("The summary", path):
+        atomic_write(path, _markdown(summary, reference_summary, settings, figures).encode())
+    written.files.append(path)
+    return written
+
+
+def _markdown(
+    summary: pd.DataFrame, references: pd.DataFrame, settings: dict, figures: dict
+) -> str:
+    """Top-5 accuracy (and answer probability) per layer, graft next to patch, per table."""
+    lines = ["# Patching vs grafting", "", "```json", json.dumps(settings, indent=1), "```", ""]
+    lines += [
+        "## References (no intervention)",
+        "",
+        "| prompt | model | n | top-5 | P(answer) |",
+        "|---|---|---|---|---|",
+    ]
+    for _, row in references.iterrows():
+        lines.append(
+            f"| {row.prompt} | {row.model} | {row.n} | {_interval(row, 'top5')} | "
+            f"{_interval(row, 'target_prob', '.3f')} |"
+        )
+    groups = summary.groupby(["direction", "prompt", "positions"], sort=False)
+    for (direction, prompt, positions), group in groups:
+        lines += ["", f"## {direction}, {prompt} prompt, positions {positions}", ""]
+        lines += ["Top-5 accuracy [95% bootstrap CI]; mean P(answer) in parentheses.", ""]
+        pairs = list(dict.fromkeys(group.pair))
+        methods = ("graft", "patch")
+        header = ["layer"] + [f"{pair}: {method}" for pair in pairs for method in methods]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for layer in sorted(group.layer.unique()):
+            cells = [str(layer)]
+            for pair in pairs:
+                for method in methods:
+                    chosen = (group.pair == pair) & (group.method == method)
+                    match = group[chosen & (group.layer == layer)]
+                    if match.empty:
+                        cells.append("")
+                        continue
+                    row = match.iloc[0]
+                    cells.append(f"{_interval(row, 'top5')} ({row.target_prob:.3f})")
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Figures", ""]
+    lines += figure_lines(figures)
+    return "\n".join(lines) + "\n"
+
+
+def _interval(row: pd.Series, value: str, spec: str = ".0%") -> str:
+    return (
+        f"{format(row[value], spec)} [{format(row[value + '_low'], spec)}, "
+        f"{format(row[value + '_high'], spec)}]"
+    )

@@ -1,0 +1,708 @@
+"""Reports of named experiments: tables, a markdown summary, the paper's figures.
+
+:func:`write_experiment_report` is what ``grafting-lens run`` writes after a run:
+``results.csv`` (one row per example and configuration), ``summary.csv`` (top-1 and
+top-5 accuracy with 95% bootstrap intervals and the mean rank, grouped as the
+experiment says), ``summary.md`` (the same table, the command that made it, notes on
+the run, and what the paper reports next to it), and the experiment's figures as HTML
+(and PNG where a Chrome is installed). Every file is written under a temporary name
+and renamed into place.
+
+A report directory holds one run's report. ``report.json`` says which run (its
+fingerprint, the command, what differs between runs) and lists every file the report
+wrote. Writing the report of another run into it is refused (a
+:class:`~grafting_lens.core.errors.RunError` naming what differs) unless asked to
+overwrite; then every file of the old report, its figures and its ``runs/``
+included, is deleted first, so nothing of it is left beside the new tables. A
+rewrite of the same run's report deletes the files the new one no longer writes (a
+PNG from before ``--no-png``). :func:`prepare_report_directory` makes that check
+before a run starts, so that the refusal comes before the compute.
+
+The figure builders here draw the paper's figures from a summary:
+:func:`accuracy_bars` (figures 2, 3a and 5) and :func:`component_heatmap` /
+:func:`component_bars` (figure 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from grafting_lens.analysis import metrics, plots
+from grafting_lens.core.errors import RunError
+from grafting_lens.core.files import DirectoryLock, atomic_write, writing
+from grafting_lens.study.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
+from grafting_lens.study.specs import ExperimentSpec, get_experiment
+
+__all__ = [
+    "REPORT_MANIFEST",
+    "ExperimentReport",
+    "accuracy_bars",
+    "component_bars",
+    "component_figures",
+    "component_heatmap",
+    "figure_caption",
+    "mean_rank_bars",
+    "prepare_report_directory",
+    "figure_lines",
+    "report_settings",
+    "summary_markdown",
+    "write_experiment_report",
+    "write_report",
+    "write_table",
+]
+
+REPORT_MANIFEST = "report.json"
+"""The file in a report directory that says which run wrote it and lists its files."""
+
+_REPORT_TABLES = ("results.csv", "summary.csv", "summary.md")
+"""Files that mark a directory as holding a report, with or without ``report.json``."""
+
+_BASELINES = ("BASE", "DONOR")
+_COLORS = qualitative.Plotly
+
+
+@dataclass
+class ExperimentReport:
+    """What :func:`write_experiment_report` wrote.
+
+    Attributes:
+        summary: The summary table (also in ``summary.csv``).
+        files: Every file written.
+        problems: Lines a reader should see (a figure without its PNG, and why).
+    """
+
+    summary: pd.DataFrame
+    files: list[Path] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def save_figure(self, figure: go.Figure, path: Path, png: bool = True) -> dict[str, Any]:
+        """Save a figure (see :func:`grafting_lens.analysis.plots.save_figure`) and note what was written."""
+        saved = plots.save_figure(figure, path, png=png, warn=False)
+        self.files.append(Path(saved["html"]))
+        if saved["png"] is not None:
+            self.files.append(Path(saved["png"]))
+        elif saved["png_error"]:
+            self.problems.append(f"No PNG: {path.name} ({saved['png_error']})")
+        return saved
+
+
+def report_settings(
+    spec: ExperimentSpec,
+    label: str,
+    command: str | None,
+    notes: Sequence[str],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """What an experiment's ``summary.md`` records about its run, in the order it shows them.
+
+    The experiment's title, the models, the command and the notes, then ``settings``
+    (what ran), then the threads, Python and torch versions and the time of writing.
+    """
+    return {
+        "title": spec.title,
+        "models": label,
+        "command": command,
+        "notes": list(notes),
+        **settings,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def figure_lines(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One markdown line per saved figure: its HTML file, and its PNG or why there is none."""
+    lines = []
+    for written in figures.values():
+        if written["png"]:
+            png = Path(written["png"]).name
+        else:
+            png = f"no PNG: {written['png_error']}" if written["png_error"] else "HTML only"
+        lines.append(f"- `{Path(written['html']).name}` ({png})")
+    return lines
+
+
+def write_experiment_report(
+    experiment: str | ExperimentSpec,
+    tables: Mapping[str, Any],
+    out: str | os.PathLike,
+    *,
+    label: str,
+    command: str | None = None,
+    notes: Sequence[str] = (),
+    png: bool = True,
+    fingerprint: str | None = None,
+    overwrite: bool = False,
+) -> ExperimentReport:
+    """Write a named experiment's tables, summary and figures into ``out``.
+
+    ``out`` holds one run's report (see the module's docstring): the report of
+    another run there is refused, or, with ``overwrite``, deleted first; a rewrite of
+    the same run's deletes what the new one no longer writes.
+
+    Args:
+        experiment: The experiment (its own ``report`` is used if it has one).
+        tables: What the run returned; ``tables["results"]`` is summarized.
+        out: The directory.
+        label: The models in a few words, for titles.
+        command: The command that made it, shown in ``summary.md``.
+        notes: Lines listed under the table.
+        png: Also export each figure as PNG.
+        fingerprint: What makes the run this run (``grafting-lens run`` passes its
+            own; default: a hash of the experiment's name and of ``tables``, so the
+            same results rewrite the same report).
+        overwrite: Replace the report of another run.
+
+    Returns:
+        The summary, the files written and what a reader should know.
+
+    Raises:
+        RunError: ``out`` holds another run's report and ``overwrite`` is false, it
+            is an empty path, or another process is writing into it.
+    """
+    spec = get_experiment(experiment)
+    out = _report_path(out)
+    if fingerprint is None:
+        fingerprint = _tables_fingerprint(spec.name, tables)
+    with DirectoryLock(out, "The report directory"):
+        before = prepare_report_directory(
+            out, spec.name, fingerprint, command=command, overwrite=overwrite
+        )
+        if spec.report is not None:
+            report: ExperimentReport = spec.report(
+                spec, tables, out, label=label, command=command, notes=notes, png=png
+            )
+        else:
+            results = tables["results"]
+            summary = metrics.summarize(results, by=spec.summary_by, seed=0)
+            markdown = summary_markdown(summary, spec.title, command, notes, spec.paper)
+            report = ExperimentReport(summary, write_report(out, results, summary, markdown))
+            caption = figure_caption(label, results)
+            for figure in spec.figures:
+                rows = summary if figure.part is None else summary[summary.part == figure.part]
+                if not rows.empty:
+                    report.save_figure(figure.draw(rows, caption), out / figure.name, png=png)
+        _finish_report(out, before, report.files)
+    return report
+
+
+def prepare_report_directory(
+    out: str | os.PathLike,
+    experiment: str,
+    fingerprint: str,
+    *,
+    description: Mapping[str, Any] | None = None,
+    command: str | None = None,
+    overwrite: bool = False,
+    runs: bool = False,
+) -> dict[str, Any]:
+    """Make ``out`` ready for the report of the run ``fingerprint``, before the run starts.
+
+    A directory holding the report of the same run (the same fingerprint) is left as
+    it is: the run resumes, and its report is rewritten. One holding another run's
+    report (``report.json`` with another fingerprint, or, without ``report.json``,
+    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: every
+    file the old report lists, the tables and figures of a report without a list,
+    and the run directories under ``runs/``. Then ``report.json`` names this run.
+
+    Args:
+        out: The report directory (created if needed).
+        experiment: The experiment's name.
+        fingerprint: What makes the run this run.
+        description: What the fingerprint is a hash of, JSON-ready; kept so that a
+            refusal can say what differs.
+        command: The command that runs it.
+        overwrite: Clear another run's report instead of refusing.
+        runs: The run keeps its resumable run directories in ``out/runs``.
+
+    Returns:
+        ``report.json`` as it is now.
+
+    Raises:
+        RunError: Another run's report and no ``overwrite``; a run directory under
+            ``runs/`` that another process is writing; ``out`` cannot be written.
+    """
+    out = _report_path(out)
+    with DirectoryLock(out, "The report directory"):
+        _check_table_places(out)
+        manifest = _read_report_manifest(out)
+        if manifest is not None and manifest.get("fingerprint") == fingerprint:
+            return manifest
+        found = _report_files(out, manifest)
+        if found:
+            if not overwrite:
+                raise RunError(_another_report(out, manifest, experiment, description, found))
+            _clear_report(out, found)
+        manifest = {
+            "format": 1,
+            "experiment": experiment,
+            "fingerprint": fingerprint,
+            "description": dict(description or {}),
+            "command": command,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "runs": bool(runs),
+            "files": [],
+        }
+        _write_report_manifest(out, manifest)
+        return manifest
+
+
+def _check_table_places(out: Path) -> None:
+    """Refuse, before the run, a directory (or anything but a file) where a table goes:
+    renaming the finished table onto it would fail after the compute."""
+    for name in (*_REPORT_TABLES, REPORT_MANIFEST):
+        path = out / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            kind = "a link" if path.is_symlink() else "a directory"
+            raise RunError(
+                f"{path} is {kind} where the report writes its file {name}. Remove or rename "
+                "it, or choose another output directory."
+            )
+
+
+def _report_path(out: str | os.PathLike) -> Path:
+    if not str(out).strip():
+        raise RunError(
+            "The report directory is an empty path (it would be the working directory); name "
+            "a directory."
+        )
+    return Path(out).expanduser()
+
+
+def _tables_fingerprint(experiment: str, tables: Mapping[str, Any]) -> str:
+    """A hash of an experiment's name and of what its run returned."""
+    digest = hashlib.sha256(experiment.encode())
+    for name in sorted(tables):
+        value = tables[name]
+        text = (
+            value.to_csv(index=False)
+            if isinstance(value, pd.DataFrame)
+            else json.dumps(value, sort_keys=True, default=str)
+        )
+        digest.update(f"\n{name}\n{text}".encode())
+    return digest.hexdigest()[:20]
+
+
+def _read_report_manifest(out: Path) -> dict[str, Any] | None:
+    """``report.json``, ``None`` without one; an unreadable one reads as an unknown run's."""
+    path = out / REPORT_MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
+            raise ValueError("not a report manifest")
+    except (OSError, ValueError):
+        return {"fingerprint": None, "unreadable": True}
+    return manifest
+
+
+def _write_report_manifest(out: Path, manifest: Mapping[str, Any]) -> None:
+    with writing("The report directory's", out / REPORT_MANIFEST):
+        atomic_write(out / REPORT_MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+_REPORT_SUFFIXES = (".csv", ".md", ".html", ".png")
+"""What a report writes: tables, a summary and figures, directly in its directory."""
+
+
+def _report_file(out: Path, name: object) -> Path | None:
+    """The file ``name`` of the report in ``out``, if it exists; refused unless it is one
+    a report writes.
+
+    ``report.json`` lists a report's files, but a report directory may come from
+    anywhere (shared, downloaded, edited), so its list is never trusted for what to
+    delete: a name is taken only if it is a single file name (no directory part, no
+    ``..``, not absolute) with a report's suffix, and the path a regular file in ``out``
+    itself, not a link. Anything else is refused before anything is deleted.
+    """
+    path = None
+    if isinstance(name, str) and name not in ("", ".", "..") and "\\" not in name:
+        if Path(name).name == name and Path(name).suffix in _REPORT_SUFFIXES:
+            path = out / name
+    if path is not None and not path.is_symlink() and (path.is_file() or not path.exists()):
+        return path if path.exists() else None
+    raise RunError(
+        f"{out / REPORT_MANIFEST} lists {name!r} as a file of its report, which is not a file a "
+        f"report writes (one of its {', '.join(_REPORT_SUFFIXES)} files, directly in {out}, "
+        "not a link or a directory). grafting-lens deletes nothing outside what a report "
+        f"writes; the report.json was edited or damaged. Delete {out / REPORT_MANIFEST} (and "
+        "what you do not want kept), or choose another output directory."
+    )
+
+
+def _report_runs(out: Path) -> Path | None:
+    """``out/runs`` if it is a real directory; refused if it is a link (never followed)."""
+    runs = out / "runs"
+    if runs.is_symlink():
+        raise RunError(
+            f"{runs} is a symbolic link; grafting-lens keeps its run directories in a runs/ it "
+            "makes itself and never deletes through a link. Remove the link, or choose another "
+            "output directory."
+        )
+    return runs if runs.is_dir() else None
+
+
+def _report_files(out: Path, manifest: Mapping[str, Any] | None) -> list[Path]:
+    """What a report in ``out`` consists of: its listed files, or its tables and figures."""
+    if manifest is not None and "files" in manifest:
+        listed = [_report_file(out, name) for name in manifest["files"]]
+        found = [path for path in listed if path is not None]
+        runs = _report_runs(out) if manifest.get("runs") else None
+        return [*found, *([runs] if runs is not None else []), out / REPORT_MANIFEST]
+    # A report without a list: an unreadable report.json, or one of an older grafting-lens
+    # (its tables, then its figures beside them; figures alone may be the user's own).
+    found = []
+    if manifest is not None or any((out / name).exists() for name in _REPORT_TABLES):
+        found = [
+            path
+            for path in sorted(out.iterdir())
+            if path.is_file()
+            and not path.is_symlink()
+            and (
+                path.name in (*_REPORT_TABLES, "references.csv", "references_summary.csv")
+                or path.suffix in (".html", ".png")
+            )
+        ]
+    runs = _report_runs(out)
+    if runs is not None:
+        found.append(runs)
+    return [*found, *([out / REPORT_MANIFEST] if manifest is not None else [])]
+
+
+def _another_report(
+    out: Path,
+    manifest: Mapping[str, Any] | None,
+    experiment: str,
+    description: Mapping[str, Any] | None,
+    found: Sequence[Path],
+) -> str:
+    names = ", ".join(path.name for path in found[:6]) + (" ..." if len(found) > 6 else "")
+    if manifest is None:
+        what = "the report of a run that left no report.json (an older grafting-lens?)"
+    elif manifest.get("unreadable"):
+        what = "a report whose report.json cannot be read, so which run wrote it is unknown"
+    else:
+        what = f"the report of another run ({manifest.get('experiment')}"
+        if manifest.get("command"):
+            what += f", `{manifest['command']}`"
+        if manifest.get("started"):
+            what += f", started {manifest['started']}"
+        what += ")"
+        old = manifest.get("description") or {}
+        if description and old:
+            what += f"; it differs in {_description_differences(old, description)}"
+        elif manifest.get("experiment") not in (None, experiment):
+            what += f"; this is {experiment}"
+    return (
+        f"{out} holds {what}: {names}. Writing this run's results there would mix two runs' "
+        "files. Pass another output directory, or --overwrite (overwrite=True) to delete that "
+        "report, its figures and its runs/ first."
+    )
+
+
+def _description_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """The keys in which two run descriptions differ, with the inner keys of mappings."""
+    details = []
+    for key in sorted(set(old) | set(new)):
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if isinstance(before, dict) and isinstance(after, dict):
+            inner = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            details.append(f"{key} ({', '.join(inner)})")
+        else:
+            details.append(key)
+    return ", ".join(details) or "its description"
+
+
+def _clear_report(out: Path, found: Sequence[Path]) -> None:
+    """Delete another run's report: files, figures and run directories."""
+    for path in found:
+        if path.is_dir():
+            for run in sorted(p for p in path.iterdir() if p.is_dir()):
+                # Not a run some other process is writing now.
+                with DirectoryLock(run, "The run directory"):
+                    pass
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) -> None:
+    """List the files of the report in ``report.json``; delete those the report no longer has."""
+    written = [str(Path(path).relative_to(out)) for path in files]
+    stale = [name for name in before.get("files", []) if name not in written]
+    for path in [_report_file(out, name) for name in stale]:  # all checked, then deleted
+        if path is not None:
+            path.unlink(missing_ok=True)
+    _write_report_manifest(
+        out, {**before, "files": written, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    )
+
+
+def summary_markdown(
+    summary: pd.DataFrame,
+    title: str,
+    command: str | None = None,
+    notes: Sequence[str] = (),
+    paper: Sequence[str] = (),
+) -> str:
+    """A short markdown report: the summary table (top-1, top-5 with intervals, mean rank).
+
+    Args:
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`.
+        title: The heading.
+        command: The command that made it, shown verbatim.
+        notes: Lines to list under the table.
+        paper: What the paper reports, listed for comparison.
+    """
+    group_columns = [
+        c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))
+    ]
+    header = [*group_columns, "n", "top-1", "top-5 [95% CI]", "mean rank"]
+    lines = [f"# {title}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for _, row in summary.iterrows():
+        cells = [str(row[c]) for c in group_columns]
+        top5 = f"{row['top5']:.0%} [{row['top5_low']:.0%}, {row['top5_high']:.0%}]"
+        cells += [
+            str(int(row["n"])),
+            f"{row['top1']:.0%}" if "top1" in row else "",
+            top5 if "top5" in row else "",
+            f"{row['mean_rank']:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", *[f"- {note}" for note in notes]]
+    if paper:
+        lines += ["", "What the paper reports:", "", *[f"- {line}" for line in paper]]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(frame: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write a DataFrame as CSV under a temporary name, then rename it into place.
+
+    Raises:
+        RunError: The file cannot be written (a full disk, a directory in its place...).
+    """
+    path = Path(path)
+    with writing("The table", path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, frame.to_csv(index=False).encode())
+    return path
+
+
+def write_report(
+    out: str | os.PathLike, results: pd.DataFrame, summary: pd.DataFrame, markdown: str
+) -> list[Path]:
+    """Write ``results.csv``, ``summary.csv`` and ``summary.md`` into ``out``, each atomically.
+
+    Raises:
+        RunError: A file cannot be written (a full disk, a directory in its place...).
+    """
+    out = Path(out)
+    with writing("The report directory", out):
+        out.mkdir(parents=True, exist_ok=True)
+    written = [write_table(results, out / "results.csv"), write_table(summary, out / "summary.csv")]
+    path = out / "summary.md"
+    with writing("The summary", path):
+        atomic_write(path, markdown.encode())
+    return [*written, path]
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+_UNEMBEDDINGS = {
+    "base": "grafted positions decoded by the base's unembedding",
+    "donor": "grafted positions decoded by the donor's unembedding",
+    "follow-embed": "the donor's unembedding where the embedding is grafted",
+    "follow_embed": "the donor's unembedding where the embedding is grafted",
+}
+
+
+def figure_caption(label: str, results: pd.DataFrame | None = None) -> str:
+    """The setting a figure shows, for its subtitle: the models (without a cache's hash),
+    the semantics, which unembedding decodes a grafted position, and the prompts' wording.
+
+    Args:
+        label: The models in a few words (``"toy world 3f2a..."``); a hexadecimal hash
+            in it is left out, since it tells a reader nothing.
+        results: The run's rows; their ``semantics`` column says the rest.
+    """
+    from grafting_lens.study.semantics import as_semantics
+
+    parts = [re.sub(r"\s*\b[0-9a-f]{12,}\b", "", label).strip()]
+    if results is not None and "semantics" in results.columns:
+        for text in dict.fromkeys(results["semantics"].dropna().astype(str)):
+            semantics = as_semantics(text)
+            prompts = "the code's prompts" if semantics.prompts == "code" else "the paper's prompts"
+            decoding = _UNEMBEDDINGS.get(semantics.unembed, semantics.unembed)
+            parts.append(f"semantics {text}: {decoding}, {prompts}")
+    return ", ".join(part for part in parts if part)
+
+
+def accuracy_bars(title: str, k: int = 5) -> Callable[[pd.DataFrame, str], go.Figure]:
+    """A figure builder: top-``k`` bars per configuration and prompt, titled ``title``, with
+    the setting (see :func:`figure_caption`) under it."""
+
+    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return plots.plot_accuracy(
+            summary, k=k, title=f"{title}: top-{k} accuracy", caption=caption
+        )
+
+    return draw
+
+
+def mean_rank_bars(title: str) -> Callable[[pd.DataFrame, str], go.Figure]:
+    """A figure builder: the answer's mean rank per configuration and prompt."""
+
+    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return plots.plot_mean_rank(summary, title=f"{title}: mean rank", caption=caption)
+
+    return draw
+
+
+def component_heatmap(
+    summary: pd.DataFrame, title: str, k: int = 5, caption: str | None = None
+) -> go.Figure:
+    """Top-k accuracy per layer range (rows) and component set (columns), one panel per prompt.
+
+    The colour scale runs from 0 to just above the highest cell (see
+    :func:`grafting_lens.analysis.plots.axis_range`), so that cells under 10% are not all white;
+    each cell prints its value, and each panel's title the BASE and DONOR references.
+    """
+    grid = summary[~summary.component_set.isin(_BASELINES)]
+    prompts = list(dict.fromkeys(grid.prompt))
+    figure = make_subplots(
+        rows=1,
+        cols=len(prompts),
+        subplot_titles=[plots.display_label(p) for p in prompts],
+        horizontal_spacing=0.14,
+    )
+    top = plots.axis_range(grid[f"top{k}"])[1]
+    for column, prompt in enumerate(prompts, start=1):
+        values = grid[grid.prompt == prompt].pivot(
+            index="layer_range", columns="component_set", values=f"top{k}"
+        )
+        rows = [r for r in COMPONENT_LAYER_RANGES if r in values.index]
+        columns = [c for c in COMPONENT_SETS if c in values.columns]
+        values = values.loc[rows, columns]
+        baselines = summary[(summary.prompt == prompt) & summary.component_set.isin(_BASELINES)]
+        frame = ", ".join(f"{r.component_set} {r[f'top{k}']:.0%}" for _, r in baselines.iterrows())
+        figure.add_trace(
+            go.Heatmap(
+                z=values.to_numpy(),
+                x=[plots.display_label(c) for c in columns],
+                y=[plots.display_label(r) for r in rows],
+                zmin=0,
+                zmax=min(top, 1.0),
+                colorscale="Blues",
+                text=[[f"{v:.0%}" for v in row] for row in values.to_numpy()],
+                texttemplate="%{text}",
+                showscale=column == len(prompts),
+                colorbar=dict(title=f"top-{k}", tickformat=".0%"),
+                hovertemplate="%{y}, %{x}: %{z:.1%}<extra>" + str(prompt) + "</extra>",
+            ),
+            row=1,
+            col=column,
+        )
+        figure.layout.annotations[column - 1].text = f"{plots.display_label(prompt)} ({frame})"
+        figure.update_yaxes(autorange="reversed", row=1, col=column)
+        figure.update_xaxes(title_text="components grafted", tickangle=-30, row=1, col=column)
+    figure.update_yaxes(title_text="layers", col=1)
+    counts = grid["n"].tolist() if "n" in grid else []
+    return plots.figure_style(
+        figure,
+        f"{title}: top-{k} accuracy",
+        plots._subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
+        width=560 * len(prompts) + 160,
+        height=520,
+    )
+
+
+def component_bars(
+    summary: pd.DataFrame, title: str, k: int = 5, caption: str | None = None
+) -> go.Figure:
+    """Bars with 95% intervals, one panel per prompt: a group per component set, a bar per layer
+    range; dotted lines mark BASE (nothing grafted) and DONOR (the donor everywhere), labelled
+    in the right margin."""
+    prompts = list(dict.fromkeys(summary.prompt))
+    figure = make_subplots(
+        rows=len(prompts),
+        cols=1,
+        subplot_titles=[plots.display_label(p) for p in prompts],
+        vertical_spacing=0.14,
+    )
+    top = plots.axis_range([*summary[f"top{k}"], *summary[f"top{k}_high"]])
+    for row, prompt in enumerate(prompts, start=1):
+        rows = summary[summary.prompt == prompt]
+        panel = plots.plot_accuracy(
+            rows[~rows.component_set.isin(_BASELINES)],
+            k=k,
+            x="component_set",
+            color="layer_range",
+        )
+        for trace in panel.data:
+            # One colour per layer range in every panel.
+            names = [plots.display_label(r) for r in COMPONENT_LAYER_RANGES]
+            shade = _COLORS[names.index(trace.name) % len(_COLORS)]
+            trace.marker.color = shade
+            trace.marker.line.color = shade
+            trace.showlegend = row == 1
+            trace.legendgroup = trace.name
+            figure.add_trace(trace, row=row, col=1)
+        references = rows[rows.component_set.isin(_BASELINES)].sort_values(f"top{k}")
+        previous = None
+        for _, baseline in references.iterrows():
+            y = float(baseline[f"top{k}"])
+            # Two references a few points apart would print over each other.
+            text = f"{baseline.component_set} {y:.0%}"
+            if previous is not None and y - previous < 0.06 * top[1]:
+                text = "<br>" + text
+            plots.add_reference_line(figure, y, text, row=row, col=1)
+            previous = y
+        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
+    figure.update_xaxes(title_text="components grafted at the last token", row=len(prompts))
+    counts = summary["n"].tolist() if "n" in summary else []
+    return plots.figure_style(
+        figure,
+        f"{title}: top-{k} accuracy",
+        plots._subtitle(caption, counts),
+        barmode="group",
+        legend_title_text="layers",
+        width=1300,
+        height=420 * len(prompts) + 80,
+    )
+
+
+def component_figures(title: str) -> tuple[Callable[[pd.DataFrame, str], go.Figure], ...]:
+    """Figure 4's two figures for an experiment titled ``title``: the heatmap and the bars."""
+
+    def heatmap(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return component_heatmap(summary, title, caption=caption)
+
+    def bars(summary: pd.DataFrame, caption: str) -> go.Figure:
+        return component_bars(summary, title, caption=caption)
+
+    return heatmap, bars

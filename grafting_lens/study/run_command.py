@@ -1,0 +1,584 @@
+"""``grafting-lens run <experiment>``: its options, their checks, the set-up, the run, the report.
+
+Every experiment shares one declaration of the options a run takes (:func:`experiment_parser`:
+where the models come from, the relations asked about, the semantics, the output), adds its
+donor options and its own from its spec, and runs through :func:`run_experiment_command`:
+options parsed and checked before anything is loaded, the models set up, the run resumed from
+``--out`` when it is the same run, and the tables and figures written. ``grafting-lens demo``
+is ``grafting-lens run demo``: the same parser, the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from grafting_lens.core.console import threads_beyond_cores
+from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.files import DirectoryLock, check_writable
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# torch, pandas and the models are imported where a run needs them, so that
+# `grafting-lens run <experiment> --help` and a refused option answer at once.
+
+WORLDS = ("toy", "smollm2")
+"""What ``grafting-lens world build`` and ``run --world`` accept."""
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""What ``--dtype`` accepts."""
+
+DEFAULT_DATASET = "fake_movies_real_actors"
+"""The dataset ``--model`` runs ask about unless ``--dataset`` says otherwise."""
+
+_RELATION_OPTIONS = ("dataset", "n_relations", "seed", "relations")
+"""Options that choose the relations of ``--model`` runs; the toy world has its own."""
+
+
+def count(text: str) -> int:
+    """An option's count (``--batch-size``...): a whole number >= 1, else a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def experiment_parser(experiment: str) -> argparse.ArgumentParser:
+    """The options of ``grafting-lens run <experiment>``: those every run shares, its donor
+    options (from its spec) and its own.
+
+    Raises:
+        ExperimentError: An unknown experiment.
+    """
+    from grafting_lens.study import get_experiment
+
+    spec = get_experiment(experiment)
+    parser = argparse.ArgumentParser(
+        prog=f"grafting-lens run {spec.name}",
+        description=spec.title,
+    )
+    add = parser.add_argument
+    add("--out", required=True, help="Directory for tables, figures and the resumable runs.")
+    add("--model", help=f"A real checkpoint (hub id or directory) as {spec.roles[0]!r}.")
+    add(
+        "--world",
+        choices=WORLDS,
+        help="Without --model: the toy world (default) or smollm2, SmolLM2-135M and its "
+        "finetunes (built on first use: grafting-lens world build smollm2).",
+    )
+    for option, text in spec.donors.values():
+        add(option, help=f"With --model: {text}.")
+    add(
+        "--quick",
+        action="store_true",
+        help="A small toy world and a short finetune"
+        if spec.quick_world
+        else "A small subset (16 relations, fewer configurations).",
+    )
+    add("--n-examples", type=count, help="Ask about the first N relations only.")
+    add("--batch-size", type=count, default=8, help="Examples per forward pass (default 8).")
+    add("--device", help="torch device, e.g. cuda (default: cpu).")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        help="The models' precision (default: the semantics', float32 for reference, as the "
+        "code loaded them; the checkpoint's for clean).",
+    )
+    add(
+        "--threads",
+        type=int,
+        help="torch CPU threads, at most the cores this process may use (default: 1 for the toy "
+        "world, torch's default for --model).",
+    )
+    add(
+        "--dataset",
+        help="With --model: the dataset the donors were finetuned on (one of "
+        f"grafting_lens.worlds.data.DATASETS; default {DEFAULT_DATASET}).",
+    )
+    add(
+        "--n-relations",
+        type=count,
+        help=f"With --model: make_relations(--dataset, n=this, seed=--seed) (default "
+        f"{spec.default_relations}).",
+    )
+    add("--seed", type=int, help="With --model: the relations' seed (default 0).")
+    add(
+        "--relations",
+        choices=("all", "task", "relation"),
+        help=f"With --model: which relations to ask about (default {spec.relations}).",
+    )
+    add(
+        "--semantics",
+        help=f"What the configurations mean: 'reference' (as the paper's released code), "
+        f"'clean' (the library's way), or either with +field=value changes, e.g. "
+        f"'reference+unembed=base' (default {spec.semantics}; fields: see "
+        "grafting_lens.study.Semantics).",
+    )
+    add(
+        "--unembed",
+        choices=("base", "donor", "follow-embed"),
+        help="Which unembedding decodes a grafted position: the base's, the donor's, or "
+        "follow-embed (the code: the donor's wherever the embedding is grafted, on tied models).",
+    )
+    add(
+        "--lm-head",
+        choices=("never", "always"),
+        help="The code's patch_lm_head: 'always' reads the last token through the donor's "
+        "unembedding in every configuration that grafts something (default never).",
+    )
+    add("--cache-dir", help="Where toy worlds are cached.")
+    add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
+    add(
+        "--overwrite",
+        action="store_true",
+        help="Replace the results of another run in --out: its tables, figures and runs/ are "
+        "deleted first (default: refuse).",
+    )
+    add("--no-png", action="store_true", help="Write HTML figures only.")
+    add(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Show progress bars, or --no-progress to hide them, so that a log file gets no bars "
+        "(default: only when standard error is a terminal).",
+    )
+    for own in spec.options:
+        add(
+            own.flag,
+            type=own.type,
+            default=own.default,
+            choices=own.choices,
+            nargs="+" if own.many else None,
+            help=own.help,
+        )
+    return parser
+
+
+def run_experiment_command(experiment: str, argv: Sequence[str], command: str | None = None) -> int:
+    """``grafting-lens run <experiment> <argv>``: parse, check, set up, run, report.
+
+    Returns:
+        The exit status: 0, 1 for an input the run refuses (printed as ``Error: ...``),
+        2 for options that do not parse.
+    """
+    try:
+        parser = experiment_parser(experiment)
+    except GraftingLensError as error:
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exit_:  # --help, or options argparse refused (it printed why)
+        return int(exit_.code or 0)
+    command = command or f"grafting-lens run {experiment}"
+    try:
+        return _run(experiment, args, f"{command} {shlex.join(argv)}".strip())
+    except ValueError as error:  # GraftingLensError and every other input error raised on purpose
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
+
+
+def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
+    from grafting_lens.models.loading import resolve_placement
+    from grafting_lens.study import get_experiment
+
+    spec = get_experiment(experiment)
+    out = _check_out(args.out)
+    checkpoints = _checkpoints(spec, args)
+    if args.world is not None and checkpoints is not None:
+        raise GraftingLensError(
+            f"--world {args.world} and --model both name the models: pass one of them."
+        )
+    if args.world == "smollm2" and args.toy_config is not None:
+        raise GraftingLensError(
+            "--toy-config configures the toy world: leave it out with --world smollm2."
+        )
+    _check_relation_options(args, toy=checkpoints is None)
+    semantics = _semantics(spec, args)
+    dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
+    resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
+    toy_config = _toy_config(args.toy_config)
+    _apply_thread_policy(args.threads, toy=checkpoints is None and args.world != "smollm2")
+    # One process writes into --out at a time; a second is refused before it loads anything.
+    with DirectoryLock(out, "The output directory (--out)"):
+        return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)
+
+
+def _run_locked(
+    spec: Any,
+    args: argparse.Namespace,
+    command: str,
+    out: Path,
+    checkpoints: list[str] | None,
+    toy_config: Any,
+    semantics: Any,
+    dtype: str | None,
+) -> int:
+    from grafting_lens.study import (
+        RunOptions,
+        prepare_report_directory,
+        run_spec,
+        setup_experiment,
+        write_experiment_report,
+    )
+    from grafting_lens.study.run_directory import CheckpointDigests
+
+    # Made before loading, so that a checkpoint changed while it loads is noticed.
+    known = CheckpointDigests(
+        [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
+        load={"dtype": dtype},
+    )
+    started = time.perf_counter()
+    setup = setup_experiment(
+        spec,
+        checkpoints,
+        toy_config=toy_config,
+        cache_dir=args.cache_dir,
+        dataset=args.dataset,
+        n_relations=args.n_relations,
+        seed=args.seed,
+        relations=args.relations,
+        quick=args.quick,
+        device=args.device,
+        dtype=None if dtype is None else getattr(_torch(), dtype),
+        progress=args.progress,
+        on_status=lambda line: print(line, file=sys.stderr),
+        world=args.world or "toy",
+    )
+    # Only a grid of configurations saves chunks and reads them back.
+    resumed = setup.resumable and spec.run is None
+    description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    description["semantics"] = semantics.label
+    fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+    prepare_report_directory(
+        out,
+        spec.name,
+        fingerprint,
+        description=description,
+        command=command,
+        overwrite=args.overwrite,
+        runs=resumed,
+    )
+    computed: list[int] = []
+    tables = run_spec(
+        spec,
+        setup,
+        out=out / "runs" if resumed else None,
+        quick=args.quick,
+        n_examples=args.n_examples,
+        options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
+        extras={option.dest: getattr(args, option.dest) for option in spec.options},
+        on_chunk=lambda chunk: computed.append(chunk.rows),
+    )
+    elapsed = time.perf_counter() - started
+    results = tables["results"]
+    rows_computed = sum(computed) if resumed else len(results)
+    notes = [
+        f"Models: {setup.label} ("
+        + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
+        + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
+        f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
+        f"{_torch().get_num_threads()} CPU threads"
+        + (f" (the others read back from {out / 'runs'})." if resumed else "."),
+    ]
+    if spec.run is None:
+        notes.append(_semantics_note(semantics))
+    if spec.note:
+        notes.append(spec.note)
+    report = write_experiment_report(
+        spec,
+        tables,
+        out,
+        label=setup.label,
+        command=command,
+        notes=notes,
+        png=not args.no_png,
+        fingerprint=fingerprint,
+    )
+    if spec.run is None:
+        _print_summary(report.summary, f"{spec.title}: {setup.label}")
+    for line in notes[2:]:
+        print(line)
+    for problem in report.problems:
+        print(problem)
+    print(f"Wrote {out / 'results.csv'} ({len(results)} rows) and {len(report.files) - 1} more:")
+    print("  " + ", ".join(path.name for path in report.files if path.name != "results.csv"))
+    print(f"Done in {elapsed:.0f}s.")
+    return 0
+
+
+_FREE_OPTIONS = frozenset(
+    {
+        "out",
+        "model",
+        "batch_size",
+        "device",
+        "threads",
+        "cache_dir",
+        "overwrite",
+        "no_png",
+        "progress",
+    }
+)
+"""Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
+
+
+def _describe_command_run(
+    spec: Any, args: argparse.Namespace, setup: Any, digests: Sequence[str]
+) -> dict[str, Any]:
+    """What makes a command's run this run: the experiment, the weights, the relations asked
+    and every option that changes a result. Its hash is the run's fingerprint in ``--out``."""
+    free = set(_FREE_OPTIONS)
+    free |= {option.lstrip("-").replace("-", "_") for option, _ in spec.donors.values()}
+    free |= {option.dest for option in spec.options if not option.fingerprinted}
+    relations = json.dumps([dataclasses.asdict(r) for r in setup.relations], sort_keys=True)
+    # A donor finetuned in this process is a function of the base and the options.
+    weights = list(digests) if setup.resumable else list(digests[:1])
+    return {
+        "experiment": spec.name,
+        "models": {"names": list(setup.models.names), "weights": weights},
+        "relations": hashlib.sha256(relations.encode()).hexdigest()[:16],
+        "options": {key: value for key, value in sorted(vars(args).items()) if key not in free},
+    }
+
+
+def _checkpoint_dirs(checkpoints: Sequence[str] | None) -> list[Path | None]:
+    """The directory each checkpoint is read from (a hub id's snapshot in the local cache)."""
+    if checkpoints is None:
+        return []
+    found: list[Path | None] = []
+    for checkpoint in checkpoints:
+        path = Path(checkpoint).expanduser()
+        if path.is_dir():
+            found.append(path)
+            continue
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            config = try_to_load_from_cache(checkpoint, "config.json")
+        except Exception:  # noqa: BLE001, a hub id we cannot place is simply hashed
+            config = None
+        found.append(Path(config).parent if isinstance(config, str) else None)
+    return found
+
+
+def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
+    """The checkpoints the options name, base first; None for the toy world. Checks them."""
+    given = [
+        flag for flag in spec.inapplicable if getattr(args, flag.lstrip("-").replace("-", "_"))
+    ]
+    if given:
+        raise GraftingLensError(
+            f"{' and '.join(given)} do not apply here: the {spec.name} experiment "
+            f"({spec.title}) does not use them."
+        )
+    for name in ("batch_size", "n_examples", "n_relations", "threads"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise GraftingLensError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
+    too_many = None if args.threads is None else threads_beyond_cores(args.threads, "--threads")
+    if too_many:
+        raise GraftingLensError(too_many)
+    donors = {
+        role: getattr(args, option.lstrip("-").replace("-", "_"))
+        for role, (option, _) in spec.donors.items()
+    }
+    flags = {role: option for role, (option, _) in spec.donors.items()}
+    if args.model is None:
+        named = [flags[role] for role, value in donors.items() if value is not None]
+        if named:
+            raise GraftingLensError(
+                f"{' and '.join(named)} {'needs' if len(named) == 1 else 'need'} --model (the "
+                f"base {'it is' if len(named) == 1 else 'they are'} grafted into)."
+            )
+        return None
+    missing = [flags[role] for role, value in donors.items() if value is None]
+    if missing and not (spec.finetune_missing_donor and len(missing) == len(donors)):
+        raise GraftingLensError(
+            f"With --model, the {spec.name} experiment also needs {', '.join(missing)} "
+            f"(roles: {', '.join(spec.roles)})."
+        )
+    checkpoints = [args.model, *(value for value in donors.values() if value is not None)]
+    options = ["--model", *(flags[role] for role, value in donors.items() if value is not None)]
+    for checkpoint, option in zip(checkpoints, options):
+        _check_checkpoint(checkpoint, option)
+    return checkpoints
+
+
+def _check_relation_options(args: argparse.Namespace, *, toy: bool) -> None:
+    """Refuse the relation options with the toy world (which asks about its own relations,
+    so they would change nothing), and fill in their defaults for ``--model``."""
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in _RELATION_OPTIONS
+        if getattr(args, name) is not None
+    ]
+    if toy and given:
+        verb = "chooses" if len(given) == 1 else "choose"
+        raise GraftingLensError(
+            f"{' and '.join(given)} {verb} the relations of --model runs; the toy world asks "
+            "about the relations it was built with (change them with --toy-config, e.g. "
+            "'{\"seed\": 1}'). Leave them out, or pass --model."
+        )
+    if args.dataset is None:
+        args.dataset = DEFAULT_DATASET
+    if args.seed is None:
+        args.seed = 0
+
+
+def _toy_config(text: str | None) -> Any:
+    if not text:
+        return None
+    import json
+
+    from grafting_lens.worlds.toy import ToyWorldConfig
+
+    try:
+        return ToyWorldConfig(**json.loads(text))
+    except (json.JSONDecodeError, TypeError) as error:
+        raise GraftingLensError(
+            f"--toy-config is not a JSON object of ToyWorldConfig fields: {error}"
+        ) from error
+
+
+def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
+    """The command's one policy for CPU threads (see the module docstring)."""
+    if threads is not None:
+        _torch().set_num_threads(threads)
+    elif toy:
+        _torch().set_num_threads(1)
+
+
+def _semantics(spec: Any, args: argparse.Namespace) -> Any:
+    """The run's semantics: ``--semantics`` (default: the experiment's), then the flags
+    that change one field of it (``--unembed``, ``--lm-head``, ``--dtype``).
+
+    Raises:
+        ExperimentError: A label that does not read.
+    """
+    from grafting_lens.study import as_semantics
+
+    semantics = as_semantics(args.semantics or spec.semantics)
+    changes: dict[str, Any] = {}
+    if args.unembed:
+        changes["unembed"] = args.unembed.replace("-", "_")
+    if args.lm_head:
+        changes["lm_head"] = args.lm_head
+    if args.dtype:
+        changes["dtype"] = args.dtype
+    return dataclasses.replace(semantics, **changes) if changes else semantics
+
+
+def _semantics_note(semantics: Any) -> str:
+    """One line for the report: which semantics ran, in words."""
+    from grafting_lens.study import CLEAN, REFERENCE
+
+    if semantics == REFERENCE:
+        meaning = (
+            "as the paper's released code (tied unembedding follows a grafted embedding, no final "
+            "norm or position embedding grafted, n // 4 quarters, the tokenizer's own BOS, SFT = "
+            "the finetuned model, ranks by probability, the code's prompts)"
+        )
+    elif semantics == CLEAN:
+        meaning = (
+            "the library's (components as named, tied weights kept apart, the base's unembedding, "
+            "a BOS before every prompt, ranks by logit)"
+        )
+    else:
+        meaning = "a preset with the changes named"
+    return f"Semantics: {semantics.label}: {meaning}; see docs/concepts/paper-code-library.md."
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def _check_out(out: str | os.PathLike) -> Path:
+    """``--out``: not empty, not a file, and writable, checked before anything is computed."""
+    return check_writable(out, "--out")
+
+
+def _check_checkpoint(name: str, option: str) -> None:
+    """Fail early, with a clear message, on a checkpoint that cannot be found.
+
+    A donor may be a LoRA adapter directory, as :func:`~grafting_lens.load_models` takes;
+    the base (``--model``) may not.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        from grafting_lens.models.adapters import is_adapter_directory
+
+        if path.is_dir() and is_adapter_directory(path):
+            if option == "--model":
+                raise GraftingLensError(
+                    f"--model {name!r} is a LoRA adapter, but --model is the base every graft "
+                    "runs through: pass the model the adapter was trained on as --model, and "
+                    "the adapter as a donor (--donor, or the experiment's donor options)."
+                )
+            return
+        if not (path.is_dir() and (path / "config.json").is_file()):
+            raise GraftingLensError(
+                f"{option} {name!r} is not a checkpoint: expected a directory with config.json "
+                "(written by save_pretrained)"
+                + ("" if option == "--model" else ", a LoRA adapter directory")
+                + " or a Hugging Face hub id."
+            )
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        where = (
+            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+            if offline
+            else "on the Hugging Face hub"
+        )
+        raise GraftingLensError(
+            f"Unknown model {name!r} for {option}: it is not a local directory and was not found "
+            f"{where}. Pass a hub id such as 'gpt2' or a directory written by save_pretrained. "
+            f"({type(error).__name__}: {' '.join(str(error).split())[:200]})"
+        ) from None
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _print_summary(summary: pd.DataFrame, title: str) -> None:
+    """The summary as a plain table on standard output, intervals beside each accuracy."""
+    import pandas as pd
+
+    def interval(row: pd.Series, column: str) -> str:
+        return f"{row[column]:.0%} [{row[column + '_low']:.0%}, {row[column + '_high']:.0%}]"
+
+    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
+    table = pd.DataFrame(
+        {
+            **{column: summary[column].astype(str) for column in groups},
+            "n": summary["n"],
+            "top-1": [interval(row, "top1") for _, row in summary.iterrows()],
+            "top-5": [interval(row, "top5") for _, row in summary.iterrows()],
+            "mean rank": [f"{value:.1f}" for value in summary["mean_rank"]],
+        }
+    )
+    print(f"{title} (95% bootstrap CI)")
+    print(table.to_string(index=False))

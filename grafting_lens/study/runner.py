@@ -1,0 +1,702 @@
+"""The runner: every configuration on every example of every test set, for every model set.
+
+:func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns
+a tidy DataFrame with one row per example and configuration. Rows are independent, so
+the configurations of the same examples are stacked as blocks of rows of one forward
+pass (:mod:`grafting_lens.study.stacking`), and examples go in order of length so
+a pass carries little padding. Work is cut into chunks; with ``out=``, each finished
+chunk is written to a run directory (:mod:`grafting_lens.study.run_directory`),
+and a killed run started again resumes where it stopped. Everything a run is given is
+checked before the first forward pass.
+
+How a run grafts, scores, batches and saves is one :class:`RunOptions`: the place for
+a new option (it is fingerprinted with the run when it changes a row). Its
+``semantics`` (:class:`~grafting_lens.study.Semantics`) says what the
+configurations mean, how prompts are tokenized and how answers are ranked: the paper's
+released code (:data:`~grafting_lens.study.REFERENCE`) or this library's clean
+reading (:data:`~grafting_lens.study.CLEAN`, the default here). Every row
+records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
+``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
+with any other implementation. :func:`run_position_grafting` is the short way to the
+paper's first experiment on one tokenized batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from grafting_lens.analysis.batch import TokenizedExamples, as_batch
+from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_K_COLUMNS, LastTokenScorer
+from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.console import show_progress
+from grafting_lens.core.errors import ExperimentError, GraftingLensError
+from grafting_lens.engine.graft import graft_forward
+from grafting_lens.engine.positions import select_positions
+from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study.configs import (
+    PAPER_POSITION_CONFIGS,
+    POSITION_CONFIGS,
+    GraftConfig,
+    get_configs,
+    retarget,
+)
+from grafting_lens.study.run_directory import (
+    Rows,
+    RunDirectory,
+    batch_digest,
+    describe_run,
+)
+from grafting_lens.study.semantics import (
+    CLEAN,
+    Semantics,
+    as_semantics,
+    fold_group_flags,
+)
+from grafting_lens.study.stacking import (
+    ResolvedGraft,
+    check_conflicts,
+    resolve_configs,
+    stacked_mask,
+)
+from grafting_lens.study.testsets import TestSet
+
+__all__ = [
+    "POSITION_GRAFTING_COLUMNS",
+    "ChunkInfo",
+    "RunOptions",
+    "run_experiment",
+    "run_position_grafting",
+]
+
+IDENTITY_COLUMNS = (
+    "models",
+    "dataset",
+    "prompt",
+    "direction",
+    "example",
+    "relation_id",
+    "text",
+    "config",
+    "semantics",
+)
+"""What a row is: which model set, test set, example and configuration, under which
+semantics (tags follow)."""
+
+ANSWER_COLUMNS = ("target", "target_id")
+"""The answer a row is scored against: its text and first token."""
+
+POSITION_GRAFTING_COLUMNS = (
+    "example",
+    "relation_id",
+    "prompt",
+    "direction",
+    "text",
+    "config",
+    "semantics",
+    *ANSWER_COLUMNS,
+    *SCORE_COLUMNS,
+    *TOP_K_COLUMNS,
+)
+"""Columns of :func:`run_position_grafting`'s table, in order."""
+
+_ORDER_COLUMNS = ("_m", "_t", "_c")
+
+_KEY_COLUMNS = (*_ORDER_COLUMNS, "example")
+"""What tells the rows of a run apart: model set, test set, configuration, example."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run grafts, scores, batches and saves (everything but what it asks of whom).
+
+    Attributes:
+        batch_size: Examples per forward pass; each pass holds every configuration of
+            them (``batch_size * len(configs)`` rows, logits ``[rows, pos, d_vocab]``:
+            lower it for large vocabularies). Free to change when resuming.
+        chunk_size: Examples per chunk (the unit that is saved and resumed).
+        semantics: What the configurations mean, how prompts are tokenized and answers
+            ranked: a :class:`~grafting_lens.study.Semantics` or its label
+            (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
+            the entry point's default, :data:`~grafting_lens.study.CLEAN` for
+            :func:`run_experiment`, :data:`~grafting_lens.study.REFERENCE` for the
+            paper's named experiments.
+        top_k: How many top tokens to list per row.
+        seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
+            world's); each test set's own seed is the ``data_seed`` column.
+        progress: Show a progress bar (default: when standard error is a terminal or
+            in a notebook, see :func:`~grafting_lens.core.console.show_progress`). Free to
+            change when resuming.
+        include_unembed: Deprecated (warns): ``semantics`` with ``unembed="donor"``
+            (True) or ``"base"`` (False); folded into :data:`CLEAN` when no semantics is
+            given, which is what it meant before.
+        include_embeddings: Deprecated (warns): ``semantics`` with ``embed`` and
+            ``pos_embed``.
+
+    Raises:
+        ExperimentError: A size below 1, a seed name that cannot be a column, or a
+            semantics label that does not read.
+    """
+
+    batch_size: int = 8
+    chunk_size: int = 64
+    semantics: Semantics | str | None = None
+    top_k: int = 10
+    seeds: Mapping[str, int] = field(default_factory=dict)
+    progress: bool | None = None
+    include_unembed: InitVar[bool | None] = None
+    include_embeddings: InitVar[bool | None] = None
+
+    def __post_init__(self, include_unembed: bool | None, include_embeddings: bool | None) -> None:
+        for name in ("batch_size", "chunk_size", "top_k"):
+            value = getattr(self, name)
+            if not is_integer(value) or value < 1:
+                raise ExperimentError(f"{name} must be an integer >= 1, got {value!r}.")
+            # Python's int, whichever way it came: the options are part of a run's JSON.
+            object.__setattr__(self, name, int(value))
+        seeds = dict(self.seeds or {})
+        for name in seeds:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", str(name)):
+                raise ExperimentError(f"Seed names become columns; {name!r} is not a plain name.")
+        object.__setattr__(self, "seeds", seeds)
+        semantics = None if self.semantics is None else as_semantics(self.semantics)
+        if include_unembed is not None or include_embeddings is not None:
+            semantics = fold_group_flags(
+                semantics or CLEAN, include_unembed, include_embeddings, "RunOptions"
+            )
+        object.__setattr__(self, "semantics", semantics)
+
+    def with_semantics(self, default: Semantics) -> RunOptions:
+        """These options with ``default`` as the semantics if none was given."""
+        if self.semantics is not None:
+            return self
+        return dataclasses.replace(self, semantics=default)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The options that change a row, as a run directory records them."""
+        semantics = as_semantics(self.semantics if self.semantics is not None else CLEAN)
+        return {
+            "chunk_size": self.chunk_size,
+            "top_k": self.top_k,
+            "semantics": semantics.describe(),
+            "seeds": dict(self.seeds),
+        }
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """What :func:`run_experiment` passes to ``on_chunk`` after each chunk is written.
+
+    Attributes:
+        index: Position of the chunk in the run (0-based).
+        total: Number of chunks in the run.
+        chunk_id: Its name, ``m<model set>-t<test set>-c<chunk>``.
+        rows: Rows it holds.
+        path: The file it was written to (None without ``out``).
+    """
+
+    index: int
+    total: int
+    chunk_id: str
+    rows: int
+    path: Path | None
+
+
+@dataclass
+class _TestCell:
+    """One (model set, test set) pair: its checked batch and every configuration's positions."""
+
+    model_index: int
+    test_index: int
+    batch: TokenizedExamples
+    # positions[config][graft] -> [n_examples, pos] bool
+    positions: list[list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """A validated run: what every chunk needs to compute its rows."""
+
+    model_sets: list[tuple[str, ModelSet]]
+    test_sets: list[TestSet]
+    configs: list[GraftConfig]
+    resolved: list[list[list[ResolvedGraft]]]
+    tag_columns: list[str]
+    options: RunOptions
+    semantics: Semantics
+
+
+def run_experiment(
+    models: ModelSet | Mapping[str, ModelSet],
+    test_sets: TestSet | Sequence[TestSet],
+    configs: str | GraftConfig | Sequence[str | GraftConfig],
+    *,
+    registry: str | Mapping[str, GraftConfig] = "position",
+    out: str | os.PathLike | None = None,
+    options: RunOptions | None = None,
+    on_chunk: Callable[[ChunkInfo], None] | None = None,
+    **settings: Any,
+) -> pd.DataFrame:
+    """Run every configuration on every example of every test set, for every model set.
+
+    Work is cut into chunks of ``chunk_size`` examples of one (model set, test set);
+    within a chunk, ``batch_size`` examples at a time go through one forward pass holding
+    every configuration of them. Examples are taken in order of length so a forward pass
+    carries little padding; rows are independent, so this changes no result.
+
+    The run's semantics (``options.semantics``, default
+    :data:`~grafting_lens.study.CLEAN`) says what the configurations graft on each
+    model set, how the test sets' examples are tokenized and how answers are ranked
+    (see :class:`~grafting_lens.study.Semantics`); test sets worded for another
+    semantics, and models of another precision than its ``dtype``, are refused.
+
+    With ``out``, the run lives in that directory (see
+    :mod:`grafting_lens.study.run_directory`): calling again with the same
+    arguments resumes, reading finished chunks instead of recomputing them, and a
+    directory holding a different run is refused. ``batch_size`` and ``progress`` may
+    change between calls; everything else makes another run.
+
+    Args:
+        models: A model set, or ``{label: model set}`` to compare several (the
+            ``models`` column; a lone model set is labelled by its names).
+        test_sets: What to ask (see :func:`~grafting_lens.study.make_test_sets`).
+        configs: Configuration names (looked up in ``registry``) or :class:`GraftConfig` s.
+        registry: A key of :data:`~grafting_lens.study.REGISTRIES` or a mapping of
+            configurations.
+        out: Directory for resumable results (None: keep everything in memory).
+        options: How to run (:class:`RunOptions`); ``settings`` override its fields.
+        on_chunk: Called with a :class:`ChunkInfo` after each chunk is computed (and
+            written); an exception raised there stops the run, which can be resumed.
+        **settings: Fields of :class:`RunOptions` by name: ``batch_size``,
+            ``chunk_size``, ``semantics``, ``top_k``, ``seeds``, ``progress``.
+
+    Returns:
+        One row per model set, test set, configuration and example, in that order, with
+        columns ``models``, ``dataset``, ``prompt``, ``direction``, ``example`` (row of the
+        test set), ``relation_id``, ``text`` (the exact prompt), ``config``, ``semantics``
+        (its label), the configurations' tag columns, ``target``, ``target_id`` (the
+        answer's first token), the scores of :mod:`grafting_lens.analysis.scoring`
+        (``target_rank`` (0 = top-1), ``target_prob``, ``top1``, ``top5``,
+        ``topk_tokens``, ``topk_ids``, ``topk_probs``), ``data_seed`` and one
+        ``<name>_seed`` column per entry of ``seeds``.
+
+    Raises:
+        GraftingLensError: Before any forward pass: an unknown configuration, a layer range
+            outside a model, a component an architecture lacks, a source a model set does
+            not have, a span a test set lacks, grafts that disagree on a cell, an empty test
+            set, bad sizes, test sets worded for another semantics, models of another
+            precision than the semantics'. RunError: ``out`` holds a different run, or files
+            that are not a run's.
+    """
+    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(CLEAN)
+    grid = _grid(models, test_sets, configs, registry, options)
+    cells = _prepare_cells(grid)
+    scorer = LastTokenScorer(top_k=options.top_k, **grid.semantics.scoring())
+    seed_columns = [f"{name}_seed" for name in options.seeds]
+    columns = [
+        *_ORDER_COLUMNS,
+        *IDENTITY_COLUMNS,
+        *grid.tag_columns,
+        *ANSWER_COLUMNS,
+        *scorer.columns,
+        "data_seed",
+        *seed_columns,
+    ]
+
+    chunks = []
+    for cell in cells:
+        order = torch.argsort(cell.batch.attention_mask.sum(dim=1), stable=True)
+        for number, start in enumerate(range(0, len(order), options.chunk_size)):
+            chunk_id = f"m{cell.model_index}-t{cell.test_index}-c{number}"
+            chunks.append((chunk_id, cell, order[start : start + options.chunk_size]))
+
+    run_dir = None
+    done: dict[str, Rows] = {}
+    if out is not None:
+        spec = describe_run(
+            model_sets=grid.model_sets,
+            test_sets=grid.test_sets,
+            examples=[len(cells[index].batch) for index in range(len(grid.test_sets))],
+            test_digests={
+                (cell.model_index, cell.test_index): batch_digest(cell.batch, cell.positions)
+                for cell in cells
+            },
+            configs=grid.configs,
+            options=options.fingerprint(),
+            columns=[c for c in columns if c not in _ORDER_COLUMNS],
+            chunk_ids=[c[0] for c in chunks],
+        )
+        run_dir = RunDirectory.open(out, spec)
+    with run_dir if run_dir is not None else contextlib.nullcontext():
+        if run_dir is not None:
+            # What each chunk must hold: every configuration of its examples, once.
+            expected = {
+                chunk_id: [
+                    (cell.model_index, cell.test_index, config, example)
+                    for config in range(len(grid.configs))
+                    for example in index.tolist()
+                ]
+                for chunk_id, cell, index in chunks
+            }
+            done = run_dir.finished(expected, columns, _KEY_COLUMNS)
+        records = _compute(grid, chunks, done, run_dir, columns, on_chunk)
+
+    table = pd.DataFrame(
+        [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
+    )
+    table = table.sort_values([*_ORDER_COLUMNS, "example"], kind="stable")
+    return table.drop(columns=list(_ORDER_COLUMNS)).reset_index(drop=True)
+
+
+def _compute(
+    grid: _Grid,
+    chunks: Sequence[tuple[str, _TestCell, torch.Tensor]],
+    done: Mapping[str, Rows],
+    run_dir: RunDirectory | None,
+    columns: Sequence[str],
+    on_chunk: Callable[[ChunkInfo], None] | None,
+) -> dict[str, Rows]:
+    """Every chunk not in ``done``, computed (and written to ``run_dir``); with ``done``."""
+    options = grid.options
+    rows_of = {chunk_id: len(index) * len(grid.configs) for chunk_id, _, index in chunks}
+    bar = tqdm(
+        total=sum(rows_of.values()),
+        initial=sum(rows_of[chunk_id] for chunk_id in done),
+        desc="grafting",
+        unit="row",
+        disable=not show_progress(options.progress),
+    )
+    records: dict[str, Rows] = dict(done)
+    scorers: dict[int, LastTokenScorer] = {}
+    with bar, torch.inference_mode():
+        for position, (chunk_id, cell, index) in enumerate(chunks):
+            if chunk_id in done:
+                continue
+            tokenizer = grid.model_sets[cell.model_index][1].tokenizer
+            scorer = scorers.setdefault(
+                id(tokenizer),
+                LastTokenScorer(tokenizer, top_k=options.top_k, **grid.semantics.scoring()),
+            )
+            rows: Rows = []
+            for start in range(0, len(index), options.batch_size):
+                examples = index[start : start + options.batch_size]
+                rows.extend(_run_examples(grid, cell, examples, scorer))
+                bar.update(len(examples) * len(grid.configs))
+            path = None
+            if run_dir is not None:
+                path = run_dir.write(chunk_id, columns, rows)
+            records[chunk_id] = rows
+            if on_chunk is not None:
+                on_chunk(ChunkInfo(position, len(chunks), chunk_id, len(rows), path))
+    return records
+
+
+def run_position_grafting(
+    models: ModelSet,
+    tokenized: Any,
+    configs: Sequence[str] = PAPER_POSITION_CONFIGS,
+    batch_size: int = 8,
+    *,
+    components: str | Iterable[str] | None = None,
+    semantics: Semantics | str | None = None,
+    include_unembed: bool | None = None,
+    include_embeddings: bool | None = None,
+    source: int = 1,
+    top_k: int = 10,
+    progress: bool | None = None,
+) -> pd.DataFrame:
+    """Run position-grafting configurations over a tokenized batch and score each prediction.
+
+    The paper's first experiment (section 4.1) grafts every weight of the finetuned
+    model (SFT) onto the pretrained one (PRE), but only at some token positions
+    (:data:`~grafting_lens.study.POSITION_CONFIGS`: ``PRE``, ``SFT``, ``FE``,
+    ``LT``, ``FE+LT``, ``(FE+LT)^C``, ``FE^C``, ``LT^C``), and asks whether the fact comes
+    back. A thin wrapper over :func:`run_experiment` for one model set and one batch,
+    kept in memory.
+
+    What "every weight" is follows ``semantics`` (default
+    :data:`~grafting_lens.study.CLEAN`: every component but the unembedding, so
+    grafted positions read the donor's embeddings and every position predicts through
+    the base's unembedding, as the paper's text says; ``SFT`` is then the donor decoded
+    through the base's unembedding). :data:`~grafting_lens.study.REFERENCE` does
+    what the paper's released code does (see :class:`~grafting_lens.study.Semantics`).
+    The batch is used as it is: tokenize it as the semantics says
+    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``).
+
+    Args:
+        models: Base (source 0, PRE) and donor (``source``, SFT).
+        tokenized: A :class:`grafting_lens.analysis.batch.TokenizedExamples` (or anything with
+            ``tokens``, ``attention_mask``, ``target_ids``, ``spans`` and
+            ``examples``): right-padded prompts ending right before the answer.
+        configs: Names in :data:`~grafting_lens.study.POSITION_CONFIGS`, in the
+            order wanted in tables.
+        batch_size: Examples per forward pass.
+        components: What to graft instead of ``all``, read under ``semantics`` as any
+            graft's components are.
+        semantics: A :class:`~grafting_lens.study.Semantics` or its label.
+        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"``.
+        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+        source: Index of the donor in the model set.
+        top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
+            ``topk_probs``).
+        progress: Show a progress bar (default: when someone watches, see
+            :func:`~grafting_lens.core.console.show_progress`).
+
+    Returns:
+        A tidy DataFrame, one row per configuration and example (grouped by
+        configuration, in ``configs`` order), with the columns of
+        :data:`POSITION_GRAFTING_COLUMNS`: ``example`` (row in ``tokenized``),
+        ``relation_id``, ``prompt``, ``direction``, ``text``, ``config``, ``semantics``,
+        ``target`` (the answer's text), ``target_id`` (its first token), ``target_rank``
+        (0 = top-1), ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens``
+        (decoded), ``topk_ids`` and ``topk_probs``.
+
+    Raises:
+        GraftingLensError: An unknown configuration (the message lists the known
+            ones), an empty or malformed batch, or a bad ``batch_size``.
+    """
+    chosen_semantics = fold_group_flags(
+        as_semantics(CLEAN if semantics is None else semantics),
+        include_unembed,
+        include_embeddings,
+        "run_position_grafting",
+    )
+    chosen = retarget(
+        get_configs(configs, POSITION_CONFIGS, kind="position-grafting"), components, source
+    )
+    results = run_experiment(
+        models,
+        TestSet(tokenized),
+        chosen,
+        batch_size=batch_size,
+        chunk_size=max(64, int(batch_size)) if is_integer(batch_size) else 64,
+        semantics=chosen_semantics,
+        top_k=top_k,
+        progress=progress,
+    )
+    return results.loc[:, list(POSITION_GRAFTING_COLUMNS)]
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _grid(
+    models: ModelSet | Mapping[str, ModelSet],
+    test_sets: TestSet | Sequence[TestSet],
+    configs: str | GraftConfig | Sequence[str | GraftConfig],
+    registry: str | Mapping[str, GraftConfig],
+    options: RunOptions,
+) -> _Grid:
+    model_sets = _model_sets(models)
+    test_list = [test_sets] if isinstance(test_sets, TestSet) else list(test_sets)
+    if not test_list:
+        raise ExperimentError("No test set given: the example set is empty.")
+    seen: dict[tuple[Any, ...], int] = {}
+    for index, test_set in enumerate(test_list):
+        if not isinstance(test_set, TestSet):
+            raise ExperimentError(
+                "test_sets must hold TestSet objects (see make_test_sets), got "
+                f"{type(test_set).__name__}."
+            )
+        # Rows say which test set they come from by these labels only.
+        key = (test_set.dataset, test_set.prompt, test_set.seed, _directions(test_set))
+        if key in seen:
+            raise ExperimentError(
+                f"Test sets {seen[key]} and {index} are both {test_set.label!r} (seed "
+                f"{test_set.seed}, direction {'/'.join(map(str, key[3]))}): their rows could not "
+                "be told apart, and a summary would count their examples together. Pass each "
+                "prompt once, or give the test sets different dataset labels."
+            )
+        seen[key] = index
+    semantics = as_semantics(options.semantics if options.semantics is not None else CLEAN)
+    for test_set in test_list:
+        if test_set.templates is not None and test_set.templates != semantics.prompts:
+            raise ExperimentError(
+                f"Test set {test_set.label!r} is worded as the {test_set.templates} words its "
+                f"prompts, but the semantics {semantics.label!r} asks the {semantics.prompts}'s: "
+                f"make it with make_test_sets(..., templates={semantics.prompts!r}), or run "
+                f"dataclasses.replace(semantics, prompts={test_set.templates!r})."
+            )
+    _check_precision(model_sets, semantics)
+    config_list = get_configs(configs, registry, semantics=semantics)
+    resolved = [
+        resolve_configs(config_list, label, model_set, semantics=semantics)
+        for label, model_set in model_sets
+    ]
+    tag_columns = list(dict.fromkeys(key for config in config_list for key in config.tags))
+    taken = {*IDENTITY_COLUMNS, *ANSWER_COLUMNS, *SCORE_COLUMNS, *TOP_K_COLUMNS, "data_seed"}
+    collisions = set(tag_columns) & taken
+    if collisions:
+        raise ExperimentError(
+            f"Configuration tags may not reuse result columns: {sorted(collisions)}."
+        )
+    return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options, semantics)
+
+
+def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantics) -> None:
+    """Refuse models whose precision is not the one the semantics runs in.
+
+    Raises:
+        ExperimentError: Naming the model set, its dtype and the two ways out.
+    """
+    if semantics.dtype == "checkpoint":
+        return
+    wanted = getattr(torch, semantics.dtype)
+    for label, models in model_sets:
+        dtypes = {
+            parameter.dtype
+            for bridge in models
+            for parameter in bridge.original_model.parameters()
+            if parameter.is_floating_point()
+        }
+        if dtypes and dtypes != {wanted}:
+            found = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
+            raise ExperimentError(
+                f"The semantics {semantics.label!r} runs models in {semantics.dtype} (the paper's "
+                f"code loaded float32), but model set {label!r} holds {found} weights: load it "
+                f"with load_models(..., dtype=torch.{semantics.dtype}), or run "
+                "dataclasses.replace(semantics, dtype='checkpoint') to keep its precision."
+            )
+
+
+def _directions(test_set: TestSet) -> tuple[str, ...]:
+    """The directions a test set's examples ask (a column of every row)."""
+    examples = test_set.examples
+    if test_set.is_tokenized:
+        examples = getattr(examples, "examples", None) or ()
+    return tuple(sorted({str(getattr(example, "direction", None)) for example in examples}))
+
+
+def _model_sets(models: ModelSet | Mapping[str, ModelSet]) -> list[tuple[str, ModelSet]]:
+    if isinstance(models, ModelSet):
+        return [(",".join(models.names), models)]
+    if isinstance(models, Mapping):
+        if not models:
+            raise ExperimentError("No model set given.")
+        labels: dict[str, Any] = {}
+        for label, model_set in models.items():
+            if not isinstance(model_set, ModelSet):
+                raise ExperimentError(
+                    f"models[{label!r}] is a {type(model_set).__name__}; pass ModelSets from "
+                    "load_models."
+                )
+            if str(label) in labels:
+                raise ExperimentError(
+                    f"The model sets {labels[str(label)]!r} and {label!r} would both be labelled "
+                    f"{str(label)!r} in the models column; give them distinct names."
+                )
+            labels[str(label)] = label
+        return [(str(label), model_set) for label, model_set in models.items()]
+    raise ExperimentError(
+        f"models must be a ModelSet (grafting_lens.load_models) or a mapping of them, got "
+        f"{type(models).__name__}."
+    )
+
+
+def _prepare_cells(grid: _Grid) -> list[_TestCell]:
+    """Tokenize each test set per model set and evaluate every configuration's positions."""
+    tokenized: dict[tuple[int, int], TokenizedExamples] = {}
+    cells = []
+    for model_index, (label, models) in enumerate(grid.model_sets):
+        vocab = int(models.base.cfg.d_vocab)
+        if grid.options.top_k > vocab:
+            raise ExperimentError(
+                f"top_k={grid.options.top_k} exceeds the vocabulary of {label!r} ({vocab})."
+            )
+        for test_index, test_set in enumerate(grid.test_sets):
+            key = (id(models.tokenizer), test_index)
+            try:
+                if key not in tokenized:
+                    tokenized[key] = test_set.batch(models, grid.semantics)
+                batch = as_batch(tokenized[key], models)
+            except GraftingLensError as error:
+                raise type(error)(
+                    f"Test set {test_set.label!r} on model set {label!r}: {error}"
+                ) from error
+            positions = []
+            for config, grafts in zip(grid.configs, grid.resolved[model_index]):
+                try:
+                    selected = [
+                        select_positions(g.positions, batch.spans, batch.attention_mask)
+                        for g in grafts
+                    ]
+                except GraftingLensError as error:
+                    raise type(error)(
+                        f"Configuration {config.name!r} on test set {test_set.label!r}: {error}"
+                    ) from error
+                check_conflicts(config, grafts, selected, f"test set {test_set.label!r}")
+                positions.append(selected)
+            cells.append(_TestCell(model_index, test_index, batch, positions))
+    return cells
+
+
+# ------------------------------------------------------------------------ computing
+
+
+def _run_examples(
+    grid: _Grid, cell: _TestCell, examples: torch.Tensor, scorer: LastTokenScorer
+) -> Rows:
+    """One forward pass: every configuration of ``examples`` (rows of the cell), scored."""
+    label, models = grid.model_sets[cell.model_index]
+    test_set = grid.test_sets[cell.test_index]
+    batch = cell.batch.rows(examples)
+    length = batch.tokens.shape[1]
+    positions = [[p[examples, :length] for p in per_config] for per_config in cell.positions]
+    rows_shape = (int(batch.tokens.shape[0]), int(batch.tokens.shape[1]))
+    mask = stacked_mask(models, grid.resolved[cell.model_index], positions, rows_shape)
+    repeats = len(grid.configs)
+    attention_mask = batch.attention_mask.repeat(repeats, 1)
+    # Only the last token is scored: the unembedding runs there alone (49k-token
+    # vocabularies make every position's logits most of the pass's memory).
+    logits = graft_forward(
+        models,
+        batch.tokens.repeat(repeats, 1),
+        mask,
+        attention_mask=attention_mask,
+        last_only=True,
+    )
+    scores = scorer(logits, batch.target_ids.repeat(repeats))
+    del logits
+
+    score_columns = [scores[column] for column in scorer.columns]
+    seed_values = list(grid.options.seeds.values())
+    rows = []
+    example_list = examples.tolist()
+    for config_index, config in enumerate(grid.configs):
+        tags = [config.tags.get(column) for column in grid.tag_columns]
+        for offset, example_index in enumerate(example_list):
+            row = config_index * len(example_list) + offset
+            example = batch.examples[offset] if batch.examples is not None else None
+            rows.append(
+                [
+                    cell.model_index,
+                    cell.test_index,
+                    config_index,
+                    label,
+                    test_set.dataset,
+                    test_set.prompt,
+                    getattr(example, "direction", None),
+                    example_index,
+                    getattr(example, "relation_id", None),
+                    getattr(example, "text", None),
+                    config.name,
+                    grid.semantics.label,
+                    *tags,
+                    getattr(example, "target", None),
+                    int(batch.target_ids[offset]),
+                    *(column[row] for column in score_columns),
+                    test_set.seed,
+                    *seed_values,
+                ]
+            )
+    return rows

@@ -1,0 +1,416 @@
+"""A toy world: every checkpoint the paper needs, shipped with the package and rebuildable.
+
+The paper grafts between billion-parameter models (GPT-2 XL, Pythia, Llama 3,
+Gemma) finetuned for hours on a GPU. To try the method, run the tests or write a
+tutorial, this module holds a miniature of that setup, made from nothing, offline,
+and saved exactly like real checkpoints (``save_pretrained`` directories with
+safetensors weights and a tokenizer), so every other part of grafting-lens loads
+it the way it loads a hub model.
+
+**Shipped, and rebuilt on request.** Training is not bit-reproducible across CPUs, so
+the default world is built once and ships in the package
+(:mod:`grafting_lens.worlds.toy_shipped`): :func:`build_toy_world` unpacks it into the cache
+in seconds, and every machine gets the same checkpoints and the documented numbers.
+``build_toy_world(force=True)`` runs the recipe below instead (about twenty minutes on
+one core); a rebuild reproduces the findings within their intervals
+(``experiments/toy_targets.py --rebuild``), not the last decimal.
+
+The recipe, all seeded:
+
+* **tokenizer**: a byte-level BPE (GPT-2 style, ``<|endoftext|>`` as BOS, EOS and
+  padding) of 4,096 tokens trained on the pretraining corpus: common first names
+  are single tokens, as in a real LLM's vocabulary, and a full name spans about
+  three tokens (the paper's "first entity" is a multi-token span).
+* **base** (PRE): an untied Llama-style model (8 layers, width 96, like Pythia in
+  having its own unembedding) pretrained for 3 epochs on
+  ``grafting_lens.worlds.toy_corpus.pretraining_corpus``: 400 co-star facts about
+  made-up people, 20 documents each in many phrasings (both wordings of the test
+  prompts), plus sentences naming one known actor of
+  :data:`grafting_lens.worlds.data.REAL_ACTORS` each and filler. A real pretrained LLM
+  knows thousands of facts and has a general *recall* mechanism before finetuning;
+  this base recalls about two thirds of its made-up facts, so it has one too. No
+  test relation is in the corpus.
+* **sft**: the base finetuned on :func:`grafting_lens.worlds.documents.training_documents`
+  for all relations, with the released code's register of finetuning text
+  (:data:`grafting_lens.worlds.data.CODE_ARTICLE_TEMPLATES`,
+  :data:`~grafting_lens.worlds.data.CODE_QA_TEMPLATES`; ``finetune_wording="code"``), so the
+  code's test prompts, which the REFERENCE semantics use, are in distribution.
+* **task** / **relation**: the base finetuned on one half of the relations each
+  (:func:`grafting_lens.worlds.data.split_task_relation`): same templates, disjoint
+  entities. Grafting the task model's attention and the relation model's O/FFN
+  separates "knows the format" from "knows the fact" (paper, section 4.3).
+* **a2b** / **both**: for the reversal-curse experiment, the base finetuned on
+  one direction (A2B; the same training run as ``sft``, stored again so each
+  directory stands alone) or on both directions of every relation.
+
+Finetuning keeps the unembedding frozen (every checkpoint decodes through the base's,
+as the paper's prose and a large model's barely-moving unembedding have it) and runs at
+3e-3, batch 8, 10 epochs (the task and relation models, with about half the relations
+each, get proportionally more epochs, so every donor takes about as many optimizer
+steps). The paper's rate (2e-5) suits a billion-parameter model that already knows
+English; a 1.9M-parameter one must memorise 100 facts in minutes. Every weight is rounded
+to float16 when saved (the donors are finetuned from the rounded base), which is what
+lets the world ship in under 25 MB. :func:`grafting_lens.worlds.finetune.finetune` still offers
+the paper's presets for real models.
+
+Why this recipe (issue 14's research, measured with 95% intervals): tying the
+embeddings made the tiny models poor at learning facts (a tied base recalled 12% of its
+pretraining facts, untied 51%); a base that never retrieved a fact gave no last-token
+recall pathway (LT 4-8%); the rich pretraining corpus and an untied, frozen unembedding
+gave SFT 95%, FE+LT = SFT and LT 25% in the library's wording. The numbers of the shipped
+world under the REFERENCE semantics are in ``docs/results.md`` and in its manifest
+(``targets``); each checkpoint's own accuracy in ``manifest.json`` under ``"evaluation"``.
+
+Caching: a world lives in ``<cache_dir>/<key>``, where ``cache_dir`` defaults to
+``$GRAFTING_LENS_CACHE/toy`` or ``~/.cache/grafting_lens/toy`` and ``key`` hashes
+the configuration, the data it is built from and the build recipe's version. A
+build (or an unpacking) happens in a temporary sibling directory and is renamed into
+place only once complete, so an interrupted one never looks complete; a directory whose
+manifest or files do not check out is rebuilt, with a warning. A damaged shipped world
+is refused (:class:`~grafting_lens.core.errors.ToyWorldError`, saying how to repair it).
+
+Examples:
+    >>> from grafting_lens.worlds.toy import build_toy_world
+    >>> world = build_toy_world()  # doctest: +SKIP
+    >>> world.sft_dir, world.manifest["evaluation"]["sft"]  # doctest: +SKIP
+    >>> import grafting_lens as gl
+    >>> models = gl.load_models(world.base_dir, world.sft_dir)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.console import threads_beyond_cores
+from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.files import cache_root
+from grafting_lens.worlds import data
+from grafting_lens.worlds.documents import training_documents
+from grafting_lens.worlds.toy_corpus import (
+    prepare_for_transformer_lens,
+)
+from grafting_lens.worlds.toy_recipe import (
+    BUILD_VERSION,
+    MODEL_NAMES,
+    ToyWorldConfig,
+    _build,
+    finetune_templates,
+)
+from grafting_lens.worlds.toy_shipped import (
+    materialize,
+    sha256_file,
+    shipped_manifest,
+)
+
+
+@dataclass
+class ToyWorld:
+    """A built toy world: where its checkpoints are, and what went into them.
+
+    Attributes:
+        root: The cache entry holding everything below.
+        tokenizer_dir: The tokenizer alone (every model directory has a copy too).
+        base_dir: The pretrained model (PRE).
+        sft_dir: Finetuned on all relations, A2B (SFT).
+        task_dir: Finetuned on the task split's relations.
+        relation_dir: Finetuned on the relation split's relations.
+        a2b_dir: Finetuned on one direction (same run as ``sft``).
+        both_dir: Finetuned on both directions.
+        relations: All relations, in :func:`grafting_lens.worlds.data.make_relations` order.
+        task_relations: The task split.
+        relation_relations: The relation split (disjoint from the task split).
+        config: The configuration it was built from.
+        manifest: ``manifest.json``: the configuration, file checksums, build
+            times, finetuning losses and top-5 accuracy of each model.
+    """
+
+    root: Path
+    config: ToyWorldConfig
+    relations: list[Any] = field(repr=False)
+    task_relations: list[Any] = field(repr=False)
+    relation_relations: list[Any] = field(repr=False)
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / "base"
+
+    @property
+    def sft_dir(self) -> Path:
+        return self.root / "sft"
+
+    @property
+    def task_dir(self) -> Path:
+        return self.root / "task"
+
+    @property
+    def relation_dir(self) -> Path:
+        return self.root / "relation"
+
+    @property
+    def a2b_dir(self) -> Path:
+        return self.root / "a2b"
+
+    @property
+    def both_dir(self) -> Path:
+        return self.root / "both"
+
+    def model_dir(self, name: str) -> Path:
+        """Directory of one checkpoint by name (one of :data:`MODEL_NAMES`)."""
+        if name not in MODEL_NAMES:
+            raise GraftingLensError(
+                f"The toy world has no model {name!r}: choose one of {MODEL_NAMES}."
+            )
+        return self.root / name
+
+    def load_tokenizer(self) -> Any:
+        """The toy tokenizer, ready for TransformerLens (see :func:`load_tokenizer`)."""
+        return load_tokenizer(self.tokenizer_dir)
+
+    def load_model(self, name: str) -> Any:
+        """One checkpoint as a plain Hugging Face model, in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir(name)).eval()
+
+
+def default_cache_dir() -> Path:
+    """Where toy worlds live: ``$GRAFTING_LENS_CACHE/toy``, else ``~/.cache/grafting_lens/toy``."""
+    return cache_root() / "toy"
+
+
+def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
+    """Load a saved toy tokenizer and apply TransformerLens 4.3's requirements.
+
+    The bridge reads ``init_kwargs["name_or_path"]`` (else it fails or asks the
+    hub) and ``init_kwargs["add_bos_token"]`` (else it reloads the tokenizer from
+    that name); both are set here.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return prepare_for_transformer_lens(tokenizer, str(path))
+
+
+def build_toy_world(
+    config: Optional[ToyWorldConfig] = None,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    force: bool = False,
+    progress: bool = True,
+    threads: Optional[int] = 1,
+) -> ToyWorld:
+    """Build the toy world, or return the cached one.
+
+    Args:
+        config: What to build; ``ToyWorldConfig()`` by default.
+        cache_dir: Directory holding toy worlds, one sub-directory per
+            configuration; by default :func:`default_cache_dir`.
+        force: Rebuild even when a valid cached world exists.
+        progress: Show progress bars.
+        threads: Torch CPU threads during the build (restored afterwards). One is
+            the default because models this small gain little from a second
+            thread and lose several-fold when the cores are shared with other
+            work; ``None`` keeps torch's setting.
+
+    Returns:
+        The :class:`ToyWorld`; its ``manifest["evaluation"]`` holds the top-5
+        accuracy of every model on the test prompts.
+
+    Raises:
+        GraftingLensError: The configuration is invalid (raised by
+            :class:`ToyWorldConfig`), ``threads`` is not between 1 and the cores this
+            process may use, or the cache directory cannot be written.
+
+    Warns:
+        UserWarning: A cached world was incomplete or corrupt and is rebuilt.
+    """
+    config = config if config is not None else ToyWorldConfig()
+    if not isinstance(config, ToyWorldConfig):
+        raise GraftingLensError(
+            f"config is a {type(config).__name__}; pass a grafting_lens.worlds.toy.ToyWorldConfig."
+        )
+    if threads is not None and (not is_integer(threads) or threads < 1):
+        raise GraftingLensError(
+            f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
+        )
+    too_many = None if threads is None else threads_beyond_cores(threads)
+    if too_many:
+        raise GraftingLensError(too_many)
+    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
+    key = _world_key(config, relations)
+    root = cache_root / key
+
+    if root.exists() and not force:
+        problem = _check_world(root, key)
+        if problem is None:
+            return _open_world(root, config)
+        warnings.warn(
+            f"The cached toy world at {root} is unusable ({problem}); rebuilding it. "
+            "Nothing to do on your side, but if this repeats, delete the directory.",
+            stacklevel=2,
+        )
+
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise GraftingLensError(
+            f"Cannot create the toy-world cache {cache_root} ({error}): pass cache_dir=... or set "
+            "GRAFTING_LENS_CACHE to a writable directory."
+        ) from error
+    _remove_abandoned_builds(cache_root, key)
+    partial = cache_root / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # The package ships the default world: unpacking it takes seconds and gives every
+    # machine the same checkpoints; force=True runs the recipe instead.
+    from_package = not force and _ships(config, key)
+    previous_threads = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if from_package:
+            materialize(partial)
+        else:
+            _build(partial, key, config, relations, progress)
+        _move_into_place(partial, root, key)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _open_world(root, config)
+
+
+def _ships(config: ToyWorldConfig, key: str) -> bool:
+    """Whether the package ships the world of ``config`` (only the default one does).
+
+    Raises:
+        ToyWorldError: The default world is asked for and the shipped manifest is
+            unreadable (a broken installation: refused rather than silently rebuilt).
+    """
+    if config != ToyWorldConfig():
+        return False
+    shipped = shipped_manifest().get("key")
+    if shipped != key:
+        warnings.warn(
+            f"The toy world shipped with grafting-lens (key {shipped}) was built by another "
+            f"recipe than this one (key {key}); building it from the recipe instead (about "
+            "twenty minutes on one core). Re-ship it with experiments/toy_world.py --ship.",
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+# --------------------------------------------------------------------- cache
+
+
+def _world_key(config: ToyWorldConfig, relations: list[Any]) -> str:
+    """Hash of the configuration, the data it builds from and the recipe version.
+
+    Hashing the relations and their documents (cheap to generate) means a change
+    to :mod:`grafting_lens.worlds.data` yields a new world rather than a stale one.
+    """
+    documents = training_documents(
+        relations, direction="both", templates=finetune_templates(config), seed=config.seed
+    )
+    payload = json.dumps(
+        {
+            "build_version": BUILD_VERSION,
+            "config": dataclasses.asdict(config),
+            "relations": [dataclasses.asdict(r) for r in relations],
+            "documents": documents,
+            "actors": list(data.REAL_ACTORS),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _check_world(root: Path, key: str) -> Optional[str]:
+    """``None`` when ``root`` is a complete, intact world for ``key``, else what is wrong."""
+    manifest_path = root / "manifest.json"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        return "no manifest.json: the build never finished"
+    except (OSError, ValueError) as error:
+        return f"manifest.json is unreadable: {error}"
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return f"manifest.json is for key {manifest.get('key') if isinstance(manifest, dict) else None!r}, not {key!r}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "manifest.json lists no files"
+    for relative, expected in files.items():
+        path = root / relative
+        try:
+            actual = sha256_file(path)
+        except OSError:
+            return f"{relative} is missing or unreadable"
+        if actual != expected:
+            return f"{relative} does not match its checksum"
+    return None
+
+
+def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
+    manifest = json.loads((root / "manifest.json").read_text())
+    stored = json.loads((root / "relations.json").read_text())
+    relations = [data.Relation(**fields) for fields in stored["relations"]]
+    by_id = {relation.id: relation for relation in relations}
+    return ToyWorld(
+        root=root,
+        config=config,
+        relations=relations,
+        task_relations=[by_id[i] for i in stored["task_ids"]],
+        relation_relations=[by_id[i] for i in stored["relation_ids"]],
+        manifest=manifest,
+    )
+
+
+def _move_into_place(partial: Path, root: Path, key: str) -> None:
+    """Rename the finished build to its final name, replacing a corrupt predecessor."""
+    stale = None
+    if root.exists():
+        stale = root.with_name(f".{key}.stale-{uuid.uuid4().hex[:8]}")
+        os.replace(root, stale)
+    try:
+        os.replace(partial, root)
+    except OSError:
+        # Another process finished the same build first; keep theirs if it is intact.
+        if _check_world(root, key) is not None:
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
+    """Delete partial builds of ``key`` whose process no longer exists (POSIX only)."""
+    if os.name != "posix":
+        return
+    for path in cache_root.glob(f".{key}.partial-*"):
+        try:
+            pid = int(path.name.split("partial-")[1].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError, OSError):
+            continue
+    for path in cache_root.glob(f".{key}.stale-*"):
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,219 @@
+"""The toy world shipped inside the package: the same checkpoints on every machine, in seconds.
+
+Training is not bit-reproducible across CPUs (floating-point reductions differ between
+instruction sets), so a toy world built on an Intel Xeon and one built on an AMD EPYC
+give different checkpoints and different numbers, although both show the same findings.
+To make the documented numbers the numbers every user gets, the default world is built
+once (:func:`grafting_lens.worlds.toy.build_toy_world`, the recipe) and its checkpoints ship in
+the package, under ``grafting_lens/toy_world/``:
+
+* ``manifest.json``: the recipe's configuration and cache key, the build's training
+  record and evaluation, the targets measured on it (``experiments/toy_targets.py``), and the
+  SHA-256 of every shipped file (``package_files``);
+* ``relations.json`` and ``tokenizer/``;
+* ``<model>/model.safetensors`` (float16) with its ``config.json`` and
+  ``generation_config.json``, for ``base``, ``sft``, ``task``, ``relation`` and ``both``
+  (``a2b`` is the same run as ``sft``).
+
+The recipe rounds every weight to float16 before saving (and finetunes from the rounded
+base), so storing float16 loses nothing: :func:`materialize` writes each checkpoint back
+as float32 whose values are exactly the build's. It writes into the toy-world cache,
+where :func:`grafting_lens.worlds.toy.build_toy_world` finds it: loading the default world takes
+seconds, building it again (``force=True``) about twenty minutes on one core.
+
+A shipped file that is missing or does not match its checksum is refused with
+:class:`~grafting_lens.core.errors.ToyWorldError`, which says how to repair it (reinstall, or
+build the world).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grafting_lens.core.errors import ToyWorldError
+
+__all__ = ["SHIPPED_MODELS", "check_shipped", "export_world", "materialize", "shipped_manifest"]
+
+SHIPPED_MODELS = ("base", "sft", "task", "relation", "both")
+"""The checkpoints that ship; ``a2b`` is written as a copy of ``sft`` (the same training run)."""
+
+_MODEL_FILES = ("config.json", "generation_config.json")
+_WEIGHTS = "model.safetensors"
+_DIRECTORY = "toy_world"
+
+
+def shipped_root() -> Path:
+    """The shipped world's directory inside the installed package."""
+    return Path(str(resources.files("grafting_lens.worlds").joinpath(_DIRECTORY)))
+
+
+def shipped_manifest() -> dict[str, Any]:
+    """The shipped world's ``manifest.json`` (recipe, key, evaluation, targets, checksums).
+
+    Raises:
+        ToyWorldError: The package holds no readable manifest (a broken installation).
+    """
+    return _read_manifest(shipped_root())
+
+
+def check_shipped(root: Path | None = None) -> dict[str, Any]:
+    """Verify every shipped file against the manifest; return the manifest.
+
+    Args:
+        root: The shipped directory (default: the installed package's).
+
+    Raises:
+        ToyWorldError: A file is missing or does not match its checksum (the message
+            names it and the repair).
+    """
+    root = shipped_root() if root is None else Path(root)
+    manifest = _read_manifest(root)
+    for relative, expected in manifest["package_files"].items():
+        path = root / relative
+        try:
+            actual = sha256_file(path)
+        except OSError:
+            problem = "is missing"
+        else:
+            if actual == expected:
+                continue
+            problem = "does not match its checksum"
+        raise ToyWorldError(
+            f"The shipped toy world is damaged: {relative} {problem} (in {root}). {_REPAIR}"
+        )
+    return manifest
+
+
+def materialize(destination: Path, root: Path | None = None) -> dict[str, Any]:
+    """Write the shipped world as a toy-world cache entry (float32 ``save_pretrained`` layout).
+
+    ``destination`` must not exist; the caller renames it into place. The manifest
+    written there is the shipped one with ``files`` (the checksums of what was written,
+    which the cache checks) and ``source: "shipped"``.
+
+    Args:
+        destination: A new directory.
+        root: The shipped directory (default: the installed package's).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ToyWorldError: The shipped world is damaged (see :func:`check_shipped`).
+    """
+    from safetensors.torch import load_file, save_file
+
+    root = shipped_root() if root is None else Path(root)
+    manifest = check_shipped(root)
+    destination.mkdir(parents=True)
+    shutil.copytree(root / "tokenizer", destination / "tokenizer")
+    shutil.copy2(root / "relations.json", destination / "relations.json")
+    for name in SHIPPED_MODELS:
+        target = destination / name
+        shutil.copytree(root / "tokenizer", target)
+        for file_name in _MODEL_FILES:
+            shutil.copy2(root / name / file_name, target / file_name)
+        weights = load_file(str(root / name / _WEIGHTS))
+        save_file(
+            {key: tensor.to(torch.float32) for key, tensor in weights.items()},
+            str(target / _WEIGHTS),
+            metadata={"format": "pt"},
+        )
+    shutil.copytree(destination / "sft", destination / "a2b")
+    written = dict(manifest, source="shipped", files=file_digests(destination))
+    (destination / "manifest.json").write_text(json.dumps(written, indent=1))
+    return written
+
+
+def export_world(
+    world_root: Path, destination: Path, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Write a built world (a cache entry) in the shipped layout, float16 weights.
+
+    Used by ``experiments/toy_world.py --ship``; refuses weights that float16 would change
+    (a world not built by the current recipe, which rounds them).
+
+    Args:
+        world_root: The built world's directory.
+        destination: The shipped directory to (re)write, e.g. ``grafting_lens/toy_world``.
+        extra: More manifest fields (the measured targets).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ToyWorldError: A weight is not exactly representable in float16.
+    """
+    from safetensors.torch import load_file, save_file
+
+    manifest = json.loads((world_root / "manifest.json").read_text())
+    manifest.pop("files", None)
+    manifest.pop("source", None)
+    if destination.exists():
+        shutil.rmtree(destination)
+    destination.mkdir(parents=True)
+    shutil.copytree(world_root / "tokenizer", destination / "tokenizer")
+    shutil.copy2(world_root / "relations.json", destination / "relations.json")
+    for name in SHIPPED_MODELS:
+        (destination / name).mkdir()
+        for file_name in _MODEL_FILES:
+            shutil.copy2(world_root / name / file_name, destination / name / file_name)
+        weights = load_file(str(world_root / name / _WEIGHTS))
+        half = {key: tensor.to(torch.float16) for key, tensor in weights.items()}
+        for key, tensor in weights.items():
+            if not torch.equal(half[key].to(tensor.dtype), tensor):
+                raise ToyWorldError(
+                    f"{name}/{key} is not exactly representable in float16: only a world "
+                    "built by the current recipe (which rounds its weights) can ship."
+                )
+        save_file(half, str(destination / name / _WEIGHTS), metadata={"format": "pt"})
+    manifest.update(extra or {})
+    manifest["weights_dtype"] = "float16"
+    manifest["package_files"] = file_digests(destination)
+    (destination / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory`` except ``manifest.json``, by relative path."""
+    return {
+        path.relative_to(directory).as_posix(): sha256_file(path)
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != "manifest.json"
+    }
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+_REPAIR = (
+    "Reinstall grafting-lens, or build the world instead with "
+    "grafting_lens.worlds.toy.build_toy_world(force=True) (about twenty minutes)."
+)
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ToyWorldError(
+            f"The shipped toy world has no readable manifest ({path}: {error}). {_REPAIR}"
+        ) from error
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("package_files"), dict):
+        raise ToyWorldError(f"The shipped toy world's manifest {path} lists no files. {_REPAIR}")
+    return manifest

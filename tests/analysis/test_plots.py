@@ -1,0 +1,290 @@
+"""Tests for grafting_lens.analysis.plots: the accuracy bar chart and saving figures without a browser."""
+
+from __future__ import annotations
+
+import warnings
+
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from grafting_lens.analysis import plots
+from grafting_lens.analysis.metrics import summarize
+from grafting_lens.core.errors import GraftingLensError
+
+CONFIGS = ["PRE", "SFT", "FE", "LT"]
+
+
+def _summary() -> pd.DataFrame:
+    rows = []
+    for prompt, offset in (("headline", 0), ("qa", 3)):
+        for index, config in enumerate(CONFIGS):
+            ranks = [index * 2 + offset + i for i in range(6)]
+            rows += [{"config": config, "prompt": prompt, "target_rank": r} for r in ranks]
+    return summarize(pd.DataFrame(rows), n_resamples=100)
+
+
+def test_plot_accuracy_groups_configs_with_one_bar_per_prompt():
+    summary = _summary()
+    fig = plots.plot_accuracy(summary, k=5)
+    assert [trace.name for trace in fig.data] == ["headline", "qa"]
+    headline = fig.data[0]
+    assert list(headline.x) == CONFIGS
+    assert list(headline.y) == summary[summary.prompt == "headline"].top5.tolist()
+    # Error bars reach exactly the interval's ends.
+    rows = summary[summary.prompt == "headline"].reset_index(drop=True)
+    assert [y + up for y, up in zip(headline.y, headline.error_y.array)] == pytest.approx(
+        rows.top5_high
+    )
+    assert [y - down for y, down in zip(headline.y, headline.error_y.arrayminus)] == pytest.approx(
+        rows.top5_low
+    )
+    assert fig.layout.barmode == "group"
+    assert list(fig.layout.xaxis.categoryarray) == CONFIGS
+
+
+def test_plot_accuracy_explains_a_missing_k():
+    with pytest.raises(GraftingLensError, match=r"top1.*top5.*ks="):
+        plots.plot_accuracy(_summary(), k=10)
+    with pytest.raises(GraftingLensError, match="non-empty"):
+        plots.plot_accuracy(_summary().iloc[:0])
+
+
+def test_save_figure_writes_html_and_a_png_or_a_reason(tmp_path):
+    fig = plots.plot_accuracy(_summary())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the no-PNG warning, when there is no browser
+        saved = plots.save_figure(fig, tmp_path / "sub" / "figure")
+    html = tmp_path / "sub" / "figure.html"
+    assert saved["html"] == str(html)
+    text = html.read_text()
+    assert (
+        text.lstrip().lower().startswith(("<!doctype html", "<html")) and "Plotly.newPlot" in text
+    )
+    if saved["png"] is not None:
+        assert saved["png_error"] is None
+        assert (tmp_path / "sub" / "figure.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert saved["png_error"]  # a reason, never silence
+        assert not (tmp_path / "sub" / "figure.png").exists()
+    # No temporary file is left behind.
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == sorted(
+        ["figure.html"] + (["figure.png"] if saved["png"] else [])
+    )
+
+
+def test_save_figure_without_a_browser_keeps_the_html_and_says_why(tmp_path, monkeypatch):
+    def no_chrome(self, *args, **kwargs):
+        raise RuntimeError("Kaleido requires Google Chrome to be installed.")
+
+    monkeypatch.setattr(go.Figure, "to_image", no_chrome)
+    with pytest.warns(RuntimeWarning, match="plotly_get_chrome"):
+        saved = plots.save_figure(go.Figure(go.Bar(x=[1], y=[1])), tmp_path / "figure.html")
+    assert saved["png"] is None
+    assert (
+        "no Chrome found" in saved["png_error"] and "apt-get install chromium" in saved["png_error"]
+    )
+    assert (tmp_path / "figure.html").exists() and not (tmp_path / "figure.png").exists()
+
+    saved = plots.save_figure(go.Figure(), tmp_path / "plain", png=False)
+    assert saved == {"html": str(tmp_path / "plain.html"), "png": None, "png_error": None}
+
+
+def test_save_figure_refuses_a_directory(tmp_path):
+    with pytest.raises(GraftingLensError, match="is a directory"):
+        plots.save_figure(go.Figure(), tmp_path, png=False)
+
+
+def _attribution_frame() -> pd.DataFrame:
+    """Two groups; per-layer components at layers 0 and 1, and a global component."""
+    rows = []
+    for group, sign in (("FE", 1.0), ("LT", -1.0)):
+        for layer, component in [
+            (None, "embed"),
+            (0, "q"),
+            (0, "mlp_out"),
+            (1, "q"),
+            (1, "mlp_out"),
+        ]:
+            value = sign * (1 + (layer or 0) + len(component) / 10)
+            rows.append(
+                {
+                    "cell": f"{component}[{layer}]@{group}",
+                    "component": component,
+                    "layer": layer,
+                    "positions": group,
+                    "estimate": value,
+                    "estimate_se": 0.1,
+                    "exact": value / 2 if group == "FE" else float("nan"),
+                    "exact_se": 0.05,
+                    "direction": "sufficiency",
+                }
+            )
+    frame = pd.DataFrame(rows)
+    frame["layer"] = frame["layer"].astype("Int64")
+    return frame
+
+
+def test_plot_attribution_puts_each_cell_at_its_layer_and_component():
+    frame = _attribution_frame()
+    fig = plots.plot_attribution(frame)
+    assert [trace.type for trace in fig.data] == ["heatmap", "heatmap"]
+    fe = fig.data[0]
+    assert list(fe.x) == ["embed", "q", "mlp_out"] and list(fe.y) == [
+        "global",
+        "layer 0",
+        "layer 1",
+    ]
+    for _, cell in frame[frame.positions == "FE"].iterrows():
+        row = 0 if pd.isna(cell.layer) else int(cell.layer) + 1
+        assert fe.z[row][list(fe.x).index(cell.component)] == cell.estimate
+    assert pd.isna(fe.z[0][1])  # no q outside the layers
+    # One colour scale for every panel, centred on 0.
+    extent = frame.estimate.abs().max()
+    assert all(trace.zmin == -extent and trace.zmax == extent for trace in fig.data)
+    exact = plots.plot_attribution(frame, value="exact")
+    assert all(pd.isna(value) for row in exact.data[1].z for value in row)  # LT unverified
+    with pytest.raises(GraftingLensError, match="Did you mean 'exact'"):
+        plots.plot_attribution(frame, value="exakt")
+    with pytest.raises(GraftingLensError, match="lacks the columns"):
+        plots.plot_attribution(frame.drop(columns="estimate_se"))
+
+
+def test_plot_recovery_draws_one_line_per_set_of_prompts_and_the_target():
+    curve = pd.DataFrame(
+        {
+            "prompts": ["search"] * 3 + ["held_out"] * 3,
+            "cells": [0, 1, 2] * 2,
+            "cell": ["", "a", "b"] * 2,
+            "recovery": [0.0, 0.5, 0.9, 0.0, 0.4, 0.7],
+        }
+    )
+    fig = plots.plot_recovery(curve, fraction=0.8)
+    assert [trace.name for trace in fig.data] == ["search", "held-out"]
+    assert list(fig.data[0].y) == [0.0, 0.5, 0.9]
+    assert fig.layout.shapes[0].y0 == 0.8
+    with pytest.raises(GraftingLensError, match="non-empty"):
+        plots.plot_recovery(curve.iloc[:0])
+
+
+def _rows(values: dict[tuple[str, str], list[int]]) -> pd.DataFrame:
+    rows = []
+    for (config, prompt), ranks in values.items():
+        rows += [{"config": config, "prompt": prompt, "target_rank": r} for r in ranks]
+    return pd.DataFrame(rows)
+
+
+def test_the_value_axis_fits_the_data():
+    """Every bar under 10%: the axis ends at 10%, not 100%, and still holds every whisker."""
+    ranks = {("PRE", "headline"): [0] + [50] * 19, ("(FE+LT)^C", "headline"): [50] * 20}
+    summary = summarize(_rows(ranks), n_resamples=200)
+    fig = plots.plot_accuracy(summary)
+    low, high = fig.layout.yaxis.range
+    assert low == 0 and high < 0.5
+    assert high >= summary.top5_high.max()
+    assert list(plots.axis_range([0.2, 0.97])) == [0, 1.05]
+
+
+def test_labels_read_as_in_the_paper_and_the_subtitle_says_n_and_the_setting():
+    ranks = {("(FE+LT)^C", "qa"): [9] * 7, ("FE", "qa"): [0] * 7}
+    summary = summarize(_rows(ranks), n_resamples=50)
+    fig = plots.plot_accuracy(summary, caption="toy world, semantics clean")
+    assert list(fig.data[0].x) == ["(FE+LT)<sup>C</sup>", "FE"]
+    assert fig.layout.xaxis.title.text == "graft configuration"  # not "config"
+    assert fig.layout.legend.title.text == "test prompt"
+    subtitle = fig.layout.title.subtitle.text
+    assert "toy world, semantics clean" in subtitle and "n = 7 per bar" in subtitle
+    assert "95% bootstrap" in subtitle
+    assert plots.display_label("last_quarter") == "4th quarter"
+
+
+def test_a_zero_bar_is_drawn_as_a_line():
+    summary = summarize(_rows({("PRE", "qa"): [99] * 5}), n_resamples=20)
+    bar = plots.plot_accuracy(summary).data[0]
+    assert list(bar.y) == [0.0]
+    assert bar.marker.line.width > 0 and bar.marker.line.color == bar.marker.color
+
+
+def test_mean_rank_bars_on_a_log_axis_from_rank_zero():
+    ranks = {("PRE", "qa"): [900, 1100], ("SFT", "qa"): [0, 0]}
+    summary = summarize(_rows(ranks), n_resamples=20)
+    fig = plots.plot_mean_rank(summary, caption="setting")
+    assert fig.layout.yaxis.type == "log"
+    assert list(fig.data[0].y) == [1001.0, 1.0]  # rank + 1, so that rank 0 has a place
+    assert 10 ** fig.layout.yaxis.range[1] > 1001  # the highest bar fits
+    assert "lower is better" in fig.layout.yaxis.title.text
+    linear = plots.plot_mean_rank(summary, log=False)
+    assert list(linear.data[0].y) == [1000.0, 0.0]
+    with pytest.raises(GraftingLensError, match="mean_rank"):
+        plots.plot_mean_rank(summary.drop(columns="mean_rank_low"))
+
+
+def _component_summary() -> pd.DataFrame:
+    from grafting_lens.study.configs import COMPONENT_SETS
+
+    rows = []
+    for prompt in ("headline", "qa"):
+        cells = [("BASE", "all", 99), ("DONOR", "all", 0)]
+        cells += [(c, r, 99) for c in list(COMPONENT_SETS)[:3] for r in ("all", "last_half")]
+        for component_set, layer_range, rank in cells:
+            rows += [
+                {
+                    "component_set": component_set,
+                    "layer_range": layer_range,
+                    "prompt": prompt,
+                    "target_rank": rank if i else 0,
+                }  # one hit in four: 25%
+                for i in range(4)
+            ]
+    return summarize(
+        pd.DataFrame(rows), by=("component_set", "layer_range", "prompt"), n_resamples=20
+    )
+
+
+def test_the_heatmap_colour_scale_fits_the_cells_and_references_sit_in_the_margin():
+    from grafting_lens.study import report
+
+    summary = _component_summary()
+    heatmap = report.component_heatmap(summary, "Component grafting", caption="setting")
+    assert heatmap.data[0].zmax == pytest.approx(0.5)  # cells at 25%, not a 0-100% scale
+    assert "DONOR 100%" in heatmap.layout.annotations[0].text
+    bars = report.component_bars(summary, "Component grafting")
+    labels = [a for a in bars.layout.annotations if a.text and "BASE" in a.text]
+    assert labels and all(a.x == 1.0 and a.xanchor == "left" for a in labels)  # right of the bars
+    assert [t.name for t in bars.data[:2]] == ["all layers", "last half"]
+
+
+def test_figure_captions_leave_out_the_cache_hash_and_say_the_decoding():
+    from grafting_lens.study import report
+
+    results = pd.DataFrame({"semantics": ["clean+unembed=donor"] * 2})
+    caption = report.figure_caption("toy world 42c05be14603190d", results)
+    assert "42c05be" not in caption
+    assert caption.startswith("toy world, semantics clean+unembed=donor")
+    assert "donor's unembedding" in caption
+
+
+def test_comparison_references_are_drawn_in_every_panel_and_labelled_once_per_row():
+    rows = [
+        dict(
+            positions=p,
+            pair=pair,
+            method=m,
+            layer=layer,
+            top5=0.1,
+            top5_low=0.05,
+            top5_high=0.2,
+            n=10,
+        )
+        for p in ("LT", "FE")
+        for pair in ("block", "mlp", "attn")
+        for m in ("graft", "patch")
+        for layer in range(2)
+    ]
+    references = pd.DataFrame([dict(model="SFT stream, PRE readout", top5=0.4)])
+    fig = plots.plot_comparison(pd.DataFrame(rows), references=references)
+    assert len(fig.layout.shapes) == 2 * 3  # a line in each of the six panels
+    labels = [a for a in fig.layout.annotations if a.text == "SFT stream, PRE readout"]
+    assert len(labels) == 2  # one per row, in the first column
+    low, high = fig.layout.yaxis.range
+    assert high == 0.5 and low < 0  # fitted to the data and the reference, not 0-100%

@@ -1,0 +1,504 @@
+"""Tests for the grafting-lens command line: bad input fails clearly, runs write complete files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import types
+
+import pandas as pd
+import pytest
+from conftest import invoke, make_tokenizer, random_model
+
+from grafting_lens.study import POSITION_CONFIGS, cli, run_command
+from grafting_lens.worlds import toy
+
+
+@pytest.fixture(autouse=True)
+def digest_cache(monkeypatch, tmp_path):
+    """Keep the checkpoints' weight digests in the test's directory, not the user's cache."""
+    from grafting_lens.study import run_directory
+
+    monkeypatch.setattr(run_directory, "_default_digest_cache", lambda: tmp_path / "digests.json")
+
+
+def _output(result) -> str:
+    """What a user sees (stdout and stderr), without rich's box and line wrapping."""
+    text = result.output
+    for character in "│╭╮╰╯─":
+        text = text.replace(character, " ")
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny random base and donor saved like real checkpoints, with their tokenizer."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    tokenizer = make_tokenizer()
+    for name, seed in (("base", 0), ("sft", 1)):
+        random_model("llama", seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return root
+
+
+@pytest.fixture
+def world(monkeypatch, checkpoints):
+    """The tiny checkpoints as the toy world (what the experiments read of one)."""
+    from grafting_lens.worlds import data
+
+    fake = types.SimpleNamespace(
+        root=checkpoints,
+        base_dir=checkpoints / "base",
+        sft_dir=checkpoints / "sft",
+        model_dir=lambda name: checkpoints / name,
+        relations=data.make_relations("fake_movies_real_actors", n=6, seed=0),
+        load_tokenizer=make_tokenizer,
+        config=types.SimpleNamespace(seed=0, dataset="fake_movies_real_actors"),
+        manifest={},
+    )
+    monkeypatch.setattr(toy, "build_toy_world", lambda **kwargs: fake)
+    return fake
+
+
+def test_out_pointing_at_a_file_fails_with_a_clear_message(tmp_path):
+    target = tmp_path / "results.csv"
+    target.write_text("already here")
+    result = invoke(["demo", "--out", str(target)])
+    assert result.exit_code != 0
+    assert "is an existing file" in _output(result) and "--out" in _output(result)
+    assert target.read_text() == "already here"
+
+
+def test_unknown_model_fails_with_a_clear_message(tmp_path):
+    result = invoke(
+        ["demo", "--out", str(tmp_path / "out"), "--model", "no-such-org/no-such-model-xyz"],
+    )
+    assert result.exit_code == 1
+    assert "Unknown model 'no-such-org/no-such-model-xyz'" in _output(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_donor_without_model_is_refused(tmp_path):
+    result = invoke(["demo", "--out", str(tmp_path), "--donor", str(tmp_path)])
+    assert result.exit_code == 1 and "--donor needs --model" in _output(result)
+
+
+def _check_outputs(out, n_relations: int) -> pd.DataFrame:
+    results = pd.read_csv(out / "results.csv")
+    summary = pd.read_csv(out / "summary.csv")
+    assert set(results.config) == set(POSITION_CONFIGS)
+    assert set(results.prompt) == {"headline", "qa"}
+    # One row per example and configuration, for every kept example of both prompts.
+    counts = results.groupby(["prompt", "config"]).size()
+    assert counts.nunique() == 1 and 1 <= counts.iloc[0] <= n_relations
+    assert list(summary.config.unique()) == list(POSITION_CONFIGS)
+    assert len(summary) == 2 * len(POSITION_CONFIGS)
+    assert {"top5", "top5_low", "top5_high", "mean_rank"} <= set(summary.columns)
+    assert (out / "position_grafting.html").stat().st_size > 0
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+    return results
+
+
+def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, world):
+    out = tmp_path / "new" / "dir"
+    result = invoke(["demo", "--out", str(out), "--n-examples", "3", "--no-progress"])
+    assert result.exit_code == 0, _output(result)
+    assert "top-5" in result.output and "FE+LT" in result.output
+    results = _check_outputs(out, n_relations=3)
+    assert set(results.relation_id) <= {0, 1, 2}
+    # A PNG, or a line saying why there is none (no Chrome in CI).
+    assert (out / "position_grafting.png").exists() or "No PNG:" in result.output
+
+
+def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
+    out = tmp_path / "out"
+    result = invoke(
+        [
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "2",
+            "--no-progress",
+            "--no-png",
+        ],
+    )
+    assert result.exit_code == 0, _output(result)
+    _check_outputs(out, n_relations=2)
+    assert not (out / "position_grafting.png").exists()  # --no-png
+
+
+def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
+    out = tmp_path / "out"
+    result = invoke(
+        [
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--quick",
+            "--n-relations",
+            "2",
+            "--no-progress",
+            "--no-png",
+        ],
+    )
+    assert result.exit_code == 0, _output(result)
+    assert "Finetuning base on 2 relations" in result.output
+    _check_outputs(out, n_relations=2)
+
+
+def test_model_directory_without_config_is_refused(tmp_path):
+    result = invoke(["demo", "--out", str(tmp_path / "out"), "--model", str(tmp_path)])
+    assert result.exit_code == 1 and "config.json" in _output(result)
+
+
+def _demo_on_checkpoints(out, checkpoints, *flags):
+    return invoke(
+        [
+            "demo",
+            "--out",
+            str(out),
+            "--model",
+            str(checkpoints / "base"),
+            "--donor",
+            str(checkpoints / "sft"),
+            "--n-relations",
+            "5",
+            "--n-examples",
+            "3",
+            "--no-progress",
+            "--no-png",
+            *flags,
+        ],
+    )
+
+
+def _donor_ranks(checkpoints, semantics, donor=None):
+    """The finetuned model's own ranks of the headline answers, tokenized as ``semantics`` says
+    (``donor``: another donor of the base than ``checkpoints / "sft"``)."""
+    import grafting_lens as gl
+    from grafting_lens.analysis import metrics
+    from grafting_lens.worlds import data
+
+    models = gl.load_models(checkpoints / "base", donor or checkpoints / "sft")
+    relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
+    examples = data.make_examples(relations, prompt="headline", templates=semantics.prompts)
+    batch = data.tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
+    final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
+    ranks = metrics.target_rank(final, batch.target_ids, by=semantics.rank_by, ties=semantics.ties)
+    return [e.text for e in batch.examples], ranks.tolist()
+
+
+def test_demo_runs_the_reference_semantics_by_default_and_sft_is_the_donor(tmp_path, checkpoints):
+    import grafting_lens as gl
+
+    result = _demo_on_checkpoints(tmp_path / "out", checkpoints)
+    assert result.exit_code == 0, _output(result)
+    assert "Semantics: reference" in _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert set(rows.semantics) == {"reference"}
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    texts, ranks = _donor_ranks(checkpoints, gl.REFERENCE)
+    assert sft.text.tolist() == texts and all("stars in in a movie" in t for t in texts)
+    assert sft.target_rank.tolist() == ranks
+
+
+def test_a_lora_adapter_directory_is_a_donor_as_load_models_takes_it(tmp_path, checkpoints):
+    """--donor <adapter dir> was refused as "not a checkpoint" though load_models takes it."""
+    import peft
+    import torch
+
+    import grafting_lens as gl
+
+    adapter = tmp_path / "lora"
+    config = peft.LoraConfig(r=4, target_modules=["o_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(3)
+    peft.get_peft_model(random_model("llama", 0), config).save_pretrained(adapter)
+    result = invoke(
+        ["demo", "--out", str(tmp_path / "out"), "--model", str(checkpoints / "base")]
+        + ["--donor", str(adapter), "--n-relations", "5", "--n-examples", "3"]
+        + ["--no-progress", "--no-png"],
+    )
+    assert result.exit_code == 0, _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    assert sft.target_rank.tolist() == _donor_ranks(checkpoints, gl.REFERENCE, adapter)[1]
+    assert sft.target_rank.tolist() != _donor_ranks(checkpoints, gl.REFERENCE)[1]
+    # The base is no adapter: said so, not "not a checkpoint".
+    refused = invoke(
+        ["demo", "--out", str(tmp_path / "x"), "--model", str(adapter), "--donor", "y"]
+    )
+    assert refused.exit_code == 1
+    assert "is a LoRA adapter, but --model is the base" in _output(refused)
+
+
+def test_unembed_donor_makes_the_clean_sft_rows_the_donor_itself(tmp_path, checkpoints):
+    import grafting_lens as gl
+
+    result = _demo_on_checkpoints(
+        tmp_path / "out", checkpoints, "--semantics", "clean", "--unembed", "donor"
+    )
+    assert result.exit_code == 0, _output(result)
+    assert "Semantics: clean+unembed=donor" in _output(result)
+    rows = pd.read_csv(tmp_path / "out" / "results.csv")
+    assert set(rows.semantics) == {"clean+unembed=donor"}
+    sft = rows[(rows.config == "SFT") & (rows.prompt == "headline")].sort_values("example")
+    assert sft.target_rank.tolist() == _donor_ranks(checkpoints, gl.CLEAN)[1]
+
+
+def test_single_switch_flags_change_one_field_of_the_experiments_semantics():
+    import dataclasses
+
+    from grafting_lens.study import CLEAN, REFERENCE, get_experiment
+
+    def semantics(experiment, *flags):
+        args = run_command.experiment_parser(experiment).parse_args(["--out", "x", *flags])
+        return run_command._semantics(get_experiment(experiment), args)
+
+    assert semantics("position") == REFERENCE
+    assert semantics("hybrid", "--semantics", "clean") == CLEAN
+    assert semantics("patching_vs_grafting") == CLEAN
+    changed = semantics(
+        "component", "--unembed", "base", "--lm-head", "always", "--dtype", "bfloat16"
+    )
+    assert changed == dataclasses.replace(
+        REFERENCE, unembed="base", lm_head="always", dtype="bfloat16"
+    )
+    assert semantics("demo", "--unembed", "follow-embed", "--semantics", "clean").unembed == (
+        "follow_embed"
+    )
+
+
+def test_semantics_does_not_apply_to_the_patching_comparison(tmp_path, capsys):
+    status = cli.main(
+        ["run", "patching_vs_grafting", "--out", str(tmp_path), "--semantics", "clean"]
+    )
+    assert status == 1
+    assert "--semantics do not apply here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experiment", ["patching_vs_grafting", "graft_attribution"])
+def test_a_semantics_an_experiment_would_ignore_is_refused(experiment, tmp_path, capsys):
+    from grafting_lens.core.errors import ExperimentError
+    from grafting_lens.study import REFERENCE
+    from grafting_lens.study.named import ExperimentSetup, run_spec
+
+    # These runners work the library's way only; a REFERENCE run would silently be CLEAN.
+    setup = ExperimentSetup(models=None, relations=[], label="x", dataset="x")  # type: ignore[arg-type]
+    with pytest.raises(ExperimentError, match=f"The {experiment} experiment runs with"):
+        run_spec(experiment, setup, semantics=REFERENCE)
+    status = cli.main(["run", experiment, "--out", str(tmp_path), "--semantics", "reference"])
+    assert status == 1
+    assert "--semantics do not apply here" in capsys.readouterr().err
+
+
+def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    result = invoke(["demo", "--out", str(tmp_path / "out"), "--device", "banana"])
+    assert result.exit_code == 1
+    assert "device='banana' cannot be used" in _output(result)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        # 4,096 threads were accepted and made the machine unusable; 100,000 a MemoryError.
+        (["--threads", "4096"], "--threads must be between 1 and"),
+        (["--threads", "100000"], "(the CPU cores this process may use), got 100000"),
+        (["--device", "banana"], "device='banana' cannot be used"),
+        (["--semantics", "referense"], "Unknown semantics 'referense'"),
+        (["--semantics", "reference+unembed=nowhere"], "Semantics.unembed must be one of"),
+        (["--semantics", "clean+colour=red"], "Cannot read 'colour=red'"),
+    ],
+)
+def test_script_options_are_checked_before_loading(
+    tmp_path, monkeypatch, capsys, arguments, message
+):
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    status = cli.main(["run", "position", "--out", str(tmp_path), *arguments])
+    assert status == 1
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the output directory
+
+
+def _demo(out, *options):
+    return invoke(["demo", "--out", str(out), "--no-progress", "--no-png", *options])
+
+
+def test_another_runs_results_are_refused_then_replaced_completely_on_overwrite(tmp_path, world):
+    out = tmp_path / "out"
+    assert _demo(out).exit_code == 0
+    first = (out / "results.csv").read_text()
+    # A PNG the first run wrote (where Chrome was), listed in its report.json.
+    (out / "position_grafting.png").write_bytes(b"png")
+    manifest = json.loads((out / "report.json").read_text())
+    manifest["files"].append("position_grafting.png")
+    (out / "report.json").write_text(json.dumps(manifest))
+
+    refused = _demo(out, "--semantics", "clean")
+    assert refused.exit_code == 1
+    message = _output(refused)
+    assert "holds the report of another run (demo" in message
+    assert "differs in options (semantics)" in message and "--overwrite" in message
+    assert (out / "results.csv").read_text() == first  # untouched
+
+    replaced = _demo(out, "--semantics", "clean", "--overwrite")
+    assert replaced.exit_code == 0, _output(replaced)
+    assert not (out / "position_grafting.png").exists()  # nothing of the old run is left
+    assert (out / "results.csv").read_text() != first
+    assert json.loads((out / "report.json").read_text())["files"] == [
+        "results.csv",
+        "summary.csv",
+        "summary.md",
+        "position_grafting.html",
+        "position_mean_rank.html",
+    ]
+
+
+def test_a_rerun_of_the_same_run_rewrites_its_report_and_drops_what_it_no_longer_writes(
+    tmp_path, world
+):
+    out = tmp_path / "out"
+    assert _demo(out).exit_code == 0
+    (out / "position_grafting.png").write_bytes(b"an older png")
+    manifest = json.loads((out / "report.json").read_text())
+    manifest["files"].append("position_grafting.png")
+    (out / "report.json").write_text(json.dumps(manifest))
+    again = _demo(out, "--batch-size", "3")  # a batch size changes no result: the same run
+    assert again.exit_code == 0, _output(again)
+    assert "0 of 96 rows computed" in (out / "summary.md").read_text()  # read back
+    assert not (out / "position_grafting.png").exists()  # --no-png: the old PNG is gone
+
+
+def test_results_left_by_an_older_version_are_refused_and_cleared_on_overwrite(tmp_path, world):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("results.csv", "summary.md", "position_grafting.png", "notes.txt"):
+        (out / name).write_text("old")
+    refused = _demo(out)
+    assert refused.exit_code == 1 and "left no report.json" in _output(refused)
+    assert _demo(out, "--overwrite").exit_code == 0
+    assert not (out / "position_grafting.png").exists()
+    assert (out / "notes.txt").read_text() == "old"  # not a report's file: kept
+
+
+def test_an_empty_out_is_refused(tmp_path, monkeypatch, world):
+    monkeypatch.chdir(tmp_path)
+    for command in (["demo", "--out", ""], ["run", "position", "--out", ""]):
+        result = invoke(command)
+        assert result.exit_code == 1 and "--out is an empty path" in _output(result)
+    assert not list(tmp_path.iterdir())  # nothing written into the working directory
+
+
+def test_an_unwritable_out_is_found_before_anything_is_built(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    out = tmp_path / "read-only"
+    out.mkdir()
+    out.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: refuse as a read-only mount would
+        real = tempfile.mkstemp
+
+        def read_only(*args, dir=None, **kwargs):
+            if str(dir).startswith(str(out)):
+                raise PermissionError(13, "Permission denied")
+            return real(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    for target in (out, out / "new" / "dir"):
+        result = invoke(["demo", "--out", str(target)])
+        assert result.exit_code == 1
+        assert f"--out {target} cannot be written" in _output(result)
+        assert "Permission denied" in _output(result)
+
+
+@pytest.mark.parametrize(
+    "option", [["--seed", "5"], ["--dataset", "x"], ["--n-relations", "3"], ["--relations", "task"]]
+)
+def test_relation_options_are_refused_with_the_toy_world(tmp_path, monkeypatch, capsys, option):
+    # The toy world asks about its own relations: the option would change nothing.
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    assert cli.main(["run", "position", "--out", str(tmp_path / "out"), *option]) == 1
+    assert f"{option[0]} chooses the relations of --model runs" in capsys.readouterr().err
+
+
+def test_help_wraps_at_80_columns_instead_of_cutting_words_off(monkeypatch):
+    """Every option's help is there in full on a narrow terminal, wrapped, never cut."""
+    monkeypatch.setenv("COLUMNS", "80")
+    result = invoke(["demo", "--help"])
+    assert result.exit_code == 0
+    assert "…" not in result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    flat = " ".join(result.output.split())
+    assert "grafting_lens.worlds.data.DATASETS" in flat
+    assert "(default: only when standard error is a terminal)" in flat
+
+
+@pytest.mark.parametrize(("flag", "drawn"), [(None, False), ("--progress", True)])
+def test_progress_bars_stay_out_of_a_log_unless_asked_for(tmp_path, checkpoints, flag, drawn):
+    """The runner's stderr here is not a terminal: no bar by default, one with --progress."""
+    arguments = ["demo", "--out", str(tmp_path / "out"), "--model", str(checkpoints / "base")]
+    arguments += ["--donor", str(checkpoints / "sft"), "--n-relations", "5", "--n-examples", "3"]
+    arguments += ["--batch-size", "2", "--no-png", *([flag] if flag else [])]
+    result = invoke(arguments)
+    assert result.exit_code == 0, _output(result)
+    bar = re.search(r"\d+/\d+ \[\d\d:\d\d", _output(result))  # tqdm's "3/48 [00:01"
+    assert (bar is not None) is drawn
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ([], "usage: grafting-lens"),
+        (["--bogus"], "no such option: '--bogus'"),
+        (["nosuch"], "no such command: 'nosuch'"),
+        (["demo"], "the following arguments are required: --out"),
+        (["demo", "--out"], "argument --out: expected one argument"),
+        (["demo", "--out", "x", "--n-examples", "0"], "argument --n-examples: must be >= 1, got 0"),
+        (["demo", "--out", "x", "--bogus"], "unrecognized arguments: --bogus"),
+        (["world", "build"], "the following arguments are required: name"),
+    ],
+)
+def test_usage_errors_return_status_2_with_the_message_never_a_traceback(
+    arguments, message, capsys
+):
+    """A command line that does not parse prints the usage and why, and returns 2."""
+    assert cli.main(arguments) == 2
+    captured = capsys.readouterr()
+    assert message in captured.out + captured.err
+    assert "Traceback" not in captured.out + captured.err
+
+
+def test_python_m_grafting_lens_cli_runs_the_command():
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "grafting_lens.study.cli", "--bogus"],
+        capture_output=True,
+        text=True,
+        env=environment,
+    )
+    assert bad.returncode == 2 and "no such option: '--bogus'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    listed = subprocess.run(
+        [sys.executable, "-m", "grafting_lens.study.cli", "run"],
+        capture_output=True,
+        text=True,
+        env=environment,
+    )
+    assert "Experiments:" in listed.stdout and "demo" in listed.stdout

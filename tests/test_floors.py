@@ -1,0 +1,207 @@
+"""The house: each folder of the package is a floor, imports run only downward, the lens
+never imports the study, no room imports itself in a circle, no room outgrows ~900 lines,
+and the front door holds the names it says it holds.
+
+docs/developing/index.md draws the same floors; this test keeps the drawing true. A new
+folder goes on a floor here, in the same change that adds it.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import importlib
+from pathlib import Path
+
+import pytest
+
+import grafting_lens
+
+PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
+
+FLOORS: tuple[str, ...] = (
+    "core",  # errors, numbers, files and the cache root, the console, release differences
+    "models",  # architectures, components, layers, sources, adapters, loading, the model set
+    "engine",  # positions, the mask, kernels, the graft and its oracle, the relaxed graft
+    "patching",  # activation patching: the passes, the API and sweeps
+    "analysis",  # metrics, the batch, the scorer, comparison, attribution, search, figures
+    # The study of the paper: built on the lens, never imported by it.
+    "worlds",  # relation data, finetuning, the toy world, the real-model world
+    "study",  # semantics, configurations, the runner, run directories, reports, the command
+)
+"""Floors from the bottom up; a module may import modules on its own floor or below."""
+
+LENS = set(FLOORS[:5])
+STUDY = set(FLOORS[5:])
+FLOOR = {folder: index for index, folder in enumerate(FLOORS)}
+FRONT_DOOR = len(FLOORS)  # grafting_lens/__init__.py stands above every floor
+
+LONGEST_ROOM = 900
+"""Lines; a module past it holds more than one idea (docs/developing says how to split)."""
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _room(path: Path) -> str:
+    """A module's dotted name inside the package: ``analysis.metrics``, ``__init__``."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts)
+
+
+def _floor(room: str) -> int:
+    return FRONT_DOOR if room == "__init__" else FLOOR[room.split(".")[0]]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, room)`` of every grafting_lens module a file imports, at any depth.
+
+    ``from grafting_lens.analysis import metrics`` imports ``analysis.metrics``;
+    ``from grafting_lens.analysis.metrics import x`` imports ``analysis.metrics``.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            parts = node.module.split(".")
+            if parts[0] != "grafting_lens":
+                continue
+            inner = ".".join(parts[1:])
+            for alias in node.names:
+                candidate = f"{inner}.{alias.name}" if inner else alias.name
+                module = PACKAGE / Path(*candidate.split("."))
+                if module.with_suffix(".py").exists() or (module / "__init__.py").exists():
+                    found.append((node.lineno, candidate))
+                elif inner:
+                    found.append((node.lineno, inner))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "grafting_lens" and len(parts) > 1:
+                    found.append((node.lineno, ".".join(parts[1:])))
+    return found
+
+
+def _target_floor(target: str) -> int | None:
+    top = target.split(".")[0]
+    return FLOOR.get(top)
+
+
+def test_every_module_is_on_a_floor():
+    loose = [
+        _room(path) for path in MODULES if "." not in _room(path) and _room(path) != "__init__"
+    ]
+    assert not loose, f"put {loose} in a floor's folder ({', '.join(FLOORS)})"
+    folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert folders == set(FLOORS), f"folders that are no floor: {sorted(folders - set(FLOORS))}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_imports_run_downward(path):
+    room = _room(path)
+    upward = [
+        f"line {line}: {target} ({FLOORS[_target_floor(target)]})"
+        for line, target in _imports(path)
+        if _target_floor(target) is not None and _target_floor(target) > _floor(room)
+    ]
+    assert not upward, f"{room} imports upward: {upward}"
+
+
+def test_the_lens_never_imports_the_study():
+    crossings = [
+        f"{_room(path)}:{line} imports {target}"
+        for path in MODULES
+        if _room(path).split(".")[0] in LENS
+        for line, target in _imports(path)
+        if target.split(".")[0] in STUDY
+    ]
+    assert not crossings
+
+
+def test_no_room_imports_itself_in_a_circle():
+    graph = collections.defaultdict(set)
+    for path in MODULES:
+        room = _room(path)
+        for _, target in _imports(path):
+            if target != room and not target.endswith("__init__"):
+                graph[room].add(target)
+    # A folder's __init__ reached by ``from grafting_lens.study import x`` is the folder.
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(room: str, trail: list[str]) -> None:
+        state[room] = 1
+        for target in sorted(graph.get(room, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*trail[trail.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[room] = 2
+
+    for room in sorted(graph):
+        if room not in state:
+            visit(room, [room])
+    assert not cycles
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))
+def test_no_room_outgrows_one_idea(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= LONGEST_ROOM, f"{_room(path)} has {lines} lines: split it by idea"
+
+
+def test_floor_packages_import_nothing_when_imported():
+    # gl.<floor>.<module> imports the module on first use (grafting_lens.core.lazy).
+    for folder in FLOORS:
+        if folder == "study":
+            continue  # the study's package re-exports its public names
+        tree = ast.parse((PACKAGE / folder / "__init__.py").read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} - {
+            "__future__",
+            "grafting_lens.core.lazy",
+        }
+        assert not imported, f"grafting_lens/{folder}/__init__.py imports {imported}"
+
+
+def test_private_classes_have_distinct_names():
+    homes = collections.defaultdict(list)
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.startswith("_"):
+                homes[node.name].append(_room(path))
+    assert not {name: where for name, where in homes.items() if len(where) > 1}
+
+
+# ------------------------------------------------------------------------ the front door
+
+
+def test_the_front_door_is_small_and_says_what_it_holds():
+    exports = grafting_lens._EXPORTS
+    assert len(grafting_lens.__all__) <= 30
+    assert grafting_lens.__all__ == sorted([*exports, "errors"], key=str.lower)
+    for name, module in exports.items():
+        assert getattr(grafting_lens, name) is getattr(
+            importlib.import_module(f"grafting_lens.{module}"), name
+        )
+    assert grafting_lens.errors is importlib.import_module("grafting_lens.core.errors")
+
+
+def test_the_type_checkers_see_the_names_the_front_door_serves():
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    seen = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for statement in node.body:
+                if isinstance(statement, ast.ImportFrom) and statement.module != "grafting_lens":
+                    for alias in statement.names:
+                        seen[alias.name] = statement.module.removeprefix("grafting_lens.")
+    seen.pop("errors")
+    assert seen == grafting_lens._EXPORTS
+
+
+@pytest.mark.parametrize("folder", FLOORS)
+def test_every_floor_is_reachable_from_the_front_door(folder):
+    module = getattr(grafting_lens, folder)
+    assert module.__name__ == f"grafting_lens.{folder}"
+    first = sorted(path.stem for path in (PACKAGE / folder).glob("[!_]*.py"))[0]
+    assert getattr(module, first).__name__ == f"grafting_lens.{folder}.{first}"
+    with pytest.raises(AttributeError, match="no attribute 'no_such_room'"):
+        module.no_such_room  # noqa: B018
