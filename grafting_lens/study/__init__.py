@@ -22,15 +22,16 @@ The package has one room per idea:
 * :mod:`~grafting_lens.study.semantics`: :class:`Semantics`, what configurations mean
   (the authors' code, :data:`REFERENCE`, or the library's, :data:`CLEAN`);
 * :mod:`~grafting_lens.study.configs`: :class:`Graft`, :class:`GraftConfig`, the
-  paper's component names and the registries of configurations (:func:`register_config`);
+  paper's component names and the paper's configurations as data;
 * :mod:`~grafting_lens.study.testsets`: :class:`TestSet`, one dataset under one prompt;
 * :mod:`~grafting_lens.study.stacking`: configurations checked against a model set and
   stacked into one graft mask;
 * :mod:`~grafting_lens.study.runner`: :func:`run_experiment` and its :class:`RunOptions`;
 * :mod:`~grafting_lens.study.run_directory`: resumable run directories (manifest,
   fingerprint, chunks);
-* :mod:`~grafting_lens.study.specs`: :class:`ExperimentSpec` and the registry of named
-  experiments (:func:`register_experiment`);
+* :mod:`~grafting_lens.study.specs`: :class:`ExperimentSpec` and the one registry, of named
+  experiments (:func:`register_experiment`), each holding the configurations its runs name
+  (:func:`register_config`, :func:`get_configs`);
 * :mod:`~grafting_lens.study.named`: setting up and running a named experiment;
 * :mod:`~grafting_lens.study.report`: tables, markdown and the paper's figures;
 * :mod:`~grafting_lens.study.paper`: the paper's experiments, one registered spec each;
@@ -106,14 +107,11 @@ from grafting_lens.study.configs import (
     PAPER_COMPONENTS,
     PAPER_POSITION_CONFIGS,
     POSITION_CONFIGS,
-    REGISTRIES,
     RELATION,
     TASK,
     Graft,
     GraftConfig,
     code_hybrid_configs,
-    get_configs,
-    register_config,
     resolve_components,
     retarget,
 )
@@ -157,7 +155,9 @@ from grafting_lens.study.specs import (
     Figure,
     Option,
     Part,
+    get_configs,
     get_experiment,
+    register_config,
     register_experiment,
 )
 from grafting_lens.study.stacking import config_masks
@@ -187,7 +187,6 @@ __all__ = [
     "POSITION_GRAFTING_COLUMNS",
     "PRESETS",
     "REFERENCE",
-    "REGISTRIES",
     "RELATION",
     "RUN_FORMAT",
     "SEMANTICS_CHOICES",

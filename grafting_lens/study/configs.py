@@ -9,22 +9,22 @@ from ``source``". Positions are span expressions
 of :mod:`grafting_lens.models.components`; layers are layer ranges
 (:func:`grafting_lens.models.layers.resolve_layers`).
 
-The registries hold the paper's configurations: :data:`POSITION_CONFIGS` (figures 2
-and 3a) with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its
-baselines) and :data:`HYBRID_CONFIGS` (figure 5), all reachable by name through
-:data:`REGISTRIES`. :func:`register_config` is the one door for more;
-:func:`get_configs` looks names up.
+The paper's configurations are data here: :data:`POSITION_CONFIGS` (figures 2 and 3a)
+with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its baselines) and
+:data:`HYBRID_CONFIGS` (figure 5). Each registered experiment
+(:mod:`grafting_lens.study.specs`, the one registry) holds the configurations its runs
+name; :func:`~grafting_lens.study.specs.register_config` is the one door for more, and
+:func:`~grafting_lens.study.specs.get_configs` looks names up.
 
 What a name means depends on a :class:`~grafting_lens.study.Semantics`: which
 members a group such as ``all`` brings (:func:`resolve_components`), and, for the
-hybrid graft, which configurations the registry holds (the code's hybrid model,
-:data:`HYBRID`, under ``hybrid="code"``; :func:`get_configs`).
+hybrid graft, which configurations a name stands for (the code's hybrid model,
+:data:`HYBRID`, under ``hybrid="code"``; :func:`~grafting_lens.study.specs.get_configs`).
 """
 
 from __future__ import annotations
 
-from collections import ChainMap
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -32,7 +32,7 @@ import torch
 from jaxtyping import Bool, Int
 
 from grafting_lens.core.arguments import is_integer, plain
-from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
+from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError
 from grafting_lens.engine.positions import (
     PositionFunction,
     Spans,
@@ -61,14 +61,11 @@ __all__ = [
     "PAPER_COMPONENTS",
     "PAPER_POSITION_CONFIGS",
     "POSITION_CONFIGS",
-    "REGISTRIES",
     "RELATION",
     "TASK",
     "Graft",
     "GraftConfig",
-    "get_configs",
     "code_hybrid_configs",
-    "register_config",
     "resolve_components",
     "retarget",
 ]
@@ -531,126 +528,3 @@ def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, Graft
             )
         )
     return _registry(configs)
-
-
-class ChainedRegistry(ChainMap):
-    """Several registries read as one, listed in the order they are given (a ChainMap
-    lists the last first); additions go to the first."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(dict.fromkeys(name for mapping in self.maps for name in mapping))
-
-
-REGISTRIES: dict[str, Mapping[str, GraftConfig]] = {
-    "position": ChainedRegistry(POSITION_CONFIGS, MOVIE_CONFIGS),
-    "component": COMPONENT_CONFIGS,
-    "hybrid": HYBRID_CONFIGS,
-}
-"""Configurations by experiment; names passed to a run are looked up here."""
-
-
-def register_config(
-    config: GraftConfig, registry: str = "position", overwrite: bool = False
-) -> None:
-    """Add a configuration to a registry so runs can name it.
-
-    Args:
-        config: The configuration.
-        registry: ``"position"`` (added next to the paper's eight), ``"component"`` or
-            ``"hybrid"``.
-        overwrite: Allow replacing a configuration of the same name.
-
-    Raises:
-        ExperimentError: An unknown registry, or a name that is taken.
-    """
-    if not isinstance(config, GraftConfig):
-        raise ExperimentError(f"register_config needs a GraftConfig, got {type(config).__name__}.")
-    target = _registry_named(registry)
-    if isinstance(target, ChainMap):
-        target = target.maps[0]
-    if config.name in target and not overwrite:
-        raise ExperimentError(
-            f"A {registry} configuration named {config.name!r} exists; pass overwrite=True to "
-            "replace it."
-        )
-    target[config.name] = config  # type: ignore[index]
-
-
-def _registry_named(name: str) -> Mapping[str, GraftConfig]:
-    if name not in REGISTRIES:
-        raise ExperimentError(
-            f"Unknown registry {name!r}.{did_you_mean(name, REGISTRIES)} Known: "
-            f"{', '.join(REGISTRIES)}."
-        )
-    return REGISTRIES[name]
-
-
-def get_configs(
-    configs: str | GraftConfig | Iterable[str | GraftConfig],
-    registry: str | Mapping[str, GraftConfig] = "position",
-    kind: str | None = None,
-    *,
-    semantics: Semantics | str | None = None,
-) -> list[GraftConfig]:
-    """Look configuration names up in a registry; GraftConfig objects pass through.
-
-    Args:
-        configs: Names, :class:`GraftConfig` s, or a mix.
-        registry: A key of :data:`REGISTRIES` or a mapping of configurations.
-        kind: What to call the configurations in messages (default: the registry's
-            name, e.g. ``"component-grafting"``).
-        semantics: Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
-            the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
-            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
-            configurations do not depend on it.
-
-    Raises:
-        ExperimentError: No configuration, an unknown name (the message lists the
-            known ones), or a name given twice.
-    """
-    chosen = None if semantics is None else as_semantics(semantics)
-    code = None
-    if chosen is not None and chosen.hybrid == "code":
-        code = code_hybrid_configs(chosen.hybrid_last_token_layers)
-    if isinstance(registry, str):
-        kind = kind or f"{registry}-grafting"
-        name = registry
-        registry = _registry_named(registry)
-        if name == "hybrid" and code is not None:
-            registry = ChainedRegistry(code, dict(registry))
-    kind = kind or "grafting"
-    if isinstance(configs, (str, GraftConfig)):
-        configs = [configs]
-    resolved = []
-    for item in configs:
-        if isinstance(item, GraftConfig) and code is not None:
-            resolved.append(_as_code_hybrid(item, code))
-        elif isinstance(item, GraftConfig):
-            resolved.append(item)
-        elif isinstance(item, str) and item in registry:
-            resolved.append(registry[item])
-        else:
-            raise ExperimentError(
-                f"Unknown {kind} configuration {item!r}.{did_you_mean(str(item), registry)} "
-                f"Known: {', '.join(registry)}."
-            )
-    if not resolved:
-        raise ExperimentError(f"No configuration given; choose from {', '.join(registry)}.")
-    names = [config.name for config in resolved]
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ExperimentError(f"Configurations are listed twice: {repeated}.")
-    return resolved
-
-
-def _as_code_hybrid(config: GraftConfig, code: Mapping[str, GraftConfig]) -> GraftConfig:
-    """A configuration given as an object, under a semantics whose hybrid is the code's.
-
-    The library's own hybrid configurations (:data:`HYBRID_CONFIGS`' objects, in any
-    registry or none) run as the code runs them, as their names do, so that a row's
-    semantics says what was grafted; any other configuration is the caller's own graft
-    and is taken as it is.
-    """
-    if HYBRID_CONFIGS.get(config.name) == config and config.name in code:
-        return code[config.name]
-    return config

@@ -25,10 +25,9 @@ from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.study.configs import get_configs
 from grafting_lens.study.runner import ChunkInfo, RunOptions, run_experiment
 from grafting_lens.study.semantics import Semantics, as_semantics
-from grafting_lens.study.specs import ExperimentSpec, get_experiment
+from grafting_lens.study.specs import ExperimentSpec, get_configs, get_experiment
 from grafting_lens.study.testsets import make_test_sets
 from grafting_lens.worlds import data
 from grafting_lens.worlds.documents import training_documents
@@ -551,7 +550,7 @@ def run_spec(
     parts = []
     for part in spec.parts:
         names = part.quick if quick and part.quick is not None else part.configs
-        configs = get_configs(list(names), spec.registry, semantics=semantics)
+        configs = get_configs(list(names), spec.configurations, semantics=semantics)
         test_sets = make_test_sets(
             relations,
             part.prompts,
@@ -567,7 +566,7 @@ def run_spec(
             setup.models,
             test_sets,
             configs,
-            registry=spec.registry,
+            registry=spec.configurations,
             out=None if out is None else Path(out) / name,
             options=options,
             on_chunk=on_chunk,

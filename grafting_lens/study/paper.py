@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from grafting_lens.study import graft_attribution, patching_vs_grafting
 from grafting_lens.study.configs import (
+    COMPONENT_CONFIGS,
     COMPONENT_LAYER_RANGES,
     COMPONENT_SETS,
     HYBRID_CONFIGS,
     MOVIE_CONFIGS,
     PAPER_POSITION_CONFIGS,
+    POSITION_CONFIGS,
+    GraftConfig,
 )
 from grafting_lens.study.report import accuracy_bars, component_figures, mean_rank_bars
 from grafting_lens.study.specs import (
@@ -95,7 +98,7 @@ def _component_spec(
         roles,
         donors={roles[1]: ("--donor", donor)},
         parts=(COMPONENT_PART,),
-        registry="component",
+        configurations=COMPONENT_CONFIGS,
         summary_by=COMPONENT_SUMMARY,
         figures=(Figure("component_heatmap", heatmap), Figure("component_bars", bars)),
         paper=COMPONENT_PAPER,
@@ -103,6 +106,11 @@ def _component_spec(
         semantics="reference",
         **kwargs,
     )
+
+
+POSITION_RUNS: dict[str, GraftConfig] = {**POSITION_CONFIGS, **MOVIE_CONFIGS}
+"""The configurations ``position`` and ``demo`` name: the paper's eight and the movie-title
+variants (:func:`~grafting_lens.study.register_config` adds yours here)."""
 
 
 LIBRARY_READING_ONLY = (
@@ -130,6 +138,7 @@ register_experiment(
                 quick=("PRE", "SFT", "M", "FE+M+LT"),
             ),
         ),
+        configurations=POSITION_RUNS,
         summary_by=("part", "config", "prompt"),
         figures=(
             Figure("position_grafting", accuracy_bars("Position grafting"), part="paper"),
@@ -181,7 +190,7 @@ register_experiment(
         },
         relations="relation",
         parts=(Part("hybrid", PROMPTS, tuple(HYBRID_CONFIGS)),),
-        registry="hybrid",
+        configurations=HYBRID_CONFIGS,
         summary_by=("config", "first_entity", "prompt"),
         figures=(Figure("hybrid_grafting", accuracy_bars("Hybrid grafting")),),
         paper=HYBRID_PAPER,
@@ -266,6 +275,7 @@ register_experiment(
         },
         names=("PRE", "SFT"),
         parts=(Part("paper", PROMPTS, PAPER_POSITION_CONFIGS),),
+        configurations=POSITION_RUNS,
         figures=(
             Figure("position_grafting", accuracy_bars("Position grafting")),
             Figure("position_mean_rank", mean_rank_bars("Position grafting")),

@@ -46,9 +46,7 @@ from grafting_lens.engine.positions import select_positions
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import (
     PAPER_POSITION_CONFIGS,
-    POSITION_CONFIGS,
     GraftConfig,
-    get_configs,
     retarget,
 )
 from grafting_lens.study.run_directory import (
@@ -63,6 +61,7 @@ from grafting_lens.study.semantics import (
     as_semantics,
     fold_group_flags,
 )
+from grafting_lens.study.specs import get_configs
 from grafting_lens.study.stacking import (
     ResolvedGraft,
     check_conflicts,
@@ -271,7 +270,8 @@ def run_experiment(
             ``models`` column; a lone model set is labelled by its names).
         test_sets: What to ask (see :func:`~grafting_lens.study.make_test_sets`).
         configs: Configuration names (looked up in ``registry``) or :class:`GraftConfig` s.
-        registry: A key of :data:`~grafting_lens.study.REGISTRIES` or a mapping of
+        registry: A registered experiment (whose configurations names are looked up in:
+            :func:`~grafting_lens.study.get_configs`) or a mapping of
             configurations.
         out: Directory for resumable results (None: keep everything in memory).
         options: How to run (:class:`RunOptions`); ``settings`` override its fields.
@@ -472,7 +472,7 @@ def run_position_grafting(
         "run_position_grafting",
     )
     chosen = retarget(
-        get_configs(configs, POSITION_CONFIGS, kind="position-grafting"), components, source
+        get_configs(configs, "position", kind="position-grafting"), components, source
     )
     results = run_experiment(
         models,

@@ -15,15 +15,18 @@ The paper's experiments are registered in :mod:`grafting_lens.study.paper`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from grafting_lens.core.errors import ExperimentError, did_you_mean
-from grafting_lens.study.semantics import as_semantics
+from grafting_lens.study.configs import HYBRID_CONFIGS, GraftConfig, code_hybrid_configs
+from grafting_lens.study.semantics import Semantics, as_semantics
 
 __all__ = [
     "EXPERIMENTS",
+    "get_configs",
+    "register_config",
     "ExperimentSpec",
     "Figure",
     "Option",
@@ -116,7 +119,9 @@ class ExperimentSpec:
             ``"relation"`` (the halves of :func:`grafting_lens.worlds.data.split_task_relation`).
         direction: ``"A2B"``, or ``"B2A"`` for the reversal.
         parts: The runs it is made of (see :class:`Part`).
-        registry: Where the parts' configuration names are looked up.
+        configurations: The configurations its parts name, by name (shared by the
+            experiments that run the same ones: ``component``, ``component_baseline`` and
+            ``reversal``); :func:`register_config` adds to them.
         summary_by: The columns its summary groups by.
         figures: What to draw from the summary.
         paper: What the paper reports, listed next to the results.
@@ -146,7 +151,7 @@ class ExperimentSpec:
     relations: str = "all"
     direction: str = "A2B"
     parts: tuple[Part, ...] = ()
-    registry: str = "position"
+    configurations: Mapping[str, GraftConfig] = field(default_factory=dict)
     summary_by: tuple[str, ...] = ("config", "prompt")
     figures: tuple[Figure, ...] = ()
     paper: tuple[str, ...] = ()
@@ -240,3 +245,109 @@ def get_experiment(name: str | ExperimentSpec) -> ExperimentSpec:
             f"{', '.join(EXPERIMENTS)}."
         )
     return EXPERIMENTS[name]
+
+
+# ----------------------------------------------------------------------- configurations
+
+
+def register_config(
+    config: GraftConfig, experiment: str = "position", overwrite: bool = False
+) -> None:
+    """Add a configuration to an experiment's so that runs can name it.
+
+    Args:
+        config: The configuration.
+        experiment: The registered experiment whose configurations it joins (``"position"``:
+            next to the paper's eight; ``"component"``: also ``component_baseline``'s and
+            ``reversal``'s, which share them; ``"hybrid"``).
+        overwrite: Allow replacing a configuration of the same name.
+
+    Raises:
+        ExperimentError: Not a configuration, an unknown experiment, one whose
+            configurations cannot grow, or a name that is taken.
+    """
+    if not isinstance(config, GraftConfig):
+        raise ExperimentError(f"register_config needs a GraftConfig, got {type(config).__name__}.")
+    target = get_experiment(experiment).configurations
+    if not isinstance(target, MutableMapping) or not target:
+        raise ExperimentError(
+            f"The {experiment} experiment runs no configurations of its own; register it with "
+            "'position', 'component' or 'hybrid'."
+        )
+    if config.name in target and not overwrite:
+        raise ExperimentError(
+            f"A {experiment} configuration named {config.name!r} exists; pass overwrite=True to "
+            "replace it."
+        )
+    target[config.name] = config
+
+
+def get_configs(
+    configs: str | GraftConfig | Iterable[str | GraftConfig],
+    registry: str | Mapping[str, GraftConfig] = "position",
+    kind: str | None = None,
+    *,
+    semantics: Semantics | str | None = None,
+) -> list[GraftConfig]:
+    """Look configuration names up in a registry; GraftConfig objects pass through.
+
+    Args:
+        configs: Names, :class:`GraftConfig` s, or a mix.
+        registry: A registered experiment, whose configurations the names are looked up
+            in, or a mapping of configurations.
+        kind: What to call the configurations in messages (default: the registry's
+            name, e.g. ``"component-grafting"``).
+        semantics: Under ``hybrid="code"``, the names of :data:`HYBRID_CONFIGS` are
+            the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
+            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
+            configurations do not depend on it.
+
+    Raises:
+        ExperimentError: No configuration, an unknown name (the message lists the
+            known ones), or a name given twice.
+    """
+    chosen = None if semantics is None else as_semantics(semantics)
+    code = None
+    if chosen is not None and chosen.hybrid == "code":
+        code = code_hybrid_configs(chosen.hybrid_last_token_layers)
+    if isinstance(registry, str):
+        kind = kind or f"{registry}-grafting"
+        registry = get_experiment(registry).configurations
+    if registry is HYBRID_CONFIGS and code is not None:
+        registry = {**registry, **code}  # the code's hybrid model under the same names
+    kind = kind or "grafting"
+    if isinstance(configs, (str, GraftConfig)):
+        configs = [configs]
+    resolved = []
+    for item in configs:
+        if isinstance(item, GraftConfig) and code is not None:
+            resolved.append(_as_code_hybrid(item, code))
+        elif isinstance(item, GraftConfig):
+            resolved.append(item)
+        elif isinstance(item, str) and item in registry:
+            resolved.append(registry[item])
+        else:
+            raise ExperimentError(
+                f"Unknown {kind} configuration {item!r}.{did_you_mean(str(item), registry)} "
+                f"Known: {', '.join(registry)}."
+            )
+    if not resolved:
+        raise ExperimentError(f"No configuration given; choose from {', '.join(registry)}.")
+    names = [config.name for config in resolved]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ExperimentError(f"Configurations are listed twice: {repeated}.")
+    return resolved
+
+
+def _as_code_hybrid(config: GraftConfig, code: Mapping[str, GraftConfig]) -> GraftConfig:
+    """A configuration given as an object, under a semantics whose hybrid is the code's.
+
+    The library's own hybrid configurations (:data:`HYBRID_CONFIGS`' objects, in any
+    registry or none) run as the code runs them, as their names do, so that a row's
+    semantics says what was grafted; any other configuration is the caller's own graft
+    and is taken as it is.
+    """
+    if HYBRID_CONFIGS.get(config.name) == config and config.name in code:
+        return code[config.name]
+    return config

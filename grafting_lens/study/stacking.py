@@ -46,10 +46,10 @@ from grafting_lens.study.configs import (
     TASK,
     Graft,
     GraftConfig,
-    get_configs,
     resolve_components,
 )
 from grafting_lens.study.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+from grafting_lens.study.specs import get_configs
 
 __all__ = ["ResolvedGraft", "check_conflicts", "config_masks", "resolve_configs", "stacked_mask"]
 

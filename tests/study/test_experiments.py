@@ -564,9 +564,9 @@ def test_movie_prompts_mark_the_movie_span(two, relations):
 
 
 def test_registering_a_configuration_makes_it_nameable(monkeypatch, two, relations):
-    monkeypatch.setitem(
-        experiments.REGISTRIES, "position", experiments.REGISTRIES["position"].new_child({})
-    )
+    configurations = experiments.get_experiment("position").configurations
+    monkeypatch.setitem(configurations, "REL", None)  # removed again after the test
+    del configurations["REL"]
     experiments.register_config(GraftConfig("REL", (Graft("REL"),)))
     with pytest.raises(GraftingLensError, match="overwrite=True"):
         experiments.register_config(GraftConfig("REL", (Graft("FE"),)))
@@ -574,6 +574,9 @@ def test_registering_a_configuration_makes_it_nameable(monkeypatch, two, relatio
         two, make_test_sets(relations[:2], prompts=("qa",)), ["REL"], progress=False
     )
     assert set(results.config) == {"REL"}
+    assert "REL" in experiments.get_experiment("demo").configurations  # shared with position
+    with pytest.raises(GraftingLensError, match="runs no configurations of its own"):
+        experiments.register_config(GraftConfig("X", (Graft("FE"),)), "patching_vs_grafting")
 
 
 # ----------------------------------------------------------------------------- scripts
@@ -717,7 +720,7 @@ def test_scripts_refuse_bad_arguments_before_running(
 ):
     position = _script("position_grafting")
     assert position.main(["--out", str(tmp_path / "a"), "--donor", "x", *tiny_world_args]) == 1
-    assert "--donor need --model" in capsys.readouterr().err
+    assert "--donor needs --model" in capsys.readouterr().err
     assert position.main(["--out", str(tmp_path / "b"), "--model", "x", *tiny_world_args]) == 1
     assert "also needs --donor" in capsys.readouterr().err
     hybrid = _script("hybrid_grafting")
@@ -732,5 +735,5 @@ def test_scripts_refuse_bad_arguments_before_running(
     assert versus.main(["--out", str(tmp_path / "d"), "--unembed", "donor", *tiny_world_args]) == 1
     assert "do not apply here" in capsys.readouterr().err
     assert versus.main(["--out", str(tmp_path / "e"), "--donor", "x", *tiny_world_args]) == 1
-    assert "--donor need --model" in capsys.readouterr().err
+    assert "--donor needs --model" in capsys.readouterr().err
     assert count_forwards["n"] == 0
