@@ -205,3 +205,43 @@ def test_every_floor_is_reachable_from_the_front_door(folder):
     assert getattr(module, first).__name__ == f"grafting_lens.{folder}.{first}"
     with pytest.raises(AttributeError, match="no attribute 'no_such_room'"):
         module.no_such_room  # noqa: B018
+
+
+# ------------------------------------------------------------------------ the drawing
+
+DEVELOPING = PACKAGE.parent / "docs" / "developing" / "index.md"
+
+
+def floor_plan() -> list[str]:
+    """One line per floor, top floor first: its rooms in the order their imports allow
+    (``a → b``: ``b`` imports from ``a``'s level or below; rooms at one level import none
+    of each other)."""
+    graph = collections.defaultdict(set)
+    for path in MODULES:
+        for _, target in _imports(path):
+            graph[_room(path)].add(target)
+    lines = []
+    for folder in reversed(FLOORS):
+        rooms = sorted(_room(path) for path in (PACKAGE / folder).glob("[!_]*.py"))
+        level: dict[str, int] = {}
+
+        def depth(room: str) -> int:
+            if room not in level:
+                inside = [t for t in graph[room] if t in rooms and t != room]
+                level[room] = 1 + max((depth(t) for t in inside), default=-1)
+            return level[room]
+
+        by_level = collections.defaultdict(list)
+        for room in rooms:
+            by_level[depth(room)].append(room.split(".", 1)[1])
+        steps = " → ".join(", ".join(sorted(by_level[k])) for k in sorted(by_level))
+        lines.append(f"{folder + '/':11s} {steps}")
+    return lines
+
+
+def test_the_developer_guide_draws_the_floors_the_code_has():
+    text = DEVELOPING.read_text()
+    drawn = text.split("<!-- floors -->\n```text\n")[1].split("```")[0].splitlines()
+    assert drawn == floor_plan(), "redraw docs/developing/index.md's floors: " + "\n".join(
+        floor_plan()
+    )
