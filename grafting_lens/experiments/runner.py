@@ -527,6 +527,7 @@ def _grid(
                 f"make it with make_test_sets(..., templates={semantics.prompts!r}), or run "
                 f"dataclasses.replace(semantics, prompts={test_set.templates!r})."
             )
+        _check_tokenization(test_set, semantics)
     _check_precision(model_sets, semantics)
     config_list = get_configs(configs, registry, semantics=semantics)
     resolved = [
@@ -541,6 +542,30 @@ def _grid(
             f"Configuration tags may not reuse result columns: {sorted(collisions)}."
         )
     return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options, semantics)
+
+
+def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
+    """Refuse a batch that :func:`~grafting_lens.data.tokenize_examples` made under other
+    rules than the semantics' (a batch built by hand records none and is taken as it is).
+
+    Raises:
+        ExperimentError: Naming the test set, the rules that differ and the two ways out.
+    """
+    rules = getattr(test_set.examples, "rules", None) if test_set.is_tokenized else None
+    if not isinstance(rules, Mapping):
+        return
+    wanted = dict(semantics.tokenization())
+    differ = {name: value for name, value in wanted.items() if rules.get(name) != value}
+    if differ:
+        made = ", ".join(f"{name}={rules.get(name)!r}" for name in differ)
+        asked = ", ".join(f"{name}={value!r}" for name, value in differ.items())
+        raise ExperimentError(
+            f"Test set {test_set.label!r} was tokenized with {made}, but the semantics "
+            f"{semantics.label!r} tokenizes with {asked}, and its rows would say so: tokenize "
+            f"it with tokenize_examples(examples, tokenizer, **semantics.tokenization()), or "
+            f"run dataclasses.replace(semantics, {made}) (e.g. semantics='clean' for "
+            "tokenize_examples' defaults)."
+        )
 
 
 def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantics) -> None:
