@@ -123,8 +123,10 @@ def position_grafting_masks(
     components: str | Iterable[str] | None = None,
     source: int = 1,
 ) -> GraftMask:
-    """Deprecated: :func:`grafting_lens.experiments.config_masks` of the configurations."""
+    """Deprecated: :func:`grafting_lens.experiments.config_masks` of the configurations,
+    with ``semantics="clean"``, the library's reading, which is what this function always
+    grafted (``config_masks`` defaults to the paper's released code)."""
     chosen = retarget(
         get_configs(configs, POSITION_CONFIGS, kind="position-grafting"), components, source
     )
-    return config_masks(models, chosen, spans, attention_mask)
+    return config_masks(models, chosen, spans, attention_mask, semantics=CLEAN)

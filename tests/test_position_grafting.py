@@ -165,7 +165,10 @@ def test_pre_rows_are_the_base_and_sft_rows_the_donor(llama_set):
 
 def test_batching_configurations_matches_running_each_alone(llama_set):
     models, tokenized = llama_set
-    batched = run_position_grafting(models, tokenized, batch_size=2, progress=False)
+    # The batch is tokenized as tokenize_examples does by default: the clean reading's rules.
+    batched = run_position_grafting(
+        models, tokenized, batch_size=2, semantics="clean", progress=False
+    )
     assert list(batched.columns[:6]) == [
         "example",
         "relation_id",
@@ -179,7 +182,12 @@ def test_batching_configurations_matches_running_each_alone(llama_set):
     assert batched.topk_tokens.map(len).eq(10).all()
     for name in PAPER_LABELS:
         alone = run_position_grafting(
-            models, tokenized, configs=[name], batch_size=len(tokenized), progress=False
+            models,
+            tokenized,
+            configs=[name],
+            batch_size=len(tokenized),
+            semantics="clean",
+            progress=False,
         )
         rows = batched[batched.config == name].reset_index(drop=True)
         assert rows.target_rank.tolist() == alone.target_rank.tolist(), name

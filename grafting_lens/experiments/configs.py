@@ -39,7 +39,11 @@ from grafting_lens.components import (
     expand_components,
 )
 from grafting_lens.errors import ComponentError, ExperimentError, SelectionError, did_you_mean
-from grafting_lens.experiments.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+from grafting_lens.experiments.semantics import (
+    Semantics,
+    fold_group_flags,
+    semantics_or_default,
+)
 from grafting_lens.layers import LayerSpec
 from grafting_lens.models import ModelSet
 from grafting_lens.positions import (
@@ -115,7 +119,8 @@ def resolve_components(
             components and groups of :mod:`grafting_lens.components`.
         models: The model set (what its architecture has).
         semantics: A :class:`~grafting_lens.experiments.Semantics` or its label (default
-            :data:`~grafting_lens.experiments.CLEAN`).
+            :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`, the paper's released code;
+            ``"clean"`` for the library's reading).
         include_unembed: Deprecated: ``semantics`` with ``unembed="donor"`` (True) or
             ``"base"`` (False).
         include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
@@ -125,7 +130,7 @@ def resolve_components(
             nothing left to graft.
     """
     semantics = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
+        semantics,
         include_unembed,
         include_embeddings,
         "resolve_components",
@@ -599,18 +604,21 @@ def get_configs(
         registry: A key of :data:`REGISTRIES` or a mapping of configurations.
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
-        semantics: Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
+        semantics: What the configurations will run under (default
+            :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`, whose hybrid is the
+            code's). Under ``hybrid="code"``, the names of the ``"hybrid"`` registry are
             the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
-            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
-            configurations do not depend on it.
+            :data:`HYBRID_CONFIGS`' objects wherever they are passed; pass
+            ``semantics="clean"`` for the library's hybrid. Other configurations do not
+            depend on it.
 
     Raises:
         ExperimentError: No configuration, an unknown name (the message lists the
             known ones), or a name given twice.
     """
-    chosen = None if semantics is None else as_semantics(semantics)
+    chosen = semantics_or_default(semantics)
     code = None
-    if chosen is not None and chosen.hybrid == "code":
+    if chosen.hybrid == "code":
         code = code_hybrid_configs(chosen.hybrid_last_token_layers)
     if isinstance(registry, str):
         kind = kind or f"{registry}-grafting"

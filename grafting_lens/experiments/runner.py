@@ -13,8 +13,9 @@ How a run grafts, scores, batches and saves is one :class:`RunOptions`: the plac
 a new option (it is fingerprinted with the run when it changes a row). Its
 ``semantics`` (:class:`~grafting_lens.experiments.Semantics`) says what the
 configurations mean, how prompts are tokenized and how answers are ranked: the paper's
-released code (:data:`~grafting_lens.experiments.REFERENCE`) or this library's clean
-reading (:data:`~grafting_lens.experiments.CLEAN`, the default here). Every row
+released code (:data:`~grafting_lens.experiments.REFERENCE`, the one default,
+:data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`) or this library's clean reading
+(:data:`~grafting_lens.experiments.CLEAN`, ``semantics="clean"``). Every row
 records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
 ``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
 with any other implementation. :func:`run_position_grafting` is the short way to the
@@ -54,10 +55,11 @@ from grafting_lens.experiments.run_directory import (
     describe_run,
 )
 from grafting_lens.experiments.semantics import (
-    CLEAN,
+    DEFAULT_SEMANTICS,
     Semantics,
     as_semantics,
     fold_group_flags,
+    semantics_or_default,
 )
 from grafting_lens.experiments.stacking import (
     ResolvedGraft,
@@ -128,9 +130,10 @@ class RunOptions:
         semantics: What the configurations mean, how prompts are tokenized and answers
             ranked: a :class:`~grafting_lens.experiments.Semantics` or its label
             (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
-            the entry point's default, :data:`~grafting_lens.experiments.CLEAN` for
-            :func:`run_experiment`, :data:`~grafting_lens.experiments.REFERENCE` for the
-            paper's named experiments.
+            the entry point's default, :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`
+            (:data:`~grafting_lens.experiments.REFERENCE`), or a named experiment's own
+            (:attr:`~grafting_lens.experiments.ExperimentSpec.semantics`, which is the same
+            for the paper's experiments).
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
             world's); each test set's own seed is the ``data_seed`` column.
@@ -138,8 +141,9 @@ class RunOptions:
             in a notebook, see :func:`~grafting_lens.console.show_progress`). Free to
             change when resuming.
         include_unembed: Deprecated (warns): ``semantics`` with ``unembed="donor"``
-            (True) or ``"base"`` (False); folded into :data:`CLEAN` when no semantics is
-            given, which is what it meant before.
+            (True) or ``"base"`` (False); folded into
+            :data:`~grafting_lens.experiments.CLEAN` when no semantics is given, which is
+            what it meant before.
         include_embeddings: Deprecated (warns): ``semantics`` with ``embed`` and
             ``pos_embed``.
 
@@ -172,7 +176,7 @@ class RunOptions:
         semantics = None if self.semantics is None else as_semantics(self.semantics)
         if include_unembed is not None or include_embeddings is not None:
             semantics = fold_group_flags(
-                semantics or CLEAN, include_unembed, include_embeddings, "RunOptions"
+                semantics, include_unembed, include_embeddings, "RunOptions"
             )
         object.__setattr__(self, "semantics", semantics)
 
@@ -184,7 +188,7 @@ class RunOptions:
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change a row, as a run directory records them."""
-        semantics = as_semantics(self.semantics if self.semantics is not None else CLEAN)
+        semantics = semantics_or_default(self.semantics)
         return {
             "chunk_size": self.chunk_size,
             "top_k": self.top_k,
@@ -255,7 +259,9 @@ def run_experiment(
     carries little padding; rows are independent, so this changes no result.
 
     The run's semantics (``options.semantics``, default
-    :data:`~grafting_lens.experiments.CLEAN`) says what the configurations graft on each
+    :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`, the paper's released code:
+    :data:`~grafting_lens.experiments.REFERENCE`; ``semantics="clean"`` for the library's
+    reading) says what the configurations graft on each
     model set, how the test sets' examples are tokenized and how answers are ranked
     (see :class:`~grafting_lens.experiments.Semantics`); test sets worded for another
     semantics, and models of another precision than its ``dtype``, are refused.
@@ -298,7 +304,9 @@ def run_experiment(
             precision than the semantics'. RunError: ``out`` holds a different run, or files
             that are not a run's.
     """
-    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(CLEAN)
+    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(
+        DEFAULT_SEMANTICS
+    )
     grid = _grid(models, test_sets, configs, registry, options)
     cells = _prepare_cells(grid)
     scorer = LastTokenScorer(top_k=options.top_k, **grid.semantics.scoring())
@@ -425,13 +433,17 @@ def run_position_grafting(
     kept in memory.
 
     What "every weight" is follows ``semantics`` (default
-    :data:`~grafting_lens.experiments.CLEAN`: every component but the unembedding, so
-    grafted positions read the donor's embeddings and every position predicts through
-    the base's unembedding, as the paper's text says; ``SFT`` is then the donor decoded
-    through the base's unembedding). :data:`~grafting_lens.experiments.REFERENCE` does
-    what the paper's released code does (see :class:`~grafting_lens.experiments.Semantics`).
-    The batch is used as it is: tokenize it as the semantics says
-    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``).
+    :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`,
+    :data:`~grafting_lens.experiments.REFERENCE`: what the paper's released code does,
+    see :class:`~grafting_lens.experiments.Semantics`; on a model with tied embeddings a
+    grafted embedding also brings the donor's unembedding, and ``SFT`` is the donor
+    itself). ``semantics="clean"`` (:data:`~grafting_lens.experiments.CLEAN`) takes every
+    component but the unembedding, so grafted positions read the donor's embeddings and
+    every position predicts through the base's unembedding, as the paper's text says;
+    ``SFT`` is then the donor decoded through the base's unembedding. The batch is used as
+    it is: tokenize it as the semantics says
+    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``); a batch
+    :func:`~grafting_lens.data.tokenize_examples` made under other rules is refused.
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
@@ -443,7 +455,8 @@ def run_position_grafting(
         batch_size: Examples per forward pass.
         components: What to graft instead of ``all``, read under ``semantics`` as any
             graft's components are.
-        semantics: A :class:`~grafting_lens.experiments.Semantics` or its label.
+        semantics: A :class:`~grafting_lens.experiments.Semantics` or its label
+            (default :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`).
         include_unembed: Deprecated: ``semantics`` with ``unembed="donor"``.
         include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
         source: Index of the donor in the model set.
@@ -466,7 +479,7 @@ def run_position_grafting(
             ones), an empty or malformed batch, or a bad ``batch_size``.
     """
     chosen_semantics = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
+        semantics,
         include_unembed,
         include_embeddings,
         "run_position_grafting",
@@ -518,7 +531,7 @@ def _grid(
                 "prompt once, or give the test sets different dataset labels."
             )
         seen[key] = index
-    semantics = as_semantics(options.semantics if options.semantics is not None else CLEAN)
+    semantics = semantics_or_default(options.semantics)
     for test_set in test_list:
         if test_set.templates is not None and test_set.templates != semantics.prompts:
             raise ExperimentError(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grafting_lens.errors import ExperimentError, did_you_mean
-from grafting_lens.experiments.semantics import as_semantics
+from grafting_lens.experiments.semantics import DEFAULT_SEMANTICS, as_semantics
 
 __all__ = [
     "EXPERIMENTS",
@@ -135,8 +135,10 @@ class ExperimentSpec:
             model on the relations first.
         default_relations: How many relations ``--model`` runs make by default.
         semantics: The semantics its runs default to, a label of
-            :class:`~grafting_lens.experiments.Semantics` (``"reference"`` for the paper's
-            experiments, which exist to reproduce its figures; ``"clean"`` by default).
+            :class:`~grafting_lens.experiments.Semantics`: by default that of
+            :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS` (``"reference"``, the
+            one default); an experiment whose runner works one way only (with
+            ``"--semantics"`` in :attr:`inapplicable`) names the one it runs.
     """
 
     name: str
@@ -159,7 +161,7 @@ class ExperimentSpec:
     quick_world: bool = False
     finetune_missing_donor: bool = False
     default_relations: int = 1000
-    semantics: str = "clean"
+    semantics: str = DEFAULT_SEMANTICS.label
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):

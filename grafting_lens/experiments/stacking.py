@@ -40,7 +40,11 @@ from grafting_lens.experiments.configs import (
     get_configs,
     resolve_components,
 )
-from grafting_lens.experiments.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+from grafting_lens.experiments.semantics import (
+    Semantics,
+    fold_group_flags,
+    semantics_or_default,
+)
 from grafting_lens.layers import resolve_layers
 from grafting_lens.masks import GraftMask, Key
 from grafting_lens.models import ModelSet
@@ -70,9 +74,13 @@ def resolve_configs(
     label: str,
     models: ModelSet,
     *,
-    semantics: Semantics | str = CLEAN,
+    semantics: Semantics | str | None = None,
 ) -> list[list[ResolvedGraft]]:
     """Check every graft against one model set, and say what it takes there under ``semantics``.
+
+    ``semantics`` is a :class:`~grafting_lens.experiments.Semantics` or its label, by
+    default :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS` (the paper's released
+    code, :data:`~grafting_lens.experiments.REFERENCE`).
 
     Beside each graft's components (:func:`~grafting_lens.experiments.resolve_components`)
     and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
@@ -92,7 +100,7 @@ def resolve_configs(
         GraftingLensError: The first problem, of its own class, with the configuration
             and the model set named.
     """
-    semantics = as_semantics(semantics)
+    semantics = semantics_or_default(semantics)
     n_layers = models.n_layers
     tied = semantics.unembed == "follow_embed" and models.layout.shares_parameter(
         "embed", "unembed"
@@ -239,7 +247,8 @@ def config_masks(
         attention_mask: Its right padding.
         registry: Where names are looked up.
         semantics: What the configurations mean (default
-            :data:`~grafting_lens.experiments.CLEAN`); see :func:`resolve_configs`.
+            :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`, the paper's released
+            code; ``"clean"`` for the library's reading); see :func:`resolve_configs`.
         include_unembed: Deprecated: ``semantics`` with ``unembed``.
         include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
 
@@ -248,7 +257,7 @@ def config_masks(
             configurations.
     """
     chosen = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
+        semantics,
         include_unembed,
         include_embeddings,
         "config_masks",
