@@ -132,8 +132,8 @@ class RunOptions:
             (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
             the entry point's default, :data:`~grafting_lens.experiments.DEFAULT_SEMANTICS`
             (:data:`~grafting_lens.experiments.REFERENCE`), or a named experiment's own
-            (:attr:`~grafting_lens.experiments.ExperimentSpec.semantics`, which is the same
-            for the paper's experiments).
+            (the ``semantics`` of its :class:`~grafting_lens.experiments.ExperimentSpec`,
+            which is the same for the paper's experiments).
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
             world's); each test set's own seed is the ``data_seed`` column.
