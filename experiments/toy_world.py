@@ -1,8 +1,8 @@
 """Load (or rebuild) the default toy world and print its checkpoints' own accuracy.
 
 The default world ships with the package (``grafting_lens/toy_world/``, see
-:mod:`grafting_lens.toy_shipped`): loading it takes seconds. ``--force`` runs the recipe
-(:func:`grafting_lens.toy.build_toy_world`, about twenty minutes on one core) into the
+:mod:`grafting_lens.worlds.toy_shipped`): loading it takes seconds. ``--force`` runs the recipe
+(:func:`grafting_lens.worlds.toy.build_toy_world`, about twenty minutes on one core) into the
 cache instead; ``--ship`` then writes that build into the package, with the targets
 measured on it by ``experiments/toy_targets.py --json`` (``--targets``).
 
@@ -29,9 +29,9 @@ from pathlib import Path
 # The toy world ships with the package or is built here: there is nothing to download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from grafting_lens.metrics import bootstrap_ci
-from grafting_lens.toy import ToyWorldConfig, build_toy_world
-from grafting_lens.toy_shipped import export_world, shipped_root
+from grafting_lens.analysis.metrics import bootstrap_ci
+from grafting_lens.worlds.toy import ToyWorldConfig, build_toy_world
+from grafting_lens.worlds.toy_shipped import export_world, shipped_root
 
 
 def main() -> int:

@@ -225,7 +225,7 @@ def floor_plan() -> list[str]:
         rooms = sorted(_room(path) for path in (PACKAGE / folder).glob("[!_]*.py"))
         level: dict[str, int] = {}
 
-        def depth(room: str) -> int:
+        def depth(room: str, rooms: list[str] = rooms, level: dict[str, int] = level) -> int:
             if room not in level:
                 inside = [t for t in graph[room] if t in rooms and t != room]
                 level[room] = 1 + max((depth(t) for t in inside), default=-1)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,10 @@ class TokenizedExamples:
             examples have one, and "last_token" (LT, the last non-pad position). The BOS is never in
             a span.
         dropped: Examples that could not be used, each with the reason.
+        rules: How :func:`tokenize_examples` made the batch, its ``bos``, ``target`` and
+            ``spans`` (``None`` for a batch built by hand): a run under a semantics whose
+            tokenization is another refuses it, instead of labelling its rows with rules
+            they were not made by.
     """
 
     examples: list[Any] | None
@@ -78,6 +82,7 @@ class TokenizedExamples:
     target_full_ids: list[list[int]] | None
     spans: dict[str, Bool[torch.Tensor, "batch pos"]]
     dropped: list[tuple[Any, str]] = field(default_factory=list)
+    rules: dict[str, str] | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -111,6 +116,7 @@ class TokenizedExamples:
                 None if self.target_full_ids is None else [self.target_full_ids[i] for i in chosen]
             ),
             spans={name: span[index, :length] for name, span in self.spans.items()},
+            rules=self.rules,
         )
 
 
@@ -180,7 +186,25 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         target_full_ids=getattr(tokenized, "target_full_ids", None),
         spans=spans,
         dropped=list(getattr(tokenized, "dropped", None) or []),
+        rules=_rules(getattr(tokenized, "rules", None)),
     )
+
+
+def _rules(rules: Any) -> dict[str, str] | None:
+    """A batch's recorded tokenization rules, copied (``None``: not recorded).
+
+    Raises:
+        BatchError: Rules that are not a mapping of ``bos``, ``target`` and ``spans``.
+    """
+    if rules is None:
+        return None
+    if not isinstance(rules, Mapping) or set(rules) != {"bos", "target", "spans"}:
+        raise BatchError(
+            f"A batch's rules are tokenize_examples' bos, target and spans, e.g. "
+            f"{{'bos': 'always', 'target': 'in_context', 'spans': 'characters'}}, got "
+            f"{rules!r}; set rules=None for a batch built by hand."
+        )
+    return {name: str(rules[name]) for name in ("bos", "target", "spans")}
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -275,7 +299,6 @@ def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
 def tokenize_examples(
     examples: Sequence[Any],
     tokenizer: Any,
-    prepend_bos: bool | None = None,
     *,
     bos: str = "always",
     target: str = "in_context",
@@ -305,7 +328,6 @@ def tokenize_examples(
             span names.
         tokenizer: A Hugging Face *fast* tokenizer (offsets are needed), e.g.
             ``HookedTransformer.tokenizer``.
-        prepend_bos: Deprecated: ``bos="always"`` (True) or ``bos="never"`` (False).
         bos: What comes before each prompt, one of :data:`BOS_RULES`.
         target: Which token is the answer's first, one of :data:`TARGET_RULES`.
         spans: How spans become token positions, one of :data:`SPAN_RULES`.
@@ -316,14 +338,6 @@ def tokenize_examples(
             dropped, if the tokenizer lacks the BOS/EOS/pad ids needed or adds tokens after a
             text, or an unknown ``bos``, ``target`` or ``spans``.
     """
-    if prepend_bos is not None:
-        warnings.warn(
-            "tokenize_examples(prepend_bos=...) is deprecated: pass bos='always' (True) or "
-            "bos='never' (False).",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        bos = "always" if prepend_bos else "never"
     for name, value, allowed in (
         ("bos", bos, BOS_RULES),
         ("target", target, TARGET_RULES),
@@ -460,4 +474,5 @@ def tokenize_examples(
         target_full_ids=[answer for _, _, answer in rows],
         spans=masks,
         dropped=dropped,
+        rules={"bos": bos, "target": target, "spans": spans},
     )

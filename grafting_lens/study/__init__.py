@@ -60,9 +60,10 @@ grafted embedding also decodes its position through the donor's unembedding, and
 on a dozen smaller points (final norm, fused QKV, layer quarters, BOS, the SFT baseline, the
 hybrid model, target and rank). :data:`REFERENCE` does what the code does, :data:`CLEAN` what
 this library does with components named as they are; every switch can be flipped alone
-(``dataclasses.replace(REFERENCE, unembed="base")``). The paper's named experiments default to
-:data:`REFERENCE`, :func:`run_experiment` and the lens to :data:`CLEAN`; every row records its
-semantics. A component named on its own is always grafted.
+(``dataclasses.replace(REFERENCE, unembed="base")``). Everything here that takes a semantics
+defaults to the one :data:`DEFAULT_SEMANTICS`, :data:`REFERENCE` (pass ``semantics="clean"``
+for the library's reading); the lens, which takes none, grafts the library's way. Every row
+records its semantics. A component named on its own is always grafted.
 
 The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
 ``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``,
@@ -143,6 +144,7 @@ from grafting_lens.study.runner import (
 )
 from grafting_lens.study.semantics import (
     CLEAN,
+    DEFAULT_SEMANTICS,
     PRESETS,
     REFERENCE,
     SEMANTICS_CHOICES,
@@ -174,6 +176,7 @@ __all__ = [
     "COMPONENT_CONFIGS",
     "COMPONENT_LAYER_RANGES",
     "COMPONENT_SETS",
+    "DEFAULT_SEMANTICS",
     "EXPERIMENTS",
     "HYBRID",
     "HYBRID_CONFIGS",

@@ -48,7 +48,7 @@ from grafting_lens.models.components import (
 )
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.study.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+from grafting_lens.study.semantics import Semantics, semantics_or_default
 
 __all__ = [
     "COMPONENT_CONFIGS",
@@ -95,8 +95,6 @@ def resolve_components(
     models: ModelSet,
     *,
     semantics: Semantics | str | None = None,
-    include_unembed: bool | None = None,
-    include_embeddings: bool | None = None,
 ) -> tuple[str, ...]:
     """The components a graft names, for this architecture, in :data:`~grafting_lens.models.components.COMPONENTS` order.
 
@@ -112,21 +110,14 @@ def resolve_components(
             components and groups of :mod:`grafting_lens.models.components`.
         models: The model set (what its architecture has).
         semantics: A :class:`~grafting_lens.study.Semantics` or its label (default
-            :data:`~grafting_lens.study.CLEAN`).
-        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"`` (True) or
-            ``"base"`` (False).
-        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released code;
+            ``"clean"`` for the library's reading).
 
     Raises:
         ComponentError: An unknown name, a single component the architecture lacks, or
             nothing left to graft.
     """
-    semantics = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
-        include_unembed,
-        include_embeddings,
-        "resolve_components",
-    )
+    semantics = semantics_or_default(semantics)
     parts = [part.strip() for part in spec.split("+")] if isinstance(spec, str) else list(spec)
     available = set(models.components)
     chosen: set[str] = set()

@@ -15,12 +15,13 @@ and from the command line (``grafting-lens run <name> --out <dir>``). A new expe
 is one more :func:`~grafting_lens.study.register_experiment` call (see the
 developer guide, "Adding an experiment").
 
-The grafting experiments run under :data:`~grafting_lens.study.REFERENCE` by
-default: they exist to reproduce the paper's figures, and those were made by the
-authors' released code, which differs from the paper's text on several points (see
+The grafting experiments run under :data:`~grafting_lens.study.REFERENCE`, the
+one default (:data:`~grafting_lens.study.DEFAULT_SEMANTICS`), and name it: they
+exist to reproduce the paper's figures, and those were made by the authors' released
+code, which differs from the paper's text on several points (see
 :class:`~grafting_lens.study.Semantics`). ``--semantics clean`` runs them the
-library's way. The grafting-versus-patching comparison is this library's own
-experiment (the paper's code has no patching) and runs clean.
+library's way. The grafting-versus-patching comparison and graft attribution are this
+library's own experiments (the paper's code has neither) and run clean only.
 """
 
 from __future__ import annotations
@@ -229,6 +230,7 @@ register_experiment(
             ),
         ),
         inapplicable=LIBRARY_READING_ONLY,
+        semantics="clean",  # its runner works the library's way only
         run=patching_vs_grafting.run,
         report=patching_vs_grafting.report,
     )
@@ -256,6 +258,7 @@ register_experiment(
             Option("--verify", "Cells to graft exactly: 'all' (default) or a number."),
         ),
         inapplicable=LIBRARY_READING_ONLY,
+        semantics="clean",  # its runner works the library's way only
         run=graft_attribution.run,
         report=graft_attribution.report,
     )

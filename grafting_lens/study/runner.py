@@ -13,8 +13,9 @@ How a run grafts, scores, batches and saves is one :class:`RunOptions`: the plac
 a new option (it is fingerprinted with the run when it changes a row). Its
 ``semantics`` (:class:`~grafting_lens.study.Semantics`) says what the
 configurations mean, how prompts are tokenized and how answers are ranked: the paper's
-released code (:data:`~grafting_lens.study.REFERENCE`) or this library's clean
-reading (:data:`~grafting_lens.study.CLEAN`, the default here). Every row
+released code (:data:`~grafting_lens.study.REFERENCE`, the one default,
+:data:`~grafting_lens.study.DEFAULT_SEMANTICS`) or this library's clean reading
+(:data:`~grafting_lens.study.CLEAN`, ``semantics="clean"``). Every row
 records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
 ``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
 with any other implementation. :func:`run_position_grafting` is the short way to the
@@ -28,7 +29,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +57,10 @@ from grafting_lens.study.run_directory import (
     describe_run,
 )
 from grafting_lens.study.semantics import (
-    CLEAN,
+    DEFAULT_SEMANTICS,
     Semantics,
     as_semantics,
-    fold_group_flags,
+    semantics_or_default,
 )
 from grafting_lens.study.specs import get_configs
 from grafting_lens.study.stacking import (
@@ -127,22 +128,16 @@ class RunOptions:
         semantics: What the configurations mean, how prompts are tokenized and answers
             ranked: a :class:`~grafting_lens.study.Semantics` or its label
             (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
-            the entry point's default, :data:`~grafting_lens.study.CLEAN` for
-            :func:`run_experiment`, :data:`~grafting_lens.study.REFERENCE` for the
-            paper's named experiments.
+            the entry point's default, :data:`~grafting_lens.study.DEFAULT_SEMANTICS`
+            (:data:`~grafting_lens.study.REFERENCE`), or a named experiment's own
+            (the ``semantics`` of its :class:`~grafting_lens.study.ExperimentSpec`,
+            which is the same for the paper's experiments).
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
             world's); each test set's own seed is the ``data_seed`` column.
         progress: Show a progress bar (default: when standard error is a terminal or
             in a notebook, see :func:`~grafting_lens.core.console.show_progress`). Free to
             change when resuming.
-        include_unembed: Deprecated (warns): ``semantics`` with ``unembed="donor"``
-            (True) or ``"base"`` (False); folded into :data:`CLEAN` when no semantics is
-            given, which is what it meant before.
-        include_embeddings: Deprecated (warns): ``semantics`` with ``embed`` and
-            ``pos_embed``.
-
-    Raises:
         ExperimentError: A size below 1, a seed name that cannot be a column, or a
             semantics label that does not read.
     """
@@ -153,10 +148,8 @@ class RunOptions:
     top_k: int = 10
     seeds: Mapping[str, int] = field(default_factory=dict)
     progress: bool | None = None
-    include_unembed: InitVar[bool | None] = None
-    include_embeddings: InitVar[bool | None] = None
 
-    def __post_init__(self, include_unembed: bool | None, include_embeddings: bool | None) -> None:
+    def __post_init__(self) -> None:
         for name in ("batch_size", "chunk_size", "top_k"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
@@ -169,10 +162,6 @@ class RunOptions:
                 raise ExperimentError(f"Seed names become columns; {name!r} is not a plain name.")
         object.__setattr__(self, "seeds", seeds)
         semantics = None if self.semantics is None else as_semantics(self.semantics)
-        if include_unembed is not None or include_embeddings is not None:
-            semantics = fold_group_flags(
-                semantics or CLEAN, include_unembed, include_embeddings, "RunOptions"
-            )
         object.__setattr__(self, "semantics", semantics)
 
     def with_semantics(self, default: Semantics) -> RunOptions:
@@ -183,7 +172,7 @@ class RunOptions:
 
     def fingerprint(self) -> dict[str, Any]:
         """The options that change a row, as a run directory records them."""
-        semantics = as_semantics(self.semantics if self.semantics is not None else CLEAN)
+        semantics = semantics_or_default(self.semantics)
         return {
             "chunk_size": self.chunk_size,
             "top_k": self.top_k,
@@ -254,7 +243,9 @@ def run_experiment(
     carries little padding; rows are independent, so this changes no result.
 
     The run's semantics (``options.semantics``, default
-    :data:`~grafting_lens.study.CLEAN`) says what the configurations graft on each
+    :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released code:
+    :data:`~grafting_lens.study.REFERENCE`; ``semantics="clean"`` for the library's
+    reading) says what the configurations graft on each
     model set, how the test sets' examples are tokenized and how answers are ranked
     (see :class:`~grafting_lens.study.Semantics`); test sets worded for another
     semantics, and models of another precision than its ``dtype``, are refused.
@@ -298,7 +289,9 @@ def run_experiment(
             precision than the semantics'. RunError: ``out`` holds a different run, or files
             that are not a run's.
     """
-    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(CLEAN)
+    options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(
+        DEFAULT_SEMANTICS
+    )
     grid = _grid(models, test_sets, configs, registry, options)
     cells = _prepare_cells(grid)
     scorer = LastTokenScorer(top_k=options.top_k, **grid.semantics.scoring())
@@ -409,8 +402,6 @@ def run_position_grafting(
     *,
     components: str | Iterable[str] | None = None,
     semantics: Semantics | str | None = None,
-    include_unembed: bool | None = None,
-    include_embeddings: bool | None = None,
     source: int = 1,
     top_k: int = 10,
     progress: bool | None = None,
@@ -425,13 +416,17 @@ def run_position_grafting(
     kept in memory.
 
     What "every weight" is follows ``semantics`` (default
-    :data:`~grafting_lens.study.CLEAN`: every component but the unembedding, so
-    grafted positions read the donor's embeddings and every position predicts through
-    the base's unembedding, as the paper's text says; ``SFT`` is then the donor decoded
-    through the base's unembedding). :data:`~grafting_lens.study.REFERENCE` does
-    what the paper's released code does (see :class:`~grafting_lens.study.Semantics`).
-    The batch is used as it is: tokenize it as the semantics says
-    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``).
+    :data:`~grafting_lens.study.DEFAULT_SEMANTICS`,
+    :data:`~grafting_lens.study.REFERENCE`: what the paper's released code does,
+    see :class:`~grafting_lens.study.Semantics`; on a model with tied embeddings a
+    grafted embedding also brings the donor's unembedding, and ``SFT`` is the donor
+    itself). ``semantics="clean"`` (:data:`~grafting_lens.study.CLEAN`) takes every
+    component but the unembedding, so grafted positions read the donor's embeddings and
+    every position predicts through the base's unembedding, as the paper's text says;
+    ``SFT`` is then the donor decoded through the base's unembedding. The batch is used as
+    it is: tokenize it as the semantics says
+    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``); a batch
+    :func:`~grafting_lens.worlds.data.tokenize_examples` made under other rules is refused.
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
@@ -443,9 +438,8 @@ def run_position_grafting(
         batch_size: Examples per forward pass.
         components: What to graft instead of ``all``, read under ``semantics`` as any
             graft's components are.
-        semantics: A :class:`~grafting_lens.study.Semantics` or its label.
-        include_unembed: Deprecated: ``semantics`` with ``unembed="donor"``.
-        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+        semantics: A :class:`~grafting_lens.study.Semantics` or its label
+            (default :data:`~grafting_lens.study.DEFAULT_SEMANTICS`).
         source: Index of the donor in the model set.
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
@@ -465,12 +459,7 @@ def run_position_grafting(
         GraftingLensError: An unknown configuration (the message lists the known
             ones), an empty or malformed batch, or a bad ``batch_size``.
     """
-    chosen_semantics = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
-        include_unembed,
-        include_embeddings,
-        "run_position_grafting",
-    )
+    chosen_semantics = semantics_or_default(semantics)
     chosen = retarget(
         get_configs(configs, "position", kind="position-grafting"), components, source
     )
@@ -518,7 +507,7 @@ def _grid(
                 "prompt once, or give the test sets different dataset labels."
             )
         seen[key] = index
-    semantics = as_semantics(options.semantics if options.semantics is not None else CLEAN)
+    semantics = semantics_or_default(options.semantics)
     for test_set in test_list:
         if test_set.templates is not None and test_set.templates != semantics.prompts:
             raise ExperimentError(
@@ -527,6 +516,7 @@ def _grid(
                 f"make it with make_test_sets(..., templates={semantics.prompts!r}), or run "
                 f"dataclasses.replace(semantics, prompts={test_set.templates!r})."
             )
+        _check_tokenization(test_set, semantics)
     _check_precision(model_sets, semantics)
     config_list = get_configs(configs, registry, semantics=semantics)
     resolved = [
@@ -541,6 +531,30 @@ def _grid(
             f"Configuration tags may not reuse result columns: {sorted(collisions)}."
         )
     return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options, semantics)
+
+
+def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
+    """Refuse a batch that :func:`~grafting_lens.worlds.data.tokenize_examples` made under other
+    rules than the semantics' (a batch built by hand records none and is taken as it is).
+
+    Raises:
+        ExperimentError: Naming the test set, the rules that differ and the two ways out.
+    """
+    rules = getattr(test_set.examples, "rules", None) if test_set.is_tokenized else None
+    if not isinstance(rules, Mapping):
+        return
+    wanted = dict(semantics.tokenization())
+    differ = {name: value for name, value in wanted.items() if rules.get(name) != value}
+    if differ:
+        made = ", ".join(f"{name}={rules.get(name)!r}" for name in differ)
+        asked = ", ".join(f"{name}={value!r}" for name, value in differ.items())
+        raise ExperimentError(
+            f"Test set {test_set.label!r} was tokenized with {made}, but the semantics "
+            f"{semantics.label!r} tokenizes with {asked}, and its rows would say so: tokenize "
+            f"it with tokenize_examples(examples, tokenizer, **semantics.tokenization()), or "
+            f"run dataclasses.replace(semantics, {made}) (e.g. semantics='clean' for "
+            "tokenize_examples' defaults)."
+        )
 
 
 def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantics) -> None:

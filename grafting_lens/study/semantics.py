@@ -32,19 +32,27 @@ A semantics is named by its :attr:`~Semantics.label` (``"reference"``, ``"clean"
 fingerprint. docs/concepts/paper-code-library.md tells the differences in prose, with
 what each moves on the toy world.
 
-The paper's experiments (``grafting-lens run <experiment>``,
-:func:`~grafting_lens.study.run_named_experiment`) default to :data:`REFERENCE`:
-their purpose is the published figures, which this code made. Everything that takes
-configurations directly (:func:`~grafting_lens.study.run_experiment`,
-:func:`~grafting_lens.study.run_position_grafting`,
-:func:`~grafting_lens.study.config_masks`) defaults to :data:`CLEAN`, where a
-component means what it names.
+There is one default, :data:`DEFAULT_SEMANTICS`, which is :data:`REFERENCE`: whatever
+takes a semantics and is given none runs as the paper's released code, so a configuration
+name grafts the same weights everywhere. That is true of the command
+(``grafting-lens run <experiment>``), :func:`~grafting_lens.study.run_named_experiment`,
+:func:`~grafting_lens.study.run_experiment`,
+:func:`~grafting_lens.study.run_position_grafting`, :class:`RunOptions
+<grafting_lens.study.RunOptions>`, :func:`~grafting_lens.study.config_masks`,
+:func:`~grafting_lens.study.resolve_configs`,
+:func:`~grafting_lens.study.resolve_components`,
+:func:`~grafting_lens.study.get_configs`, a new
+:class:`~grafting_lens.study.ExperimentSpec`, and of the wording of
+:func:`~grafting_lens.study.make_test_sets` (the default semantics' ``prompts``,
+the code's). Pass ``semantics="clean"`` (or :data:`CLEAN`) for the library's reading,
+where a component means what it names. The lens itself (:class:`~grafting_lens.GraftMask`,
+:func:`~grafting_lens.grafting`, :func:`~grafting_lens.worlds.data.tokenize_examples`) takes no
+semantics and always grafts and tokenizes the library's way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -54,7 +62,16 @@ from grafting_lens.core.errors import ExperimentError, did_you_mean
 from grafting_lens.models.layers import LAYER_ARITHMETICS
 from grafting_lens.worlds.data import TEMPLATE_SETS
 
-__all__ = ["CLEAN", "PRESETS", "REFERENCE", "SEMANTICS_CHOICES", "Semantics", "as_semantics"]
+__all__ = [
+    "CLEAN",
+    "DEFAULT_SEMANTICS",
+    "PRESETS",
+    "REFERENCE",
+    "SEMANTICS_CHOICES",
+    "Semantics",
+    "as_semantics",
+    "semantics_or_default",
+]
 
 SEMANTICS_CHOICES: dict[str, tuple[Any, ...]] = {
     "unembed": ("base", "donor", "follow_embed"),
@@ -98,7 +115,8 @@ class ScoringRules(TypedDict):
 class Semantics:
     """One switch per point where the paper's released code and this library part.
 
-    The defaults are :data:`CLEAN`; :data:`REFERENCE` sets every switch to the code's.
+    The defaults are :data:`REFERENCE`'s, the code's on every switch (``Semantics()`` is
+    :data:`DEFAULT_SEMANTICS`); :data:`CLEAN` sets every switch to the library's.
     Switches about *groups* (``all``, ``block``...) leave a component named on its own
     alone: ``Graft("LT", "all+unembed")`` takes the unembedding whatever ``unembed``
     says.
@@ -178,24 +196,25 @@ class Semantics:
         ExperimentError: A value a field does not accept (:data:`SEMANTICS_CHOICES`).
     """
 
-    unembed: str = "base"
+    # The code's value of every switch: Semantics() is the one default, REFERENCE.
+    unembed: str = "follow_embed"
     lm_head: str = "never"
-    final_norm: bool = True
-    pos_embed: bool = True
+    final_norm: bool = False
+    pos_embed: bool = False
     embed: bool = True
-    fused_qkv: str = "exact"
+    fused_qkv: str = "as_code"
     ffn_up_gate: bool = True
-    layers: str = "fractions"
-    bos: str = "always"
-    target: str = "in_context"
-    spans: str = "characters"
-    sft: str = "grafted"
-    hybrid: str = "clean"
+    layers: str = "quarters"
+    bos: str = "tokenizer"
+    target: str = "standalone"
+    spans: str = "search"
+    sft: str = "donor"
+    hybrid: str = "code"
     hybrid_last_token_layers: str = "last_half"
-    rank_by: str = "logit"
-    ties: str = "pessimistic"
-    dtype: str = "checkpoint"
-    prompts: str = "library"
+    rank_by: str = "probability"
+    ties: str = "optimistic"
+    dtype: str = "float32"
+    prompts: str = "code"
 
     def __post_init__(self) -> None:
         for name, allowed in SEMANTICS_CHOICES.items():
@@ -238,33 +257,51 @@ class Semantics:
         return {"rank_by": self.rank_by, "ties": self.ties}
 
 
-REFERENCE = Semantics(
-    unembed="follow_embed",
-    lm_head="never",
-    final_norm=False,
-    pos_embed=False,
-    embed=True,
-    fused_qkv="as_code",
-    ffn_up_gate=True,
-    layers="quarters",
-    bos="tokenizer",
-    target="standalone",
-    spans="search",
-    sft="donor",
-    hybrid="code",
-    hybrid_last_token_layers="last_half",
-    rank_by="probability",
-    ties="optimistic",
-    dtype="float32",
-    prompts="code",
-)
-"""The paper's released code, on every point (see :class:`Semantics`)."""
+REFERENCE = Semantics()
+"""The paper's released code, on every point (see :class:`Semantics`): the default."""
 
-CLEAN = Semantics()
+CLEAN = Semantics(
+    unembed="base",
+    lm_head="never",
+    final_norm=True,
+    pos_embed=True,
+    embed=True,
+    fused_qkv="exact",
+    ffn_up_gate=True,
+    layers="fractions",
+    bos="always",
+    target="in_context",
+    spans="characters",
+    sft="grafted",
+    hybrid="clean",
+    hybrid_last_token_layers="last_half",
+    rank_by="logit",
+    ties="pessimistic",
+    dtype="checkpoint",
+    prompts="library",
+)
 """This library's own reading: components as named, tied weights apart (see :class:`Semantics`)."""
+
+DEFAULT_SEMANTICS = REFERENCE
+"""The semantics of everything that takes one and is given none (``semantics=None``), and
+whose ``prompts`` is the default wording of
+:func:`~grafting_lens.study.make_test_sets`: the paper's released code. The one
+place that names the default; every entry point reads it (:func:`semantics_or_default`)."""
 
 PRESETS: dict[str, Semantics] = {"reference": REFERENCE, "clean": CLEAN}
 """The named semantics, by name."""
+
+
+def semantics_or_default(value: Semantics | str | None) -> Semantics:
+    """``value`` read by :func:`as_semantics`, or :data:`DEFAULT_SEMANTICS` for ``None``.
+
+    What every entry point calls with its ``semantics`` argument, so that all of them
+    have the one default.
+
+    Raises:
+        ExperimentError, TypeError: As :func:`as_semantics`.
+    """
+    return as_semantics(DEFAULT_SEMANTICS if value is None else value)
 
 
 def as_semantics(value: Semantics | str) -> Semantics:
@@ -302,40 +339,6 @@ def as_semantics(value: Semantics | str) -> Semantics:
             )
         updates[name] = _value(name, text.strip())
     return dataclasses.replace(PRESETS[preset], **updates)
-
-
-def fold_group_flags(
-    semantics: Semantics,
-    include_unembed: bool | None,
-    include_embeddings: bool | None,
-    where: str,
-) -> Semantics:
-    """``semantics`` with the deprecated ``include_unembed`` / ``include_embeddings`` folded in.
-
-    Each flag given warns (a :class:`DeprecationWarning` naming the field that replaces
-    it) and sets its field: ``include_unembed`` is ``unembed="donor"`` / ``"base"``,
-    ``include_embeddings`` is ``embed`` and ``pos_embed``.
-    """
-    changes: dict[str, Any] = {}
-    if include_unembed is not None:
-        value = "donor" if include_unembed else "base"
-        warnings.warn(
-            f"{where}(include_unembed=...) is deprecated: pass a semantics with "
-            f"unembed={value!r}, e.g. dataclasses.replace(CLEAN, unembed={value!r}).",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        changes["unembed"] = value
-    if include_embeddings is not None:
-        flag = bool(include_embeddings)
-        warnings.warn(
-            f"{where}(include_embeddings=...) is deprecated: pass a semantics with "
-            f"embed={flag} and pos_embed={flag}.",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        changes.update(embed=flag, pos_embed=flag)
-    return dataclasses.replace(semantics, **changes) if changes else semantics
 
 
 def _text(value: Any) -> str:

@@ -21,7 +21,12 @@ from typing import Any
 
 from grafting_lens.core.errors import ExperimentError, did_you_mean
 from grafting_lens.study.configs import HYBRID_CONFIGS, GraftConfig, code_hybrid_configs
-from grafting_lens.study.semantics import Semantics, as_semantics
+from grafting_lens.study.semantics import (
+    DEFAULT_SEMANTICS,
+    Semantics,
+    as_semantics,
+    semantics_or_default,
+)
 
 __all__ = [
     "EXPERIMENTS",
@@ -140,8 +145,10 @@ class ExperimentSpec:
             model on the relations first.
         default_relations: How many relations ``--model`` runs make by default.
         semantics: The semantics its runs default to, a label of
-            :class:`~grafting_lens.study.Semantics` (``"reference"`` for the paper's
-            experiments, which exist to reproduce its figures; ``"clean"`` by default).
+            :class:`~grafting_lens.study.Semantics`: by default that of
+            :data:`~grafting_lens.study.DEFAULT_SEMANTICS` (``"reference"``, the
+            one default); an experiment whose runner works one way only (with
+            ``"--semantics"`` in :attr:`inapplicable`) names the one it runs.
     """
 
     name: str
@@ -164,7 +171,7 @@ class ExperimentSpec:
     quick_world: bool = False
     finetune_missing_donor: bool = False
     default_relations: int = 1000
-    semantics: str = "clean"
+    semantics: str = DEFAULT_SEMANTICS.label
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -297,18 +304,21 @@ def get_configs(
             in, or a mapping of configurations.
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
-        semantics: Under ``hybrid="code"``, the names of :data:`HYBRID_CONFIGS` are
-            the code's hybrid configurations (:func:`code_hybrid_configs`), and so are
-            :data:`HYBRID_CONFIGS`' objects wherever they are passed; other
-            configurations do not depend on it.
+        semantics: What the configurations will run under (default
+            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, whose hybrid is the code's).
+            Under ``hybrid="code"``, the names of :data:`HYBRID_CONFIGS` are the code's
+            hybrid configurations (:func:`code_hybrid_configs`), and so are
+            :data:`HYBRID_CONFIGS`' objects wherever they are passed; pass
+            ``semantics="clean"`` for the library's hybrid. Other configurations do not
+            depend on it.
 
     Raises:
         ExperimentError: No configuration, an unknown name (the message lists the
             known ones), or a name given twice.
     """
-    chosen = None if semantics is None else as_semantics(semantics)
+    chosen = semantics_or_default(semantics)
     code = None
-    if chosen is not None and chosen.hybrid == "code":
+    if chosen.hybrid == "code":
         code = code_hybrid_configs(chosen.hybrid_last_token_layers)
     if isinstance(registry, str):
         kind = kind or f"{registry}-grafting"

@@ -48,7 +48,10 @@ from grafting_lens.study.configs import (
     GraftConfig,
     resolve_components,
 )
-from grafting_lens.study.semantics import CLEAN, Semantics, as_semantics, fold_group_flags
+from grafting_lens.study.semantics import (
+    Semantics,
+    semantics_or_default,
+)
 from grafting_lens.study.specs import get_configs
 
 __all__ = ["ResolvedGraft", "check_conflicts", "config_masks", "resolve_configs", "stacked_mask"]
@@ -70,9 +73,13 @@ def resolve_configs(
     label: str,
     models: ModelSet,
     *,
-    semantics: Semantics | str = CLEAN,
+    semantics: Semantics | str | None = None,
 ) -> list[list[ResolvedGraft]]:
     """Check every graft against one model set, and say what it takes there under ``semantics``.
+
+    ``semantics`` is a :class:`~grafting_lens.study.Semantics` or its label, by
+    default :data:`~grafting_lens.study.DEFAULT_SEMANTICS` (the paper's released
+    code, :data:`~grafting_lens.study.REFERENCE`).
 
     Beside each graft's components (:func:`~grafting_lens.study.resolve_components`)
     and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
@@ -92,7 +99,7 @@ def resolve_configs(
         GraftingLensError: The first problem, of its own class, with the configuration
             and the model set named.
     """
-    semantics = as_semantics(semantics)
+    semantics = semantics_or_default(semantics)
     n_layers = models.n_layers
     tied = semantics.unembed == "follow_embed" and models.layout.shares_parameter(
         "embed", "unembed"
@@ -221,8 +228,6 @@ def config_masks(
     *,
     registry: str | Mapping[str, GraftConfig] = "position",
     semantics: Semantics | str | None = None,
-    include_unembed: bool | None = None,
-    include_embeddings: bool | None = None,
 ) -> GraftMask:
     """The graft mask of several configurations of one batch, stacked along the batch.
 
@@ -239,20 +244,14 @@ def config_masks(
         attention_mask: Its right padding.
         registry: Where names are looked up.
         semantics: What the configurations mean (default
-            :data:`~grafting_lens.study.CLEAN`); see :func:`resolve_configs`.
-        include_unembed: Deprecated: ``semantics`` with ``unembed``.
-        include_embeddings: Deprecated: ``semantics`` with ``embed`` and ``pos_embed``.
+            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released
+            code; ``"clean"`` for the library's reading); see :func:`resolve_configs`.
 
     Raises:
         GraftingLensError: As :func:`~grafting_lens.study.run_experiment` for bad
             configurations.
     """
-    chosen = fold_group_flags(
-        as_semantics(CLEAN if semantics is None else semantics),
-        include_unembed,
-        include_embeddings,
-        "config_masks",
-    )
+    chosen = semantics_or_default(semantics)
     config_list = get_configs(configs, registry, semantics=chosen)
     attention_mask = torch.as_tensor(attention_mask).cpu()
     resolved = resolve_configs(config_list, ",".join(models.names), models, semantics=chosen)

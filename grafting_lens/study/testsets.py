@@ -6,8 +6,10 @@ labels that become columns of the results (``dataset``, ``prompt``, ``data_seed`
 :func:`make_test_sets` makes one per prompt over a list of relations, from the test
 templates of :mod:`grafting_lens.worlds.data` or the prompts naming the movie
 (:data:`MOVIE_PROMPTS`) that the movie-title configurations need, worded as this
-library words them or as the paper's released code does (``templates="code"``:
-:data:`~grafting_lens.worlds.data.CODE_TEST_TEMPLATES`, :data:`CODE_MOVIE_PROMPTS`).
+the paper's released code words them (``templates="code"``, the default, the wording of
+:data:`~grafting_lens.study.DEFAULT_SEMANTICS`:
+:data:`~grafting_lens.worlds.data.CODE_TEST_TEMPLATES`, :data:`CODE_MOVIE_PROMPTS`) or as this
+library does (``templates="library"``, what ``semantics="clean"`` asks for).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
 from grafting_lens.core.errors import ExperimentError, did_you_mean
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.study.semantics import CLEAN, Semantics, as_semantics
+from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
 
 __all__ = ["CODE_MOVIE_PROMPTS", "MOVIE_PROMPTS", "TestSet", "make_test_sets"]
@@ -112,11 +114,14 @@ class TestSet:
         """Whether the test set holds a batch rather than examples."""
         return isinstance(self.examples, TokenizedExamples) or hasattr(self.examples, "tokens")
 
-    def batch(self, models: ModelSet, semantics: Semantics | str = CLEAN) -> TokenizedExamples:
+    def batch(
+        self, models: ModelSet, semantics: Semantics | str | None = None
+    ) -> TokenizedExamples:
         """The test set as a checked batch for ``models`` (tokenized with its tokenizer).
 
         Examples are tokenized as ``semantics`` says (its ``bos``, ``target`` and
-        ``spans``; see :func:`grafting_lens.worlds.data.tokenize_examples`); an already
+        ``spans``; see :func:`grafting_lens.worlds.data.tokenize_examples`; default
+        :data:`~grafting_lens.study.DEFAULT_SEMANTICS`); an already
         tokenized batch is used as is. Examples that cannot be tokenized cleanly are
         dropped with one warning naming the test set.
 
@@ -126,7 +131,7 @@ class TestSet:
         """
         source = self.examples
         if not self.is_tokenized:
-            rules = as_semantics(semantics).tokenization()
+            rules = semantics_or_default(semantics).tokenization()
             with warnings.catch_warnings():
                 # Drops are listed in TokenizedExamples.dropped; say it once, with the name.
                 warnings.simplefilter("ignore")
@@ -147,7 +152,7 @@ def make_test_sets(
     direction: str = "A2B",
     dataset: str = "custom",
     seed: int | None = None,
-    templates: str = "library",
+    templates: str = DEFAULT_SEMANTICS.prompts,
 ) -> list[TestSet]:
     """One test set per prompt over ``relations``.
 
@@ -157,10 +162,13 @@ def make_test_sets(
         direction: ``"A2B"`` asks for the second actor, ``"B2A"`` for the first (reversal).
         dataset: Label of the relations (a column of the results).
         seed: Seed the relations were made with (recorded in the results).
-        templates: Whose wording the prompts have: ``"library"`` (:data:`MOVIE_PROMPTS`,
-            :data:`grafting_lens.worlds.data.TEST_TEMPLATES`) or ``"code"``, the paper's released
-            code's (:data:`CODE_MOVIE_PROMPTS`, :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`);
-            a semantics' ``prompts``.
+        templates: Whose wording the prompts have, a semantics' ``prompts``: ``"code"``
+            (the default, that of :data:`~grafting_lens.study.DEFAULT_SEMANTICS`),
+            the paper's released code's (:data:`CODE_MOVIE_PROMPTS`,
+            :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`), or ``"library"``
+            (:data:`MOVIE_PROMPTS`, :data:`grafting_lens.worlds.data.TEST_TEMPLATES`), which a
+            run under ``semantics="clean"`` asks for. A run refuses test sets of another
+            wording than its semantics'.
 
     Raises:
         ExperimentError: No relations, an unknown prompt or ``templates``.

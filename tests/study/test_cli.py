@@ -212,6 +212,40 @@ def test_demo_runs_the_reference_semantics_by_default_and_sft_is_the_donor(tmp_p
     assert sft.target_rank.tolist() == ranks
 
 
+def test_the_command_and_the_python_api_have_one_default_semantics(tmp_path, checkpoints):
+    """`grafting-lens demo` without --semantics, run_named_experiment and run_experiment
+    without a semantics: the same rows, all of them the reference's."""
+    import grafting_lens as gl
+    from grafting_lens import study as experiments
+    from grafting_lens.worlds import data
+
+    result = _demo_on_checkpoints(tmp_path / "out", checkpoints)
+    assert result.exit_code == 0, _output(result)
+    command = pd.read_csv(tmp_path / "out" / "results.csv")
+    models = gl.load_models(checkpoints / "base", checkpoints / "sft", names=["PRE", "SFT"])
+    relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
+    named = experiments.run_named_experiment("demo", models, relations, progress=False)
+    grid = experiments.run_experiment(
+        models,
+        experiments.make_test_sets(relations, prompts=("headline", "qa")),
+        experiments.PAPER_POSITION_CONFIGS,
+        progress=False,
+    )
+    key = ["prompt", "config", "example"]
+    columns = [*key, "text", "semantics", "target_id", "target_rank"]
+
+    def rows(table):
+        return table.sort_values(key)[columns].reset_index(drop=True)
+
+    assert len(command) == len(named) == len(grid) == 2 * 3 * len(POSITION_CONFIGS)
+    assert set(command.semantics) == {"reference"}
+    for table in (named, grid):
+        pd.testing.assert_frame_equal(rows(table), rows(command), check_dtype=False)
+        probabilities = table.sort_values(key).target_prob.to_numpy()
+        expected = command.sort_values(key).target_prob.to_numpy()
+        assert probabilities == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
 def test_a_lora_adapter_directory_is_a_donor_as_load_models_takes_it(tmp_path, checkpoints):
     """--donor <adapter dir> was refused as "not a checkpoint" though load_models takes it."""
     import peft

@@ -148,7 +148,7 @@ def test_position_registry_grafts_every_component_but_the_unembedding(two):
     spans, attention_mask = _hand_batch()
     lt_row0 = [0, 0, 0, 0, 0, 1]
     for name, config in {**POSITION_CONFIGS, **MOVIE_CONFIGS}.items():
-        mask = config_masks(two, [name], spans, attention_mask)
+        mask = config_masks(two, [name], spans, attention_mask, semantics="clean")
         expected = [[0] * 6, [0] * 6] if name == "PRE" else None
         if expected is None:
             positions = "ALL" if name == "SFT" else name
@@ -157,7 +157,7 @@ def test_position_registry_grafts_every_component_but_the_unembedding(two):
             assert mask[key].tolist() == expected, (name, key)
         assert ("unembed", None) not in mask
     # Hand-checked cells: LT is position 5 in row 0, 4 in row 1 (row 1 has one pad).
-    mask = config_masks(two, ["LT"], spans, attention_mask)
+    mask = config_masks(two, ["LT"], spans, attention_mask, semantics="clean")
     assert _cell(mask, ("o", 2)) == lt_row0 and _cell(mask, ("o", 2), row=1) == [0, 0, 0, 0, 1, 0]
     # The semantics' switches: the donor's unembedding, the base's embeddings.
     semantics = "clean+unembed=donor+embed=false+pos_embed=false"
@@ -182,7 +182,9 @@ def test_component_registry_grafts_its_matrices_at_the_last_token_over_its_layer
     }
     assert every  # the model set has pairs to check
     for name, (components, layers) in claims.items():
-        mask = config_masks(two, [name], spans, attention_mask, registry="component")
+        mask = config_masks(
+            two, [name], spans, attention_mask, registry="component", semantics="clean"
+        )
         grafted = {(c, l) for c, l in mask.keys()}
         assert grafted == {(c, l) for c in components for l in layers}, name
         for key in grafted:
@@ -190,8 +192,9 @@ def test_component_registry_grafts_its_matrices_at_the_last_token_over_its_layer
                 name,
                 key,
             )
-    assert not config_masks(two, ["BASE"], spans, attention_mask, registry="component").keys()
-    donor = config_masks(two, ["DONOR"], spans, attention_mask, registry="component")
+    clean = {"registry": "component", "semantics": "clean"}
+    assert not config_masks(two, ["BASE"], spans, attention_mask, **clean).keys()
+    donor = config_masks(two, ["DONOR"], spans, attention_mask, **clean)
     assert _cell(donor, ("embed", None)) == [1] * 6 and ("unembed", None) not in donor
     assert len(COMPONENT_CONFIGS) == 2 + 8 * 6
 
@@ -203,7 +206,8 @@ def test_hybrid_registry_mixes_three_sources(three):
     def at(cells, source):
         return [source * v for v in cells]
 
-    mask = config_masks(three, ["LT"], spans, attention_mask, registry="hybrid")
+    clean = {"registry": "hybrid", "semantics": "clean"}  # the library's hybrid
+    mask = config_masks(three, ["LT"], spans, attention_mask, **clean)
     for layer in range(4):
         assert _cell(mask, ("q", layer)) == at(lt, 1)  # task ATTN at LT, all layers
     assert _cell(mask, ("o", 2)) == at(lt, 2) and _cell(mask, ("mlp_out", 3)) == at(lt, 2)
@@ -217,7 +221,7 @@ def test_hybrid_registry_mixes_three_sources(three):
         "LT+FE:ALL": {"ln1", "q", "k", "v", "o", "ln2", "mlp_in", "mlp_gate", "mlp_out"},
     }
     for name, components in variants.items():
-        mask = config_masks(three, [name], spans, attention_mask, registry="hybrid")
+        mask = config_masks(three, [name], spans, attention_mask, **clean)
         for component in components:
             # Layer 0: the task model's weights at FE; ATTN also at LT (the core hybrid).
             expected = fe if component not in ("q", "k", "v") else [a + b for a, b in zip(fe, lt)]
@@ -226,9 +230,9 @@ def test_hybrid_registry_mixes_three_sources(three):
         # O+FFN in the last half: task weights at FE, relation weights at LT.
         if "o" in components:
             assert _cell(mask, ("o", 3)) == [a + b for a, b in zip(at(fe, 1), at(lt, 2))]
-    full = config_masks(three, ["LT+FE:ALL"], spans, attention_mask, registry="hybrid")
+    full = config_masks(three, ["LT+FE:ALL"], spans, attention_mask, **clean)
     assert _cell(full, ("embed", None)) == at(fe, 1)
-    relation = config_masks(three, ["RELATION"], spans, attention_mask, registry="hybrid")
+    relation = config_masks(three, ["RELATION"], spans, attention_mask, **clean)
     assert _cell(relation, ("q", 0)) == [2] * 6
 
 
@@ -266,6 +270,7 @@ def test_runner_scores_each_configuration_like_a_plain_graft(three, relations):
         ["PRE", "LT", "LT+FE:ATTN+O"],
         registry="hybrid",
         batch_size=2,
+        semantics="clean",  # the library's hybrid, on a batch tokenized its way
         progress=False,
     )
     last = tokenized.spans["last_token"]
@@ -375,7 +380,7 @@ def test_model_sets_and_test_sets_form_a_grid(two, relations):
     swapped = gl.ModelSet([two[1], two[0]], ["sft", "pre"])
     results = run_experiment(
         {"forward": two, "swapped": swapped},
-        make_test_sets(relations[:3], prompts=("headline", "qa")),
+        make_test_sets(relations[:3], prompts=("headline", "qa"), templates="library"),
         ["PRE", "SFT"],
         semantics="clean+unembed=donor",
         progress=False,
@@ -502,6 +507,8 @@ def test_bad_input_fails_before_any_forward_pass(
 ):
     count_forwards["fail_on"] = 1  # any forward pass would raise KeyboardInterrupt
     headline = make_test_sets(relations, prompts=("headline",))
+    # What the library's reading refuses, on prompts worded its way.
+    library = make_test_sets(relations, prompts=("headline",), templates="library")
     out = tmp_path / "never"
     with pytest.raises(
         GraftingLensError,
@@ -520,10 +527,15 @@ def test_bad_input_fails_before_any_forward_pass(
         GraftMaskError, match="'O@third_quarter'.*selects no layer of a 3-layer model"
     ):
         run_experiment(
-            gpt2, headline, ["O@last_quarter", "O@third_quarter"], registry="component", out=out
+            gpt2,
+            library,
+            ["O@last_quarter", "O@third_quarter"],
+            registry="component",
+            semantics="clean",  # round fractions of the depth
+            out=out,
         )
     with pytest.raises(GraftMaskError, match="source 2.*2 sources.*hybrid"):
-        run_experiment(two, headline, ["LT"], registry="hybrid", out=out)
+        run_experiment(two, library, ["LT"], registry="hybrid", semantics="clean", out=out)
     with pytest.raises(GraftingLensError, match="'M' on test set 'custom/headline'.*'movie' span"):
         run_experiment(two, headline, ["M"], out=out)
     three_sources = gl.ModelSet([two[0], two[1], two[0]], ["a", "b", "c"])

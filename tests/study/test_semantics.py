@@ -15,17 +15,21 @@ import torch
 from conftest import make_tokenizer, random_model
 
 import grafting_lens as gl
+from grafting_lens.analysis.batch import as_batch
 from grafting_lens.core.errors import ComponentError, ExperimentError
 from grafting_lens.study import (
     CLEAN,
+    DEFAULT_SEMANTICS,
     HYBRID,
     HYBRID_CONFIGS,
     REFERENCE,
     RELATION,
     SEMANTICS_CHOICES,
     TASK,
+    ExperimentSpec,
     Graft,
     GraftConfig,
+    Part,
     RunError,
     RunOptions,
     Semantics,
@@ -37,6 +41,7 @@ from grafting_lens.study import (
     resolve_components,
     run_experiment,
     run_named_experiment,
+    run_position_grafting,
 )
 from grafting_lens.study.stacking import resolve_configs
 from grafting_lens.worlds import data
@@ -81,7 +86,10 @@ def every_switch():
 
 def test_the_presets_and_their_labels():
     assert REFERENCE.label == "reference" and CLEAN.label == "clean"
-    assert Semantics() == CLEAN
+    # One default: a Semantics with no switch set is the paper's code, as everything that
+    # takes a semantics and is given none runs.
+    assert Semantics() == REFERENCE and gl.experiments.DEFAULT_SEMANTICS is REFERENCE
+    assert Semantics() != CLEAN
     assert dataclasses.replace(REFERENCE, unembed="base").label == "reference+unembed=base"
     assert dataclasses.replace(CLEAN, final_norm=False).label == "clean+final_norm=false"
     assert REFERENCE.differences(CLEAN)["unembed"] == "follow_embed"
@@ -304,8 +312,10 @@ def relations():
 
 def test_every_row_records_its_semantics_and_a_run_directory_keeps_to_one(relations, tmp_path):
     models = models_of("llama", False)
-    test_sets = make_test_sets(relations, prompts=("headline",))
-    table = run_experiment(models, test_sets, ["PRE", "LT"], out=tmp_path, progress=False)
+    test_sets = make_test_sets(relations, prompts=("headline",), templates="library")
+    table = run_experiment(
+        models, test_sets, ["PRE", "LT"], out=tmp_path, semantics=CLEAN, progress=False
+    )
     assert set(table.semantics) == {"clean"}
     assert {"text", "target_id", "target_prob", "target_rank"} <= set(table.columns)
     with pytest.raises(RunError):
@@ -332,7 +342,7 @@ def test_test_sets_worded_for_another_semantics_are_refused(relations):
     models = models_of("llama", False)
     code = make_test_sets(relations, prompts=("headline",), templates="code")
     with pytest.raises(ExperimentError, match="templates='library'"):
-        run_experiment(models, code, ["PRE"], progress=False)
+        run_experiment(models, code, ["PRE"], semantics=CLEAN, progress=False)
     run_experiment(models, code, ["PRE"], semantics=REFERENCE, progress=False)
     # Examples of one's own have no wording to check.
     own = TestSet(data.make_examples(relations, "headline"))
@@ -367,30 +377,132 @@ def test_bos_target_and_spans_reach_the_tokenizer(relations):
 # ------------------------------------------------------------------------- the old switches
 
 
-def test_the_old_group_switches_warn_and_mean_clean_with_one_change(relations):
+def test_the_removed_group_switches_are_refused_not_ignored(relations):
     models = models_of("gpt2", True)
-    with pytest.warns(DeprecationWarning, match="unembed='donor'"):
-        options = RunOptions(include_unembed=True)
-    assert options.semantics == dataclasses.replace(CLEAN, unembed="donor")
-    with pytest.warns(DeprecationWarning, match="embed=False and pos_embed=False"):
-        options = RunOptions(semantics=REFERENCE, include_embeddings=False)
-    assert options.semantics == dataclasses.replace(REFERENCE, embed=False, pos_embed=False)
-    with pytest.warns(DeprecationWarning):
-        old = resolve_components("all", models, include_unembed=True)
-    assert old == resolve_components("all", models, semantics="clean+unembed=donor")
+    with pytest.raises(TypeError):
+        RunOptions(include_unembed=True)
+    with pytest.raises(TypeError):
+        resolve_components("all", models, include_unembed=True)
     spans = {"first_entity": torch.tensor([[False, True, True, False]])}
     spans["last_token"] = torch.tensor([[False, False, False, True]])
-    mask = torch.ones(1, 4, dtype=torch.long)
-    with pytest.warns(DeprecationWarning):
-        old_mask = config_masks(models, ["FE"], spans, mask, include_embeddings=False)
-    new_mask = config_masks(
-        models, ["FE"], spans, mask, semantics="clean+embed=false+pos_embed=false"
+    with pytest.raises(TypeError):
+        config_masks(
+            models, ["FE"], spans, torch.ones(1, 4, dtype=torch.long), include_embeddings=False
+        )
+
+
+# ------------------------------------------------------------------------- one default
+# Every entry point that takes a semantics, given none, does what semantics=REFERENCE does.
+# On a tied GPT-2 REFERENCE and CLEAN graft different weights (the unembedding follows a
+# grafted embedding, no final norm, the fused QKV), tokenize differently and word the
+# prompts differently, so a CLEAN default left anywhere fails here.
+
+
+def test_one_default_for_what_configurations_mean_and_how_prompts_are_worded(relations):
+    models = models_of("gpt2", True)
+    assert DEFAULT_SEMANTICS is REFERENCE and Semantics() == REFERENCE
+    # make_test_sets: the default semantics' wording, the code's.
+    (default_set,) = make_test_sets(relations, prompts=("headline",))
+    (code_set,) = make_test_sets(relations, prompts=("headline",), templates="code")
+    (library_set,) = make_test_sets(relations, prompts=("headline",), templates="library")
+    assert default_set.templates == REFERENCE.prompts == "code"
+    assert default_set.examples == code_set.examples != library_set.examples
+    # TestSet.batch: tokenized by the default semantics' rules.
+    assert default_set.batch(models).rules == REFERENCE.tokenization() != CLEAN.tokenization()
+    assert torch.equal(
+        default_set.batch(models).tokens, default_set.batch(models, REFERENCE).tokens
     )
-    assert old_mask.keys() == new_mask.keys()
-    tokenized = data.tokenize_examples(data.make_examples(relations, "headline"), models.tokenizer)
-    with pytest.warns(DeprecationWarning):
-        old_rows = gl.run_position_grafting(models, tokenized, include_unembed=True, progress=False)
-    new_rows = gl.run_position_grafting(
-        models, tokenized, semantics="clean+unembed=donor", progress=False
+    # resolve_components, get_configs, resolve_configs, config_masks.
+    components = {
+        s: resolve_components("all", models, semantics=s) for s in (None, REFERENCE, CLEAN)
+    }
+    assert components[None] == components[REFERENCE] != components[CLEAN]
+    hybrid = {s: get_configs(["LT"], "hybrid", semantics=s) for s in (None, REFERENCE, CLEAN)}
+    assert hybrid[None] == hybrid[REFERENCE] != hybrid[CLEAN]
+    configs = get_configs(["FE", "SFT"], "position")
+    grafts = {
+        s: resolve_configs(configs, "gpt2", models, semantics=s) for s in (None, REFERENCE, CLEAN)
+    }
+    assert grafts[None] == grafts[REFERENCE] != grafts[CLEAN]
+    batch = default_set.batch(models)
+    masks = {
+        s: config_masks(models, configs, batch.spans, batch.attention_mask, semantics=s)
+        for s in (None, REFERENCE, CLEAN)
+    }
+    assert masks[None] == masks[REFERENCE] != masks[CLEAN]
+    # RunOptions and a newly registered experiment.
+    assert RunOptions().fingerprint() == RunOptions(semantics=REFERENCE).fingerprint()
+    assert RunOptions().fingerprint() != RunOptions(semantics=CLEAN).fingerprint()
+    spec = ExperimentSpec(
+        "mine",
+        "Mine",
+        ("base", "sft"),
+        donors={"sft": ("--donor", "the donor")},
+        parts=(Part("all", ("headline",), ("PRE", "LT")),),
     )
-    pd.testing.assert_frame_equal(old_rows, new_rows)
+    assert as_semantics(spec.semantics) == REFERENCE
+
+
+def test_every_runner_given_no_semantics_writes_the_rows_of_an_explicit_reference(relations):
+    models = models_of("gpt2", True)
+    test_sets = make_test_sets(relations, prompts=("headline",))
+    configs = ["PRE", "FE", "LT", "SFT"]
+    examples = data.make_examples(relations, "headline", templates="code")
+    batch = data.tokenize_examples(examples, models.tokenizer, **REFERENCE.tokenization())
+    runners = {
+        "run_experiment": lambda **semantics: run_experiment(
+            models, test_sets, configs, progress=False, **semantics
+        ),
+        "RunOptions": lambda **semantics: run_experiment(
+            models, test_sets, configs, options=RunOptions(progress=False, **semantics)
+        ),
+        "run_position_grafting": lambda **semantics: run_position_grafting(
+            models, batch, configs, progress=False, **semantics
+        ),
+        "gl.run_position_grafting": lambda **semantics: gl.run_position_grafting(
+            models, batch, configs, progress=False, **semantics
+        ),
+        "run_named_experiment": lambda **semantics: run_named_experiment(
+            "demo", models, relations, progress=False, **semantics
+        ),
+    }
+    for name, run in runners.items():
+        default = run()
+        assert set(default.semantics) == {"reference"}, name
+        pd.testing.assert_frame_equal(default, run(semantics=REFERENCE), obj=name)
+    # The rows differ from the clean reading's: the column is not all that changes.
+    clean = run_experiment(
+        models,
+        make_test_sets(relations, prompts=("headline",), templates="library"),
+        configs,
+        semantics=CLEAN,
+        progress=False,
+    )
+    reference = runners["run_experiment"]()
+    assert not reference.text.equals(clean.text)
+    assert not reference.target_prob.equals(clean.target_prob)
+
+
+def test_a_batch_tokenized_under_other_rules_than_the_semantics_is_refused(relations):
+    models = models_of("llama", False)
+    examples = data.make_examples(relations, "headline", templates="code")
+    library_rules = data.tokenize_examples(examples, models.tokenizer)
+    assert library_rules.rules == CLEAN.tokenization()
+    # The rules survive the checks and the slicing a runner does.
+    assert as_batch(library_rules, models).rules == CLEAN.tokenization()
+    assert library_rules.rows([0, 1]).rules == CLEAN.tokenization()
+    with pytest.raises(
+        ExperimentError,
+        match=r"tokenized with bos='always', target='in_context', spans='characters', but the "
+        r"semantics 'reference' tokenizes with bos='tokenizer'.*semantics.tokenization\(\)",
+    ):
+        run_position_grafting(models, library_rules, ["PRE"], progress=False)
+    run_position_grafting(models, library_rules, ["PRE"], semantics="clean", progress=False)
+    # Under the semantics' own rules, or built by hand (no rules recorded): taken as it is.
+    own = data.tokenize_examples(examples, models.tokenizer, **REFERENCE.tokenization())
+    table = run_position_grafting(models, own, ["PRE"], progress=False)
+    assert set(table.semantics) == {"reference"}
+    by_hand = dataclasses.replace(library_rules, rules=None)
+    run_position_grafting(models, by_hand, ["PRE"], progress=False)
+    with pytest.raises(gl.GraftingLensError, match="rules are tokenize_examples' bos"):
+        as_batch(dataclasses.replace(library_rules, rules={"bos": "always"}), models)

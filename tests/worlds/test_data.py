@@ -458,13 +458,12 @@ def test_bos_as_the_tokenizer_refuses_a_tokenizer_that_appends_tokens(tokenizer)
         tokenize_examples(make_examples([hand_relation()], "qa"), appending, bos="tokenizer")
 
 
-def test_prepend_bos_is_deprecated_for_bos(tokenizer):
+def test_an_unknown_bos_rule_is_refused_and_bos_is_keyword_only(tokenizer):
     examples = make_examples([hand_relation()], "headline")
-    with pytest.warns(DeprecationWarning, match="bos='never'"):
-        old = tokenize_examples(examples, tokenizer, prepend_bos=False)
-    assert torch.equal(old.tokens, tokenize_examples(examples, tokenizer, bos="never").tokens)
     with pytest.raises(GraftingLensError, match="bos must be one of"):
         tokenize_examples(examples, tokenizer, bos="sometimes")
+    with pytest.raises(TypeError):
+        tokenize_examples(examples, tokenizer, False)  # the removed prepend_bos
 
 
 def test_a_standalone_target_is_the_answer_tokenized_on_its_own(relations_by_dataset):
