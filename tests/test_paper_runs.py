@@ -84,3 +84,11 @@ def test_every_target_names_configurations_its_experiment_runs():
         assert set(named) <= configs, f"{target.name}: {set(named) - configs} not in {configs}"
         assert (target.b is None) == (target.kind == "rate")
         assert 0 < target.threshold <= 1
+
+
+def test_the_folders_readme_lists_every_run_with_its_command():
+    readme = (FOLDER / "README.md").read_text()
+    for path in RUNS:
+        line = next((line for line in readme.splitlines() if f"[`{path.name}`]" in line), None)
+        assert line is not None, f"experiments/README.md does not list {path.name}"
+        assert f"`grafting-lens {' '.join(RUNNER.command(path))}`" in line

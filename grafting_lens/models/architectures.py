@@ -6,7 +6,7 @@ TransformerLens picks the bridge for a model by its architecture name
 takes the name from the model's class and records it in the config.
 
 :data:`VERIFIED_ARCHITECTURES` are the architectures the test suite checks end to end
-(``tests/test_architectures.py``, which also writes the table in the documentation):
+(``tests/models/test_architectures.py``, which also writes the table in the documentation):
 built from a fresh configuration, every parameter belongs to a component, a graft of
 every component equals the donor's own forward pass, and the single grafted pass
 equals the token-by-token procedure. Another architecture TransformerLens bridges

@@ -9,7 +9,7 @@ that changes the donor's output is ignored by the every-component graft. The
 comparison with the HF model's own forward is what proves coverage: an oracle built
 on the component registry could not see a weight the registry misses.
 
-``python tests/test_architectures.py`` rewrites the supported-architectures table in
+``python tests/models/test_architectures.py`` rewrites the supported-architectures table in
 ``docs/architectures.md`` from this matrix; a test checks that the page is current.
 """
 
@@ -312,7 +312,7 @@ def architectures_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-_BEGIN = "<!-- begin table: written by `python tests/test_architectures.py` -->\n"
+_BEGIN = "<!-- begin table: written by `python tests/models/test_architectures.py` -->\n"
 _END = "<!-- end table -->\n"
 
 
@@ -324,7 +324,7 @@ def _page_with(table: str) -> str:
 
 def test_supported_architectures_page_is_current():
     assert PAGE.read_text() == _page_with(architectures_table()), (
-        "docs/architectures.md is out of date: run `python tests/test_architectures.py`."
+        "docs/architectures.md is out of date: run `python tests/models/test_architectures.py`."
     )
 
 

@@ -2,7 +2,7 @@
 
 Every test uses a miniature configuration (a few relations, a 2-layer model of
 width 16, one epoch) that builds in a second or two. The default world ships with the
-package (tests/test_toy_shipped.py); its accuracy is a measurement, not a test
+package (tests/worlds/test_toy_shipped.py); its accuracy is a measurement, not a test
 (experiments/toy_targets.py, docs/results.md).
 """
 
