@@ -88,7 +88,7 @@ def test_the_presets_and_their_labels():
     assert REFERENCE.label == "reference" and CLEAN.label == "clean"
     # One default: a Semantics with no switch set is the paper's code, as everything that
     # takes a semantics and is given none runs.
-    assert Semantics() == REFERENCE and gl.experiments.DEFAULT_SEMANTICS is REFERENCE
+    assert Semantics() == REFERENCE and gl.study.DEFAULT_SEMANTICS is REFERENCE
     assert Semantics() != CLEAN
     assert dataclasses.replace(REFERENCE, unembed="base").label == "reference+unembed=base"
     assert dataclasses.replace(CLEAN, final_norm=False).label == "clean+final_norm=false"

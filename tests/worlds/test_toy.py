@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
 import grafting_lens.worlds.toy as toy
 from grafting_lens.core.errors import GraftingLensError
-from grafting_lens.worlds import data, toy_corpus
+from grafting_lens.worlds import data, toy_corpus, toy_recipe
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.toy import MODEL_NAMES, ToyWorldConfig, build_toy_world
 
@@ -200,7 +200,7 @@ def test_corrupt_cache_is_rebuilt_with_a_warning(world, tmp_path, damage):
 
 def test_interrupted_build_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
     calls = []
-    real_finetune = toy.finetune
+    real_finetune = toy_recipe.finetune
 
     def finetune_then_crash(*args, **kwargs):
         calls.append(kwargs.get("description"))
@@ -208,7 +208,7 @@ def test_interrupted_build_leaves_nothing_that_looks_complete(tmp_path, monkeypa
             raise KeyboardInterrupt
         return real_finetune(*args, **kwargs)
 
-    monkeypatch.setattr(toy, "finetune", finetune_then_crash)
+    monkeypatch.setattr(toy_recipe, "finetune", finetune_then_crash)
     torch.set_num_threads(2)  # the build runs on one thread and must restore this
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -221,7 +221,7 @@ def test_interrupted_build_leaves_nothing_that_looks_complete(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []  # no partial directory left behind
     assert not list(tmp_path.rglob("manifest.json"))
 
-    monkeypatch.setattr(toy, "finetune", real_finetune)
+    monkeypatch.setattr(toy_recipe, "finetune", real_finetune)
     world = build_toy_world(TINY, cache_dir=tmp_path, progress=False)
     assert toy._check_world(world.root, world.root.name) is None
 
