@@ -43,6 +43,7 @@ One framework parses every command: :mod:`argparse`, with one declaration of eac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -71,6 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     command line that does not parse (printed with the usage); never a traceback.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(args)
+    except BrokenPipeError:  # `grafting-lens run | head` closed the pipe: nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(_help(), file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
