@@ -46,13 +46,16 @@ from plotly.subplots import make_subplots
 
 from grafting_lens.errors import GraftingLensError, did_you_mean
 from grafting_lens.files import atomic_write
+from grafting_lens.metrics import MIN_INTERVAL_ROWS
 
 __all__ = [
     "COLUMN_TITLES",
     "NO_CHROME_HINT",
     "VALUE_LABELS",
+    "add_reference_line",
     "axis_range",
     "display_label",
+    "figure_problems",
     "figure_style",
     "plot_accuracy",
     "plot_attribution",
@@ -60,6 +63,7 @@ __all__ = [
     "plot_mean_rank",
     "plot_recovery",
     "save_figure",
+    "wrap_text",
 ]
 
 NO_CHROME_HINT = (
@@ -139,20 +143,75 @@ def _subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True)
     elif distinct:
         parts.append(f"n = {distinct[0]} to {distinct[-1]} per bar")
     if interval:
-        parts.append(_INTERVAL_NOTE)
+        if distinct and distinct[-1] < MIN_INTERVAL_ROWS:
+            parts.append(f"no interval: too few rows (under {MIN_INTERVAL_ROWS})")
+        elif distinct and distinct[0] < MIN_INTERVAL_ROWS:
+            parts.append(_INTERVAL_NOTE + f", none under {MIN_INTERVAL_ROWS} rows")
+        else:
+            parts.append(_INTERVAL_NOTE)
     if caption and len(parts) > 1:  # the setting on its own line, the counts under it
         return caption + "<br>" + "; ".join(parts[1:])
     return "; ".join(parts)
 
 
+def wrap_text(text: str, width: int) -> str:
+    """``text`` broken with ``<br>`` at spaces so that no line is longer than ``width``
+    characters (plotly never wraps a title: a long one is cut at the figure's edge).
+
+    Existing ``<br>`` breaks are kept; markup such as ``<sup>C</sup>`` counts as no width.
+    """
+    lines: list[str] = []
+    for line in text.split("<br>"):
+        current: list[str] = []
+        length = 0
+        for word in line.split(" "):
+            size = len(re.sub(r"<[^>]+>", "", word))
+            if current and length + 1 + size > width:
+                lines.append(" ".join(current))
+                current, length = [], 0
+            current.append(word)
+            length += size + (1 if length else 0)
+        lines.append(" ".join(current))
+    return "<br>".join(lines)
+
+
+_NOTEBOOK_WIDTH = 760
+"""The width a figure gets when none is set: about the docs' column at 1280 px."""
+
+
 def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
-    """The house style: white template, a readable font, the title and its subtitle, room
-    on the right for labelled reference lines. Returns ``fig``."""
+    """The house style: white template, a readable font, the title and its subtitle wrapped
+    to the figure's width (never cut), the legend under the plot (clear of the data and of
+    the reference lines' labels in the right margin). Returns ``fig``.
+
+    ``layout`` overrides any of these (``width``, ``height``, ``legend``...).
+    """
+    width = layout.get("width") or fig.layout.width or _NOTEBOOK_WIDTH
     fig.update_layout(
         template="plotly_white",
         font=_FONT,
-        title=dict(text=title, subtitle=dict(text=subtitle, font=dict(size=12, color="#555"))),
-        margin=dict(t=120, r=140),
+        title=dict(
+            text=wrap_text(title, max(30, int(width / 10.5))),
+            subtitle=dict(
+                text=wrap_text(subtitle, max(40, int(width / 7.2))),
+                font=dict(size=12, color="#555"),
+            ),
+        ),
+        legend=dict(
+            orientation="h",
+            yref="container",
+            yanchor="bottom",
+            y=0.0,
+            x=0.0,
+            xanchor="left",
+        ),
+    )
+    lines = 1 + fig.layout.title.text.count("<br>")
+    if subtitle:
+        lines += 1 + fig.layout.title.subtitle.text.count("<br>")
+    margin_right = max(fig.layout.margin.r or 0, 40)
+    fig.update_layout(
+        margin=dict(t=50 + 20 * lines, r=margin_right, b=110),
         **layout,
     )
     return fig
@@ -183,6 +242,10 @@ def _bars(
     for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
         counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
         shade = PALETTE[index % len(PALETTE)]
+        # No whisker from too few rows: a bootstrap of 2 rows is no interval.
+        few = counts.apply(lambda n: n is not None and not pd.isna(n) and n < MIN_INTERVAL_ROWS)
+        up = (group[high] - group[value]).clip(lower=0).mask(few)
+        down = (group[value] - group[low]).clip(lower=0).mask(few)
         fig.add_trace(
             go.Bar(
                 name=display_label(name),
@@ -193,8 +256,8 @@ def _bars(
                 error_y=dict(
                     type="data",
                     symmetric=False,
-                    array=(group[high] - group[value]).clip(lower=0),
-                    arrayminus=(group[value] - group[low]).clip(lower=0),
+                    array=up,
+                    arrayminus=down,
                     color="#333",
                     thickness=1.2,
                     width=3,
@@ -206,7 +269,7 @@ def _bars(
                 ),
             )
         )
-        ends += [*group[value], *group[high]]
+        ends += [*group[value], *group[high].mask(few, group[value])]
     fig.update_layout(
         barmode="group",
         bargap=0.25,
@@ -342,22 +405,65 @@ def plot_mean_rank(
 def add_reference_line(
     fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
 ) -> None:
-    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars."""
+    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars.
+
+    The value axis grows to hold the line when its range is set and ``y`` is outside it (a
+    DONOR line at 98% is never drawn off a 0-50% axis); a label within a few percent of
+    the axis of another reference's label moves a line's height away from it; the right
+    margin widens to fit the label.
+    """
     target = {} if row is None else dict(row=row, col=col)
-    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
     axis = "y" if row is None else _yaxis_name(fig, row, col)
+    _extend_range(fig, axis, y)
+    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
     xref = "x domain" if row is None else axis.replace("y", "x") + " domain"
+    low, high = _axis_span(fig, axis)
+    close = [
+        a
+        for a in fig.layout.annotations
+        if a.name == "reference" and a.yref == axis and abs(float(a.y) - y) < 0.06 * (high - low)
+    ]
+    shift = 0
+    if close:
+        above = y >= max(float(a.y) for a in close)
+        shift = (1 if above else -1) * 14 * len(close)
     fig.add_annotation(
         x=1.0,
         xref=xref,
         xanchor="left",
         y=y,
         yref=axis,
+        yshift=shift,
         text=text,
+        name="reference",
         showarrow=False,
         font=dict(size=11, color="#333"),
         xshift=4,
     )
+    width = 6.5 * len(re.sub(r"<[^>]+>", "", text)) + 16
+    if (fig.layout.margin.r or 80) < width:
+        fig.update_layout(margin_r=int(width))
+
+
+def _axis_span(fig: go.Figure, axis: str) -> tuple[float, float]:
+    """The range a linear axis shows (set, else 0 to 1), in data units."""
+    layout_axis = fig.layout[axis.replace("y", "yaxis")]
+    if layout_axis.range is not None and layout_axis.type != "log":
+        return float(layout_axis.range[0]), float(layout_axis.range[1])
+    return 0.0, 1.0
+
+
+def _extend_range(fig: go.Figure, axis: str, y: float) -> None:
+    """Grow a set range of ``axis`` ("y", "y2"...) so that it holds ``y``, with a little room."""
+    layout_axis = fig.layout[axis.replace("y", "yaxis")]
+    if layout_axis.range is None or not math.isfinite(y):
+        return
+    low, high = (float(v) for v in layout_axis.range)
+    value = math.log10(y) if layout_axis.type == "log" and y > 0 else y
+    if low <= value <= high:
+        return
+    room = 0.06 * (max(high, value) - min(low, value))
+    layout_axis.range = [min(low, value - room), max(high, value + room)]
 
 
 def _yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
@@ -503,7 +609,6 @@ def plot_comparison(
         cols=len(col_keys),
         shared_xaxes=True,
         shared_yaxes=True,
-        row_titles=[" / ".join(map(display_label, key)) for key in row_keys],
         column_titles=[display_label(key) for key in col_keys],
         horizontal_spacing=0.03,
         vertical_spacing=0.06,
@@ -516,6 +621,11 @@ def plot_comparison(
             for method, group in panel.groupby("method", sort=False):
                 group = group.sort_values("layer")
                 color = _METHOD_COLORS.get(str(method))
+                few = (
+                    group["n"] < MIN_INTERVAL_ROWS
+                    if "n" in group
+                    else pd.Series(False, index=group.index)
+                )
                 fig.add_trace(
                     go.Scatter(
                         x=group["layer"],
@@ -528,8 +638,10 @@ def plot_comparison(
                         error_y=dict(
                             type="data",
                             symmetric=False,
-                            array=(group[f"{value}_high"] - group[value]).clip(lower=0),
-                            arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0),
+                            array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
+                            arrayminus=(group[value] - group[f"{value}_low"])
+                            .clip(lower=0)
+                            .mask(few),
                         ),
                         hovertemplate=(
                             f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
@@ -540,18 +652,36 @@ def plot_comparison(
                     col=c,
                 )
                 legend_shown.add(str(method))
-            if references is not None:
-                _add_references(
-                    fig, references, value, dict(zip(rows, row_key)), col, col_key, r, c
-                )
-    fig.update_xaxes(title_text="layer", dtick=1, row=len(row_keys))
+    layers = summary["layer"].nunique()
+    # About one tick per 40 px of a panel: every layer of a small model, every other of a
+    # deeper one, never a crammed row.
+    fig.update_xaxes(dtick=max(1, math.ceil(layers / 7)))
+    fig.update_xaxes(title_text="layer", row=len(row_keys))
     if value in ("top1", "top5", "target_prob"):
         ends = [*summary[value], *summary[f"{value}_high"]]
         if references is not None and value in references.columns:
             ends += list(references[value])
         low, high = axis_range(ends)
         fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
-    fig.update_yaxes(title_text=_VALUE_TITLES[value], col=1)
+    if references is not None:
+        for r, row_key in enumerate(row_keys, start=1):
+            for c, col_key in enumerate(col_keys, start=1):
+                _add_references(
+                    fig,
+                    references,
+                    value,
+                    dict(zip(rows, row_key)),
+                    col,
+                    col_key,
+                    r,
+                    c,
+                    label=c == len(col_keys),
+                )
+    # Each row says what it holds in its axis title: a row title in the right margin would
+    # run into the references' labels there.
+    for r, row_key in enumerate(row_keys, start=1):
+        label = " / ".join(map(display_label, row_key))
+        fig.update_yaxes(title_text=f"{label}<br>{_VALUE_TITLES[value]}", row=r, col=1)
     counts = summary["n"].tolist() if "n" in summary else []
     figure_style(
         fig,
@@ -573,6 +703,7 @@ def _add_references(
     col_key: Any,
     r: int,
     c: int,
+    label: bool,
 ) -> None:
     if "model" not in references.columns or value not in references.columns:
         raise GraftingLensError(
@@ -583,26 +714,20 @@ def _add_references(
     for column, key in [*row_values.items(), (col, col_key)]:
         if column in matching.columns:
             matching = matching[matching[column] == key]
+    # References at one value (the donor and its stream read by the base, say) share a
+    # line and a label.
+    by_value: dict[float, list[str]] = {}
     for _, reference in matching.iterrows():
-        # Labelled inside, above the line's left end, and in the first column only: the
-        # labels of narrow panels side by side would run into each other, and the lines
-        # align across a row.
-        label = (
-            dict(
-                annotation_text=str(reference["model"]),
-                annotation_position="top left",
-                annotation_font_size=10,
-            )
-            if c == 1
-            else {}
-        )
-        fig.add_hline(
-            y=float(reference[value]),
-            line=dict(dash="dash", color="gray", width=1),
-            row=r,
-            col=c,
-            **label,
-        )
+        by_value.setdefault(round(float(reference[value]), 4), []).append(str(reference["model"]))
+    for y, models in sorted(by_value.items()):
+        number = f"{y:.0%}" if value != "mean_rank" else f"{y:,.1f}"
+        text = " = ".join(models) + f" {number}"
+        if label:
+            # Labelled in the right margin of the row's last panel: the lines align across
+            # a row, and labels inside narrow panels would run into the data.
+            add_reference_line(fig, y, text, row=r, col=c)
+        else:
+            fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
 
 
 # ------------------------------------------------------------------ graft attribution
@@ -687,7 +812,9 @@ def plot_attribution(
                 zmax=extent,
                 colorscale="RdBu",
                 showscale=index == 0,
-                colorbar=dict(title=value),
+                # The colour bar's title runs along it: across its top it would run into
+                # the last panel's title.
+                colorbar=dict(title=dict(text=value, side="right"), thickness=14),
                 hovertemplate="%{text}<extra></extra>",
                 xgap=1,
                 ygap=1,
@@ -695,16 +822,29 @@ def plot_attribution(
             row=index // columns + 1,
             col=index % columns + 1,
         )
-    fig.update_yaxes(autorange="reversed")
+    # Every component and every row named: plotly would otherwise label every other one
+    # of a crowded categorical axis.
+    fig.update_xaxes(tickmode="array", tickvals=components, ticktext=components, tickangle=-90)
+    fig.update_yaxes(
+        autorange="reversed", tickmode="array", tickvals=row_labels, ticktext=row_labels
+    )
+    for index in range(len(groups)):  # the rows named once, left of each row of panels
+        if index % columns:
+            fig.update_yaxes(
+                showticklabels=False, row=index // columns + 1, col=index % columns + 1
+            )
     direction = frame["direction"].iloc[0] if "direction" in frame.columns else ""
-    fig.update_layout(
-        title=title
+    width = max(420, (26 * len(components) + 90) * columns + 120)
+    figure_style(
+        fig,
+        title
         if title is not None
         else f"Graft attribution ({direction}): {_ATTRIBUTION_VALUES[value]} per cell",
-        template="plotly_white",
-        height=max(260, (24 * len(row_labels) + 110) * panel_rows + 60),
-        width=max(420, (26 * len(components) + 90) * columns + 120),
+        height=max(300, (24 * len(row_labels) + 170) * panel_rows + 80),
+        width=width,
     )
+    # No legend under a heatmap; room for the panels' titles under the figure's.
+    fig.update_layout(margin_b=40, margin_t=fig.layout.margin.t + 24)
     return fig
 
 
@@ -746,21 +886,116 @@ def plot_recovery(
                 ),
             )
         )
-    if fraction is not None:
-        fig.add_hline(
-            y=fraction,
-            line=dict(dash="dash", color="gray", width=1),
-            annotation_text=f"target {fraction:.0%}",
-            annotation_position="bottom right",
-        )
+    values = [float(v) for v in curve["recovery"] if math.isfinite(float(v))]
+    values += [0.0, 1.0] + ([] if fraction is None else [fraction])
+    low, high = min(values), max(values)
+    room = 0.05 * (high - low)
+    cells = int(curve["cells"].max()) if len(curve) else 1
     fig.update_layout(
-        title=title if title is not None else "Minimal graft: recovery of the donor's metric",
-        xaxis=dict(title="cells grafted", dtick=1),
-        yaxis=dict(title="recovery (0 = base, 1 = reference)", tickformat=".0%"),
-        legend_title_text="prompts",
-        template="plotly_white",
+        xaxis=dict(title="cells grafted", dtick=max(1, math.ceil(cells / 12))),
+        yaxis=dict(
+            title="recovery (0 = base, 1 = reference)",
+            tickformat=".0%",
+            range=[low - room, high + room],
+        ),
     )
-    return fig
+    if fraction is not None:
+        add_reference_line(fig, fraction, f"target {fraction:.0%}")
+    return figure_style(
+        fig,
+        title if title is not None else "Minimal graft: recovery of the donor's metric",
+        legend_title_text="prompts",
+    )
 
 
 # ----------------------------------------------------------------------- checks
+
+
+def figure_problems(fig: go.Figure) -> list[str]:
+    """What a figure hides: values, interval ends, reference lines or their labels outside
+    the value axis's set range, and heatmap cells outside their colour scale or lost in it.
+
+    An axis left to autorange fits its data by construction; only a set ``range`` can
+    hide something (a 0-50% axis under a DONOR line at 98%). A colour scale whose data
+    fill less than a quarter of it leaves every cell nearly white.
+
+    Returns:
+        One line per problem, naming the trace or line and the range; empty when none.
+    """
+    problems: list[str] = []
+    layout = fig.layout
+    plotted: dict[str, list[tuple[str, float]]] = {}
+    for index, trace in enumerate(fig.data):
+        name = trace.name or f"trace {index}"
+        if trace.type == "heatmap":
+            problems += _colour_scale_problems(trace, name)
+            continue
+        if trace.type not in ("bar", "scatter") or getattr(trace, "orientation", None) == "h":
+            continue
+        values = [float(v) for v in (trace.y if trace.y is not None else ()) if _finite(v)]
+        error = trace.error_y
+        if error is not None and error.array is not None:
+            plus = list(error.array)
+            minus = list(error.arrayminus) if error.arrayminus is not None else plus
+            values += [
+                float(v) + float(p) for v, p in zip(trace.y, plus) if _finite(v) and _finite(p)
+            ]
+            values += [
+                float(v) - float(m) for v, m in zip(trace.y, minus) if _finite(v) and _finite(m)
+            ]
+        axis = trace.yaxis or "y"
+        plotted.setdefault(axis, []).extend((f"{name!r}", v) for v in values)
+    for shape in layout.shapes:
+        if shape.type == "line" and shape.y0 is not None and shape.y0 == shape.y1:
+            axis = (shape.yref or "y").split(" ")[0]
+            plotted.setdefault(axis, []).append(("a reference line", float(shape.y0)))
+    for annotation in layout.annotations:
+        if annotation.name == "reference" and annotation.yref:
+            plotted.setdefault(annotation.yref, []).append(
+                (f"the label {annotation.text!r}", float(annotation.y))
+            )
+    for axis, points in plotted.items():
+        layout_axis = layout[axis.replace("y", "yaxis")]
+        if layout_axis is None or layout_axis.range is None:
+            continue
+        low, high = (float(v) for v in layout_axis.range)
+        log = layout_axis.type == "log"
+        for what, value in points:
+            shown = math.log10(value) if log and value > 0 else value
+            if log and value <= 0:
+                problems.append(f"{what} at {value:g} cannot be drawn on the log axis {axis}")
+            elif not low - 1e-9 <= shown <= high + 1e-9:
+                problems.append(
+                    f"{what} at {value:g} is outside the axis {axis}'s range "
+                    f"[{low:g}, {high:g}]" + (" (log10)" if log else "")
+                )
+    return problems
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _colour_scale_problems(trace: Any, name: str) -> list[str]:
+    cells = [
+        float(v) for row in (trace.z if trace.z is not None else ()) for v in row if _finite(v)
+    ]
+    if not cells or trace.zmin is None or trace.zmax is None:
+        return []
+    low, high = float(trace.zmin), float(trace.zmax)
+    problems = []
+    outside = [v for v in cells if not low - 1e-9 <= v <= high + 1e-9]
+    if outside:
+        problems.append(
+            f"heatmap {name!r}: {len(outside)} cells outside its colour scale [{low:g}, {high:g}]"
+        )
+    extent = max(abs(low), abs(high))
+    if extent > 0 and max(abs(v) for v in cells) < 0.25 * extent:
+        problems.append(
+            f"heatmap {name!r}: its cells reach {max(abs(v) for v in cells):g}, under a quarter "
+            f"of its colour scale [{low:g}, {high:g}], so they are nearly blank"
+        )
+    return problems

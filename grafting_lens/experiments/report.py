@@ -672,17 +672,13 @@ def component_bars(
             trace.showlegend = row == 1
             trace.legendgroup = trace.name
             figure.add_trace(trace, row=row, col=1)
+        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
         references = rows[rows.component_set.isin(_BASELINES)].sort_values(f"top{k}")
-        previous = None
         for _, baseline in references.iterrows():
             y = float(baseline[f"top{k}"])
-            # Two references a few points apart would print over each other.
-            text = f"{baseline.component_set} {y:.0%}"
-            if previous is not None and y - previous < 0.06 * top[1]:
-                text = "<br>" + text
-            plots.add_reference_line(figure, y, text, row=row, col=1)
-            previous = y
-        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
+            # Labelled in the right margin; add_reference_line moves a label clear of a
+            # close one and grows the axis to hold the line.
+            plots.add_reference_line(figure, y, f"{baseline.component_set} {y:.0%}", row=row, col=1)
     figure.update_xaxes(title_text="components grafted at the last token", row=len(prompts))
     counts = summary["n"].tolist() if "n" in summary else []
     return plots.figure_style(
