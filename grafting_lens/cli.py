@@ -131,12 +131,21 @@ def demo(
         min=1,
         help="Test only the first N finetuned relations (default: all of them).",
     ),
+    prompts: str | None = typer.Option(
+        None,
+        "--prompts",
+        metavar="FILE",
+        help="Your own prompts: a .json or .csv with the columns prompt, target (and optionally "
+        "first_entity, name); see grafting-lens run demo --help.",
+    ),
     quick: bool = typer.Option(
         False,
         "--quick",
         help="A small toy world (minutes to build, numbers only a smoke test) or a short finetune.",
     ),
-    batch_size: int = typer.Option(8, "--batch-size", min=1, help="Examples per forward pass."),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", min=1, help="Examples per forward pass (default 8)."
+    ),
     device: str | None = typer.Option(
         None, "--device", help="torch device, e.g. cuda (default: cpu)."
     ),
@@ -193,13 +202,15 @@ def demo(
     """Position grafting (PRE, SFT, FE, LT, FE+LT and complements): grafting-lens run demo."""
     if donor is not None and model is None:
         _fail("--donor needs --model: the base the donor is grafted into.")
-    argv = ["--out", str(out), "--batch-size", str(batch_size)]
+    argv = ["--out", str(out)]
     for flag, value in (
+        ("--batch-size", batch_size),
         ("--seed", seed),
         ("--dataset", dataset),
         ("--model", model),
         ("--donor", donor),
         ("--n-examples", n_examples),
+        ("--prompts", prompts),
         ("--device", device),
         ("--n-relations", n_relations),
         ("--cache-dir", cache_dir),
@@ -381,6 +392,13 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         else "A small subset (16 relations, fewer configurations).",
     )
     add("--n-examples", type=int, help="Ask about the first N relations only.")
+    add(
+        "--prompts",
+        metavar="FILE",
+        help="Your own prompts instead of the relations: a .json list of objects or a .csv "
+        "with the columns prompt, target (' Sandra Bullock', one leading space), and "
+        "optionally first_entity and name (see grafting_lens.experiments.read_prompts).",
+    )
     add("--batch-size", type=int, default=8, help="Examples per forward pass (default 8).")
     add("--device", help="torch device, e.g. cuda (default: cpu).")
     add(
@@ -523,12 +541,14 @@ def _run_locked(
     from grafting_lens.experiments import (
         RunOptions,
         prepare_report_directory,
+        read_prompts,
         run_spec,
         setup_experiment,
         write_experiment_report,
     )
     from grafting_lens.experiments.run_directory import CheckpointDigests
 
+    prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     # Made before loading, so that a checkpoint changed while it loads is noticed.
     known = CheckpointDigests(
         [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
@@ -554,6 +574,8 @@ def _run_locked(
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    if prompts is not None:  # the file's content, not its name, makes the run
+        description["prompts"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()[:16]
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
@@ -575,6 +597,7 @@ def _run_locked(
         options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
+        prompts=prompts,
     )
     elapsed = time.perf_counter() - started
     results = tables["results"]
@@ -582,9 +605,13 @@ def _run_locked(
     notes = [
         f"Models: {setup.label} ("
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
-        + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
+        + (
+            f"); {spec.direction} prompts about the {spec.relations!r} relations."
+            if prompts is None
+            else f"); the prompts of {args.prompts}."
+        ),
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
-        f"{_torch().get_num_threads()} CPU threads"
+        f"{_torch().get_num_threads()} CPU thread{'s' if _torch().get_num_threads() > 1 else ''}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
@@ -889,27 +916,21 @@ def _fail(message: str) -> NoReturn:
 
 
 def _print_summary(summary: pd.DataFrame, title: str) -> None:
-    def interval(row: pd.Series, column: str) -> str:
-        return f"{row[column]:.0%} [{row[column + '_low']:.0%}, {row[column + '_high']:.0%}]"
+    from grafting_lens.experiments.report import summary_table
 
-    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
+    shown = summary_table(summary)  # the cells summary.md has
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # rich comes with typer, but a plain table does as well
-        typer.echo(summary.to_string(index=False))
+        typer.echo(shown.to_string(index=False))
         return
-    table = Table(title=f"{title} (95% bootstrap CI)")
-    for column in (*groups, "n", "top-1", "top-5", "mean rank"):
-        table.add_column(column, justify="left" if column in groups else "right")
-    for _, row in summary.iterrows():
-        table.add_row(
-            *(str(row[column]) for column in groups),
-            str(row["n"]),
-            interval(row, "top1"),
-            interval(row, "top5"),
-            f"{row['mean_rank']:.1f}",
-        )
+    table = Table(title=f"{title} (95% bootstrap CI; mean rank 0 = the top token)")
+    numbers = {"n", "mean rank", *(c for c in shown.columns if c.startswith("top-"))}
+    for column in shown.columns:
+        table.add_column(column, justify="right" if column in numbers else "left")
+    for _, row in shown.iterrows():
+        table.add_row(*(str(cell) for cell in row))
     Console(width=max(100, Console().width)).print(table)
 
 

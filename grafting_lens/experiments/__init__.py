@@ -121,6 +121,7 @@ from grafting_lens.experiments.report import (
     ExperimentReport,
     prepare_report_directory,
     summary_markdown,
+    summary_table,
     write_experiment_report,
     write_report,
     write_table,
@@ -154,8 +155,10 @@ from grafting_lens.experiments.stacking import config_masks
 from grafting_lens.experiments.testsets import (
     CODE_MOVIE_PROMPTS,
     MOVIE_PROMPTS,
+    PROMPT_COLUMNS,
     TestSet,
     make_test_sets,
+    read_prompts,
 )
 
 # Span expressions moved to grafting_lens.positions; they stay importable from here.
@@ -215,6 +218,8 @@ __all__ = [
     "get_configs",
     "get_experiment",
     "make_test_sets",
+    "read_prompts",
+    "PROMPT_COLUMNS",
     "prepare_report_directory",
     "register_config",
     "register_experiment",
@@ -228,6 +233,7 @@ __all__ = [
     "setup_experiment",
     "span_names",
     "summary_markdown",
+    "summary_table",
     "toy_setup",
     "write_experiment_report",
     "write_report",

@@ -62,6 +62,7 @@ __all__ = [
     "figure_lines",
     "report_settings",
     "summary_markdown",
+    "summary_table",
     "write_experiment_report",
     "write_report",
     "write_table",
@@ -458,6 +459,43 @@ def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) 
     )
 
 
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """A summary as a reader sees it: each top-k as ``"40% [31%, 50%]"``, the mean rank
+    with one decimal (0 = the top token, as in the figures), every number rounded.
+
+    A group of fewer than :data:`~grafting_lens.metrics.MIN_INTERVAL_ROWS` rows shows no
+    interval (``"100% (no interval, n < 10)"``): a bootstrap of two rows is no interval.
+    The console, ``summary.md`` and the tutorials print this table.
+
+    Args:
+        summary: From :func:`grafting_lens.metrics.summarize`.
+    """
+    from grafting_lens.metrics import MIN_INTERVAL_ROWS
+
+    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
+    ks = [c for c in summary.columns if re.fullmatch(r"top\d+", c)]
+
+    def interval(row: pd.Series, column: str, number: str) -> str:
+        value = format(row[column], number)
+        if f"{column}_low" not in row or pd.isna(row[f"{column}_low"]):
+            return value
+        if "n" in row and int(row["n"]) < MIN_INTERVAL_ROWS:
+            return f"{value} (no interval, n < {MIN_INTERVAL_ROWS})"
+        return f"{value} [{format(row[column + '_low'], number)}, {format(row[column + '_high'], number)}]"
+
+    rows = []
+    for _, row in summary.iterrows():
+        cells = {column: row[column] for column in groups}
+        if "n" in row:
+            cells["n"] = int(row["n"])
+        for column in ks:
+            cells[f"top-{column[3:]}"] = interval(row, column, ".0%")
+        if "mean_rank" in row:
+            cells["mean rank"] = interval(row, "mean_rank", ",.1f")
+        rows.append(cells)
+    return pd.DataFrame(rows, index=summary.index)
+
+
 def summary_markdown(
     summary: pd.DataFrame,
     title: str,
@@ -465,7 +503,8 @@ def summary_markdown(
     notes: Sequence[str] = (),
     paper: Sequence[str] = (),
 ) -> str:
-    """A short markdown report: the summary table (top-1, top-5 with intervals, mean rank).
+    """A short markdown report: the summary table (top-1 and top-5 with their 95% intervals,
+    mean rank; see :func:`summary_table`).
 
     Args:
         summary: From :func:`grafting_lens.metrics.summarize`.
@@ -474,24 +513,14 @@ def summary_markdown(
         notes: Lines to list under the table.
         paper: What the paper reports, listed for comparison.
     """
-    group_columns = [
-        c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))
-    ]
-    header = [*group_columns, "n", "top-1", "top-5 [95% CI]", "mean rank"]
+    table = summary_table(summary)
     lines = [f"# {title}", ""]
     if command:
         lines += ["```", command, "```", ""]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for _, row in summary.iterrows():
-        cells = [str(row[c]) for c in group_columns]
-        top5 = f"{row['top5']:.0%} [{row['top5_low']:.0%}, {row['top5_high']:.0%}]"
-        cells += [
-            str(int(row["n"])),
-            f"{row['top1']:.0%}" if "top1" in row else "",
-            top5 if "top5" in row else "",
-            f"{row['mean_rank']:.1f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["Intervals: 95% bootstrap; mean rank: 0 = the top token.", ""]
+    lines += ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    for _, row in table.iterrows():
+        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
     if notes:
         lines += ["", *[f"- {note}" for note in notes]]
     if paper:
