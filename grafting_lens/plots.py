@@ -358,8 +358,9 @@ def plot_mean_rank(
         color: Column giving one bar per value in each group.
         title: Figure title (default: "Mean rank of the answer").
         caption: The setting, shown under the title before ``n``.
-        log: A logarithmic value axis (ranks span orders of magnitude); the axis
-            shows rank + 1, so that rank 0 has a place on it.
+        log: A logarithmic value axis (ranks span orders of magnitude): bars are drawn
+            at rank + 1, so that rank 0 has a place on it, and the ticks are labelled
+            with the rank (0, 10, 100...), as the tables print it.
 
     Raises:
         GraftingLensError: An empty table or missing columns.
@@ -384,12 +385,15 @@ def plot_mean_rank(
     )
     if log:
         top = max(ends, default=10.0)
+        decades = range(int(math.log10(max(top, 10.0))) + 1)
         fig.update_yaxes(
             type="log",
-            title_text="mean rank of the answer + 1 (lower is better)",
+            title_text="mean rank of the answer (0 = top; lower is better)",
             range=[0, math.log10(max(top, 10.0)) + 0.15],
-            dtick=1,  # a tick per decade: 1, 10, 100...
-            tickformat=",d",
+            # Drawn at rank + 1, labelled with the rank itself (0, 10, 100...), so that the
+            # axis reads as the tables do.
+            tickvals=[1 + (10**d if d else 0) for d in decades],
+            ticktext=[f"{10**d:,}" if d else "0" for d in decades],
         )
     else:
         fig.update_yaxes(

@@ -213,6 +213,9 @@ def test_mean_rank_bars_on_a_log_axis_from_rank_zero():
     assert list(fig.data[0].y) == [1001.0, 1.0]  # rank + 1, so that rank 0 has a place
     assert 10 ** fig.layout.yaxis.range[1] > 1001  # the highest bar fits
     assert "lower is better" in fig.layout.yaxis.title.text
+    # Ticks read as the tables' 0-based ranks: rank 0 at 1, rank 10 at 11...
+    assert list(fig.layout.yaxis.ticktext) == ["0", "10", "100", "1,000"]
+    assert list(fig.layout.yaxis.tickvals) == [1, 11, 101, 1001]
     linear = plots.plot_mean_rank(summary, log=False)
     assert list(linear.data[0].y) == [1000.0, 0.0]
     with pytest.raises(GraftingLensError, match="mean_rank"):
