@@ -210,8 +210,13 @@ def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) 
     if subtitle:
         lines += 1 + fig.layout.title.subtitle.text.count("<br>")
     margin_right = max(fig.layout.margin.r or 0, 40)
+    # Panels' titles (make_subplots puts them above the plot area) need a line of their own
+    # under the subtitle.
+    panel_titles = any(
+        a.yref == "paper" and a.y is not None and a.y >= 1 for a in fig.layout.annotations
+    )
     fig.update_layout(
-        margin=dict(t=50 + 20 * lines, r=margin_right, b=110),
+        margin=dict(t=50 + 20 * lines + 24 * panel_titles, r=margin_right, b=110),
         **layout,
     )
     return fig
@@ -388,7 +393,7 @@ def plot_mean_rank(
         decades = range(int(math.log10(max(top, 10.0))) + 1)
         fig.update_yaxes(
             type="log",
-            title_text="mean rank of the answer (0 = top; lower is better)",
+            title_text="mean rank (0 = top; lower is better)",
             range=[0, math.log10(max(top, 10.0)) + 0.15],
             # Drawn at rank + 1, labelled with the rank itself (0, 10, 100...), so that the
             # axis reads as the tables do.
@@ -847,8 +852,7 @@ def plot_attribution(
         height=max(300, (24 * len(row_labels) + 170) * panel_rows + 80),
         width=width,
     )
-    # No legend under a heatmap; room for the panels' titles under the figure's.
-    fig.update_layout(margin_b=40, margin_t=fig.layout.margin.t + 24)
+    fig.update_layout(margin_b=40)  # no legend under a heatmap
     return fig
 
 
