@@ -58,7 +58,13 @@ class SphinxRoles(griffe.Extension):
 
             def replace(match: re.Match[str], obj: griffe.Object = obj) -> str:
                 short, target = match.group(1) == "~", match.group(2)
-                shown = target.rsplit(".", 1)[-1] if short else target
+                # Sphinx's explicit title, ``:meth:`Source.module <grafting_lens...>```
+                # (the role may wrap over a docstring's lines).
+                titled = re.fullmatch(r"(.+?)\s*<([^<>]+)>", " ".join(target.split()))
+                if titled:
+                    shown, target = titled.group(1), titled.group(2)
+                else:
+                    shown = target.rsplit(".", 1)[-1] if short else target
                 path = _resolve(obj, target, pkg)
                 return f"[`{shown}`][{path}]" if path else f"`{shown}`"
 

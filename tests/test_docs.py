@@ -155,3 +155,26 @@ def test_quoted_numbers_sit_between_markers_that_markdown_keeps_inline():
     ]
     assert markers, "no quoted numbers found"
     assert not [line for line in markers if line.lstrip().startswith("<!--")]
+
+
+def test_a_link_to_a_missing_heading_fails_the_build(tmp_path):
+    """A page linking to `other.md#no-such-heading` fails `mkdocs build --strict`, as the
+    site's own build does (mkdocs.yml: ``validation: anchors: warn`` under ``strict``)."""
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    assert config["strict"] and config["validation"]["links"]["anchors"] == 30  # logging.WARNING
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n[there](other.md#no-such-heading)\n")
+    (docs / "other.md").write_text("# Other\n\n## A heading\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: anchors\nstrict: true\nvalidation:\n  anchors: warn\n"
+    )
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "-d", str(tmp_path / "site")],
+        cwd=tmp_path,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode != 0
+    assert "no-such-heading" in built.stderr + built.stdout

@@ -85,22 +85,29 @@ def figure(shifts: dict[str, dict], configs: list[str], label: str) -> go.Figure
             "mean |Δ P(answer)| per row",
         ),
     )
-    for column, prompt in ((1, "headline"), (2, "qa")):
-        values = [
+    grids = {
+        prompt: [
             [100 * shifts[name]["delta_top5"][f"paper / {prompt} / {config}"] for config in configs]
             for name in names
         ]
+        for prompt in ("headline", "qa")
+    }
+    # The colour scale fits the shifts (a few points), so that a cell of +7 is not white.
+    extent = max(1.0, *(abs(v) for grid in grids.values() for row in grid for v in row))
+    for column, prompt in ((1, "headline"), (2, "qa")):
+        values = grids[prompt]
         fig.add_trace(
             go.Heatmap(
                 z=values,
                 x=configs,
                 y=names,
                 zmid=0,
-                zmin=-60,
-                zmax=60,
+                zmin=-extent,
+                zmax=extent,
                 colorscale="RdBu",
                 text=[[f"{v:+.0f}" if abs(v) >= 0.5 else "0" for v in row] for row in values],
                 texttemplate="%{text}",
+                textfont={"size": 15},
                 showscale=column == 2,
                 colorbar={"title": {"text": "Δ top-5<br>(points)"}, "x": 1.01, "len": 0.9},
             ),
@@ -120,11 +127,15 @@ def figure(shifts: dict[str, dict], configs: list[str], label: str) -> go.Figure
     )
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(
-        title=f"What each difference moves: position grafting on {label}, against REFERENCE",
-        height=140 + 32 * len(names),
-        width=1500,
-        margin={"l": 260, "r": 110, "t": 90, "b": 40},
-        font={"size": 13},
+        title=plots.wrap_text(
+            f"What each difference moves: position grafting on {label}, against REFERENCE", 90
+        ),
+        # Drawn at about the width of the docs' column, so that its text reads at the
+        # size it is set in.
+        height=160 + 34 * len(names),
+        width=1100,
+        margin={"l": 250, "r": 100, "t": 110, "b": 40},
+        font={"size": 14},
     )
     return fig
 

@@ -64,6 +64,7 @@ from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError
 from grafting_lens.engine.positions import row_lengths
 
 __all__ = [
+    "MIN_INTERVAL_ROWS",
     "RANK_BY",
     "TIE_RULES",
     "TopTokens",
@@ -76,6 +77,11 @@ __all__ = [
     "top_k_tokens",
 ]
 
+
+MIN_INTERVAL_ROWS = 10
+"""The fewest rows a bootstrap interval is shown for. Below it the percentile bootstrap
+says little (two hits in two rows resample to [100%, 100%]): figures draw no whisker and
+tables print "n = 2, no interval" instead. :func:`summarize` still computes it."""
 
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
 """How :func:`target_rank` counts tokens whose logit equals the target's.

@@ -8,19 +8,12 @@ examples per bar. :func:`plot_mean_rank` draws the mean rank of the answer the s
 way: where top-k accuracy sits at the floor (every bar near 0%), the rank still shows
 which grafts move the answer up.
 
-Every figure follows one style (:func:`figure_style` and the helpers it uses): the
-value axis scaled to the data (not 0-100% when every bar is under 10%), labels a reader
-knows (``"layers"``, ``"2nd quarter"``, ``(FE+LT)<sup>C</sup>``) instead of column
-names, ``n`` and what the whiskers are in the subtitle, a caption saying the setting
-(which semantics and unembedding, which prompts), zero-height bars drawn as a line so
-that a 0% is visible, and reference lines labelled in the margin, clear of the bars.
-
-:func:`save_figure` always writes an interactive, self-contained HTML file, and
-a PNG when it can. Static export goes through kaleido, which drives a headless
-Chrome; on a server or in CI there often is none. Then the HTML is still
-written, and the returned dict (and a warning) says why the PNG is missing and
-how to get it, instead of a crash at the end of a long run. Both files are written
-to a temporary name and renamed, so a file that exists is complete.
+Every figure follows one style (:mod:`grafting_lens.analysis.figure_style`: the value
+axis scaled to the data, labels a reader knows, ``n`` and what the whiskers are in the
+subtitle, a caption saying the setting, zero-height bars drawn as a line so that a 0% is
+visible, reference lines labelled in the margin), and is saved with
+:func:`~grafting_lens.analysis.figure_style.save_figure` (HTML always, PNG where a Chrome
+is), which this module serves too.
 
 Examples:
     >>> summary = metrics.summarize(results)
@@ -32,27 +25,39 @@ Examples:
 from __future__ import annotations
 
 import math
-import os
-import re
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from grafting_lens.analysis.figure_style import (
+    COLUMN_TITLES,
+    NO_CHROME_HINT,
+    PALETTE,
+    VALUE_LABELS,
+    add_reference_line,
+    axis_range,
+    column_title,
+    display_label,
+    figure_problems,
+    figure_style,
+    save_figure,
+    subtitle,
+    wrap_text,
+)
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
 from grafting_lens.core.errors import GraftingLensError, did_you_mean
-from grafting_lens.core.files import atomic_write
 
 __all__ = [
     "COLUMN_TITLES",
     "NO_CHROME_HINT",
     "VALUE_LABELS",
+    "add_reference_line",
     "axis_range",
     "display_label",
+    "figure_problems",
     "figure_style",
     "plot_accuracy",
     "plot_attribution",
@@ -60,102 +65,8 @@ __all__ = [
     "plot_mean_rank",
     "plot_recovery",
     "save_figure",
+    "wrap_text",
 ]
-
-NO_CHROME_HINT = (
-    "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
-    "(or set BROWSER_PATH to a Chrome/Chromium binary), then save again"
-)
-"""Why a PNG is missing when kaleido finds no browser, and how to fix it."""
-
-COLUMN_TITLES: dict[str, str] = {
-    "config": "graft configuration",
-    "prompt": "test prompt",
-    "component_set": "components grafted at the last token",
-    "layer_range": "layers",
-    "positions": "positions",
-    "pair": "components",
-    "method": "method",
-    "model": "model",
-    "layer": "layer",
-    "semantics": "semantics",
-}
-"""What a summary's columns are called on a figure's axes and legends."""
-
-VALUE_LABELS: dict[str, str] = {
-    "all": "all layers",
-    "first_half": "first half",
-    "last_half": "last half",
-    "first_quarter": "1st quarter",
-    "second_quarter": "2nd quarter",
-    "third_quarter": "3rd quarter",
-    "last_quarter": "4th quarter",
-}
-"""How the layer ranges read on a figure."""
-
-PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
-"""Colours, one per trace, in order."""
-
-_FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
-_INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
-
-
-def display_label(value: Any) -> str:
-    """A value as a figure shows it: ``"(FE+LT)^C"`` -> ``"(FE+LT)<sup>C</sup>"``,
-    ``"last_quarter"`` -> ``"4th quarter"``; anything else as ``str`` gives it."""
-    text = str(value)
-    if text in VALUE_LABELS:
-        return VALUE_LABELS[text]
-    return re.sub(r"\^(\w+)", r"<sup>\1</sup>", text)
-
-
-def column_title(column: str) -> str:
-    """A column's name as an axis or legend title (:data:`COLUMN_TITLES`, else spaced words)."""
-    return COLUMN_TITLES.get(column, column.replace("_", " "))
-
-
-def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]:
-    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room.
-
-    For fractions the top is the smallest of 5%, 10%, 20%, 25%, 50%, 75% and 100% that
-    leaves room above the highest value (a little over 100% when a value reaches it);
-    otherwise the highest value plus 10%.
-    """
-    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
-    top = max(finite, default=0.0)
-    if not fraction:
-        return [0.0, top * 1.1 if top > 0 else 1.0]
-    for step in (0.05, 0.1, 0.2, 0.25, 0.5, 0.75):
-        if top * 1.08 <= step:
-            return [0.0, step]
-    return [0.0, 1.05]
-
-
-def _subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
-    parts = [caption] if caption else []
-    distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
-    if len(distinct) == 1:
-        parts.append(f"n = {distinct[0]} per bar")
-    elif distinct:
-        parts.append(f"n = {distinct[0]} to {distinct[-1]} per bar")
-    if interval:
-        parts.append(_INTERVAL_NOTE)
-    if caption and len(parts) > 1:  # the setting on its own line, the counts under it
-        return caption + "<br>" + "; ".join(parts[1:])
-    return "; ".join(parts)
-
-
-def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
-    """The house style: white template, a readable font, the title and its subtitle, room
-    on the right for labelled reference lines. Returns ``fig``."""
-    fig.update_layout(
-        template="plotly_white",
-        font=_FONT,
-        title=dict(text=title, subtitle=dict(text=subtitle, font=dict(size=12, color="#555"))),
-        margin=dict(t=120, r=140),
-        **layout,
-    )
-    return fig
 
 
 def _check_summary(summary: Any, columns: Sequence[str], function: str, hint: str) -> None:
@@ -183,6 +94,10 @@ def _bars(
     for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
         counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
         shade = PALETTE[index % len(PALETTE)]
+        # No whisker from too few rows: a bootstrap of 2 rows is no interval.
+        few = counts.apply(lambda n: n is not None and not pd.isna(n) and n < MIN_INTERVAL_ROWS)
+        up = (group[high] - group[value]).clip(lower=0).mask(few)
+        down = (group[value] - group[low]).clip(lower=0).mask(few)
         fig.add_trace(
             go.Bar(
                 name=display_label(name),
@@ -193,8 +108,8 @@ def _bars(
                 error_y=dict(
                     type="data",
                     symmetric=False,
-                    array=(group[high] - group[value]).clip(lower=0),
-                    arrayminus=(group[value] - group[low]).clip(lower=0),
+                    array=up,
+                    arrayminus=down,
                     color="#333",
                     thickness=1.2,
                     width=3,
@@ -206,7 +121,7 @@ def _bars(
                 ),
             )
         )
-        ends += [*group[value], *group[high]]
+        ends += [*group[value], *group[high].mask(few, group[value])]
     fig.update_layout(
         barmode="group",
         bargap=0.25,
@@ -271,7 +186,7 @@ def plot_accuracy(
     fig.update_yaxes(title_text=f"top-{k} accuracy", range=axis_range(ends), tickformat=".0%")
     counts = summary["n"].tolist() if "n" in summary else []
     return figure_style(
-        fig, title if title is not None else f"Top-{k} accuracy", _subtitle(caption, counts)
+        fig, title if title is not None else f"Top-{k} accuracy", subtitle(caption, counts)
     )
 
 
@@ -295,8 +210,9 @@ def plot_mean_rank(
         color: Column giving one bar per value in each group.
         title: Figure title (default: "Mean rank of the answer").
         caption: The setting, shown under the title before ``n``.
-        log: A logarithmic value axis (ranks span orders of magnitude); the axis
-            shows rank + 1, so that rank 0 has a place on it.
+        log: A logarithmic value axis (ranks span orders of magnitude): bars are drawn
+            at rank + 1, so that rank 0 has a place on it, and the ticks are labelled
+            with the rank (0, 10, 100...), as the tables print it.
 
     Raises:
         GraftingLensError: An empty table or missing columns.
@@ -321,12 +237,15 @@ def plot_mean_rank(
     )
     if log:
         top = max(ends, default=10.0)
+        decades = range(int(math.log10(max(top, 10.0))) + 1)
         fig.update_yaxes(
             type="log",
-            title_text="mean rank of the answer + 1 (lower is better)",
+            title_text="mean rank (0 = top; lower is better)",
             range=[0, math.log10(max(top, 10.0)) + 0.15],
-            dtick=1,  # a tick per decade: 1, 10, 100...
-            tickformat=",d",
+            # Drawn at rank + 1, labelled with the rank itself (0, 10, 100...), so that the
+            # axis reads as the tables do.
+            tickvals=[1 + (10**d if d else 0) for d in decades],
+            ticktext=[f"{10**d:,}" if d else "0" for d in decades],
         )
     else:
         fig.update_yaxes(
@@ -335,112 +254,13 @@ def plot_mean_rank(
         )
     counts = summary["n"].tolist() if "n" in summary else []
     return figure_style(
-        fig, title if title is not None else "Mean rank of the answer", _subtitle(caption, counts)
+        fig, title if title is not None else "Mean rank of the answer", subtitle(caption, counts)
     )
-
-
-def add_reference_line(
-    fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
-) -> None:
-    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars."""
-    target = {} if row is None else dict(row=row, col=col)
-    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
-    axis = "y" if row is None else _yaxis_name(fig, row, col)
-    xref = "x domain" if row is None else axis.replace("y", "x") + " domain"
-    fig.add_annotation(
-        x=1.0,
-        xref=xref,
-        xanchor="left",
-        y=y,
-        yref=axis,
-        text=text,
-        showarrow=False,
-        font=dict(size=11, color="#333"),
-        xshift=4,
-    )
-
-
-def _yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
-    """The y axis of a subplot, as an annotation names it ("y", "y2"...)."""
-    subplot = fig.get_subplot(row, col if col is not None else 1)
-    anchor = subplot.yaxis.plotly_name  # "yaxis", "yaxis2"...
-    return anchor.replace("axis", "")
-
-
-def save_figure(
-    fig: go.Figure,
-    path: str | os.PathLike,
-    png: bool = True,
-    scale: float = 2.0,
-    include_plotlyjs: bool | str = True,
-    warn: bool = True,
-) -> dict[str, Any]:
-    """Write ``path.html`` always, and ``path.png`` when a browser for kaleido is available.
-
-    Args:
-        fig: The figure.
-        path: Destination without suffix, e.g. ``"out/position_grafting"``; its
-            directory is created if needed.
-        png: Also try the static PNG.
-        scale: PNG resolution multiplier.
-        include_plotlyjs: Passed to ``Figure.to_html``; ``True`` embeds plotly.js so
-            the HTML opens offline, ``"cdn"`` makes it small but needs a network.
-        warn: Emit a warning when the PNG could not be written.
-
-    Returns:
-        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths
-        written and, when ``png`` was asked for but not written, the reason.
-
-    Raises:
-        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
-            be written (nothing else is worth the HTML's loss).
-    """
-    base = Path(path)
-    if base.suffix.lower() in (".html", ".png"):
-        base = base.with_suffix("")
-    if base.is_dir():
-        raise GraftingLensError(
-            f"{base} is a directory; pass a file path without suffix, e.g. {base / 'figure'}."
-        )
-    base.parent.mkdir(parents=True, exist_ok=True)
-    html_path = base.with_name(base.name + ".html")
-    png_path = base.with_name(base.name + ".png")
-    try:
-        atomic_write(
-            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
-        )
-    except OSError as error:
-        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
-    result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
-    if not png:
-        return result
-    try:
-        image = fig.to_image(format="png", scale=scale)
-        atomic_write(png_path, image)
-        result["png"] = str(png_path)
-    except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
-        result["png_error"] = _png_failure_reason(error)
-        if warn:
-            warnings.warn(
-                f"Wrote {html_path} but no PNG: {result['png_error']}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return result
-
-
-def _png_failure_reason(error: BaseException) -> str:
-    """A one-line reason for a failed PNG export, with the fix when one is known."""
-    message = " ".join(str(error).split())
-    lowered = message.lower()
-    if "chrome" in lowered or "chromium" in lowered or "browser" in lowered:
-        return f"{NO_CHROME_HINT} (kaleido said: {message})"
-    if "kaleido" in lowered and ("install" in lowered or "requires" in lowered):
-        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message})"
-    return f"PNG export failed with {type(error).__name__}: {message}"
 
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
+
+
 _VALUE_TITLES = {
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",
@@ -503,7 +323,6 @@ def plot_comparison(
         cols=len(col_keys),
         shared_xaxes=True,
         shared_yaxes=True,
-        row_titles=[" / ".join(map(display_label, key)) for key in row_keys],
         column_titles=[display_label(key) for key in col_keys],
         horizontal_spacing=0.03,
         vertical_spacing=0.06,
@@ -516,6 +335,11 @@ def plot_comparison(
             for method, group in panel.groupby("method", sort=False):
                 group = group.sort_values("layer")
                 color = _METHOD_COLORS.get(str(method))
+                few = (
+                    group["n"] < MIN_INTERVAL_ROWS
+                    if "n" in group
+                    else pd.Series(False, index=group.index)
+                )
                 fig.add_trace(
                     go.Scatter(
                         x=group["layer"],
@@ -528,8 +352,10 @@ def plot_comparison(
                         error_y=dict(
                             type="data",
                             symmetric=False,
-                            array=(group[f"{value}_high"] - group[value]).clip(lower=0),
-                            arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0),
+                            array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
+                            arrayminus=(group[value] - group[f"{value}_low"])
+                            .clip(lower=0)
+                            .mask(few),
                         ),
                         hovertemplate=(
                             f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
@@ -540,23 +366,41 @@ def plot_comparison(
                     col=c,
                 )
                 legend_shown.add(str(method))
-            if references is not None:
-                _add_references(
-                    fig, references, value, dict(zip(rows, row_key)), col, col_key, r, c
-                )
-    fig.update_xaxes(title_text="layer", dtick=1, row=len(row_keys))
+    layers = summary["layer"].nunique()
+    # About one tick per 40 px of a panel: every layer of a small model, every other of a
+    # deeper one, never a crammed row.
+    fig.update_xaxes(dtick=max(1, math.ceil(layers / 7)))
+    fig.update_xaxes(title_text="layer", row=len(row_keys))
     if value in ("top1", "top5", "target_prob"):
         ends = [*summary[value], *summary[f"{value}_high"]]
         if references is not None and value in references.columns:
             ends += list(references[value])
         low, high = axis_range(ends)
         fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
-    fig.update_yaxes(title_text=_VALUE_TITLES[value], col=1)
+    if references is not None:
+        for r, row_key in enumerate(row_keys, start=1):
+            for c, col_key in enumerate(col_keys, start=1):
+                _add_references(
+                    fig,
+                    references,
+                    value,
+                    dict(zip(rows, row_key)),
+                    col,
+                    col_key,
+                    r,
+                    c,
+                    label=c == len(col_keys),
+                )
+    # Each row says what it holds in its axis title: a row title in the right margin would
+    # run into the references' labels there.
+    for r, row_key in enumerate(row_keys, start=1):
+        label = " / ".join(map(display_label, row_key))
+        fig.update_yaxes(title_text=f"{label}<br>{_VALUE_TITLES[value]}", row=r, col=1)
     counts = summary["n"].tolist() if "n" in summary else []
     figure_style(
         fig,
         title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
-        _subtitle(caption, counts).replace("per bar", "per point"),
+        subtitle(caption, counts).replace("per bar", "per point"),
         height=280 * len(row_keys) + 160,
         width=280 * len(col_keys) + 240,
         legend_title_text="method",
@@ -573,6 +417,7 @@ def _add_references(
     col_key: Any,
     r: int,
     c: int,
+    label: bool,
 ) -> None:
     if "model" not in references.columns or value not in references.columns:
         raise GraftingLensError(
@@ -583,29 +428,24 @@ def _add_references(
     for column, key in [*row_values.items(), (col, col_key)]:
         if column in matching.columns:
             matching = matching[matching[column] == key]
+    # References at one value (the donor and its stream read by the base, say) share a
+    # line and a label.
+    by_value: dict[float, list[str]] = {}
     for _, reference in matching.iterrows():
-        # Labelled inside, above the line's left end, and in the first column only: the
-        # labels of narrow panels side by side would run into each other, and the lines
-        # align across a row.
-        label = (
-            dict(
-                annotation_text=str(reference["model"]),
-                annotation_position="top left",
-                annotation_font_size=10,
-            )
-            if c == 1
-            else {}
-        )
-        fig.add_hline(
-            y=float(reference[value]),
-            line=dict(dash="dash", color="gray", width=1),
-            row=r,
-            col=c,
-            **label,
-        )
+        by_value.setdefault(round(float(reference[value]), 4), []).append(str(reference["model"]))
+    for y, models in sorted(by_value.items()):
+        number = f"{y:.0%}" if value != "mean_rank" else f"{y:,.1f}"
+        text = " = ".join(models) + f" {number}"
+        if label:
+            # Labelled in the right margin of the row's last panel: the lines align across
+            # a row, and labels inside narrow panels would run into the data.
+            add_reference_line(fig, y, text, row=r, col=c)
+        else:
+            fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
 
 
 # ------------------------------------------------------------------ graft attribution
+
 
 _ATTRIBUTION_VALUES = {
     "estimate": "estimated change of the metric",
@@ -687,7 +527,9 @@ def plot_attribution(
                 zmax=extent,
                 colorscale="RdBu",
                 showscale=index == 0,
-                colorbar=dict(title=value),
+                # The colour bar's title runs along it: across its top it would run into
+                # the last panel's title.
+                colorbar=dict(title=dict(text=value, side="right"), thickness=14),
                 hovertemplate="%{text}<extra></extra>",
                 xgap=1,
                 ygap=1,
@@ -695,16 +537,28 @@ def plot_attribution(
             row=index // columns + 1,
             col=index % columns + 1,
         )
-    fig.update_yaxes(autorange="reversed")
+    # Every component and every row named: plotly would otherwise label every other one
+    # of a crowded categorical axis.
+    fig.update_xaxes(tickmode="array", tickvals=components, ticktext=components, tickangle=-90)
+    fig.update_yaxes(
+        autorange="reversed", tickmode="array", tickvals=row_labels, ticktext=row_labels
+    )
+    for index in range(len(groups)):  # the rows named once, left of each row of panels
+        if index % columns:
+            fig.update_yaxes(
+                showticklabels=False, row=index // columns + 1, col=index % columns + 1
+            )
     direction = frame["direction"].iloc[0] if "direction" in frame.columns else ""
-    fig.update_layout(
-        title=title
+    width = max(420, (26 * len(components) + 90) * columns + 120)
+    figure_style(
+        fig,
+        title
         if title is not None
         else f"Graft attribution ({direction}): {_ATTRIBUTION_VALUES[value]} per cell",
-        template="plotly_white",
-        height=max(260, (24 * len(row_labels) + 110) * panel_rows + 60),
-        width=max(420, (26 * len(components) + 90) * columns + 120),
+        height=max(300, (24 * len(row_labels) + 170) * panel_rows + 80),
+        width=width,
     )
+    fig.update_layout(margin_b=40)  # no legend under a heatmap
     return fig
 
 
@@ -746,21 +600,23 @@ def plot_recovery(
                 ),
             )
         )
-    if fraction is not None:
-        fig.add_hline(
-            y=fraction,
-            line=dict(dash="dash", color="gray", width=1),
-            annotation_text=f"target {fraction:.0%}",
-            annotation_position="bottom right",
-        )
+    values = [float(v) for v in curve["recovery"] if math.isfinite(float(v))]
+    values += [0.0, 1.0] + ([] if fraction is None else [fraction])
+    low, high = min(values), max(values)
+    room = 0.05 * (high - low)
+    cells = int(curve["cells"].max()) if len(curve) else 1
     fig.update_layout(
-        title=title if title is not None else "Minimal graft: recovery of the donor's metric",
-        xaxis=dict(title="cells grafted", dtick=1),
-        yaxis=dict(title="recovery (0 = base, 1 = reference)", tickformat=".0%"),
-        legend_title_text="prompts",
-        template="plotly_white",
+        xaxis=dict(title="cells grafted", dtick=max(1, math.ceil(cells / 12))),
+        yaxis=dict(
+            title="recovery (0 = base, 1 = reference)",
+            tickformat=".0%",
+            range=[low - room, high + room],
+        ),
     )
-    return fig
-
-
-# ----------------------------------------------------------------------- checks
+    if fraction is not None:
+        add_reference_line(fig, fraction, f"target {fraction:.0%}")
+    return figure_style(
+        fig,
+        title if title is not None else "Minimal graft: recovery of the donor's metric",
+        legend_title_text="prompts",
+    )

@@ -434,7 +434,7 @@ def _to_bridge(
                 "again without calling process_weights() or enable_compatibility_mode()."
             )
         if device is not None or dtype is not None:
-            source.to(device=device, dtype=dtype)
+            source.to(device=device, dtype=dtype, print_details=False)  # TransformerLens prints
         return adapt_bridge(source), f"source{index}"
     if isinstance(source, PreTrainedModel):
         if any(type(module).__module__.startswith("peft.") for module in source.modules()):

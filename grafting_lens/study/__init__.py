@@ -130,6 +130,7 @@ from grafting_lens.study.report import (
     ExperimentReport,
     prepare_report_directory,
     summary_markdown,
+    summary_table,
     write_experiment_report,
     write_report,
     write_table,
@@ -166,8 +167,10 @@ from grafting_lens.study.stacking import config_masks
 from grafting_lens.study.testsets import (
     CODE_MOVIE_PROMPTS,
     MOVIE_PROMPTS,
+    PROMPT_COLUMNS,
     TestSet,
     make_test_sets,
+    read_prompts,
 )
 
 __all__ = [
@@ -218,6 +221,8 @@ __all__ = [
     "get_configs",
     "get_experiment",
     "make_test_sets",
+    "read_prompts",
+    "PROMPT_COLUMNS",
     "prepare_report_directory",
     "register_config",
     "register_experiment",
@@ -231,6 +236,7 @@ __all__ = [
     "setup_experiment",
     "span_names",
     "summary_markdown",
+    "summary_table",
     "toy_setup",
     "write_experiment_report",
     "write_report",

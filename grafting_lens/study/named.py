@@ -27,8 +27,8 @@ from grafting_lens.core.errors import ExperimentError
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.runner import ChunkInfo, RunOptions, run_experiment
 from grafting_lens.study.semantics import Semantics, as_semantics
-from grafting_lens.study.specs import ExperimentSpec, get_configs, get_experiment
-from grafting_lens.study.testsets import make_test_sets
+from grafting_lens.study.specs import EXPERIMENTS, ExperimentSpec, get_configs, get_experiment
+from grafting_lens.study.testsets import TestSet, make_test_sets
 from grafting_lens.worlds import data
 from grafting_lens.worlds.documents import training_documents
 
@@ -355,7 +355,8 @@ def setup_experiment(
         )
         if dtype is not None:
             for bridge in models:
-                bridge.to(dtype=dtype)
+                # Quietly: TransformerLens would print "Changing model dtype to ..." per model.
+                bridge.to(dtype=dtype, print_details=False)
         return ExperimentSetup(
             models=models,
             relations=made,
@@ -381,7 +382,8 @@ def setup_experiment(
         )
         if dtype is not None:
             for bridge in models:
-                bridge.to(dtype=dtype)
+                # Quietly: TransformerLens would print "Changing model dtype to ..." per model.
+                bridge.to(dtype=dtype, print_details=False)
         label = f"{_short(checkpoints[0])}, finetuned here"
     else:
         models, made = checkpoint_setup(
@@ -477,6 +479,7 @@ def run_spec(
     options: RunOptions | None = None,
     extras: Mapping[str, Any] | None = None,
     on_chunk: Callable[[ChunkInfo], None] | None = None,
+    prompts: Sequence[TestSet] | None = None,
     **settings: Any,
 ) -> dict[str, Any]:
     """Run a named experiment on what :func:`setup_experiment` loaded.
@@ -490,6 +493,10 @@ def run_spec(
         options: How to run; ``settings`` override its fields.
         extras: Values of the experiment's own options (see :class:`Option`).
         on_chunk: Called after each chunk.
+        prompts: Test sets of your own prompts (:func:`~grafting_lens.study.read_prompts`)
+            asked instead of the relations, under the first part's configurations (the
+            others need spans of the paper's prompts, such as the movie title); a grid
+            experiment only. ``n_examples`` keeps the first rows of each.
         **settings: Fields of :class:`~grafting_lens.study.RunOptions`.
 
     The semantics is ``options.semantics`` or, if none is given, the experiment's
@@ -524,6 +531,12 @@ def run_spec(
     assert isinstance(semantics, Semantics)  # with_semantics gives one
     if setup.seeds:  # the toy world's seed goes with every row; explicit seeds come after
         options = dataclasses.replace(options, seeds={**setup.seeds, **options.seeds})
+    if prompts is not None and spec.run is not None:
+        grids = [name for name, other in EXPERIMENTS.items() if other.run is None]
+        raise ExperimentError(
+            f"The {spec.name} experiment asks its own questions; own prompts go with an "
+            f"experiment of configurations: {', '.join(grids)}."
+        )
     if spec.run is not None:
         return dict(
             spec.run(
@@ -548,7 +561,18 @@ def run_spec(
         raise ExperimentError("No relations to ask about: the example set is empty.")
     # Check every part before running any of them.
     parts = []
-    for part in spec.parts:
+    if prompts is not None:
+        first = spec.parts[0]
+        names = first.quick if quick and first.quick is not None else first.configs
+        own = [
+            dataclasses.replace(test_set, examples=test_set.examples[:n_examples])
+            if n_examples is not None and not test_set.is_tokenized
+            else test_set
+            for test_set in prompts
+        ]
+        configs = get_configs(list(names), spec.configurations, semantics=semantics)
+        parts.append((first.name, own, configs))
+    for part in spec.parts if prompts is None else ():
         names = part.quick if quick and part.quick is not None else part.configs
         configs = get_configs(list(names), spec.configurations, semantics=semantics)
         test_sets = make_test_sets(

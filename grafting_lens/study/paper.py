@@ -127,7 +127,7 @@ nothing to act on, so they are refused rather than ignored."""
 register_experiment(
     ExperimentSpec(
         "position",
-        "Position grafting (PRE into SFT)",
+        "Position grafting (SFT into PRE)",
         ("base", "sft"),
         donors={"sft": ("--donor", "the finetuned checkpoint (SFT) grafted into --model")},
         parts=(

@@ -43,7 +43,7 @@ import torch
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from grafting_lens.analysis import metrics, plots
+from grafting_lens.analysis import figure_style, metrics, plots
 from grafting_lens.core.errors import RunError
 from grafting_lens.core.files import DirectoryLock, atomic_write, writing
 from grafting_lens.study.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
@@ -62,6 +62,7 @@ __all__ = [
     "figure_lines",
     "report_settings",
     "summary_markdown",
+    "summary_table",
     "write_experiment_report",
     "write_report",
     "write_table",
@@ -458,6 +459,43 @@ def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) 
     )
 
 
+def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """A summary as a reader sees it: each top-k as ``"40% [31%, 50%]"``, the mean rank
+    with one decimal (0 = the top token, as in the figures), every number rounded.
+
+    A group of fewer than :data:`~grafting_lens.analysis.metrics.MIN_INTERVAL_ROWS` rows shows no
+    interval (``"100% (no interval, n < 10)"``): a bootstrap of two rows is no interval.
+    The console, ``summary.md`` and the tutorials print this table.
+
+    Args:
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`.
+    """
+    from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
+
+    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
+    ks = [c for c in summary.columns if re.fullmatch(r"top\d+", c)]
+
+    def interval(row: pd.Series, column: str, number: str) -> str:
+        value = format(row[column], number)
+        if f"{column}_low" not in row or pd.isna(row[f"{column}_low"]):
+            return value
+        if "n" in row and int(row["n"]) < MIN_INTERVAL_ROWS:
+            return f"{value} (no interval, n < {MIN_INTERVAL_ROWS})"
+        return f"{value} [{format(row[column + '_low'], number)}, {format(row[column + '_high'], number)}]"
+
+    rows = []
+    for _, row in summary.iterrows():
+        cells = {column: row[column] for column in groups}
+        if "n" in row:
+            cells["n"] = int(row["n"])
+        for column in ks:
+            cells[f"top-{column[3:]}"] = interval(row, column, ".0%")
+        if "mean_rank" in row:
+            cells["mean rank"] = interval(row, "mean_rank", ",.1f")
+        rows.append(cells)
+    return pd.DataFrame(rows, index=summary.index)
+
+
 def summary_markdown(
     summary: pd.DataFrame,
     title: str,
@@ -465,7 +503,8 @@ def summary_markdown(
     notes: Sequence[str] = (),
     paper: Sequence[str] = (),
 ) -> str:
-    """A short markdown report: the summary table (top-1, top-5 with intervals, mean rank).
+    """A short markdown report: the summary table (top-1 and top-5 with their 95% intervals,
+    mean rank; see :func:`summary_table`).
 
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`.
@@ -474,24 +513,14 @@ def summary_markdown(
         notes: Lines to list under the table.
         paper: What the paper reports, listed for comparison.
     """
-    group_columns = [
-        c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))
-    ]
-    header = [*group_columns, "n", "top-1", "top-5 [95% CI]", "mean rank"]
+    table = summary_table(summary)
     lines = [f"# {title}", ""]
     if command:
         lines += ["```", command, "```", ""]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for _, row in summary.iterrows():
-        cells = [str(row[c]) for c in group_columns]
-        top5 = f"{row['top5']:.0%} [{row['top5_low']:.0%}, {row['top5_high']:.0%}]"
-        cells += [
-            str(int(row["n"])),
-            f"{row['top1']:.0%}" if "top1" in row else "",
-            top5 if "top5" in row else "",
-            f"{row['mean_rank']:.1f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["Intervals: 95% bootstrap; mean rank: 0 = the top token.", ""]
+    lines += ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    for _, row in table.iterrows():
+        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
     if notes:
         lines += ["", *[f"- {note}" for note in notes]]
     if paper:
@@ -635,7 +664,7 @@ def component_heatmap(
     return plots.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
-        plots._subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
+        figure_style.subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
         width=560 * len(prompts) + 160,
         height=520,
     )
@@ -672,23 +701,19 @@ def component_bars(
             trace.showlegend = row == 1
             trace.legendgroup = trace.name
             figure.add_trace(trace, row=row, col=1)
+        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
         references = rows[rows.component_set.isin(_BASELINES)].sort_values(f"top{k}")
-        previous = None
         for _, baseline in references.iterrows():
             y = float(baseline[f"top{k}"])
-            # Two references a few points apart would print over each other.
-            text = f"{baseline.component_set} {y:.0%}"
-            if previous is not None and y - previous < 0.06 * top[1]:
-                text = "<br>" + text
-            plots.add_reference_line(figure, y, text, row=row, col=1)
-            previous = y
-        figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
+            # Labelled in the right margin; add_reference_line moves a label clear of a
+            # close one and grows the axis to hold the line.
+            plots.add_reference_line(figure, y, f"{baseline.component_set} {y:.0%}", row=row, col=1)
     figure.update_xaxes(title_text="components grafted at the last token", row=len(prompts))
     counts = summary["n"].tolist() if "n" in summary else []
     return plots.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
-        plots._subtitle(caption, counts),
+        figure_style.subtitle(caption, counts),
         barmode="group",
         legend_title_text="layers",
         width=1300,

@@ -89,6 +89,13 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         else "A small subset (16 relations, fewer configurations).",
     )
     add("--n-examples", type=count, help="Ask about the first N relations only.")
+    add(
+        "--prompts",
+        metavar="FILE",
+        help="Your own prompts instead of the relations: a .json list of objects or a .csv "
+        "with the columns prompt, target (' Sandra Bullock', one leading space), and "
+        "optionally first_entity and name (see grafting_lens.study.read_prompts).",
+    )
     add("--batch-size", type=count, default=8, help="Examples per forward pass (default 8).")
     add("--device", help="torch device, e.g. cuda (default: cpu).")
     add(
@@ -230,12 +237,14 @@ def _run_locked(
     from grafting_lens.study import (
         RunOptions,
         prepare_report_directory,
+        read_prompts,
         run_spec,
         setup_experiment,
         write_experiment_report,
     )
     from grafting_lens.study.run_directory import CheckpointDigests
 
+    prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     # Made before loading, so that a checkpoint changed while it loads is noticed.
     known = CheckpointDigests(
         [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
@@ -261,6 +270,8 @@ def _run_locked(
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    if prompts is not None:  # the file's content, not its name, makes the run
+        description["prompts"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()[:16]
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
@@ -282,6 +293,7 @@ def _run_locked(
         options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
+        prompts=prompts,
     )
     elapsed = time.perf_counter() - started
     results = tables["results"]
@@ -289,9 +301,13 @@ def _run_locked(
     notes = [
         f"Models: {setup.label} ("
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
-        + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
+        + (
+            f"); {spec.direction} prompts about the {spec.relations!r} relations."
+            if prompts is None
+            else f"); the prompts of {args.prompts}."
+        ),
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
-        f"{_torch().get_num_threads()} CPU threads"
+        f"{_torch().get_num_threads()} CPU thread{'s' if _torch().get_num_threads() > 1 else ''}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
@@ -564,21 +580,8 @@ def _torch() -> Any:
 
 
 def _print_summary(summary: pd.DataFrame, title: str) -> None:
-    """The summary as a plain table on standard output, intervals beside each accuracy."""
-    import pandas as pd
+    """The summary on standard output: the cells summary.md has, intervals beside each accuracy."""
+    from grafting_lens.study.report import summary_table
 
-    def interval(row: pd.Series, column: str) -> str:
-        return f"{row[column]:.0%} [{row[column + '_low']:.0%}, {row[column + '_high']:.0%}]"
-
-    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
-    table = pd.DataFrame(
-        {
-            **{column: summary[column].astype(str) for column in groups},
-            "n": summary["n"],
-            "top-1": [interval(row, "top1") for _, row in summary.iterrows()],
-            "top-5": [interval(row, "top5") for _, row in summary.iterrows()],
-            "mean rank": [f"{value:.1f}" for value in summary["mean_rank"]],
-        }
-    )
-    print(f"{title} (95% bootstrap CI)")
-    print(table.to_string(index=False))
+    print(f"{title} (95% bootstrap CI; mean rank 0 = the top token)")
+    print(summary_table(summary).to_string(index=False))

@@ -14,9 +14,13 @@ library does (``templates="library"``, what ``semantics="clean"`` asks for).
 
 from __future__ import annotations
 
+import csv
+import json
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +31,14 @@ from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
 
-__all__ = ["CODE_MOVIE_PROMPTS", "MOVIE_PROMPTS", "TestSet", "make_test_sets"]
+__all__ = [
+    "CODE_MOVIE_PROMPTS",
+    "MOVIE_PROMPTS",
+    "PROMPT_COLUMNS",
+    "TestSet",
+    "make_test_sets",
+    "read_prompts",
+]
 
 MOVIE_PROMPTS: dict[str, tuple[str, str]] = {
     "headline_movie": ("{first_actor} starred in {movie_title} alongside", "starred in"),
@@ -206,3 +217,108 @@ def make_test_sets(
             TestSet(examples, dataset=dataset, prompt=prompt, seed=seed, templates=templates)
         )
     return test_sets
+
+
+PROMPT_COLUMNS: dict[str, str] = {
+    "prompt": "the text the model continues (no trailing space)",
+    "target": "the answer's text, starting with one space (' Sandra Bullock')",
+    "first_entity": "optional: the entity named in the prompt, for FE (its first occurrence)",
+    "name": "optional: a label for the prompt (default 'custom'); one test set per name",
+}
+"""The columns of a prompts file (:func:`read_prompts`), and what each holds."""
+
+
+def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[TestSet]:
+    """Test sets from a file of your own prompts: JSON or CSV with the columns of
+    :data:`PROMPT_COLUMNS` (``prompt``, ``target``; optional ``first_entity``, ``name``).
+
+    JSON is a list of objects (``[{"prompt": ..., "target": ...}, ...]``); CSV has a header
+    row. Each row becomes an :class:`~grafting_lens.worlds.data.Example` (``relation_id`` = its row
+    number), one test set per ``name``, with no template wording (``templates=None``), so
+    it runs under any semantics. ``grafting-lens run ... --prompts FILE`` reads it.
+
+    Args:
+        path: A ``.json`` or ``.csv`` file.
+        dataset: The ``dataset`` label of the rows (default: the file's name).
+
+    Raises:
+        ExperimentError: A missing or unreadable file, another format, missing or unknown
+            columns, an empty row, a target breaking the target rule or a ``first_entity``
+            not in its prompt; the message names the row and the fix.
+    """
+    path = Path(path).expanduser()
+    columns = ", ".join(f"{name} ({what})" for name, what in PROMPT_COLUMNS.items())
+    if not path.is_file():
+        raise ExperimentError(
+            f"No prompts file at {path}: pass a .json or .csv file with the columns {columns}."
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ExperimentError(f"Cannot read the prompts file {path}: {error}.") from None
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ExperimentError(
+                f"{path} is not valid JSON ({error}); write a list of objects such as "
+                '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
+                'Bullock", "first_entity": "Keanu Reeves"}].'
+            ) from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ExperimentError(
+                f"{path} holds a {type(rows).__name__}; a prompts file in JSON is a list of "
+                f"objects with the keys {columns}."
+            )
+    elif suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        rows = list(reader)
+        unknown = [c for c in (reader.fieldnames or []) if c not in PROMPT_COLUMNS]
+        if unknown:
+            raise ExperimentError(
+                f"{path} has the unknown columns {unknown}; a prompts file's columns are "
+                f"{columns}. Rename or drop them."
+            )
+    else:
+        raise ExperimentError(
+            f"{path} is neither .json nor .csv: save the prompts as one of them, with the "
+            f"columns {columns}."
+        )
+    if not rows:
+        raise ExperimentError(f"{path} has no prompts: add one row per prompt ({columns}).")
+    groups: dict[str, list[data.Example]] = {}
+    for number, row in enumerate(rows, start=1):
+        where = f"{path}, row {number}"
+        unknown = [key for key in row if key not in PROMPT_COLUMNS]
+        if unknown:
+            raise ExperimentError(
+                f"{where} has the unknown keys {unknown}; the columns are {columns}."
+            )
+        missing = [key for key in ("prompt", "target") if not str(row.get(key) or "").strip()]
+        if missing:
+            raise ExperimentError(
+                f"{where} has no {' and no '.join(missing)}: every row needs a prompt and "
+                "its target."
+            )
+        prompt, target = str(row["prompt"]), str(row["target"])
+        entity = str(row.get("first_entity") or "")
+        spans = {}
+        if entity:
+            start = prompt.find(entity)
+            if start < 0:
+                raise ExperimentError(
+                    f"{where}: first_entity {entity!r} is not in the prompt {prompt!r}; copy "
+                    "it from the prompt as written (case and spacing included)."
+                )
+            spans["first_entity"] = (start, start + len(entity))
+        name = str(row.get("name") or "custom")
+        try:
+            example = data.Example(
+                relation_id=number - 1, prompt_name=name, text=prompt, target=target, spans=spans
+            )
+        except ValueError as error:
+            raise ExperimentError(f"{where}: {error}") from None
+        groups.setdefault(name, []).append(example)
+    label = dataset or path.stem
+    return [TestSet(examples, dataset=label, prompt=name) for name, examples in groups.items()]

@@ -357,7 +357,11 @@ def test_summary_and_figure_put_the_methods_side_by_side(models, batch):
     assert all(len(trace.x) == N_LAYERS and trace.error_y.array is not None for trace in fig.data)
     assert len(fig.layout.shapes) == 2 * len(DEFAULT_PAIRS) * len(models)  # reference lines
     titles = {annotation.text for annotation in fig.layout.annotations}
-    assert {"LT", "FE", "block", "attention", "mlp"} <= titles
+    assert {"block", "attention", "mlp"} <= titles
+    # Each row names its positions in its axis title, clear of the references' labels.
+    assert fig.layout.yaxis.title.text.startswith("LT<br>")
+    assert fig.layout.yaxis4.title.text.startswith("FE<br>")
+    assert plots.figure_problems(fig) == []
     with pytest.raises(GraftingLensError, match="Unknown value 'top3'"):
         plots.plot_comparison(summary, value="top3")
     with pytest.raises(GraftingLensError, match="lacks the columns"):

@@ -19,7 +19,7 @@ def _summary() -> pd.DataFrame:
     rows = []
     for prompt, offset in (("headline", 0), ("qa", 3)):
         for index, config in enumerate(CONFIGS):
-            ranks = [index * 2 + offset + i for i in range(6)]
+            ranks = [index * 2 + offset + i for i in range(12)]  # enough rows for an interval
             rows += [{"config": config, "prompt": prompt, "target_rank": r} for r in ranks]
     return summarize(pd.DataFrame(rows), n_resamples=100)
 
@@ -186,14 +186,14 @@ def test_the_value_axis_fits_the_data():
 
 
 def test_labels_read_as_in_the_paper_and_the_subtitle_says_n_and_the_setting():
-    ranks = {("(FE+LT)^C", "qa"): [9] * 7, ("FE", "qa"): [0] * 7}
+    ranks = {("(FE+LT)^C", "qa"): [9] * 12, ("FE", "qa"): [0] * 12}
     summary = summarize(_rows(ranks), n_resamples=50)
     fig = plots.plot_accuracy(summary, caption="toy world, semantics clean")
     assert list(fig.data[0].x) == ["(FE+LT)<sup>C</sup>", "FE"]
     assert fig.layout.xaxis.title.text == "graft configuration"  # not "config"
     assert fig.layout.legend.title.text == "test prompt"
     subtitle = fig.layout.title.subtitle.text
-    assert "toy world, semantics clean" in subtitle and "n = 7 per bar" in subtitle
+    assert "toy world, semantics clean" in subtitle and "n = 12 per bar" in subtitle
     assert "95% bootstrap" in subtitle
     assert plots.display_label("last_quarter") == "4th quarter"
 
@@ -213,6 +213,9 @@ def test_mean_rank_bars_on_a_log_axis_from_rank_zero():
     assert list(fig.data[0].y) == [1001.0, 1.0]  # rank + 1, so that rank 0 has a place
     assert 10 ** fig.layout.yaxis.range[1] > 1001  # the highest bar fits
     assert "lower is better" in fig.layout.yaxis.title.text
+    # Ticks read as the tables' 0-based ranks: rank 0 at 1, rank 10 at 11...
+    assert list(fig.layout.yaxis.ticktext) == ["0", "10", "100", "1,000"]
+    assert list(fig.layout.yaxis.tickvals) == [1, 11, 101, 1001]
     linear = plots.plot_mean_rank(summary, log=False)
     assert list(linear.data[0].y) == [1000.0, 0.0]
     with pytest.raises(GraftingLensError, match="mean_rank"):
@@ -281,10 +284,135 @@ def test_comparison_references_are_drawn_in_every_panel_and_labelled_once_per_ro
         for m in ("graft", "patch")
         for layer in range(2)
     ]
-    references = pd.DataFrame([dict(model="SFT stream, PRE readout", top5=0.4)])
+    references = pd.DataFrame(
+        [dict(model="SFT stream, PRE readout", top5=0.4), dict(model="sft", top5=0.4)]
+    )
     fig = plots.plot_comparison(pd.DataFrame(rows), references=references)
-    assert len(fig.layout.shapes) == 2 * 3  # a line in each of the six panels
-    labels = [a for a in fig.layout.annotations if a.text == "SFT stream, PRE readout"]
-    assert len(labels) == 2  # one per row, in the first column
+    assert len(fig.layout.shapes) == 2 * 3  # one line per value in each of the six panels
+    # References at one value share a label, one per row, in the right margin of the last
+    # panel (not inside a panel, on the data).
+    labels = [a for a in fig.layout.annotations if a.name == "reference"]
+    assert [a.text for a in labels] == ["SFT stream, PRE readout = sft 40%"] * 2
+    assert all(a.xref.endswith("domain") and a.x == 1.0 and a.xanchor == "left" for a in labels)
+    assert {a.xref for a in labels} == {"x3 domain", "x6 domain"}
     low, high = fig.layout.yaxis.range
     assert high == 0.5 and low < 0  # fitted to the data and the reference, not 0-100%
+    assert plots.figure_problems(fig) == []
+
+
+# ------------------------------------------------------------ every figure fits its data
+
+
+def _comparison_summary(top: float = 0.2) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            dict(
+                positions=p,
+                pair=pair,
+                method=m,
+                layer=layer,
+                top5=top / 2,
+                top5_low=0.0,
+                top5_high=top,
+                mean_rank=40.0 + layer,
+                mean_rank_low=30.0,
+                mean_rank_high=60.0 + layer,
+                n=12,
+            )
+            for p in ("LT", "FE")
+            for pair in ("block", "attn")
+            for m in ("graft", "patch")
+            for layer in range(16)
+        ]
+    )
+
+
+def _figures() -> dict[str, go.Figure]:
+    """One of each figure the library makes, with references outside the data's range."""
+    from grafting_lens.study import report
+
+    summary = _summary()
+    component = _component_summary()
+    few = summarize(_rows({("PRE", "qa"): [0, 0], ("SFT", "qa"): [3, 900]}), n_resamples=20)
+    # A DONOR far above bars under 50%: the tutorial's component figure.
+    donor = plots.plot_accuracy(component[component.component_set == "O+FFN"], x="layer_range")
+    plots.add_reference_line(donor, 0.98, "DONOR 98%")
+    plots.add_reference_line(donor, 0.94, "SFT 94%")
+    references = pd.DataFrame([dict(model="sft", top5=0.97), dict(model="base", top5=0.01)])
+    recovery = pd.DataFrame(
+        {"prompts": ["search"] * 3, "cells": [0, 1, 2], "cell": ["", "a", "b"]}
+    ).assign(recovery=[0.0, 0.6, 1.3])
+    return {
+        "accuracy": plots.plot_accuracy(summary),
+        "accuracy, n = 2": plots.plot_accuracy(few),
+        "mean rank (log)": plots.plot_mean_rank(summary),
+        "mean rank (linear)": plots.plot_mean_rank(few, log=False),
+        "accuracy with a DONOR line": donor,
+        "comparison": plots.plot_comparison(_comparison_summary(), references=references),
+        "comparison, mean rank": plots.plot_comparison(
+            _comparison_summary(),
+            value="mean_rank",
+            references=pd.DataFrame([dict(model="sft", mean_rank=500.0)]),
+        ),
+        "attribution": plots.plot_attribution(_attribution_frame()),
+        "recovery": plots.plot_recovery(recovery, fraction=0.8),
+        "component bars": report.component_bars(component, "Component grafting"),
+        "component heatmap": report.component_heatmap(component, "Component grafting"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_figures()))
+def test_every_figure_holds_its_data_and_its_reference_lines(name):
+    fig = _figures()[name]
+    assert plots.figure_problems(fig) == []
+    # Never a cut title: wrapped to the figure's width.
+    width = fig.layout.width or 760
+    title = fig.layout.title.text
+    assert title and max(len(line) for line in title.split("<br>")) <= max(30, width / 10.5)
+
+
+def test_figure_problems_names_a_hidden_line_and_a_washed_out_colour_scale():
+    fig = go.Figure(go.Bar(x=["a"], y=[0.3], error_y=dict(array=[0.1])))
+    fig.update_yaxes(range=[0, 0.5])
+    assert plots.figure_problems(fig) == []
+    fig.add_hline(y=0.98)  # plotly's own line does not grow the range
+    assert plots.figure_problems(fig) == [
+        "a reference line at 0.98 is outside the axis y's range [0, 0.5]"
+    ]
+    heatmap = go.Figure(go.Heatmap(z=[[-4.0, 7.0]], zmin=-60, zmax=60, name="shift"))
+    assert "nearly blank" in plots.figure_problems(heatmap)[0]
+    heatmap.data[0].update(zmin=-7, zmax=7)
+    assert plots.figure_problems(heatmap) == []
+
+
+def test_a_reference_line_grows_the_axis_and_close_labels_move_apart():
+    summary = summarize(_rows({("PRE", "qa"): [9] * 12}), n_resamples=20)
+    fig = plots.plot_accuracy(summary)
+    assert fig.layout.yaxis.range[1] < 0.1
+    plots.add_reference_line(fig, 0.98, "DONOR 98%")
+    plots.add_reference_line(fig, 0.96, "SFT 96%")
+    assert fig.layout.yaxis.range[1] >= 0.98
+    labels = [a for a in fig.layout.annotations if a.name == "reference"]
+    assert [a.yshift for a in labels] == [0, -14]  # the lower one moved under the other
+
+
+def test_fewer_than_ten_rows_draw_no_interval_and_say_so():
+    few = summarize(_rows({("PRE", "qa"): [0, 0], ("SFT", "qa"): [0] * 12}), n_resamples=20)
+    fig = plots.plot_accuracy(few)
+    bar = fig.data[0]
+    assert pd.isna(bar.error_y.array[0]) and pd.isna(bar.error_y.arrayminus[0])
+    assert not pd.isna(bar.error_y.array[1])  # 12 rows: an interval
+    assert "none under 10 rows" in fig.layout.title.subtitle.text
+    only_few = plots.plot_accuracy(few[few.config == "PRE"])
+    assert "no interval: too few rows" in only_few.layout.title.subtitle.text
+    assert "bootstrap interval" not in only_few.layout.title.subtitle.text
+
+
+def test_a_long_title_wraps_at_words():
+    text = plots.wrap_text("Relation model grafted into the task model (headline prompt)", 30)
+    assert text.split("<br>") == [
+        "Relation model grafted into",
+        "the task model (headline",
+        "prompt)",
+    ]
+    assert plots.wrap_text("(FE+LT)<sup>C</sup> is short", 12) == "(FE+LT)<sup>C</sup> is<br>short"

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from conftest import invoke, make_tokenizer, random_model
 
+from grafting_lens import study as experiments
 from grafting_lens.study import POSITION_CONFIGS, cli, run_command
 from grafting_lens.worlds import toy
 
@@ -536,3 +537,40 @@ def test_python_m_grafting_lens_cli_runs_the_command():
         env=environment,
     )
     assert "Experiments:" in listed.stdout and "demo" in listed.stdout
+
+
+def test_own_prompts_from_a_file_run_through_the_command(tmp_path, world, capfd):
+    from grafting_lens.worlds import data
+
+    examples = data.make_examples(world.relations[:3], prompt="headline")
+    prompts = tmp_path / "mine.csv"
+    lines = ["prompt,target,first_entity,name"]
+    for example in examples:
+        start, end = example.spans["first_entity"]
+        lines.append(f'"{example.text}","{example.target}","{example.text[start:end]}",ours')
+    prompts.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    result = invoke(["demo", "--out", str(out), "--prompts", str(prompts), "--no-progress"])
+    assert result.exit_code == 0, _output(result)
+    results = pd.read_csv(out / "results.csv")
+    paper = results[results.part == "paper"]
+    assert len(results) == len(paper) == 3 * len(experiments.PAPER_POSITION_CONFIGS)
+    assert set(results.dataset) == {"mine"} and set(results.prompt) == {"ours"}
+    assert sorted(results.text.unique()) == sorted(e.text for e in examples)
+    summary = (out / "summary.md").read_text()
+    # Three rows per bar: no interval is claimed, and the table says so.
+    assert "(no interval, n < 10)" in summary and "[100%, 100%]" not in summary
+    # What was typed, and no more; a thread is a thread; TransformerLens's dtype line once
+    # at most (none: the bridges are cast quietly).
+    assert "--batch-size" not in summary
+    assert " on 1 CPU thread " in summary or " on 1 CPU thread." in summary
+    assert "Changing model dtype" not in capfd.readouterr().out + result.output
+
+
+def test_a_prompts_file_with_a_mistake_is_refused_naming_the_row_and_the_fix(tmp_path, world):
+    prompts = tmp_path / "mine.json"
+    prompts.write_text('[{"prompt": "Keanu Reeves starred alongside", "target": "Sandra"}]')
+    result = invoke(["demo", "--out", str(tmp_path / "out"), "--prompts", str(prompts)])
+    assert result.exit_code == 1
+    assert "mine.json, row 1" in _output(result) and "write ' Sandra'" in _output(result)
+    assert not (tmp_path / "out" / "results.csv").exists()

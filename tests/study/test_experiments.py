@@ -749,3 +749,62 @@ def test_scripts_refuse_bad_arguments_before_running(
     assert versus.main(["--out", str(tmp_path / "e"), "--donor", "x", *tiny_world_args]) == 1
     assert "--donor needs --model" in capsys.readouterr().err
     assert count_forwards["n"] == 0
+
+
+# ----------------------------------------------------------------- own prompts from a file
+
+
+def test_read_prompts_takes_json_and_csv_with_one_test_set_per_name(tmp_path):
+    rows = [
+        {
+            "prompt": "Keanu Reeves starred in a movie alongside",
+            "target": " Sandra Bullock",
+            "first_entity": "Keanu Reeves",
+            "name": "headline",
+        },
+        {"prompt": "Q: Who starred with Meryl Streep? A:", "target": " Tom Hanks", "name": "qa"},
+    ]
+    as_json = tmp_path / "facts.json"
+    as_json.write_text(json.dumps(rows))
+    as_csv = tmp_path / "facts.csv"
+    as_csv.write_text(
+        "prompt,target,first_entity,name\n"
+        "Keanu Reeves starred in a movie alongside, Sandra Bullock,Keanu Reeves,headline\n"
+        "Q: Who starred with Meryl Streep? A:, Tom Hanks,,qa\n"
+    )
+    for path in (as_json, as_csv):
+        test_sets = experiments.read_prompts(path)
+        assert [(t.dataset, t.prompt, t.templates) for t in test_sets] == [
+            ("facts", "headline", None),
+            ("facts", "qa", None),
+        ]
+        headline = test_sets[0].examples[0]
+        assert headline.target == " Sandra Bullock"
+        assert headline.text[slice(*headline.spans["first_entity"])] == "Keanu Reeves"
+        assert test_sets[1].examples[0].spans == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("p.json", "[{'prompt': 1}]", "not valid JSON"),
+        ("p.json", '{"prompt": "a", "target": " b"}', "list of objects"),
+        ("p.txt", "prompt,target", "neither .json nor .csv"),
+        ("p.csv", "prompt,answer\nA b, c\n", "unknown columns \\['answer'\\]"),
+        ("p.csv", "prompt,target\n", "no prompts"),
+        ("p.json", '[{"prompt": "Who is it?", "target": ""}]', "row 1 has no target"),
+        ("p.json", '[{"prompt": "Who is it?", "target": "Bob"}]', "row 1.*write ' Bob'"),
+        (
+            "p.json",
+            '[{"prompt": "Who is it?", "target": " Bob", "first_entity": "Alice"}]',
+            "first_entity 'Alice' is not in the prompt",
+        ),
+    ],
+)
+def test_a_prompts_file_with_a_mistake_names_it_and_the_fix(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(GraftingLensError, match=message):
+        experiments.read_prompts(path)
+    with pytest.raises(GraftingLensError, match="No prompts file at"):
+        experiments.read_prompts(tmp_path / "missing.json")

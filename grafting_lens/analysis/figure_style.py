@@ -1,0 +1,454 @@
+"""One plot style for every figure, the checks that it fits, and saving figures.
+
+Every figure of the package follows one style (:func:`figure_style` and the helpers it
+uses): the value axis scaled to the data (not 0-100% when every bar is under 10%), labels
+a reader knows (``"layers"``, ``"2nd quarter"``, ``(FE+LT)<sup>C</sup>``) instead of
+column names, ``n`` and what the whiskers are in the subtitle, titles wrapped to the
+figure's width and never cut, legends under the plot, and reference lines
+(:func:`add_reference_line`) labelled in the margin, clear of the bars and of each other,
+the axis grown to hold them. :func:`figure_problems` lists what a figure shows outside its
+axes (a value, an interval end, a reference line) and colour scales its data leave blank;
+the tests run it on every figure the package makes.
+
+:func:`save_figure` always writes an interactive, self-contained HTML file, and a PNG when
+it can. Static export goes through kaleido, which drives a headless Chrome; on a server or
+in CI there often is none. Then the HTML is still written, and the returned dict (and a
+warning) says why the PNG is missing and how to get it, instead of a crash at the end of a
+long run. Both files are written to a temporary name and renamed, so a file that exists is
+complete.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
+from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.files import atomic_write
+
+__all__ = [
+    "COLUMN_TITLES",
+    "FONT",
+    "INTERVAL_NOTE",
+    "NOTEBOOK_WIDTH",
+    "NO_CHROME_HINT",
+    "PALETTE",
+    "VALUE_LABELS",
+    "add_reference_line",
+    "axis_range",
+    "axis_span",
+    "column_title",
+    "display_label",
+    "extend_range",
+    "figure_problems",
+    "figure_style",
+    "save_figure",
+    "subtitle",
+    "wrap_text",
+    "yaxis_name",
+]
+
+NO_CHROME_HINT = (
+    "no Chrome found: run `plotly_get_chrome` or `apt-get install chromium` "
+    "(or set BROWSER_PATH to a Chrome/Chromium binary), then save again"
+)
+"""Why a PNG is missing when kaleido finds no browser, and how to fix it."""
+
+
+COLUMN_TITLES: dict[str, str] = {
+    "config": "graft configuration",
+    "prompt": "test prompt",
+    "component_set": "components grafted at the last token",
+    "layer_range": "layers",
+    "positions": "positions",
+    "pair": "components",
+    "method": "method",
+    "model": "model",
+    "layer": "layer",
+    "semantics": "semantics",
+}
+"""What a summary's columns are called on a figure's axes and legends."""
+
+
+VALUE_LABELS: dict[str, str] = {
+    "all": "all layers",
+    "first_half": "first half",
+    "last_half": "last half",
+    "first_quarter": "1st quarter",
+    "second_quarter": "2nd quarter",
+    "third_quarter": "3rd quarter",
+    "last_quarter": "4th quarter",
+}
+"""How the layer ranges read on a figure."""
+
+
+PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
+"""Colours, one per trace, in order."""
+
+
+FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
+
+
+INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
+
+
+def display_label(value: Any) -> str:
+    """A value as a figure shows it: ``"(FE+LT)^C"`` -> ``"(FE+LT)<sup>C</sup>"``,
+    ``"last_quarter"`` -> ``"4th quarter"``; anything else as ``str`` gives it."""
+    text = str(value)
+    if text in VALUE_LABELS:
+        return VALUE_LABELS[text]
+    return re.sub(r"\^(\w+)", r"<sup>\1</sup>", text)
+
+
+def column_title(column: str) -> str:
+    """A column's name as an axis or legend title (:data:`COLUMN_TITLES`, else spaced words)."""
+    return COLUMN_TITLES.get(column, column.replace("_", " "))
+
+
+def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]:
+    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room.
+
+    For fractions the top is the smallest of 5%, 10%, 20%, 25%, 50%, 75% and 100% that
+    leaves room above the highest value (a little over 100% when a value reaches it);
+    otherwise the highest value plus 10%.
+    """
+    finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    top = max(finite, default=0.0)
+    if not fraction:
+        return [0.0, top * 1.1 if top > 0 else 1.0]
+    for step in (0.05, 0.1, 0.2, 0.25, 0.5, 0.75):
+        if top * 1.08 <= step:
+            return [0.0, step]
+    return [0.0, 1.05]
+
+
+def subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
+    parts = [caption] if caption else []
+    distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
+    if len(distinct) == 1:
+        parts.append(f"n = {distinct[0]} per bar")
+    elif distinct:
+        parts.append(f"n = {distinct[0]} to {distinct[-1]} per bar")
+    if interval:
+        if distinct and distinct[-1] < MIN_INTERVAL_ROWS:
+            parts.append(f"no interval: too few rows (under {MIN_INTERVAL_ROWS})")
+        elif distinct and distinct[0] < MIN_INTERVAL_ROWS:
+            parts.append(INTERVAL_NOTE + f", none under {MIN_INTERVAL_ROWS} rows")
+        else:
+            parts.append(INTERVAL_NOTE)
+    if caption and len(parts) > 1:  # the setting on its own line, the counts under it
+        return caption + "<br>" + "; ".join(parts[1:])
+    return "; ".join(parts)
+
+
+def wrap_text(text: str, width: int) -> str:
+    """``text`` broken with ``<br>`` at spaces so that no line is longer than ``width``
+    characters (plotly never wraps a title: a long one is cut at the figure's edge).
+
+    Existing ``<br>`` breaks are kept; markup such as ``<sup>C</sup>`` counts as no width.
+    """
+    lines: list[str] = []
+    for line in text.split("<br>"):
+        current: list[str] = []
+        length = 0
+        for word in line.split(" "):
+            size = len(re.sub(r"<[^>]+>", "", word))
+            if current and length + 1 + size > width:
+                lines.append(" ".join(current))
+                current, length = [], 0
+            current.append(word)
+            length += size + (1 if length else 0)
+        lines.append(" ".join(current))
+    return "<br>".join(lines)
+
+
+NOTEBOOK_WIDTH = 760
+"""The width a figure gets when none is set: about the docs' column at 1280 px."""
+
+
+def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
+    """The house style: white template, a readable font, the title and its subtitle wrapped
+    to the figure's width (never cut), the legend under the plot (clear of the data and of
+    the reference lines' labels in the right margin). Returns ``fig``.
+
+    ``layout`` overrides any of these (``width``, ``height``, ``legend``...).
+    """
+    width = layout.get("width") or fig.layout.width or NOTEBOOK_WIDTH
+    fig.update_layout(
+        template="plotly_white",
+        font=FONT,
+        title=dict(
+            text=wrap_text(title, max(30, int(width / 10.5))),
+            subtitle=dict(
+                text=wrap_text(subtitle, max(40, int(width / 7.2))),
+                font=dict(size=12, color="#555"),
+            ),
+        ),
+        legend=dict(
+            orientation="h",
+            yref="container",
+            yanchor="bottom",
+            y=0.0,
+            x=0.0,
+            xanchor="left",
+        ),
+    )
+    lines = 1 + fig.layout.title.text.count("<br>")
+    if subtitle:
+        lines += 1 + fig.layout.title.subtitle.text.count("<br>")
+    margin_right = max(fig.layout.margin.r or 0, 40)
+    # Panels' titles (make_subplots puts them above the plot area) need a line of their own
+    # under the subtitle.
+    panel_titles = any(
+        a.yref == "paper" and a.y is not None and a.y >= 1 for a in fig.layout.annotations
+    )
+    fig.update_layout(
+        margin=dict(t=50 + 20 * lines + 24 * panel_titles, r=margin_right, b=110),
+        **layout,
+    )
+    return fig
+
+
+def add_reference_line(
+    fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
+) -> None:
+    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars.
+
+    The value axis grows to hold the line when its range is set and ``y`` is outside it (a
+    DONOR line at 98% is never drawn off a 0-50% axis); a label within a few percent of
+    the axis of another reference's label moves a line's height away from it; the right
+    margin widens to fit the label.
+    """
+    target = {} if row is None else dict(row=row, col=col)
+    axis = "y" if row is None else yaxis_name(fig, row, col)
+    extend_range(fig, axis, y)
+    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), **target)
+    xref = "x domain" if row is None else axis.replace("y", "x") + " domain"
+    low, high = axis_span(fig, axis)
+    close = [
+        a
+        for a in fig.layout.annotations
+        if a.name == "reference" and a.yref == axis and abs(float(a.y) - y) < 0.06 * (high - low)
+    ]
+    shift = 0
+    if close:
+        above = y >= max(float(a.y) for a in close)
+        shift = (1 if above else -1) * 14 * len(close)
+    fig.add_annotation(
+        x=1.0,
+        xref=xref,
+        xanchor="left",
+        y=y,
+        yref=axis,
+        yshift=shift,
+        text=text,
+        name="reference",
+        showarrow=False,
+        font=dict(size=11, color="#333"),
+        xshift=4,
+    )
+    width = 6.5 * len(re.sub(r"<[^>]+>", "", text)) + 16
+    if (fig.layout.margin.r or 80) < width:
+        fig.update_layout(margin_r=int(width))
+
+
+def axis_span(fig: go.Figure, axis: str) -> tuple[float, float]:
+    """The range a linear axis shows (set, else 0 to 1), in data units."""
+    layout_axis = fig.layout[axis.replace("y", "yaxis")]
+    if layout_axis.range is not None and layout_axis.type != "log":
+        return float(layout_axis.range[0]), float(layout_axis.range[1])
+    return 0.0, 1.0
+
+
+def extend_range(fig: go.Figure, axis: str, y: float) -> None:
+    """Grow a set range of ``axis`` ("y", "y2"...) so that it holds ``y``, with a little room."""
+    layout_axis = fig.layout[axis.replace("y", "yaxis")]
+    if layout_axis.range is None or not math.isfinite(y):
+        return
+    low, high = (float(v) for v in layout_axis.range)
+    value = math.log10(y) if layout_axis.type == "log" and y > 0 else y
+    if low <= value <= high:
+        return
+    room = 0.06 * (max(high, value) - min(low, value))
+    layout_axis.range = [min(low, value - room), max(high, value + room)]
+
+
+def yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
+    """The y axis of a subplot, as an annotation names it ("y", "y2"...)."""
+    subplot = fig.get_subplot(row, col if col is not None else 1)
+    anchor = subplot.yaxis.plotly_name  # "yaxis", "yaxis2"...
+    return anchor.replace("axis", "")
+
+
+def save_figure(
+    fig: go.Figure,
+    path: str | os.PathLike,
+    png: bool = True,
+    scale: float = 2.0,
+    include_plotlyjs: bool | str = True,
+    warn: bool = True,
+) -> dict[str, Any]:
+    """Write ``path.html`` always, and ``path.png`` when a browser for kaleido is available.
+
+    Args:
+        fig: The figure.
+        path: Destination without suffix, e.g. ``"out/position_grafting"``; its
+            directory is created if needed.
+        png: Also try the static PNG.
+        scale: PNG resolution multiplier.
+        include_plotlyjs: Passed to ``Figure.to_html``; ``True`` embeds plotly.js so
+            the HTML opens offline, ``"cdn"`` makes it small but needs a network.
+        warn: Emit a warning when the PNG could not be written.
+
+    Returns:
+        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths
+        written and, when ``png`` was asked for but not written, the reason.
+
+    Raises:
+        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
+            be written (nothing else is worth the HTML's loss).
+    """
+    base = Path(path)
+    if base.suffix.lower() in (".html", ".png"):
+        base = base.with_suffix("")
+    if base.is_dir():
+        raise GraftingLensError(
+            f"{base} is a directory; pass a file path without suffix, e.g. {base / 'figure'}."
+        )
+    base.parent.mkdir(parents=True, exist_ok=True)
+    html_path = base.with_name(base.name + ".html")
+    png_path = base.with_name(base.name + ".png")
+    try:
+        atomic_write(
+            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
+        )
+    except OSError as error:
+        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
+    result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
+    if not png:
+        return result
+    try:
+        image = fig.to_image(format="png", scale=scale)
+        atomic_write(png_path, image)
+        result["png"] = str(png_path)
+    except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
+        result["png_error"] = _png_failure_reason(error)
+        if warn:
+            warnings.warn(
+                f"Wrote {html_path} but no PNG: {result['png_error']}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return result
+
+
+def _png_failure_reason(error: BaseException) -> str:
+    """A one-line reason for a failed PNG export, with the fix when one is known."""
+    message = " ".join(str(error).split())
+    lowered = message.lower()
+    if "chrome" in lowered or "chromium" in lowered or "browser" in lowered:
+        return f"{NO_CHROME_HINT} (kaleido said: {message})"
+    if "kaleido" in lowered and ("install" in lowered or "requires" in lowered):
+        return f"kaleido is not installed: `pip install kaleido` (plotly said: {message})"
+    return f"PNG export failed with {type(error).__name__}: {message}"
+
+
+def figure_problems(fig: go.Figure) -> list[str]:
+    """What a figure hides: values, interval ends, reference lines or their labels outside
+    the value axis's set range, and heatmap cells outside their colour scale or lost in it.
+
+    An axis left to autorange fits its data by construction; only a set ``range`` can
+    hide something (a 0-50% axis under a DONOR line at 98%). A colour scale whose data
+    fill less than a quarter of it leaves every cell nearly white.
+
+    Returns:
+        One line per problem, naming the trace or line and the range; empty when none.
+    """
+    problems: list[str] = []
+    layout = fig.layout
+    plotted: dict[str, list[tuple[str, float]]] = {}
+    for index, trace in enumerate(fig.data):
+        name = trace.name or f"trace {index}"
+        if trace.type == "heatmap":
+            problems += _colour_scale_problems(trace, name)
+            continue
+        if trace.type not in ("bar", "scatter") or getattr(trace, "orientation", None) == "h":
+            continue
+        values = [float(v) for v in (trace.y if trace.y is not None else ()) if _finite(v)]
+        error = trace.error_y
+        if error is not None and error.array is not None:
+            plus = list(error.array)
+            minus = list(error.arrayminus) if error.arrayminus is not None else plus
+            values += [
+                float(v) + float(p) for v, p in zip(trace.y, plus) if _finite(v) and _finite(p)
+            ]
+            values += [
+                float(v) - float(m) for v, m in zip(trace.y, minus) if _finite(v) and _finite(m)
+            ]
+        axis = trace.yaxis or "y"
+        plotted.setdefault(axis, []).extend((f"{name!r}", v) for v in values)
+    for shape in layout.shapes:
+        if shape.type == "line" and shape.y0 is not None and shape.y0 == shape.y1:
+            axis = (shape.yref or "y").split(" ")[0]
+            plotted.setdefault(axis, []).append(("a reference line", float(shape.y0)))
+    for annotation in layout.annotations:
+        if annotation.name == "reference" and annotation.yref:
+            plotted.setdefault(annotation.yref, []).append(
+                (f"the label {annotation.text!r}", float(annotation.y))
+            )
+    for axis, points in plotted.items():
+        layout_axis = layout[axis.replace("y", "yaxis")]
+        if layout_axis is None or layout_axis.range is None:
+            continue
+        low, high = (float(v) for v in layout_axis.range)
+        log = layout_axis.type == "log"
+        for what, value in points:
+            shown = math.log10(value) if log and value > 0 else value
+            if log and value <= 0:
+                problems.append(f"{what} at {value:g} cannot be drawn on the log axis {axis}")
+            elif not low - 1e-9 <= shown <= high + 1e-9:
+                problems.append(
+                    f"{what} at {value:g} is outside the axis {axis}'s range "
+                    f"[{low:g}, {high:g}]" + (" (log10)" if log else "")
+                )
+    return problems
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _colour_scale_problems(trace: Any, name: str) -> list[str]:
+    cells = [
+        float(v) for row in (trace.z if trace.z is not None else ()) for v in row if _finite(v)
+    ]
+    if not cells or trace.zmin is None or trace.zmax is None:
+        return []
+    low, high = float(trace.zmin), float(trace.zmax)
+    problems = []
+    outside = [v for v in cells if not low - 1e-9 <= v <= high + 1e-9]
+    if outside:
+        problems.append(
+            f"heatmap {name!r}: {len(outside)} cells outside its colour scale [{low:g}, {high:g}]"
+        )
+    extent = max(abs(low), abs(high))
+    if extent > 0 and max(abs(v) for v in cells) < 0.25 * extent:
+        problems.append(
+            f"heatmap {name!r}: its cells reach {max(abs(v) for v in cells):g}, under a quarter "
+            f"of its colour scale [{low:g}, {high:g}], so they are nearly blank"
+        )
+    return problems
