@@ -56,9 +56,14 @@ def count(text: str) -> int:
     return value
 
 
-def experiment_parser(experiment: str) -> argparse.ArgumentParser:
+def experiment_parser(experiment: str, prog: str | None = None) -> argparse.ArgumentParser:
     """The options of ``grafting-lens run <experiment>``: those every run shares, its donor
     options (from its spec) and its own.
+
+    Args:
+        experiment: A registered experiment.
+        prog: How its usage names the command (default ``grafting-lens run <experiment>``;
+            ``grafting-lens demo`` for the demo).
 
     Raises:
         ExperimentError: An unknown experiment.
@@ -67,7 +72,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
 
     spec = get_experiment(experiment)
     parser = argparse.ArgumentParser(
-        prog=f"grafting-lens run {spec.name}",
+        prog=prog or f"grafting-lens run {spec.name}",
         description=spec.title,
     )
     add = parser.add_argument
@@ -182,7 +187,7 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
         2 for options that do not parse.
     """
     try:
-        parser = experiment_parser(experiment)
+        parser = experiment_parser(experiment, prog=command)
     except GraftingLensError as error:
         print(f"Error: {error}", file=sys.stderr)
         return 1
