@@ -166,7 +166,9 @@ class SourceDispatch(nn.Module):
                     f"{list(primary.shape)}, so its rows cannot be routed with the input's"
                 )
         pieces = []
-        for source, index in plan.parts:
+        # Indices on the device of the activation they index: on a layer-split model
+        # (accelerate's device_map) each layer's activations are on its own device.
+        for source, index in plan.parts_on(primary.device):
             taken_args = tuple(take_rows(layout, x, index) for x in args)
             taken_kwargs = {name: take_rows(layout, x, index) for name, x in kwargs.items()}
             pieces.append((index, call_module(self._sources[source], taken_args, taken_kwargs)))
@@ -208,10 +210,11 @@ class SourceDispatch(nn.Module):
         batch, length = plan.window.shape
         rows: torch.Tensor | None = None
         layout: Layout | None = None
-        for source, index in plan.parts:
+        for source, _ in plan.parts:
             output = call_module(self._sources[source], args, kwargs)
             if not isinstance(output, torch.Tensor):
                 raise self._refusal(f"a {type(output).__name__} output where a tensor was expected")
+            index = dict(plan.parts_on(output.device))[source]
             layout = layout or Layout.of(output.shape, batch, length, 1)
             if layout is None or not layout.fits(output.shape):
                 raise self._refusal(
@@ -270,7 +273,8 @@ class SourceDispatch(nn.Module):
         if cache_key in vectors:
             return vectors[cache_key]
         batch, length = plan.window.shape
-        rows = torch.stack([getattr(source, name) for source in sources])[plan.window.reshape(-1)]
+        stacked = torch.stack([getattr(source, name) for source in sources])
+        rows = stacked[plan.window_on(stacked.device).reshape(-1)]
         layout = None if reading is None else self._layout(reading, batch, length)
         per_position = rows.reshape(position_shape(layout, reading, value.shape, batch, length))
         if not torch.is_grad_enabled():
@@ -285,7 +289,7 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[GraftState]:
     _check_mask(models, mask)
     _check_not_grafting(models)
     used = _used_sources(mask)
-    state = GraftState(mask, models.device)
+    state = GraftState(mask)
     swapped: list[tuple[Slot, nn.Module]] = []
     embed = models.slots("embed", None)[0].holder(models.base)
     handles = [embed.register_forward_pre_hook(lambda module, args: _check_window(state, args))]
