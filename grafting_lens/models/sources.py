@@ -573,8 +573,9 @@ class LazySource(Source):
 
     Its module for a slot is a copy of the base's module (same class and settings,
     the base's buffers) whose parameters are the donor's tensors, read from disk,
-    cast and moved where the base's are, read once and kept. A file that changed since
-    load time is refused before anything more is read from it (see
+    cast and put on the device of the base module it stands in for (on a layer-split
+    base each layer's own), read once and kept. A file that changed since load time
+    is refused before anything more is read from it (see
     :class:`SafetensorsCheckpoint`). A slot the bridge
     cuts out of a fused matrix (GPT-2's Q, K and V out of ``c_attn``) is cut from the
     donor's fused matrix by the bridge's own split function, so the fused matrix is
@@ -618,7 +619,6 @@ class LazySource(Source):
             for child in fused.children
         }
         self._dtype = dtype
-        self._device = next(base.original_model.parameters()).device
         self._declared = None if declared is None else tuple(declared)
         self._load_whole = load_whole
         self._tensors: dict[str, torch.Tensor] = {}
@@ -712,14 +712,14 @@ class LazySource(Source):
     def _nbytes(self, name: str) -> int:
         return self._files.nbytes(name, self._dtype)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, device: torch.device) -> torch.Tensor:
         tensor = self._files.tensor(name)
-        return tensor.to(device=self._device, dtype=self._dtype or tensor.dtype)
+        return tensor.to(device=device, dtype=self._dtype or tensor.dtype)
 
-    def _tensor(self, name: str) -> torch.Tensor:
+    def _tensor(self, name: str, device: torch.device) -> torch.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
-            tensor = self._tensors[name] = self._read(name)
+            tensor = self._tensors[name] = self._read(name, device)
         return tensor
 
     def _slot_names(self, slots: Iterable[Slot]) -> set[str]:
@@ -731,7 +731,7 @@ class LazySource(Source):
             names.update(self._names[id(p)] for p in template.parameters() if id(p) in self._names)
         return names
 
-    def _build(self, slot: Slot, read: Callable[[str], torch.Tensor]) -> nn.Module:
+    def _build(self, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]) -> nn.Module:
         fused = self._fused.get(slot.path)
         if fused is not None:
             template = fused.fused(self._base)
@@ -741,7 +741,7 @@ class LazySource(Source):
         return structural_copy(template, self._parameters(template, slot, read))
 
     def _parameters(
-        self, template: nn.Module, slot: Slot, read: Callable[[str], torch.Tensor]
+        self, template: nn.Module, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]
     ) -> dict[int, nn.Parameter]:
         replacements = {}
         for local, parameter in template.named_parameters():
@@ -753,8 +753,10 @@ class LazySource(Source):
                     "the checkpoint holds, so this donor cannot be read lazily. Load it whole "
                     "(lazy=False) and please report the architecture."
                 )
+            # Beside the base's module it stands in for: on a layer-split base
+            # (device_map) each layer's modules are on their own device.
             replacements[id(parameter)] = nn.Parameter(
-                read(name), requires_grad=parameter.requires_grad
+                read(name, parameter.device), requires_grad=parameter.requires_grad
             )
         return replacements
 
