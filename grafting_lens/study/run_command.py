@@ -98,6 +98,13 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
         "code loaded them; the checkpoint's for clean).",
     )
     add(
+        "--lazy",
+        action="store_true",
+        help="Open the donors (checkpoint directories of safetensors) lazily: only the "
+        "components a graft takes from them are read, memory-mapped, on first use "
+        "(load_models(lazy=True)); the results are the same.",
+    )
+    add(
         "--threads",
         type=int,
         help="torch CPU threads, at most the cores this process may use (default: 1 for the toy "
@@ -234,13 +241,8 @@ def _run_locked(
         setup_experiment,
         write_experiment_report,
     )
-    from grafting_lens.study.run_directory import CheckpointDigests
+    from grafting_lens.study.run_directory import weights_digests
 
-    # Made before loading, so that a checkpoint changed while it loads is noticed.
-    known = CheckpointDigests(
-        [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
-        load={"dtype": dtype},
-    )
     started = time.perf_counter()
     setup = setup_experiment(
         spec,
@@ -257,10 +259,11 @@ def _run_locked(
         progress=args.progress,
         on_status=lambda line: print(line, file=sys.stderr),
         world=args.world or "toy",
+        lazy=args.lazy,
     )
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
-    description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
@@ -326,6 +329,7 @@ _FREE_OPTIONS = frozenset(
         "model",
         "batch_size",
         "device",
+        "lazy",
         "threads",
         "cache_dir",
         "overwrite",
@@ -353,26 +357,6 @@ def _describe_command_run(
         "relations": hashlib.sha256(relations.encode()).hexdigest()[:16],
         "options": {key: value for key, value in sorted(vars(args).items()) if key not in free},
     }
-
-
-def _checkpoint_dirs(checkpoints: Sequence[str] | None) -> list[Path | None]:
-    """The directory each checkpoint is read from (a hub id's snapshot in the local cache)."""
-    if checkpoints is None:
-        return []
-    found: list[Path | None] = []
-    for checkpoint in checkpoints:
-        path = Path(checkpoint).expanduser()
-        if path.is_dir():
-            found.append(path)
-            continue
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            config = try_to_load_from_cache(checkpoint, "config.json")
-        except Exception:  # noqa: BLE001, a hub id we cannot place is simply hashed
-            config = None
-        found.append(Path(config).parent if isinstance(config, str) else None)
-    return found
 
 
 def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:

@@ -553,12 +553,8 @@ def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantic
         return
     wanted = getattr(torch, semantics.dtype)
     for label, models in model_sets:
-        dtypes = {
-            parameter.dtype
-            for bridge in models
-            for parameter in bridge.original_model.parameters()
-            if parameter.is_floating_point()
-        }
+        # Asked of each source, not of its model: a lazily loaded donor is not read.
+        dtypes = {dtype for source in models.sources for dtype in source.floating_dtypes()}
         if dtypes and dtypes != {wanted}:
             found = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
             raise ExperimentError(
