@@ -469,6 +469,7 @@ def graft_forward(
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     *,
     last_only: bool = False,
+    grad: bool = False,
 ) -> Float[torch.Tensor, "batch pos d_vocab"]:
     """Logits of the grafted model, in a single forward pass.
 
@@ -480,6 +481,11 @@ def graft_forward(
     result is ``[batch, 1, d_vocab]``: with a 49k-token vocabulary the logits of every
     position are most of a scoring pass's memory and much of its time.
 
+    No autograd graph is kept unless ``grad=True``: a graph holds every layer's
+    activations until the logits are freed, which an evaluation never uses. For
+    gradients through a grafted run pass ``grad=True``, or run the model inside
+    :func:`grafting`.
+
     Args:
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` token ids. Each row may be a different prompt or a
@@ -490,6 +496,8 @@ def graft_forward(
             token; it must be the one the mask was built with (see
             :meth:`GraftMask.check_rows`).
         last_only: Return only each row's last real token's logits.
+        grad: Keep the autograd graph (with autograd enabled), so that the logits
+            can be differentiated.
 
     Returns:
         Logits ``[batch, pos, d_vocab]`` (``[batch, 1, d_vocab]`` with ``last_only``).
@@ -499,6 +507,22 @@ def graft_forward(
             attention mask; padded tokens without an attention mask; an attention
             mask holding values other than 0 and 1.
     """
+    if not isinstance(grad, bool) or not isinstance(last_only, bool):
+        raise GraftingError(
+            f"last_only and grad must be True or False, got {last_only!r} and {grad!r}."
+        )
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return _graft_logits(models, tokens, mask, attention_mask, last_only)
+
+
+def _graft_logits(
+    models: ModelSet,
+    tokens: torch.Tensor,
+    mask: GraftMask,
+    attention_mask: torch.Tensor | None,
+    last_only: bool,
+) -> torch.Tensor:
+    """:func:`graft_forward`'s pass, under the autograd mode it set."""
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
     # A grafted unembedding routes every position of the window to its source, so it
     # needs every position's stream: then the full logits are computed and picked from.
