@@ -90,7 +90,7 @@ def experiment_parser(experiment: str) -> argparse.ArgumentParser:
     )
     add("--n-examples", type=count, help="Ask about the first N relations only.")
     add("--batch-size", type=count, default=8, help="Examples per forward pass (default 8).")
-    add("--device", help="torch device, e.g. cuda (default: cpu).")
+    add("--device", help="torch device the models run on, e.g. cuda or cuda:1 (default: the CPU).")
     add(
         "--dtype",
         choices=DTYPES,
@@ -294,7 +294,7 @@ def _run_locked(
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
         + f"); {spec.direction} prompts about the {spec.relations!r} relations.",
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
-        f"{_torch().get_num_threads()} CPU threads"
+        f"{_where(setup.models.device)}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
@@ -338,6 +338,16 @@ _FREE_OPTIONS = frozenset(
     }
 )
 """Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
+
+
+def _where(device: Any) -> str:
+    """Where a run computed, for its summary: the CPU's threads, or the accelerator."""
+    torch = _torch()
+    if device.type == "cpu":
+        return f"{torch.get_num_threads()} CPU threads"
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def _describe_command_run(

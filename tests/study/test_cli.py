@@ -533,3 +533,11 @@ def test_python_m_grafting_lens_cli_runs_the_command():
         env=environment,
     )
     assert "Experiments:" in listed.stdout and "demo" in listed.stdout
+
+
+def test_the_summary_says_where_a_run_computed():
+    import torch
+
+    assert run_command._where(torch.device("cpu")) == f"{torch.get_num_threads()} CPU threads"
+    # Not "CPU threads" for a device that is not the CPU.
+    assert run_command._where(torch.device("meta")) == "meta"
