@@ -710,7 +710,8 @@ def graft_generate(
         state.window = (0, prompt_length)
         logits = models.base(tokens, return_type="logits", **continuing)
         for step in range(max_new_tokens):
-            next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            # Logits come back on the unembedding's device; tokens go to the embedding's.
+            next_token = logits[:, -1].argmax(dim=-1, keepdim=True).to(tokens.device)
             generated.append(next_token)
             if step == max_new_tokens - 1:
                 break
