@@ -42,6 +42,7 @@ import warnings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from devices import add_device_option, clock, describe, resolve
 from graft_speed import gpt2_small, placeholder_tokenizer
 
 import grafting_lens as gl
@@ -51,17 +52,20 @@ from grafting_lens.analysis.batch import TokenizedExamples
 from grafting_lens.worlds import data
 
 
-def best_of(function, repeats: int) -> tuple[float, object]:
+def best_of(function, repeats: int, device: torch.device) -> tuple[float, object]:
     times, result = [], None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock(device)
         result = function()
-        times.append(time.perf_counter() - start)
+        times.append(clock(device) - start)
     return min(times), result
 
 
 def speed(args: argparse.Namespace) -> dict:
-    model_set = gl.load_models(gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer())
+    device = resolve(args.device)
+    model_set = gl.load_models(
+        gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer(), device=device
+    )
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.batch, args.pos)
     vocabulary = model_set.base.cfg.d_vocab
@@ -82,7 +86,7 @@ def speed(args: argparse.Namespace) -> dict:
         progress=False,
     )
     attribution_s, result = best_of(
-        lambda: gl.attribute_grafts(model_set, batch, **options), args.repeats
+        lambda: gl.attribute_grafts(model_set, batch, **options), args.repeats, device
     )
     cells = len(result.frame)
     # The exact sweep: each cell grafted alone, blocks of cells per pass, timed on a
@@ -100,7 +104,7 @@ def speed(args: argparse.Namespace) -> dict:
     subset = [(cell,) for cell in plan.cells[::stride][: args.measured_cells]]
     with torch.inference_mode():
         plan.exact(subset[:2])  # warm up
-        subset_s, _ = best_of(lambda: plan.exact(subset), args.repeats)
+        subset_s, _ = best_of(lambda: plan.exact(subset), args.repeats, device)
     exact_sweep_s = subset_s / len(subset) * cells
     return {
         "cells": cells,
@@ -153,6 +157,7 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--skip-toy", action="store_true", help="only the speed measurement")
+    add_device_option(parser)
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -162,8 +167,7 @@ def main() -> None:
         line.update(agreement())
     line.update(
         {
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
+            **describe(resolve(args.device)),
             "python": platform.python_version(),
             "machine": platform.machine(),
         }

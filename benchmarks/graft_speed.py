@@ -28,7 +28,10 @@ spell on a shared machine slows all of them. ``times`` gives each variant's best
 median and worst of ``--repeats`` rounds (the reference: ``--reference-repeats``);
 ratios use the best, as ``timeit`` advises: noise only ever adds time.
 
-Run: ``python benchmarks/graft_speed.py [--batch 8] [--pos 16] [--repeats 7]``
+The kernel choice (oneDNN or PyTorch) is a CPU matter; on a GPU both names run
+PyTorch's kernel. ``gather_scatter`` profiles CPU time only.
+
+Run: ``python benchmarks/graft_speed.py [--batch 8] [--pos 16] [--repeats 7] [--device cuda]``
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from devices import add_device_option, clock, describe, resolve
 from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -56,6 +60,9 @@ def gpt2_small(seed: int) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config()).eval()
 
 
+CPU = torch.device("cpu")
+
+
 def placeholder_tokenizer() -> PreTrainedTokenizerFast:
     """The bridge wants a tokenizer; the benchmark feeds token ids directly."""
     vocab = {"<|endoftext|>": 0, "a": 1}
@@ -65,16 +72,23 @@ def placeholder_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def rounds(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each variant in ``repeats`` rounds, every variant once per round, after a warm-up."""
+def rounds(
+    variants: dict[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device = CPU,
+) -> dict[str, list[float]]:
+    """Seconds of each variant in ``repeats`` rounds, every variant once per round, after a warm-up.
+
+    The clock is read with ``device`` synchronised, so a GPU's queued work counts.
+    """
     for function in variants.values():
         function()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, function in variants.items():
-            start = time.perf_counter()
+            start = clock(device)
             function()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock(device) - start)
     return times
 
 
@@ -107,14 +121,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--reference-repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    add_device_option(parser)
     args = parser.parse_args()
+    device = resolve(args.device)
     if kernels.policy() != "auto":
         parser.error(f"unset {kernels.ENVIRONMENT_VARIABLE}: the benchmark compares both kernels")
 
-    model_set = gl.load_models(gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer())
+    model_set = gl.load_models(
+        gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer(), device=device
+    )
     generator = torch.Generator().manual_seed(args.seed)
     shape = (args.batch, args.pos)
     tokens = torch.randint(0, model_set.base.cfg.d_vocab, shape, generator=generator)
+    tokens = tokens.to(device)
     pairs = model_set.pairs
     random_mask = gl.GraftMask.from_dict(
         model_set, {pair: torch.randint(0, 2, shape, generator=generator) for pair in pairs}
@@ -133,15 +152,16 @@ def main() -> None:
 
     with torch.inference_mode():
         # The first grafted passes meet every shape bucket: "auto" measures (or reads) here.
-        start = time.perf_counter()
+        start = clock(device)
         for mask in (random_mask, half_mask, base_mask):
             graft(mask, "auto")()
-        first_passes_s = time.perf_counter() - start
+        first_passes_s = clock(device) - start
         single = graft(random_mask, "auto")()
         reference = gl.graft_forward_reference(model_set, tokens, random_mask)
         reference_s = rounds(
             {"reference": lambda: gl.graft_forward_reference(model_set, tokens, random_mask)},
             args.reference_repeats,
+            device,
         )["reference"]
         times = rounds(
             {
@@ -154,6 +174,7 @@ def main() -> None:
                 "plain": lambda: model_set.base(tokens),
             },
             args.repeats,
+            device,
         )
         copies = gather_scatter_share(graft(half_mask, "torch"))
 
@@ -187,10 +208,8 @@ def main() -> None:
                 "pos": args.pos,
                 "repeats": args.repeats,
                 "model": "gpt2-small-shaped, random weights",
-                "threads": torch.get_num_threads(),
-                "cpu": kernels._cpu_model(),
-                "torch": torch.__version__,
-                "load_average": [round(load, 2) for load in os.getloadavg()],
+                **describe(device),
+                "kernel_cpu": kernels._cpu_model(),
             }
         )
     )

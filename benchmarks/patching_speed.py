@@ -31,13 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import time
 
 # A benchmark never downloads: its checkpoints are made here, with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from devices import add_device_option, clock, describe, resolve
 from graft_speed import gpt2_small, placeholder_tokenizer
 from transformer_lens import patching as tl_patching
 
@@ -53,15 +52,20 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64, help="rows per batched forward")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
     parser.add_argument("--seed", type=int, default=0)
+    add_device_option(parser)
     args = parser.parse_args()
+    device = resolve(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    models = gl.load_models(gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer())
+    models = gl.load_models(
+        gpt2_small(0), gpt2_small(1), tokenizer=placeholder_tokenizer(), device=device
+    )
     if not 1 <= args.layers <= models.n_layers:
         parser.error(f"--layers must be in 1..{models.n_layers}")
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, models.base.cfg.d_vocab, (args.batch, args.pos), generator=generator)
+    tokens = tokens.to(device)
     answer, distractor = 11, 13
 
     def per_prompt(logits: torch.Tensor) -> torch.Tensor:
@@ -82,13 +86,13 @@ def main() -> None:
     with torch.no_grad():
         models.base(tokens)  # warm-up
 
-        start = time.perf_counter()
+        start = clock(device)
         batched, _ = resid_patch_sweep(
             models, tokens, per_prompt, layers=layers, chunk_size=args.chunk_size, progress=False
         )
-        batched_s = time.perf_counter() - start
+        batched_s = clock(device) - start
         counting[0] = "last_token"
-        start = time.perf_counter()
+        start = clock(device)
         last_token, _ = resid_patch_sweep(
             models,
             tokens,
@@ -98,10 +102,10 @@ def main() -> None:
             progress=False,
             logits="last",
         )
-        last_token_s = time.perf_counter() - start
+        last_token_s = clock(device) - start
 
         counting[0] = "transformer_lens"
-        start = time.perf_counter()
+        start = clock(device)
         _, donor_cache = models[1].run_with_cache(tokens)
         if args.layers == models.n_layers:
             reference = tl_patching.get_act_patch_resid_pre(
@@ -118,7 +122,7 @@ def main() -> None:
                 activation_name="resid_pre",
                 index_df=index,
             ).reshape(args.layers, args.pos)
-        reference_s = time.perf_counter() - start
+        reference_s = clock(device) - start
 
     cells = args.layers * args.pos
     print(
@@ -128,8 +132,8 @@ def main() -> None:
                 "speedup_last_token": round(reference_s / last_token_s, 2),
                 "max_abs_diff": float(
                     max(
-                        (batched - reference.cpu()).abs().max(),
-                        (last_token - reference.cpu()).abs().max(),
+                        (batched.cpu() - reference.cpu()).abs().max(),
+                        (last_token.cpu() - reference.cpu()).abs().max(),
                     )
                 ),
                 "value_range": float(reference.max() - reference.min()),
@@ -147,9 +151,7 @@ def main() -> None:
                 "batch": args.batch,
                 "chunk_size": args.chunk_size,
                 "model": "gpt2-small-shaped, random weights",
-                "threads": torch.get_num_threads(),
-                "cpu": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
+                **describe(device),
             }
         )
     )

@@ -6,17 +6,16 @@ under ``semantics="clean"`` (as the documented times were measured), in memory. 
 finetuned on fewer; only the time is measured). Builds the toy world on first use.
 Prints one JSON line: rows, seconds, rows per second and the settings.
 
-Run: ``python benchmarks/position_sweep.py [--batch-size 8] [--threads 2]``
+Run: ``python benchmarks/position_sweep.py [--batch-size 8] [--threads 2] [--device cuda]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 
 import torch
+from devices import add_device_option, clock, describe, resolve
 
 from grafting_lens import study as experiments
 from grafting_lens.worlds import data
@@ -27,10 +26,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="examples per forward pass")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--cache-dir", help="where toy worlds are cached")
+    add_device_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = resolve(args.device)
 
-    models, _, world = experiments.toy_setup("position", cache_dir=args.cache_dir, progress=False)
+    models, _, world = experiments.toy_setup(
+        "position", cache_dir=args.cache_dir, device=str(device), progress=False
+    )
     relations = data.make_relations(world["dataset"], n=1000, seed=world["seed"])
     # The sweep the documented times measured: the library's reading and wording (the
     # default semantics, the authors' code's, tokenizes and words the prompts otherwise).
@@ -38,11 +41,11 @@ def main() -> None:
         relations, prompts=("headline", "qa"), dataset=world["dataset"], templates="library"
     )
     configs = list(experiments.PAPER_POSITION_CONFIGS)
-    started = time.perf_counter()
+    started = clock(device)
     results = experiments.run_experiment(
         models, test_sets, configs, batch_size=args.batch_size, semantics="clean", progress=False
     )
-    seconds = time.perf_counter() - started
+    seconds = clock(device) - started
     print(
         json.dumps(
             {
@@ -52,10 +55,8 @@ def main() -> None:
                 "configurations": len(configs),
                 "examples": [len(test_set.examples) for test_set in test_sets],
                 "batch_size": args.batch_size,
-                "threads": torch.get_num_threads(),
                 "models": f"toy world {world['root'].rsplit('/', 1)[-1]}",
-                "cpu": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
+                **describe(device),
             }
         )
     )

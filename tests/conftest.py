@@ -210,6 +210,75 @@ def no_forward_pass(models: gl.ModelSet):
     assert not calls, "a forward pass ran before the error was raised"
 
 
+@pytest.fixture(params=["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def device(request) -> torch.device:
+    """Every device a test can run on here: the CPU, and CUDA where there is one."""
+    return torch.device(request.param)
+
+
+def split_onto_meta(models: gl.ModelSet, first: int = 1) -> None:
+    """Put every source's blocks from ``first`` on, final norm and unembedding on ``meta``.
+
+    A stand-in for a layer-split model (accelerate's ``device_map``) on a machine with
+    one device: each moved module gets a pre-hook that moves its inputs to its device,
+    as accelerate's ``AlignDevicesHook`` does, so activations change device mid-forward
+    and an index left on the embedding's device meets an activation elsewhere. The
+    moved weights are gone: use fresh models, and read shapes and devices only.
+    """
+
+    def to_meta(module: torch.nn.Module) -> None:
+        module.to("meta")
+
+        def move(_module, args, kwargs):
+            def moved(x):
+                return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+            return tuple(moved(x) for x in args), {k: moved(v) for k, v in kwargs.items()}
+
+        for inner in module.modules():
+            inner.register_forward_pre_hook(move, with_kwargs=True)
+
+    for source in models.sources:
+        bridge = source.bridge
+        for block in list(bridge.blocks)[first:]:
+            to_meta(block)
+        to_meta(bridge.ln_final)
+        to_meta(bridge.unembed)
+
+
+class DeviceMixes:
+    """A torch function mode recording every call whose tensors sit on several devices.
+
+    Zero-dimensional tensors (scalars torch lets cross devices) and ``Tensor.to`` (the
+    moves themselves) are not counted.
+    """
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._pytree import tree_flatten
+
+        calls: list[tuple[str, set]] = []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                flat, _ = tree_flatten((args, kwargs))
+                devices = {x.device for x in flat if isinstance(x, torch.Tensor) and x.dim()}
+                if len(devices) > 1 and getattr(func, "__name__", "") != "to":
+                    calls.append((getattr(func, "__name__", repr(func)), devices))
+                return func(*args, **kwargs)
+
+        self.calls = calls
+        self.mode = Mode()
+
+    def __enter__(self) -> DeviceMixes:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()

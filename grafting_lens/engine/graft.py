@@ -166,7 +166,9 @@ class SourceDispatch(nn.Module):
                     f"{list(primary.shape)}, so its rows cannot be routed with the input's"
                 )
         pieces = []
-        for source, index in plan.parts:
+        # Indices on the device of the activation they index: on a layer-split model
+        # (accelerate's device_map) each layer's activations are on its own device.
+        for source, index in plan.parts_on(primary.device):
             taken_args = tuple(take_rows(layout, x, index) for x in args)
             taken_kwargs = {name: take_rows(layout, x, index) for name, x in kwargs.items()}
             pieces.append((index, call_module(self._sources[source], taken_args, taken_kwargs)))
@@ -208,10 +210,11 @@ class SourceDispatch(nn.Module):
         batch, length = plan.window.shape
         rows: torch.Tensor | None = None
         layout: Layout | None = None
-        for source, index in plan.parts:
+        for source, _ in plan.parts:
             output = call_module(self._sources[source], args, kwargs)
             if not isinstance(output, torch.Tensor):
                 raise self._refusal(f"a {type(output).__name__} output where a tensor was expected")
+            index = dict(plan.parts_on(output.device))[source]
             layout = layout or Layout.of(output.shape, batch, length, 1)
             if layout is None or not layout.fits(output.shape):
                 raise self._refusal(
@@ -270,7 +273,8 @@ class SourceDispatch(nn.Module):
         if cache_key in vectors:
             return vectors[cache_key]
         batch, length = plan.window.shape
-        rows = torch.stack([getattr(source, name) for source in sources])[plan.window.reshape(-1)]
+        stacked = torch.stack([getattr(source, name) for source in sources])
+        rows = stacked[plan.window_on(stacked.device).reshape(-1)]
         layout = None if reading is None else self._layout(reading, batch, length)
         per_position = rows.reshape(position_shape(layout, reading, value.shape, batch, length))
         if not torch.is_grad_enabled():
@@ -285,7 +289,7 @@ def _installed(models: ModelSet, mask: GraftMask) -> Iterator[GraftState]:
     _check_mask(models, mask)
     _check_not_grafting(models)
     used = _used_sources(mask)
-    state = GraftState(mask, models.device)
+    state = GraftState(mask)
     swapped: list[tuple[Slot, nn.Module]] = []
     embed = models.slots("embed", None)[0].holder(models.base)
     handles = [embed.register_forward_pre_hook(lambda module, args: _check_window(state, args))]
@@ -465,6 +469,7 @@ def graft_forward(
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     *,
     last_only: bool = False,
+    grad: bool = False,
 ) -> Float[torch.Tensor, "batch pos d_vocab"]:
     """Logits of the grafted model, in a single forward pass.
 
@@ -476,6 +481,11 @@ def graft_forward(
     result is ``[batch, 1, d_vocab]``: with a 49k-token vocabulary the logits of every
     position are most of a scoring pass's memory and much of its time.
 
+    No autograd graph is kept unless ``grad=True``: a graph holds every layer's
+    activations until the logits are freed, which an evaluation never uses. For
+    gradients through a grafted run pass ``grad=True``, or run the model inside
+    :func:`grafting`.
+
     Args:
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` token ids. Each row may be a different prompt or a
@@ -486,6 +496,8 @@ def graft_forward(
             token; it must be the one the mask was built with (see
             :meth:`GraftMask.check_rows`).
         last_only: Return only each row's last real token's logits.
+        grad: Keep the autograd graph (with autograd enabled), so that the logits
+            can be differentiated.
 
     Returns:
         Logits ``[batch, pos, d_vocab]`` (``[batch, 1, d_vocab]`` with ``last_only``).
@@ -495,6 +507,22 @@ def graft_forward(
             attention mask; padded tokens without an attention mask; an attention
             mask holding values other than 0 and 1.
     """
+    if not isinstance(grad, bool) or not isinstance(last_only, bool):
+        raise GraftingError(
+            f"last_only and grad must be True or False, got {last_only!r} and {grad!r}."
+        )
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return _graft_logits(models, tokens, mask, attention_mask, last_only)
+
+
+def _graft_logits(
+    models: ModelSet,
+    tokens: torch.Tensor,
+    mask: GraftMask,
+    attention_mask: torch.Tensor | None,
+    last_only: bool,
+) -> torch.Tensor:
+    """:func:`graft_forward`'s pass, under the autograd mode it set."""
     tokens, attention_mask = _check_tokens(models, tokens, mask, attention_mask)
     # A grafted unembedding routes every position of the window to its source, so it
     # needs every position's stream: then the full logits are computed and picked from.
@@ -682,7 +710,8 @@ def graft_generate(
         state.window = (0, prompt_length)
         logits = models.base(tokens, return_type="logits", **continuing)
         for step in range(max_new_tokens):
-            next_token = logits[:, -1].argmax(dim=-1, keepdim=True)
+            # Logits come back on the unembedding's device; tokens go to the embedding's.
+            next_token = logits[:, -1].argmax(dim=-1, keepdim=True).to(tokens.device)
             generated.append(next_token)
             if step == max_new_tokens - 1:
                 break

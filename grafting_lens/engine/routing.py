@@ -25,33 +25,63 @@ from grafting_lens.engine.masks import GraftMask, Key
 
 @dataclass
 class Plan:
-    """How one (component, layer) splits the positions of the current window."""
+    """How one (component, layer) splits the positions of the current window.
+
+    Made on the host from the mask (kept on the CPU), so making it never waits for
+    an accelerator. A layer-split model (accelerate's ``device_map``) runs each layer
+    on its own device; every index is asked for on the device of the activation it
+    indexes (:meth:`parts_on`, :meth:`window_on`), copied there once and kept.
+    """
 
     window: Int[torch.Tensor, "batch pos"]
     single: int | None
     parts: list[tuple[int, Int[torch.Tensor, " n"]]] = field(default_factory=list)
+    _placed: dict[torch.device, list[tuple[int, torch.Tensor]]] = field(
+        default_factory=dict, repr=False
+    )
+    _windows: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def parts_on(self, device: torch.device) -> list[tuple[int, Int[torch.Tensor, " n"]]]:
+        """``parts`` with each source's flat row indices on ``device``."""
+        placed = self._placed.get(device)
+        if placed is None:
+            placed = self._placed[device] = [
+                (source, index.to(device)) for source, index in self.parts
+            ]
+        return placed
+
+    def window_on(self, device: torch.device) -> Int[torch.Tensor, "batch pos"]:
+        """The window's source indices on ``device``."""
+        window = self._windows.get(device)
+        if window is None:
+            window = self._windows[device] = self.window.to(device)
+        return window
 
 
 class GraftState:
     """The mask of one grafted run and the window of positions being computed.
 
     A full pass computes positions ``0..pos-1`` at once; generation computes one
-    new position per step. Every dispatcher reads the same window.
+    new position per step. Every dispatcher reads the same window. The masks stay on
+    the host and the full window's plans are made here, before the forward: a plan
+    made from a device tensor mid-forward (``bincount().tolist()``, ``nonzero()``)
+    would wait for the device once per mask per window.
     """
 
-    def __init__(self, mask: GraftMask, device: torch.device) -> None:
+    def __init__(self, mask: GraftMask) -> None:
         self.shape = mask.shape
         self.n_sources = mask.n_sources
         self.window = (0, mask.shape[1])
-        # Many pairs share one tensor (GraftMask.build); keep the sharing on the
-        # device so each distinct tensor is split into index lists once.
+        # Many pairs share one tensor (GraftMask.build); keep the sharing so each
+        # distinct tensor is split into index lists once.
         moved: dict[int, torch.Tensor] = {}
-        self.masks = {
-            key: moved.setdefault(id(mask[key]), mask[key].to(device)) for key in mask.keys()
-        }
+        self.masks = {key: moved.setdefault(id(mask[key]), mask[key].cpu()) for key in mask.keys()}
         self._plans: dict[tuple[int, int, int], Plan] = {}
+        for key in self.masks:
+            self.plan(key)
 
     def plan(self, key: Key) -> Plan:
+        """The plan of ``key`` for the current window (made once per mask tensor and window)."""
         values = self.masks[key]
         offset, length = self.window
         cache_key = (id(values), offset, length)

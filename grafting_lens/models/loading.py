@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -76,6 +76,13 @@ from grafting_lens.models.components import (
 from grafting_lens.models.layers import LayerSpec, resolve_layers
 from grafting_lens.models.lora_source import LoraSource
 from grafting_lens.models.model_set import ModelSet
+from grafting_lens.models.placement import (
+    DeviceMap,
+    check_device_map,
+    check_placed,
+    embedding_device,
+    realised_map,
+)
 from grafting_lens.models.sources import (
     SHARD_INDEXES,
     CheckpointSource,
@@ -101,6 +108,8 @@ def load_models(
     lazy: bool = False,
     components: str | Iterable[str] | None = None,
     layers: LayerSpec = None,
+    device_map: DeviceMap | None = None,
+    max_memory: Mapping[str | int, str | int] | None = None,
 ) -> ModelSet:
     """Load two or more checkpoints of one architecture as an aligned :class:`ModelSet`.
 
@@ -116,6 +125,16 @@ def load_models(
         tokenizer: A tokenizer or a path/hub id to load one from. By default the
             base's own: its directory's tokenizer, or the bridge's.
         device: Where to put every model (default: where they are, CPU for paths).
+        device_map: Split checkpoints given as paths across devices by layers with
+            accelerate (see :mod:`grafting_lens.models.placement`): a strategy
+            (``"auto"``, ``"balanced"``...) or ``{module name: device}``. The base is
+            loaded with it, every donor with the map the base realised, so base and
+            donor modules of one layer share a device. Maps that offload (``"disk"``,
+            or ``"cpu"`` beside an accelerator) are refused. In-memory models are
+            taken as placed (dispatch them first, e.g. ``from_pretrained(...,
+            device_map=...)``), so they cannot be given with it.
+        max_memory: With a strategy, the budget per device (``{0: "70GiB", 1:
+            "70GiB"}``), as accelerate takes it; leave room for the donors' share.
         dtype: Cast every model to this floating dtype, a ``torch.dtype`` or its
             name (``"float32"``, ``"bfloat16"``, ``"torch.float16"``); default:
             keep the checkpoint's.
@@ -196,6 +215,17 @@ def load_models(
     if not isinstance(lazy, bool):
         raise TypeError(f"lazy must be True or False, got {type(lazy).__name__}.")
     device, dtype = resolve_placement(device, dtype)
+    device_map = check_device_map(device_map, max_memory, device)
+    if device_map is not None:
+        for index, source in enumerate(sources):
+            if not isinstance(source, (str, os.PathLike)):
+                raise GraftingLensError(
+                    f"device_map= places checkpoints given as paths, but source {index} is an "
+                    f"in-memory {type(source).__name__}, which load_models takes as placed. "
+                    "Give every source as a path, or dispatch the models yourself "
+                    "(AutoModelForCausalLM.from_pretrained(..., device_map=...)) and pass "
+                    "them without device_map=."
+                )
     seen: dict[int, int] = {}
     for index, source in enumerate(sources):
         if isinstance(source, (PreTrainedModel, TransformerBridge)) or is_peft_model(source):
@@ -223,7 +253,12 @@ def load_models(
     with quiet_loading():
         if isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = _tokenizer_from(tokenizer)
-        base, base_label = _to_bridge(sources[0], 0, tokenizer, tokenizer, device, dtype)
+        placing = None if device_map is None else (device_map, max_memory)
+        base, base_label = _to_bridge(
+            sources[0], 0, tokenizer, tokenizer, device, dtype, placing=placing
+        )
+        # Every donor module goes where the base module it stands in for went.
+        donor_placing = None if device_map is None else (realised_map(base.original_model), None)
         labels = [names[0] if names is not None else base_label]
         base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
         layout = component_layout(base)
@@ -273,7 +308,9 @@ def load_models(
             else:
                 # A directory brings its own tokenizer, so the vocabulary check compares
                 # what each checkpoint was trained with; in-memory models borrow the base's.
-                bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+                bridge, _ = _to_bridge(
+                    source, index, tokenizer, fallback, device, dtype, placing=donor_placing
+                )
                 _check_alignment(base, bridge, labels[0], name, index)
                 loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
             labels.append(name)
@@ -361,10 +398,13 @@ def _lazy_source(
     _check_lazy_alignment(base, files, config, label, dtype)
     if tokenizer is None:  # a directory's own tokenizer, as for a donor loaded whole
         _check_vocabulary(base.tokenizer, _load_tokenizer(str(path), fallback), label)
-    device = next(base.original_model.parameters()).device
+    # Read whole (to run alone), the donor goes where the base is, module for module.
+    split = getattr(base.original_model, "hf_device_map", None)
+    placing = (realised_map(base.original_model), None) if split else None
+    device = None if split else next(base.original_model.parameters()).device
 
     def load_whole() -> TransformerBridge:
-        bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype)
+        bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype, placing=placing)
         _check_alignment(base, bridge, base_name, name, index)
         return bridge
 
@@ -425,6 +465,8 @@ def _to_bridge(
     fallback: Any,
     device: Any,
     dtype: torch.dtype | None,
+    *,
+    placing: tuple[DeviceMap, Any] | None = None,
 ) -> tuple[TransformerBridge, str]:
     if isinstance(source, TransformerBridge):
         if getattr(source, "_weights_processed", False):
@@ -433,6 +475,7 @@ def _to_bridge(
                 "centered weights): a graft must swap the checkpoint's own parameters. Load it "
                 "again without calling process_weights() or enable_compatibility_mode()."
             )
+        check_placed(source.original_model, f"source {index}")
         if device is not None or dtype is not None:
             source.to(device=device, dtype=dtype, print_details=False)  # TransformerLens prints
         return adapt_bridge(source), f"source{index}"
@@ -457,7 +500,7 @@ def _to_bridge(
         label = str(source)
         model_name = label
         path = Path(source).expanduser()
-        model = _load_checkpoint(label, path, index)
+        model = _load_checkpoint(label, path, index, placing=placing, dtype=dtype)
         if path.is_dir():
             label = path.name
         if tokenizer is None:
@@ -474,19 +517,32 @@ def _to_bridge(
             "load_models."
         )
     resolve_architecture(model, index)
+    check_placed(model, f"source {index} ({label})")
     model.eval()
-    if device is not None or dtype is not None:
+    if placing is None and (device is not None or dtype is not None):
         # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound.
         model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
     parameter = next(model.parameters())
+    # A dispatched model is taken as is: the bridge reads its hf_device_map, and token
+    # ids go to the embedding's device.
     bridge = TransformerBridge.boot_transformers(
         model_name,
         hf_model=model,
         tokenizer=_prepare_tokenizer(tokenizer, model_name),
-        device=str(parameter.device),
+        device=str(embedding_device(model)),
         dtype=parameter.dtype,
     )
     return adapt_bridge(bridge), label
+
+
+def _accelerate_map(device_map: DeviceMap) -> Any:
+    """A map as accelerate takes it: a strategy, or devices as strings or GPU indices."""
+    if isinstance(device_map, str):
+        return device_map
+    return {
+        name: str(target) if isinstance(target, torch.device) else target
+        for name, target in device_map.items()
+    }
 
 
 def resolve_placement(
@@ -536,8 +592,19 @@ def resolve_placement(
     return device, dtype
 
 
-def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
-    """An HF causal LM from a directory or hub id, or an error naming what is wrong."""
+def _load_checkpoint(
+    label: str,
+    path: Path,
+    index: int,
+    *,
+    placing: tuple[DeviceMap, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """An HF causal LM from a directory or hub id, or an error naming what is wrong.
+
+    With ``placing`` (a device map and a memory budget) accelerate dispatches it as it
+    loads, in ``dtype``; without, it loads on the CPU in the checkpoint's dtype.
+    """
     if path.is_dir():
         if not (path / "config.json").is_file():
             contents = sorted(child.name for child in path.iterdir())[:8]
@@ -565,8 +632,15 @@ def _load_checkpoint(label: str, path: Path, index: int) -> PreTrainedModel:
         # logger to ERROR on import, which hides it. Mismatched shapes are reported in it
         # too, instead of a RuntimeError that points at the hidden report.
         # With output_loading_info, transformers returns (model, info); its stubs say a model.
+        options: dict[str, Any] = {}
+        if placing is not None:
+            options["device_map"] = _accelerate_map(placing[0])
+            if placing[1] is not None:
+                options["max_memory"] = dict(placing[1])
+            if dtype is not None:
+                options["dtype"] = dtype
         loaded: Any = AutoModelForCausalLM.from_pretrained(
-            target, output_loading_info=True, ignore_mismatched_sizes=True
+            target, output_loading_info=True, ignore_mismatched_sizes=True, **options
         )
         model, info = loaded
     except (OSError, ValueError) as error:

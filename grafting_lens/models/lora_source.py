@@ -31,12 +31,8 @@ from grafting_lens.models.components import (
     checkpoint_parameters,
     fused_projections,
 )
-from grafting_lens.models.sources import (
-    CheckpointSource,
-    Source,
-    structural_copy,
-    weights_fingerprint,
-)
+from grafting_lens.models.fingerprints import parameters_state, weights_fingerprint
+from grafting_lens.models.sources import CheckpointSource, Source, structural_copy
 
 __all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
 
@@ -243,7 +239,14 @@ class LoraSource(Source):
     def full_bytes(self) -> int:
         return CheckpointSource(self._base, self.name).full_bytes()  # the merged model's
 
-    def fingerprint(self) -> str:
+    def floating_dtypes(self) -> set[torch.dtype]:
+        # The factors are cast to the base weight's dtype where they are applied.
+        return CheckpointSource(self._base, self.name).floating_dtypes()
+
+    def _weights_state(self) -> tuple | None:
+        return parameters_state(self._base.original_model)  # the factors are read-only
+
+    def _fingerprint(self) -> str:
         digest = hashlib.sha256()
         digest.update(
             weights_fingerprint(checkpoint_parameters(self._base.original_model)).encode()

@@ -57,6 +57,12 @@ from grafting_lens.models.components import (
     checkpoint_parameters,
     fused_projections,
 )
+from grafting_lens.models.fingerprints import (
+    digest_sample,
+    parameters_state,
+    sample_indices,
+    weights_fingerprint,
+)
 
 __all__ = [
     "CheckpointSource",
@@ -65,7 +71,7 @@ __all__ = [
     "Source",
     "structural_copy",
     "tensor_bytes",
-    "weights_fingerprint",
+    "weights_fingerprint",  # re-exported from grafting_lens.models.fingerprints
 ]
 
 
@@ -156,6 +162,10 @@ class Source:
         """Bytes of this checkpoint held whole in memory (for an adapter: the merged model)."""
         raise NotImplementedError
 
+    def floating_dtypes(self) -> set[torch.dtype]:
+        """The dtypes this source computes its weights in, without loading any."""
+        raise NotImplementedError
+
     def declared_bytes(self) -> int | None:
         """Bytes this source loads at most under its declaration, or None when undeclared."""
         return None
@@ -168,11 +178,27 @@ class Source:
     def fingerprint(self) -> str:
         """A short hash of this source's weights (see :func:`weights_fingerprint`).
 
-        Equal for the same checkpoint loaded whole or lazily; an adapter's combines
-        the base's with its own factors and scales. Cheap: it reads 64 values of each
-        tensor, not every value, so it tells checkpoints apart, not every edit.
+        The one hash of a source's weights grafting-lens keeps (a run directory's
+        fingerprint is made of it). Equal for the same checkpoint loaded whole or
+        lazily, and lazy-safe: a lazily loaded donor is sampled from its files, never
+        read whole. An adapter's combines the base's with its own factors and scales.
+        Cheap: it reads 64 values of each tensor, not every value, so it tells
+        checkpoints apart (a finetune moves every sampled value of what it trains), not
+        every edit of one weight. Kept until a parameter is replaced or changed in place.
         """
+        state = self._weights_state()
+        known = self.__dict__.get("_fingerprinted")
+        if known is None or state is None or known[0] != state:
+            known = (state, self._fingerprint())
+            self.__dict__["_fingerprinted"] = known
+        return known[1]
+
+    def _fingerprint(self) -> str:
         raise NotImplementedError
+
+    def _weights_state(self) -> tuple | None:
+        """What, changed, changes the fingerprint (``None``: unknown, so never kept)."""
+        return ()
 
 
 class CheckpointSource(Source):
@@ -210,12 +236,19 @@ class CheckpointSource(Source):
     def full_bytes(self) -> int:
         return tensor_bytes(self.resident_tensors())
 
+    def floating_dtypes(self) -> set[torch.dtype]:
+        parameters = self._bridge.original_model.parameters()
+        return {p.dtype for p in parameters if p.is_floating_point()}
+
     @property
     def disk_bytes(self) -> int | None:
         return self._disk_bytes
 
-    def fingerprint(self) -> str:
+    def _fingerprint(self) -> str:
         return weights_fingerprint(checkpoint_parameters(self._bridge.original_model))
+
+    def _weights_state(self) -> tuple | None:
+        return parameters_state(self._bridge.original_model)
 
 
 @dataclass(frozen=True)
@@ -573,8 +606,9 @@ class LazySource(Source):
 
     Its module for a slot is a copy of the base's module (same class and settings,
     the base's buffers) whose parameters are the donor's tensors, read from disk,
-    cast and moved where the base's are, read once and kept. A file that changed since
-    load time is refused before anything more is read from it (see
+    cast and put on the device of the base module it stands in for (on a layer-split
+    base each layer's own), read once and kept. A file that changed since load time
+    is refused before anything more is read from it (see
     :class:`SafetensorsCheckpoint`). A slot the bridge
     cuts out of a fused matrix (GPT-2's Q, K and V out of ``c_attn``) is cut from the
     donor's fused matrix by the bridge's own split function, so the fused matrix is
@@ -618,7 +652,6 @@ class LazySource(Source):
             for child in fused.children
         }
         self._dtype = dtype
-        self._device = next(base.original_model.parameters()).device
         self._declared = None if declared is None else tuple(declared)
         self._load_whole = load_whole
         self._tensors: dict[str, torch.Tensor] = {}
@@ -685,6 +718,12 @@ class LazySource(Source):
     def full_bytes(self) -> int:
         return sum(self._nbytes(name) for name in set(self._names.values()))
 
+    def floating_dtypes(self) -> set[torch.dtype]:
+        if self._dtype is not None:
+            return {self._dtype}  # every tensor is cast to it as it is read
+        stored = {self._files.dtypes[name] for name in set(self._names.values())}
+        return {dtype for dtype in stored if dtype.is_floating_point}
+
     def declared_bytes(self) -> int | None:
         if self._declared is None:
             return None
@@ -694,7 +733,7 @@ class LazySource(Source):
     def disk_bytes(self) -> int | None:
         return self._files.disk_bytes
 
-    def fingerprint(self) -> str:
+    def _fingerprint(self) -> str:
         # 64 values of each tensor are read from its file, then cast: none is read
         # whole (nor copied to the GPU, or to another dtype).
         digest = hashlib.sha256()
@@ -702,9 +741,9 @@ class LazySource(Source):
             numel = 1
             for size in self._files.shapes[name]:
                 numel *= size
-            sample = self._files.sample(name, _sample_indices(numel))
+            sample = self._files.sample(name, sample_indices(numel))
             dtype = self._dtype or self._files.dtypes[name]
-            _digest_sample(digest, name, self._files.shapes[name], sample, dtype)
+            digest_sample(digest, name, self._files.shapes[name], sample, dtype)
         return digest.hexdigest()[:16]
 
     # ------------------------------------------------------------------ internals
@@ -712,14 +751,14 @@ class LazySource(Source):
     def _nbytes(self, name: str) -> int:
         return self._files.nbytes(name, self._dtype)
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _read(self, name: str, device: torch.device) -> torch.Tensor:
         tensor = self._files.tensor(name)
-        return tensor.to(device=self._device, dtype=self._dtype or tensor.dtype)
+        return tensor.to(device=device, dtype=self._dtype or tensor.dtype)
 
-    def _tensor(self, name: str) -> torch.Tensor:
+    def _tensor(self, name: str, device: torch.device) -> torch.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
-            tensor = self._tensors[name] = self._read(name)
+            tensor = self._tensors[name] = self._read(name, device)
         return tensor
 
     def _slot_names(self, slots: Iterable[Slot]) -> set[str]:
@@ -731,7 +770,7 @@ class LazySource(Source):
             names.update(self._names[id(p)] for p in template.parameters() if id(p) in self._names)
         return names
 
-    def _build(self, slot: Slot, read: Callable[[str], torch.Tensor]) -> nn.Module:
+    def _build(self, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]) -> nn.Module:
         fused = self._fused.get(slot.path)
         if fused is not None:
             template = fused.fused(self._base)
@@ -741,7 +780,7 @@ class LazySource(Source):
         return structural_copy(template, self._parameters(template, slot, read))
 
     def _parameters(
-        self, template: nn.Module, slot: Slot, read: Callable[[str], torch.Tensor]
+        self, template: nn.Module, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]
     ) -> dict[int, nn.Parameter]:
         replacements = {}
         for local, parameter in template.named_parameters():
@@ -753,8 +792,10 @@ class LazySource(Source):
                     "the checkpoint holds, so this donor cannot be read lazily. Load it whole "
                     "(lazy=False) and please report the architecture."
                 )
+            # Beside the base's module it stands in for: on a layer-split base
+            # (device_map) each layer's modules are on their own device.
             replacements[id(parameter)] = nn.Parameter(
-                read(name), requires_grad=parameter.requires_grad
+                read(name, parameter.device), requires_grad=parameter.requires_grad
             )
         return replacements
 
@@ -827,47 +868,3 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = Non
         counted.add(pointer)
         total += storage.nbytes()
     return total
-
-
-_SAMPLES = 64
-
-
-def weights_fingerprint(
-    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
-) -> str:
-    """A short hash of named tensors: names, shapes, dtypes and 64 evenly spaced values of each.
-
-    A lazily loaded checkpoint reads the same 64 values of each tensor from its files
-    (:meth:`SafetensorsCheckpoint.sample`), so it is fingerprinted without being read.
-
-    Args:
-        tensors: ``(name, tensor)`` pairs, in a fixed order.
-        dtype: The dtype the tensors are used in, when they are stored in another
-            (the sampled values are cast to it first, as a model cast whole would be).
-
-    Returns:
-        16 hexadecimal digits.
-    """
-    digest = hashlib.sha256()
-    for name, tensor in tensors:
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // _SAMPLES)
-        sample = flat[::step][:_SAMPLES]
-        _digest_sample(digest, name, tuple(tensor.shape), sample, dtype or tensor.dtype)
-    return digest.hexdigest()[:16]
-
-
-def _sample_indices(numel: int) -> range:
-    """The flat indices :func:`weights_fingerprint` samples: ``flat[::step][:64]``."""
-    return range(0, numel, max(1, numel // _SAMPLES))[:_SAMPLES]
-
-
-def _digest_sample(
-    digest: hashlib._Hash,
-    name: str,
-    shape: tuple[int, ...],
-    sample: torch.Tensor,
-    dtype: torch.dtype,
-) -> None:
-    digest.update(f"{name}{tuple(shape)}{dtype}".encode())
-    digest.update(sample.to(dtype).float().cpu().contiguous().numpy().tobytes())

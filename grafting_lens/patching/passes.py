@@ -212,8 +212,11 @@ class PatchRun:
         after ``start``); rows whose last token comes before ``start`` were not
         computed and take the unpatched run's.
         """
-        last = self.last_positions.repeat(repeats)
-        rows = torch.arange(len(last), device=last.device)
+        # The logits are on the unembedding's device, not necessarily the tokens'.
+        device = computed.device
+        last = self.last_positions.repeat(repeats).to(device)
+        kept = kept.to(device)
+        rows = torch.arange(len(last), device=device)
         if len(kept) == 0:
             return computed[rows % self.shape[0], last][:, None]
         column = torch.searchsorted(kept, last.clamp(min=start)).clamp(max=len(kept) - 1)
@@ -221,7 +224,12 @@ class PatchRun:
         early = last < start
         if bool(early.any()):
             assert prefix is not None
-            logits[early] = prefix.logits[rows[early] % self.shape[0], last[early]]
+            early_rows, early_last = rows[early], last[early]
+            taken = prefix.logits[
+                (early_rows % self.shape[0]).to(prefix.logits.device),
+                early_last.to(prefix.logits.device),
+            ]
+            logits[early] = taken.to(device)
         return logits[:, None]
 
     def pass_costs(self, last_only: bool) -> tuple[int, float, float]:
@@ -271,19 +279,18 @@ class PatchRun:
         and the unembedding runs on those positions only. Entry positions are absolute.
         """
         hooks = []
-        device = self.tokens.device
         for layer, (rows, pos, heads, prompts) in entries.items():
             if len(rows) == 0:
                 continue
-            rows, pos, prompts = rows.to(device), pos.to(device), prompts.to(device)
-            index: tuple[torch.Tensor, ...]
-            if heads is None:
-                index = (rows, pos - start)
-                values = given[layer][prompts, pos]
-            else:
-                heads = heads.to(device)
-                index = (rows, pos - start, heads)
-                values = given[layer][prompts, pos, heads]
+            # The values are taken where the giving run left them (its layer's device),
+            # and written where the running model computes that layer: on a layer-split
+            # model (accelerate's device_map) neither need be the embedding's device.
+            source = given[layer]
+            taking = (prompts, pos) if heads is None else (prompts, pos, heads)
+            values = source[tuple(part.to(source.device) for part in taking)]
+            index: tuple[torch.Tensor, ...] = (
+                (rows, pos - start) if heads is None else (rows, pos - start, heads)
+            )
             hooks.extend(site_hooks(self.site, layer, index, values, self.n_heads))
         tokens = self.tokens.repeat(repeats, 1)
         mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
@@ -364,7 +371,18 @@ def site_hooks(
     values: torch.Tensor,
     n_heads: int,
 ) -> list[tuple[str, Callable]]:
-    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place)."""
+    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place).
+
+    ``index`` and ``values`` may be on any device: each hook uses them on its
+    activation's device, copied there once per device and kept.
+    """
+    placed: dict[torch.device, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
+
+    def on(device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        if device not in placed:
+            placed[device] = (tuple(part.to(device) for part in index), values.to(device))
+        return placed[device]
+
     if site == "resid_mid":
         # The bridge's hook_resid_mid is ln2's input, not the residual that is added
         # to the MLP output; writing attn_out = patched - resid_pre puts the patched
@@ -376,8 +394,9 @@ def site_hooks(
             return activation
 
         def write_attention(activation, hook):
-            update = values.to(activation.dtype) - captured["resid_pre"][index]
-            return activation.index_put(index, update)
+            where, value = on(activation.device)
+            update = value.to(activation.dtype) - captured["resid_pre"][where]
+            return activation.index_put(where, update)
 
         return [
             (HOOKS["resid_pre"].format(layer=layer), capture),
@@ -386,7 +405,8 @@ def site_hooks(
 
     def write(activation, hook):
         shaped = per_head(activation, n_heads) if site == "z" else activation
-        patched = shaped.index_put(index, values.to(activation.dtype))
+        where, value = on(activation.device)
+        patched = shaped.index_put(where, value.to(activation.dtype))
         return patched.reshape(activation.shape)
 
     return [(HOOKS[site].format(layer=layer), write)]

@@ -82,6 +82,9 @@ def toy_setup(
     cache_dir: str | os.PathLike | None = None,
     device: str | None = None,
     progress: bool | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    lazy: bool = False,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
     """The toy world's checkpoints and relations for one experiment.
 
@@ -107,7 +110,9 @@ def toy_setup(
         *(world.model_dir(role) for role in spec.roles),
         tokenizer=world.load_tokenizer(),
         device=device,
+        dtype=dtype,
         names=list(spec.labels),
+        lazy=lazy,
     )
     return models, *_world_relations(world, spec)
 
@@ -136,6 +141,8 @@ def smollm2_setup(
     device: str | None = None,
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
+    *,
+    lazy: bool = False,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
     """The real-model world's checkpoints and relations for one experiment.
 
@@ -162,6 +169,7 @@ def smollm2_setup(
         device=device,
         dtype=dtype,
         names=list(spec.labels),
+        lazy=lazy,
     )
     return models, *_world_relations(world, spec)
 
@@ -175,6 +183,8 @@ def checkpoint_setup(
     relations: str | None = None,
     device: str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    lazy: bool = False,
 ) -> tuple[ModelSet, list[data.Relation]]:
     """Real checkpoints in an experiment's roles, and the relations they were finetuned on.
 
@@ -191,6 +201,8 @@ def checkpoint_setup(
             default: the experiment's).
         device: Passed to :func:`grafting_lens.load_models`.
         dtype: Passed to :func:`grafting_lens.load_models`.
+        lazy: Passed to :func:`grafting_lens.load_models`: donors given as directories
+            are read a component at a time, when a graft first takes it.
 
     Raises:
         ExperimentError: A wrong number of checkpoints or an unknown choice.
@@ -204,7 +216,9 @@ def checkpoint_setup(
             f"({', '.join(spec.roles)}), got {len(checkpoints)}."
         )
     made = _relations(spec, dataset, n_relations, seed, relations)
-    models = load_models(*checkpoints, device=device, dtype=dtype, names=list(spec.labels))
+    models = load_models(
+        *checkpoints, device=device, dtype=dtype, names=list(spec.labels), lazy=lazy
+    )
     return models, made
 
 
@@ -297,6 +311,7 @@ def setup_experiment(
     progress: bool | None = None,
     on_status: Callable[[str], None] | None = None,
     world: str = "toy",
+    lazy: bool = False,
 ) -> ExperimentSetup:
     """Load what an experiment runs on: a world, your checkpoints, or a finetuned copy.
 
@@ -321,6 +336,8 @@ def setup_experiment(
         on_status: Called with a line before long steps (building, finetuning).
         world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.worlds.toy`) or
             ``"smollm2"``, the real-model world (:mod:`grafting_lens.worlds.smollm2`).
+        lazy: Open the donors lazily (``load_models(lazy=True)``): nothing of a donor
+            is read until a graft takes it, and nothing here reads one whole.
 
     Raises:
         ExperimentError: A wrong number of checkpoints, or an unknown world.
@@ -332,7 +349,7 @@ def setup_experiment(
         if on_status is not None:
             on_status("Building or opening the smollm2 world...")
         models, made, info = smollm2_setup(
-            spec, cache_dir=cache_dir, device=device, dtype=dtype, progress=progress
+            spec, cache_dir=cache_dir, device=device, dtype=dtype, progress=progress, lazy=lazy
         )
         return ExperimentSetup(
             models=models,
@@ -350,13 +367,17 @@ def setup_experiment(
             config = quick_toy_config()
         if on_status is not None:
             on_status("Building or loading the toy world" + (" (quick)" if small else "") + "...")
+        # Cast as loaded: casting afterwards would go through every source's model
+        # (reading a lazily loaded donor whole).
         models, made, toy = toy_setup(
-            spec, config=config, cache_dir=cache_dir, device=device, progress=progress
+            spec,
+            config=config,
+            cache_dir=cache_dir,
+            device=device,
+            progress=progress,
+            dtype=dtype,
+            lazy=lazy,
         )
-        if dtype is not None:
-            for bridge in models:
-                # Quietly: TransformerLens would print "Changing model dtype to ..." per model.
-                bridge.to(dtype=dtype, print_details=False)
         return ExperimentSetup(
             models=models,
             relations=made,
@@ -368,6 +389,12 @@ def setup_experiment(
         )
     checkpoints = [str(checkpoint) for checkpoint in checkpoints]
     if len(checkpoints) == 1 and spec.finetune_missing_donor:
+        if lazy:
+            raise ExperimentError(
+                "lazy=True (--lazy) reads donors from checkpoint directories, but the donor "
+                "of this run is finetuned here, in memory. Save it (save_pretrained) and pass "
+                "both checkpoints, or run without lazy."
+            )
         count = n_relations or (20 if quick else spec.default_relations)
         models, made = finetuned_setup(
             spec,
@@ -395,6 +422,7 @@ def setup_experiment(
             relations=relations,
             device=device,
             dtype=dtype,
+            lazy=lazy,
         )
         label = " <- ".join(_short(checkpoint) for checkpoint in checkpoints)
     return ExperimentSetup(

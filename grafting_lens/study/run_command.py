@@ -102,12 +102,19 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
         "optionally first_entity and name (see grafting_lens.study.read_prompts).",
     )
     add("--batch-size", type=count, default=8, help="Examples per forward pass (default 8).")
-    add("--device", help="torch device, e.g. cuda (default: cpu).")
+    add("--device", help="torch device the models run on, e.g. cuda or cuda:1 (default: the CPU).")
     add(
         "--dtype",
         choices=DTYPES,
         help="The models' precision (default: the semantics', float32 for reference, as the "
         "code loaded them; the checkpoint's for clean).",
+    )
+    add(
+        "--lazy",
+        action="store_true",
+        help="Open the donors (checkpoint directories of safetensors) lazily: only the "
+        "components a graft takes from them are read, memory-mapped, on first use "
+        "(load_models(lazy=True)); the results are the same.",
     )
     add(
         "--threads",
@@ -247,14 +254,9 @@ def _run_locked(
         setup_experiment,
         write_experiment_report,
     )
-    from grafting_lens.study.run_directory import CheckpointDigests
+    from grafting_lens.study.run_directory import weights_digests
 
     prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
-    # Made before loading, so that a checkpoint changed while it loads is noticed.
-    known = CheckpointDigests(
-        [*_checkpoint_dirs(checkpoints), *[None] * len(spec.roles)][: len(spec.roles)],
-        load={"dtype": dtype},
-    )
     started = time.perf_counter()
     setup = setup_experiment(
         spec,
@@ -271,10 +273,11 @@ def _run_locked(
         progress=args.progress,
         on_status=lambda line: print(line, file=sys.stderr),
         world=args.world or "toy",
+        lazy=args.lazy,
     )
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
-    description = _describe_command_run(spec, args, setup, known.digests(setup.models))
+    description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
     if prompts is not None:  # the file's content, not its name, makes the run
         description["prompts"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()[:16]
     description["semantics"] = semantics.label
@@ -312,7 +315,7 @@ def _run_locked(
             else f"); the prompts of {args.prompts}."
         ),
         f"{rows_computed} of {len(results)} rows computed in {elapsed:.1f} s on "
-        f"{_torch().get_num_threads()} CPU thread{'s' if _torch().get_num_threads() > 1 else ''}"
+        f"{_where(setup.models.device)}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
     if spec.run is None:
@@ -347,6 +350,7 @@ _FREE_OPTIONS = frozenset(
         "model",
         "batch_size",
         "device",
+        "lazy",
         "threads",
         "cache_dir",
         "overwrite",
@@ -355,6 +359,17 @@ _FREE_OPTIONS = frozenset(
     }
 )
 """Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
+
+
+def _where(device: Any) -> str:
+    """Where a run computed, for its summary: the CPU's threads, or the accelerator."""
+    torch = _torch()
+    if device.type == "cpu":
+        threads = torch.get_num_threads()
+        return f"{threads} CPU thread{'s' if threads > 1 else ''}"
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def _describe_command_run(
@@ -374,26 +389,6 @@ def _describe_command_run(
         "relations": hashlib.sha256(relations.encode()).hexdigest()[:16],
         "options": {key: value for key, value in sorted(vars(args).items()) if key not in free},
     }
-
-
-def _checkpoint_dirs(checkpoints: Sequence[str] | None) -> list[Path | None]:
-    """The directory each checkpoint is read from (a hub id's snapshot in the local cache)."""
-    if checkpoints is None:
-        return []
-    found: list[Path | None] = []
-    for checkpoint in checkpoints:
-        path = Path(checkpoint).expanduser()
-        if path.is_dir():
-            found.append(path)
-            continue
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            config = try_to_load_from_cache(checkpoint, "config.json")
-        except Exception:  # noqa: BLE001, a hub id we cannot place is simply hashed
-            config = None
-        found.append(Path(config).parent if isinstance(config, str) else None)
-    return found
 
 
 def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:

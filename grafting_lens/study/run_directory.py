@@ -14,8 +14,8 @@ of computing them. Nothing in the directory is trusted without a check, because 
 resumed table must be the table an uninterrupted run gives:
 
 * **The fingerprint** is a hash of :func:`describe_run`: the model sets (names,
-  architecture, and a hash of every weight and of the configuration of every source,
-  :func:`source_digest`), the tokenized test sets and the positions each
+  architecture, and each source's fingerprint with the configuration,
+  :func:`weights_digests`), the tokenized test sets and the positions each
   configuration selects, the configurations, the options that change a row, the
   columns and the chunking. A directory holding another run is refused, naming what
   differs.
@@ -31,26 +31,22 @@ resumed table must be the table an uninterrupted run gives:
   message naming the first, before it touches a file. The system releases the lock
   of a process that dies, so there are no stale locks to clean.
 
-Hashing every weight reads all of them, at the speed of SHA-256 (about 1.7 GB/s per
-idle CPU core): 0.3 to 0.7 s per GPT-2-small-sized source, 15 ms for the toy world's
-two checkpoints. :class:`CheckpointDigests` (used by
-``grafting-lens run``) keeps the hash of a checkpoint directory across processes,
-keyed by its files' sizes, times and inodes, for models that the command loaded from
-those files itself.
+A source's weights enter as its :meth:`~grafting_lens.models.sources.Source.fingerprint`:
+64 values of every tensor with its name, shape and dtype, read from the files for a
+lazily loaded donor, so a run with a 70B donor never reads it whole to name it. It
+tells checkpoints apart (a finetune moves every sampled value of what it trains); a
+hand edit of one weight between the samples is not seen: give such a run another
+directory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.metadata
 import json
 import os
 import time
-import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,23 +62,19 @@ from grafting_lens.study.testsets import TestSet
 
 __all__ = [
     "RUN_FORMAT",
-    "CheckpointDigests",
     "RunDirectory",
     "batch_digest",
     "describe_run",
-    "source_digest",
     "weights_digests",
 ]
 
-RUN_FORMAT = 2
-"""Version of the run-directory layout; part of every fingerprint (2: full weight hashes,
-chunks that carry the run's fingerprint and a hash of their content)."""
+RUN_FORMAT = 3
+"""Version of the run-directory layout; part of every fingerprint (3: weights digested by
+each source's fingerprint; 2 hashed every weight; chunks carry the run's fingerprint and
+a hash of their content)."""
 
 Rows = list[list[Any]]
 """A chunk's rows, one list of values per row, in the run's column order."""
-
-_HASH_BYTES = 1 << 26
-"""Bytes of a tensor hashed at a time (a GPU tensor is copied to the CPU in pieces this big)."""
 
 
 def describe_run(
@@ -141,93 +133,28 @@ def describe_run(
 # ------------------------------------------------------------------------ weights
 
 
-def source_digest(source: torch.nn.Module) -> str:
-    """A hash of every weight of one checkpoint, and of its configuration.
-
-    Every byte of every parameter is hashed (SHA-256, in pieces of 64 MiB, on
-    ``torch.get_num_threads()`` threads), with its name, dtype and shape, after the
-    model's Hugging Face configuration (less bookkeeping such as its path and the
-    transformers version). Two sources share a digest only if they compute the same
-    function in the same precision. Reads every weight, as fast as SHA-256 goes (0.3
-    to 0.7 s for a GPT-2-small-sized model on one CPU core); a GPU model is copied to
-    the CPU piece by piece.
-
-    Args:
-        source: A ``TransformerBridge`` (its original model is hashed) or any torch
-            module.
-    """
-    model = getattr(source, "original_model", source)
-    parameters = [(name, p.detach()) for name, p in model.named_parameters()]
-    pieces = []
-    for index, (_, tensor) in enumerate(parameters):
-        flat = tensor.reshape(-1)
-        step = max(1, _HASH_BYTES // max(1, flat.element_size()))
-        pieces += [(index, flat[start : start + step]) for start in range(0, flat.numel(), step)]
-    threads = max(1, min(torch.get_num_threads(), len(pieces)))
-    if threads > 1:
-        with ThreadPoolExecutor(threads) as pool:  # hashlib lets go of the GIL
-            hashed = list(pool.map(_piece_digest, [piece for _, piece in pieces]))
-    else:
-        hashed = [_piece_digest(piece) for _, piece in pieces]
-    per_parameter: list[list[bytes]] = [[] for _ in parameters]
-    for (index, _), piece_digest in zip(pieces, hashed):
-        per_parameter[index].append(piece_digest)
-    digest = hashlib.sha256(_config_text(model).encode())
-    for (name, tensor), digests in zip(parameters, per_parameter):
-        digest.update(f"\n{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(b"".join(digests))
-    return digest.hexdigest()[:32]
-
-
-def _piece_digest(piece: torch.Tensor) -> bytes:
-    data = piece.cpu().contiguous().view(torch.uint8).numpy()
-    return hashlib.sha256(data.data).digest()
-
-
 def weights_digests(models: ModelSet) -> list[str]:
-    """:func:`source_digest` of every source of a model set, base first.
+    """A digest of every source of a model set, base first, without loading any.
 
-    A digest :class:`CheckpointDigests` found for a model loaded from a checkpoint
-    directory is used as long as no parameter of that model has been replaced or
-    changed in place since; every other source is hashed.
+    Each is :meth:`Source.fingerprint <grafting_lens.models.sources.Source.fingerprint>`
+    (names, shapes, dtypes and 64 values of every tensor, kept by the source until a
+    parameter changes) with the configuration of what the models compute, so a changed
+    ``rope_theta`` counts even with the same weights. A lazily loaded donor is sampled
+    from its files: never read whole, in any process.
     """
-    return [_remembered(bridge) or source_digest(bridge) for bridge in models]
-
-
-_REMEMBERED: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], str]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Digests known without hashing, per bridge, with the state of its parameters then."""
-
-
-def _parameter_state(source: Any) -> tuple[Any, ...] | None:
-    """Which tensors hold a model's parameters, and how often each was changed in place
-    (``None`` when that cannot be told: tensors made in inference mode keep no count)."""
-    model = getattr(source, "original_model", source)
-    try:
-        return tuple(
-            (name, p.data_ptr(), p._version, p.dtype, tuple(p.shape), str(p.device))
-            for name, p in model.named_parameters()
-        )
-    except RuntimeError:
-        return None
-
-
-def _remember(source: Any, digest: str) -> None:
-    state = _parameter_state(source)
-    if state is not None:
-        _REMEMBERED[source] = (state, digest)
-
-
-def _remembered(source: Any) -> str | None:
-    known = _REMEMBERED.get(source)
-    if known is None or known[0] != _parameter_state(source):
-        return None
-    return known[1]
+    config = _config_text(models.base.original_model)
+    return [
+        hashlib.sha256(f"{config}\n{source.fingerprint()}".encode()).hexdigest()[:32]
+        for source in models.sources
+    ]
 
 
 def _config_text(model: torch.nn.Module) -> str:
-    """A model's configuration as canonical JSON, without fields that do not change it."""
+    """A model's configuration as canonical JSON, without fields that do not change it.
+
+    The base's stands for every source's: :func:`~grafting_lens.load_models` refuses
+    sources whose configurations differ in a field that changes the forward pass.
+    """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return ""
@@ -237,159 +164,6 @@ def _config_text(model: torch.nn.Module) -> str:
         if not key.startswith("_") and key not in ("name_or_path", "transformers_version")
     }
     return json.dumps(fields, sort_keys=True, default=lambda value: type(value).__name__)
-
-
-class CheckpointDigests:
-    """Weight digests of checkpoints loaded from directories, kept across processes.
-
-    Hashing a 7B-parameter checkpoint's weights takes seconds; a run resumed in a new
-    process would pay it again. This cache stores :func:`source_digest` of a model
-    loaded from a checkpoint directory, keyed by the directory, the size, times,
-    inode and device of each of its files, how it was loaded (``load``, e.g. the
-    dtype) and the versions of torch, transformers and grafting-lens. It is safe only
-    for a model exactly as it was loaded from those files, so it is for code that
-    loads the models itself and changes nothing before the run (``grafting-lens
-    run``): create it *before* loading, so that a file changed while the models load
-    is noticed, and call :meth:`digests` right after.
-
-    A digest is not stored for a file modified in the last two seconds (a time a
-    second write in the same tick could share), nor when a file changed between
-    its creation and :meth:`digests`; such a source is simply hashed.
-
-    Args:
-        directories: The checkpoint directory of each source, base first (``None``
-            for a source not loaded from a directory: it is hashed).
-        load: How the models were loaded, everything that changes the weights read
-            from the same files (e.g. ``{"dtype": "bfloat16"}``).
-        cache: The cache file (default ``$GRAFTING_LENS_CACHE/weight_digests.json``,
-            or ``~/.cache/grafting_lens/weight_digests.json``).
-    """
-
-    MAX_ENTRIES = 512
-    """Entries kept in the cache file (the oldest go first)."""
-
-    def __init__(
-        self,
-        directories: Sequence[str | os.PathLike | None],
-        load: Mapping[str, Any] | None = None,
-        cache: str | os.PathLike | None = None,
-    ) -> None:
-        self.directories = [None if d is None else Path(d).resolve() for d in directories]
-        self.load = dict(load or {})
-        self.cache = Path(cache) if cache is not None else _default_digest_cache()
-        self._before = [_directory_files(d) for d in self.directories]
-        self.hits = 0
-        """How many of the last :meth:`digests` came from the cache."""
-
-    def digests(self, models: ModelSet) -> list[str]:
-        """The digest of every source of ``models`` (from the cache, or hashed and stored).
-
-        The digests are also remembered for these very models, so that the runs that
-        follow (:func:`weights_digests`) do not hash them again.
-
-        Raises:
-            RunError: ``models`` has another number of sources than ``directories``.
-        """
-        if len(models) != len(self.directories):
-            raise RunError(
-                f"{len(self.directories)} checkpoint directories for a model set of "
-                f"{len(models)} sources."
-            )
-        entries = self._read()
-        stored = False
-        result = []
-        self.hits = 0
-        for bridge, directory, before in zip(models, self.directories, self._before):
-            after = _directory_files(directory)
-            if directory is None or after is None or before != after:
-                digest = source_digest(bridge)  # not from files, or they changed while loading
-            else:
-                key = self._key(directory, after)
-                cached = entries.get(key, {}).get("digest")
-                if isinstance(cached, str):
-                    self.hits += 1
-                    entries[key]["used"] = time.time()
-                    digest = cached
-                else:
-                    digest = source_digest(bridge)
-                    if not _recently_modified(after):
-                        entries[key] = {
-                            "digest": digest,
-                            "path": str(directory),
-                            "used": time.time(),
-                        }
-                        stored = True
-            _remember(bridge, digest)
-            result.append(digest)
-        if stored or self.hits:
-            self._write(entries)
-        return result
-
-    def _key(self, directory: Path, files: list[list[Any]]) -> str:
-        versions = {}
-        for package in ("torch", "transformers", "transformer-lens", "grafting-lens"):
-            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-                versions[package] = importlib.metadata.version(package)
-        key = {"path": str(directory), "files": files, "load": self.load, "versions": versions}
-        text = json.dumps(key, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def _read(self) -> dict[str, dict[str, Any]]:
-        try:
-            entries = json.loads(self.cache.read_text()).get("entries", {})
-        except (OSError, ValueError, AttributeError):
-            return {}  # no cache yet, or an unreadable one: it is rebuilt
-        return entries if isinstance(entries, dict) else {}
-
-    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
-        newest = sorted(entries.items(), key=lambda item: -float(item[1].get("used", 0)))
-        payload = {"format": 1, "entries": dict(newest[: self.MAX_ENTRIES])}
-        with contextlib.suppress(OSError):  # a cache that cannot be written is no cache
-            self.cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(self.cache, json.dumps(payload, indent=0).encode())
-
-
-def _default_digest_cache() -> Path:
-    root = os.environ.get("GRAFTING_LENS_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "grafting_lens"
-    return base / "weight_digests.json"
-
-
-def _directory_files(directory: Path | None) -> list[list[Any]] | None:
-    """Every file under a checkpoint directory with its size, times, inode and device."""
-    if directory is None or not directory.is_dir():
-        return None
-    files = []
-    for root, folders, names in os.walk(directory):
-        folders[:] = sorted(f for f in folders if not f.startswith("."))
-        for name in sorted(names):
-            if name.startswith("."):
-                continue
-            path = Path(root) / name
-            try:
-                stat = path.stat()  # follows links, as a hub cache's snapshot needs
-            except OSError:
-                return None
-            files.append(
-                [
-                    str(path.relative_to(directory)),
-                    stat.st_size,
-                    stat.st_mtime_ns,
-                    stat.st_ctime_ns,
-                    stat.st_ino,
-                    stat.st_dev,
-                ]
-            )
-    return files
-
-
-_RACY_SECONDS = 2.0
-"""A file changed this recently may change again within its timestamps' resolution."""
-
-
-def _recently_modified(files: list[list[Any]]) -> bool:
-    now = time.time_ns()
-    return any(now - max(entry[2], entry[3]) < _RACY_SECONDS * 1e9 for entry in files)
 
 
 # ------------------------------------------------------------------------ test sets

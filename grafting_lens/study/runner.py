@@ -122,8 +122,7 @@ class RunOptions:
 
     Attributes:
         batch_size: Examples per forward pass; each pass holds every configuration of
-            them (``batch_size * len(configs)`` rows, logits ``[rows, pos, d_vocab]``:
-            lower it for large vocabularies). Free to change when resuming.
+            them (``batch_size * len(configs)`` rows). Free to change when resuming.
         chunk_size: Examples per chunk (the unit that is saved and resumed).
         semantics: What the configurations mean, how prompts are tokenized and answers
             ranked: a :class:`~grafting_lens.study.Semantics` or its label
@@ -138,6 +137,13 @@ class RunOptions:
         progress: Show a progress bar (default: when standard error is a terminal or
             in a notebook, see :func:`~grafting_lens.core.console.show_progress`). Free to
             change when resuming.
+        logits: ``"scored"`` (default): the unembedding runs at the scored (last) token
+            of each row only, ``[rows, 1, d_vocab]`` logits (every position's where a
+            configuration grafts the unembedding, which needs them); ``"all"``: every
+            position's, ``[rows, pos, d_vocab]``, as before (the same scores, for
+            comparison). Free to change when resuming.
+
+    Raises:
         ExperimentError: A size below 1, a seed name that cannot be a column, or a
             semantics label that does not read.
     """
@@ -148,6 +154,7 @@ class RunOptions:
     top_k: int = 10
     seeds: Mapping[str, int] = field(default_factory=dict)
     progress: bool | None = None
+    logits: str = "scored"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "chunk_size", "top_k"):
@@ -156,6 +163,11 @@ class RunOptions:
                 raise ExperimentError(f"{name} must be an integer >= 1, got {value!r}.")
             # Python's int, whichever way it came: the options are part of a run's JSON.
             object.__setattr__(self, name, int(value))
+        if self.logits not in ("scored", "all"):
+            raise ExperimentError(
+                f"logits must be 'scored' (the scored token's) or 'all' (every position's), "
+                f"got {self.logits!r}."
+            )
         seeds = dict(self.seeds or {})
         for name in seeds:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z_0-9]*", str(name)):
@@ -567,12 +579,8 @@ def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantic
         return
     wanted = getattr(torch, semantics.dtype)
     for label, models in model_sets:
-        dtypes = {
-            parameter.dtype
-            for bridge in models
-            for parameter in bridge.original_model.parameters()
-            if parameter.is_floating_point()
-        }
+        # Asked of each source, not of its model: a lazily loaded donor is not read.
+        dtypes = {dtype for source in models.sources for dtype in source.floating_dtypes()}
         if dtypes and dtypes != {wanted}:
             found = ", ".join(sorted(str(dtype).removeprefix("torch.") for dtype in dtypes))
             raise ExperimentError(
@@ -672,14 +680,16 @@ def _run_examples(
     attention_mask = batch.attention_mask.repeat(repeats, 1)
     # Only the last token is scored: the unembedding runs there alone (49k-token
     # vocabularies make every position's logits most of the pass's memory).
+    scored = grid.options.logits == "scored"
     logits = graft_forward(
         models,
         batch.tokens.repeat(repeats, 1),
         mask,
         attention_mask=attention_mask,
-        last_only=True,
+        last_only=scored,
     )
-    scores = scorer(logits, batch.target_ids.repeat(repeats))
+    # Every position's logits are scored at each row's last real token.
+    scores = scorer(logits, batch.target_ids.repeat(repeats), None if scored else attention_mask)
     del logits
 
     score_columns = [scores[column] for column in scorer.columns]

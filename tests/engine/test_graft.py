@@ -613,3 +613,19 @@ def test_generation_refusals_say_what_is_true_of_generation(three_models):
             r"at most 63 tokens\.",
         ):
             gl.graft_generate(three_models, long, gl.GraftMask.build(three_models, long), 1)
+
+
+def test_graft_forward_keeps_no_autograd_graph_unless_asked(three_models):
+    tokens = random_tokens(2, 5, seed=21)
+    mask = random_mask(three_models, tokens.shape, seed=22)
+    embedding = three_models.base.original_model.get_input_embeddings().weight
+    assert embedding.requires_grad and torch.is_grad_enabled()
+    logits = gl.graft_forward(three_models, tokens, mask)
+    assert not logits.requires_grad and logits.grad_fn is None
+    kept = gl.graft_forward(three_models, tokens, mask, grad=True)
+    torch.testing.assert_close(kept.detach(), logits)
+    kept[0, -1, 3].backward()
+    assert embedding.grad is not None and embedding.grad.abs().sum() > 0
+    embedding.grad = None
+    with pytest.raises(gl.errors.GraftingError, match="must be True or False"):
+        gl.graft_forward(three_models, tokens, mask, grad="yes")

@@ -6,22 +6,16 @@ import json
 import os
 import re
 import types
+import warnings
 
 import pandas as pd
 import pytest
 from conftest import invoke, make_tokenizer, random_model
 
 from grafting_lens import study as experiments
+from grafting_lens.core.errors import LazyLoadWarning
 from grafting_lens.study import POSITION_CONFIGS, cli, run_command
 from grafting_lens.worlds import toy
-
-
-@pytest.fixture(autouse=True)
-def digest_cache(monkeypatch, tmp_path):
-    """Keep the checkpoints' weight digests in the test's directory, not the user's cache."""
-    from grafting_lens.study import run_directory
-
-    monkeypatch.setattr(run_directory, "_default_digest_cache", lambda: tmp_path / "digests.json")
 
 
 def _output(result) -> str:
@@ -134,6 +128,43 @@ def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
     assert result.exit_code == 0, _output(result)
     _check_outputs(out, n_relations=2)
     assert not (out / "position_grafting.png").exists()  # --no-png
+
+
+def test_a_lazy_donor_runs_through_the_command_without_being_read_whole(tmp_path, checkpoints):
+    def run(out, *extra):
+        return invoke(
+            [
+                "demo",
+                "--out",
+                str(out),
+                "--model",
+                str(checkpoints / "base"),
+                "--donor",
+                str(checkpoints / "sft"),
+                "--n-relations",
+                "5",
+                "--n-examples",
+                "2",
+                "--semantics",
+                "reference",
+                "--no-progress",
+                "--no-png",
+                *extra,
+            ]
+        )
+
+    with warnings.catch_warnings():
+        # Reading the donor whole (running it alone, casting it, iterating the model
+        # set) warns with LazyLoadWarning: here that fails the run.
+        warnings.simplefilter("error", LazyLoadWarning)
+        lazy = run(tmp_path / "lazy", "--lazy")
+    assert lazy.exit_code == 0, _output(lazy)
+    whole = run(tmp_path / "whole")
+    assert whole.exit_code == 0, _output(whole)
+    pd.testing.assert_frame_equal(
+        pd.read_csv(tmp_path / "lazy" / "results.csv"),
+        pd.read_csv(tmp_path / "whole" / "results.csv"),
+    )
 
 
 def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
@@ -574,3 +605,12 @@ def test_a_prompts_file_with_a_mistake_is_refused_naming_the_row_and_the_fix(tmp
     assert result.exit_code == 1
     assert "mine.json, row 1" in _output(result) and "write ' Sandra'" in _output(result)
     assert not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_the_summary_says_where_a_run_computed():
+    import torch
+
+    threads = torch.get_num_threads()
+    assert run_command._where(torch.device("cpu")) == f"{threads} CPU thread" + "s" * (threads > 1)
+    # Not "CPU threads" for a device that is not the CPU.
+    assert run_command._where(torch.device("meta")) == "meta"

@@ -808,3 +808,30 @@ def test_a_prompts_file_with_a_mistake_names_it_and_the_fix(tmp_path, name, text
         experiments.read_prompts(path)
     with pytest.raises(GraftingLensError, match="No prompts file at"):
         experiments.read_prompts(tmp_path / "missing.json")
+
+
+def test_scored_logits_only_give_the_scores_of_every_positions_logits(monkeypatch):
+    models = gl.load_models(
+        random_model("llama", 0), random_model("llama", 1), tokenizer=make_tokenizer()
+    )
+    relations = data.make_relations("fake_movies_real_actors", n=4, seed=0)
+    test_sets = make_test_sets(relations, prompts=("headline",))
+    shapes = []
+    real = runner.graft_forward
+
+    def recorded(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        shapes.append((tuple(logits.shape), logits.requires_grad))
+        return logits
+
+    monkeypatch.setattr(runner, "graft_forward", recorded)
+    configs = ["PRE", "FE", "LT", "SFT"]  # SFT grafts the unembedding too (every position)
+    options = {"batch_size": 4, "progress": False}
+    scored = run_experiment(models, test_sets, configs, **options)
+    scored_shapes, shapes[:] = list(shapes), []
+    every = run_experiment(models, test_sets, configs, logits="all", **options)
+    pd.testing.assert_frame_equal(scored, every)
+    assert all(shape[1] == 1 and not grad for shape, grad in scored_shapes)
+    assert all(shape[1] > 1 for shape, _ in shapes)
+    with pytest.raises(GraftingLensError, match="logits must be 'scored'"):
+        run_experiment(models, test_sets, configs, logits="last", **options)

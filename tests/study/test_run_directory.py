@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import errno
 import io
@@ -13,7 +12,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pandas as pd
 import pytest
@@ -32,11 +30,7 @@ from grafting_lens.study import (
     runner,
 )
 from grafting_lens.study.report import REPORT_MANIFEST, write_experiment_report
-from grafting_lens.study.run_directory import (
-    CheckpointDigests,
-    source_digest,
-    weights_digests,
-)
+from grafting_lens.study.run_directory import weights_digests
 from grafting_lens.worlds import data
 
 CONFIGS = ["PRE", "FE", "LT"]
@@ -182,9 +176,9 @@ def test_an_edited_donor_weight_makes_another_run(models, test_sets, tmp_path, f
     donor = random_model("llama", 1)  # the fixture's donor, loaded afresh
     weight = dict(donor.named_parameters())["model.layers.0.mlp.down_proj.weight"]
     with torch.no_grad():
-        # Element 1: between the 64 elements per parameter the old digest sampled. Through
-        # .data, which no version counter sees.
-        weight.data.view(-1)[1] += 1e-3
+        # A finetune of one matrix: every value moves (the fingerprint samples 64 of
+        # each tensor). Through .data, which no version counter sees.
+        weight.data += 1e-3 * torch.randn_like(weight)
     edited = gl.load_models(random_model("llama", 0), donor, tokenizer=models.tokenizer)
     forwards["n"] = 0
     with pytest.raises(
@@ -194,49 +188,34 @@ def test_an_edited_donor_weight_makes_another_run(models, test_sets, tmp_path, f
     assert forwards["n"] == 0
 
 
-def test_source_digest_reads_every_weight_and_the_configuration(models):
-    model = models[1].original_model
-    digest = source_digest(models[1])
-    assert digest == source_digest(copy.deepcopy(model))  # the same weights, the same digest
-    edited = copy.deepcopy(model)
+def test_weights_digests_are_the_sources_fingerprints_with_the_configuration(models):
+    digests = weights_digests(models)
+    assert len(digests) == len(models) and len(set(digests)) == len(models)
+
+    def load(dtype=None, rope_theta=None):
+        pair = [random_model("llama", seed) for seed in (0, 1)]
+        for model in pair:
+            if rope_theta is not None:
+                model.config.rope_theta = rope_theta  # changes the forward, not a weight
+        return gl.load_models(*pair, tokenizer=models.tokenizer, dtype=dtype)
+
+    again = load()
+    assert weights_digests(again) == digests  # the same weights, the same digests
     with torch.no_grad():
-        next(iter(edited.parameters())).view(-1)[-1] += 1e-6
-    assert source_digest(edited) != digest
-    retyped = copy.deepcopy(model).to(torch.bfloat16)
-    assert source_digest(retyped) != digest
-    reconfigured = copy.deepcopy(model)
-    reconfigured.config.rope_theta = 500000.0  # changes the forward, not a weight
-    assert source_digest(reconfigured) != digest
+        next(iter(again[1].original_model.parameters())).add_(1e-3)
+    assert weights_digests(again)[1] != digests[1]  # changed in place: fingerprinted again
+    assert weights_digests(load(dtype=torch.bfloat16))[1] != digests[1]
+    assert weights_digests(load(rope_theta=500000.0))[0] != digests[0]
 
 
-def test_checkpoint_digests_are_kept_across_processes_while_the_files_stay(tmp_path, monkeypatch):
-    monkeypatch.setenv("GRAFTING_LENS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(run_directory, "_RACY_SECONDS", 0.05)  # not two seconds per test
-    directories = []
+def test_a_lazy_donor_is_digested_from_its_files_without_being_read(tmp_path):
     for name, seed in (("base", 0), ("sft", 1)):
         random_model("llama", seed).save_pretrained(tmp_path / name)
         make_tokenizer().save_pretrained(tmp_path / name)
-        directories.append(tmp_path / name)
-    time.sleep(0.1)
-
-    def load():
-        known = CheckpointDigests(directories, load={"dtype": None})
-        loaded = gl.load_models(*directories)
-        return known, loaded, known.digests(loaded)
-
-    known, loaded, first = load()
-    assert known.hits == 0 and first == [source_digest(bridge) for bridge in loaded]
-    known, loaded, second = load()  # a new "process": the cache file answers
-    assert known.hits == 2 and second == first
-    assert weights_digests(loaded) == first  # remembered for these models
-    with torch.no_grad():
-        next(iter(loaded[1].original_model.parameters())).add_(1.0)
-    assert weights_digests(loaded)[1] != first[1]  # changed in place: hashed again
-    # A checkpoint saved again (other weights, same names) is not in the cache.
-    random_model("llama", 2).save_pretrained(tmp_path / "sft")
-    time.sleep(0.1)
-    known, loaded, third = load()
-    assert known.hits == 1 and third[1] == source_digest(loaded[1]) != first[1]
+    whole = gl.load_models(tmp_path / "base", tmp_path / "sft")
+    lazy = gl.load_models(tmp_path / "base", tmp_path / "sft", lazy=True)
+    assert weights_digests(lazy) == weights_digests(whole)
+    assert lazy.sources[1].loaded == () and lazy.memory().resident_bytes[1] == 0
 
 
 # ------------------------------------------------------------------ kills
