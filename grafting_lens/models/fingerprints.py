@@ -1,10 +1,17 @@
-"""Fingerprints: a short hash of a checkpoint's weights that never reads one whole.
+"""Fingerprints: a short hash of a checkpoint's weights that never reads one whole, and an
+exact one for what must not be mistaken.
 
 Names, shapes, dtypes and 64 evenly spaced values of every tensor: the same values for
 a checkpoint in memory and for one read lazily from its files
 (:meth:`~grafting_lens.models.sources.SafetensorsCheckpoint.sample`), so both get one
 fingerprint. :meth:`Source.fingerprint <grafting_lens.models.sources.Source.fingerprint>`
 is built on it, and keeps it until a parameter changes (:func:`parameters_state`).
+
+A fingerprint tells checkpoints apart (a finetune moves every sampled value), not every
+edit of one weight: an ablation that zeroes one neuron between the sampled values, or a
+change written through ``.data`` (which no version counter sees), keeps it. What decides
+whether stored results are reused, a run directory's weights, uses :func:`content_digest`
+instead: every value of every tensor, read one tensor at a time, never kept.
 """
 
 from __future__ import annotations
@@ -15,7 +22,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["digest_sample", "parameters_state", "sample_indices", "weights_fingerprint"]
+__all__ = [
+    "content_digest",
+    "digest_sample",
+    "parameters_state",
+    "sample_indices",
+    "weights_fingerprint",
+]
 
 _SAMPLES = 64
 
@@ -75,3 +88,28 @@ def digest_sample(
     """Add one tensor's name, shape, dtype and sampled values (cast to ``dtype``) to ``digest``."""
     digest.update(f"{name}{tuple(shape)}{dtype}".encode())
     digest.update(sample.to(dtype).float().cpu().contiguous().numpy().tobytes())
+
+
+def content_digest(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
+) -> str:
+    """A hash of every value of named tensors: their names, shapes, dtypes and bytes.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs, in a fixed order; an iterator is read one
+            tensor at a time (a lazily loaded checkpoint is never held whole).
+        dtype: The dtype the floating tensors are used in, when they are stored in
+            another (each is cast first, as a model cast whole would be, so a checkpoint
+            read lazily and the same one loaded whole get one digest).
+
+    Returns:
+        32 hexadecimal digits.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in tensors:
+        value = tensor.detach()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
+        digest.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()[:32]

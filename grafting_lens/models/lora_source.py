@@ -31,7 +31,7 @@ from grafting_lens.models.components import (
     checkpoint_parameters,
     fused_projections,
 )
-from grafting_lens.models.fingerprints import parameters_state, weights_fingerprint
+from grafting_lens.models.fingerprints import content_digest, parameters_state, weights_fingerprint
 from grafting_lens.models.sources import CheckpointSource, Source, structural_copy
 
 __all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
@@ -259,6 +259,15 @@ class LoraSource(Source):
         settings["use_rslora"] = self.adapter.config.get("use_rslora")
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
         return digest.hexdigest()[:16]
+
+    def content_digest(self) -> str:
+        digest = hashlib.sha256()
+        digest.update(content_digest(checkpoint_parameters(self._base.original_model)).encode())
+        digest.update(content_digest(sorted(self.adapter.tensors.items())).encode())
+        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
+        settings["use_rslora"] = self.adapter.config.get("use_rslora")
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+        return digest.hexdigest()[:32]
 
 
 def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:

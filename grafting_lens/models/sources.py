@@ -58,6 +58,7 @@ from grafting_lens.models.components import (
     fused_projections,
 )
 from grafting_lens.models.fingerprints import (
+    content_digest,
     digest_sample,
     parameters_state,
     sample_indices,
@@ -196,6 +197,17 @@ class Source:
     def _fingerprint(self) -> str:
         raise NotImplementedError
 
+    def content_digest(self) -> str:
+        """A hash of every value of this source's weights (see :func:`content_digest`).
+
+        Exact where :meth:`fingerprint` samples: what a run directory compares before it
+        reuses stored results, so that an edit of one weight is a different run. Reads
+        every tensor once, one at a time; a lazily loaded donor's are read from its
+        files and dropped, never kept. Equal for the same checkpoint loaded whole or
+        lazily.
+        """
+        raise NotImplementedError
+
     def _weights_state(self) -> tuple | None:
         """What, changed, changes the fingerprint (``None``: unknown, so never kept)."""
         return ()
@@ -246,6 +258,9 @@ class CheckpointSource(Source):
 
     def _fingerprint(self) -> str:
         return weights_fingerprint(checkpoint_parameters(self._bridge.original_model))
+
+    def content_digest(self) -> str:
+        return content_digest(checkpoint_parameters(self._bridge.original_model))
 
     def _weights_state(self) -> tuple | None:
         return parameters_state(self._bridge.original_model)
@@ -745,6 +760,10 @@ class LazySource(Source):
             dtype = self._dtype or self._files.dtypes[name]
             digest_sample(digest, name, self._files.shapes[name], sample, dtype)
         return digest.hexdigest()[:16]
+
+    def content_digest(self) -> str:
+        names = (name for name, _ in checkpoint_parameters(self._base.original_model))
+        return content_digest(((name, self._files.tensor(name)) for name in names), self._dtype)
 
     # ------------------------------------------------------------------ internals
 

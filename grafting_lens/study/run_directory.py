@@ -134,17 +134,19 @@ def describe_run(
 
 
 def weights_digests(models: ModelSet) -> list[str]:
-    """A digest of every source of a model set, base first, without loading any.
+    """A digest of every source of a model set, base first: every value of its weights.
 
-    Each is :meth:`Source.fingerprint <grafting_lens.models.sources.Source.fingerprint>`
-    (names, shapes, dtypes and 64 values of every tensor, kept by the source until a
-    parameter changes) with the configuration of what the models compute, so a changed
-    ``rope_theta`` counts even with the same weights. A lazily loaded donor is sampled
-    from its files: never read whole, in any process.
+    Each is :meth:`Source.content_digest
+    <grafting_lens.models.sources.Source.content_digest>` (names, shapes, dtypes and every
+    byte of every tensor, read one tensor at a time: a lazily loaded donor is read from
+    its files and dropped, never kept) with the configuration of what the models compute,
+    so a changed ``rope_theta`` counts even with the same weights. Exact, not sampled:
+    stored results are reused only for the very weights they were computed with, so an
+    ablation of one weight between two runs into one ``out`` is a different run.
     """
     config = _config_text(models.base.original_model)
     return [
-        hashlib.sha256(f"{config}\n{source.fingerprint()}".encode()).hexdigest()[:32]
+        hashlib.sha256(f"{config}\n{source.content_digest()}".encode()).hexdigest()[:32]
         for source in models.sources
     ]
 

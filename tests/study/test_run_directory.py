@@ -188,7 +188,7 @@ def test_an_edited_donor_weight_makes_another_run(models, test_sets, tmp_path, f
     assert forwards["n"] == 0
 
 
-def test_weights_digests_are_the_sources_fingerprints_with_the_configuration(models):
+def test_weights_digests_are_every_value_of_the_sources_with_the_configuration(models):
     digests = weights_digests(models)
     assert len(digests) == len(models) and len(set(digests)) == len(models)
 
@@ -203,12 +203,25 @@ def test_weights_digests_are_the_sources_fingerprints_with_the_configuration(mod
     assert weights_digests(again) == digests  # the same weights, the same digests
     with torch.no_grad():
         next(iter(again[1].original_model.parameters())).add_(1e-3)
-    assert weights_digests(again)[1] != digests[1]  # changed in place: fingerprinted again
+    assert weights_digests(again)[1] != digests[1]  # changed in place: a different run
     assert weights_digests(load(dtype=torch.bfloat16))[1] != digests[1]
     assert weights_digests(load(rope_theta=500000.0))[0] != digests[0]
 
 
-def test_a_lazy_donor_is_digested_from_its_files_without_being_read(tmp_path):
+def test_an_ablation_of_one_weight_between_the_sampled_values_is_a_different_run(models):
+    # The fingerprint samples 64 values per tensor and keeps its hash until a version
+    # counter moves; a write through .data moves none. The run directory must see it.
+    pair = [random_model("llama", seed) for seed in (0, 1)]
+    ablated = gl.load_models(*pair, tokenizer=models.tokenizer)
+    before, fingerprint = weights_digests(ablated), ablated.sources[1].fingerprint()
+    weight = next(p for _, p in ablated[1].original_model.named_parameters() if p.dim() == 2)
+    weight.data.view(-1)[1] = 0.0  # index 1 is never sampled (the stride is >= 2)
+    assert ablated.sources[1].fingerprint() == fingerprint  # why the digest is not it
+    assert weights_digests(ablated)[1] != before[1]
+    assert weights_digests(ablated)[0] == before[0]
+
+
+def test_a_lazy_donor_is_digested_from_its_files_and_nothing_is_kept(tmp_path):
     for name, seed in (("base", 0), ("sft", 1)):
         random_model("llama", seed).save_pretrained(tmp_path / name)
         make_tokenizer().save_pretrained(tmp_path / name)
