@@ -34,6 +34,7 @@ from grafting_lens.models.components import (
 )
 from grafting_lens.models.sources import (
     CheckpointSource,
+    LazySource,
     Source,
     tensor_bytes,
 )
@@ -48,7 +49,8 @@ class ModelSet(Sequence[TransformerBridge]):
     :mod:`grafting_lens.models.sources`): a checkpoint in memory, a lazily loaded one or a
     LoRA adapter, which grafts ask for their modules. ``models[i]`` (and iterating)
     gives each source as a model that runs alone: a LoRA adapter's is built on first
-    use over the base's tensors; a lazily loaded donor is then read whole, with a
+    use over the base's tensors; iterating a set with a lazily loaded donor is refused
+    (it would read the donor whole as a side effect); ``models[i]`` reads it whole, with a
     :class:`~grafting_lens.core.errors.LazyLoadWarning`, or refused if it was declared for some
     components only. Grafts never need it.
 
@@ -104,6 +106,21 @@ class ModelSet(Sequence[TransformerBridge]):
         return len(self._sources)
 
     def __iter__(self) -> Iterator[TransformerBridge]:
+        # Walking the set must not read a lazily loaded donor whole as a side effect
+        # (``list(models)``, ``for model in models``, ``model in models``): refuse, and
+        # say how to ask for it on purpose.
+        unread = [
+            f"{index} ({self.names[index]})"
+            for index, source in enumerate(self._sources)
+            if isinstance(source, LazySource) and not source.is_whole
+        ]
+        if unread:
+            raise GraftingLensError(
+                f"Iterating this model set would read its lazily loaded source(s) "
+                f"{', '.join(unread)} whole. Walk models.sources instead (each grafts what a "
+                "graft takes, nothing more), or read one on purpose with models[i] (a "
+                "LazyLoadWarning says so)."
+            )
         return (source.bridge for source in self._sources)
 
     def __repr__(self) -> str:

@@ -679,6 +679,11 @@ class LazySource(Source):
         return tuple(self._modules)
 
     @property
+    def is_whole(self) -> bool:
+        """Whether the donor was read whole already (:attr:`bridge` was asked for)."""
+        return self._whole is not None
+
+    @property
     def bridge(self) -> TransformerBridge:
         """The donor loaded whole, on first use, with a :class:`~grafting_lens.core.errors.LazyLoadWarning`.
 

@@ -128,6 +128,19 @@ def test_a_lazy_donor_runs_alone_once_read_whole(checkpoints):
     ).abs().max() <= 1e-6
 
 
+def test_walking_a_model_set_never_reads_a_lazy_donor_whole(checkpoints):
+    base, donor = checkpoints
+    lazy = gl.load_models(base, donor, lazy=True)
+    for walk in (list, lambda models: lazy.base in models, lambda models: [m for m in models]):
+        with pytest.raises(gl.GraftingLensError, match="would read its lazily loaded"):
+            walk(lazy)
+    assert lazy.sources[1].loaded == () and lazy.memory().loc[1, "resident_bytes"] == 0
+    assert len(lazy) == 2 and [s.kind for s in lazy.sources] == ["checkpoint", "lazy"]
+    with pytest.warns(gl.errors.LazyLoadWarning):
+        lazy[1]  # noqa: B018, read whole on purpose
+    assert len(list(lazy)) == 2  # once read, walking it costs nothing more
+
+
 def test_a_declared_lazy_donor_cannot_run_alone(checkpoints):
     base, donor = checkpoints
     models = gl.load_models(base, donor, lazy=True, components="ffn")
