@@ -3,6 +3,7 @@ tutorial executed, and the getting-started code computes what the demo reports."
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -149,12 +150,47 @@ def test_the_site_loads_nothing_from_the_network(tmp_path):
 def test_quoted_numbers_sit_between_markers_that_markdown_keeps_inline():
     """docs/scripts/prose_numbers.py rewrites what sits between the markers; a marker that
     starts a line would make Markdown read the line as raw HTML and drop its formatting."""
-    pages = [ROOT / "README.md", DOCS / "getting-started.md"]
+    pages = [ROOT / "README.md", DOCS / "getting-started.md", DOCS / "results.md"]
     markers = [
         line for page in pages for line in page.read_text().splitlines() if "<!-- numbers:" in line
     ]
     assert markers, "no quoted numbers found"
     assert not [line for line in markers if line.lstrip().startswith("<!--")]
+
+
+def _prose_numbers():
+    """docs/scripts/prose_numbers.py, imported (it is a script, not a module of the package)."""
+    path = DOCS / "scripts" / "prose_numbers.py"
+    spec = importlib.util.spec_from_file_location("prose_numbers", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_marked_number_is_what_the_code_computes_today():
+    """Every number between ``<!-- numbers:KEY -->`` markers in README, getting-started and
+    results equals what the demo and the checkpoints' evaluation give today (three demos,
+    about a minute), and the targets the manifest ships agree with today's demo where they
+    measure the same thing (the position rates)."""
+    numbers = _prose_numbers()
+    pages = {path.name: numbers.MARKER.findall(path.read_text()) for path in numbers.FILES}
+    assert set(pages) == {"README.md", "getting-started.md", "results.md"}
+    assert all(pages.values()), f"a page lost its markers: {pages}"
+    assert len(pages["results.md"]) >= 30  # the position, targets and checkpoints' tables
+
+    sources = numbers.gather()
+    assert numbers.stale_markers(sources) == [], "stale: run python docs/scripts/prose_numbers.py"
+
+    today = sources.runs["reference"]["top5"]
+    rates = [t for t in sources.targets if t["experiment"] == "position" and t["kind"] == "rate"]
+    assert len(rates) == 4  # SFT, PRE, LT and FE top-5
+    for target in rates:
+        config = target["target"].split()[0]
+        for prompt in ("headline", "qa"):
+            shipped = target["per_prompt"][prompt]["estimate"]
+            assert shipped == pytest.approx(today[(config, prompt)]), (target["target"], prompt)
 
 
 def test_a_link_to_a_missing_heading_fails_the_build(tmp_path):

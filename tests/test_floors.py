@@ -210,6 +210,8 @@ def test_every_floor_is_reachable_from_the_front_door(folder):
 # ------------------------------------------------------------------------ the drawing
 
 DEVELOPING = PACKAGE.parent / "docs" / "developing" / "index.md"
+PLAN_WIDTH = 90
+"""Columns of a line of the drawing (the docs' code block shows about 95)."""
 
 
 def floor_plan() -> list[str]:
@@ -234,8 +236,17 @@ def floor_plan() -> list[str]:
         by_level = collections.defaultdict(list)
         for room in rooms:
             by_level[depth(room)].append(room.split(".", 1)[1])
-        steps = " → ".join(", ".join(sorted(by_level[k])) for k in sorted(by_level))
-        lines.append(f"{folder + '/':11s} {steps}")
+        steps = [", ".join(sorted(by_level[k])) for k in sorted(by_level)]
+        # Wrapped after an arrow at the width the docs' code block shows, so that no room
+        # hides past the block's right edge.
+        line = f"{folder + '/':11s} {steps[0]}"
+        for step in steps[1:]:
+            if len(f"{line} → {step}") > PLAN_WIDTH:
+                lines.append(f"{line} →")
+                line = " " * 12 + step
+            else:
+                line = f"{line} → {step}"
+        lines.append(line)
     return lines
 
 

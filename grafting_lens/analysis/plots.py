@@ -85,8 +85,13 @@ def _bars(
     color: str,
     value: str,
     hover: str,
+    extra: tuple[str, ...] = (),
 ) -> tuple[go.Figure, list[float]]:
-    """Grouped bars of ``value`` with its interval; returns the figure and every plotted end."""
+    """Grouped bars of ``value`` with its interval; returns the figure and every plotted end.
+
+    ``hover`` reads ``customdata[0]`` and ``[1]`` (the interval), ``[2]`` (``n``), then the
+    ``extra`` columns in order.
+    """
     categories = list(dict.fromkeys(summary[x].tolist()))
     low, high = f"{value}_low", f"{value}_high"
     fig = go.Figure()
@@ -114,7 +119,7 @@ def _bars(
                     thickness=1.2,
                     width=3,
                 ),
-                customdata=list(zip(group[low], group[high], counts)),
+                customdata=list(zip(group[low], group[high], counts, *(group[c] for c in extra))),
                 hovertemplate=(
                     f"{column_title(color)}: {display_label(name)}<br>"
                     f"{column_title(x)}: %{{x}}<br>{hover}<extra></extra>"
@@ -224,16 +229,21 @@ def plot_mean_rank(
         "summarize(results) computes mean_rank with its interval.",
     )
     shown = summary.copy()
-    if log:
-        for column in ("mean_rank", "mean_rank_low", "mean_rank_high"):
-            shown[column] = shown[column] + 1
+    ranks = ("mean_rank", "mean_rank_low", "mean_rank_high")
+    # The hover text quotes the ranks themselves, as the ticks and the tables do, not the
+    # rank + 1 a log axis draws.
+    for column in ranks:
+        shown[f"{column}_as_ranked"] = summary[column]
+        if log:
+            shown[column] = summary[column] + 1
     fig, ends = _bars(
         shown,
         x,
         color,
         "mean_rank",
-        "mean rank" + (" + 1" if log else "") + ": %{y:,.1f} (95% CI %{customdata[0]:,.1f} "
-        "to %{customdata[1]:,.1f})<br>n = %{customdata[2]}",
+        "mean rank: %{customdata[3]:,.1f} (95% CI %{customdata[4]:,.1f} to "
+        "%{customdata[5]:,.1f}; 0 = the top token)<br>n = %{customdata[2]}",
+        extra=tuple(f"{column}_as_ranked" for column in ranks),
     )
     if log:
         top = max(ends, default=10.0)

@@ -216,6 +216,12 @@ def test_mean_rank_bars_on_a_log_axis_from_rank_zero():
     # Ticks read as the tables' 0-based ranks: rank 0 at 1, rank 10 at 11...
     assert list(fig.layout.yaxis.ticktext) == ["0", "10", "100", "1,000"]
     assert list(fig.layout.yaxis.tickvals) == [1, 11, 101, 1001]
+    # The hover text quotes the same 0-based ranks as the ticks, not the drawn rank + 1.
+    bar = fig.data[0]
+    assert "+ 1" not in bar.hovertemplate and "%{y" not in bar.hovertemplate
+    pre, sft = bar.customdata
+    assert pre[3] == 1000.0 and sft[3] == 0.0
+    assert (pre[4], pre[5]) == (summary["mean_rank_low"][0], summary["mean_rank_high"][0])
     linear = plots.plot_mean_rank(summary, log=False)
     assert list(linear.data[0].y) == [1000.0, 0.0]
     with pytest.raises(GraftingLensError, match="mean_rank"):
