@@ -18,7 +18,8 @@ then measures:
   :meth:`ModelSet.memory`) and the process's resident memory after a graft and a
   run alone, minus that of a process holding the base alone.
 
-Prints one JSON object. Run: ``python benchmarks/lora_donors.py [--dir DIR]``.
+Prints one JSON object. Run: ``python benchmarks/lora_donors.py [--dir DIR] [--device cuda]``
+(timings on the device; memory is measured on the CPU, as a child process's resident set).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ import json
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+from devices import add_device_option, clock, describe, resolve
 from graft_speed import placeholder_tokenizer
 from lazy_memory import rss_now, run_child
 from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig
@@ -130,15 +131,16 @@ def memory_of(root: Path, donor: str) -> dict:
     }
 
 
-def compare(root: Path, rank: int, repeats: int) -> dict:
+def compare(root: Path, rank: int, repeats: int, device: torch.device) -> dict:
     """The LoRA donor and the merged one, in this process: logits and interleaved times."""
     sets = {
         kind: gl.load_models(
-            root / "base", root / f"{kind}{rank}", tokenizer=placeholder_tokenizer()
+            root / "base", root / f"{kind}{rank}", tokenizer=placeholder_tokenizer(), device=device
         )
         for kind in ("lora", "merged")
     }
     tokens, mask = workload(sets["lora"])
+    tokens = tokens.to(device)
     runs = {
         f"{kind}_{what}": run
         for kind, models_ in sets.items()
@@ -153,9 +155,9 @@ def compare(root: Path, rank: int, repeats: int) -> dict:
         times: dict[str, float] = {name: float("inf") for name in runs}
         for _ in range(repeats):
             for name, run in runs.items():
-                start = time.perf_counter()
+                start = clock(device)
                 run()
-                times[name] = min(times[name], time.perf_counter() - start)
+                times[name] = min(times[name], clock(device) - start)
     return {
         "graft_max_abs_diff": float((logits["lora_graft"] - logits["merged_graft"]).abs().max()),
         "alone_max_abs_diff": float((logits["lora_alone"] - logits["merged_alone"]).abs().max()),
@@ -172,13 +174,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--memory-of", default=None)
     parser.add_argument("--compare-rank", type=int, default=None)
+    add_device_option(parser)
     args = parser.parse_args()
+    device = resolve(args.device)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     if args.memory_of is not None:  # a child
         print(json.dumps(memory_of(args.dir, args.memory_of)))
         return
     if args.compare_rank is not None:  # a child
-        print(json.dumps(compare(args.dir, args.compare_rank, args.repeats)))
+        print(json.dumps(compare(args.dir, args.compare_rank, args.repeats, device)))
         return
     results: dict = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -197,6 +201,8 @@ def main() -> None:
                     str(rank),
                     "--repeats",
                     str(args.repeats),
+                    "--device",
+                    args.device,
                 )
                 for kind in ("lora", "merged"):
                     held = run_child(__file__, "--dir", here, "--memory-of", f"{kind}{rank}")
@@ -213,6 +219,8 @@ def main() -> None:
                 "shapes": "12 layers, d_model 768, vocabulary 32,000, float32, random weights",
                 "graft": "every component at half of the positions, 8 prompts x 16 tokens",
                 "target": "max_abs_diff <= 1e-4",
+                "timed_on": describe(device),
+                "memory_measured_on": "cpu (resident set size of a child process)",
                 **results,
                 "machine": platform.processor() or platform.machine(),
                 "torch_threads": torch.get_num_threads(),

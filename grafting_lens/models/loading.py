@@ -32,6 +32,7 @@ shape mismatch deep inside torch in the middle of a sweep, or a wrong number.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import re
@@ -446,16 +447,36 @@ def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
                 )
             getattr(skeleton.get_submodule(owner), table)[attribute] = tensors[name]
     skeleton.eval()
+    _mirror_dispatch(original, skeleton)
     parameter = next(original.parameters())
     return adapt_bridge(
         TransformerBridge.boot_transformers(
             str(getattr(base.cfg, "model_name", "") or "base"),
             hf_model=skeleton,
             tokenizer=base.tokenizer,
-            device=str(parameter.device),
+            device=str(embedding_device(skeleton)),
             dtype=parameter.dtype,
         )
     )
+
+
+def _mirror_dispatch(original: PreTrainedModel, skeleton: PreTrainedModel) -> None:
+    """Give the skeleton the base's accelerate hooks, module for module.
+
+    A base dispatched across devices (``device_map``) moves each block's inputs to the
+    block's device with accelerate's hooks; the skeleton holds the same tensors, so it
+    needs the same moves, or an adapter running alone on a layer-split base would meet
+    activations on another device than its weights. A base on one device has none.
+    """
+    from accelerate.hooks import add_hook_to_module
+
+    for prefix, module in checkpoint_modules(original):  # the HF modules the bridge wraps
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None:  # a copy: a hook keeps per-call state (the input's device)
+            add_hook_to_module(skeleton.get_submodule(prefix.rstrip(".")), copy.copy(hook))
+    placed = getattr(original, "hf_device_map", None)
+    if placed:
+        skeleton.__dict__["hf_device_map"] = dict(placed)  # what the bridge reads
 
 
 def _to_bridge(

@@ -78,6 +78,30 @@ def test_an_adapter_runs_alone_as_peft_runs_it(family, adapter, tokenizer):
     assert (expected - models.base(tokens)).abs().max() > 1.0  # the adapter does something
 
 
+def test_an_adapter_alone_moves_inputs_as_the_dispatched_base_does(family, adapter, tokenizer):
+    # A base dispatched across devices carries accelerate's hooks; the bridge an adapter
+    # runs alone in shares the base's tensors and must carry the same hooks. Here every
+    # block's execution device is the CPU: the hooks are there, the numbers unchanged.
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    from grafting_lens.models.components import checkpoint_modules
+
+    directory, model, _ = adapter
+    base = random_model(family, 0)
+    blocks = [name for name, module in base.named_modules() if name.endswith((".0", ".1"))]
+    for name in blocks:
+        add_hook_to_module(base.get_submodule(name), AlignDevicesHook(execution_device="cpu"))
+    models = gl.load_models(base, directory, tokenizer=tokenizer)
+    alone = dict(checkpoint_modules(models[1].original_model))  # through the bridge
+    for name in blocks:
+        hook = getattr(alone[name + "."], "_hf_hook", None)
+        assert isinstance(hook, AlignDevicesHook) and hook.execution_device == "cpu"
+        assert hook is not base.get_submodule(name)._hf_hook  # its own per-call state
+    tokens = random_tokens(2, 9, seed=1)
+    with torch.no_grad():
+        assert close(models[1](tokens), model(tokens).logits)
+
+
 def test_a_lora_graft_equals_the_merged_donors_graft_and_the_oracle(family, adapter, tokenizer):
     directory, _, merged = adapter
     lora = gl.load_models(random_model(family, 0), directory, tokenizer=tokenizer)
