@@ -11,7 +11,7 @@ it the way it loads a hub model.
 the default world is built once and ships in the package
 (:mod:`grafting_lens.worlds.toy_shipped`): :func:`build_toy_world` unpacks it into the cache
 in seconds, and every machine gets the same checkpoints and the documented numbers.
-``build_toy_world(force=True)`` runs the recipe below instead (about twenty minutes on
+``build_toy_world(force=True)`` runs the recipe below instead (5 to 15 minutes on
 one core); a rebuild reproduces the findings within their intervals
 (``experiments/toy_targets.py --rebuild``), not the last decimal.
 
@@ -309,8 +309,8 @@ def _ships(config: ToyWorldConfig, key: str) -> bool:
     if shipped != key:
         warnings.warn(
             f"The toy world shipped with grafting-lens (key {shipped}) was built by another "
-            f"recipe than this one (key {key}); building it from the recipe instead (about "
-            "twenty minutes on one core). Re-ship it with experiments/toy_world.py --ship.",
+            f"recipe than this one (key {key}); building it from the recipe instead (5 to 15 "
+            "minutes on one core). Re-ship it with experiments/toy_world.py --ship.",
             stacklevel=3,
         )
         return False

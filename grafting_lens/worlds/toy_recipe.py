@@ -59,7 +59,7 @@ class ToyWorldConfig:
     """Everything that determines a toy world; its hash names the cache entry.
 
     The defaults are the shipped world's recipe (see the module docstring): a cold
-    build takes about twenty minutes on one CPU core; the default configuration is
+    build takes 5 to 15 minutes on one CPU core; the default configuration is
     unpacked from the package instead (seconds). Any other configuration is built.
 
     Attributes:

@@ -19,7 +19,7 @@ The recipe rounds every weight to float16 before saving (and finetunes from the 
 base), so storing float16 loses nothing: :func:`materialize` writes each checkpoint back
 as float32 whose values are exactly the build's. It writes into the toy-world cache,
 where :func:`grafting_lens.worlds.toy.build_toy_world` finds it: loading the default world takes
-seconds, building it again (``force=True``) about twenty minutes on one core.
+seconds, building it again (``force=True``) 5 to 15 minutes on one core.
 
 A shipped file that is missing or does not match its checksum is refused with
 :class:`~grafting_lens.core.errors.ToyWorldError`, which says how to repair it (reinstall, or
@@ -202,7 +202,7 @@ def sha256_file(path: Path) -> str:
 
 _REPAIR = (
     "Reinstall grafting-lens, or build the world instead with "
-    "grafting_lens.worlds.toy.build_toy_world(force=True) (about twenty minutes)."
+    "grafting_lens.worlds.toy.build_toy_world(force=True) (5 to 15 minutes on one core)."
 )
 
 
