@@ -17,7 +17,7 @@ The estimate
 Give each (component, layer) a mixing weight ``alpha`` per token position. At those
 positions, the component's output is
 
-    ``out = base_out + alpha * (donor_out - base_out)``
+    out = base_out + alpha * (donor_out - base_out)
 
 where ``base_out`` is what the component computes in the run as it stands and
 ``donor_out`` what the donor's module computes from the same input
@@ -29,7 +29,7 @@ differentiable function of every ``alpha``, and one backward pass gives
 *estimate* is the sum of that gradient over its positions: the first-order change of
 the metric when the cell is switched,
 
-    ``metric(cell switched) - metric(start)  ~=  sum over the cell's positions of d metric / d alpha``.
+    metric(cell switched) - metric(start)  ~=  sum over the cell's positions of d metric / d alpha
 
 The *exact* effect is the left side, measured with a graft (:func:`graft_forward`).
 

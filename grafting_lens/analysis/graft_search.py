@@ -7,7 +7,7 @@ donor for the base to do what the donor does? :func:`find_minimal_graft` answers
 with a small set of cells whose graft recovers at least a given ``fraction`` of the
 gap between the base's metric and the donor's (averaged over prompts):
 
-    ``recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) - metric(base))``.
+    recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) - metric(base))
 
 Finding the smallest such set exactly means trying subsets of hundreds of cells; the
 search here is greedy, with attribution to keep each step cheap, and a pruning pass

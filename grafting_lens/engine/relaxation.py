@@ -5,8 +5,8 @@ is either the base's module's or the donor's. The *relaxation* puts a continuous
 between the two. Inside :func:`relaxing`, every relaxed ``(component, layer)``
 computes, at each position ``[b, t]``,
 
-    ``out = lerp(current_out, source_out, weight[b, t])
-          = current_out + weight[b, t] * (source_out - current_out)``
+    out = lerp(current_out, source_out, weight[b, t])
+        = current_out + weight[b, t] * (source_out - current_out)
 
 where ``current_out`` is what the slot computes in the run as it stands (the base's
 module, or the graft of an enclosing :func:`~grafting_lens.engine.graft.grafting` block) and
