@@ -7,7 +7,7 @@ that does not care which. An argument of the wrong type altogether (a number whe
 a checkpoint is expected, a slow tokenizer where offsets are needed) raises
 :class:`TypeError`, as Python's own functions do.
 
-The hierarchy, one class per thing that can go wrong::
+The hierarchy, one class per thing that can go wrong:
 
     GraftingLensError
     ├── AlignmentError      the checkpoints cannot be grafted together

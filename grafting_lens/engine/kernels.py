@@ -164,7 +164,7 @@ def use(kernel: str | None) -> _Pinned:
     """Pin the kernel of grafted linear layers: ``"torch"``, ``"onednn"`` or ``"auto"``.
 
     Called alone, it pins the kernel for the rest of the process. As a context
-    manager, it restores the previous policy on exit::
+    manager, it restores the previous policy on exit:
 
         kernels.use("torch")                  # from now on
         with kernels.use("onednn"):           # only inside the block

@@ -72,9 +72,9 @@ model roles, tested relations, prompts, configurations, summaries and figures; e
 Python and as ``grafting-lens run <name>``.
 
 Examples:
-    >>> from grafting_lens import experiments
-    >>> models, relations, info = experiments.toy_setup("hybrid")  # builds the toy world once
-    >>> results = experiments.run_named_experiment("hybrid", models, relations)
+    >>> from grafting_lens import study
+    >>> models, relations, info = study.toy_setup("hybrid")  # builds the toy world once
+    >>> results = study.run_named_experiment("hybrid", models, relations)
     >>> metrics.summarize(results, by=("config", "prompt"))
 
     A grid of your own:

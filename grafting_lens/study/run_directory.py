@@ -2,7 +2,7 @@
 
 A long run is cut into chunks (a few dozen examples of one model set and test set).
 With ``out=``, :func:`~grafting_lens.study.run_experiment` keeps its run in a
-directory::
+directory:
 
     .lock                 held by the process writing the run (see below)
     manifest.json         {"fingerprint": ..., "created": ..., "spec": <describe_run>}
