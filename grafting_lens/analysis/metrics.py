@@ -39,7 +39,7 @@ Aggregates come with a percentile bootstrap confidence interval of the mean
 (:func:`bootstrap_ci`), because a toy experiment has tens of examples, and a
 difference of five points between two configurations means nothing without
 one. :func:`summarize` turns a tidy results table (one row per example and
-configuration, as :func:`grafting_lens.study.position_grafting.run_position_grafting`
+configuration, as :func:`grafting_lens.study.run_position_grafting`
 returns) into one row per configuration and prompt.
 
 Examples:

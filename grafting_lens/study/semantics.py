@@ -39,7 +39,7 @@ name grafts the same weights everywhere. That is true of the command
 :func:`~grafting_lens.study.run_experiment`,
 :func:`~grafting_lens.study.run_position_grafting`, :class:`RunOptions
 <grafting_lens.study.RunOptions>`, :func:`~grafting_lens.study.config_masks`,
-:func:`~grafting_lens.study.resolve_configs`,
+:func:`~grafting_lens.study.stacking.resolve_configs`,
 :func:`~grafting_lens.study.resolve_components`,
 :func:`~grafting_lens.study.get_configs`, a new
 :class:`~grafting_lens.study.ExperimentSpec`, and of the wording of
