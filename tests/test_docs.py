@@ -147,6 +147,16 @@ def test_the_site_loads_nothing_from_the_network(tmp_path):
     assert (site / "javascripts" / "mathjax" / "tex-svg.js").exists()
 
 
+def test_an_interval_never_wraps_after_its_comma():
+    """A narrow table column would break "[94, 98]" after the comma: the results page joins an
+    interval's bounds with a non-breaking space, in its tables and its prose alike."""
+    text = (DOCS / "results.md").read_text()
+    interval = r"\[[−+-]?[0-9.]+%?,(?P<space>\s|&nbsp;)[−+-]?[0-9.]+%?\]"
+    found = list(re.finditer(interval, text))
+    assert len(found) > 100
+    assert [m.group(0) for m in found if m["space"] != "&nbsp;"] == []
+
+
 def test_quoted_numbers_sit_between_markers_that_markdown_keeps_inline():
     """docs/scripts/prose_numbers.py rewrites what sits between the markers; a marker that
     starts a line would make Markdown read the line as raw HTML and drop its formatting."""

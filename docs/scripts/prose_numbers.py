@@ -50,6 +50,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md", ROOT / "docs" / "results.md"]
+NBSP = "&nbsp;"  # between an interval's bounds: see _estimate
 MARKER = re.compile(r"<!-- numbers:(?P<key>[^\s>]+) -->(?P<text>.*?)<!-- /numbers -->", re.S)
 SETTINGS = {
     "reference": [],
@@ -118,12 +119,14 @@ def _points(value: float) -> str:
 
 
 def _estimate(kind: str, value: float, low: float, high: float) -> str:
-    """One estimate with its interval, as the targets table writes a rate, ratio or difference."""
+    """One estimate with its interval, as the targets table writes a rate, ratio or difference.
+    The interval's bounds are joined by a non-breaking space (``[94,&nbsp;98]``), so that a
+    narrow table column never wraps an interval after its comma."""
     if kind == "rate":
-        return f"{percent(value)} [{round(100 * low)}, {round(100 * high)}]"
+        return f"{percent(value)} [{round(100 * low)},{NBSP}{round(100 * high)}]"
     if kind == "ratio":
-        return f"{value:.2f} [{low:.2f}, {high:.2f}]"
-    return f"{_points(value)} pts [{_points(low)}, {_points(high)}]"
+        return f"{value:.2f} [{low:.2f},{NBSP}{high:.2f}]"
+    return f"{_points(value)} pts [{_points(low)},{NBSP}{_points(high)}]"
 
 
 def slug(name: str) -> str:
