@@ -29,6 +29,14 @@ Run::
     python experiments/toy_targets.py --rebuild            # rebuild from the recipe, then check
                                                            # each finding against the shipped
                                                            # world's interval
+    python experiments/toy_targets.py --runs out/smollm2_figure2_position \
+        out/smollm2_figure4_component out/smollm2_figure5_hybrid   # the same targets, measured
+                                                           # on finished runs of any world
+
+With ``--runs``, nothing is run: the targets are measured on the ``results.csv`` of
+``grafting-lens run`` directories (position, component and hybrid; e.g. the smollm2 world's
+runs of ``experiments/smollm2_*.toml``), which must have run under REFERENCE and hold every
+configuration a target names.
 
 (docs/results.md gives the times of both, measured.)
 
@@ -129,6 +137,39 @@ def run_experiments(cache_dir: Path | None, progress: bool) -> pd.DataFrame:
         table.insert(0, "experiment", name)
         tables.append(table)
     return pd.concat(tables, ignore_index=True)
+
+
+def read_runs(directories: list[Path]) -> tuple[pd.DataFrame, str]:
+    """The tables of finished ``grafting-lens run`` directories, as :func:`run_experiments`
+    returns them (each experiment's first part, the two test prompts), and their world."""
+    tables, worlds = [], set()
+    for directory in directories:
+        report_file, results_file = directory / "report.json", directory / "results.csv"
+        if not report_file.is_file() or not results_file.is_file():
+            raise SystemExit(
+                f"{directory}: not a finished run (no report.json or results.csv); run it with "
+                "grafting-lens run (or experiments/run.py) first."
+            )
+        report = json.loads(report_file.read_text())
+        name = report["experiment"]
+        if name not in RUNS:
+            raise SystemExit(f"{directory}: a {name!r} run; the targets read {sorted(RUNS)}.")
+        semantics = report["description"].get("semantics")
+        if semantics != SEMANTICS:
+            raise SystemExit(
+                f"{directory}: ran under {semantics!r}; the targets are measured "
+                f"under {SEMANTICS!r} (rerun it with --semantics {SEMANTICS})."
+            )
+        table = pd.read_csv(results_file)
+        part = get_experiment(name).parts[0].name
+        table = table[(table["part"] == part) & table["prompt"].isin(PROMPTS)]
+        missing = sorted(set(RUNS[name]) - set(table["config"]))
+        if missing:
+            raise SystemExit(f"{directory}: no rows for {missing} (a --quick run?).")
+        table.insert(0, "experiment", name)
+        tables.append(table[table["config"].isin(RUNS[name])])
+        worlds.add(report["description"]["options"].get("world") or "checkpoints")
+    return pd.concat(tables, ignore_index=True), ", ".join(sorted(worlds))
 
 
 def hits(table: pd.DataFrame, experiment: str, config: str) -> pd.Series:
@@ -289,9 +330,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=None, help="toy-world cache directory")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--runs",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="measure on these finished grafting-lens run directories instead of running",
+    )
     args = parser.parse_args(argv)
     progress = not args.quiet
     start = time.perf_counter()
+    if args.runs is not None:
+        if args.rebuild:
+            parser.error("--runs measures finished runs; --rebuild builds a world: choose one")
+        table, world_name = read_runs(args.runs)
+        rows = measure(table)
+        n_relations = {
+            name: int(table[table["experiment"] == name]["example"].nunique())
+            for name in sorted(set(table["experiment"]))
+        }
+        print(f"Runs of {world_name}, semantics {SEMANTICS}; relations: {n_relations}")
+        print_table(rows)
+        if args.json is not None:
+            result = {
+                "semantics": SEMANTICS,
+                "world": world_name,
+                "runs": [str(path) for path in args.runs],
+                "n_relations": n_relations,
+                "targets": rows,
+                "configs": config_rates(table),
+            }
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     cache_dir = args.cache_dir
     if args.rebuild:
         cache_dir = cache_dir or toy.default_cache_dir().parent / "toy_rebuilt"

@@ -187,7 +187,7 @@ def check_cache_continuation(
         raise DependencyError(
             f"{what} continues a pass over a key/value cache, and on {type(model).__name__} "
             f"under the installed releases ({installed_versions()}) {found}. Install the "
-            "versions of the lock (README: 'Two commands'), or report the versions above to "
+            "versions of the lock (README: 'Three commands'), or report the versions above to "
             "grafting-lens."
         ) from None
     expected = plain[:, 3:].float()
@@ -207,7 +207,7 @@ def check_cache_continuation(
             f"{what} continues a pass over a key/value cache, and on "
             f"{type(model).__name__} under the installed releases ({installed_versions()}) "
             f"that no longer works: {found}. A newer or older release changed how the cache "
-            "is passed or kept. Install the versions of the lock (README: 'Two commands'), "
+            "is passed or kept. Install the versions of the lock (README: 'Three commands'), "
             "or report the versions above to grafting-lens."
         )
     _CONTINUATION_CHECKED[model] = True

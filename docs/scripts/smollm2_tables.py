@@ -1,0 +1,100 @@
+"""Print the real-model section's tables of docs/results.md from finished SmolLM2 runs.
+
+The smollm2 world takes an hour to build, so the docs cannot compute its numbers on every
+build as ``prose_numbers.py`` does for the toy world; the section's tables are printed by
+this script from the runs it names, and pasted. Each cell is top-5 accuracy with its 95%
+bootstrap interval, as ``summary.csv`` holds it::
+
+    python docs/scripts/smollm2_tables.py position out/smollm2_position_reference out/smollm2_position_clean
+    python docs/scripts/smollm2_tables.py component out/smollm2_component_reference out/smollm2_component_clean
+    python docs/scripts/smollm2_tables.py hybrid out/smollm2_hybrid_reference out/smollm2_hybrid_clean
+
+Each run directory comes from ``grafting-lens run EXPERIMENT --world smollm2 --semantics
+SEMANTICS --out DIR``; one column pair (headline, QA) per directory, labelled by the run's
+semantics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+NBSP = "&nbsp;"
+PROMPTS = ("headline", "qa")
+POSITION = ("PRE", "SFT", "FE", "LT", "FE+LT", "(FE+LT)^C", "FE^C", "LT^C")
+COMPONENT_SETS = ("ATTN+O+FFN", "O+FFN", "FFN", "O", "O+FFN-up", "O+FFN-down")
+COMPONENT_RANGES = ("all", "last_half", "last_quarter")
+HYBRID = ("PRE", "TASK", "RELATION", "LT", "LT+FE:ATTN", "LT+FE:ATTN+O", "LT+FE:O+FFN", "LT+FE:ALL")
+
+
+def cell(row: pd.Series, intervals: bool = True) -> str:
+    value = f"{round(100 * row['top5'])}%"
+    if not intervals:
+        return value
+    return f"{value} [{round(100 * row['top5_low'])},{NBSP}{round(100 * row['top5_high'])}]"
+
+
+def load(directory: Path) -> tuple[str, pd.DataFrame]:
+    report = json.loads((directory / "report.json").read_text())
+    summary = pd.read_csv(directory / "summary.csv")
+    return report["description"]["semantics"], summary
+
+
+def rows_table(directories: list[Path], configs: tuple[str, ...], where: dict[str, str]) -> str:
+    runs = [load(directory) for directory in directories]
+    header = "| config | " + " | ".join(f"{s}: {p}" for s, _ in runs for p in PROMPTS) + " |"
+    lines = [header, "|---" * (1 + 2 * len(runs)) + "|"]
+    for config in configs:
+        cells = []
+        for _, summary in runs:
+            for prompt in PROMPTS:
+                selected = summary[(summary["config"] == config) & (summary["prompt"] == prompt)]
+                for column, value in where.items():
+                    selected = selected[selected[column] == value]
+                (index,) = selected.index  # one row, or the run is not this experiment's
+                cells.append(cell(selected.loc[index]))
+        lines.append(f"| {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def component_table(directory: Path) -> str:
+    semantics, summary = load(directory)
+    indexed = summary.set_index(["config", "prompt"])
+
+    def pair(config: str) -> str:
+        return " / ".join(cell(indexed.loc[(config, p)], intervals=False) for p in PROMPTS)
+
+    lines = [
+        f"{semantics}: top-5, headline / QA",
+        "",
+        "| component set | " + " | ".join(COMPONENT_RANGES) + " |",
+        "|---" * (1 + len(COMPONENT_RANGES)) + "|",
+        f"| `BASE` (task model) | {pair('BASE')} |" + " |" * (len(COMPONENT_RANGES) - 1),
+        f"| `DONOR` (relation model) | {pair('DONOR')} |" + " |" * (len(COMPONENT_RANGES) - 1),
+    ]
+    for name in COMPONENT_SETS:
+        cells = [pair(f"{name}@{layer_range}") for layer_range in COMPONENT_RANGES]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("experiment", choices=("position", "component", "hybrid"))
+    parser.add_argument("runs", type=Path, nargs="+", help="grafting-lens run directories")
+    args = parser.parse_args(argv)
+    if args.experiment == "position":
+        print(rows_table(args.runs, POSITION, {}))
+    elif args.experiment == "hybrid":
+        print(rows_table(args.runs, HYBRID, {}))
+    else:
+        print("\n\n".join(component_table(directory) for directory in args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
