@@ -160,7 +160,12 @@ def test_an_interval_never_wraps_after_its_comma():
 def test_quoted_numbers_sit_between_markers_that_markdown_keeps_inline():
     """docs/scripts/prose_numbers.py rewrites what sits between the markers; a marker that
     starts a line would make Markdown read the line as raw HTML and drop its formatting."""
-    pages = [ROOT / "README.md", DOCS / "getting-started.md", DOCS / "results.md"]
+    pages = [
+        ROOT / "README.md",
+        DOCS / "getting-started.md",
+        DOCS / "results.md",
+        DOCS / "concepts" / "grafting-vs-patching.md",
+    ]
     markers = [
         line for page in pages for line in page.read_text().splitlines() if "<!-- numbers:" in line
     ]
@@ -180,24 +185,31 @@ def _prose_numbers():
 
 
 def test_every_marked_number_is_what_the_code_computes_today():
-    """Every number between ``<!-- numbers:KEY -->`` markers in README, getting-started and
-    results equals what the demo and the checkpoints' evaluation give today (three demos,
-    about a minute), and the targets the manifest ships agree with today's demo where they
-    measure the same thing (the position rates)."""
+    """Every number between ``<!-- numbers:KEY -->`` markers in README, getting-started,
+    results and grafting-vs-patching equals what today's runs give (the position, component,
+    hybrid and patching experiments, two demos and the checkpoints' evaluation: several
+    minutes), and the targets the manifest ships agree with today's runs where they measure
+    the same thing (the position and hybrid rates)."""
     numbers = _prose_numbers()
     pages = {path.name: numbers.MARKER.findall(path.read_text()) for path in numbers.FILES}
-    assert set(pages) == {"README.md", "getting-started.md", "results.md"}
+    assert set(pages) == {
+        "README.md",
+        "getting-started.md",
+        "results.md",
+        "grafting-vs-patching.md",
+    }
     assert all(pages.values()), f"a page lost its markers: {pages}"
-    assert len(pages["results.md"]) >= 30  # the position, targets and checkpoints' tables
+    assert len(pages["results.md"]) >= 100  # every table of the toy world's runs
 
     sources = numbers.gather()
     assert numbers.stale_markers(sources) == [], "stale: run python docs/scripts/prose_numbers.py"
 
-    today = sources.runs["reference"]["top5"]
-    rates = [t for t in sources.targets if t["experiment"] == "position" and t["kind"] == "rate"]
-    assert len(rates) == 4  # SFT, PRE, LT and FE top-5
+    runs = {"position": "reference", "hybrid": "hybrid"}
+    rates = [t for t in sources.targets if t["experiment"] in runs and t["kind"] == "rate"]
+    assert len(rates) == 5  # SFT, PRE, LT and FE top-5; hybrid LT+FE:ATTN top-5
     for target in rates:
-        config = target["target"].split()[0]
+        today = sources.runs[runs[target["experiment"]]]["top5"]
+        config = target["target"].removeprefix("hybrid ").split()[0]
         for prompt in ("headline", "qa"):
             shipped = target["per_prompt"][prompt]["estimate"]
             assert shipped == pytest.approx(today[(config, prompt)]), (target["target"], prompt)
