@@ -139,9 +139,10 @@ def run_experiments(cache_dir: Path | None, progress: bool) -> pd.DataFrame:
     return pd.concat(tables, ignore_index=True)
 
 
-def read_runs(directories: list[Path]) -> tuple[pd.DataFrame, str]:
+def read_runs(directories: list[Path], wanted: str = SEMANTICS) -> tuple[pd.DataFrame, str]:
     """The tables of finished ``grafting-lens run`` directories, as :func:`run_experiments`
-    returns them (each experiment's first part, the two test prompts), and their world."""
+    returns them (each experiment's first part, the two test prompts), and their world.
+    Every run must have run under the semantics ``wanted`` (its label, as the run wrote it)."""
     tables, worlds = [], set()
     for directory in directories:
         report_file, results_file = directory / "report.json", directory / "results.csv"
@@ -155,10 +156,11 @@ def read_runs(directories: list[Path]) -> tuple[pd.DataFrame, str]:
         if name not in RUNS:
             raise SystemExit(f"{directory}: a {name!r} run; the targets read {sorted(RUNS)}.")
         semantics = report["description"].get("semantics")
-        if semantics != SEMANTICS:
+        if semantics != wanted:
             raise SystemExit(
                 f"{directory}: ran under {semantics!r}; the targets are measured "
-                f"under {SEMANTICS!r} (rerun it with --semantics {SEMANTICS})."
+                f"under {wanted!r} (rerun it with --semantics {wanted}, or pass "
+                f"--semantics {semantics} to measure runs made under it)."
             )
         table = pd.read_csv(results_file)
         part = get_experiment(name).parts[0].name
@@ -337,23 +339,31 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="measure on these finished grafting-lens run directories instead of running",
     )
+    parser.add_argument(
+        "--semantics",
+        default=SEMANTICS,
+        help="with --runs: the semantics every run must have run under (default: reference; "
+        "e.g. reference+bos=always)",
+    )
     args = parser.parse_args(argv)
+    if args.semantics != SEMANTICS and args.runs is None:
+        parser.error("--semantics applies to --runs; the toy world's targets run under reference")
     progress = not args.quiet
     start = time.perf_counter()
     if args.runs is not None:
         if args.rebuild:
             parser.error("--runs measures finished runs; --rebuild builds a world: choose one")
-        table, world_name = read_runs(args.runs)
+        table, world_name = read_runs(args.runs, args.semantics)
         rows = measure(table)
         n_relations = {
             name: int(table[table["experiment"] == name]["example"].nunique())
             for name in sorted(set(table["experiment"]))
         }
-        print(f"Runs of {world_name}, semantics {SEMANTICS}; relations: {n_relations}")
+        print(f"Runs of {world_name}, semantics {args.semantics}; relations: {n_relations}")
         print_table(rows)
         if args.json is not None:
             result = {
-                "semantics": SEMANTICS,
+                "semantics": args.semantics,
                 "world": world_name,
                 "runs": [str(path) for path in args.runs],
                 "n_relations": n_relations,

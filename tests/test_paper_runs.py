@@ -92,3 +92,68 @@ def test_the_folders_readme_lists_every_run_with_its_command():
         line = next((line for line in readme.splitlines() if f"[`{path.name}`]" in line), None)
         assert line is not None, f"experiments/README.md does not list {path.name}"
         assert f"`grafting-lens {' '.join(RUNNER.command(path))}`" in line
+
+
+def _position_run(directory: Path, semantics: str = "reference") -> Path:
+    """A finished position run as `grafting-lens run` leaves it (report.json, results.csv):
+    4 relations x 2 prompts, and movie-part rows that the targets must not read."""
+    import json
+
+    import pandas as pd
+
+    hits = {  # top-5 hits per config for examples 0..3, the same on both prompts
+        "PRE": [0, 0, 0, 1],
+        "SFT": [1, 1, 1, 0],
+        "FE": [0, 1, 0, 0],
+        "LT": [1, 0, 0, 0],
+        "FE+LT": [1, 1, 0, 0],
+        "(FE+LT)^C": [0, 0, 0, 0],
+        "FE^C": [0, 0, 0, 0],
+        "LT^C": [0, 0, 0, 0],
+    }
+    rows = [
+        {"part": "paper", "prompt": prompt, "example": example, "config": config, "top5": hit}
+        for config, values in hits.items()
+        for prompt in ("headline", "qa")
+        for example, hit in enumerate(values)
+    ]
+    rows += [  # the movie part: all hits, which would lift every rate if read
+        {"part": "movie", "prompt": "headline_movie", "example": e, "config": "SFT", "top5": 1}
+        for e in range(4)
+    ]
+    directory.mkdir()
+    pd.DataFrame(rows).to_csv(directory / "results.csv", index=False)
+    report = {
+        "experiment": "position",
+        "description": {"semantics": semantics, "options": {"world": "smollm2"}},
+    }
+    (directory / "report.json").write_text(json.dumps(report))
+    return directory
+
+
+def test_targets_are_measured_on_a_finished_run_of_any_world(tmp_path):
+    targets = _script("toy_targets")
+    table, world = targets.read_runs([_position_run(tmp_path / "position")])
+    assert world == "smollm2"
+    assert set(table["prompt"]) == {"headline", "qa"}  # the movie part is not read
+    measured = {row["target"]: row for row in targets.measure(table, n_resamples=50)}
+    assert measured["SFT top-5"]["pooled"]["estimate"] == 3 / 4
+    assert measured["SFT top-5"]["verdict"] == "FAIL"
+    assert measured["PRE top-5"]["pooled"]["estimate"] == 1 / 4
+    assert measured["FE+LT / SFT"]["pooled"]["estimate"] == (2 / 4) / (3 / 4)
+    assert measured["LT top-5"]["per_prompt"]["qa"]["estimate"] == 1 / 4
+
+
+def test_targets_refuse_a_run_of_another_semantics_unless_asked_for_it(tmp_path):
+    targets = _script("toy_targets")
+    run = _position_run(tmp_path / "position", semantics="reference+bos=always")
+    with pytest.raises(SystemExit, match=r"--semantics reference\+bos=always"):
+        targets.read_runs([run])
+    table, _ = targets.read_runs([run], "reference+bos=always")
+    assert len(table) == 8 * 2 * 4
+
+
+def test_targets_refuse_a_directory_that_is_not_a_finished_run(tmp_path):
+    targets = _script("toy_targets")
+    with pytest.raises(SystemExit, match="not a finished run"):
+        targets.read_runs([tmp_path])

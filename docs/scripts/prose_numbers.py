@@ -44,7 +44,8 @@ of configurations (``LT*``):
 * ``evaluation:CHECKPOINT:DIRECTION:SUBSET``: ``"99% | 97%"``, two table cells (the code's
   wording, a BOS prepended); ``checkpoint:...``: the same in prose, ``"99% / 97%"``;
 * ``target:SLUG``: ``"96% [94, 98] | 96% [92, 99] | 97% [93, 100]"``, pooled, headline and
-  QA cells of one target (``SLUG``: its name, lower case, runs of other characters as ``-``).
+  QA cells of one target (``SLUG``: its name, lower case, runs of other characters as ``-``);
+  ``verdict:SLUG``: ``"96%, PASS"``, its pooled estimate and verdict.
 
 (An interval's bounds are joined by ``&nbsp;``: see :func:`_estimate`.) After the toy world
 or the code changes, run
@@ -264,8 +265,18 @@ def value(key: str, sources: Sources) -> str:
             percent(scores[f"code:{prompt}/{direction}/{subset}"]["top5_accuracy"])
             for prompt in PROMPTS
         )
-    if kind == "target":
+    if kind in ("target", "verdict"):
         (target,) = [t for t in sources.targets if slug(t["target"]) == argument]
+        if kind == "verdict":
+            pooled = target["pooled"]["estimate"]
+            shown = (
+                percent(pooled)
+                if target["kind"] == "rate"
+                else f"{pooled:.2f}"
+                if target["kind"] == "ratio"
+                else f"{_points(pooled)} pts"
+            )
+            return f"{shown}, {target['verdict']}"
         cells = [target["pooled"], *(target["per_prompt"][prompt] for prompt in PROMPTS)]
         return " | ".join(_estimate(target["kind"], c["estimate"], *c["ci95"]) for c in cells)
     raise KeyError(key)

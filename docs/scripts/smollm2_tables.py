@@ -10,8 +10,8 @@ bootstrap interval, as ``summary.csv`` holds it::
     python docs/scripts/smollm2_tables.py hybrid out/smollm2_hybrid_reference out/smollm2_hybrid_clean
 
 Each run directory comes from ``grafting-lens run EXPERIMENT --world smollm2 --semantics
-SEMANTICS --out DIR``; one column pair (headline, QA) per directory, labelled by the run's
-semantics.
+SEMANTICS --out DIR``, labelled by the run's semantics: the first run's headline and QA
+cells with their intervals, each further run's as one "headline / QA" cell.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ NBSP = "&nbsp;"
 PROMPTS = ("headline", "qa")
 POSITION = ("PRE", "SFT", "FE", "LT", "FE+LT", "(FE+LT)^C", "FE^C", "LT^C")
 COMPONENT_SETS = ("ATTN+O+FFN", "O+FFN", "FFN", "O", "O+FFN-up", "O+FFN-down")
-COMPONENT_RANGES = ("all", "last_half", "last_quarter")
+COMPONENT_RANGES = {"all": "all layers", "last_half": "last half", "last_quarter": "last quarter"}
 HYBRID = ("PRE", "TASK", "RELATION", "LT", "LT+FE:ATTN", "LT+FE:ATTN+O", "LT+FE:O+FFN", "LT+FE:ALL")
 
 
@@ -44,19 +44,25 @@ def load(directory: Path) -> tuple[str, pd.DataFrame]:
     return report["description"]["semantics"], summary
 
 
-def rows_table(directories: list[Path], configs: tuple[str, ...], where: dict[str, str]) -> str:
+def rows_table(directories: list[Path], configs: tuple[str, ...]) -> str:
+    """One row per configuration: the first run's headline and QA cells with intervals, each
+    further run's as one "headline / QA" cell without (a table narrow enough for the page)."""
     runs = [load(directory) for directory in directories]
-    header = "| config | " + " | ".join(f"{s}: {p}" for s, _ in runs for p in PROMPTS) + " |"
-    lines = [header, "|---" * (1 + 2 * len(runs)) + "|"]
+    first, *others = runs
+    header = (
+        f"| config | {first[0]}: headline | {first[0]}: QA | "
+        + "".join(f"{semantics}: headline / QA | " for semantics, _ in others)
+    ).rstrip()
+    lines = [header, "|---" * (3 + len(others)) + "|"]
     for config in configs:
         cells = []
-        for _, summary in runs:
+        for position, (_, summary) in enumerate(runs):
+            pair = []
             for prompt in PROMPTS:
                 selected = summary[(summary["config"] == config) & (summary["prompt"] == prompt)]
-                for column, value in where.items():
-                    selected = selected[selected[column] == value]
                 (index,) = selected.index  # one row, or the run is not this experiment's
-                cells.append(cell(selected.loc[index]))
+                pair.append(cell(selected.loc[index], intervals=position == 0))
+            cells.extend(pair) if position == 0 else cells.append(" / ".join(pair))
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -71,7 +77,7 @@ def component_table(directory: Path) -> str:
     lines = [
         f"{semantics}: top-5, headline / QA",
         "",
-        "| component set | " + " | ".join(COMPONENT_RANGES) + " |",
+        "| component set | " + " | ".join(COMPONENT_RANGES.values()) + " |",
         "|---" * (1 + len(COMPONENT_RANGES)) + "|",
         f"| `BASE` (task model) | {pair('BASE')} |" + " |" * (len(COMPONENT_RANGES) - 1),
         f"| `DONOR` (relation model) | {pair('DONOR')} |" + " |" * (len(COMPONENT_RANGES) - 1),
@@ -88,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", type=Path, nargs="+", help="grafting-lens run directories")
     args = parser.parse_args(argv)
     if args.experiment == "position":
-        print(rows_table(args.runs, POSITION, {}))
+        print(rows_table(args.runs, POSITION))
     elif args.experiment == "hybrid":
-        print(rows_table(args.runs, HYBRID, {}))
+        print(rows_table(args.runs, HYBRID))
     else:
         print("\n\n".join(component_table(directory) for directory in args.runs))
     return 0
