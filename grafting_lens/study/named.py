@@ -147,7 +147,7 @@ def smollm2_setup(
     """The real-model world's checkpoints and relations for one experiment.
 
     Builds the world of ``config`` (a :class:`grafting_lens.worlds.smollm2.SmolLM2WorldConfig`,
-    the default recipe when ``None``) on first use (about 50 minutes on a 2-core CPU,
+    the default recipe when ``None``) on first use (80 minutes measured on a 2-core CPU,
     resumable; see :mod:`grafting_lens.worlds.smollm2`), opens it afterwards.
 
     Returns:

@@ -22,14 +22,16 @@ the manifest. The hyperparameters are :class:`SmolLM2WorldConfig`'s, recorded in
 ``manifest.json`` with each run's losses, the build's times and the top-5 accuracy of
 every checkpoint.
 
-**Time and memory** (measured on this project's shared 2-core CPU, 2 torch threads,
-2026-11-25): converting the GGUF takes about 35 s (1.5 GB peak), the actor check about
-36 s (302 of the 635 actors kept), and one optimizer step (AdamW, float32, 8 documents of
-about 60 tokens) 2.6 s. The default recipe (64 relations, 640 documents, 5 epochs for
-sft, the split models as many steps) is 3 x 320 steps: about 42 minutes of steps, and
-with the per-epoch validation, checkpoints and the evaluation **about 50 minutes**
-(:meth:`SmolLM2WorldConfig.estimated_minutes`; not yet measured whole on this machine).
-On one GPU the same recipe takes minutes. Memory is bounded by one finetuning at a time:
+**Time and memory** (measured on this project's shared 2-core CPUs, 2 torch threads,
+2026-11-25 and 26): converting the GGUF takes about 35 s (1.5 GB peak), the actor check
+20-36 s (302 of the 635 actors kept), and one optimizer step (AdamW, float32, 8 documents
+of about 60 tokens) 2.6 s. The default recipe (64 relations, 640 documents, 5 epochs for
+sft, the split models as many steps) is 3 x about 310 steps: about 42 minutes of steps
+alone, and the whole build, with the per-epoch validation, checkpoints and the
+evaluation, took **80 minutes** on a 2-core CPU shared with other jobs (126 minutes in a
+second build with one thread, beside a test suite);
+:meth:`SmolLM2WorldConfig.estimated_minutes` scales that measured build to a recipe. On
+one GPU the same recipe should take minutes (not measured). Memory is bounded by one finetuning at a time:
 the weights, their gradients and AdamW's two moments (4 x 0.54 GB), the best epoch's
 weights (0.54 GB) and one batch's activations and logits (8 x 96 x 49,152 floats at
 most): 3.4 GB peak resident measured over training steps, **about 4 GB** with the best
@@ -88,8 +90,13 @@ BUILD_VERSION = 1
 MODEL_NAMES = ("base", "sft", "task", "relation")
 """The checkpoints of the world, each a ``save_pretrained`` directory."""
 
-SECONDS_PER_STEP_CPU = 2.6
-"""One optimizer step of the default recipe, measured on a 2-core CPU with 2 threads."""
+SECONDS_PER_STEP_CPU = 5.1
+"""Wall time of the whole default build per optimizer step, on a 2-core CPU with 2 threads.
+
+A step alone takes about 2.6 s; the measured build (80 minutes for 3 x about 310 steps, on
+a 2-core CPU shared with other jobs) also validates, writes a 2 GB checkpoint per epoch and
+evaluates, which together cost about as much again. An estimate from the step alone said
+42 minutes, half the measured time."""
 
 ACTOR_CHECK_PROMPT = "The film's credits list the actor {name}"
 """Where the actor check asks the base to finish an actor's name."""
@@ -145,7 +152,9 @@ class SmolLM2WorldConfig:
             raise GraftingLensError(f"SmolLM2WorldConfig.lr={self.lr!r}: must be a number > 0.")
 
     def estimated_minutes(self, seconds_per_step: float = SECONDS_PER_STEP_CPU) -> float:
-        """The finetuning's time: three runs of ``sft``'s optimizer steps."""
+        """The build's wall time on a 2-core CPU: three runs of ``sft``'s optimizer steps at
+        the measured build's time per step (:data:`SECONDS_PER_STEP_CPU`, validation,
+        checkpoints and evaluation included)."""
         documents = self.n_relations * len(data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES)
         steps = -(-round(documents * 0.8) // self.batch_size) * self.epochs
         return 3 * steps * seconds_per_step / 60

@@ -161,7 +161,9 @@ def test_the_estimate_counts_three_finetunes_of_sft_steps():
     config = SmolLM2WorldConfig()
     steps = -(-round(config.n_relations * 10 * 0.8) // config.batch_size) * config.epochs
     assert config.estimated_minutes(1.0) == pytest.approx(3 * steps / 60)
-    assert config.estimated_minutes() <= 90  # the target for a 2-core CPU
+    # The default is the measured whole build's time per step: 80 minutes for the default
+    # recipe on a shared 2-core CPU (docs/results.md), not the 42 of its steps alone.
+    assert 75 <= config.estimated_minutes() <= 85
 
 
 def test_the_command_names_the_worlds_and_refuses_a_base_that_knows_no_actor(config, tmp_path):
