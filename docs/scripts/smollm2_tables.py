@@ -8,6 +8,10 @@ bootstrap interval, as ``summary.csv`` holds it::
     python docs/scripts/smollm2_tables.py position out/smollm2_position_reference out/smollm2_position_clean
     python docs/scripts/smollm2_tables.py component out/smollm2_component_reference out/smollm2_component_clean
     python docs/scripts/smollm2_tables.py hybrid out/smollm2_hybrid_reference out/smollm2_hybrid_clean
+    python docs/scripts/smollm2_tables.py heatmaps out/smollm2_component_reference docs/assets/smollm2
+
+(``heatmaps`` writes the component run's heatmap one prompt per figure, narrow enough to
+read in the page's column: ``component_heatmap_<prompt>.png``.)
 
 Each run directory comes from ``grafting-lens run EXPERIMENT --world smollm2 --semantics
 SEMANTICS --out DIR``, labelled by the run's semantics: the first run's headline and QA
@@ -88,11 +92,34 @@ def component_table(directory: Path) -> str:
     return "\n".join(lines)
 
 
+def write_heatmaps(directory: Path, target: Path) -> int:
+    """The component run's heatmap, one figure per prompt, as PNG files in ``target``."""
+    from grafting_lens.analysis.plots import save_figure
+    from grafting_lens.study.report import component_heatmap, figure_caption
+
+    results = pd.read_csv(directory / "results.csv", usecols=["semantics"])
+    caption = figure_caption("smollm2 world", results)
+    _, summary = load(directory)
+    for prompt in PROMPTS:
+        figure = component_heatmap(
+            summary[summary["prompt"] == prompt],
+            "Component grafting at the last token",
+            caption=caption,
+        )
+        written = save_figure(figure, target / f"component_heatmap_{prompt}", warn=True)
+        (target / f"component_heatmap_{prompt}.html").unlink(missing_ok=True)  # the PNG only
+        print(written)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", choices=("position", "component", "hybrid"))
+    parser.add_argument("experiment", choices=("position", "component", "hybrid", "heatmaps"))
     parser.add_argument("runs", type=Path, nargs="+", help="grafting-lens run directories")
     args = parser.parse_args(argv)
+    if args.experiment == "heatmaps":
+        run, target = args.runs
+        return write_heatmaps(run, target)
     if args.experiment == "position":
         print(rows_table(args.runs, POSITION))
     elif args.experiment == "hybrid":
