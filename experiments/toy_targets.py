@@ -35,8 +35,8 @@ Run::
 
 With ``--runs``, nothing is run: the targets are measured on the ``results.csv`` of
 ``grafting-lens run`` directories (position, component and hybrid; e.g. the smollm2 world's
-runs of ``experiments/smollm2_*.toml``), which must have run under REFERENCE and hold every
-configuration a target names.
+runs of ``experiments/smollm2_*.toml``), which must have run under REFERENCE (or the
+semantics ``--semantics`` names) and hold every configuration a target names.
 
 (docs/results.md gives the times of both, measured.)
 
@@ -172,6 +172,15 @@ def read_runs(directories: list[Path], wanted: str = SEMANTICS) -> tuple[pd.Data
         tables.append(table[table["config"].isin(RUNS[name])])
         worlds.add(report["description"]["options"].get("world") or "checkpoints")
     return pd.concat(tables, ignore_index=True), ", ".join(sorted(worlds))
+
+
+def relations_per_experiment(table: pd.DataFrame) -> dict[str, int]:
+    """How many relations each experiment of ``table`` asked about."""
+    return {
+        name: int(table[table["experiment"] == name]["example"].nunique())
+        for name in RUNS
+        if name in set(table["experiment"])
+    }
 
 
 def hits(table: pd.DataFrame, experiment: str, config: str) -> pd.Series:
@@ -355,10 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--runs measures finished runs; --rebuild builds a world: choose one")
         table, world_name = read_runs(args.runs, args.semantics)
         rows = measure(table)
-        n_relations = {
-            name: int(table[table["experiment"] == name]["example"].nunique())
-            for name in sorted(set(table["experiment"]))
-        }
+        n_relations = relations_per_experiment(table)
         print(f"Runs of {world_name}, semantics {args.semantics}; relations: {n_relations}")
         print_table(rows)
         if args.json is not None:
@@ -388,9 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             "source": world.manifest.get("source", "built"),
             "root": str(world.root),
         },
-        "n_relations": {
-            name: int(table[table["experiment"] == name]["example"].nunique()) for name in RUNS
-        },
+        "n_relations": relations_per_experiment(table),
         "targets": rows,
         "configs": config_rates(table),
         "seconds": round(time.perf_counter() - start, 1),
