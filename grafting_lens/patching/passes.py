@@ -478,14 +478,7 @@ def first_position(selection: Bool[torch.Tensor, "batch pos"], length: int) -> i
 
 def per_head(activation: torch.Tensor, n_heads: int) -> torch.Tensor:
     """``hook_z`` as ``[batch, pos, head, d_head]``, whether the bridge gives it flat or split."""
-    if activation.dim() == 4:
-        return activation
-    if activation.dim() == 3 and activation.shape[-1] % n_heads == 0:
-        return activation.reshape(*activation.shape[:2], n_heads, -1)
-    raise PatchingError(
-        f"hook_z has shape {list(activation.shape)}; expected [batch, pos, {n_heads} heads, "
-        "d_head] or [batch, pos, n_heads * d_head]."
-    )
+    return activation if activation.dim() == 4 else activation.unflatten(-1, (n_heads, -1))
 
 
 def check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor]) -> None:

@@ -68,20 +68,18 @@ patch at position ``t`` of layer ``l`` cannot change anything before ``t`` nor
 anything below ``l``, a pass starts at the first position and the first layer
 its cells patch: it attends over the keys and values the unpatched run cached
 for the earlier positions and enters its first block with the unpatched run's
-residual stream. Cells that start alike share a pass. A (layer, position)
-sweep computes about half of what a cell-by-cell loop does, in a dozen passes.
+residual stream. Cells that start alike share a pass.
 
 The metric
 ----------
-A metric maps the logits of one cell, ``[batch, pos, d_vocab]`` for the prompts
-in their original order, to one value per prompt (``[batch]``) or to a single
-scalar. It is called once per cell, so a metric that indexes per-prompt answers
-works unchanged. A per-prompt metric is averaged over the prompts
-(``reduce="mean"``) or kept (``reduce="none"``); a scalar one is taken as the
-cell's value, which is what TransformerLens's functions expect. To reproduce
-``transformer_lens.patching.get_act_patch_resid_pre(models.base, tokens,
-donor_cache, m)`` pass a scalar ``m`` as is, or give TransformerLens
-``lambda logits: per_prompt(logits).mean()`` for a per-prompt ``per_prompt``.
+A metric maps the logits of one cell to one value per prompt (``[batch]``) or to a
+single scalar, and is called once per cell, with the prompts in their original
+order. By default (``logits="last"``) it gets each row's last real token alone,
+``[batch, 1, d_vocab]`` (``logits[:, -1]`` reads it), and the unembedding runs at
+those positions only; ``logits="all"`` gives every position, ``[batch, pos,
+d_vocab]``, as TransformerLens's functions do. A per-prompt metric is averaged over
+the prompts (``reduce="mean"``) or kept (``reduce="none"``); a scalar one is taken
+as the cell's value, which is what TransformerLens's functions expect.
 
     >>> from grafting_lens.patching.patch import resid_patch_sweep
     >>> def answer_logit(logits):
@@ -94,22 +92,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import (
-    AlignmentError,
-    PatchingError,
-    SelectionError,
-    TokenError,
-    did_you_mean,
-)
+from grafting_lens.core.errors import PatchingError, did_you_mean
 from grafting_lens.engine.positions import (
     PositionSpec,
     check_padding,
@@ -118,13 +111,7 @@ from grafting_lens.engine.positions import (
 )
 from grafting_lens.models.layers import LayerSpec, resolve_layers
 from grafting_lens.models.model_set import ModelSet, token_ids
-from grafting_lens.patching.passes import (
-    HOOKS,
-    Entries,
-    PatchRun,
-    first_position,
-    plan_passes,
-)
+from grafting_lens.patching.passes import HOOKS, Entries, PatchRun, first_position, plan_passes
 
 __all__ = [
     "DIRECTIONS",
@@ -132,9 +119,11 @@ __all__ = [
     "SITES",
     "Metric",
     "PatchSweep",
-    "PatchingError",
     "SweepPositions",
     "available_sites",
+    "check_direction",
+    "check_model_set",
+    "check_site",
     "head_patch_sweep",
     "patch_forward",
     "resid_patch_sweep",
@@ -181,13 +170,55 @@ class PatchSweep(NamedTuple):
     frame: pd.DataFrame
 
 
-# --------------------------------------------------------------------------- public
+# --------------------------------------------------------------------------- checks
 
 
 def available_sites(models: ModelSet) -> tuple[str, ...]:
     """The sites the model set's architecture has (no ``resid_mid`` on parallel blocks)."""
     hooks = models.base.hook_dict
     return tuple(site for site in SITES if HOOKS[site].format(layer=0) in hooks)
+
+
+def check_model_set(models: object) -> None:
+    """Refuse anything but a :class:`~grafting_lens.ModelSet` (a ``TypeError``)."""
+    if not isinstance(models, ModelSet):
+        raise TypeError(
+            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+            "grafting_lens.load_models(base, donor, ...)."
+        )
+
+
+def check_direction(direction: object, error: type[Exception] = PatchingError) -> str:
+    """The causal question a direction names (:data:`DIRECTIONS`), or ``error``."""
+    if direction not in DIRECTIONS:
+        raise error(
+            f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
+            "'sufficiency' (run the target, import the source; 'denoising') or 'necessity' "
+            "(run the source, import the target; 'noising')."
+        )
+    return DIRECTIONS[str(direction)]
+
+
+def check_site(site: object, models: ModelSet | None, allowed: Sequence[str] = SITES) -> str:
+    """``site`` if it is one of ``allowed`` that ``models`` has (``None``: any architecture)."""
+    if site not in allowed:
+        hint = (
+            " Heads have their own sweep: head_patch_sweep(models, tokens, metric, ...)."
+            if site == "z"
+            else did_you_mean(str(site), allowed)
+        )
+        raise PatchingError(f"Unknown site {site!r}.{hint} Sites: {', '.join(allowed)}.")
+    if models is not None and site not in available_sites(models):
+        parallel = getattr(models.base.cfg, "parallel_attn_mlp", False) and site == "resid_mid"
+        raise PatchingError(
+            f"{models.architecture} has no {site!r} site"
+            + (" (attention and MLP read one residual, in parallel)" if parallel else "")
+            + f". Its sites are: {', '.join(available_sites(models))}."
+        )
+    return str(site)
+
+
+# --------------------------------------------------------------------------- public
 
 
 @torch.no_grad()
@@ -214,12 +245,10 @@ def patch_forward(
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` token ids.
         site: One of :data:`SITES` that the architecture has (see :func:`available_sites`).
-        layers: Which layers to patch, as for grafts (see :func:`~grafting_lens.resolve_layers`):
-            ``"all"``, an int, a list, ``"last_half"``, ``(0.5, 1.0)``...
+        layers: Which layers to patch (see :func:`~grafting_lens.resolve_layers`).
         positions: Where to patch in each row (see
-            :func:`~grafting_lens.engine.positions.resolve_positions`): ``"all"``, ``"last"``,
-            indices, per-row lists, or a ``[batch, pos]`` boolean tensor such as a
-            first-entity span or a complement.
+            :func:`~grafting_lens.engine.positions.resolve_positions`): ``"all"``,
+            ``"last"``, indices, per-row lists, or a ``[batch, pos]`` boolean tensor.
         source: The checkpoint under study (the donor).
         target: The reference checkpoint (the base).
         heads: For ``site="z"`` only: the heads to patch (default every head).
@@ -227,36 +256,28 @@ def patch_forward(
         direction: ``"sufficiency"`` (run ``target``, patch in ``source``'s
             activations; alias ``"denoising"``) or ``"necessity"`` (run ``source``,
             patch in ``target``'s; alias ``"noising"``).
-        patch_tokens: Tokens for the run the activations come from, when it should
-            see other tokens than the patched run (classic clean/corrupted patching;
-            then ``source`` may equal ``target``). Same shape as ``tokens``.
+        patch_tokens: Tokens of the run the activations come from, when it should
+            see other tokens (classic clean/corrupted patching; then ``source`` may
+            equal ``target``). Same shape as ``tokens``.
 
     Returns:
         Logits ``[batch, pos, d_vocab]`` of the patched run.
 
     Raises:
-        PatchingError: An unknown site or one the architecture lacks, a layer or
-            head out of range, positions that do not fit the tokens, tokens of the
-            wrong shape or vocabulary, or a bad source, target or direction. All
-            checked before any forward pass.
+        PatchingError: A site the architecture lacks, a bad head, source, target or
+            direction. TokenError, SelectionError, AlignmentError: tokens, layers,
+            positions or placements that do not fit. All before any forward pass.
 
     Examples:
         >>> fe = gl.engine.positions.span_positions(tokens.shape, starts=1, ends=3)
         >>> logits = patch_forward(models, tokens, "resid_pre", layers=range(0, 6), positions=fe)
     """
     run, _ = _patch_run(
-        models,
-        tokens,
-        site=site,
-        source=source,
-        target=target,
-        direction=direction,
-        attention_mask=attention_mask,
-        patch_tokens=patch_tokens,
+        models, tokens, site, source, target, direction, attention_mask, patch_tokens
     )
-    layer_list = _layers(layers, models.n_layers)
+    layer_list = resolve_layers(layers, models.n_layers)
     run.check_layers(layer_list)
-    selected = _positions(positions, run.shape, run.cpu_attention_mask)
+    selected = resolve_positions(positions, run.shape, run.cpu_attention_mask)
     head_list = _heads(heads, site, models)
     given = run.given_activations(layer_list)
     rows, pos = selected.nonzero(as_tuple=True)
@@ -267,8 +288,36 @@ def patch_forward(
         n_heads = len(head_list)
         rows, pos = rows.repeat_interleave(n_heads), pos.repeat_interleave(n_heads)
         entry = (rows, pos, torch.tensor(head_list).repeat(len(rows) // n_heads), rows)
-    entries: Entries = {layer: entry for layer in layer_list}
-    return run.run(1, entries, given)
+    return run.run(1, {layer: entry for layer in layer_list}, given)
+
+
+@dataclass(frozen=True)
+class _SweepOptions:
+    """What both sweeps take besides the site and their axes, checked once."""
+
+    source: int
+    target: int
+    direction: str
+    patch_tokens: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    reduce: str
+    chunk_size: int
+    reuse_prefix: bool
+    progress: bool | None
+    logits: str
+
+    def __post_init__(self) -> None:
+        if (
+            self.reduce not in ("mean", "none")
+            or self.logits not in ("all", "last")
+            or not is_integer(self.chunk_size)
+            or self.chunk_size < 1
+        ):
+            raise PatchingError(
+                f"A sweep takes reduce='mean' or 'none', logits='last' or 'all' and a "
+                f"chunk_size >= 1 (rows per pass); got {self.reduce!r}, {self.logits!r}, "
+                f"{self.chunk_size!r}."
+            )
 
 
 def resid_patch_sweep(
@@ -288,93 +337,63 @@ def resid_patch_sweep(
     chunk_size: int = 64,
     reuse_prefix: bool = True,
     progress: bool | None = None,
-    logits: str = "all",
+    logits: str = "last",
 ) -> PatchSweep:
     """Patch each (layer, position) cell of a per-position site alone, batched.
 
-    With the defaults, ``values`` equals TransformerLens's
+    With ``logits="all"``, ``values`` equals TransformerLens's
     ``get_act_patch_resid_pre(models.base, tokens, donor_cache, metric)`` with
     ``_, donor_cache = models[1].run_with_cache(tokens)`` (likewise ``attn_out``,
-    ``mlp_out``; TransformerLens has no ``resid_post`` sweep, and its
-    ``resid_mid`` sweep on the bridge patches only the MLP input, see the module
-    docstring), in ``ceil(cells * batch / chunk_size)`` forward passes (plus one
-    of the donor and one unpatched) instead of one per cell.
+    ``mlp_out``; TransformerLens has no ``resid_post`` sweep, and its ``resid_mid``
+    sweep on the bridge patches only the MLP input, see the module docstring); with
+    the default ``"last"`` too, for a metric that reads the last token.
 
     Args:
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` prompts; every cell runs all of them.
-        metric: Logits ``[batch, pos, d_vocab]`` of one cell to ``[batch]`` values or
-            a scalar (see the module docstring).
+        metric: Logits of one cell to ``[batch]`` values or a scalar.
         site: One of :data:`LAYER_POSITION_SITES`; heads are swept by
             :func:`head_patch_sweep`.
-        layers: The layers to sweep, as for grafts (``"all"``, ``"last_half"``, a list...).
+        layers: The layers to sweep (``"all"``, ``"last_half"``, a list...).
         positions: The position axis. ``"each"``: every index ``0..pos-1`` alone
             (rows shorter than an index stay unpatched in that cell); a list of
             ints: those indices (negative ones count from each row's last real
             token); a mapping ``{label: selection}``: one cell per labelled
-            selection, e.g. ``{"FE": fe_mask, "LT": "last", "rest": rest_mask}``;
-            anything else (``"all"``, ``"last"``, a boolean tensor): one selection
-            and no position axis.
+            selection; anything else (``"all"``, ``"last"``, a boolean tensor): one
+            selection and no position axis.
         source: The checkpoint under study (the donor).
         target: The reference checkpoint (the base).
         direction: ``"sufficiency"`` (run ``target``, patch in ``source``) or
             ``"necessity"`` (run ``source``, patch in ``target``).
-        patch_tokens: Tokens for the run the activations come from (default ``tokens``).
+        patch_tokens: Tokens of the run the activations come from (default ``tokens``).
         attention_mask: ``[batch, pos]`` right padding.
         reduce: ``"mean"`` (average a per-prompt metric over the prompts) or
             ``"none"`` (keep a trailing ``batch`` axis; needs a per-prompt metric).
         chunk_size: Rows per forward pass; each cell takes ``batch`` rows (at
-            least one cell per pass). Memory grows with it (the logits alone are
-            ``chunk_size * pos * d_vocab`` floats).
+            least one cell per pass).
         reuse_prefix: Compute each pass only from its first patched position and
-            layer on, resuming the unpatched run's cached keys and values and its
-            residual stream (one extra forward pass, and half of one to check that
-            resuming mid-model reproduces it; about twice as fast for a
-            (layer, ``"each"``) sweep). ``False`` recomputes every position and
-            layer, for bridges whose model cannot take a ``DynamicCache``.
-        progress: Show a progress bar over forward passes (default: when standard
-            error is a terminal or in a notebook, see
-            :func:`~grafting_lens.core.console.show_progress`).
-        logits: ``"all"``: the metric gets the logits of every position, as
-            TransformerLens's functions give them. ``"last"``: only each row's
-            last real token, as ``[batch, 1, d_vocab]`` (``logits[:, -1]`` still
-            reads it): the unembedding then runs on one position per row, which
-            on GPT-2 saves about a third of the compute and, with a large
-            vocabulary, most of the memory.
+            layer on, resuming the unpatched run's keys, values and residual stream.
+            ``False`` recomputes everything, for models that take no ``DynamicCache``.
+        progress: Show a progress bar over passes (default: where someone watches,
+            see :func:`~grafting_lens.core.console.show_progress`).
+        logits: ``"last"``: the metric gets each row's last real token,
+            ``[batch, 1, d_vocab]``, and the unembedding runs there only; ``"all"``:
+            every position, as TransformerLens's functions give them.
 
     Returns:
         A :class:`PatchSweep`: ``values`` ``[layer, pos]`` (``[layer]`` for a single
         selection) and the tidy ``frame``.
 
     Raises:
-        PatchingError: Bad site, layers, positions, tokens, source, target,
-            direction, ``reduce`` or ``chunk_size`` (before any forward pass), or a
-            metric returning another shape than ``[batch]`` or a scalar.
+        PatchingError: As :func:`patch_forward`, bad sweep options, or a metric
+            returning another shape than ``[batch]`` or a scalar.
     """
-    if site == "z":
-        raise PatchingError(
-            "resid_patch_sweep sweeps per-position sites; sweep attention heads with "
-            "head_patch_sweep(models, tokens, metric, ...)."
-        )
-    return _sweep(
-        models,
-        tokens,
-        metric,
-        site=site,
-        layers=layers,
-        positions=positions,
-        head_list=None,
-        source=source,
-        target=target,
-        direction=direction,
-        patch_tokens=patch_tokens,
-        attention_mask=attention_mask,
-        reduce=reduce,
-        chunk_size=chunk_size,
-        reuse_prefix=reuse_prefix,
-        progress=progress,
-        logits=logits,
-    )
+    site = check_site(site, None, LAYER_POSITION_SITES)
+    options = _SweepOptions(
+        source, target, direction, patch_tokens, attention_mask, reduce, chunk_size,
+        reuse_prefix, progress, logits,
+    )  # fmt: skip
+    return _sweep(models, tokens, metric, site, layers, positions, None, options)
 
 
 def head_patch_sweep(
@@ -394,64 +413,33 @@ def head_patch_sweep(
     chunk_size: int = 64,
     reuse_prefix: bool = True,
     progress: bool | None = None,
-    logits: str = "all",
+    logits: str = "last",
 ) -> PatchSweep:
     """Patch each attention head's output (``z``) alone, per layer, batched.
 
-    With ``positions="all"`` (the default) every head is patched at every
-    position: ``values`` is ``[layer, head]`` and equals TransformerLens's
-    ``get_act_patch_attn_head_out_all_pos``. With ``positions="each"`` the
-    head is patched one position at a time: ``[layer, pos, head]``, equal to
-    ``get_act_patch_attn_head_out_by_pos``.
+    With ``positions="all"`` (the default) every head is patched at every position:
+    ``values`` is ``[layer, head]`` and equals TransformerLens's
+    ``get_act_patch_attn_head_out_all_pos``; with ``positions="each"`` one position
+    at a time: ``[layer, pos, head]``, as ``get_act_patch_attn_head_out_by_pos``.
+
+    Every argument but ``heads`` and ``positions`` is :func:`resid_patch_sweep`'s.
 
     Args:
-        models: The aligned checkpoints.
-        tokens: ``[batch, pos]`` prompts.
-        metric: Logits of one cell to ``[batch]`` values or a scalar.
-        layers: The layers to sweep.
-        heads: The heads to sweep (default every head, ``0..n_heads-1``; query
-            heads on grouped-query models).
-        positions: A single selection (``"all"``, ``"last"``, a boolean tensor...)
-            patched for every head, or a position axis as in
-            :func:`resid_patch_sweep` (``"each"``, indices, labelled selections).
-        source: As in :func:`resid_patch_sweep`.
-        target: As in :func:`resid_patch_sweep`.
-        direction: As in :func:`resid_patch_sweep`.
-        patch_tokens: As in :func:`resid_patch_sweep`.
-        attention_mask: As in :func:`resid_patch_sweep`.
-        reduce: As in :func:`resid_patch_sweep`.
-        chunk_size: As in :func:`resid_patch_sweep`.
-        reuse_prefix: As in :func:`resid_patch_sweep`.
-        progress: As in :func:`resid_patch_sweep`.
-        logits: As in :func:`resid_patch_sweep`.
-
-    Returns:
-        A :class:`PatchSweep` with ``values`` ``[layer, head]`` or ``[layer, pos, head]``.
+        heads: The heads to sweep (default every head, ``0..n_heads-1``; query heads
+            on grouped-query models).
+        positions: A single selection patched for every head, or a position axis as
+            in :func:`resid_patch_sweep`.
 
     Raises:
-        PatchingError: As :func:`resid_patch_sweep`, and a head index out of range.
+        PatchingError: As :func:`resid_patch_sweep`, and a bad head.
     """
-    all_heads = range(int(models.base.cfg.n_heads)) if heads is None else heads
-    head_list = _heads(all_heads, "z", models)
-    return _sweep(
-        models,
-        tokens,
-        metric,
-        site="z",
-        layers=layers,
-        positions=positions,
-        head_list=head_list,
-        source=source,
-        target=target,
-        direction=direction,
-        patch_tokens=patch_tokens,
-        attention_mask=attention_mask,
-        reduce=reduce,
-        chunk_size=chunk_size,
-        reuse_prefix=reuse_prefix,
-        progress=progress,
-        logits=logits,
-    )
+    options = _SweepOptions(
+        source, target, direction, patch_tokens, attention_mask, reduce, chunk_size,
+        reuse_prefix, progress, logits,
+    )  # fmt: skip
+    check_model_set(models)
+    head_list = _heads(range(int(models.base.cfg.n_heads)) if heads is None else heads, "z", models)
+    return _sweep(models, tokens, metric, "z", layers, positions, head_list, options)
 
 
 @torch.no_grad()
@@ -459,51 +447,23 @@ def _sweep(
     models: ModelSet,
     tokens: torch.Tensor,
     metric: Metric,
-    *,
     site: str,
     layers: LayerSpec,
     positions: SweepPositions,
     head_list: list[int] | None,
-    source: int,
-    target: int,
-    direction: str,
-    patch_tokens: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    reduce: str,
-    chunk_size: int,
-    reuse_prefix: bool,
-    progress: bool | None,
-    logits: str,
+    options: _SweepOptions,
 ) -> PatchSweep:
     """The engine behind both sweeps: every (layer, position[, head]) cell patched alone."""
     run, direction = _patch_run(
-        models,
-        tokens,
-        site=site,
-        source=source,
-        target=target,
-        direction=direction,
-        attention_mask=attention_mask,
-        patch_tokens=patch_tokens,
-    )
-    if logits not in ("all", "last"):
-        raise PatchingError(
-            f"logits must be 'all' (every position) or 'last' (each row's last real token), "
-            f"got {logits!r}."
-        )
-    last_only = logits == "last"
-    if site not in LAYER_POSITION_SITES and head_list is None:
-        raise PatchingError(f"Site {site!r} is not a per-position site.")
-    if reduce not in ("mean", "none"):
-        raise PatchingError(f"reduce must be 'mean' or 'none', got {reduce!r}.")
-    if not is_integer(chunk_size) or chunk_size < 1:
-        raise PatchingError(f"chunk_size must be a positive number of rows, got {chunk_size!r}.")
-    chunk_size = int(chunk_size)
+        models, tokens, site, options.source, options.target, options.direction,
+        options.attention_mask, options.patch_tokens,
+    )  # fmt: skip
     if not callable(metric):
         raise PatchingError(
             f"metric must be a function of the logits, got {type(metric).__name__}."
         )
-    layer_list = _layers(layers, models.n_layers)
+    last_only = options.logits == "last"
+    layer_list = resolve_layers(layers, models.n_layers)
     run.check_layers(layer_list)
     position_labels, selections = _position_axis(positions, run.shape, run.cpu_attention_mask)
 
@@ -514,9 +474,7 @@ def _sweep(
         axes.append(("head", head_list))
     cells = list(
         itertools.product(
-            layer_list,
-            range(len(selections)),
-            [None] if head_list is None else head_list,
+            layer_list, range(len(selections)), [None] if head_list is None else head_list
         )
     )
 
@@ -525,68 +483,59 @@ def _sweep(
     # Where each position cell's first patch is; positions before it need no compute.
     first = [first_position(selection, length) for selection in selections]
     prefix, skip_layers = None, False
-    if reuse_prefix and (max(first) > 0 or max(layer_list) > 0):
+    if options.reuse_prefix and (max(first) > 0 or max(layer_list) > 0):
         prefix = run.unpatched_prefix()
         skip_layers = run.can_skip_layers(prefix)
     starts = [
         (first[position] if prefix is not None else 0, layer if skip_layers else 0)
         for layer, position, _ in cells
     ]
-    per_pass = max(1, chunk_size // batch)
+    per_pass = max(1, options.chunk_size // batch)
     chunks = plan_passes(starts, per_pass, batch, length, run.pass_costs(last_only))
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
-    for chunk in tqdm(
-        chunks, desc=f"{site} sweep", disable=not show_progress(progress) or len(chunks) <= 1
-    ):
-        grouped: dict[
-            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
-        ]
-        grouped = {}
+    bar = not show_progress(options.progress) or len(chunks) <= 1
+    for chunk in tqdm(chunks, desc=f"{site} sweep", disable=bar):
+        grouped: dict[int, list[tuple[torch.Tensor, ...]]] = {}
         for slot, cell in enumerate(chunk):
             layer, position, head = cells[cell]
             prompts, pos = nonzero[position]
-            heads = None if head is None else torch.full_like(pos, head)
+            heads = torch.full_like(pos, head) if head is not None else None
             grouped.setdefault(layer, []).append((prompts + slot * batch, pos, heads, prompts))
         entries: Entries = {
             layer: (
                 torch.cat([part[0] for part in parts]),
                 torch.cat([part[1] for part in parts]),
-                None
-                if parts[0][2] is None
-                else torch.cat([heads for _, _, heads, _ in parts if heads is not None]),
+                None if parts[0][2] is None else torch.cat([part[2] for part in parts]),
                 torch.cat([part[3] for part in parts]),
             )
             for layer, parts in grouped.items()
         }
-        start = min(starts[cell][0] for cell in chunk)
-        first_layer = min(starts[cell][1] for cell in chunk)
         pass_logits = run.run(
             len(chunk),
             entries,
             given,
-            start=start,
+            start=min(starts[cell][0] for cell in chunk),
             prefix=prefix,
-            first_layer=first_layer,
+            first_layer=min(starts[cell][1] for cell in chunk),
             last_only=last_only,
         )
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
-            results[cell] = _evaluate(metric, cell_logits, batch, reduce)
+            results[cell] = _evaluate(metric, cell_logits, batch, options.reduce)
 
     shape = [len(values) for _, values in axes]
     values = torch.stack(results).float().cpu()
-    values = values.reshape(*shape, batch) if reduce == "none" else values.reshape(shape)
-    return PatchSweep(values, _frame(axes, values, site=site, direction=direction, reduce=reduce))
+    values = values.reshape(*shape, batch) if options.reduce == "none" else values.reshape(shape)
+    return PatchSweep(values, _frame(axes, values, site, direction, options.reduce))
 
 
-# ------------------------------------------------------------------- validation
+# ------------------------------------------------------------------- internals
 
 
 def _patch_run(
     models: ModelSet,
     tokens: torch.Tensor,
-    *,
     site: str,
     source: int,
     target: int,
@@ -595,114 +544,42 @@ def _patch_run(
     patch_tokens: torch.Tensor | None,
 ) -> tuple[PatchRun, str]:
     """Check what every patch and sweep is given; the run, and the direction's name."""
-    if not isinstance(models, ModelSet):
+    check_model_set(models)
+    site = check_site(site, models)
+    direction = check_direction(direction)
+    n = len(models)
+    valid = is_integer(source) and is_integer(target) and 0 <= min(source, target)
+    if not valid or max(source, target) >= n or (source == target and patch_tokens is None):
         raise PatchingError(
-            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-            "grafting_lens.load_models(base, donor, ...)."
+            f"source={source!r} and target={target!r} must be checkpoints of the model set "
+            f"(0..{n - 1}), and two different ones unless patch_tokens gives other tokens: "
+            "a run patched with its own activations does not change."
         )
-    site = _check_site(site, models)
-    direction = _check_direction(direction)
-    for name, index in (("source", source), ("target", target)):
-        if not is_integer(index) or not 0 <= index < len(models):
-            raise PatchingError(
-                f"{name}={index!r}, but the model set has {len(models)} sources "
-                f"(0..{len(models) - 1})."
-            )
-    source, target = int(source), int(target)
-    if source == target and patch_tokens is None:
+    shape = models.check_tokens(tokens, "tokens")
+    if patch_tokens is not None and models.check_tokens(patch_tokens, "patch_tokens") != shape:
         raise PatchingError(
-            f"source and target are both {source}: patching a run with its own activations "
-            "changes nothing. Pick two checkpoints, or pass patch_tokens to patch in the "
-            "same checkpoint's activations on other tokens."
+            f"patch_tokens have shape {list(patch_tokens.shape)}, tokens have {list(shape)}: "
+            "the activations must line up position by position with the run they go into."
         )
-    shape = _check_tokens(models, tokens, "tokens")
-    if patch_tokens is not None:
-        patch_shape = _check_tokens(models, patch_tokens, "patch_tokens")
-        if patch_shape != shape:
-            raise PatchingError(
-                f"patch_tokens have shape {list(patch_shape)}, tokens have "
-                f"{list(shape)}: the patched-in activations must line up position "
-                "by position with the run they are patched into."
-            )
-    try:
-        # Padded rows need their attention mask, or "last" is a padding column.
-        for checked in (tokens, patch_tokens):
-            if checked is not None:
-                check_padding(checked, attention_mask, models.tokenizer)
-        if attention_mask is not None:
-            row_lengths(shape, attention_mask)
-    except SelectionError as error:
-        raise PatchingError(str(error)) from error
+    # Padded rows need their attention mask, or "last" is a padding column.
+    for checked in (tokens, patch_tokens):
+        if checked is not None:
+            check_padding(checked, attention_mask, models.tokenizer)
+    row_lengths(shape, attention_mask)
     # The checkpoint under study (source) and the reference (target) keep their meaning
     # in both directions; only which of them runs changes.
     running, giving = (target, source) if direction == "sufficiency" else (source, target)
-    try:
-        models.check_placement({running, giving}, "This patch")
-    except AlignmentError as error:
-        raise PatchingError(str(error)) from error
+    models.check_placement({running, giving}, "This patch")
     run = PatchRun(
         models,
         site=site,
-        running=running,
-        giving=giving,
+        running=int(running),
+        giving=int(giving),
         tokens=token_ids(tokens),
         patch_tokens=None if patch_tokens is None else token_ids(patch_tokens),
         attention_mask=attention_mask,
     )
     return run, direction
-
-
-def _check_tokens(models: ModelSet, tokens: object, name: str) -> tuple[int, int]:
-    try:
-        return models.check_tokens(tokens, name)
-    except TokenError as error:
-        raise PatchingError(str(error)) from error
-
-
-def _check_site(site: object, models: ModelSet) -> str:
-    if site not in SITES:
-        raise PatchingError(
-            f"Unknown site {site!r}.{did_you_mean(str(site), SITES)} Sites: {', '.join(SITES)}."
-        )
-    available = available_sites(models)
-    if site not in available:
-        why = ""
-        if site == "resid_mid" and getattr(models.base.cfg, "parallel_attn_mlp", False):
-            why = (
-                " (its blocks run attention and the MLP in parallel on the same residual, so "
-                "there is no residual between them)"
-            )
-        raise PatchingError(
-            f"{models.architecture} has no {site!r} site{why}. Its sites are: "
-            f"{', '.join(available)}."
-        )
-    return str(site)
-
-
-def _check_direction(direction: object) -> str:
-    if direction not in DIRECTIONS:
-        raise PatchingError(
-            f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
-            "'sufficiency' (run the target, patch in the source's activations; 'denoising') "
-            "or 'necessity' (run the source, patch in the target's; 'noising')."
-        )
-    return DIRECTIONS[str(direction)]
-
-
-def _layers(spec: LayerSpec, n_layers: int) -> tuple[int, ...]:
-    try:
-        return resolve_layers(spec, n_layers)
-    except SelectionError as error:
-        raise PatchingError(str(error)) from error
-
-
-def _positions(
-    spec: PositionSpec, shape: tuple[int, int], attention_mask: torch.Tensor | None
-) -> Bool[torch.Tensor, "batch pos"]:
-    try:
-        return resolve_positions(spec, shape, attention_mask)
-    except SelectionError as error:
-        raise PatchingError(str(error)) from error
 
 
 def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> list[int] | None:
@@ -715,87 +592,65 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
         )
     n_heads = int(models.base.cfg.n_heads)
     head_list = [heads] if is_integer(heads) else list(heads)  # type: ignore[arg-type]
-    if not head_list:
-        raise PatchingError("heads selects no head.")
-    for head in head_list:
-        if not is_integer(head):
-            raise PatchingError(f"Head indices must be ints, got {head!r}.")
-        if not 0 <= head < n_heads:
-            raise PatchingError(
-                f"Head {head} is out of range: {models.architecture} has {n_heads} heads per "
-                f"layer (0..{n_heads - 1})."
-            )
-    if len(set(head_list)) != len(head_list):
-        raise PatchingError(f"heads lists a head twice: {head_list}.")
+    if (
+        not head_list
+        or len(set(head_list)) != len(head_list)
+        or not all(is_integer(head) and 0 <= head < n_heads for head in head_list)
+    ):
+        raise PatchingError(
+            f"heads must be distinct head indices in 0..{n_heads - 1} ({models.architecture} "
+            f"has {n_heads} heads per layer), got {heads!r}."
+        )
     return [int(head) for head in head_list]
 
 
 def _position_axis(
     spec: SweepPositions, shape: tuple[int, int], attention_mask: torch.Tensor | None
 ) -> tuple[list | None, list[torch.Tensor]]:
-    """Labels and ``[batch, pos]`` selections of a sweep's position cells.
-
-    Returns ``(None, [selection])`` for a single selection (no position axis).
-    """
-    batch, length = shape
+    """Labels and ``[batch, pos]`` selections of a sweep's position cells
+    (``(None, [selection])`` for a single selection: no position axis)."""
     if isinstance(spec, str) and spec == "each":
         lengths = row_lengths(shape, attention_mask)
         selections = []
-        for index in range(length):
+        for index in range(shape[1]):
             selection = torch.zeros(shape, dtype=torch.bool)
             selection[:, index] = lengths > index  # shorter rows stay unpatched
             selections.append(selection)
-        return list(range(length)), selections
+        return list(range(shape[1])), selections
     if isinstance(spec, Mapping):
         if not spec:
             raise PatchingError("The mapping of position selections is empty.")
         labels = list(spec)
-        return labels, [_positions(spec[label], shape, attention_mask) for label in labels]
+        return labels, [resolve_positions(spec[label], shape, attention_mask) for label in labels]
     if isinstance(spec, torch.Tensor) and spec.dim() == 1 and not spec.is_floating_point():
         spec = spec.tolist()
-    if isinstance(spec, range):
-        spec = list(spec)
-    if isinstance(spec, (list, tuple)) and spec and all(is_integer(index) for index in spec):
-        return [int(index) for index in spec], [
-            _positions(index, shape, attention_mask) for index in spec
-        ]
-    return None, [_positions(spec, shape, attention_mask)]
-
-
-_NUMERIC_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    if isinstance(spec, (list, tuple, range)) and spec and all(map(is_integer, spec)):
+        indices = [int(index) for index in spec]
+        return indices, [resolve_positions(index, shape, attention_mask) for index in indices]
+    return None, [resolve_positions(spec, shape, attention_mask)]
 
 
 def _evaluate(metric: Metric, logits: torch.Tensor, batch: int, reduce: str) -> torch.Tensor:
     """One cell's value: the per-prompt values (``reduce="none"``) or their mean."""
     returned = metric(logits)
     try:
-        value = torch.as_tensor(returned).detach()
+        value = torch.as_tensor(returned).detach().float()
     except (TypeError, ValueError, RuntimeError):
         value = None
-    if value is None or not (value.is_floating_point() or value.dtype in _NUMERIC_DTYPES):
-        raise PatchingError(
-            f"The metric returned {type(returned).__name__} {returned!r:.60}; it must return "
-            f"numbers: a tensor of one value per prompt ([{batch}]) or a single scalar."
-        )
-    if value.dim() == 1 and value.shape[0] == batch:
-        return value.float() if reduce == "none" else value.float().mean()
-    if value.dim() == 0:
-        if reduce == "none":
-            if batch == 1:
-                return value.float().reshape(1)
-            raise PatchingError(
-                "reduce='none' keeps one value per prompt, but the metric returned a scalar. "
-                f"Return a [batch] tensor ({batch} values), or use reduce='mean'."
-            )
-        return value.float()
+    if value is not None and value.dim() == 1 and value.shape[0] == batch:
+        return value if reduce == "none" else value.mean()
+    if value is not None and value.dim() == 0 and (reduce == "mean" or batch == 1):
+        return value if reduce == "mean" else value.reshape(1)
+    described = f"shape {list(value.shape)}" if value is not None else type(returned).__name__
     raise PatchingError(
-        f"The metric returned shape {list(value.shape)}; it must return one value per prompt "
-        f"([{batch}]) or a single scalar, from logits of shape {list(logits.shape)}."
+        f"The metric returned {described} from logits of shape {list(logits.shape)}; it must "
+        f"return numbers: one per prompt ([{batch}])"
+        + (" or a scalar." if reduce == "mean" else ", since reduce='none' keeps them.")
     )
 
 
 def _frame(
-    axes: list[tuple[str, list]], values: torch.Tensor, *, site: str, direction: str, reduce: str
+    axes: list[tuple[str, list]], values: torch.Tensor, site: str, direction: str, reduce: str
 ) -> pd.DataFrame:
     names = [name for name, _ in axes]
     labels = [labels for _, labels in axes]
