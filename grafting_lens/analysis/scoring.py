@@ -83,19 +83,11 @@ class LastTokenScorer:
     ):
         if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
-        if rank_by not in metrics.RANK_BY:
-            raise GraftingLensError(
-                f"rank_by must be one of {', '.join(map(repr, metrics.RANK_BY))}, got {rank_by!r}."
-            )
-        if ties not in metrics.TIE_RULES:
-            raise GraftingLensError(
-                f"ties must be one of {', '.join(map(repr, metrics.TIE_RULES))}, got {ties!r}."
-            )
+        self.rank_by = metrics.check_choice("rank_by", rank_by, metrics.RANK_BY)
+        self.ties = metrics.check_choice("ties", ties, metrics.TIE_RULES)
         self.tokenizer = tokenizer
         self.top_k = None if top_k is None else int(top_k)
         self.top_token = top_token
-        self.rank_by = rank_by
-        self.ties = ties
         self._decoded: dict[int, str | None] = {}
 
     @property
@@ -123,7 +115,8 @@ class LastTokenScorer:
         """Score every row at its last real token.
 
         Args:
-            logits: A run's logits, right padded.
+            logits: A run's logits, right padded, or each row's last token alone
+                (``[rows, 1, d_vocab]``, which needs no attention mask).
             target_ids: The correct next token of each row.
             attention_mask: The right padding (``None``: no padding).
 
@@ -131,13 +124,10 @@ class LastTokenScorer:
             ``{column: one value per row}`` for every column of :attr:`columns`.
 
         Raises:
-            GraftingLensError: Shapes that do not fit, a target outside the
-                vocabulary, or ``top_k`` above it.
+            GraftingLensError: What :func:`~grafting_lens.analysis.metrics.target_rank`
+                and :func:`~grafting_lens.analysis.metrics.top_k_tokens` refuse.
         """
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(logits.device)
         final = metrics.last_token_logits(logits, attention_mask)
-        target_ids = torch.as_tensor(target_ids).to(final.device)
         ranked = metrics.target_rank(final, target_ids, ties=self.ties, by=self.rank_by)
         ranks = [int(rank) for rank in ranked.cpu().tolist()]
         probabilities = metrics.target_probability(final, target_ids).cpu().tolist()
