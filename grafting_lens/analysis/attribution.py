@@ -80,10 +80,9 @@ Examples:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Any, Union
 
 import numpy as np
 import pandas as pd
@@ -102,7 +101,7 @@ from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.engine.relaxation import check_source, relaxing
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.patching.patch import DIRECTIONS
+from grafting_lens.patching.patch import check_direction, check_model_set
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -121,8 +120,10 @@ BatchMetric = Callable[[Float[torch.Tensor, "batch pos d_vocab"], TokenizedExamp
 """``(logits, batch) -> [batch]``: one differentiable value per prompt.
 
 ``batch`` holds the prompts the logits are for (a few rows of the whole batch at a
-time), so a metric reads each prompt's answer from ``batch.target_ids`` and its real
-length from ``batch.attention_mask``.
+time), so a metric reads each prompt's answer from ``batch.target_ids``. The logits
+are each row's last real token, ``[batch, 1, d_vocab]`` (``logits="last"``, the
+default), or every position (``logits="all"``; read the real length from
+``batch.attention_mask``).
 """
 
 
@@ -130,17 +131,17 @@ def target_logprob(
     logits: Float[torch.Tensor, "batch pos d_vocab"], batch: TokenizedExamples
 ) -> Float[torch.Tensor, " batch"]:
     """The log-probability of each prompt's answer at its last real token (float32)."""
-    final = metrics.last_token_logits(logits, batch.attention_mask.to(logits.device))
+    final = metrics.last_token_logits(logits, batch.attention_mask).float()
     targets = batch.target_ids.to(logits.device)[:, None]
-    return torch.log_softmax(final.float(), dim=-1).gather(1, targets).squeeze(1)
+    return torch.log_softmax(final, dim=-1).gather(1, targets).squeeze(1)
 
 
 def target_logit(
     logits: Float[torch.Tensor, "batch pos d_vocab"], batch: TokenizedExamples
 ) -> Float[torch.Tensor, " batch"]:
     """The logit of each prompt's answer at its last real token (float32)."""
-    final = metrics.last_token_logits(logits, batch.attention_mask.to(logits.device))
-    return final.float().gather(1, batch.target_ids.to(logits.device)[:, None]).squeeze(1)
+    final = metrics.last_token_logits(logits, batch.attention_mask).float()
+    return final.gather(1, batch.target_ids.to(logits.device)[:, None]).squeeze(1)
 
 
 METRICS: dict[str, BatchMetric] = {"logprob": target_logprob, "logit": target_logit}
@@ -231,6 +232,7 @@ def attribute_grafts(
     batch_size: int = 16,
     rows_per_forward: int = 64,
     progress: bool | None = None,
+    logits: str = "last",
 ) -> GraftAttribution:
     """Estimate the effect of grafting every cell, from one forward and backward pass.
 
@@ -273,13 +275,16 @@ def attribute_grafts(
         rows_per_forward: Rows of one exact graft pass (prompts x verified cells).
         progress: Show a progress bar (``None``: only where someone watches, see
             :func:`~grafting_lens.core.console.show_progress`).
+        logits: What the metric gets: ``"last"`` (each row's last real token,
+            ``[batch, 1, d_vocab]``, the unembedding run there only unless it is
+            attributed) or ``"all"`` (every position).
 
     Returns:
         A :class:`GraftAttribution`.
 
     Raises:
         AttributionError: A bad metric (not one finite, differentiable value per
-            prompt), method, steps, verify, source, start or batch size.
+            prompt), method, steps, verify, source, start, logits or batch size.
         ComponentError: A component the model lacks (at a layer asked for).
         SelectionError: A layer outside the model, an unknown span, a bad position
             group.
@@ -303,8 +308,9 @@ def attribute_grafts(
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
         progress=progress,
+        logits=logits,
     )
-    _check_choice("method", method, METHODS)
+    metrics.check_choice("method", method, METHODS, AttributionError)
     _check_count("steps", steps)
     if verify is not None and verify != "all":
         _check_count("verify", verify, "or 'all'")
@@ -354,17 +360,24 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
         raise AttributionError(
             f"attribution_agreement needs a GraftAttribution.frame; the table lacks {missing}."
         )
+    from scipy import stats  # imported when needed: it takes a second to import
+
+    def correlation(test: Callable, x: np.ndarray, y: np.ndarray) -> float:
+        # Undefined for fewer than two cells or a constant column (scipy would warn).
+        if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+            return float("nan")
+        return float(test(x, y).statistic)
+
     verified = frame[frame["exact"].notna()]
-    groups = [(label, part) for label, part in verified.groupby("positions", sort=False)]
     rows = []
-    for label, part in [*groups, ("all", verified)]:
+    for label, part in [*verified.groupby("positions", sort=False), ("all", verified)]:
         estimate, exact = part["estimate"].to_numpy(float), part["exact"].to_numpy(float)
         rows.append(
             {
                 "positions": label,
                 "cells": len(part),
-                "spearman": _spearman(estimate, exact),
-                "pearson": _pearson(estimate, exact),
+                "spearman": correlation(stats.spearmanr, estimate, exact),
+                "pearson": correlation(stats.pearsonr, estimate, exact),
                 "sign_agreement": float(np.mean(np.sign(estimate) == np.sign(exact)))
                 if len(part)
                 else float("nan"),
@@ -373,18 +386,6 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(
         rows, columns=["positions", "cells", "spearman", "pearson", "sign_agreement"]
     )
-
-
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation of the ranks (ties take their mean rank), as scipy computes it."""
-    ranks = [pd.Series(values).rank(method="average").to_numpy() for values in (x, y)]
-    return _pearson(*ranks)
 
 
 # ----------------------------------------------------------------- the plan
@@ -425,22 +426,25 @@ class AttributionPlan:
         batch_size: int,
         rows_per_forward: int,
         progress: bool | None,
+        logits: str = "last",
     ) -> None:
-        _check_model_set(models)
+        check_model_set(models)
         self.models = models
-        self.metric = _check_metric(metric)
-        if direction not in DIRECTIONS:
+        if not callable(metric) and metric not in METRICS:
             raise AttributionError(
-                f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} "
-                "Use 'sufficiency' (start from the base, switch a cell to the donor) or "
-                "'necessity' (start from the donor, switch a cell back to the base)."
+                f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
+                f"batch) -> [batch], got {metric!r}.{did_you_mean(str(metric), METRICS)}"
             )
-        self.direction = DIRECTIONS[direction]
+        self.metric: BatchMetric = metric if callable(metric) else METRICS[str(metric)]
+        self.direction = check_direction(direction, AttributionError)
         check_source(models, source, allow_base=False)
         self.source = source
         self.switch = source if self.direction == "sufficiency" else 0
-        _check_count("batch_size", batch_size)
-        _check_count("rows_per_forward", rows_per_forward)
+        for name, value in (("batch_size", batch_size), ("rows_per_forward", rows_per_forward)):
+            _check_count(name, value)
+        self.last_only = (
+            metrics.check_choice("logits", logits, ("last", "all"), AttributionError) == "last"
+        )
         self.batch_size, self.rows_per_forward, self.progress = (
             batch_size,
             rows_per_forward,
@@ -458,13 +462,14 @@ class AttributionPlan:
             (component, layer, label) for label in self.groups for component, layer in self.keys
         ]
         if start is not None:
-            if not isinstance(start, GraftMask):
-                raise TypeError(f"start must be a GraftMask, got {type(start).__name__}.")
-            if start.shape != shape or start.n_sources != len(models):
+            if not isinstance(start, GraftMask) or (start.shape, start.n_sources) != (
+                shape,
+                len(models),
+            ):
                 raise AttributionError(
-                    f"start is a mask for [batch, pos] = {list(start.shape)} and "
-                    f"{start.n_sources} sources; the batch is {list(shape)} and the model set "
-                    f"has {len(models)}. Build it from this batch's tokens."
+                    f"start must be a GraftMask for this batch, [batch, pos] = {list(shape)}, and "
+                    f"the model set's {len(models)} sources; got {start!r:.80}. Build it from "
+                    "this batch's tokens."
                 )
             start.check_rows(self.batch.attention_mask)
             GraftMask.from_dict(models, {key: start[key] for key in start.keys()}, shape)
@@ -539,29 +544,23 @@ class AttributionPlan:
                 weights = {key: (moving * point).requires_grad_() for key in self.keys}
                 with grafting(self.models, mask) as model:
                     with relaxing(self.models, weights, source=self.switch):
-                        logits = model(tokens, attention_mask=attention_mask, return_type="logits")
+                        logits = self._logits(model, tokens, attention_mask, mask)
                 values = _metric_values(self.metric, logits, rows)
                 if start is not None:
                     start[index] = values.detach().float().cpu()
-                if not values.requires_grad:
-                    raise AttributionError(
-                        "The metric's values carry no gradient to the logits, so nothing can "
-                        "be attributed: use a differentiable metric (a log-probability or a "
-                        "logit, not a rank or a top-k hit), without .detach() or .item()."
-                    )
-                gradients = torch.autograd.grad(
-                    values.sum(), list(weights.values()), allow_unused=True
+                # A metric detached from the run (.detach(), .item(), a tensor rebuilt from
+                # .tolist(), a rank) would give every cell an estimate of exactly 0.
+                gradients = (
+                    torch.autograd.grad(values.sum(), list(weights.values()), allow_unused=True)
+                    if values.requires_grad
+                    else [None]
                 )
                 if all(gradient is None for gradient in gradients):
-                    # A metric that carries a gradient but not through the run (a tensor
-                    # rebuilt from .tolist(), a constant made to require grad) would give
-                    # every cell an estimate of exactly 0.
                     raise AttributionError(
-                        "The metric's values require a gradient but do not depend on the grafted "
-                        "run (no gradient reaches any grafted component), so every estimate "
-                        "would be 0. Compute the metric from the logits it is given with torch "
-                        "operations (e.g. logits[:, -1].log_softmax(-1)[:, answer]), not from "
-                        "values copied out of them (.tolist(), .numpy(), torch.tensor(...))."
+                        "The metric's values carry no gradient through the grafted run, so every "
+                        "estimate would be 0. Compute a log-probability or a logit from the "
+                        "logits it is given with torch operations (no .detach(), .item(), "
+                        ".tolist() or ranks)."
                     )
                 for position, gradient in enumerate(gradients):
                     if gradient is not None:
@@ -573,6 +572,23 @@ class AttributionPlan:
             estimates[:, :, index] = per_cell
         # Table order: position group, then the keys in residual order.
         return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch)), start
+
+    def _logits(
+        self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, mask: GraftMask
+    ) -> torch.Tensor:
+        """The relaxed run's logits: each row's last token's alone where only it is scored
+        and the unembedding is neither grafted nor relaxed (its mix needs every position)."""
+        last = attention_mask.sum(dim=1) - 1
+        rows = torch.arange(len(last), device=last.device)
+        unembed = any(component == "unembed" for component, _ in [*self.keys, *mask.keys()])
+        if not self.last_only or unembed:
+            logits = model(tokens, attention_mask=attention_mask, return_type="logits")
+            return logits[rows, last][:, None] if self.last_only else logits
+        kept, column = torch.unique(last, return_inverse=True)
+        logits = model(
+            tokens, attention_mask=attention_mask, return_type="logits", logits_to_keep=kept
+        )
+        return logits[rows, column][:, None]
 
     @torch.no_grad()
     def exact(self, configs: Sequence[Sequence[Cell]]) -> Float[torch.Tensor, "configs prompts"]:
@@ -590,8 +606,12 @@ class AttributionPlan:
                 block = configs[first : first + per_pass]
                 mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
                 repeated = self.batch.rows(index.repeat(len(block)))
-                logits = graft_forward(
-                    self.models, repeated.tokens, mask, attention_mask=repeated.attention_mask
+                logits = graft_forward(  # logits=self.logits (engine)
+                    self.models,
+                    repeated.tokens,
+                    mask,
+                    attention_mask=repeated.attention_mask,
+                    last_only=self.last_only,
                 )
                 scores = _metric_values(self.metric, logits, repeated).float().cpu()
                 values[first : first + len(block), index] = scores.reshape(len(block), -1)
@@ -630,9 +650,10 @@ class AttributionPlan:
 
 
 def _standard_error(values: torch.Tensor) -> float:
-    if len(values) < 2 or bool(values.isnan().any()):
-        return float("nan")
-    return float(values.std() / math.sqrt(len(values)))
+    from scipy import stats  # imported when needed: it takes a second to import
+
+    # NaN for one prompt (no spread to measure) or an unverified cell (NaN values).
+    return float(stats.sem(values.numpy())) if len(values) > 1 else float("nan")
 
 
 def _position_groups(
@@ -697,21 +718,19 @@ def _metric_values(
     """The metric of each row, checked: one finite number per prompt."""
     returned = metric(logits, rows)
     batch = len(rows)
-    if not isinstance(returned, torch.Tensor) or not returned.is_floating_point():
+    if (
+        not isinstance(returned, torch.Tensor)
+        or not returned.is_floating_point()
+        or tuple(returned.shape) != (batch,)
+    ):
         described = (
-            f"a tensor of {returned.dtype}"
+            f"{returned.dtype} of shape {list(returned.shape)}"
             if isinstance(returned, torch.Tensor)
             else f"{type(returned).__name__} {returned!r:.40}"
         )
         raise AttributionError(
-            f"The metric returned {described}; it must return a floating-point tensor of one "
-            f"value per prompt ([{batch}]), e.g. the answer's log-probability at the last token."
-        )
-    if tuple(returned.shape) != (batch,):
-        raise AttributionError(
-            f"The metric returned shape {list(returned.shape)}; it must return one value per "
-            f"prompt ([{batch}]) from logits of shape {list(logits.shape)}, not a mean or a "
-            "value per position (a cell's estimate is averaged over prompts here)."
+            f"The metric returned {described} from logits of shape {list(logits.shape)}; it "
+            f"must return one floating-point value per prompt ([{batch}]), not a mean."
         )
     finite = torch.isfinite(returned.detach())
     if not bool(finite.all()):
@@ -723,39 +742,7 @@ def _metric_values(
     return returned
 
 
-def _check_metric(metric: object) -> BatchMetric:
-    if isinstance(metric, str):
-        if metric not in METRICS:
-            raise AttributionError(
-                f"Unknown metric {metric!r}.{did_you_mean(metric, METRICS)} Named metrics: "
-                f"{', '.join(METRICS)}; or pass a function (logits, batch) -> [batch]."
-            )
-        return METRICS[metric]
-    if not callable(metric):
-        raise TypeError(
-            f"metric must be a name ({', '.join(METRICS)}) or a function (logits, batch) -> "
-            f"[batch], got {type(metric).__name__}."
-        )
-    return cast(BatchMetric, metric)
-
-
-def _check_model_set(models: object) -> None:
-    if not isinstance(models, ModelSet):
-        raise TypeError(
-            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-            "grafting_lens.load_models(base, donor, ...)."
-        )
-
-
 def _check_count(name: str, value: Any, alternative: str = "") -> None:
     if not is_integer(value) or value < 1:
         extra = f" {alternative}" if alternative else ""
         raise AttributionError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
-
-
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise AttributionError(
-            f"Unknown {name} {value!r}.{did_you_mean(str(value), choices)} Choose one of "
-            f"{', '.join(choices)}."
-        )

@@ -68,12 +68,12 @@ from grafting_lens.analysis.attribution import (
     BatchMetric,
     Cell,
     PositionGroups,
-    _check_choice,
     _check_count,
     cell_label,
     resolve_groups,
 )
 from grafting_lens.analysis.batch import as_batch
+from grafting_lens.analysis.metrics import check_choice
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import AttributionError
@@ -179,6 +179,7 @@ def find_minimal_graft(
     batch_size: int = 16,
     rows_per_forward: int = 64,
     progress: bool | None = None,
+    logits: str = "last",
 ) -> MinimalGraft:
     """The smallest set of cells found whose graft recovers ``fraction`` of the donor's metric.
 
@@ -212,6 +213,7 @@ def find_minimal_graft(
         rows_per_forward: Rows of one exact graft pass.
         progress: Show a progress bar over the search's steps (``None``: only where
             someone watches, see :func:`~grafting_lens.core.console.show_progress`).
+        logits: What the metric gets, as for ``attribute_grafts``.
 
     Returns:
         A :class:`MinimalGraft`.
@@ -227,8 +229,8 @@ def find_minimal_graft(
             f"the donor to recover), got {fraction!r}."
         )
     fraction = float(fraction)  # a numpy float too; kept in the result as Python's
-    _check_choice("reference", reference, REFERENCES)
-    _check_choice("method", method, METHODS)
+    check_choice("reference", reference, REFERENCES, AttributionError)
+    check_choice("method", method, METHODS, AttributionError)
     for name, value in (("proposals", proposals), ("beam", beam), ("steps", steps)):
         _check_count(name, value)
     if max_cells is not None:
@@ -243,6 +245,7 @@ def find_minimal_graft(
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
         progress=False,
+        logits=logits,
     )
     plan = AttributionPlan(models, tokenized, positions=positions, **settings)
     held = None
@@ -381,7 +384,13 @@ def _donor_metric(plan: AttributionPlan) -> float:
         mask = GraftMask.build(
             plan.models, rows.tokens, source=plan.source, attention_mask=rows.attention_mask
         )
-        logits = graft_forward(plan.models, rows.tokens, mask, attention_mask=rows.attention_mask)
+        logits = graft_forward(  # logits=plan.logits (engine)
+            plan.models,
+            rows.tokens,
+            mask,
+            attention_mask=rows.attention_mask,
+            last_only=plan.last_only,
+        )
         values.append(plan.metric(logits, rows).float().cpu())
     return float(torch.cat(values).mean())
 
