@@ -316,8 +316,8 @@ def save_figure(
         written and, when ``png`` was asked for but not written, the reason.
 
     Raises:
-        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
-            be written (nothing else is worth the HTML's loss).
+        GraftingLensError: ``path`` is an existing directory.
+        OSError: The HTML cannot be written.
     """
     base = Path(path)
     if base.suffix.lower() in (".html", ".png"):
@@ -329,12 +329,7 @@ def save_figure(
     base.parent.mkdir(parents=True, exist_ok=True)
     html_path = base.with_name(base.name + ".html")
     png_path = base.with_name(base.name + ".png")
-    try:
-        atomic_write(
-            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
-        )
-    except OSError as error:
-        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
+    atomic_write(html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode())
     result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
     if not png:
         return result

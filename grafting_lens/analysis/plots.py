@@ -1,31 +1,27 @@
-"""Figures of grafting results, fit for a paper, and saving them so they survive a machine without Chrome.
+"""Figures of grafting results, fit for a paper.
 
-The paper's figures are grouped bar charts: one group per graft configuration
-(PRE, SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
+The paper's figures are grouped bar charts: one group per graft configuration (PRE,
+SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
 :func:`plot_accuracy` draws that chart from :func:`grafting_lens.analysis.metrics.summarize`'s
-table, with bootstrap confidence intervals as error bars, since a toy run has few
-examples per bar. :func:`plot_mean_rank` draws the mean rank of the answer the same
-way: where top-k accuracy sits at the floor (every bar near 0%), the rank still shows
-which grafts move the answer up.
+table, with bootstrap intervals as whiskers, since a toy run has few examples per bar;
+:func:`plot_mean_rank` the answer's mean rank, which still moves where accuracy sits at
+the floor. :func:`plot_comparison`, :func:`plot_attribution` and :func:`plot_recovery`
+draw grafting beside patching, a graft attribution and a minimal graft's recovery.
 
-Every figure follows one style (:mod:`grafting_lens.analysis.figure_style`: the value
-axis scaled to the data, labels a reader knows, ``n`` and what the whiskers are in the
-subtitle, a caption saying the setting, zero-height bars drawn as a line so that a 0% is
-visible, reference lines labelled in the margin), and is saved with
-:func:`~grafting_lens.analysis.figure_style.save_figure` (HTML always, PNG where a Chrome
-is), which this module serves too.
+Every figure follows one style and is saved by :mod:`grafting_lens.analysis.figure_style`
+(:func:`~grafting_lens.analysis.figure_style.save_figure`: HTML always, PNG where a
+Chrome is).
 
 Examples:
     >>> summary = metrics.summarize(results)
     >>> fig = plot_accuracy(summary, k=5, caption="toy world, semantics reference")
-    >>> save_figure(fig, "out/position_grafting")
-    {'html': 'out/position_grafting.html', 'png': 'out/position_grafting.png', 'png_error': None}
+    >>> figure_style.save_figure(fig, "out/position_grafting")
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -33,50 +29,33 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from grafting_lens.analysis.figure_style import (
-    COLUMN_TITLES,
-    NO_CHROME_HINT,
     PALETTE,
-    VALUE_LABELS,
     add_reference_line,
     axis_range,
     column_title,
     display_label,
-    figure_problems,
     figure_style,
-    save_figure,
     subtitle,
-    wrap_text,
 )
-from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
-from grafting_lens.core.errors import GraftingLensError, did_you_mean
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, check_choice
+from grafting_lens.core.errors import GraftingLensError
 
 __all__ = [
-    "COLUMN_TITLES",
-    "NO_CHROME_HINT",
-    "VALUE_LABELS",
-    "add_reference_line",
-    "axis_range",
-    "display_label",
-    "figure_problems",
-    "figure_style",
     "plot_accuracy",
     "plot_attribution",
     "plot_comparison",
     "plot_mean_rank",
     "plot_recovery",
-    "save_figure",
-    "wrap_text",
 ]
 
 
-def _check_summary(summary: Any, columns: Sequence[str], function: str, hint: str) -> None:
-    if not isinstance(summary, pd.DataFrame) or summary.empty:
+def _check_table(table: Any, columns: Iterable[str], what: str) -> None:
+    """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits."""
+    missing = [column for column in columns if column not in getattr(table, "columns", ())]
+    if not isinstance(table, pd.DataFrame) or table.empty or missing:
         raise GraftingLensError(
-            f"{function} needs a non-empty table from grafting_lens.analysis.metrics.summarize."
+            f"Expected a non-empty {what}; got {type(table).__name__} lacking the columns {missing}."
         )
-    missing = [c for c in columns if c not in summary.columns]
-    if missing:
-        raise GraftingLensError(f"The summary lacks the columns {missing}. {hint}")
 
 
 def _bars(
@@ -169,16 +148,12 @@ def plot_accuracy(
             which ``k`` values the table has).
     """
     value = f"top{k}"
-    if isinstance(summary, pd.DataFrame):
-        available = sorted(c for c in summary.columns if c.startswith("top") and c[3:].isdigit())
-    else:
-        available = []
-    _check_summary(
+    columns = getattr(summary, "columns", ())
+    available = sorted(c for c in columns if c.startswith("top") and c[3:].isdigit())
+    _check_table(
         summary,
         (x, color, value, f"{value}_low", f"{value}_high"),
-        "plot_accuracy",
-        f"It has the accuracies {available}; pass k=... accordingly or "
-        f"summarize(results, ks=(..., {k})).",
+        f"summary with top-{k}: it has {available}; pass k=... or summarize(results, ks=(..., {k}))",
     )
     fig, ends = _bars(
         summary,
@@ -222,11 +197,10 @@ def plot_mean_rank(
     Raises:
         GraftingLensError: An empty table or missing columns.
     """
-    _check_summary(
+    _check_table(
         summary,
         (x, color, "mean_rank", "mean_rank_low", "mean_rank_high"),
-        "plot_mean_rank",
-        "summarize(results) computes mean_rank with its interval.",
+        "table from summarize(results)",
     )
     shown = summary.copy()
     ranks = ("mean_rank", "mean_rank_low", "mean_rank_high")
@@ -309,23 +283,14 @@ def plot_comparison(
     Raises:
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
     """
-    if value not in _VALUE_TITLES:
-        raise GraftingLensError(
-            f"Unknown value {value!r}.{did_you_mean(value, _VALUE_TITLES)} "
-            f"Choose one of {', '.join(_VALUE_TITLES)}."
-        )
+    check_choice("value", value, list(_VALUE_TITLES))
     rows = [row] if isinstance(row, str) else list(row)
-    if not isinstance(summary, pd.DataFrame) or summary.empty:
-        raise GraftingLensError(
-            "plot_comparison needs a non-empty table from summarize_comparison."
-        )
-    needed = [*rows, col, "method", "layer", value, f"{value}_low", f"{value}_high"]
-    missing = [column for column in needed if column not in summary.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The summary lacks the columns {missing}; summarize with "
-            f"by=({', '.join(repr(c) for c in [*rows, col, 'method', 'layer'])})."
-        )
+    by = [*rows, col, "method", "layer"]
+    _check_table(
+        summary,
+        [*by, value, f"{value}_low", f"{value}_high"],
+        f"table from summarize_comparison(results, by={tuple(by)})",
+    )
     row_keys = list(dict.fromkeys(map(tuple, summary[rows].itertuples(index=False))))
     col_keys = list(dict.fromkeys(summary[col]))
     fig = make_subplots(
@@ -429,11 +394,9 @@ def _add_references(
     c: int,
     label: bool,
 ) -> None:
-    if "model" not in references.columns or value not in references.columns:
-        raise GraftingLensError(
-            f"references needs the columns 'model' and {value!r}: summarize "
-            "reference_scores(...) with by=('model',) (plus any panel columns)."
-        )
+    _check_table(
+        references, ("model", value), "references: summarize_comparison(reference_scores(...))"
+    )
     matching = references
     for column, key in [*row_values.items(), (col, col_key)]:
         if column in matching.columns:
@@ -485,19 +448,12 @@ def plot_attribution(
     Raises:
         GraftingLensError: An unknown ``value``, an empty table or missing columns.
     """
-    if value not in _ATTRIBUTION_VALUES:
-        raise GraftingLensError(
-            f"Unknown value {value!r}.{did_you_mean(value, _ATTRIBUTION_VALUES)} Choose "
-            f"one of {', '.join(_ATTRIBUTION_VALUES)}."
-        )
-    needed = ["component", "layer", "positions", "cell", value, f"{value}_se"]
-    if not isinstance(frame, pd.DataFrame) or frame.empty:
-        raise GraftingLensError("plot_attribution needs a non-empty GraftAttribution.frame.")
-    missing = [column for column in needed if column not in frame.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The table lacks the columns {missing}; plot a GraftAttribution.frame."
-        )
+    check_choice("value", value, list(_ATTRIBUTION_VALUES))
+    _check_table(
+        frame,
+        ("component", "layer", "positions", "cell", value, f"{value}_se"),
+        "GraftAttribution.frame",
+    )
     groups = list(dict.fromkeys(frame["positions"]))
     components = list(dict.fromkeys(frame["component"]))
     layers = sorted(int(layer) for layer in frame["layer"].dropna().unique())
@@ -588,14 +544,7 @@ def plot_recovery(
     Raises:
         GraftingLensError: An empty table or missing columns.
     """
-    needed = ["prompts", "cells", "cell", "recovery"]
-    if not isinstance(curve, pd.DataFrame) or curve.empty:
-        raise GraftingLensError("plot_recovery needs a non-empty MinimalGraft.curve.")
-    missing = [column for column in needed if column not in curve.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The table lacks the columns {missing}; plot a MinimalGraft.curve."
-        )
+    _check_table(curve, ("prompts", "cells", "cell", "recovery"), "MinimalGraft.curve")
     fig = go.Figure()
     for prompts, group in curve.groupby("prompts", sort=False):
         fig.add_trace(

@@ -9,7 +9,7 @@ import torch
 from conftest import make_tokenizer, no_forward_pass, random_model
 
 import grafting_lens as gl
-from grafting_lens.analysis import plots
+from grafting_lens.analysis import figure_style, plots
 from grafting_lens.analysis.comparison import (
     DEFAULT_PAIRS,
     RESULT_COLUMNS,
@@ -389,8 +389,8 @@ def test_summary_and_figure_put_the_methods_side_by_side(models, batch):
     # Each row names its positions in its axis title, clear of the references' labels.
     assert fig.layout.yaxis.title.text.startswith("LT<br>")
     assert fig.layout.yaxis4.title.text.startswith("FE<br>")
-    assert plots.figure_problems(fig) == []
+    assert figure_style.figure_problems(fig) == []
     with pytest.raises(GraftingLensError, match="Unknown value 'top3'"):
         plots.plot_comparison(summary, value="top3")
-    with pytest.raises(GraftingLensError, match="lacks the columns"):
+    with pytest.raises(GraftingLensError, match="lacking the columns"):
         plots.plot_comparison(summary.drop(columns="pair"))
