@@ -136,8 +136,8 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         A new :class:`TokenizedExamples` with ``long`` CPU tensors.
 
     Raises:
-        BatchError: A missing part, an attention mask, target ids, a span or an
-            example list whose shape disagrees with the tokens.
+        BatchError: A missing part, parts whose shapes disagree with the tokens, or
+            recorded rules that are not tokenize_examples'.
         TokenError: Tokens or target ids that are not ids of the model's vocabulary.
         SelectionError: An attention mask that is not right padding, or a row
             without a real token.
@@ -151,33 +151,25 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         )
     tokens = torch.as_tensor(tokenized.tokens).cpu()
     shape = models.check_tokens(tokens, "tokens")
-    tokens = tokens.long()
     attention_mask = (
         torch.ones(shape, dtype=torch.long)
         if tokenized.attention_mask is None
         else torch.as_tensor(tokenized.attention_mask).cpu().long()
     )
-    if tuple(attention_mask.shape) != shape:
-        raise BatchError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens have {shape}."
-        )
-    row_lengths(shape, attention_mask)  # right padding, no empty row
     target_ids = torch.as_tensor(tokenized.target_ids).cpu()
-    if tuple(target_ids.shape) != (shape[0],):
-        raise BatchError(
-            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per example, "
-            f"({shape[0]},)."
-        )
-    models.check_tokens(target_ids[:, None], "target_ids")
     spans = {name: torch.as_tensor(value).cpu() for name, value in dict(tokenized.spans).items()}
-    for name, value in spans.items():
-        if tuple(value.shape) != shape:
-            raise BatchError(
-                f"The span {name!r} has shape {tuple(value.shape)}, the tokens have {shape}."
-            )
     examples = getattr(tokenized, "examples", None)
-    if examples is not None and len(examples) != shape[0]:
-        raise BatchError(f"The batch has {len(examples)} examples but {shape[0]} rows of tokens.")
+    parts = {
+        "attention_mask": (tuple(attention_mask.shape), shape),
+        "target_ids": (tuple(target_ids.shape), (shape[0],)),
+        **{f"span {name!r}": (tuple(value.shape), shape) for name, value in spans.items()},
+        "examples": ((shape[0] if examples is None else len(examples),), (shape[0],)),
+    }
+    wrong = [f"{name} {got}, expected {want}" for name, (got, want) in parts.items() if got != want]
+    if wrong:
+        raise BatchError(f"Parts of the batch do not fit its tokens {shape}: {'; '.join(wrong)}.")
+    row_lengths(shape, attention_mask)  # right padding, no empty row
+    models.check_tokens(target_ids[:, None], "target_ids")
     return TokenizedExamples(
         examples=None if examples is None else list(examples),
         tokens=tokens,
@@ -348,25 +340,20 @@ def tokenize_examples(
                 f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
             )
     examples = list(examples)
-    if not examples:
-        raise BatchError("no examples to tokenize.")
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"tokenize_examples needs a fast tokenizer for character offsets, got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
         )
-    span_names = list(examples[0].spans)
-    if "last_token" in span_names:
+    span_names = list(examples[0].spans) if examples else []
+    odd = [e for e in examples if set(e.spans) != set(span_names) or "last_token" in e.spans]
+    if not examples or odd:
         raise BatchError(
-            '"last_token" is computed by tokenize_examples; remove it from Example.spans.'
+            f"tokenize_examples needs examples, none with different span names or "
+            f'"last_token" (it computes it): got {len(examples)} examples, spans '
+            f"{[sorted(e.spans) for e in odd[:2]]} against {sorted(span_names)}. Tokenize "
+            "each prompt type separately."
         )
-    for example in examples:
-        if set(example.spans) != set(span_names):
-            raise BatchError(
-                f"examples have different span names ({sorted(span_names)} vs {sorted(example.spans)}, "
-                f"relation {example.relation_id}, prompt {example.prompt_name!r}); tokenize each "
-                f"prompt type separately."
-            )
     texts = [e.text for e in examples]
     if bos == "always":
         first = (
