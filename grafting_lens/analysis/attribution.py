@@ -47,20 +47,13 @@ estimates are then the effects of switching further cells on top of that graft.
 
 When the first order fails
 --------------------------
-The estimate is the tangent at the start. It misleads where the metric is far from
-linear along the path from the start to the graft: when the metric saturates (a
-log-probability near 0, a softmax already decided) the gradient is near zero though
-the effect is large; when a component's effect depends on another's (attention at
-the last token needs the enriched first entity) a cell's gradient at the start says
-nothing about its effect together with others. ``method="integrated"`` averages the
-gradient over ``steps`` points along the straight path on which every attributed
-position moves together from the start to the graft of every cell (integrated
-gradients): by construction the estimates of disjoint cells then add up to the
-effect of grafting all of them, and a cell that matters only in company gets its
-share. See the concept page "What a graft attribution estimates" for when each
-fails, and verify: ``verify=k`` re-measures the ``k`` cells with the largest
-estimates exactly, ``verify="all"`` every cell, and :func:`attribution_agreement`
-reports the rank agreement.
+The estimate is the tangent at the start: it misleads where the metric saturates or
+a component matters only together with another. ``method="integrated"`` averages
+the gradient over ``steps`` points on the path from the start to the graft of every
+cell (integrated gradients), so estimates of disjoint cells add up to the effect of
+grafting all of them. ``verify=k`` re-measures the ``k`` largest estimates exactly,
+and :func:`attribution_agreement` reports the rank agreement (the concept page "What
+a graft attribution estimates" says when each fails).
 
 How it runs
 -----------

@@ -38,54 +38,26 @@ pair           graft at layer ``l``                patch at ``l``
 ``stream``     the embeddings and layers ``0..l``  ``resid_post``
 =============  ==================================  ================
 
-No pair is an identity; each bullet below says when the two sides coincide.
+No pair is an identity (the concept page "Grafting versus patching" says when the
+two sides coincide, and why):
 
-* **The residual stream is cumulative; a block is not.** ``resid_post`` at layer
-  ``l`` is the embeddings plus the outputs of layers ``0..l``, all computed by the
-  donor. Patching it at the last token (LT) hands the target the donor's whole
-  computation up to ``l``, *including what the donor's attention read from other
-  positions* (the first entity, FE, where the paper finds facts are "enriched").
-  So once any layer ``<= l`` has moved the answer into LT's stream, patching
-  ``resid_post`` at every later layer "restores" the answer: the curve over layers
-  tends to rise and stay up, and says *by when* the answer is present, not
-  *where* it was computed. Grafting layer ``l``'s block at LT swaps that one layer's weights:
-  the donor's layer computes from the target's stream, and reads the target's
-  keys and values at FE. Its curve over layers peaks at the layers whose weights
-  compute the answer from what the target already has, and stays low where they
-  need the donor's enriched FE or the donor's earlier layers.
-* **The cumulative graft** (:data:`STREAM_PAIR`, ``cumulative=True``) grafts the
-  embeddings and layers ``0..l`` at the chosen positions: at LT, the donor's
-  weights compute LT's stream up to ``l``, but over the target's keys and values
-  at every other position. Over *all* positions it equals the ``resid_post`` patch
-  exactly. At LT the two differ in one thing only: the keys and values LT's
-  attention reads at the other positions in layers ``0..l`` are the donor's in
-  the patch and the target's in the graft, so the gap between the two curves is
-  what flows into LT from the other positions (FE among them). At the last
-  layer it is the paper's LT configuration but for the final norm.
-* **Away from LT, a graft acts from its own layer on; a patch only after it.**
-  At FE, a graft of layer ``l`` changes the keys and values FE offers to LT *at
-  layer l itself* (and FE's stream for the layers after). Patching ``resid_post``
-  at FE at ``l`` reaches LT only through the layers after ``l``: at the last
-  layer it cannot change the answer at all, while a graft of the last layer's
-  attention can.
-* **Attention reads other positions.** ``attn_out`` patched at LT is the donor's
-  attention over the donor's keys and values at every position, fed by the
-  donor's earlier layers. Grafting ``ln1+q+k+v+o`` at LT uses the donor's query,
-  key, value and output weights *at LT*; the keys and values of earlier
-  positions come from the target's weights and the target's stream. The two agree
-  only when the upstream streams agree and the graft covers every position.
-  (The paper's ``attn`` group is Q, K and V alone; the output projection and the
-  norm are added here because ``attn_out`` is measured after them.)
-* **The MLP is position-wise.** ``mlp_out`` patched at LT is the donor's MLP
-  applied to the donor's stream at LT; grafting ``ln2+ffn`` at LT applies the same
-  weights to the target's stream at LT. If the donor differs from the target only
-  in that MLP the two are identical, and so is a ``resid_post`` patch of that
-  layer; they part as soon as anything upstream differs.
-* **Both agree at the extremes.** Grafting the embeddings and every block at every
-  position is the donor's residual stream read out by the target's final norm
-  and unembedding, which is what patching ``resid_post`` at the last layer at every
-  position gives too; grafting ``"all"`` components (final norm and unembedding
-  included) is exactly the donor.
+* **The residual stream is cumulative; a block is not.** Patching ``resid_post`` at
+  the last token (LT) at layer ``l`` hands the target the donor's whole computation
+  up to ``l``, including what the donor's attention read at other positions, so its
+  curve over layers says *by when* the answer is present. Grafting layer ``l``'s
+  block swaps that layer's weights alone, reading the target's keys and values: its
+  curve peaks where the weights *compute* the answer from what the target has.
+* **The cumulative graft** (:data:`STREAM_PAIR`) grafts the embeddings and layers
+  ``0..l``: over all positions it equals the ``resid_post`` patch exactly; at LT the
+  gap between the two is what flows into LT from the other positions.
+* **Attention reads other positions; the MLP does not.** An ``attn_out`` patch at LT
+  brings the donor's attention over the donor's keys and values; the graft, the
+  donor's weights over the target's. An MLP graft and an ``mlp_out`` patch agree
+  as long as everything upstream does. (The paper's ``attn`` group is Q, K and V;
+  the norm and output projection are added because ``attn_out`` is measured after
+  them.)
+* **Both agree at the extremes**: every block at every position is the donor's stream
+  read out by the target's final norm and unembedding; ``"all"`` is the donor.
 
 Directions follow :mod:`grafting_lens.patching.patch`: ``"sufficiency"`` runs the
 target and imports from the source (does the donor's weight or activation

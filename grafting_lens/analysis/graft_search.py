@@ -27,21 +27,12 @@ Each step starts from the cells accepted so far, grafted into the base:
    result grafted exactly (one batched pass for all candidates); the candidate with
    the highest exact recovery is accepted.
 
-With ``beam=b > 1`` the search keeps the ``b`` best sets of each size instead of one
-(a beam search; each beam member proposes its own candidates). It stops when the
-best set reaches ``fraction``, when no candidate improves on the best set (then the
-result is returned with ``reached=False`` and a warning), or after ``max_cells``
-cells. Then, with ``prune=True``, it drops cells while the recovery stays at or
-above ``fraction``, the one whose removal costs least first.
-
-Since attribution only proposes, a poor first-order estimate costs search steps, not
-correctness: every accepted set and every reported recovery is an exact graft.
-
-The result, :class:`MinimalGraft`, holds the cells in the order they were added, the
-recovery curve (recovery against the number of cells, on the search prompts and on
-held-out prompts, each point an exact graft of the first ``k`` cells), the log of the
-search and a :meth:`MinimalGraft.mask` to graft the cells on any batch.
-:func:`grafting_lens.analysis.plots.plot_recovery` draws the curve.
+With ``beam=b > 1`` the search keeps the ``b`` best sets of each size. It stops when
+the best set reaches ``fraction``, when no candidate improves on it (then
+``reached=False`` and a warning), or after ``max_cells`` cells; with ``prune=True`` it
+then drops cells while the recovery stays at or above ``fraction``. Attribution only
+proposes: every accepted set and every reported recovery is an exact graft.
+:func:`grafting_lens.analysis.plots.plot_recovery` draws the recovery curve.
 
 Examples:
     >>> found = find_minimal_graft(models, batch, fraction=0.8, held_out=other_batch)

@@ -27,20 +27,12 @@ under study and the reference); only which one runs changes.
 
 Patching against grafting
 -------------------------
-A patch replaces a whole vector. A residual-stream vector at layer ``l`` and
-token ``t`` is the sum of everything computed before it, so patching it imports
-every earlier computation of the other model at that position too, and deletes
-the running model's own. That is the limit the paper (Nief et al., ICLR 2026)
-starts from: activation patching says *where information sits*, not *which
-weights put it there*. A graft (:mod:`grafting_lens.engine.graft`) swaps the weights of
-a component instead, so the vector added to the stream is what the donor's
-component computes *from the base's own stream*; nothing upstream is replaced.
-Patching ``attn_out``, ``mlp_out`` or a head's ``z`` sits in between: the
-donor's component output, but computed from the donor's stream. Running the
-same positions and layers through both tools separates "the donor's stream
-carries the answer there" (patching recovers it, grafting may not) from "the
-donor's weights compute it from what the base already has" (grafting recovers
-it too).
+A patch replaces a whole vector, and a residual-stream vector is the sum of
+everything computed before it: patching it imports the other model's earlier
+computation too. A graft (:mod:`grafting_lens.engine.graft`) swaps a component's
+weights, which compute from the running model's own stream. Patching says *where
+information sits*, grafting *which weights put it there* (Nief et al., ICLR 2026);
+:mod:`grafting_lens.analysis.comparison` runs both on the same configurations.
 
 Sites and where they are hooked
 -------------------------------
