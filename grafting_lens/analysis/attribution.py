@@ -444,7 +444,7 @@ class AttributionPlan:
             progress,
         )
         self.batch = as_batch(tokenized, models)
-        shape = tuple(self.batch.tokens.shape)
+        shape = (int(self.batch.tokens.shape[0]), int(self.batch.tokens.shape[1]))
         # The mask builder checks the components and layers and refuses a grid that
         # would graft every component around uncovered weights.
         self.keys: list[Key] = GraftMask.build(

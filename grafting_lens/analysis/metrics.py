@@ -209,7 +209,7 @@ def top_k_tokens(
             ``[batch, d_vocab]``.
     """
     _check_k(k)
-    logits, _ = _check(logits, None)
+    logits, _ = _check(logits)
     if k > logits.shape[1]:
         raise GraftingLensError(f"k={k} exceeds the vocabulary size {logits.shape[1]}.")
     top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
@@ -345,13 +345,14 @@ def summarize(
 # ----------------------------------------------------------------------- helpers
 
 
-def _check(logits: object, target_ids: object | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _check(logits: Any, target_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[batch, d_vocab]`` finite logits and, if given, one in-vocabulary id per row."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] == 0:
         raise GraftingLensError(
             f"Expected [batch, d_vocab] logits at the last token with a row, got "
             f"{_describe(logits)}. Use last_token_logits(logits, attention_mask) first."
         )
+    wide = torch.empty(0, dtype=torch.long)
     if target_ids is not None:
         ids = torch.as_tensor(target_ids)
         integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
@@ -369,7 +370,6 @@ def _check(logits: object, target_ids: object | None) -> tuple[torch.Tensor, tor
                 f"vocabulary of the logits); got {ids.dtype} of shape {tuple(ids.shape)} for "
                 f"{logits.shape[0]} rows."
             )
-        target_ids = wide.to(logits.device)
     bad = ~torch.isfinite(logits).all(dim=1)
     if bool(bad.any()):
         rows = bad.nonzero().squeeze(1).tolist()
@@ -380,7 +380,7 @@ def _check(logits: object, target_ids: object | None) -> tuple[torch.Tensor, tor
             f"so they are not scored. Check the checkpoints' weights; these are {logits.dtype}: "
             "float16 overflows (load in float32 or bfloat16)."
         )
-    return logits, target_ids  # type: ignore[return-value]
+    return logits, wide.to(logits.device)
 
 
 def _check_k(k: object) -> None:

@@ -488,7 +488,10 @@ def _sweep(
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
     bar = not show_progress(options.progress) or len(chunks) <= 1
     for chunk in tqdm(chunks, desc=f"{site} sweep", disable=bar):
-        grouped: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        grouped: dict[
+            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
+        ]
+        grouped = {}
         for slot, cell in enumerate(chunk):
             layer, position, head = cells[cell]
             prompts, pos = nonzero[position]
@@ -498,7 +501,9 @@ def _sweep(
             layer: (
                 torch.cat([part[0] for part in parts]),
                 torch.cat([part[1] for part in parts]),
-                None if parts[0][2] is None else torch.cat([part[2] for part in parts]),
+                None
+                if parts[0][2] is None
+                else torch.cat([p[2] for p in parts if p[2] is not None]),
                 torch.cat([part[3] for part in parts]),
             )
             for layer, parts in grouped.items()
