@@ -1,89 +1,21 @@
 """Grafting and activation patching, side by side, on the same configurations.
 
-Two ways to ask "where does the finetuned model differ?"
---------------------------------------------------------
-Both tools run one checkpoint (the *target*, usually the pretrained base) and
-import something from another (the *source*, usually the finetuned donor) at
-chosen token positions and layers, then score the answer. They import different
-things:
+Patching (:mod:`grafting_lens.patching.patch`) imports a *vector*: the donor's activation,
+with everything the donor computed upstream. Grafting (:mod:`grafting_lens.engine.graft`)
+imports a *function*: the donor's weights, computing from the target's own stream. Patching
+says where the donor's stream *carries* the answer, grafting which weights *compute* it
+(Nief et al., ICLR 2026). A :class:`ComparisonPair` names the graft and the patch compared
+at each layer; the concept page "Grafting versus patching" has the pairs, the directions
+and when the two sides coincide.
 
-* **Activation patching** (:mod:`grafting_lens.patching.patch`) imports a *vector*. It
-  runs the donor, records an activation (a residual stream, an attention or MLP
-  output) and writes it over the target's own at the chosen place. Whatever the
-  target had computed there is deleted, and whatever the donor had computed
-  upstream, at every position, comes along with the vector.
-* **Grafting** (:mod:`grafting_lens.engine.graft`) imports a *function*. The chosen
-  components compute with the donor's weights, from the target's own residual
-  stream; their output replaces the target component's output and everything
-  else the stream holds stays. At positions outside the graft, every weight is
-  the target's, so the keys and values a grafted position attends to are the
-  target's too.
-
-The paper this package implements (Nief et al., ICLR 2026) starts from that
-difference: patching says where the donor's stream *carries* the answer,
-grafting says which weights *compute* it.
-
-Which patch goes with which graft
----------------------------------
-A comparison is a list of :class:`ComparisonPair`: graft these components at
-layer ``l``, patch this site at layer ``l``, at the same positions. The default
-pairs, and the opt-in cumulative one:
-
-=============  ==================================  ================
-pair           graft at layer ``l``                patch at ``l``
-=============  ==================================  ================
-``block``      every per-layer component           ``resid_post``
-``attention``  ``ln1+q+k+v+o``                     ``attn_out``
-``mlp``        ``ln2+ffn``                         ``mlp_out``
-``stream``     the embeddings and layers ``0..l``  ``resid_post``
-=============  ==================================  ================
-
-No pair is an identity (the concept page "Grafting versus patching" says when the
-two sides coincide, and why):
-
-* **The residual stream is cumulative; a block is not.** Patching ``resid_post`` at
-  the last token (LT) at layer ``l`` hands the target the donor's whole computation
-  up to ``l``, including what the donor's attention read at other positions, so its
-  curve over layers says *by when* the answer is present. Grafting layer ``l``'s
-  block swaps that layer's weights alone, reading the target's keys and values: its
-  curve peaks where the weights *compute* the answer from what the target has.
-* **The cumulative graft** (:data:`STREAM_PAIR`) grafts the embeddings and layers
-  ``0..l``: over all positions it equals the ``resid_post`` patch exactly; at LT the
-  gap between the two is what flows into LT from the other positions.
-* **Attention reads other positions; the MLP does not.** An ``attn_out`` patch at LT
-  brings the donor's attention over the donor's keys and values; the graft, the
-  donor's weights over the target's. An MLP graft and an ``mlp_out`` patch agree
-  as long as everything upstream does. (The paper's ``attn`` group is Q, K and V;
-  the norm and output projection are added because ``attn_out`` is measured after
-  them.)
-* **Both agree at the extremes**: every block at every position is the donor's stream
-  read out by the target's final norm and unembedding; ``"all"`` is the donor.
-
-Directions follow :mod:`grafting_lens.patching.patch`: ``"sufficiency"`` runs the
-target and imports from the source (does the donor's weight or activation
-*suffice* to make the target answer?); ``"necessity"`` runs the source and
-imports the target's (does the donor *need* its own?). A graft in the necessity
-direction runs the donor's weights everywhere, the final norm and unembedding
-included, and the target's weights at the chosen components and positions.
-
-How it runs
------------
-:func:`compare_graft_and_patch` takes the examples ``batch_size`` at a time and,
-for each chunk, runs every graft configuration (positions x pair x layer) as a
-block of rows of one batch, joined with :meth:`GraftMask.cat`, and every patch
-configuration through :func:`~grafting_lens.patching.patch.resid_patch_sweep`, which
-batches its (layer, positions) cells the same way; pairs that patch the same
-site share one sweep. Both compute the unembedding at each row's last token only,
-the one position scored. It returns one tidy row per example, configuration and
-method. :func:`summarize_comparison` aggregates it with bootstrap intervals and
-:func:`grafting_lens.analysis.plots.plot_comparison` draws the two methods next to each other, layer by layer.
+:func:`compare_graft_and_patch` runs every (positions x pair x layer) configuration both
+ways, grafts as blocks of rows of a few passes and patches through one batched sweep per
+site, with the unembedding at the scored last token only, and returns one tidy row per
+example, configuration and method; :func:`summarize_comparison` adds bootstrap intervals.
 
 Examples:
-    >>> tokenized = data.tokenize_examples(data.make_examples(relations, prompt="qa"),
-    ...                                    models.tokenizer)
     >>> results = compare_graft_and_patch(models, tokenized, positions=("LT", "FE"))
-    >>> summary = summarize_comparison(results)
-    >>> fig = plots.plot_comparison(summary, value="top5")
+    >>> fig = plots.plot_comparison(summarize_comparison(results), value="top5")
 """
 
 from __future__ import annotations
@@ -141,9 +73,8 @@ class ComparisonPair:
             ``ln_final``...) are grafted whatever the layer.
         site: The activation to patch, one of
             :data:`~grafting_lens.patching.patch.LAYER_POSITION_SITES`.
-        cumulative: Graft ``components`` at layers ``0..l`` and the input
-            embeddings instead of at layer ``l`` alone: the graft that builds the
-            stream a ``resid_post`` patch imports (see the module docstring).
+        cumulative: Graft ``components`` at layers ``0..l`` and the input embeddings,
+            not at ``l`` alone: the stream a ``resid_post`` patch imports.
     """
 
     name: str
@@ -183,8 +114,7 @@ RESULT_COLUMNS: tuple[str, ...] = (
     *SCORE_COLUMNS,
     *TOP_TOKEN_COLUMNS,
 )
-"""Columns of :func:`compare_graft_and_patch`'s table, in order (the scores are
-:mod:`grafting_lens.analysis.scoring`'s)."""
+"""Columns of :func:`compare_graft_and_patch`'s table, in order."""
 
 PairSpec = Union[ComparisonPair, tuple[str, str], tuple[str, str, str]]
 """A :class:`ComparisonPair`, ``(components, site)`` or ``(name, components, site)``."""
@@ -213,50 +143,47 @@ def compare_graft_and_patch(
 ) -> pd.DataFrame:
     """Graft and patch the same (positions x pair x layer) configurations; score each example.
 
-    Every argument is checked before the first forward pass.
-
     Args:
-        models: The aligned checkpoints; ``target`` runs, ``source`` is imported
+        models: The aligned checkpoints; ``target`` runs and ``source`` is imported
             (swapped in the necessity direction).
-        tokenized: A :class:`grafting_lens.analysis.batch.TokenizedExamples` (or what
-            :func:`~grafting_lens.analysis.batch.as_batch` takes): right-padded prompts
-            ending right before the answer.
-        positions: Where to graft and patch: span expressions
-            (:func:`grafting_lens.engine.positions.select_positions`: ``"LT"``, ``"FE"``,
-            ``"(FE+LT)^C"``...), or a mapping from a label to such an expression or to
-            a ``[batch, pos]`` boolean tensor over ``tokenized``'s rows.
-        layers: The layers ``l`` of the configurations (see
-            :func:`~grafting_lens.resolve_layers`).
-        pairs: What to compare at each layer (see :class:`ComparisonPair`,
-            :data:`DEFAULT_PAIRS`, :data:`STREAM_PAIR`).
-        direction: ``"sufficiency"`` (run ``target``, import ``source``; alias
-            ``"denoising"``) or ``"necessity"`` (run ``source``, import ``target``;
-            alias ``"noising"``).
+        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
+            :func:`~grafting_lens.analysis.batch.as_batch` takes).
+        positions: Span expressions (``"LT"``, ``"FE"``, ``"(FE+LT)^C"``...), or a mapping
+            from a label to one or to a ``[batch, pos]`` boolean tensor.
+        layers: The layers ``l`` of the configurations (see :func:`~grafting_lens.resolve_layers`).
+        pairs: What to compare at each layer (:class:`ComparisonPair`, :data:`DEFAULT_PAIRS`,
+            :data:`STREAM_PAIR`).
+        direction: ``"sufficiency"`` (alias ``"denoising"``) or ``"necessity"`` (``"noising"``).
         methods: ``("graft", "patch")`` or one of them.
         source: Index of the donor in the model set.
-        target: Index of the reference (the base) in the model set.
-        batch_size: Examples per chunk; each chunk is cut to its own longest row.
-        rows_per_forward: Rows of one forward pass (examples x configurations); a
-            pass holds at least one configuration of a chunk.
-        progress: Show a progress bar over chunks (default: where someone watches,
-            see :func:`~grafting_lens.core.console.show_progress`).
+        target: Index of the reference (the base).
+        batch_size: Examples per chunk, each chunk cut to its own longest row.
+        rows_per_forward: Rows of one forward pass (at least one configuration of a chunk).
+        progress: Show a progress bar over chunks (default: where someone watches).
 
     Returns:
-        A tidy DataFrame with the columns of :data:`RESULT_COLUMNS`, one row per
-        method, position set, pair, layer and example, in that nesting order, scored
-        at the last token: ``target_rank`` (0 = top-1), ``target_prob``, ``top1``,
-        ``top5``, ``top_token_id`` and ``top_token``.
+        A tidy DataFrame with the columns of :data:`RESULT_COLUMNS`, one row per method,
+        position set, pair, layer and example, in that nesting order, scored at the last token.
 
     Raises:
-        GraftingLensError: (or a subclass) an unknown position set, component, site,
-            method or direction; a layer outside the model; a site the architecture
-            lacks; a span the batch lacks; a bad source, target, ``batch_size`` or
-            ``rows_per_forward``; a malformed batch.
+        GraftingLensError: (or a subclass) an unknown position set, component, site, method
+            or direction; a layer outside the model; a site the architecture lacks; a span
+            the batch lacks; a bad source, target or size; a malformed batch. All before
+            the first forward pass.
     """
     plan = _ComparisonPlan(
-        models, tokenized, positions, layers, pairs, direction, methods, source, target,
-        batch_size, rows_per_forward,
-    )  # fmt: skip
+        models,
+        tokenized,
+        positions,
+        layers,
+        pairs,
+        direction,
+        methods,
+        source,
+        target,
+        batch_size,
+        rows_per_forward,
+    )
     scores: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     starts = range(0, len(plan.batch), plan.batch_size)
     bar = tqdm(starts, desc="graft vs patch", disable=not show_progress(progress), unit="chunk")
@@ -551,10 +478,7 @@ def reference_scores(
     sources: Sequence[int] | None = None,
     batch_size: int = 32,
 ) -> pd.DataFrame:
-    """Each checkpoint's own scores, unmodified: the floor and ceiling of a comparison.
-
-    Each checkpoint runs its own forward, with the unembedding at each row's last
-    token only.
+    """Each checkpoint's own scores, from its own forward: the floor and ceiling of a comparison.
 
     Args:
         models: The model set.
@@ -563,9 +487,9 @@ def reference_scores(
         batch_size: Examples per forward pass.
 
     Returns:
-        One row per checkpoint and example: ``example``, ``relation_id``,
-        ``prompt``, ``model`` (its name in ``models.names``), ``source`` (its
-        index), and the scores ``target_rank``, ``target_prob``, ``top1``, ``top5``.
+        One row per checkpoint and example: ``example``, ``relation_id``, ``prompt``,
+        ``model`` (its name in ``models.names``), ``source`` (its index), and the scores
+        ``target_rank``, ``target_prob``, ``top1``, ``top5``.
 
     Raises:
         GraftingLensError: A malformed batch, sources out of range or listed twice,
@@ -629,17 +553,15 @@ def summarize_comparison(
     """Top-1/top-5 accuracy, mean rank and mean target probability per group, with intervals.
 
     Args:
-        results: A table from :func:`compare_graft_and_patch` (or
-            :func:`reference_scores`, with ``by=("prompt", "model")``).
+        results: A table from :func:`compare_graft_and_patch` (or :func:`reference_scores`,
+            with ``by=("prompt", "model")``).
         by: Columns that define a group; add ``"prompt"`` to keep prompts apart.
-        n_resamples: Resamples of every bootstrap interval.
-        confidence: The intervals' confidence level.
-        seed: The bootstrap's seed.
+        n_resamples, confidence, seed: The bootstrap intervals' settings.
 
     Returns:
         :func:`~grafting_lens.analysis.metrics.summarize`'s columns plus ``target_prob``,
-        ``target_prob_low`` and ``target_prob_high``, one row per group in order of
-        first appearance.
+        ``target_prob_low`` and ``target_prob_high``, one row per group in order of first
+        appearance.
 
     Raises:
         GraftingLensError: What :func:`~grafting_lens.analysis.metrics.summarize`

@@ -1,23 +1,10 @@
 """How a patch or a sweep runs: hooks, resumed passes, and cells planned into passes.
 
-Internal to :mod:`grafting_lens.patching.patch`, which validates every argument and then
-hands this module a :class:`PatchRun`: which checkpoint runs (the *running* one),
-which one the patched-in activations come from (the *giving* one), on which tokens.
-In the sufficiency direction the base runs and the donor gives; in the necessity
-direction the donor runs and the base gives. The names say which runs, never which
-checkpoint is which.
-
-Three things happen here, each explained where it is done:
-
-* :meth:`PatchRun.given_activations` records the activations to patch in, in one
-  forward pass of the giving checkpoint; :func:`site_hooks` writes them over the
-  running checkpoint's own (``resid_mid`` through the attention output, because the
-  bridge's ``hook_resid_mid`` is ``ln2``'s input, not the residual);
-* :meth:`PatchRun.run` computes one pass in which many cells are patched, each in its
-  own block of rows, resuming the unpatched run (:class:`UnpatchedPrefix`) from the
-  first position and the first layer the pass patches;
-* :func:`plan_passes` groups cells into passes so that the skipped work outweighs
-  each pass's fixed cost.
+Internal to :mod:`grafting_lens.patching.patch`, which checks every argument and hands
+this module a :class:`PatchRun`: the *running* checkpoint, the *giving* one whose
+activations are patched in (the base and the donor in the sufficiency direction, the other
+way round in the necessity direction), and the tokens. How a sweep is batched and resumed:
+the how-to "Run a sweep", section "Patching sweeps".
 """
 
 from __future__ import annotations
@@ -175,15 +162,8 @@ class PatchRun:
         )
 
     def can_skip_layers(self, prefix: UnpatchedPrefix) -> bool:
-        """Whether resuming from a later block reproduces the unpatched run.
-
-        Skipping blocks swaps the Hugging Face model's list of decoder layers for
-        its tail for one pass. The models this library is tested on loop over
-        that list and nothing else; an architecture whose forward also indexes
-        per-layer settings by loop position would compute something else. One
-        unhooked pass from the middle block checks it against the unpatched
-        logits, once per bridge, and a model that fails keeps computing every block.
-        """
+        """Whether resuming from a later block reproduces the unpatched run (checked once
+        per bridge: a forward that indexes per-layer settings by loop position would not)."""
         known = _RESUMABLE.get(self.running_model)
         if known is not None:
             return known
@@ -269,14 +249,11 @@ class PatchRun:
     ) -> torch.Tensor:
         """The patched run's logits, with every entry written in one forward pass.
 
-        The tokens run ``repeats`` times along the batch. With ``start > 0`` only
-        positions ``start..pos-1`` are computed, attending over ``prefix``'s keys and
-        values of the earlier positions: a patch never changes what comes before it,
-        so those are the unpatched run's. With ``first_layer > 0`` blocks before it
-        are not run at all: the pass enters block ``first_layer`` with the unpatched
-        run's residual stream, which no patch at a later layer can change. With
-        ``last_only`` the result is each row's last real token, ``[rows, 1, d_vocab]``,
-        and the unembedding runs on those positions only. Entry positions are absolute.
+        The tokens run ``repeats`` times along the batch. ``start > 0`` computes positions
+        ``start..pos-1`` only, over ``prefix``'s keys and values of the earlier ones (a patch
+        never changes what comes before it); ``first_layer > 0`` enters that block with the
+        unpatched residual stream. ``last_only`` gives each row's last real token, ``[rows,
+        1, d_vocab]``, the unembedding run there only. Entry positions are absolute.
         """
         hooks = []
         for layer, (rows, pos, heads, prompts) in entries.items():
@@ -421,11 +398,8 @@ def plan_passes(
 ) -> list[list[int]]:
     """Group cells into forward passes of at most ``per_pass`` cells, cheaply.
 
-    A pass computes from the earliest position and the earliest layer of its
-    cells on, so cells that start alike should share one; but every pass also
-    has a fixed cost (reading every weight, launching kernels). Cells are tiled
-    over the grid of (first position, first layer) with every power-of-two tile
-    shape, and the tiling whose modelled cost is lowest wins: a pass costs
+    Cells are tiled over the grid of (first position, first layer) with every power-of-two
+    tile shape, and the tiling whose modelled cost is lowest wins: a pass costs
     ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
 
     Args:

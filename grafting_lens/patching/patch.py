@@ -1,82 +1,26 @@
 """Activation patching between the checkpoints of a model set.
 
-What it is
-----------
-Activation patching runs a model and, at one place in the network (a layer, a
-token position, perhaps one attention head), replaces the activation it computed
-with the activation another run computed there, then watches what happens to the
-output. TransformerLens's ``patching`` module does this between two *prompts* on
-one model (a clean and a corrupted run). Here the two runs are two *checkpoints*
-of a :class:`~grafting_lens.ModelSet` on the same tokens: the pretrained base and
-the finetuned donor. The question becomes "where does the finetuned model's
-residual stream (or attention output, or one head) carry what makes it answer
-differently?".
+TransformerLens's ``patching`` module patches between two *prompts* on one model; here the
+two runs are two *checkpoints* of a :class:`~grafting_lens.ModelSet` on the same tokens (the
+base and the donor), and the question is where the donor's residual stream (or attention
+output, or one head) carries what makes it answer differently. ``"sufficiency"``
+(``"denoising"``) runs ``target`` and patches in ``source``'s activations; ``"necessity"``
+(``"noising"``) runs ``source`` and patches in ``target``'s. A patch imports the donor's
+whole upstream computation, a graft only its weights (concept page "Grafting versus
+patching").
 
-Two directions
---------------
-* ``direction="sufficiency"`` (*denoising*, in Heimersheim and Nanda's words): run the
-  ``target`` (by default the base, source 0) and patch in the ``source``'s
-  activations (by default the donor, source 1). A high metric says the source's
-  activation at that place is *enough* to make the base behave like the donor.
-* ``direction="necessity"`` (*noising*): run the ``source`` and patch in the
-  ``target``'s activations. A large drop says the donor *needs* its own activation
-  there.
+Sites: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out`` and ``mlp_out`` are
+``[batch, pos, d_model]``, ``z`` is ``[batch, pos, head, d_head]``; parallel blocks (GPT-NeoX,
+Pythia) have no ``resid_mid``. The bridge's ``hook_resid_mid`` is ``ln2``'s input, not the
+residual, so a ``resid_mid`` patch rewrites the attention output (``attn_out := patched -
+resid_pre``): the MLP and the residual both see the patched vector.
 
-``source`` and ``target`` keep their meaning in both directions (the checkpoint
-under study and the reference); only which one runs changes.
+:func:`resid_patch_sweep` and :func:`head_patch_sweep` patch each cell alone and give
+TransformerLens's ``get_act_patch_*`` values, but run many cells per forward pass, each pass
+resumed from the first position and layer its cells patch (how-to "Run a sweep", section
+"Patching sweeps").
 
-Patching against grafting
--------------------------
-A patch replaces a whole vector, and a residual-stream vector is the sum of
-everything computed before it: patching it imports the other model's earlier
-computation too. A graft (:mod:`grafting_lens.engine.graft`) swaps a component's
-weights, which compute from the running model's own stream. Patching says *where
-information sits*, grafting *which weights put it there* (Nief et al., ICLR 2026);
-:mod:`grafting_lens.analysis.comparison` runs both on the same configurations.
-
-Sites and where they are hooked
--------------------------------
-``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out`` and ``mlp_out`` are
-``[batch, pos, d_model]`` vectors (``blocks.{l}.hook_*`` on the bridge); ``z``
-is each head's attention-weighted value, ``[batch, pos, head, d_head]``
-(``blocks.{l}.attn.hook_z``). Parallel-attention blocks (GPT-NeoX, Pythia) have
-no ``resid_mid``: attention and MLP read the same residual. On the 4.x bridge the
-``hook_resid_mid`` alias is the input of ``ln2``, not the residual itself:
-editing it changes what the MLP reads but not what is added to the MLP output.
-So a ``resid_mid`` patch here rewrites the attention output that is added to the
-stream (``attn_out := patched - resid_pre``) so that both the MLP and the
-residual see the patched vector, as a patch of the residual stream must.
-
-Sweeps, batched
----------------
-:func:`resid_patch_sweep` patches every (layer, position) cell and
-:func:`head_patch_sweep` every (layer, head) or (layer, position, head) cell,
-one at a time, like TransformerLens's ``get_act_patch_*`` functions and with the
-same values. Instead of one forward pass per cell, each cell becomes a block of
-rows of one large batch (the prompts repeated once per cell, each block hooked
-at its own layer, position and head), ``chunk_size`` rows per forward. Rows do
-not interact, so the values are those of the cell-by-cell loop. And since a
-patch at position ``t`` of layer ``l`` cannot change anything before ``t`` nor
-anything below ``l``, a pass starts at the first position and the first layer
-its cells patch: it attends over the keys and values the unpatched run cached
-for the earlier positions and enters its first block with the unpatched run's
-residual stream. Cells that start alike share a pass.
-
-The metric
-----------
-A metric maps the logits of one cell to one value per prompt (``[batch]``) or to a
-single scalar, and is called once per cell, with the prompts in their original
-order. By default (``logits="last"``) it gets each row's last real token alone,
-``[batch, 1, d_vocab]`` (``logits[:, -1]`` reads it), and the unembedding runs at
-those positions only; ``logits="all"`` gives every position, ``[batch, pos,
-d_vocab]``, as TransformerLens's functions do. A per-prompt metric is averaged over
-the prompts (``reduce="mean"``) or kept (``reduce="none"``); a scalar one is taken
-as the cell's value, which is what TransformerLens's functions expect.
-
-    >>> from grafting_lens.patching.patch import resid_patch_sweep
-    >>> def answer_logit(logits):
-    ...     return logits[:, -1, answer_id]
-    >>> values, frame = resid_patch_sweep(models, tokens, answer_logit, layers="last_half")
+    >>> values, frame = resid_patch_sweep(models, tokens, lambda logits: logits[:, -1, answer])
     >>> frame.pivot(index="layer", columns="pos", values="value")
 """
 
@@ -85,7 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple, Union, cast
 
 import pandas as pd
 import torch
@@ -136,7 +80,8 @@ DIRECTIONS: dict[str, str] = {
 """Accepted directions, TransformerLens's names mapped to the causal question they answer."""
 
 Metric = Callable[[Float[torch.Tensor, "batch pos d_vocab"]], torch.Tensor]
-"""Logits of one cell's prompts to ``[batch]`` values or one scalar (see the module docstring)."""
+"""Logits of one cell's prompts (each row's last token, or every position with
+``logits="all"``) to ``[batch]`` values or one scalar."""
 
 SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionSpec]
 """The position axis of a sweep: ``"each"``, indices, labelled selections, or one selection."""
@@ -285,13 +230,8 @@ def patch_forward(
 
 @dataclass(frozen=True)
 class _SweepOptions:
-    """What both sweeps take besides the site and their axes, checked once."""
+    """How both sweeps run and reduce, checked once."""
 
-    source: int
-    target: int
-    direction: str
-    patch_tokens: torch.Tensor | None
-    attention_mask: torch.Tensor | None
     reduce: str
     chunk_size: int
     reuse_prefix: bool
@@ -334,43 +274,33 @@ def resid_patch_sweep(
     """Patch each (layer, position) cell of a per-position site alone, batched.
 
     With ``logits="all"``, ``values`` equals TransformerLens's
-    ``get_act_patch_resid_pre(models.base, tokens, donor_cache, metric)`` with
-    ``_, donor_cache = models[1].run_with_cache(tokens)`` (likewise ``attn_out``,
-    ``mlp_out``; TransformerLens has no ``resid_post`` sweep, and its ``resid_mid``
-    sweep on the bridge patches only the MLP input, see the module docstring); with
-    the default ``"last"`` too, for a metric that reads the last token.
+    ``get_act_patch_resid_pre(models.base, tokens, donor_cache, metric)`` (likewise
+    ``attn_out``, ``mlp_out``; its ``resid_mid`` sweep on the bridge patches only the MLP
+    input); with the default ``"last"`` too, for a metric that reads the last token.
 
     Args:
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` prompts; every cell runs all of them.
-        metric: Logits of one cell to ``[batch]`` values or a scalar.
-        site: One of :data:`LAYER_POSITION_SITES`; heads are swept by
-            :func:`head_patch_sweep`.
+        metric: Logits of one cell to ``[batch]`` values or a scalar (:data:`Metric`).
+        site: One of :data:`LAYER_POSITION_SITES` (heads: :func:`head_patch_sweep`).
         layers: The layers to sweep (``"all"``, ``"last_half"``, a list...).
-        positions: The position axis. ``"each"``: every index ``0..pos-1`` alone
-            (rows shorter than an index stay unpatched in that cell); a list of
-            ints: those indices (negative ones count from each row's last real
-            token); a mapping ``{label: selection}``: one cell per labelled
-            selection; anything else (``"all"``, ``"last"``, a boolean tensor): one
-            selection and no position axis.
+        positions: ``"each"``: every index alone (shorter rows stay unpatched in that
+            cell); a list of ints (negative ones count from each row's last real token);
+            a mapping ``{label: selection}``; anything else (``"all"``, ``"last"``, a
+            boolean tensor): one selection and no position axis.
         source: The checkpoint under study (the donor).
         target: The reference checkpoint (the base).
         direction: ``"sufficiency"`` (run ``target``, patch in ``source``) or
             ``"necessity"`` (run ``source``, patch in ``target``).
         patch_tokens: Tokens of the run the activations come from (default ``tokens``).
         attention_mask: ``[batch, pos]`` right padding.
-        reduce: ``"mean"`` (average a per-prompt metric over the prompts) or
-            ``"none"`` (keep a trailing ``batch`` axis; needs a per-prompt metric).
-        chunk_size: Rows per forward pass; each cell takes ``batch`` rows (at
-            least one cell per pass).
-        reuse_prefix: Compute each pass only from its first patched position and
-            layer on, resuming the unpatched run's keys, values and residual stream.
+        reduce: ``"mean"`` over the prompts, or ``"none"`` (a trailing ``batch`` axis).
+        chunk_size: Rows per forward pass (at least one cell of ``batch`` rows).
+        reuse_prefix: Resume each pass from its first patched position and layer;
             ``False`` recomputes everything, for models that take no ``DynamicCache``.
-        progress: Show a progress bar over passes (default: where someone watches,
-            see :func:`~grafting_lens.core.console.show_progress`).
-        logits: ``"last"``: the metric gets each row's last real token,
-            ``[batch, 1, d_vocab]``, and the unembedding runs there only; ``"all"``:
-            every position, as TransformerLens's functions give them.
+        progress: Show a progress bar over passes (default: where someone watches).
+        logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
+            unembedding run there only) or ``"all"`` (every position).
 
     Returns:
         A :class:`PatchSweep`: ``values`` ``[layer, pos]`` (``[layer]`` for a single
@@ -381,11 +311,11 @@ def resid_patch_sweep(
             returning another shape than ``[batch]`` or a scalar.
     """
     site = check_site(site, None, LAYER_POSITION_SITES)
-    options = _SweepOptions(
-        source, target, direction, patch_tokens, attention_mask, reduce, chunk_size,
-        reuse_prefix, progress, logits,
-    )  # fmt: skip
-    return _sweep(models, tokens, metric, site, layers, positions, None, options)
+    options = _SweepOptions(reduce, chunk_size, reuse_prefix, progress, logits)
+    run, direction = _patch_run(
+        models, tokens, site, source, target, direction, attention_mask, patch_tokens
+    )
+    return _sweep(run, direction, metric, layers, positions, None, options)
 
 
 def head_patch_sweep(
@@ -409,47 +339,34 @@ def head_patch_sweep(
 ) -> PatchSweep:
     """Patch each attention head's output (``z``) alone, per layer, batched.
 
-    With ``positions="all"`` (the default) every head is patched at every position:
-    ``values`` is ``[layer, head]`` and equals TransformerLens's
-    ``get_act_patch_attn_head_out_all_pos``; with ``positions="each"`` one position
-    at a time: ``[layer, pos, head]``, as ``get_act_patch_attn_head_out_by_pos``.
-
-    Every argument but ``heads`` and ``positions`` is :func:`resid_patch_sweep`'s.
-
-    Args:
-        heads: The heads to sweep (default every head, ``0..n_heads-1``; query heads
-            on grouped-query models).
-        positions: A single selection patched for every head, or a position axis as
-            in :func:`resid_patch_sweep`.
+    ``positions="all"`` (the default) patches every head at every position: ``values`` is
+    ``[layer, head]``, TransformerLens's ``get_act_patch_attn_head_out_all_pos``;
+    ``positions="each"`` one position at a time: ``[layer, pos, head]``, as
+    ``get_act_patch_attn_head_out_by_pos``. The other arguments are
+    :func:`resid_patch_sweep`'s; ``heads`` defaults to every (query) head.
 
     Raises:
         PatchingError: As :func:`resid_patch_sweep`, and a bad head.
     """
-    options = _SweepOptions(
-        source, target, direction, patch_tokens, attention_mask, reduce, chunk_size,
-        reuse_prefix, progress, logits,
-    )  # fmt: skip
-    check_model_set(models)
-    head_list = _heads(range(int(models.base.cfg.n_heads)) if heads is None else heads, "z", models)
-    return _sweep(models, tokens, metric, "z", layers, positions, head_list, options)
+    options = _SweepOptions(reduce, chunk_size, reuse_prefix, progress, logits)
+    run, direction = _patch_run(
+        models, tokens, "z", source, target, direction, attention_mask, patch_tokens
+    )
+    return _sweep(run, direction, metric, layers, positions, _heads(heads, "z", models), options)
 
 
 @torch.no_grad()
 def _sweep(
-    models: ModelSet,
-    tokens: torch.Tensor,
+    run: PatchRun,
+    direction: str,
     metric: Metric,
-    site: str,
     layers: LayerSpec,
     positions: SweepPositions,
     head_list: list[int] | None,
     options: _SweepOptions,
 ) -> PatchSweep:
     """The engine behind both sweeps: every (layer, position[, head]) cell patched alone."""
-    run, direction = _patch_run(
-        models, tokens, site, options.source, options.target, options.direction,
-        options.attention_mask, options.patch_tokens,
-    )  # fmt: skip
+    models, site = run.models, run.site
     if not callable(metric):
         raise PatchingError(
             f"metric must be a function of the logits, got {type(metric).__name__}."
@@ -464,11 +381,7 @@ def _sweep(
         axes.append(("pos", position_labels))
     if head_list is not None:
         axes.append(("head", head_list))
-    cells = list(
-        itertools.product(
-            layer_list, range(len(selections)), [None] if head_list is None else head_list
-        )
-    )
+    cells = list(itertools.product(layer_list, range(len(selections)), head_list or [None]))
 
     given = run.given_activations(layer_list)
     batch, length = run.shape
@@ -488,26 +401,20 @@ def _sweep(
     results: list[torch.Tensor] = [torch.empty(0)] * len(cells)
     bar = not show_progress(options.progress) or len(chunks) <= 1
     for chunk in tqdm(chunks, desc=f"{site} sweep", disable=bar):
-        grouped: dict[
-            int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]
-        ]
-        grouped = {}
+        grouped: dict[int, list[tuple]] = {}
         for slot, cell in enumerate(chunk):
             layer, position, head = cells[cell]
             prompts, pos = nonzero[position]
-            heads = torch.full_like(pos, head) if head is not None else None
+            heads = None if head is None else torch.full_like(pos, head)
             grouped.setdefault(layer, []).append((prompts + slot * batch, pos, heads, prompts))
-        entries: Entries = {
-            layer: (
-                torch.cat([part[0] for part in parts]),
-                torch.cat([part[1] for part in parts]),
-                None
-                if parts[0][2] is None
-                else torch.cat([p[2] for p in parts if p[2] is not None]),
-                torch.cat([part[3] for part in parts]),
-            )
-            for layer, parts in grouped.items()
-        }
+        # Per layer, the cells' rows, positions, heads (all None without heads) and prompts.
+        entries = cast(
+            Entries,
+            {
+                layer: tuple(None if part[0] is None else torch.cat(part) for part in zip(*parts))
+                for layer, parts in grouped.items()
+            },
+        )
         pass_logits = run.run(
             len(chunk),
             entries,
