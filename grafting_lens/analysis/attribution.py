@@ -1,69 +1,16 @@
 """Graft attribution: every cell's effect on a metric from one forward and one backward pass.
 
-Which weights should one graft?
--------------------------------
-A graft takes a *cell* (a component at a layer, at a group of token positions such as
-the first entity FE or the last token LT) from the donor. A model of ``L`` layers with
-a dozen components and three position groups has a few hundred cells, and a sweep
-that grafts each one alone costs one forward pass per cell over every prompt. On
-GPT-2 small with every position its own group there are 1,600 of them.
-
-Attribution patching met the same wall with activations, and answered it with a
-first-order estimate (Nanda, "Attribution patching", 2023; Syed et al. 2023;
-Kramar et al. 2024, AtP*). This module does the same for weights.
-
-The estimate
-------------
-Give each (component, layer) a mixing weight ``alpha`` per token position. At those
-positions, the component's output is
-
-    out = base_out + alpha * (donor_out - base_out)
-
-where ``base_out`` is what the component computes in the run as it stands and
-``donor_out`` what the donor's module computes from the same input
-(:mod:`grafting_lens.engine.relaxation`). ``alpha = 0`` is the run as it stands, exactly;
-``alpha = 1`` at a cell's positions is the graft of that cell. The metric (one value
-per prompt, for instance the answer's log-probability at the last token) is a
-differentiable function of every ``alpha``, and one backward pass gives
-``d metric / d alpha`` at every (component, layer, position) at once. A cell's
-*estimate* is the sum of that gradient over its positions: the first-order change of
-the metric when the cell is switched,
-
-    metric(cell switched) - metric(start)  ~=  sum over the cell's positions of d metric / d alpha
-
-The *exact* effect is the left side, measured with a graft (:func:`graft_forward`).
-
-Two directions, as for patching (:mod:`grafting_lens.patching.patch`):
-
-* ``"sufficiency"`` starts from the base and switches a cell to the donor: does the
-  donor's weight there *suffice* to move the metric? (The gradient at ``alpha = 0``.)
-* ``"necessity"`` starts from the donor (every component, every position) and
-  switches a cell back to the base: does the donor *need* its own weight there? (The
-  gradient at ``alpha = 1``, read as the change when the cell goes back to the base,
-  so an important cell has a negative estimate.)
-
-A start other than the plain base may be given as a graft mask (``start=``): the
-estimates are then the effects of switching further cells on top of that graft.
-
-When the first order fails
---------------------------
-The estimate is the tangent at the start: it misleads where the metric saturates or
-a component matters only together with another. ``method="integrated"`` averages
-the gradient over ``steps`` points on the path from the start to the graft of every
-cell (integrated gradients), so estimates of disjoint cells add up to the effect of
-grafting all of them. ``verify=k`` re-measures the ``k`` largest estimates exactly,
-and :func:`attribution_agreement` reports the rank agreement (the concept page "What
-a graft attribution estimates" says when each fails).
-
-How it runs
------------
-:func:`~grafting_lens.engine.relaxation.relaxing` installs the relaxation (see
-:mod:`grafting_lens.engine.relaxation`): each slot of each attributed component computes
-both checkpoints' outputs and mixes them per position, hooks firing as usual.
-:func:`attribute_grafts` runs it over a batch of prompts, ``batch_size`` at a time,
-takes one backward pass per chunk (``steps`` for the integrated variant), and
-returns one row per cell; :class:`AttributionPlan` holds the checked settings and
-the passes, for :func:`~grafting_lens.analysis.graft_search.find_minimal_graft` too.
+A *cell* is a component at a layer at a group of token positions (``mlp_out[3]@LT``);
+grafting each alone costs a forward pass per cell. As attribution patching does for
+activations (Nanda 2023; Syed et al. 2023; Kramar et al. 2024), this module estimates them
+all at once: each attributed slot mixes its two checkpoints' outputs with a weight
+``alpha`` per position (:mod:`grafting_lens.engine.relaxation`), ``alpha = 0`` being the
+start and ``alpha = 1`` the graft, and a cell's estimate is ``d metric / d alpha`` summed
+over its positions. ``"sufficiency"`` starts from the base and switches a cell to the
+donor; ``"necessity"`` starts from the donor and switches it back (an important cell's
+estimate is then negative). ``method="integrated"`` averages the gradient along the path,
+``verify=k`` grafts the ``k`` largest cells exactly; the concept page "What a graft
+attribution estimates" says when the first order fails.
 
 Examples:
     >>> attribution = attribute_grafts(models, batch, positions=("FE", "LT"), verify=10)
@@ -112,11 +59,9 @@ __all__ = [
 BatchMetric = Callable[[Float[torch.Tensor, "batch pos d_vocab"], TokenizedExamples], torch.Tensor]
 """``(logits, batch) -> [batch]``: one differentiable value per prompt.
 
-``batch`` holds the prompts the logits are for (a few rows of the whole batch at a
-time), so a metric reads each prompt's answer from ``batch.target_ids``. The logits
-are each row's last real token, ``[batch, 1, d_vocab]`` (``logits="last"``, the
-default), or every position (``logits="all"``; read the real length from
-``batch.attention_mask``).
+``batch`` holds the rows the logits are for (read each answer from ``batch.target_ids``);
+the logits are each row's last real token, ``[batch, 1, d_vocab]``, or with
+``logits="all"`` every position.
 """
 
 
@@ -141,8 +86,7 @@ METRICS: dict[str, BatchMetric] = {"logprob": target_logprob, "logit": target_lo
 """The metrics named by a string: the answer's log-probability or logit at the last token."""
 
 METHODS: tuple[str, ...] = ("gradient", "integrated")
-"""``"gradient"``: the first-order estimate at the start; ``"integrated"``: integrated
-gradients along the path to the graft of every cell."""
+"""The first-order estimate at the start, or integrated gradients to the graft of every cell."""
 
 ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "cell",
@@ -160,8 +104,7 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
 """Columns of the ``frame`` of a :class:`GraftAttribution`, in order."""
 
 PositionGroups = Union[str, PositionSets]
-"""``"each"`` (every position index alone), or labelled position sets (see
-:func:`grafting_lens.engine.positions.position_sets`)."""
+"""``"each"`` (every position index alone), or position sets (span expressions...)."""
 
 Cell = tuple[str, Union[int, None], str]
 """``(component, layer, position group)``; ``layer`` is None for global components."""
@@ -181,23 +124,17 @@ class GraftAttribution:
     """The estimated (and, where verified, exact) effect of switching each cell.
 
     Attributes:
-        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`): ``cell`` (its label,
-            :func:`cell_label`), ``component``, ``layer`` (``<NA>`` for global
-            components), ``positions`` (the group's label), ``estimate`` (the mean over
-            prompts of the estimated change of the metric when the cell is switched)
-            and ``estimate_se`` (its standard error over prompts), ``exact`` and
-            ``exact_se`` (the measured change, NaN where not verified), ``n``
-            (prompts), ``direction`` and ``method``.
-        agreement: :func:`attribution_agreement` of the verified cells (``None``
-            without verification).
-        start_metric: The metric's mean over prompts at the start (the base in the
-            sufficiency direction, the donor in the necessity direction): from an exact
-            graft where cells were verified or the method is ``"integrated"``, else from
-            the relaxed pass itself (the same run, to the kernels' float rounding).
-        all_cells_metric: Its mean with every attributed cell switched, measured by a
-            graft where cells were verified or the method is ``"integrated"`` (the
-            whole that integrated estimates add up to), else ``None``: a plain
-            attribution runs no graft at all.
+        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`): ``cell`` (:func:`cell_label`),
+            ``component``, ``layer`` (``<NA>`` for global components), ``positions``,
+            ``estimate`` (mean over prompts of the estimated change of the metric) and
+            ``estimate_se``, ``exact`` and ``exact_se`` (measured; NaN where not verified),
+            ``n`` (prompts), ``direction`` and ``method``.
+        agreement: :func:`attribution_agreement` of the verified cells (``None`` without).
+        start_metric: The metric's mean at the start (the base for sufficiency, the donor
+            for necessity): from an exact graft where cells were verified or the method
+            is ``"integrated"``, else from the relaxed pass (to float rounding).
+        all_cells_metric: Its mean with every cell switched, from a graft in those same
+            cases (what integrated estimates add up to), else ``None``.
         steps: Gradient evaluations per prompt (1 for ``"gradient"``).
     """
 
@@ -229,64 +166,46 @@ def attribute_grafts(
 ) -> GraftAttribution:
     """Estimate the effect of grafting every cell, from one forward and backward pass.
 
-    A cell is a component at a layer at a group of positions. Every cell of the grid
-    ``components x layers x positions`` is attributed at once (see the module
-    docstring): ``metric`` runs through the relaxed model, one backward pass gives its
-    gradient with respect to every cell's mixing weight, and a cell's estimate is that
-    gradient summed over its positions, averaged over prompts. With ``verify`` the
-    cells with the largest estimates are also grafted one at a time, exactly.
+    Every cell of ``components x layers x positions`` is attributed at once: a cell's
+    estimate is the metric's gradient with respect to its mixing weight, summed over its
+    positions and averaged over prompts. With ``verify`` the cells with the largest
+    estimates are also grafted one at a time, exactly.
 
     Args:
         models: The aligned checkpoints.
-        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or anything
-            :func:`~grafting_lens.analysis.batch.as_batch` accepts): right-padded prompts ending
-            before the answer.
-        metric: ``"logprob"`` (the answer's log-probability at the last token, the
-            default), ``"logit"``, or a function ``(logits, batch) -> [batch]``
-            (:data:`BatchMetric`) that is differentiable in the logits.
-        components: What to attribute: names, groups or a ``+``-joined string, as for
-            :meth:`GraftMask.build` (``"all"``: every component the model has).
-        layers: The layers of per-layer components (see
-            :func:`~grafting_lens.models.layers.resolve_layers`).
-        positions: The position groups: span expressions (``("FE", "LT",
-            "(FE+LT)^C")``), a mapping ``{label: expression, [batch, pos] boolean tensor
-            or position function}``, or ``"each"``: every position index alone
-            (labels ``"0"``, ``"1"``...). Groups may overlap; each is its own cell.
-        direction: ``"sufficiency"`` (start from the base, switch a cell to the
-            donor) or ``"necessity"`` (start from the donor everywhere, switch a cell
-            back to the base); TransformerLens's ``"denoising"``/``"noising"`` too.
+        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
+            :func:`~grafting_lens.analysis.batch.as_batch` takes), ending before the answer.
+        metric: ``"logprob"`` (the answer's log-probability, the default), ``"logit"``, or
+            a :data:`BatchMetric` differentiable in the logits.
+        components: Names, groups or a ``+``-joined string, as for :meth:`GraftMask.build`.
+        layers: The layers of per-layer components (see :func:`~grafting_lens.resolve_layers`).
+        positions: Span expressions (``("FE", "LT", "(FE+LT)^C")``), a mapping ``{label:
+            expression, [batch, pos] boolean tensor or position function}``, or ``"each"``
+            (every index alone, labelled ``"0"``, ``"1"``...). Groups may overlap.
+        direction: ``"sufficiency"`` (from the base, switch a cell to the donor) or
+            ``"necessity"`` (from the donor, switch it back); or ``"denoising"``/``"noising"``.
         source: The donor's index in the model set.
-        start: Start from this graft instead (a mask for the whole batch): cells are
-            switched to the donor (sufficiency) or to the base (necessity) on top of it.
-        method: ``"gradient"`` (the first-order estimate at the start) or
-            ``"integrated"`` (integrated gradients over ``steps`` points between the
-            start and the graft of every cell).
-        steps: Points of the integrated path (``method="integrated"`` only).
-        verify: Also measure the exact effect of the ``verify`` cells with the
-            largest absolute estimates (an int), or of every cell (``"all"``).
+        start: Start from this graft (a mask for the whole batch) instead.
+        method: ``"gradient"`` or ``"integrated"`` (over ``steps`` points to the graft of
+            every cell).
+        steps: Points of the integrated path.
+        verify: Measure the exact effect of the ``verify`` cells with the largest absolute
+            estimates (an int), or of every cell (``"all"``).
         batch_size: Prompts per relaxed pass (memory grows with it).
         rows_per_forward: Rows of one exact graft pass (prompts x verified cells).
-        progress: Show a progress bar (``None``: only where someone watches, see
-            :func:`~grafting_lens.core.console.show_progress`).
-        logits: What the metric gets: ``"last"`` (each row's last real token,
-            ``[batch, 1, d_vocab]``, the unembedding run there only unless it is
-            attributed) or ``"all"`` (every position).
+        progress: Show a progress bar (``None``: where someone watches).
+        logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
+            unembedding run there only unless attributed) or ``"all"``.
 
     Returns:
         A :class:`GraftAttribution`.
 
     Raises:
-        AttributionError: A bad metric (not one finite, differentiable value per
-            prompt), method, steps, verify, source, start, logits or batch size.
+        AttributionError: A bad metric (not one finite, differentiable value per prompt),
+            method, steps, verify, source, start, logits or batch size.
         ComponentError: A component the model lacks (at a layer asked for).
-        SelectionError: A layer outside the model, an unknown span, a bad position
-            group.
+        SelectionError: A layer outside the model, an unknown span, a bad position group.
         BatchError: A malformed batch.
-
-    Examples:
-        >>> result = attribute_grafts(models, batch, positions=("FE", "LT", "(FE+LT)^C"),
-        ...                           verify="all", progress=False)
-        >>> result.agreement  # Spearman correlation of estimates and exact effects
     """
     plan = AttributionPlan(
         models,
@@ -334,14 +253,13 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     """How well estimates rank the exact effects: per position group and over all cells.
 
     Args:
-        frame: The ``frame`` of a :class:`GraftAttribution` (rows without an exact effect
-            are left out).
+        frame: A :class:`GraftAttribution`'s ``frame`` (cells not verified are left out).
 
     Returns:
-        One row per position group, then ``"all"``: ``positions``, ``cells`` (verified
-        cells), ``spearman`` (rank correlation of estimate and exact effect), ``pearson``
-        and ``sign_agreement`` (the share of cells whose estimate has the exact
-        effect's sign). Correlations are NaN with fewer than two cells or a constant column.
+        One row per position group, then ``"all"``: ``positions``, ``cells`` (verified),
+        ``spearman`` and ``pearson`` (correlations of estimate and exact effect; NaN with
+        fewer than two cells or a constant column) and ``sign_agreement`` (the share of
+        cells whose estimate has the exact effect's sign).
 
     Raises:
         AttributionError: A table without the ``estimate``, ``exact`` and ``positions`` columns.
@@ -385,13 +303,12 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class AttributionPlan:
-    """Validated settings of an attribution over one batch, and the passes it runs.
+    """Checked settings of an attribution over one batch, and the passes it runs.
 
-    :func:`attribute_grafts` and :func:`~grafting_lens.analysis.graft_search.find_minimal_graft`
-    stand on it: it holds the cells, resolves their position groups on the batch,
-    computes gradient estimates (:meth:`estimates`) and exact effects of any sets of
-    cells switched together (:meth:`exact`). Every argument is checked in the
-    constructor, before any forward pass.
+    What :func:`attribute_grafts` and
+    :func:`~grafting_lens.analysis.graft_search.find_minimal_graft` stand on: gradient
+    estimates (:meth:`estimates`) and exact effects of sets of cells (:meth:`exact`).
+    Every argument is checked in the constructor, before any forward pass.
 
     Attributes:
         models: The model set.
@@ -508,16 +425,10 @@ class AttributionPlan:
     ) -> tuple[Float[torch.Tensor, "cells prompts"], Float[torch.Tensor, " prompts"] | None]:
         """Each cell's estimated effect on each prompt's metric.
 
-        Args:
-            method: ``"gradient"`` or ``"integrated"`` (see :func:`attribute_grafts`).
-            steps: Points of the integrated path.
-            start_cells: Cells already switched in the start (their estimates are 0).
-
-        Returns:
-            The estimates, and for ``"gradient"`` each prompt's metric at the start, which
-            the relaxed pass computes with every weight at 0 (the start, to the rounding
-            of the kernels: autograd keeps products off oneDNN); ``None`` for
-            ``"integrated"``, whose points all lie past the start.
+        ``start_cells`` are already switched in the start (their estimates are 0). Returns
+        the estimates and, for ``"gradient"``, each prompt's metric at the start, from the
+        relaxed pass with every weight at 0 (to the kernels' rounding: autograd keeps
+        products off oneDNN); ``None`` for ``"integrated"``, whose points lie past the start.
         """
         device = self.models.device
         points = [0.0] if method == "gradient" else [(j + 0.5) / steps for j in range(steps)]
@@ -585,12 +496,8 @@ class AttributionPlan:
 
     @torch.no_grad()
     def exact(self, configs: Sequence[Sequence[Cell]]) -> Float[torch.Tensor, "configs prompts"]:
-        """Each prompt's metric with each configuration's cells switched (exact grafts).
-
-        Each configuration is a set of cells switched together on top of the start
-        (the empty one is the start itself). Configurations of a chunk of prompts run
-        as blocks of rows of one graft pass, ``rows_per_forward`` rows at a time.
-        """
+        """Each prompt's metric with each configuration's cells switched on top of the start
+        (exact grafts, as blocks of rows of ``rows_per_forward``-row passes)."""
         configs = [tuple(config) for config in configs]
         values = torch.zeros(len(configs), len(self.batch))
         for index, rows in self.chunks():
@@ -654,16 +561,8 @@ def _position_groups(
 ) -> tuple[dict[str, Any], dict[str, Bool[torch.Tensor, "batch pos"]]]:
     """Label to specification, and label to ``[batch, pos]`` selection."""
     if isinstance(positions, str) and positions == "each":
-        length = batch.tokens.shape[1]
-        real = batch.attention_mask.bool()
-        specs: dict[str, Any] = {}
-        selections = {}
-        for index in range(length):
-            selection = torch.zeros_like(real)
-            selection[:, index] = real[:, index]
-            specs[str(index)] = index
-            selections[str(index)] = selection
-        return specs, selections
+        specs: dict[str, Any] = {str(index): index for index in range(batch.tokens.shape[1])}
+        return specs, resolve_groups(specs, batch)
     selections = position_sets(positions, batch.spans, batch.attention_mask)
     if isinstance(positions, str):
         specs = {positions: positions}

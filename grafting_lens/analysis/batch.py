@@ -1,24 +1,13 @@
 """The tokenized batch: the one form in which prompts reach every runner.
 
-A batch of test prompts, right padded, with what a runner needs to graft and score
-them: the token ids, the attention mask, the answer's first token per row, and named
-``[batch, pos]`` spans (first entity, relation words, movie, last token) that
-position selectors read (:func:`grafting_lens.engine.positions.select_positions`). It is
-built from prompts with character spans by :func:`tokenize_examples`, or by hand;
-every runner (:func:`~grafting_lens.analysis.comparison.compare_graft_and_patch`,
-:func:`~grafting_lens.study.run_experiment`,
-:func:`~grafting_lens.study.run_position_grafting`) takes it through
-:func:`as_batch`, the one place where a batch is checked: parts that disagree in
-shape, padding that is not right padding, ids outside the model's vocabulary.
-
-The examples it tokenizes are any objects with a ``text``, a ``target`` (the answer,
-as the next token sees it) and character ``spans``, as
-:class:`grafting_lens.worlds.data.Example` has; ``relation_id`` and ``prompt_name`` label
-rows in messages and tables when present.
+A :class:`TokenizedExamples` holds right-padded prompts, their attention mask, the answer's
+first token per row and named ``[batch, pos]`` spans that position selectors read. It is
+built by :func:`tokenize_examples` from examples with a ``text``, a ``target`` and character
+``spans`` (as :class:`grafting_lens.worlds.data.Example`), or by hand; every runner takes it
+through :func:`as_batch`, the one place a batch is checked.
 
 Examples:
     >>> batch = tokenize_examples(examples, models.tokenizer)
-    >>> batch.tokens.shape, batch.spans["first_entity"].shape
     >>> checked = as_batch(batch, models)  # what a runner does first
 """
 
@@ -60,19 +49,15 @@ class TokenizedExamples:
     Attributes:
         examples: The examples that were kept, aligned with the rows below (``None``
             for a batch built without them).
-        tokens: Token ids, right padded with the tokenizer's pad id (its eos id if it has none).
+        tokens: Token ids, right padded with the pad id (the EOS id if there is none).
         attention_mask: 1 on real tokens (including a prepended BOS), 0 on padding.
-        target_ids: The first token of each example's target, i.e. the correct next token.
-        target_full_ids: Every token of each target, for whole-name log-probabilities
-            (``None`` for a batch built without them).
+        target_ids: The first token of each example's target: the correct next token.
+        target_full_ids: Every token of each target (``None`` for a batch built without).
         spans: Boolean position masks: "first_entity" (FE), "relation", "movie" (M) when the
-            examples have one, and "last_token" (LT, the last non-pad position). The BOS is never in
-            a span.
+            examples have one, and "last_token" (LT). The BOS is never in a span.
         dropped: Examples that could not be used, each with the reason.
-        rules: How :func:`tokenize_examples` made the batch, its ``bos``, ``target`` and
-            ``spans`` (``None`` for a batch built by hand): a run under a semantics whose
-            tokenization is another refuses it, instead of labelling its rows with rules
-            they were not made by.
+        rules: :func:`tokenize_examples`' ``bos``, ``target`` and ``spans`` (``None`` for a
+            batch built by hand): a run whose semantics tokenizes otherwise refuses it.
     """
 
     examples: list[Any] | None
@@ -98,11 +83,7 @@ class TokenizedExamples:
         )
 
     def rows(self, index: Sequence[int] | torch.Tensor) -> TokenizedExamples:
-        """The rows ``index``, cut to the longest of them (so a pass computes no extra padding).
-
-        Rows are independent, so running a batch in pieces gives what running it
-        whole gives; the runners take their batches this way, a few rows at a time.
-        """
+        """The rows ``index``, cut to the longest of them (so a pass computes no extra padding)."""
         index = torch.as_tensor(index, dtype=torch.long)
         attention_mask = self.attention_mask[index]
         length = int(attention_mask.sum(dim=1).max())
@@ -122,9 +103,6 @@ class TokenizedExamples:
 
 def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
     """Check a tokenized batch against a model set, once, and return it on the CPU.
-
-    Every runner calls this first, so every runner accepts the same batches and
-    refuses bad ones with the same messages, before any forward pass.
 
     Args:
         tokenized: A :class:`TokenizedExamples`, or anything with ``tokens``,
@@ -202,65 +180,56 @@ def _rules(rules: Any) -> dict[str, str] | None:
 # --------------------------------------------------------------------------- tokenizing
 
 BOS_RULES: tuple[str, ...] = ("always", "tokenizer", "never")
-"""What :func:`tokenize_examples` puts before a prompt: ``"always"`` a BOS (the EOS if
-the tokenizer has no BOS) for every tokenizer; ``"tokenizer"`` what ``tokenizer(text)``
-adds by itself, as the paper's code does (a BOS for Llama 3 and Gemma, nothing for
-GPT-2 and Pythia); ``"never"`` nothing."""
+"""What goes before a prompt: ``"always"`` a BOS (the EOS without one); ``"tokenizer"`` what
+``tokenizer(text)`` adds by itself, as the paper's code (a BOS for Llama 3 and Gemma,
+nothing for GPT-2 and Pythia); ``"never"`` nothing."""
 
 TARGET_RULES: tuple[str, ...] = ("in_context", "standalone")
-"""Which token is the answer's first: ``"in_context"`` the first token of the answer
-in the tokenization of ``text + target`` (how the model reads it); ``"standalone"``
-the first token of ``target`` (``" " + name``) tokenized on its own, as the paper's
-code does."""
+"""The answer's first token: ``"in_context"`` from the tokenization of ``text + target``
+(how the model reads it); ``"standalone"`` from ``target`` tokenized alone (the paper's code)."""
 
 SPAN_RULES: tuple[str, ...] = ("characters", "search")
-"""How a character span becomes token positions: ``"characters"`` the tokens that
-overlap the span; ``"search"`` the first occurrence of the span's text tokenized on
-its own (tried as given, then with a leading space added or removed), as the paper's
-code finds a template field; an example whose span is not found is dropped, as the
-code skips it."""
+"""How a character span becomes positions: ``"characters"`` the tokens overlapping it;
+``"search"`` the first occurrence of its tokens (as given, then with a leading space added
+or removed), as the paper's code; an example whose span is not found is dropped."""
 
 
 def _span_positions(
-    example: Any, span_names: Sequence[str], offsets: Sequence[tuple[int, int]]
+    example: Any,
+    span_names: Sequence[str],
+    offsets: Sequence[tuple[int, int]] | None,
+    ids: Sequence[int],
+    tokenizer: Any,
 ) -> dict[str, list[int]] | str:
-    """Token indices (before any BOS) overlapping each span, or the reason a span cannot be mapped."""
-    positions = {}
-    for name in span_names:
-        start, end = example.spans[name]
-        if not 0 <= start < end <= len(example.text):
-            return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
-        # Zero-width tokens (a < b fails) carry no characters and so belong to no span.
-        covered = [j for j, (a, b) in enumerate(offsets) if a < b and a < end and b > start]
-        if not covered:
-            return f"span {name!r} (characters {start}-{end}, {example.text[start:end]!r}) overlaps no token"
-        positions[name] = covered
-    return positions
+    """Token indices (before any BOS) of each span, or the reason a span cannot be mapped.
 
-
-def _searched_positions(
-    example: Any, span_names: Sequence[str], ids: Sequence[int], tokenizer: Any
-) -> dict[str, list[int]] | str:
-    """Token indices (before any BOS) of each span found by searching its tokens, as the
-    paper's code does (``find_sublist_index``), or the reason a span is not found."""
+    With ``offsets``, the tokens overlapping the span; without, the first occurrence of
+    its tokens, as the paper's code finds them (``find_sublist_index``).
+    """
     positions = {}
     for name in span_names:
         start, end = example.spans[name]
         if not 0 <= start < end <= len(example.text):
             return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
         piece = example.text[start:end]
-        variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
-        found = None
-        for variant in variants:
-            needle = tokenizer(variant, add_special_tokens=False)["input_ids"]
-            for first in range(len(ids) - len(needle) + 1) if needle else ():
-                if list(ids[first : first + len(needle)]) == list(needle):
-                    found = list(range(first, first + len(needle)))
+        if offsets is not None:
+            # Zero-width tokens (a < b fails) carry no characters and so belong to no span.
+            found = [j for j, (a, b) in enumerate(offsets) if a < b and a < end and b > start]
+            if not found:
+                return f"span {name!r} (characters {start}-{end}, {piece!r}) overlaps no token"
+        else:
+            variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
+            for needle in tokenizer(variants, add_special_tokens=False)["input_ids"]:
+                matches = [
+                    first
+                    for first in range(len(ids) - len(needle) + 1)
+                    if needle and list(ids[first : first + len(needle)]) == list(needle)
+                ]
+                if matches:
+                    found = list(range(matches[0], matches[0] + len(needle)))
                     break
-            if found is not None:
-                break
-        if found is None:
-            return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
+            else:
+                return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
         positions[name] = found
     return positions
 
@@ -298,37 +267,27 @@ def tokenize_examples(
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    By default a token belongs to a span when its character range overlaps the span, so a
-    token straddling a span's edge counts as inside it (``spans="search"`` finds the span's
-    tokens as the paper's code does, :data:`SPAN_RULES`). Prompts are tokenized without the
-    tokenizer's own special tokens; with ``bos="always"`` the BOS id (the EOS id if the
-    tokenizer has no BOS) is prepended by hand, so the result does not depend on settings like
-    ``add_bos_token``; ``bos="tokenizer"`` keeps what ``tokenizer(text)`` adds by itself, as the
-    paper's code does (:data:`BOS_RULES`).
-
-    By default the target tokens are read off the tokenization of ``text + target``, which is
-    how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
-    as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
-    a span covers no token (or, searching, is not found), a span lies outside the text, the
-    target adds no token, the target holds the tokenizer's unknown token (which every unknown
-    word shares, so two targets would be one answer), or (in context) the prompt's last token
-    merges with the target (then "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
-    and summarized in a warning "dropped k of n examples: ...".
+    Prompts are tokenized without the tokenizer's special tokens; ``bos="always"`` prepends
+    the BOS id (the EOS id without one) by hand, so settings like ``add_bos_token`` change
+    nothing. An example is dropped, never silently (:attr:`TokenizedExamples.dropped` and a
+    warning "dropped k of n examples: ..."), when a span covers no token (or, searching, is
+    not found) or lies outside the text, the target adds no token or holds the unknown token
+    (which every unknown word shares), or (in context) the prompt's last token merges with
+    the target, so that "the next token" is not defined.
 
     Args:
-        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by hand); all must have the same
-            span names.
-        tokenizer: A Hugging Face *fast* tokenizer (offsets are needed), e.g.
-            ``HookedTransformer.tokenizer``.
+        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by
+            hand), all with the same span names.
+        tokenizer: A Hugging Face *fast* tokenizer (offsets are needed).
         bos: What comes before each prompt, one of :data:`BOS_RULES`.
         target: Which token is the answer's first, one of :data:`TARGET_RULES`.
         spans: How spans become token positions, one of :data:`SPAN_RULES`.
 
     Raises:
-        TypeError: If the tokenizer is not a fast tokenizer.
-        BatchError: If there are no examples, if their span names differ, if every example was
-            dropped, if the tokenizer lacks the BOS/EOS/pad ids needed or adds tokens after a
-            text, or an unknown ``bos``, ``target`` or ``spans``.
+        TypeError: A tokenizer that is not fast.
+        BatchError: No examples, examples with different span names, every example
+            dropped, a tokenizer without the BOS/EOS/pad ids needed or adding tokens after
+            a text, or an unknown ``bos``, ``target`` or ``spans``.
     """
     for name, value, allowed in (
         ("bos", bos, BOS_RULES),
@@ -377,17 +336,9 @@ def tokenize_examples(
         )
 
     prompts = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    if target == "in_context":
-        # The answer's tokens as the model would see them: tokenized in context, after the prompt.
-        joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
-        answers = [list(joint) for joint in joints["input_ids"]]
-    else:
-        answers = [
-            list(ids)
-            for ids in tokenizer([e.target for e in examples], add_special_tokens=False)[
-                "input_ids"
-            ]
-        ]
+    # In context, the answer's tokens as the model would see them: after the prompt.
+    answer_texts = [e.text + e.target if target == "in_context" else e.target for e in examples]
+    answers = [list(ids) for ids in tokenizer(answer_texts, add_special_tokens=False)["input_ids"]]
 
     unknown = getattr(tokenizer, "unk_token_id", None)
     kept: list[Any] = []
@@ -395,10 +346,8 @@ def tokenize_examples(
     dropped: list[tuple[Any, str]] = []
     for i, example in enumerate(examples):
         ids = list(prompts["input_ids"][i])
-        if spans == "characters":
-            mapped = _span_positions(example, span_names, prompts["offset_mapping"][i])
-        else:
-            mapped = _searched_positions(example, span_names, ids, tokenizer)
+        offsets = prompts["offset_mapping"][i] if spans == "characters" else None
+        mapped = _span_positions(example, span_names, offsets, ids, tokenizer)
         answer = answers[i]
         reason: str | None = None
         if isinstance(mapped, str):
