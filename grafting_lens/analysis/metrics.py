@@ -1,38 +1,14 @@
 """Scoring next-token predictions: ranks, probabilities, top-k hits and their uncertainty.
 
-The paper scores a relation as recalled when the first token of the answer is
-among the model's top five next-token candidates at the prompt's last token
-(top-5 accuracy). Top-1 is too strict for small models that hesitate between
-parts of speech (" the" versus a name) or between tokenizations of one name
-(" Rob", " Robert"); the rank of the target, and its probability, say how close
-a miss was. Everything here starts from the logits at the last *real* token of
-each row (:func:`last_token_logits` picks them out of a right-padded batch).
-
-Definitions, fixed once so every table agrees:
-
-* ``rank``: the number of other vocabulary entries whose logit is greater than
-  the target's, or equal to it. 0 means the target is the top prediction and no
-  other token ties with it. This *pessimistic* rank never counts a tie as a win
-  for the target, so a top-k hit holds under every ordering of the tied tokens.
-  Ties are rare in float32 but common in bfloat16, where counting them for the
-  target would bias ranks upward. ``ties="optimistic"`` counts only strictly
-  greater logits, the rule of the paper's code. Ranks compare logits by default;
-  ``by="probability"`` compares the float32 softmax instead, as the paper's code
-  does (tokens whose probabilities underflow to 0 then tie).
-* top-k hit: ``rank < k``, under the same tie rule.
-* probability: softmax of the logits, computed in float32.
-* Non-finite logits: a NaN compares false with everything, so it would rank 0, a
-  perfect answer. Every scorer here raises
-  :class:`~grafting_lens.core.errors.NonFiniteLogitsError` naming the rows instead.
-
-Aggregates come with a percentile bootstrap confidence interval of the mean
-(:func:`bootstrap_ci`, scipy's), because a toy experiment has tens of examples.
-:func:`summarize` turns a tidy results table (one row per example and
-configuration) into one row per configuration and prompt.
+The paper counts a relation as recalled when the answer's first token is among the top
+five at the prompt's last real token (:func:`last_token_logits` picks it out of a
+right-padded batch); the rank and the probability say how close a miss was. A NaN logit
+would rank 0, so every scorer raises :class:`~grafting_lens.core.errors.NonFiniteLogitsError`
+instead. Aggregates carry a percentile bootstrap interval (:func:`bootstrap_ci`), since a
+toy experiment has tens of examples; :func:`summarize` gives one row per configuration.
 
 Examples:
-    >>> final = last_token_logits(logits, attention_mask)
-    >>> ranks = target_rank(final, target_ids)
+    >>> ranks = target_rank(last_token_logits(logits, attention_mask), target_ids)
     >>> summarize(results).loc[:, ["config", "prompt", "top5", "top5_low", "top5_high"]]
 """
 
@@ -70,12 +46,10 @@ MIN_INTERVAL_ROWS = 10
 and tables say "no interval" (two hits in two rows resample to [100%, 100%])."""
 
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
-"""How :func:`target_rank` counts tokens whose logit equals the target's: as above it
-(``"pessimistic"``, the default) or not at all (``"optimistic"``, the paper's code)."""
+"""How :func:`target_rank` counts a tie with the target: as above it, or (the code's) not."""
 
 RANK_BY: tuple[str, ...] = ("logit", "probability")
-"""What :func:`target_rank` compares: the logits (the default) or the float32 softmax
-probabilities, as the paper's code does."""
+"""What :func:`target_rank` compares: logits, or (the code's) float32 probabilities."""
 
 
 class TopTokens(NamedTuple):
@@ -113,11 +87,9 @@ def last_token_logits(
 ) -> Float[torch.Tensor, "batch d_vocab"]:
     """The logits at the last real (non-padding) token of each row.
 
-    Logits of one position (a sweep's ``logits="last"``, a graft's last token only)
-    are each row's last token already; the attention mask is then not read.
-
     Args:
-        logits: Model output for a right-padded batch.
+        logits: Model output for a right-padded batch; one position is each row's last
+            token already (the mask is then not read).
         attention_mask: Ones then zeros in each row; ``None`` means no padding.
 
     Raises:
@@ -144,6 +116,11 @@ def target_rank(
     by: str = "logit",
 ) -> Int[torch.Tensor, " batch"]:
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
+
+    The rank counts the other tokens whose logit is greater than the target's or equal to
+    it, so a top-k hit (``rank < k``) holds under every order of tied tokens (ties are
+    common in bfloat16); ``ties="optimistic"`` counts only greater ones and
+    ``by="probability"`` compares the float32 softmax, as the paper's code does.
 
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
@@ -230,9 +207,8 @@ def bootstrap_ci(
 ) -> tuple[float, float]:
     """Percentile bootstrap confidence interval of the mean (``scipy.stats.bootstrap``).
 
-    Seeded with its own ``numpy.random.Generator``, so the same inputs give the same
-    interval and no global random state is touched. For 0/1 values (hits) the interval
-    never leaves ``[0, 1]``; with a single value it is that value.
+    Seeded with its own generator (no global random state is touched); for 0/1 values the
+    interval stays in ``[0, 1]``, and with a single value it is that value.
 
     Args:
         values: Per-example numbers (booleans count as 0/1).
@@ -288,19 +264,16 @@ def summarize(
     """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval.
 
     Args:
-        results: One row per example and configuration with a ``target_rank``
-            column (0 = top-1) and the ``by`` columns.
-        by: Columns that define a group; groups keep their order of first appearance,
-            so configurations stay in the order they were run.
+        results: One row per example and configuration, with ``target_rank`` (0 = top-1)
+            and the ``by`` columns.
+        by: Columns that define a group (groups keep their order of first appearance).
         ks: The k of each top-k accuracy column (``rank < k``).
-        n_resamples: Bootstrap resamples per interval (see :func:`bootstrap_ci`).
-        confidence: Coverage of every interval.
-        seed: Seed of every bootstrap.
+        n_resamples, confidence, seed: Every interval's :func:`bootstrap_ci` settings.
 
     Returns:
-        One row per group: the ``by`` columns, ``n``, then for each ``k``
-        ``top{k}``, ``top{k}_low``, ``top{k}_high``, then ``mean_rank``,
-        ``mean_rank_low``, ``mean_rank_high``.
+        One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,
+        ``top{k}_low``, ``top{k}_high``, then ``mean_rank``, ``mean_rank_low``,
+        ``mean_rank_high``.
 
     Raises:
         GraftingLensError: Not a non-empty table with the columns, ranks that are not

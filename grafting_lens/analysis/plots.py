@@ -1,27 +1,22 @@
 """Figures of grafting results, fit for a paper.
 
-The paper's figures are grouped bar charts: one group per graft configuration (PRE,
-SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
-:func:`plot_accuracy` draws that chart from :func:`grafting_lens.analysis.metrics.summarize`'s
-table, with bootstrap intervals as whiskers, since a toy run has few examples per bar;
-:func:`plot_mean_rank` the answer's mean rank, which still moves where accuracy sits at
-the floor. :func:`plot_comparison`, :func:`plot_attribution` and :func:`plot_recovery`
-draw grafting beside patching, a graft attribution and a minimal graft's recovery.
-
-Every figure follows one style and is saved by :mod:`grafting_lens.analysis.figure_style`
-(:func:`~grafting_lens.analysis.figure_style.save_figure`: HTML always, PNG where a
-Chrome is).
+The paper's figures are grouped bar charts: one group per graft configuration (PRE, SFT,
+FE, LT...), one bar per prompt, the height the top-5 accuracy (:func:`plot_accuracy`),
+with bootstrap whiskers; :func:`plot_mean_rank` shows the rank, which still moves where
+accuracy sits at the floor. :func:`plot_comparison`, :func:`plot_attribution` and
+:func:`plot_recovery` draw grafting beside patching, a graft attribution and a minimal
+graft's recovery. The style and :func:`~grafting_lens.analysis.figure_style.save_figure`
+are :mod:`grafting_lens.analysis.figure_style`'s.
 
 Examples:
-    >>> summary = metrics.summarize(results)
-    >>> fig = plot_accuracy(summary, k=5, caption="toy world, semantics reference")
+    >>> fig = plot_accuracy(metrics.summarize(results), k=5, caption="toy world, reference")
     >>> figure_style.save_figure(fig, "out/position_grafting")
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -58,6 +53,18 @@ def _check_table(table: Any, columns: Iterable[str], what: str) -> None:
         )
 
 
+def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
+    """Error bars to the interval's ends, none from too few rows (a bootstrap of 2 is no interval)."""
+    few = group["n"] < MIN_INTERVAL_ROWS if "n" in group else pd.Series(False, index=group.index)
+    return dict(
+        type="data",
+        symmetric=False,
+        array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
+        arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0).mask(few),
+        **style,
+    )
+
+
 def _bars(
     summary: pd.DataFrame,
     x: str,
@@ -78,10 +85,7 @@ def _bars(
     for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
         counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
         shade = PALETTE[index % len(PALETTE)]
-        # No whisker from too few rows: a bootstrap of 2 rows is no interval.
-        few = counts.apply(lambda n: n is not None and not pd.isna(n) and n < MIN_INTERVAL_ROWS)
-        up = (group[high] - group[value]).clip(lower=0).mask(few)
-        down = (group[value] - group[low]).clip(lower=0).mask(few)
+        whiskers = _whiskers(group, value, color="#333", thickness=1.2, width=3)
         fig.add_trace(
             go.Bar(
                 name=display_label(name),
@@ -89,15 +93,7 @@ def _bars(
                 y=group[value],
                 # A bar of height 0 has no area; its outline still draws a line at 0.
                 marker=dict(color=shade, line=dict(color=shade, width=1.5)),
-                error_y=dict(
-                    type="data",
-                    symmetric=False,
-                    array=up,
-                    arrayminus=down,
-                    color="#333",
-                    thickness=1.2,
-                    width=3,
-                ),
+                error_y=whiskers,
                 customdata=list(zip(group[low], group[high], counts, *(group[c] for c in extra))),
                 hovertemplate=(
                     f"{column_title(color)}: {display_label(name)}<br>"
@@ -105,7 +101,7 @@ def _bars(
                 ),
             )
         )
-        ends += [*group[value], *group[high].mask(few, group[value])]
+        ends += [*group[value], *(group[value] + whiskers["array"].fillna(0))]
     fig.update_layout(
         barmode="group",
         bargap=0.25,
@@ -130,22 +126,16 @@ def plot_accuracy(
     """Grouped bar chart of top-k accuracy: groups along ``x``, one bar per ``color``.
 
     Args:
-        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with columns
-            ``x``, ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
+            ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
         k: Which top-k accuracy to plot (``summarize`` must have computed it).
         x: Column along the horizontal axis; its values keep their table order.
         color: Column giving one bar (and legend entry) per value in each group.
         title: Figure title (default: "Top-{k} accuracy").
-        caption: The setting, shown under the title before ``n`` (e.g. "toy world,
-            semantics reference, base unembedding").
-
-    Returns:
-        A plotly figure; error bars span the bootstrap confidence interval, the value
-        axis fits the data (see :func:`axis_range`).
+        caption: The setting, shown under the title before ``n``.
 
     Raises:
-        GraftingLensError: An empty table or missing columns (the message says
-            which ``k`` values the table has).
+        GraftingLensError: An empty table or missing columns (naming the table's ks).
     """
     value = f"top{k}"
     columns = getattr(summary, "columns", ())
@@ -180,19 +170,12 @@ def plot_mean_rank(
 ) -> go.Figure:
     """Grouped bar chart of the answer's mean rank (0 = the top token; lower is better).
 
-    Where top-k accuracy sits at the floor the rank still moves: it tells a graft that
-    brings the answer from rank 3,000 to rank 40 from one that does nothing.
-
     Args:
-        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
             ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
-        x: Column along the horizontal axis; its values keep their table order.
-        color: Column giving one bar per value in each group.
-        title: Figure title (default: "Mean rank of the answer").
-        caption: The setting, shown under the title before ``n``.
-        log: A logarithmic value axis (ranks span orders of magnitude): bars are drawn
-            at rank + 1, so that rank 0 has a place on it, and the ticks are labelled
-            with the rank (0, 10, 100...), as the tables print it.
+        x, color, title, caption: As for :func:`plot_accuracy`.
+        log: A logarithmic value axis: bars drawn at rank + 1 (so rank 0 has a place),
+            ticks labelled with the rank (0, 10, 100...).
 
     Raises:
         GraftingLensError: An empty table or missing columns.
@@ -264,19 +247,17 @@ def plot_comparison(
 ) -> go.Figure:
     """Grafting and patching layer by layer, side by side, one panel per position set and pair.
 
-    Each panel has one line per method over the layers, with the bootstrap
-    interval as error bars; dashed horizontal lines mark the references
-    (e.g. the base and the donor, from :func:`reference_scores`).
+    Each panel has one line per method over the layers, with bootstrap error bars, and
+    dotted lines at the references (the base and the donor, from ``reference_scores``).
 
     Args:
-        summary: From :func:`summarize_comparison`, grouped by ``method``, ``layer``
-            and the ``row`` and ``col`` columns.
+        summary: From ``summarize_comparison``, grouped by ``method``, ``layer`` and the
+            ``row`` and ``col`` columns.
         value: ``"top5"``, ``"top1"``, ``"target_prob"`` or ``"mean_rank"``.
         row: Column (or columns, joined with " / ") giving one row of panels per value.
         col: Column giving one column of panels per value.
-        references: A summary with a ``model`` column and ``value``; it may also
-            have the ``row``/``col`` columns, and then each panel shows only the
-            matching references.
+        references: A summary with ``model`` and ``value`` columns; those with the
+            ``row``/``col`` columns are drawn in the matching panels only.
         title: Figure title.
         caption: The setting, shown under the title before ``n``.
 
@@ -284,6 +265,10 @@ def plot_comparison(
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
     """
     check_choice("value", value, list(_VALUE_TITLES))
+    if references is not None:
+        _check_table(
+            references, ("model", value), "references: summarize_comparison(reference_scores(...))"
+        )
     rows = [row] if isinstance(row, str) else list(row)
     by = [*rows, col, "method", "layer"]
     _check_table(
@@ -310,11 +295,6 @@ def plot_comparison(
             for method, group in panel.groupby("method", sort=False):
                 group = group.sort_values("layer")
                 color = _METHOD_COLORS.get(str(method))
-                few = (
-                    group["n"] < MIN_INTERVAL_ROWS
-                    if "n" in group
-                    else pd.Series(False, index=group.index)
-                )
                 fig.add_trace(
                     go.Scatter(
                         x=group["layer"],
@@ -324,14 +304,7 @@ def plot_comparison(
                         legendgroup=str(method),
                         showlegend=str(method) not in legend_shown,
                         line=dict(color=color),
-                        error_y=dict(
-                            type="data",
-                            symmetric=False,
-                            array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
-                            arrayminus=(group[value] - group[f"{value}_low"])
-                            .clip(lower=0)
-                            .mask(few),
-                        ),
+                        error_y=_whiskers(group, value),
                         hovertemplate=(
                             f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
                             "<extra></extra>"
@@ -352,25 +325,31 @@ def plot_comparison(
             ends += list(references[value])
         low, high = axis_range(ends)
         fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
-    if references is not None:
-        for r, row_key in enumerate(row_keys, start=1):
-            for c, col_key in enumerate(col_keys, start=1):
-                _add_references(
-                    fig,
-                    references,
-                    value,
-                    dict(zip(rows, row_key)),
-                    col,
-                    col_key,
-                    r,
-                    c,
-                    label=c == len(col_keys),
-                )
-    # Each row says what it holds in its axis title: a row title in the right margin would
-    # run into the references' labels there.
     for r, row_key in enumerate(row_keys, start=1):
+        # Each row says what it holds in its axis title: a row title in the right margin
+        # would run into the references' labels there.
         label = " / ".join(map(display_label, row_key))
         fig.update_yaxes(title_text=f"{label}<br>{_VALUE_TITLES[value]}", row=r, col=1)
+        for c, col_key in enumerate(col_keys, start=1):
+            if references is None:
+                break
+            matching = references
+            for column, key in [*zip(rows, row_key), (col, col_key)]:
+                if column in matching.columns:
+                    matching = matching[matching[column] == key]
+            # References at one value (the donor and its stream read by the base, say)
+            # share a line and a label.
+            by_value: dict[float, list[str]] = {}
+            for y, model in zip(matching[value], matching["model"]):
+                by_value.setdefault(round(float(y), 4), []).append(str(model))
+            for y, models in sorted(by_value.items()):
+                text = " = ".join(models) + (f" {y:,.1f}" if value == "mean_rank" else f" {y:.0%}")
+                if c == len(col_keys):
+                    # Labelled in the margin of the row's last panel: the lines align across
+                    # a row, and labels inside narrow panels would run into the data.
+                    add_reference_line(fig, y, text, row=r, col=c)
+                else:
+                    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
     counts = summary["n"].tolist() if "n" in summary else []
     figure_style(
         fig,
@@ -381,40 +360,6 @@ def plot_comparison(
         legend_title_text="method",
     )
     return fig
-
-
-def _add_references(
-    fig: go.Figure,
-    references: pd.DataFrame,
-    value: str,
-    row_values: Mapping[str, Any],
-    col: str,
-    col_key: Any,
-    r: int,
-    c: int,
-    label: bool,
-) -> None:
-    _check_table(
-        references, ("model", value), "references: summarize_comparison(reference_scores(...))"
-    )
-    matching = references
-    for column, key in [*row_values.items(), (col, col_key)]:
-        if column in matching.columns:
-            matching = matching[matching[column] == key]
-    # References at one value (the donor and its stream read by the base, say) share a
-    # line and a label.
-    by_value: dict[float, list[str]] = {}
-    for _, reference in matching.iterrows():
-        by_value.setdefault(round(float(reference[value]), 4), []).append(str(reference["model"]))
-    for y, models in sorted(by_value.items()):
-        number = f"{y:.0%}" if value != "mean_rank" else f"{y:,.1f}"
-        text = " = ".join(models) + f" {number}"
-        if label:
-            # Labelled in the right margin of the row's last panel: the lines align across
-            # a row, and labels inside narrow panels would run into the data.
-            add_reference_line(fig, y, text, row=r, col=c)
-        else:
-            fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
 
 
 # ------------------------------------------------------------------ graft attribution
@@ -434,10 +379,8 @@ def plot_attribution(
 ) -> go.Figure:
     """Heatmaps of a graft attribution: layers x components, one panel per position group.
 
-    Each cell's colour is its estimated (or measured) change of the metric when it is
-    switched, on a diverging scale centred on 0 and shared by every panel; global
-    components (embeddings, final norm, unembedding) sit in a row of their own above
-    layer 0. Hovering shows the cell, its value and its standard error over prompts.
+    A diverging scale centred on 0, shared by every panel; global components sit in a
+    row of their own above layer 0; hovering shows a cell's value and standard error.
 
     Args:
         frame: The ``frame`` of a :class:`~grafting_lens.analysis.attribution.GraftAttribution`.
@@ -533,8 +476,7 @@ def plot_recovery(
 ) -> go.Figure:
     """The recovery curve of a minimal graft: recovery against the number of cells grafted.
 
-    One line per set of prompts (the search's, and the held-out ones); each point is
-    the exact graft of the first ``k`` cells, and hovering names the cell added there.
+    One line per set of prompts (search, held out); hovering names the cell added.
 
     Args:
         curve: The ``curve`` of a :class:`~grafting_lens.analysis.graft_search.MinimalGraft`.

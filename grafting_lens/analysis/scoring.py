@@ -1,32 +1,13 @@
 """Scoring each row's prediction at its last real token: the result columns every table shares.
 
-Every runner asks one question of a logit tensor: *is the answer the model's next
-token?* The experiment runner, the position-grafting wrapper, the grafting-versus-
-patching comparison and the reference scores all answer it through
-:class:`LastTokenScorer`, so their tables agree column by column, and a new score
-is added here, once, for all of them.
-
-The columns, in the order tables show them:
-
-* :data:`SCORE_COLUMNS`, in every table: ``target_rank`` (0 = top-1, also where
-  the paper's figures add 1 to a mean rank; see
-  :func:`grafting_lens.analysis.metrics.target_rank` for ties and for ranking by logit or
-  by probability), ``target_prob`` (softmax in float32), ``top1`` and ``top5``
-  (``rank < k``; the paper's measure is top-5);
-* :data:`TOP_TOKEN_COLUMNS`, with ``top_token=True``: the model's top token,
-  ``top_token_id`` and its text ``top_token``;
-* :data:`TOP_K_COLUMNS`, with ``top_k=k``: the ``k`` most likely tokens, best
-  first, as ``topk_tokens`` (text), ``topk_ids`` and ``topk_probs`` (rounded to six
-  decimals, which keeps saved runs small and loses nothing a table shows).
-
-The primitives (ranks, probabilities, top-k) are :mod:`grafting_lens.analysis.metrics`'s;
-this module only decides which of them a results table holds and what the columns
-are called.
+Every runner (the experiment runner, position grafting, the comparison, the reference
+scores) scores through :class:`LastTokenScorer`, so their tables agree column by column and
+a new score is added here once. The primitives are :mod:`grafting_lens.analysis.metrics`';
+this module decides which columns a table holds and what they are called.
 
 Examples:
     >>> scorer = LastTokenScorer(models.tokenizer, top_k=10)
     >>> columns = scorer(logits, batch.target_ids, batch.attention_mask)
-    >>> columns["target_rank"][:3], scorer.columns
 """
 
 from __future__ import annotations
@@ -43,13 +24,15 @@ from grafting_lens.core.errors import GraftingLensError
 __all__ = ["SCORE_COLUMNS", "TOP_K_COLUMNS", "TOP_TOKEN_COLUMNS", "LastTokenScorer"]
 
 SCORE_COLUMNS: tuple[str, ...] = ("target_rank", "target_prob", "top1", "top5")
-"""The scores every results table holds."""
+"""In every table: the rank (0 = top-1, :func:`~grafting_lens.analysis.metrics.target_rank`),
+the float32 probability, and the hits ``rank < 1`` and ``rank < 5`` (the paper's)."""
 
 TOP_TOKEN_COLUMNS: tuple[str, ...] = ("top_token_id", "top_token")
-"""The model's top token, when a table asks for it (``top_token=True``)."""
+"""The model's top token and its text, with ``top_token=True``."""
 
 TOP_K_COLUMNS: tuple[str, ...] = ("topk_tokens", "topk_ids", "topk_probs")
-"""The ``k`` most likely tokens, when a table asks for them (``top_k=k``)."""
+"""The ``k`` most likely tokens, best first, with ``top_k=k`` (probabilities to 6 decimals,
+which keeps saved runs small and loses nothing a table shows)."""
 
 
 class LastTokenScorer:
@@ -61,11 +44,8 @@ class LastTokenScorer:
             ``None``.
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
-        rank_by: What ``target_rank`` compares: ``"logit"`` (default) or
-            ``"probability"`` (the float32 softmax, as the paper's code); see
-            :func:`grafting_lens.analysis.metrics.target_rank`.
-        ties: How ``target_rank`` counts ties: ``"pessimistic"`` (default) or
-            ``"optimistic"`` (the paper's code).
+        rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`).
+        ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`).
 
     Raises:
         GraftingLensError: ``top_k`` that is not a positive integer, or an unknown
