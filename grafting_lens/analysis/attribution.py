@@ -339,7 +339,7 @@ class AttributionPlan:
         logits: str = "last",
     ) -> None:
         check_model_set(models)
-        self.models = models
+        self.models, n = models, len(models)
         if not callable(metric) and metric not in METRICS:
             raise AttributionError(
                 f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
@@ -355,13 +355,10 @@ class AttributionPlan:
         self.last_only = (
             metrics.check_choice("logits", logits, ("last", "all"), AttributionError) == "last"
         )
-        self.batch_size, self.rows_per_forward, self.progress = (
-            batch_size,
-            rows_per_forward,
-            progress,
-        )
+        self.batch_size, self.rows_per_forward = batch_size, rows_per_forward
+        self.progress = progress
         self.batch = as_batch(tokenized, models)
-        shape = (int(self.batch.tokens.shape[0]), int(self.batch.tokens.shape[1]))
+        shape = tuple(self.batch.tokens.shape)
         # The mask builder checks the components and layers and refuses a grid that
         # would graft every component around uncovered weights.
         self.keys: list[Key] = GraftMask.build(
@@ -372,20 +369,16 @@ class AttributionPlan:
             (component, layer, label) for label in self.groups for component, layer in self.keys
         ]
         if start is not None:
-            if not isinstance(start, GraftMask) or (start.shape, start.n_sources) != (
-                shape,
-                len(models),
-            ):
+            if not isinstance(start, GraftMask) or start.shape != shape or start.n_sources != n:
                 raise AttributionError(
                     f"start must be a GraftMask for this batch, [batch, pos] = {list(shape)}, and "
-                    f"the model set's {len(models)} sources; got {start!r:.80}. Build it from "
+                    f"the model set's {n} sources; got {start!r:.80}. Build it from "
                     "this batch's tokens."
                 )
             start.check_rows(self.batch.attention_mask)
             GraftMask.from_dict(models, {key: start[key] for key in start.keys()}, shape)
         self.start = start
 
-    # ------------------------------------------------------------------ chunks
     def chunks(self) -> Iterator[tuple[torch.Tensor, TokenizedExamples]]:
         """Row indices and rows of each chunk of ``batch_size`` prompts (cut to their longest)."""
         total = len(self.batch)
@@ -419,7 +412,6 @@ class AttributionPlan:
         lengths = rows.attention_mask.sum(dim=1)
         return GraftMask(entries, (shape[0], shape[1]), len(self.models), lengths)
 
-    # ------------------------------------------------------------------ passes
     def estimates(
         self, *, method: str = "gradient", steps: int = 1, start_cells: Sequence[Cell] = ()
     ) -> tuple[Float[torch.Tensor, "cells prompts"], Float[torch.Tensor, " prompts"] | None]:

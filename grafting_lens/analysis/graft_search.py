@@ -266,20 +266,10 @@ def find_minimal_graft(
             "components or positions, or reference='all_cells'.",
             stacklevel=2,
         )
-    cells_frame = pd.DataFrame(
-        [
-            {
-                "order": order + 1,
-                "cell": cell_label(*cell),
-                "component": cell[0],
-                "layer": cell[1],
-                "positions": cell[2],
-            }
-            for order, cell in enumerate(chosen)
-        ],
-        columns=["order", "cell", "component", "layer", "positions"],
-    )
-    cells_frame["layer"] = cells_frame["layer"].astype("Int64")
+    cells_frame = pd.DataFrame(chosen, columns=["component", "layer", "positions"])
+    cells_frame.insert(0, "cell", [cell_label(*cell) for cell in chosen])
+    cells_frame.insert(0, "order", range(1, len(chosen) + 1))
+    cells_frame["layer"] = cells_frame["layer"].astype("Int64")  # <NA> for global components
     return MinimalGraft(
         cells=cells_frame,
         curve=curve,

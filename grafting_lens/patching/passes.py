@@ -99,25 +99,14 @@ class PatchRun:
 
     def given_activations(self, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """The activations to patch in, from one forward pass of the giving checkpoint."""
-        wanted = {HOOKS[self.site].format(layer=layer): layer for layer in layers}
-        if self.site == "resid_mid":
-            for layer in layers:
-                wanted[HOOKS["resid_pre"].format(layer=layer)] = layer
-                wanted[HOOKS["attn_out"].format(layer=layer)] = layer
+        sites = (self.site, "resid_pre", "attn_out") if self.site == "resid_mid" else (self.site,)
+        names = [HOOKS[site].format(layer=layer) for layer in layers for site in sites]
         stored: dict[str, torch.Tensor] = {}
-
-        def store(name: str) -> Callable:
-            # Keyed by the name asked for: the bridge reports aliases by their target.
-            def hook(activation, hook):
-                stored[name] = activation.detach()
-
-            return hook
-
         self.giving_model.run_with_hooks(
             self.patch_tokens,
             attention_mask=self.attention_mask,
             return_type=None,
-            fwd_hooks=[(name, store(name)) for name in wanted],
+            fwd_hooks=[(name, _keeper(stored, name)) for name in names],
         )
         given = {}
         for layer in layers:
@@ -134,13 +123,6 @@ class PatchRun:
         patched runs from."""
         cache = DynamicCache()
         residuals: dict[int, torch.Tensor] = {}
-
-        def store(layer: int) -> Callable:
-            def hook(activation, hook):
-                residuals[layer] = activation.detach()
-
-            return hook
-
         check_cache_continuation(
             self.running_model,
             "patching with reuse_prefix=True (pass reuse_prefix=False)",
@@ -152,7 +134,7 @@ class PatchRun:
                 attention_mask=self.attention_mask,
                 return_type="logits",
                 fwd_hooks=[
-                    (HOOKS["resid_pre"].format(layer=layer), store(layer))
+                    (HOOKS["resid_pre"].format(layer=layer), _keeper(residuals, layer))
                     for layer in range(self.models.n_layers)
                 ],
                 **cached_forward_kwargs(self.running_model, cache),
@@ -339,6 +321,16 @@ class PatchRun:
             )
         finally:
             setattr(parent, attribute, every_block)
+
+
+def _keeper(stored: dict, key: Any) -> Callable:
+    """A hook keeping its activation, detached, in ``stored[key]`` (keyed by the name asked
+    for: the bridge reports aliases by their target)."""
+
+    def hook(activation, hook):
+        stored[key] = activation.detach()
+
+    return hook
 
 
 def site_hooks(

@@ -88,19 +88,15 @@ SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionS
 
 
 class PatchSweep(NamedTuple):
-    """A sweep's values and the cell each one belongs to.
-
-    Unpacks like TransformerLens's ``(tensor, index_df)``:
-    ``values, frame = resid_patch_sweep(...)``.
+    """A sweep's values and the cell each one belongs to, unpacking like TransformerLens's
+    ``(tensor, index_df)``.
 
     Attributes:
-        values: ``[layer, pos]``, ``[layer, head]`` or ``[layer, pos, head]``, with a
-            trailing ``batch`` axis when the sweep ran with ``reduce="none"``. Axes
-            follow the order of the requested layers, positions and heads.
-        frame: One row per cell (and prompt, with ``reduce="none"``), in the order
-            of ``values.flatten()``: columns ``site``, ``direction``, ``layer``,
-            ``pos`` and/or ``head`` for the swept axes, ``example`` when
-            per-prompt, and ``value``.
+        values: ``[layer, pos]``, ``[layer, head]`` or ``[layer, pos, head]`` in the order
+            asked for, with a trailing ``batch`` axis under ``reduce="none"``.
+        frame: One row per cell (and prompt under ``reduce="none"``), in the order of
+            ``values.flatten()``: ``site``, ``direction``, the swept axes (``layer``,
+            ``pos``, ``head``), ``example`` when per-prompt, and ``value``.
     """
 
     values: torch.Tensor
@@ -175,27 +171,23 @@ def patch_forward(
 ) -> Float[torch.Tensor, "batch pos d_vocab"]:
     """Logits of one checkpoint run with another's activations patched in at one site.
 
-    Every selected layer is patched in the same forward pass, at each row's own
-    selected positions.
+    Every selected layer is patched in one forward pass, at each row's own positions.
 
     Args:
         models: The aligned checkpoints.
         tokens: ``[batch, pos]`` token ids.
-        site: One of :data:`SITES` that the architecture has (see :func:`available_sites`).
+        site: One of :data:`SITES` that the architecture has (:func:`available_sites`).
         layers: Which layers to patch (see :func:`~grafting_lens.resolve_layers`).
-        positions: Where to patch in each row (see
-            :func:`~grafting_lens.engine.positions.resolve_positions`): ``"all"``,
-            ``"last"``, indices, per-row lists, or a ``[batch, pos]`` boolean tensor.
+        positions: ``"all"``, ``"last"``, indices, per-row lists or a ``[batch, pos]``
+            boolean tensor (see :func:`~grafting_lens.engine.positions.resolve_positions`).
         source: The checkpoint under study (the donor).
         target: The reference checkpoint (the base).
         heads: For ``site="z"`` only: the heads to patch (default every head).
         attention_mask: ``[batch, pos]`` right padding, used by both runs.
-        direction: ``"sufficiency"`` (run ``target``, patch in ``source``'s
-            activations; alias ``"denoising"``) or ``"necessity"`` (run ``source``,
-            patch in ``target``'s; alias ``"noising"``).
-        patch_tokens: Tokens of the run the activations come from, when it should
-            see other tokens (classic clean/corrupted patching; then ``source`` may
-            equal ``target``). Same shape as ``tokens``.
+        direction: ``"sufficiency"`` (run ``target``, patch in ``source``'s activations;
+            ``"denoising"``) or ``"necessity"`` (the other way; ``"noising"``).
+        patch_tokens: Tokens of the giving run, same shape as ``tokens``, for classic
+            clean/corrupted patching (then ``source`` may equal ``target``).
 
     Returns:
         Logits ``[batch, pos, d_vocab]`` of the patched run.
@@ -204,10 +196,6 @@ def patch_forward(
         PatchingError: A site the architecture lacks, a bad head, source, target or
             direction. TokenError, SelectionError, AlignmentError: tokens, layers,
             positions or placements that do not fit. All before any forward pass.
-
-    Examples:
-        >>> fe = gl.engine.positions.span_positions(tokens.shape, starts=1, ends=3)
-        >>> logits = patch_forward(models, tokens, "resid_pre", layers=range(0, 6), positions=fe)
     """
     run, _ = _patch_run(
         models, tokens, site, source, target, direction, attention_mask, patch_tokens
@@ -273,10 +261,8 @@ def resid_patch_sweep(
 ) -> PatchSweep:
     """Patch each (layer, position) cell of a per-position site alone, batched.
 
-    With ``logits="all"``, ``values`` equals TransformerLens's
-    ``get_act_patch_resid_pre(models.base, tokens, donor_cache, metric)`` (likewise
-    ``attn_out``, ``mlp_out``; its ``resid_mid`` sweep on the bridge patches only the MLP
-    input); with the default ``"last"`` too, for a metric that reads the last token.
+    ``values`` equals TransformerLens's ``get_act_patch_resid_pre`` (likewise ``attn_out``,
+    ``mlp_out``; its ``resid_mid`` sweep on the bridge patches only the MLP input).
 
     Args:
         models: The aligned checkpoints.
@@ -296,8 +282,8 @@ def resid_patch_sweep(
         attention_mask: ``[batch, pos]`` right padding.
         reduce: ``"mean"`` over the prompts, or ``"none"`` (a trailing ``batch`` axis).
         chunk_size: Rows per forward pass (at least one cell of ``batch`` rows).
-        reuse_prefix: Resume each pass from its first patched position and layer;
-            ``False`` recomputes everything, for models that take no ``DynamicCache``.
+        reuse_prefix: Resume each pass from its first patched position and layer
+            (``False`` for models that take no ``DynamicCache``).
         progress: Show a progress bar over passes (default: where someone watches).
         logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
             unembedding run there only) or ``"all"`` (every position).
@@ -381,7 +367,7 @@ def _sweep(
         axes.append(("pos", position_labels))
     if head_list is not None:
         axes.append(("head", head_list))
-    cells = list(itertools.product(layer_list, range(len(selections)), head_list or [None]))
+    cells = list(itertools.product(layer_list, range(len(selections)), head_list or (None,)))
 
     given = run.given_activations(layer_list)
     batch, length = run.shape
