@@ -116,9 +116,6 @@ def cell_label(component: str, layer: int | None, positions: str) -> str:
     return f"{where}@{positions}"
 
 
-# ----------------------------------------------------------------- attribution
-
-
 @dataclass(frozen=True)
 class GraftAttribution:
     """The estimated (and, where verified, exact) effect of switching each cell.
@@ -297,9 +294,6 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(
         rows, columns=["positions", "cells", "spearman", "pearson", "sign_agreement"]
     )
-
-
-# ----------------------------------------------------------------- the plan
 
 
 class AttributionPlan:
@@ -517,26 +511,12 @@ class AttributionPlan:
         method: str,
     ) -> pd.DataFrame:
         """One row per cell: its estimate and exact effect, with standard errors over prompts."""
-        n = len(self.batch)
-        rows = []
-        for cell, estimate, measured in zip(self.cells, estimates, exact):
-            component, layer, label = cell
-            rows.append(
-                {
-                    "cell": cell_label(*cell),
-                    "component": component,
-                    "layer": layer,
-                    "positions": label,
-                    "estimate": float(estimate.mean()),
-                    "estimate_se": _standard_error(estimate),
-                    "exact": float(measured.mean()),
-                    "exact_se": _standard_error(measured),
-                    "n": n,
-                    "direction": self.direction,
-                    "method": method,
-                }
-            )
-        frame = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
+        frame = pd.DataFrame(self.cells, columns=["component", "layer", "positions"])
+        frame.insert(0, "cell", [cell_label(*cell) for cell in self.cells])
+        for name, values in (("estimate", estimates), ("exact", exact)):
+            frame[name] = values.mean(dim=1).tolist()  # NaN for a cell not verified
+            frame[f"{name}_se"] = [_standard_error(row) for row in values]
+        frame["n"], frame["direction"], frame["method"] = len(self.batch), self.direction, method
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
 

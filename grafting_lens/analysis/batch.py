@@ -106,19 +106,17 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
 
     Args:
         tokenized: A :class:`TokenizedExamples`, or anything with ``tokens``,
-            ``attention_mask`` (``None`` for no padding), ``target_ids`` and ``spans``
-            (and optionally ``examples``, ``target_full_ids``, ``dropped``).
+            ``attention_mask`` (``None``: no padding), ``target_ids`` and ``spans``
+            (optionally ``examples``, ``target_full_ids``, ``dropped``, ``rules``).
         models: The model set the batch will run on (its vocabulary bounds the ids).
 
     Returns:
         A new :class:`TokenizedExamples` with ``long`` CPU tensors.
 
     Raises:
-        BatchError: A missing part, parts whose shapes disagree with the tokens, or
-            recorded rules that are not tokenize_examples'.
-        TokenError: Tokens or target ids that are not ids of the model's vocabulary.
-        SelectionError: An attention mask that is not right padding, or a row
-            without a real token.
+        BatchError: A missing part, parts that disagree with the tokens, bad rules.
+        TokenError: Tokens or target ids outside the model's vocabulary.
+        SelectionError: A mask that is not right padding, or a row without a real token.
     """
     missing = [name for name in BATCH_PARTS if not hasattr(tokenized, name)]
     if missing:
@@ -161,11 +159,7 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
 
 
 def _rules(rules: Any) -> dict[str, str] | None:
-    """A batch's recorded tokenization rules, copied (``None``: not recorded).
-
-    Raises:
-        BatchError: Rules that are not a mapping of ``bos``, ``target`` and ``spans``.
-    """
+    """A batch's recorded tokenization rules, checked and copied (``None``: not recorded)."""
     if rules is None:
         return None
     if not isinstance(rules, Mapping) or set(rules) != {"bos", "target", "spans"}:
@@ -235,12 +229,8 @@ def _span_positions(
 
 
 def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """The special tokens ``tokenizer(text)`` puts before each text by itself.
-
-    Raises:
-        BatchError: The tokenizer also adds tokens after the text (the prompt would not
-            end on its own last token).
-    """
+    """The special tokens ``tokenizer(text)`` puts before each text by itself (a
+    :class:`BatchError` if it adds some after it)."""
     with_special = tokenizer(list(texts))["input_ids"]
     plain = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     prefixes = []

@@ -123,9 +123,6 @@ Scores = dict[tuple[str, str, int], list[dict[str, Any]]]
 """Per configuration (positions, pair, layer): one dict of scores per example."""
 
 
-# --------------------------------------------------------------------------- run
-
-
 def compare_graft_and_patch(
     models: ModelSet,
     tokenized: Any,
@@ -469,9 +466,6 @@ def _check_pairs(
     return tuple(checked)
 
 
-# -------------------------------------------------------------------- references
-
-
 def reference_scores(
     models: ModelSet,
     tokenized: Any,
@@ -538,9 +532,6 @@ def reference_scores(
                         }
                     )
     return pd.DataFrame(rows)
-
-
-# --------------------------------------------------------------------- summaries
 
 
 def summarize_comparison(

@@ -357,14 +357,12 @@ def figure_problems(fig: go.Figure) -> list[str]:
         values = [float(v) for v in (trace.y if trace.y is not None else ()) if _finite(v)]
         error = trace.error_y
         if error is not None and error.array is not None:
-            plus = list(error.array)
-            minus = list(error.arrayminus) if error.arrayminus is not None else plus
-            values += [
-                float(v) + float(p) for v, p in zip(trace.y, plus) if _finite(v) and _finite(p)
-            ]
-            values += [
-                float(v) - float(m) for v, m in zip(trace.y, minus) if _finite(v) and _finite(m)
-            ]
+            minus = error.arrayminus if error.arrayminus is not None else error.array
+            for sign, ends in ((1.0, error.array), (-1.0, minus)):
+                pairs = zip(trace.y, ends)
+                values += [
+                    float(v) + sign * float(e) for v, e in pairs if _finite(v) and _finite(e)
+                ]
         axis = trace.yaxis or "y"
         plotted.setdefault(axis, []).extend((f"{name!r}", v) for v in values)
     for shape in layout.shapes:

@@ -315,9 +315,6 @@ def summarize(
     return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------- helpers
-
-
 def _check(logits: Any, target_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[batch, d_vocab]`` finite logits and, if given, one in-vocabulary id per row."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] == 0:

@@ -362,9 +362,6 @@ def plot_comparison(
     return fig
 
 
-# ------------------------------------------------------------------ graft attribution
-
-
 _ATTRIBUTION_VALUES = {
     "estimate": "estimated change of the metric",
     "exact": "measured change of the metric",

@@ -39,17 +39,15 @@ class LastTokenScorer:
     """Scores the prediction at each row's last real token, as table columns.
 
     Args:
-        tokenizer: Decodes token ids for ``top_token`` and ``topk_tokens`` (each id
-            decoded on its own, once per scorer). Without one, those columns hold
-            ``None``.
+        tokenizer: Decodes ``top_token`` and ``topk_tokens``, each id on its own (without
+            one, those columns hold ``None``).
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
         rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`).
         ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`).
 
     Raises:
-        GraftingLensError: ``top_k`` that is not a positive integer, or an unknown
-            ``rank_by`` or ``ties``.
+        GraftingLensError: A ``top_k`` below 1, or an unknown ``rank_by`` or ``ties``.
     """
 
     def __init__(
@@ -92,20 +90,16 @@ class LastTokenScorer:
         target_ids: Int[torch.Tensor, " rows"],
         attention_mask: Int[torch.Tensor, "rows pos"] | None = None,
     ) -> dict[str, list[Any]]:
-        """Score every row at its last real token.
+        """``{column: one value per row}`` for every column of :attr:`columns`.
 
         Args:
-            logits: A run's logits, right padded, or each row's last token alone
+            logits: A run's right-padded logits, or each row's last token alone
                 (``[rows, 1, d_vocab]``, which needs no attention mask).
             target_ids: The correct next token of each row.
             attention_mask: The right padding (``None``: no padding).
 
-        Returns:
-            ``{column: one value per row}`` for every column of :attr:`columns`.
-
         Raises:
-            GraftingLensError: What :func:`~grafting_lens.analysis.metrics.target_rank`
-                and :func:`~grafting_lens.analysis.metrics.top_k_tokens` refuse.
+            GraftingLensError: What :func:`~grafting_lens.analysis.metrics.target_rank` refuses.
         """
         final = metrics.last_token_logits(logits, attention_mask)
         ranked = metrics.target_rank(final, target_ids, ties=self.ties, by=self.rank_by)

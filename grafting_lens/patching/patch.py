@@ -151,9 +151,6 @@ def check_site(site: object, models: ModelSet | None, allowed: Sequence[str] = S
     return str(site)
 
 
-# --------------------------------------------------------------------------- public
-
-
 @torch.no_grad()
 def patch_forward(
     models: ModelSet,
@@ -418,9 +415,6 @@ def _sweep(
     values = torch.stack(results).float().cpu()
     values = values.reshape(*shape, batch) if options.reduce == "none" else values.reshape(shape)
     return PatchSweep(values, _frame(axes, values, site, direction, options.reduce))
-
-
-# ------------------------------------------------------------------- internals
 
 
 def _patch_run(
