@@ -20,7 +20,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -385,12 +385,19 @@ def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
     """Every patch configuration of one chunk: one batched sweep per distinct site."""
     results: Scores = {}
     labels = list(chunk.selections)
+    recorded: list[list[dict[str, Any]]] = []
+
+    def record(logits: Float[torch.Tensor, "batch 1 d_vocab"]) -> torch.Tensor:
+        recorded.append(plan.score(logits, chunk.batch.target_ids, chunk.examples))
+        # The sweep may run cells in any order but returns its values in cell order;
+        # returning the call's number tells which scores are whose.
+        return torch.full((logits.shape[0],), float(len(recorded) - 1))
+
     for site in dict.fromkeys(pair.spec.site for pair in plan.pairs):
-        recorded: list[list[dict[str, Any]]] = []
         values, _ = resid_patch_sweep(  # logits="last" by default: the scored token only
             plan.models,
             chunk.batch.tokens,
-            _recorder(plan, chunk, recorded),
+            record,
             site=site,
             layers=list(plan.layers),
             positions=dict(chunk.selections),
@@ -409,20 +416,6 @@ def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
                         call = int(values[layer_index, label_index, 0])
                         results[(label, pair.spec.name, layer)] = recorded[call]
     return results
-
-
-def _recorder(
-    plan: _ComparisonPlan, chunk: _ExampleChunk, recorded: list[list[dict[str, Any]]]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A sweep metric that scores each cell's rows into ``recorded``."""
-
-    def record(logits: Float[torch.Tensor, "batch 1 d_vocab"]) -> torch.Tensor:
-        recorded.append(plan.score(logits, chunk.batch.target_ids, chunk.examples))
-        # The sweep may run cells in any order but returns its values in cell
-        # order; returning the call's number tells which scores are whose.
-        return torch.full((logits.shape[0],), float(len(recorded) - 1))
-
-    return record
 
 
 def _check_pairs(

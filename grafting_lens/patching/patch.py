@@ -494,13 +494,10 @@ def _position_axis(
     """Labels and ``[batch, pos]`` selections of a sweep's position cells
     (``(None, [selection])`` for a single selection: no position axis)."""
     if isinstance(spec, str) and spec == "each":
-        lengths = row_lengths(shape, attention_mask)
-        selections = []
-        for index in range(shape[1]):
-            selection = torch.zeros(shape, dtype=torch.bool)
-            selection[:, index] = lengths > index  # shorter rows stay unpatched
-            selections.append(selection)
-        return list(range(shape[1])), selections
+        # One column each; rows shorter than it stay unpatched.
+        real = row_lengths(shape, attention_mask)[:, None] > torch.arange(shape[1])
+        column = torch.eye(shape[1], dtype=torch.bool)
+        return list(range(shape[1])), [real & column[index] for index in range(shape[1])]
     if isinstance(spec, Mapping):
         if not spec:
             raise PatchingError("The mapping of position selections is empty.")
