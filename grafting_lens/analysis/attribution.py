@@ -548,14 +548,9 @@ def _position_groups(
 def resolve_groups(
     groups: Mapping[str, Any], batch: TokenizedExamples
 ) -> dict[str, Bool[torch.Tensor, "batch pos"]]:
-    """The position groups of one batch on another (held-out prompts).
-
-    Span expressions and position functions select afresh; an index (``"each"``)
-    takes that column where the row is long enough.
-
-    Raises:
-        AttributionError: A group given as a tensor over another batch's rows.
-    """
+    """The position groups of one batch on another (held-out prompts): span expressions and
+    position functions select afresh, an index (``"each"``) takes that column where the row
+    reaches it, and a tensor over another batch's rows is an :class:`AttributionError`."""
     selections: dict[str, torch.Tensor] = {}
     for label, spec in groups.items():
         if is_integer(spec):

@@ -251,13 +251,10 @@ class _ComparisonPlan:
                 f">= 1 (got {batch_size!r}, {rows_per_forward!r})."
             )
         self.methods = tuple(method for method in METHODS if method in methods)
-        self.source, self.target = int(source), int(target)
+        self.source, self.target = source, target = int(source), int(target)
         # Which checkpoint runs, and which one the grafted weights come from.
-        self.running, self.giving = (
-            (self.target, self.source)
-            if self.direction == "sufficiency"
-            else (self.source, self.target)
-        )
+        swapped = self.direction == "necessity"
+        self.running, self.giving = (source, target) if swapped else (target, source)
         self.batch_size, self.rows_per_forward = int(batch_size), int(rows_per_forward)
         self.layers = resolve_layers(layers, models.n_layers)
         self.pairs = _check_pairs(pairs, models, "patch" in self.methods)
@@ -512,8 +509,7 @@ def reference_scores(
                 )
                 final = logits[torch.arange(len(last)), column.to(logits.device)][:, None]
                 scores = scorer(final, chunk.target_ids)
-                for offset in range(len(chunk)):
-                    example = chunk.examples[offset] if chunk.examples is not None else None
+                for offset, example in enumerate(chunk.examples or [None] * len(chunk)):
                     rows.append(
                         {
                             "example": start + offset,

@@ -53,7 +53,6 @@ NO_CHROME_HINT = (
 )
 """Why a PNG is missing when kaleido finds no browser, and how to fix it."""
 
-
 COLUMN_TITLES: dict[str, str] = {
     "config": "graft configuration",
     "prompt": "test prompt",
@@ -68,7 +67,6 @@ COLUMN_TITLES: dict[str, str] = {
 }
 """What a summary's columns are called on a figure's axes and legends."""
 
-
 VALUE_LABELS: dict[str, str] = {
     "all": "all layers",
     "first_half": "first half",
@@ -80,13 +78,10 @@ VALUE_LABELS: dict[str, str] = {
 }
 """How the layer ranges read on a figure."""
 
-
 PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
 """Colours, one per trace, in order."""
 
-
 FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
-
 
 INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
 

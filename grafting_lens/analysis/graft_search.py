@@ -345,15 +345,11 @@ def _curve(
 ) -> pd.DataFrame:
     """The exact metric and recovery of each prefix of the cells found."""
     values = plan.exact(prefixes)
-    recoveries = scale.recovery(values)
-    rows = [
-        {
-            "prompts": prompts,
-            "cells": len(prefix),
-            "cell": cell_label(*prefix[-1]) if prefix else "",
-            "metric": float(values[i].mean()),
-            "recovery": recoveries[i],
-        }
-        for i, prefix in enumerate(prefixes)
-    ]
-    return pd.DataFrame(rows, columns=list(CURVE_COLUMNS))
+    columns = {
+        "prompts": [prompts] * len(prefixes),
+        "cells": [len(prefix) for prefix in prefixes],
+        "cell": [cell_label(*prefix[-1]) if prefix else "" for prefix in prefixes],
+        "metric": values.mean(dim=1).tolist(),
+        "recovery": scale.recovery(values),
+    }
+    return pd.DataFrame(columns, columns=list(CURVE_COLUMNS))

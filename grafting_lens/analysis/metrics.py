@@ -297,16 +297,13 @@ def summarize(
             f"(got {ks})."
         )
     rows = []
-    for key, group in results.assign(_rank=ranks).groupby(
-        by, sort=False, observed=True, dropna=False
-    ):
+    groups = results.assign(_rank=ranks).groupby(by, sort=False, observed=True, dropna=False)
+    for key, group in groups:
         row: dict[str, Any] = dict(zip(by, key if isinstance(key, tuple) else (key,)))
         group_ranks = group["_rank"].to_numpy(dtype=np.float64)
         row["n"] = len(group_ranks)
-        for name, values in [
-            *((f"top{k}", group_ranks < k) for k in ks),
-            ("mean_rank", group_ranks),
-        ]:
+        hits = {f"top{k}": group_ranks < k for k in ks}
+        for name, values in [*hits.items(), ("mean_rank", group_ranks)]:
             row[name] = float(values.mean())
             row[f"{name}_low"], row[f"{name}_high"] = bootstrap_ci(
                 values, n_resamples, confidence, seed

@@ -227,7 +227,6 @@ def plot_mean_rank(
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
 
-
 _VALUE_TITLES = {
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",

@@ -52,17 +52,9 @@ _RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDi
 
 
 class PatchRun:
-    """One patch or sweep, validated: the running and giving checkpoints and their tokens.
-
-    Args:
-        models: The model set.
-        site: A site the architecture has.
-        running: Index of the checkpoint that runs.
-        giving: Index of the checkpoint whose activations are patched in.
-        tokens: ``[batch, pos]`` ids of the running checkpoint's run.
-        patch_tokens: Ids of the giving run (default: ``tokens``), same shape.
-        attention_mask: ``[batch, pos]`` right padding of both runs, or ``None``.
-    """
+    """One patch or sweep, checked: checkpoint ``running`` runs on ``[batch, pos]`` ``tokens``
+    with ``giving``'s activations at ``site`` (from ``patch_tokens``, default ``tokens``)
+    patched in; ``attention_mask`` right-pads both runs."""
 
     def __init__(
         self,
@@ -168,12 +160,9 @@ class PatchRun:
         prefix: UnpatchedPrefix | None,
         kept: torch.Tensor,
     ) -> torch.Tensor:
-        """Each row's last-token logits, ``[rows, 1, d_vocab]``.
-
-        ``computed`` holds the logits of positions ``kept`` (absolute, all at or
-        after ``start``); rows whose last token comes before ``start`` were not
-        computed and take the unpatched run's.
-        """
+        """Each row's last-token logits, ``[rows, 1, d_vocab]``, from ``computed``, the logits
+        of positions ``kept`` (absolute, all at or after ``start``), or for rows ending
+        before ``start`` from the unpatched run."""
         # The logits are on the unembedding's device, not necessarily the tokens'.
         device = computed.device
         last = self.last_positions.repeat(repeats).to(device)
@@ -394,15 +383,9 @@ def plan_passes(
     tile shape, and the tiling whose modelled cost is lowest wins: a pass costs
     ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
 
-    Args:
-        starts: ``(first position, first layer)`` of each cell.
-        per_pass: Most cells in one pass.
-        rows_per_cell: Rows (prompts) each cell adds to a pass.
-        length: Tokens per row.
-        costs: ``(n_layers, unembedding cost in blocks, fixed cost of a pass in tokens)``.
-
-    Returns:
-        Cell indices, one list per pass.
+    ``starts`` holds each cell's ``(first position, first layer)``, each cell adds
+    ``rows_per_cell`` rows of ``length`` tokens, ``costs`` is :meth:`PatchRun.pass_costs`.
+    Returns cell indices, one list per pass.
     """
     n_layers, unembed, overhead = costs
     position_index = {value: i for i, value in enumerate(sorted({p for p, _ in starts}))}
