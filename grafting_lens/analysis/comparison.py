@@ -532,11 +532,12 @@ def summarize_comparison(
 ) -> pd.DataFrame:
     """Top-1/top-5 accuracy, mean rank and mean target probability per group, with intervals.
 
+    ``n_resamples``, ``confidence`` and ``seed`` set the bootstrap intervals.
+
     Args:
         results: A table from :func:`compare_graft_and_patch` (or :func:`reference_scores`,
             with ``by=("prompt", "model")``).
         by: Columns that define a group; add ``"prompt"`` to keep prompts apart.
-        n_resamples, confidence, seed: The bootstrap intervals' settings.
 
     Returns:
         :func:`~grafting_lens.analysis.metrics.summarize`'s columns plus ``target_prob``,

@@ -263,12 +263,13 @@ def summarize(
 ) -> pd.DataFrame:
     """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval.
 
+    ``n_resamples``, ``confidence`` and ``seed`` are every interval's :func:`bootstrap_ci`'s.
+
     Args:
         results: One row per example and configuration, with ``target_rank`` (0 = top-1)
             and the ``by`` columns.
         by: Columns that define a group (groups keep their order of first appearance).
         ks: The k of each top-k accuracy column (``rank < k``).
-        n_resamples, confidence, seed: Every interval's :func:`bootstrap_ci` settings.
 
     Returns:
         One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,

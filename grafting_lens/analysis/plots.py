@@ -54,7 +54,7 @@ def _check_table(table: Any, columns: Iterable[str], what: str) -> None:
 
 
 def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
-    """Error bars to the interval's ends, none from too few rows (a bootstrap of 2 is no interval)."""
+    """Error bars to the interval's ends; none from too few rows (2 rows give no interval)."""
     few = group["n"] < MIN_INTERVAL_ROWS if "n" in group else pd.Series(False, index=group.index)
     return dict(
         type="data",
@@ -170,10 +170,11 @@ def plot_mean_rank(
 ) -> go.Figure:
     """Grouped bar chart of the answer's mean rank (0 = the top token; lower is better).
 
+    ``x``, ``color``, ``title`` and ``caption`` are as for :func:`plot_accuracy`.
+
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
             ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
-        x, color, title, caption: As for :func:`plot_accuracy`.
         log: A logarithmic value axis: bars drawn at rank + 1 (so rank 0 has a place),
             ticks labelled with the rank (0, 10, 100...).
 
