@@ -1,76 +1,16 @@
 """Graft attribution: every cell's effect on a metric from one forward and one backward pass.
 
-Which weights should one graft?
--------------------------------
-A graft takes a *cell* (a component at a layer, at a group of token positions such as
-the first entity FE or the last token LT) from the donor. A model of ``L`` layers with
-a dozen components and three position groups has a few hundred cells, and a sweep
-that grafts each one alone costs one forward pass per cell over every prompt. On
-GPT-2 small with every position its own group there are 1,600 of them.
-
-Attribution patching met the same wall with activations, and answered it with a
-first-order estimate (Nanda, "Attribution patching", 2023; Syed et al. 2023;
-Kramar et al. 2024, AtP*). This module does the same for weights.
-
-The estimate
-------------
-Give each (component, layer) a mixing weight ``alpha`` per token position. At those
-positions, the component's output is
-
-    out = base_out + alpha * (donor_out - base_out)
-
-where ``base_out`` is what the component computes in the run as it stands and
-``donor_out`` what the donor's module computes from the same input
-(:mod:`grafting_lens.engine.relaxation`). ``alpha = 0`` is the run as it stands, exactly;
-``alpha = 1`` at a cell's positions is the graft of that cell. The metric (one value
-per prompt, for instance the answer's log-probability at the last token) is a
-differentiable function of every ``alpha``, and one backward pass gives
-``d metric / d alpha`` at every (component, layer, position) at once. A cell's
-*estimate* is the sum of that gradient over its positions: the first-order change of
-the metric when the cell is switched,
-
-    metric(cell switched) - metric(start)  ~=  sum over the cell's positions of d metric / d alpha
-
-The *exact* effect is the left side, measured with a graft (:func:`graft_forward`).
-
-Two directions, as for patching (:mod:`grafting_lens.patching.patch`):
-
-* ``"sufficiency"`` starts from the base and switches a cell to the donor: does the
-  donor's weight there *suffice* to move the metric? (The gradient at ``alpha = 0``.)
-* ``"necessity"`` starts from the donor (every component, every position) and
-  switches a cell back to the base: does the donor *need* its own weight there? (The
-  gradient at ``alpha = 1``, read as the change when the cell goes back to the base,
-  so an important cell has a negative estimate.)
-
-A start other than the plain base may be given as a graft mask (``start=``): the
-estimates are then the effects of switching further cells on top of that graft.
-
-When the first order fails
---------------------------
-The estimate is the tangent at the start. It misleads where the metric is far from
-linear along the path from the start to the graft: when the metric saturates (a
-log-probability near 0, a softmax already decided) the gradient is near zero though
-the effect is large; when a component's effect depends on another's (attention at
-the last token needs the enriched first entity) a cell's gradient at the start says
-nothing about its effect together with others. ``method="integrated"`` averages the
-gradient over ``steps`` points along the straight path on which every attributed
-position moves together from the start to the graft of every cell (integrated
-gradients): by construction the estimates of disjoint cells then add up to the
-effect of grafting all of them, and a cell that matters only in company gets its
-share. See the concept page "What a graft attribution estimates" for when each
-fails, and verify: ``verify=k`` re-measures the ``k`` cells with the largest
-estimates exactly, ``verify="all"`` every cell, and :func:`attribution_agreement`
-reports the rank agreement.
-
-How it runs
------------
-:func:`~grafting_lens.engine.relaxation.relaxing` installs the relaxation (see
-:mod:`grafting_lens.engine.relaxation`): each slot of each attributed component computes
-both checkpoints' outputs and mixes them per position, hooks firing as usual.
-:func:`attribute_grafts` runs it over a batch of prompts, ``batch_size`` at a time,
-takes one backward pass per chunk (``steps`` for the integrated variant), and
-returns one row per cell; :class:`AttributionPlan` holds the checked settings and
-the passes, for :func:`~grafting_lens.analysis.graft_search.find_minimal_graft` too.
+A *cell* is a component at a layer at a group of token positions (``mlp_out[3]@LT``);
+grafting each alone costs a forward pass per cell. As attribution patching does for
+activations (Nanda 2023; Syed et al. 2023; Kramar et al. 2024), this module estimates them
+all at once: each attributed slot mixes its two checkpoints' outputs with a weight
+``alpha`` per position (:mod:`grafting_lens.engine.relaxation`), ``alpha = 0`` being the
+start and ``alpha = 1`` the graft, and a cell's estimate is ``d metric / d alpha`` summed
+over its positions. ``"sufficiency"`` starts from the base and switches a cell to the
+donor; ``"necessity"`` starts from the donor and switches it back (an important cell's
+estimate is then negative). ``method="integrated"`` averages the gradient along the path,
+``verify=k`` grafts the ``k`` largest cells exactly; the concept page "What a graft
+attribution estimates" says when the first order fails.
 
 Examples:
     >>> attribution = attribute_grafts(models, batch, positions=("FE", "LT"), verify=10)
@@ -80,10 +20,9 @@ Examples:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union, cast
+from typing import Any, Union
 
 import numpy as np
 import pandas as pd
@@ -102,7 +41,7 @@ from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.engine.relaxation import check_source, relaxing
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.patching.patch import DIRECTIONS
+from grafting_lens.patching.patch import check_direction, check_model_set
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -120,9 +59,9 @@ __all__ = [
 BatchMetric = Callable[[Float[torch.Tensor, "batch pos d_vocab"], TokenizedExamples], torch.Tensor]
 """``(logits, batch) -> [batch]``: one differentiable value per prompt.
 
-``batch`` holds the prompts the logits are for (a few rows of the whole batch at a
-time), so a metric reads each prompt's answer from ``batch.target_ids`` and its real
-length from ``batch.attention_mask``.
+``batch`` holds the rows the logits are for (read each answer from ``batch.target_ids``);
+the logits are each row's last real token, ``[batch, 1, d_vocab]``, or with
+``logits="all"`` every position.
 """
 
 
@@ -130,25 +69,24 @@ def target_logprob(
     logits: Float[torch.Tensor, "batch pos d_vocab"], batch: TokenizedExamples
 ) -> Float[torch.Tensor, " batch"]:
     """The log-probability of each prompt's answer at its last real token (float32)."""
-    final = metrics.last_token_logits(logits, batch.attention_mask.to(logits.device))
+    final = metrics.last_token_logits(logits, batch.attention_mask).float()
     targets = batch.target_ids.to(logits.device)[:, None]
-    return torch.log_softmax(final.float(), dim=-1).gather(1, targets).squeeze(1)
+    return torch.log_softmax(final, dim=-1).gather(1, targets).squeeze(1)
 
 
 def target_logit(
     logits: Float[torch.Tensor, "batch pos d_vocab"], batch: TokenizedExamples
 ) -> Float[torch.Tensor, " batch"]:
     """The logit of each prompt's answer at its last real token (float32)."""
-    final = metrics.last_token_logits(logits, batch.attention_mask.to(logits.device))
-    return final.float().gather(1, batch.target_ids.to(logits.device)[:, None]).squeeze(1)
+    final = metrics.last_token_logits(logits, batch.attention_mask).float()
+    return final.gather(1, batch.target_ids.to(logits.device)[:, None]).squeeze(1)
 
 
 METRICS: dict[str, BatchMetric] = {"logprob": target_logprob, "logit": target_logit}
 """The metrics named by a string: the answer's log-probability or logit at the last token."""
 
 METHODS: tuple[str, ...] = ("gradient", "integrated")
-"""``"gradient"``: the first-order estimate at the start; ``"integrated"``: integrated
-gradients along the path to the graft of every cell."""
+"""The first-order estimate at the start, or integrated gradients to the graft of every cell."""
 
 ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "cell",
@@ -166,8 +104,7 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
 """Columns of the ``frame`` of a :class:`GraftAttribution`, in order."""
 
 PositionGroups = Union[str, PositionSets]
-"""``"each"`` (every position index alone), or labelled position sets (see
-:func:`grafting_lens.engine.positions.position_sets`)."""
+"""``"each"`` (every position index alone), or position sets (span expressions...)."""
 
 Cell = tuple[str, Union[int, None], str]
 """``(component, layer, position group)``; ``layer`` is None for global components."""
@@ -179,31 +116,22 @@ def cell_label(component: str, layer: int | None, positions: str) -> str:
     return f"{where}@{positions}"
 
 
-# ----------------------------------------------------------------- attribution
-
-
 @dataclass(frozen=True)
 class GraftAttribution:
     """The estimated (and, where verified, exact) effect of switching each cell.
 
     Attributes:
-        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`): ``cell`` (its label,
-            :func:`cell_label`), ``component``, ``layer`` (``<NA>`` for global
-            components), ``positions`` (the group's label), ``estimate`` (the mean over
-            prompts of the estimated change of the metric when the cell is switched)
-            and ``estimate_se`` (its standard error over prompts), ``exact`` and
-            ``exact_se`` (the measured change, NaN where not verified), ``n``
-            (prompts), ``direction`` and ``method``.
-        agreement: :func:`attribution_agreement` of the verified cells (``None``
-            without verification).
-        start_metric: The metric's mean over prompts at the start (the base in the
-            sufficiency direction, the donor in the necessity direction): from an exact
-            graft where cells were verified or the method is ``"integrated"``, else from
-            the relaxed pass itself (the same run, to the kernels' float rounding).
-        all_cells_metric: Its mean with every attributed cell switched, measured by a
-            graft where cells were verified or the method is ``"integrated"`` (the
-            whole that integrated estimates add up to), else ``None``: a plain
-            attribution runs no graft at all.
+        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`): ``cell`` (:func:`cell_label`),
+            ``component``, ``layer`` (``<NA>`` for global components), ``positions``,
+            ``estimate`` (mean over prompts of the estimated change of the metric) and
+            ``estimate_se``, ``exact`` and ``exact_se`` (measured; NaN where not verified),
+            ``n`` (prompts), ``direction`` and ``method``.
+        agreement: :func:`attribution_agreement` of the verified cells (``None`` without).
+        start_metric: The metric's mean at the start (the base for sufficiency, the donor
+            for necessity): from an exact graft where cells were verified or the method
+            is ``"integrated"``, else from the relaxed pass (to float rounding).
+        all_cells_metric: Its mean with every cell switched, from a graft in those same
+            cases (what integrated estimates add up to), else ``None``.
         steps: Gradient evaluations per prompt (1 for ``"gradient"``).
     """
 
@@ -231,64 +159,50 @@ def attribute_grafts(
     batch_size: int = 16,
     rows_per_forward: int = 64,
     progress: bool | None = None,
+    logits: str = "last",
 ) -> GraftAttribution:
     """Estimate the effect of grafting every cell, from one forward and backward pass.
 
-    A cell is a component at a layer at a group of positions. Every cell of the grid
-    ``components x layers x positions`` is attributed at once (see the module
-    docstring): ``metric`` runs through the relaxed model, one backward pass gives its
-    gradient with respect to every cell's mixing weight, and a cell's estimate is that
-    gradient summed over its positions, averaged over prompts. With ``verify`` the
-    cells with the largest estimates are also grafted one at a time, exactly.
+    Every cell of ``components x layers x positions`` is attributed at once: a cell's
+    estimate is the metric's gradient with respect to its mixing weight, summed over its
+    positions and averaged over prompts. With ``verify`` the cells with the largest
+    estimates are also grafted one at a time, exactly.
 
     Args:
         models: The aligned checkpoints.
-        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or anything
-            :func:`~grafting_lens.analysis.batch.as_batch` accepts): right-padded prompts ending
-            before the answer.
-        metric: ``"logprob"`` (the answer's log-probability at the last token, the
-            default), ``"logit"``, or a function ``(logits, batch) -> [batch]``
-            (:data:`BatchMetric`) that is differentiable in the logits.
-        components: What to attribute: names, groups or a ``+``-joined string, as for
-            :meth:`GraftMask.build` (``"all"``: every component the model has).
-        layers: The layers of per-layer components (see
-            :func:`~grafting_lens.models.layers.resolve_layers`).
-        positions: The position groups: span expressions (``("FE", "LT",
-            "(FE+LT)^C")``), a mapping ``{label: expression, [batch, pos] boolean tensor
-            or position function}``, or ``"each"``: every position index alone
-            (labels ``"0"``, ``"1"``...). Groups may overlap; each is its own cell.
-        direction: ``"sufficiency"`` (start from the base, switch a cell to the
-            donor) or ``"necessity"`` (start from the donor everywhere, switch a cell
-            back to the base); TransformerLens's ``"denoising"``/``"noising"`` too.
+        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
+            :func:`~grafting_lens.analysis.batch.as_batch` takes), ending before the answer.
+        metric: ``"logprob"`` (the answer's log-probability, the default), ``"logit"``, or
+            a :data:`BatchMetric` differentiable in the logits.
+        components: Names, groups or a ``+``-joined string, as for :meth:`GraftMask.build`.
+        layers: The layers of per-layer components (see :func:`~grafting_lens.resolve_layers`).
+        positions: Span expressions (``("FE", "LT", "(FE+LT)^C")``), a mapping ``{label:
+            expression, [batch, pos] boolean tensor or position function}``, or ``"each"``
+            (every index alone, labelled ``"0"``, ``"1"``...). Groups may overlap.
+        direction: ``"sufficiency"`` (from the base, switch a cell to the donor) or
+            ``"necessity"`` (from the donor, switch it back); or ``"denoising"``/``"noising"``.
         source: The donor's index in the model set.
-        start: Start from this graft instead (a mask for the whole batch): cells are
-            switched to the donor (sufficiency) or to the base (necessity) on top of it.
-        method: ``"gradient"`` (the first-order estimate at the start) or
-            ``"integrated"`` (integrated gradients over ``steps`` points between the
-            start and the graft of every cell).
-        steps: Points of the integrated path (``method="integrated"`` only).
-        verify: Also measure the exact effect of the ``verify`` cells with the
-            largest absolute estimates (an int), or of every cell (``"all"``).
+        start: Start from this graft (a mask for the whole batch) instead.
+        method: ``"gradient"`` or ``"integrated"`` (over ``steps`` points to the graft of
+            every cell).
+        steps: Points of the integrated path.
+        verify: Measure the exact effect of the ``verify`` cells with the largest absolute
+            estimates (an int), or of every cell (``"all"``).
         batch_size: Prompts per relaxed pass (memory grows with it).
         rows_per_forward: Rows of one exact graft pass (prompts x verified cells).
-        progress: Show a progress bar (``None``: only where someone watches, see
-            :func:`~grafting_lens.core.console.show_progress`).
+        progress: Show a progress bar (``None``: where someone watches).
+        logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
+            unembedding run there only unless attributed) or ``"all"``.
 
     Returns:
         A :class:`GraftAttribution`.
 
     Raises:
-        AttributionError: A bad metric (not one finite, differentiable value per
-            prompt), method, steps, verify, source, start or batch size.
+        AttributionError: A bad metric (not one finite, differentiable value per prompt),
+            method, steps, verify, source, start, logits or batch size.
         ComponentError: A component the model lacks (at a layer asked for).
-        SelectionError: A layer outside the model, an unknown span, a bad position
-            group.
+        SelectionError: A layer outside the model, an unknown span, a bad position group.
         BatchError: A malformed batch.
-
-    Examples:
-        >>> result = attribute_grafts(models, batch, positions=("FE", "LT", "(FE+LT)^C"),
-        ...                           verify="all", progress=False)
-        >>> result.agreement  # Spearman correlation of estimates and exact effects
     """
     plan = AttributionPlan(
         models,
@@ -303,8 +217,9 @@ def attribute_grafts(
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
         progress=progress,
+        logits=logits,
     )
-    _check_choice("method", method, METHODS)
+    metrics.check_choice("method", method, METHODS, AttributionError)
     _check_count("steps", steps)
     if verify is not None and verify != "all":
         _check_count("verify", verify, "or 'all'")
@@ -335,14 +250,13 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     """How well estimates rank the exact effects: per position group and over all cells.
 
     Args:
-        frame: The ``frame`` of a :class:`GraftAttribution` (rows without an exact effect
-            are left out).
+        frame: A :class:`GraftAttribution`'s ``frame`` (cells not verified are left out).
 
     Returns:
-        One row per position group, then ``"all"``: ``positions``, ``cells`` (verified
-        cells), ``spearman`` (rank correlation of estimate and exact effect), ``pearson``
-        and ``sign_agreement`` (the share of cells whose estimate has the exact
-        effect's sign). Correlations are NaN with fewer than two cells or a constant column.
+        One row per position group, then ``"all"``: ``positions``, ``cells`` (verified),
+        ``spearman`` and ``pearson`` (correlations of estimate and exact effect; NaN with
+        fewer than two cells or a constant column) and ``sign_agreement`` (the share of
+        cells whose estimate has the exact effect's sign).
 
     Raises:
         AttributionError: A table without the ``estimate``, ``exact`` and ``positions`` columns.
@@ -354,17 +268,24 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
         raise AttributionError(
             f"attribution_agreement needs a GraftAttribution.frame; the table lacks {missing}."
         )
+    from scipy import stats  # imported when needed: it takes a second to import
+
+    def correlation(test: Callable, x: np.ndarray, y: np.ndarray) -> float:
+        # Undefined for fewer than two cells or a constant column (scipy would warn).
+        if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+            return float("nan")
+        return float(test(x, y).statistic)
+
     verified = frame[frame["exact"].notna()]
-    groups = [(label, part) for label, part in verified.groupby("positions", sort=False)]
     rows = []
-    for label, part in [*groups, ("all", verified)]:
+    for label, part in [*verified.groupby("positions", sort=False), ("all", verified)]:
         estimate, exact = part["estimate"].to_numpy(float), part["exact"].to_numpy(float)
         rows.append(
             {
                 "positions": label,
                 "cells": len(part),
-                "spearman": _spearman(estimate, exact),
-                "pearson": _pearson(estimate, exact),
+                "spearman": correlation(stats.spearmanr, estimate, exact),
+                "pearson": correlation(stats.pearsonr, estimate, exact),
                 "sign_agreement": float(np.mean(np.sign(estimate) == np.sign(exact)))
                 if len(part)
                 else float("nan"),
@@ -375,29 +296,13 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation of the ranks (ties take their mean rank), as scipy computes it."""
-    ranks = [pd.Series(values).rank(method="average").to_numpy() for values in (x, y)]
-    return _pearson(*ranks)
-
-
-# ----------------------------------------------------------------- the plan
-
-
 class AttributionPlan:
-    """Validated settings of an attribution over one batch, and the passes it runs.
+    """Checked settings of an attribution over one batch, and the passes it runs.
 
-    :func:`attribute_grafts` and :func:`~grafting_lens.analysis.graft_search.find_minimal_graft`
-    stand on it: it holds the cells, resolves their position groups on the batch,
-    computes gradient estimates (:meth:`estimates`) and exact effects of any sets of
-    cells switched together (:meth:`exact`). Every argument is checked in the
-    constructor, before any forward pass.
+    What :func:`attribute_grafts` and
+    :func:`~grafting_lens.analysis.graft_search.find_minimal_graft` stand on: gradient
+    estimates (:meth:`estimates`) and exact effects of sets of cells (:meth:`exact`).
+    Every argument is checked in the constructor, before any forward pass.
 
     Attributes:
         models: The model set.
@@ -425,27 +330,27 @@ class AttributionPlan:
         batch_size: int,
         rows_per_forward: int,
         progress: bool | None,
+        logits: str = "last",
     ) -> None:
-        _check_model_set(models)
-        self.models = models
-        self.metric = _check_metric(metric)
-        if direction not in DIRECTIONS:
+        check_model_set(models)
+        self.models, n = models, len(models)
+        if not callable(metric) and metric not in METRICS:
             raise AttributionError(
-                f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} "
-                "Use 'sufficiency' (start from the base, switch a cell to the donor) or "
-                "'necessity' (start from the donor, switch a cell back to the base)."
+                f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
+                f"batch) -> [batch], got {metric!r}.{did_you_mean(str(metric), METRICS)}"
             )
-        self.direction = DIRECTIONS[direction]
+        self.metric: BatchMetric = metric if callable(metric) else METRICS[str(metric)]
+        self.direction = check_direction(direction, AttributionError)
         check_source(models, source, allow_base=False)
         self.source = source
         self.switch = source if self.direction == "sufficiency" else 0
-        _check_count("batch_size", batch_size)
-        _check_count("rows_per_forward", rows_per_forward)
-        self.batch_size, self.rows_per_forward, self.progress = (
-            batch_size,
-            rows_per_forward,
-            progress,
+        for name, value in (("batch_size", batch_size), ("rows_per_forward", rows_per_forward)):
+            _check_count(name, value)
+        self.last_only = (
+            metrics.check_choice("logits", logits, ("last", "all"), AttributionError) == "last"
         )
+        self.batch_size, self.rows_per_forward = batch_size, rows_per_forward
+        self.progress = progress
         self.batch = as_batch(tokenized, models)
         shape = tuple(self.batch.tokens.shape)
         # The mask builder checks the components and layers and refuses a grid that
@@ -458,19 +363,16 @@ class AttributionPlan:
             (component, layer, label) for label in self.groups for component, layer in self.keys
         ]
         if start is not None:
-            if not isinstance(start, GraftMask):
-                raise TypeError(f"start must be a GraftMask, got {type(start).__name__}.")
-            if start.shape != shape or start.n_sources != len(models):
+            if not isinstance(start, GraftMask) or start.shape != shape or start.n_sources != n:
                 raise AttributionError(
-                    f"start is a mask for [batch, pos] = {list(start.shape)} and "
-                    f"{start.n_sources} sources; the batch is {list(shape)} and the model set "
-                    f"has {len(models)}. Build it from this batch's tokens."
+                    f"start must be a GraftMask for this batch, [batch, pos] = {list(shape)}, and "
+                    f"the model set's {n} sources; got {start!r:.80}. Build it from "
+                    "this batch's tokens."
                 )
             start.check_rows(self.batch.attention_mask)
             GraftMask.from_dict(models, {key: start[key] for key in start.keys()}, shape)
         self.start = start
 
-    # ------------------------------------------------------------------ chunks
     def chunks(self) -> Iterator[tuple[torch.Tensor, TokenizedExamples]]:
         """Row indices and rows of each chunk of ``batch_size`` prompts (cut to their longest)."""
         total = len(self.batch)
@@ -504,22 +406,15 @@ class AttributionPlan:
         lengths = rows.attention_mask.sum(dim=1)
         return GraftMask(entries, (shape[0], shape[1]), len(self.models), lengths)
 
-    # ------------------------------------------------------------------ passes
     def estimates(
         self, *, method: str = "gradient", steps: int = 1, start_cells: Sequence[Cell] = ()
     ) -> tuple[Float[torch.Tensor, "cells prompts"], Float[torch.Tensor, " prompts"] | None]:
         """Each cell's estimated effect on each prompt's metric.
 
-        Args:
-            method: ``"gradient"`` or ``"integrated"`` (see :func:`attribute_grafts`).
-            steps: Points of the integrated path.
-            start_cells: Cells already switched in the start (their estimates are 0).
-
-        Returns:
-            The estimates, and for ``"gradient"`` each prompt's metric at the start, which
-            the relaxed pass computes with every weight at 0 (the start, to the rounding
-            of the kernels: autograd keeps products off oneDNN); ``None`` for
-            ``"integrated"``, whose points all lie past the start.
+        ``start_cells`` are already switched in the start (their estimates are 0). Returns
+        the estimates and, for ``"gradient"``, each prompt's metric at the start, from the
+        relaxed pass with every weight at 0 (to the kernels' rounding: autograd keeps
+        products off oneDNN); ``None`` for ``"integrated"``, whose points lie past the start.
         """
         device = self.models.device
         points = [0.0] if method == "gradient" else [(j + 0.5) / steps for j in range(steps)]
@@ -539,29 +434,23 @@ class AttributionPlan:
                 weights = {key: (moving * point).requires_grad_() for key in self.keys}
                 with grafting(self.models, mask) as model:
                     with relaxing(self.models, weights, source=self.switch):
-                        logits = model(tokens, attention_mask=attention_mask, return_type="logits")
+                        logits = self._logits(model, tokens, attention_mask, mask)
                 values = _metric_values(self.metric, logits, rows)
                 if start is not None:
                     start[index] = values.detach().float().cpu()
-                if not values.requires_grad:
-                    raise AttributionError(
-                        "The metric's values carry no gradient to the logits, so nothing can "
-                        "be attributed: use a differentiable metric (a log-probability or a "
-                        "logit, not a rank or a top-k hit), without .detach() or .item()."
-                    )
-                gradients = torch.autograd.grad(
-                    values.sum(), list(weights.values()), allow_unused=True
+                # A metric detached from the run (.detach(), .item(), a tensor rebuilt from
+                # .tolist(), a rank) would give every cell an estimate of exactly 0.
+                gradients = (
+                    torch.autograd.grad(values.sum(), list(weights.values()), allow_unused=True)
+                    if values.requires_grad
+                    else [None]
                 )
                 if all(gradient is None for gradient in gradients):
-                    # A metric that carries a gradient but not through the run (a tensor
-                    # rebuilt from .tolist(), a constant made to require grad) would give
-                    # every cell an estimate of exactly 0.
                     raise AttributionError(
-                        "The metric's values require a gradient but do not depend on the grafted "
-                        "run (no gradient reaches any grafted component), so every estimate "
-                        "would be 0. Compute the metric from the logits it is given with torch "
-                        "operations (e.g. logits[:, -1].log_softmax(-1)[:, answer]), not from "
-                        "values copied out of them (.tolist(), .numpy(), torch.tensor(...))."
+                        "The metric's values carry no gradient through the grafted run, so every "
+                        "estimate would be 0. Compute a log-probability or a logit from the "
+                        "logits it is given with torch operations (no .detach(), .item(), "
+                        ".tolist() or ranks)."
                     )
                 for position, gradient in enumerate(gradients):
                     if gradient is not None:
@@ -574,14 +463,27 @@ class AttributionPlan:
         # Table order: position group, then the keys in residual order.
         return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch)), start
 
+    def _logits(
+        self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, mask: GraftMask
+    ) -> torch.Tensor:
+        """The relaxed run's logits: each row's last token's alone where only it is scored
+        and the unembedding is neither grafted nor relaxed (its mix needs every position)."""
+        last = attention_mask.sum(dim=1) - 1
+        rows = torch.arange(len(last), device=last.device)
+        unembed = any(component == "unembed" for component, _ in [*self.keys, *mask.keys()])
+        if not self.last_only or unembed:
+            logits = model(tokens, attention_mask=attention_mask, return_type="logits")
+            return logits[rows, last][:, None] if self.last_only else logits
+        kept, column = torch.unique(last, return_inverse=True)
+        logits = model(
+            tokens, attention_mask=attention_mask, return_type="logits", logits_to_keep=kept
+        )
+        return logits[rows, column][:, None]
+
     @torch.no_grad()
     def exact(self, configs: Sequence[Sequence[Cell]]) -> Float[torch.Tensor, "configs prompts"]:
-        """Each prompt's metric with each configuration's cells switched (exact grafts).
-
-        Each configuration is a set of cells switched together on top of the start
-        (the empty one is the start itself). Configurations of a chunk of prompts run
-        as blocks of rows of one graft pass, ``rows_per_forward`` rows at a time.
-        """
+        """Each prompt's metric with each configuration's cells switched on top of the start
+        (exact grafts, as blocks of rows of ``rows_per_forward``-row passes)."""
         configs = [tuple(config) for config in configs]
         values = torch.zeros(len(configs), len(self.batch))
         for index, rows in self.chunks():
@@ -590,8 +492,12 @@ class AttributionPlan:
                 block = configs[first : first + per_pass]
                 mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
                 repeated = self.batch.rows(index.repeat(len(block)))
-                logits = graft_forward(
-                    self.models, repeated.tokens, mask, attention_mask=repeated.attention_mask
+                logits = graft_forward(  # logits=self.logits (engine)
+                    self.models,
+                    repeated.tokens,
+                    mask,
+                    attention_mask=repeated.attention_mask,
+                    last_only=self.last_only,
                 )
                 scores = _metric_values(self.metric, logits, repeated).float().cpu()
                 values[first : first + len(block), index] = scores.reshape(len(block), -1)
@@ -605,34 +511,21 @@ class AttributionPlan:
         method: str,
     ) -> pd.DataFrame:
         """One row per cell: its estimate and exact effect, with standard errors over prompts."""
-        n = len(self.batch)
-        rows = []
-        for cell, estimate, measured in zip(self.cells, estimates, exact):
-            component, layer, label = cell
-            rows.append(
-                {
-                    "cell": cell_label(*cell),
-                    "component": component,
-                    "layer": layer,
-                    "positions": label,
-                    "estimate": float(estimate.mean()),
-                    "estimate_se": _standard_error(estimate),
-                    "exact": float(measured.mean()),
-                    "exact_se": _standard_error(measured),
-                    "n": n,
-                    "direction": self.direction,
-                    "method": method,
-                }
-            )
-        frame = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
+        frame = pd.DataFrame(self.cells, columns=["component", "layer", "positions"])
+        frame.insert(0, "cell", [cell_label(*cell) for cell in self.cells])
+        for name, values in (("estimate", estimates), ("exact", exact)):
+            frame[name] = values.mean(dim=1).tolist()  # NaN for a cell not verified
+            frame[f"{name}_se"] = [_standard_error(row) for row in values]
+        frame["n"], frame["direction"], frame["method"] = len(self.batch), self.direction, method
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
 
 
 def _standard_error(values: torch.Tensor) -> float:
-    if len(values) < 2 or bool(values.isnan().any()):
-        return float("nan")
-    return float(values.std() / math.sqrt(len(values)))
+    from scipy import stats  # imported when needed: it takes a second to import
+
+    # NaN for one prompt (no spread to measure) or an unverified cell (NaN values).
+    return float(stats.sem(values.numpy())) if len(values) > 1 else float("nan")
 
 
 def _position_groups(
@@ -640,16 +533,8 @@ def _position_groups(
 ) -> tuple[dict[str, Any], dict[str, Bool[torch.Tensor, "batch pos"]]]:
     """Label to specification, and label to ``[batch, pos]`` selection."""
     if isinstance(positions, str) and positions == "each":
-        length = batch.tokens.shape[1]
-        real = batch.attention_mask.bool()
-        specs: dict[str, Any] = {}
-        selections = {}
-        for index in range(length):
-            selection = torch.zeros_like(real)
-            selection[:, index] = real[:, index]
-            specs[str(index)] = index
-            selections[str(index)] = selection
-        return specs, selections
+        specs: dict[str, Any] = {str(index): index for index in range(batch.tokens.shape[1])}
+        return specs, resolve_groups(specs, batch)
     selections = position_sets(positions, batch.spans, batch.attention_mask)
     if isinstance(positions, str):
         specs = {positions: positions}
@@ -663,14 +548,9 @@ def _position_groups(
 def resolve_groups(
     groups: Mapping[str, Any], batch: TokenizedExamples
 ) -> dict[str, Bool[torch.Tensor, "batch pos"]]:
-    """The position groups of one batch on another (held-out prompts).
-
-    Span expressions and position functions select afresh; an index (``"each"``)
-    takes that column where the row is long enough.
-
-    Raises:
-        AttributionError: A group given as a tensor over another batch's rows.
-    """
+    """The position groups of one batch on another (held-out prompts): span expressions and
+    position functions select afresh, an index (``"each"``) takes that column where the row
+    reaches it, and a tensor over another batch's rows is an :class:`AttributionError`."""
     selections: dict[str, torch.Tensor] = {}
     for label, spec in groups.items():
         if is_integer(spec):
@@ -697,21 +577,19 @@ def _metric_values(
     """The metric of each row, checked: one finite number per prompt."""
     returned = metric(logits, rows)
     batch = len(rows)
-    if not isinstance(returned, torch.Tensor) or not returned.is_floating_point():
+    if (
+        not isinstance(returned, torch.Tensor)
+        or not returned.is_floating_point()
+        or tuple(returned.shape) != (batch,)
+    ):
         described = (
-            f"a tensor of {returned.dtype}"
+            f"{returned.dtype} of shape {list(returned.shape)}"
             if isinstance(returned, torch.Tensor)
             else f"{type(returned).__name__} {returned!r:.40}"
         )
         raise AttributionError(
-            f"The metric returned {described}; it must return a floating-point tensor of one "
-            f"value per prompt ([{batch}]), e.g. the answer's log-probability at the last token."
-        )
-    if tuple(returned.shape) != (batch,):
-        raise AttributionError(
-            f"The metric returned shape {list(returned.shape)}; it must return one value per "
-            f"prompt ([{batch}]) from logits of shape {list(logits.shape)}, not a mean or a "
-            "value per position (a cell's estimate is averaged over prompts here)."
+            f"The metric returned {described} from logits of shape {list(logits.shape)}; it "
+            f"must return one floating-point value per prompt ([{batch}]), not a mean."
         )
     finite = torch.isfinite(returned.detach())
     if not bool(finite.all()):
@@ -723,39 +601,7 @@ def _metric_values(
     return returned
 
 
-def _check_metric(metric: object) -> BatchMetric:
-    if isinstance(metric, str):
-        if metric not in METRICS:
-            raise AttributionError(
-                f"Unknown metric {metric!r}.{did_you_mean(metric, METRICS)} Named metrics: "
-                f"{', '.join(METRICS)}; or pass a function (logits, batch) -> [batch]."
-            )
-        return METRICS[metric]
-    if not callable(metric):
-        raise TypeError(
-            f"metric must be a name ({', '.join(METRICS)}) or a function (logits, batch) -> "
-            f"[batch], got {type(metric).__name__}."
-        )
-    return cast(BatchMetric, metric)
-
-
-def _check_model_set(models: object) -> None:
-    if not isinstance(models, ModelSet):
-        raise TypeError(
-            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-            "grafting_lens.load_models(base, donor, ...)."
-        )
-
-
 def _check_count(name: str, value: Any, alternative: str = "") -> None:
     if not is_integer(value) or value < 1:
         extra = f" {alternative}" if alternative else ""
         raise AttributionError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
-
-
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise AttributionError(
-            f"Unknown {name} {value!r}.{did_you_mean(str(value), choices)} Choose one of "
-            f"{', '.join(choices)}."
-        )

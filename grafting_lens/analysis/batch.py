@@ -1,24 +1,13 @@
 """The tokenized batch: the one form in which prompts reach every runner.
 
-A batch of test prompts, right padded, with what a runner needs to graft and score
-them: the token ids, the attention mask, the answer's first token per row, and named
-``[batch, pos]`` spans (first entity, relation words, movie, last token) that
-position selectors read (:func:`grafting_lens.engine.positions.select_positions`). It is
-built from prompts with character spans by :func:`tokenize_examples`, or by hand;
-every runner (:func:`~grafting_lens.analysis.comparison.compare_graft_and_patch`,
-:func:`~grafting_lens.study.run_experiment`,
-:func:`~grafting_lens.study.run_position_grafting`) takes it through
-:func:`as_batch`, the one place where a batch is checked: parts that disagree in
-shape, padding that is not right padding, ids outside the model's vocabulary.
-
-The examples it tokenizes are any objects with a ``text``, a ``target`` (the answer,
-as the next token sees it) and character ``spans``, as
-:class:`grafting_lens.worlds.data.Example` has; ``relation_id`` and ``prompt_name`` label
-rows in messages and tables when present.
+A :class:`TokenizedExamples` holds right-padded prompts, their attention mask, the answer's
+first token per row and named ``[batch, pos]`` spans that position selectors read. It is
+built by :func:`tokenize_examples` from examples with a ``text``, a ``target`` and character
+``spans`` (as :class:`grafting_lens.worlds.data.Example`), or by hand; every runner takes it
+through :func:`as_batch`, the one place a batch is checked.
 
 Examples:
     >>> batch = tokenize_examples(examples, models.tokenizer)
-    >>> batch.tokens.shape, batch.spans["first_entity"].shape
     >>> checked = as_batch(batch, models)  # what a runner does first
 """
 
@@ -60,19 +49,15 @@ class TokenizedExamples:
     Attributes:
         examples: The examples that were kept, aligned with the rows below (``None``
             for a batch built without them).
-        tokens: Token ids, right padded with the tokenizer's pad id (its eos id if it has none).
+        tokens: Token ids, right padded with the pad id (the EOS id if there is none).
         attention_mask: 1 on real tokens (including a prepended BOS), 0 on padding.
-        target_ids: The first token of each example's target, i.e. the correct next token.
-        target_full_ids: Every token of each target, for whole-name log-probabilities
-            (``None`` for a batch built without them).
+        target_ids: The first token of each example's target: the correct next token.
+        target_full_ids: Every token of each target (``None`` for a batch built without).
         spans: Boolean position masks: "first_entity" (FE), "relation", "movie" (M) when the
-            examples have one, and "last_token" (LT, the last non-pad position). The BOS is never in
-            a span.
+            examples have one, and "last_token" (LT). The BOS is never in a span.
         dropped: Examples that could not be used, each with the reason.
-        rules: How :func:`tokenize_examples` made the batch, its ``bos``, ``target`` and
-            ``spans`` (``None`` for a batch built by hand): a run under a semantics whose
-            tokenization is another refuses it, instead of labelling its rows with rules
-            they were not made by.
+        rules: :func:`tokenize_examples`' ``bos``, ``target`` and ``spans`` (``None`` for a
+            batch built by hand): a run whose semantics tokenizes otherwise refuses it.
     """
 
     examples: list[Any] | None
@@ -98,11 +83,7 @@ class TokenizedExamples:
         )
 
     def rows(self, index: Sequence[int] | torch.Tensor) -> TokenizedExamples:
-        """The rows ``index``, cut to the longest of them (so a pass computes no extra padding).
-
-        Rows are independent, so running a batch in pieces gives what running it
-        whole gives; the runners take their batches this way, a few rows at a time.
-        """
+        """The rows ``index``, cut to the longest of them (so a pass computes no extra padding)."""
         index = torch.as_tensor(index, dtype=torch.long)
         attention_mask = self.attention_mask[index]
         length = int(attention_mask.sum(dim=1).max())
@@ -123,24 +104,19 @@ class TokenizedExamples:
 def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
     """Check a tokenized batch against a model set, once, and return it on the CPU.
 
-    Every runner calls this first, so every runner accepts the same batches and
-    refuses bad ones with the same messages, before any forward pass.
-
     Args:
         tokenized: A :class:`TokenizedExamples`, or anything with ``tokens``,
-            ``attention_mask`` (``None`` for no padding), ``target_ids`` and ``spans``
-            (and optionally ``examples``, ``target_full_ids``, ``dropped``).
+            ``attention_mask`` (``None``: no padding), ``target_ids`` and ``spans``
+            (optionally ``examples``, ``target_full_ids``, ``dropped``, ``rules``).
         models: The model set the batch will run on (its vocabulary bounds the ids).
 
     Returns:
         A new :class:`TokenizedExamples` with ``long`` CPU tensors.
 
     Raises:
-        BatchError: A missing part, an attention mask, target ids, a span or an
-            example list whose shape disagrees with the tokens.
-        TokenError: Tokens or target ids that are not ids of the model's vocabulary.
-        SelectionError: An attention mask that is not right padding, or a row
-            without a real token.
+        BatchError: A missing part, parts that disagree with the tokens, bad rules.
+        TokenError: Tokens or target ids outside the model's vocabulary.
+        SelectionError: A mask that is not right padding, or a row without a real token.
     """
     missing = [name for name in BATCH_PARTS if not hasattr(tokenized, name)]
     if missing:
@@ -151,33 +127,25 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         )
     tokens = torch.as_tensor(tokenized.tokens).cpu()
     shape = models.check_tokens(tokens, "tokens")
-    tokens = tokens.long()
     attention_mask = (
         torch.ones(shape, dtype=torch.long)
         if tokenized.attention_mask is None
         else torch.as_tensor(tokenized.attention_mask).cpu().long()
     )
-    if tuple(attention_mask.shape) != shape:
-        raise BatchError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, the tokens have {shape}."
-        )
-    row_lengths(shape, attention_mask)  # right padding, no empty row
     target_ids = torch.as_tensor(tokenized.target_ids).cpu()
-    if tuple(target_ids.shape) != (shape[0],):
-        raise BatchError(
-            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per example, "
-            f"({shape[0]},)."
-        )
-    models.check_tokens(target_ids[:, None], "target_ids")
     spans = {name: torch.as_tensor(value).cpu() for name, value in dict(tokenized.spans).items()}
-    for name, value in spans.items():
-        if tuple(value.shape) != shape:
-            raise BatchError(
-                f"The span {name!r} has shape {tuple(value.shape)}, the tokens have {shape}."
-            )
     examples = getattr(tokenized, "examples", None)
-    if examples is not None and len(examples) != shape[0]:
-        raise BatchError(f"The batch has {len(examples)} examples but {shape[0]} rows of tokens.")
+    parts = {
+        "attention_mask": (tuple(attention_mask.shape), shape),
+        "target_ids": (tuple(target_ids.shape), (shape[0],)),
+        **{f"span {name!r}": (tuple(value.shape), shape) for name, value in spans.items()},
+        "examples": ((shape[0] if examples is None else len(examples),), (shape[0],)),
+    }
+    wrong = [f"{name} {got}, expected {want}" for name, (got, want) in parts.items() if got != want]
+    if wrong:
+        raise BatchError(f"Parts of the batch do not fit its tokens {shape}: {'; '.join(wrong)}.")
+    row_lengths(shape, attention_mask)  # right padding, no empty row
+    models.check_tokens(target_ids[:, None], "target_ids")
     return TokenizedExamples(
         examples=None if examples is None else list(examples),
         tokens=tokens,
@@ -191,11 +159,7 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
 
 
 def _rules(rules: Any) -> dict[str, str] | None:
-    """A batch's recorded tokenization rules, copied (``None``: not recorded).
-
-    Raises:
-        BatchError: Rules that are not a mapping of ``bos``, ``target`` and ``spans``.
-    """
+    """A batch's recorded tokenization rules, checked and copied (``None``: not recorded)."""
     if rules is None:
         return None
     if not isinstance(rules, Mapping) or set(rules) != {"bos", "target", "spans"}:
@@ -210,76 +174,63 @@ def _rules(rules: Any) -> dict[str, str] | None:
 # --------------------------------------------------------------------------- tokenizing
 
 BOS_RULES: tuple[str, ...] = ("always", "tokenizer", "never")
-"""What :func:`tokenize_examples` puts before a prompt: ``"always"`` a BOS (the EOS if
-the tokenizer has no BOS) for every tokenizer; ``"tokenizer"`` what ``tokenizer(text)``
-adds by itself, as the paper's code does (a BOS for Llama 3 and Gemma, nothing for
-GPT-2 and Pythia); ``"never"`` nothing."""
+"""What goes before a prompt: ``"always"`` a BOS (the EOS without one); ``"tokenizer"`` what
+``tokenizer(text)`` adds by itself, as the paper's code (a BOS for Llama 3 and Gemma,
+nothing for GPT-2 and Pythia); ``"never"`` nothing."""
 
 TARGET_RULES: tuple[str, ...] = ("in_context", "standalone")
-"""Which token is the answer's first: ``"in_context"`` the first token of the answer
-in the tokenization of ``text + target`` (how the model reads it); ``"standalone"``
-the first token of ``target`` (``" " + name``) tokenized on its own, as the paper's
-code does."""
+"""The answer's first token: ``"in_context"`` from the tokenization of ``text + target``
+(how the model reads it); ``"standalone"`` from ``target`` tokenized alone (the paper's code)."""
 
 SPAN_RULES: tuple[str, ...] = ("characters", "search")
-"""How a character span becomes token positions: ``"characters"`` the tokens that
-overlap the span; ``"search"`` the first occurrence of the span's text tokenized on
-its own (tried as given, then with a leading space added or removed), as the paper's
-code finds a template field; an example whose span is not found is dropped, as the
-code skips it."""
+"""How a character span becomes positions: ``"characters"`` the tokens overlapping it;
+``"search"`` the first occurrence of its tokens (as given, then with a leading space added
+or removed), as the paper's code; an example whose span is not found is dropped."""
 
 
 def _span_positions(
-    example: Any, span_names: Sequence[str], offsets: Sequence[tuple[int, int]]
+    example: Any,
+    span_names: Sequence[str],
+    offsets: Sequence[tuple[int, int]] | None,
+    ids: Sequence[int],
+    tokenizer: Any,
 ) -> dict[str, list[int]] | str:
-    """Token indices (before any BOS) overlapping each span, or the reason a span cannot be mapped."""
-    positions = {}
-    for name in span_names:
-        start, end = example.spans[name]
-        if not 0 <= start < end <= len(example.text):
-            return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
-        # Zero-width tokens (a < b fails) carry no characters and so belong to no span.
-        covered = [j for j, (a, b) in enumerate(offsets) if a < b and a < end and b > start]
-        if not covered:
-            return f"span {name!r} (characters {start}-{end}, {example.text[start:end]!r}) overlaps no token"
-        positions[name] = covered
-    return positions
+    """Token indices (before any BOS) of each span, or the reason a span cannot be mapped.
 
-
-def _searched_positions(
-    example: Any, span_names: Sequence[str], ids: Sequence[int], tokenizer: Any
-) -> dict[str, list[int]] | str:
-    """Token indices (before any BOS) of each span found by searching its tokens, as the
-    paper's code does (``find_sublist_index``), or the reason a span is not found."""
+    With ``offsets``, the tokens overlapping the span; without, the first occurrence of
+    its tokens, as the paper's code finds them (``find_sublist_index``).
+    """
     positions = {}
     for name in span_names:
         start, end = example.spans[name]
         if not 0 <= start < end <= len(example.text):
             return f"span {name!r} {(start, end)} is empty or outside the text (length {len(example.text)})"
         piece = example.text[start:end]
-        variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
-        found = None
-        for variant in variants:
-            needle = tokenizer(variant, add_special_tokens=False)["input_ids"]
-            for first in range(len(ids) - len(needle) + 1) if needle else ():
-                if list(ids[first : first + len(needle)]) == list(needle):
-                    found = list(range(first, first + len(needle)))
+        if offsets is not None:
+            # Zero-width tokens (a < b fails) carry no characters and so belong to no span.
+            found = [j for j, (a, b) in enumerate(offsets) if a < b and a < end and b > start]
+            if not found:
+                return f"span {name!r} (characters {start}-{end}, {piece!r}) overlaps no token"
+        else:
+            variants = [piece, piece.lstrip()] if piece.startswith(" ") else [piece, " " + piece]
+            for needle in tokenizer(variants, add_special_tokens=False)["input_ids"]:
+                matches = [
+                    first
+                    for first in range(len(ids) - len(needle) + 1)
+                    if needle and list(ids[first : first + len(needle)]) == list(needle)
+                ]
+                if matches:
+                    found = list(range(matches[0], matches[0] + len(needle)))
                     break
-            if found is not None:
-                break
-        if found is None:
-            return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
+            else:
+                return f"span {name!r} ({piece!r}): its tokens, as or without a leading space, do not occur in the prompt's"
         positions[name] = found
     return positions
 
 
 def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """The special tokens ``tokenizer(text)`` puts before each text by itself.
-
-    Raises:
-        BatchError: The tokenizer also adds tokens after the text (the prompt would not
-            end on its own last token).
-    """
+    """The special tokens ``tokenizer(text)`` puts before each text by itself (a
+    :class:`BatchError` if it adds some after it)."""
     with_special = tokenizer(list(texts))["input_ids"]
     plain = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     prefixes = []
@@ -306,37 +257,27 @@ def tokenize_examples(
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    By default a token belongs to a span when its character range overlaps the span, so a
-    token straddling a span's edge counts as inside it (``spans="search"`` finds the span's
-    tokens as the paper's code does, :data:`SPAN_RULES`). Prompts are tokenized without the
-    tokenizer's own special tokens; with ``bos="always"`` the BOS id (the EOS id if the
-    tokenizer has no BOS) is prepended by hand, so the result does not depend on settings like
-    ``add_bos_token``; ``bos="tokenizer"`` keeps what ``tokenizer(text)`` adds by itself, as the
-    paper's code does (:data:`BOS_RULES`).
-
-    By default the target tokens are read off the tokenization of ``text + target``, which is
-    how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
-    as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
-    a span covers no token (or, searching, is not found), a span lies outside the text, the
-    target adds no token, the target holds the tokenizer's unknown token (which every unknown
-    word shares, so two targets would be one answer), or (in context) the prompt's last token
-    merges with the target (then "the next token" is not well defined). Drops are listed in :attr:`TokenizedExamples.dropped`
-    and summarized in a warning "dropped k of n examples: ...".
+    Prompts are tokenized without the tokenizer's special tokens; ``bos="always"`` prepends
+    the BOS id (the EOS id without one) by hand, so settings like ``add_bos_token`` change
+    nothing. An example is dropped, never silently (:attr:`TokenizedExamples.dropped` and a
+    warning "dropped k of n examples: ..."), when a span covers no token (or, searching, is
+    not found) or lies outside the text, the target adds no token or holds the unknown token
+    (which every unknown word shares), or (in context) the prompt's last token merges with
+    the target, so that "the next token" is not defined.
 
     Args:
-        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by hand); all must have the same
-            span names.
-        tokenizer: A Hugging Face *fast* tokenizer (offsets are needed), e.g.
-            ``HookedTransformer.tokenizer``.
+        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by
+            hand), all with the same span names.
+        tokenizer: A Hugging Face *fast* tokenizer (offsets are needed).
         bos: What comes before each prompt, one of :data:`BOS_RULES`.
         target: Which token is the answer's first, one of :data:`TARGET_RULES`.
         spans: How spans become token positions, one of :data:`SPAN_RULES`.
 
     Raises:
-        TypeError: If the tokenizer is not a fast tokenizer.
-        BatchError: If there are no examples, if their span names differ, if every example was
-            dropped, if the tokenizer lacks the BOS/EOS/pad ids needed or adds tokens after a
-            text, or an unknown ``bos``, ``target`` or ``spans``.
+        TypeError: A tokenizer that is not fast.
+        BatchError: No examples, examples with different span names, every example
+            dropped, a tokenizer without the BOS/EOS/pad ids needed or adding tokens after
+            a text, or an unknown ``bos``, ``target`` or ``spans``.
     """
     for name, value, allowed in (
         ("bos", bos, BOS_RULES),
@@ -348,25 +289,20 @@ def tokenize_examples(
                 f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
             )
     examples = list(examples)
-    if not examples:
-        raise BatchError("no examples to tokenize.")
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError(
             f"tokenize_examples needs a fast tokenizer for character offsets, got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
         )
-    span_names = list(examples[0].spans)
-    if "last_token" in span_names:
+    span_names = list(examples[0].spans) if examples else []
+    odd = [e for e in examples if set(e.spans) != set(span_names) or "last_token" in e.spans]
+    if not examples or odd:
         raise BatchError(
-            '"last_token" is computed by tokenize_examples; remove it from Example.spans.'
+            f"tokenize_examples needs examples, none with different span names or "
+            f'"last_token" (it computes it): got {len(examples)} examples, spans '
+            f"{[sorted(e.spans) for e in odd[:2]]} against {sorted(span_names)}. Tokenize "
+            "each prompt type separately."
         )
-    for example in examples:
-        if set(example.spans) != set(span_names):
-            raise BatchError(
-                f"examples have different span names ({sorted(span_names)} vs {sorted(example.spans)}, "
-                f"relation {example.relation_id}, prompt {example.prompt_name!r}); tokenize each "
-                f"prompt type separately."
-            )
     texts = [e.text for e in examples]
     if bos == "always":
         first = (
@@ -390,17 +326,9 @@ def tokenize_examples(
         )
 
     prompts = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    if target == "in_context":
-        # The answer's tokens as the model would see them: tokenized in context, after the prompt.
-        joints = tokenizer([e.text + e.target for e in examples], add_special_tokens=False)
-        answers = [list(joint) for joint in joints["input_ids"]]
-    else:
-        answers = [
-            list(ids)
-            for ids in tokenizer([e.target for e in examples], add_special_tokens=False)[
-                "input_ids"
-            ]
-        ]
+    # In context, the answer's tokens as the model would see them: after the prompt.
+    answer_texts = [e.text + e.target if target == "in_context" else e.target for e in examples]
+    answers = [list(ids) for ids in tokenizer(answer_texts, add_special_tokens=False)["input_ids"]]
 
     unknown = getattr(tokenizer, "unk_token_id", None)
     kept: list[Any] = []
@@ -408,10 +336,8 @@ def tokenize_examples(
     dropped: list[tuple[Any, str]] = []
     for i, example in enumerate(examples):
         ids = list(prompts["input_ids"][i])
-        if spans == "characters":
-            mapped = _span_positions(example, span_names, prompts["offset_mapping"][i])
-        else:
-            mapped = _searched_positions(example, span_names, ids, tokenizer)
+        offsets = prompts["offset_mapping"][i] if spans == "characters" else None
+        mapped = _span_positions(example, span_names, offsets, ids, tokenizer)
         answer = answers[i]
         reason: str | None = None
         if isinstance(mapped, str):

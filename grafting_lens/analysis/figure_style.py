@@ -1,21 +1,10 @@
 """One plot style for every figure, the checks that it fits, and saving figures.
 
-Every figure of the package follows one style (:func:`figure_style` and the helpers it
-uses): the value axis scaled to the data (not 0-100% when every bar is under 10%), labels
-a reader knows (``"layers"``, ``"2nd quarter"``, ``(FE+LT)<sup>C</sup>``) instead of
-column names, ``n`` and what the whiskers are in the subtitle, titles wrapped to the
-figure's width and never cut, legends under the plot, and reference lines
-(:func:`add_reference_line`) labelled in the margin, clear of the bars and of each other,
-the axis grown to hold them. :func:`figure_problems` lists what a figure shows outside its
-axes (a value, an interval end, a reference line) and colour scales its data leave blank;
-the tests run it on every figure the package makes.
-
-:func:`save_figure` always writes an interactive, self-contained HTML file, and a PNG when
-it can. Static export goes through kaleido, which drives a headless Chrome; on a server or
-in CI there often is none. Then the HTML is still written, and the returned dict (and a
-warning) says why the PNG is missing and how to get it, instead of a crash at the end of a
-long run. Both files are written to a temporary name and renamed, so a file that exists is
-complete.
+:func:`figure_style` scales the value axis to the data, labels axes as a reader says them,
+puts ``n`` and the whiskers' meaning in the subtitle, wraps titles (plotly cuts them) and
+labels reference lines in the margin (:func:`add_reference_line`). :func:`figure_problems`
+lists what a figure hides; the tests run it on every figure. :func:`save_figure` writes the
+HTML always and a PNG where kaleido finds a Chrome, each complete or absent.
 """
 
 from __future__ import annotations
@@ -64,7 +53,6 @@ NO_CHROME_HINT = (
 )
 """Why a PNG is missing when kaleido finds no browser, and how to fix it."""
 
-
 COLUMN_TITLES: dict[str, str] = {
     "config": "graft configuration",
     "prompt": "test prompt",
@@ -79,7 +67,6 @@ COLUMN_TITLES: dict[str, str] = {
 }
 """What a summary's columns are called on a figure's axes and legends."""
 
-
 VALUE_LABELS: dict[str, str] = {
     "all": "all layers",
     "first_half": "first half",
@@ -91,13 +78,10 @@ VALUE_LABELS: dict[str, str] = {
 }
 """How the layer ranges read on a figure."""
 
-
 PALETTE: tuple[str, ...] = tuple(qualitative.Plotly)
 """Colours, one per trace, in order."""
 
-
 FONT = dict(family="Helvetica, Arial, sans-serif", size=13)
-
 
 INTERVAL_NOTE = "whiskers: 95% bootstrap interval"
 
@@ -134,6 +118,7 @@ def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]
 
 
 def subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
+    """The caption, then ``n`` per bar and what the whiskers are (none under too few rows)."""
     parts = [caption] if caption else []
     distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
     if len(distinct) == 1:
@@ -153,11 +138,8 @@ def subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) 
 
 
 def wrap_text(text: str, width: int) -> str:
-    """``text`` broken with ``<br>`` at spaces so that no line is longer than ``width``
-    characters (plotly never wraps a title: a long one is cut at the figure's edge).
-
-    Existing ``<br>`` breaks are kept; markup such as ``<sup>C</sup>`` counts as no width.
-    """
+    """``text`` broken with ``<br>`` at spaces into lines of at most ``width`` characters
+    (existing breaks kept; markup such as ``<sup>C</sup>`` has no width)."""
     lines: list[str] = []
     for line in text.split("<br>"):
         current: list[str] = []
@@ -178,12 +160,8 @@ NOTEBOOK_WIDTH = 760
 
 
 def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
-    """The house style: white template, a readable font, the title and its subtitle wrapped
-    to the figure's width (never cut), the legend under the plot (clear of the data and of
-    the reference lines' labels in the right margin). Returns ``fig``.
-
-    ``layout`` overrides any of these (``width``, ``height``, ``legend``...).
-    """
+    """The house style: the title and subtitle wrapped to the figure's width, the legend
+    under the plot; ``layout`` overrides any of it (``width``, ``height``...). Returns ``fig``."""
     width = layout.get("width") or fig.layout.width or NOTEBOOK_WIDTH
     fig.update_layout(
         template="plotly_white",
@@ -225,10 +203,8 @@ def add_reference_line(
 ) -> None:
     """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars.
 
-    The value axis grows to hold the line when its range is set and ``y`` is outside it (a
-    DONOR line at 98% is never drawn off a 0-50% axis); a label within a few percent of
-    the axis of another reference's label moves a line's height away from it; the right
-    margin widens to fit the label.
+    A set value axis grows to hold ``y``; a label near another reference's moves a line
+    away from it; the right margin widens to fit the label.
     """
     target = {} if row is None else dict(row=row, col=col)
     axis = "y" if row is None else yaxis_name(fig, row, col)
@@ -303,21 +279,21 @@ def save_figure(
 
     Args:
         fig: The figure.
-        path: Destination without suffix, e.g. ``"out/position_grafting"``; its
-            directory is created if needed.
+        path: Destination without suffix, e.g. ``"out/position_grafting"`` (directories
+            are created).
         png: Also try the static PNG.
         scale: PNG resolution multiplier.
-        include_plotlyjs: Passed to ``Figure.to_html``; ``True`` embeds plotly.js so
-            the HTML opens offline, ``"cdn"`` makes it small but needs a network.
-        warn: Emit a warning when the PNG could not be written.
+        include_plotlyjs: ``Figure.to_html``'s: ``True`` embeds plotly.js (opens offline),
+            ``"cdn"`` is small but needs a network.
+        warn: Warn when the PNG could not be written.
 
     Returns:
-        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths
-        written and, when ``png`` was asked for but not written, the reason.
+        ``{"html": str, "png": str | None, "png_error": str | None}``: the paths written
+        and, when a PNG was asked for but not written, the reason (with its fix).
 
     Raises:
-        GraftingLensError: ``path`` is an existing directory, or the HTML cannot
-            be written (nothing else is worth the HTML's loss).
+        GraftingLensError: ``path`` is an existing directory.
+        OSError: The HTML cannot be written.
     """
     base = Path(path)
     if base.suffix.lower() in (".html", ".png"):
@@ -329,12 +305,7 @@ def save_figure(
     base.parent.mkdir(parents=True, exist_ok=True)
     html_path = base.with_name(base.name + ".html")
     png_path = base.with_name(base.name + ".png")
-    try:
-        atomic_write(
-            html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode()
-        )
-    except OSError as error:
-        raise GraftingLensError(f"Could not write {html_path}: {error}.") from error
+    atomic_write(html_path, fig.to_html(include_plotlyjs=include_plotlyjs, full_html=True).encode())
     result: dict[str, Any] = {"html": str(html_path), "png": None, "png_error": None}
     if not png:
         return result
@@ -365,16 +336,9 @@ def _png_failure_reason(error: BaseException) -> str:
 
 
 def figure_problems(fig: go.Figure) -> list[str]:
-    """What a figure hides: values, interval ends, reference lines or their labels outside
-    the value axis's set range, and heatmap cells outside their colour scale or lost in it.
-
-    An axis left to autorange fits its data by construction; only a set ``range`` can
-    hide something (a 0-50% axis under a DONOR line at 98%). A colour scale whose data
-    fill less than a quarter of it leaves every cell nearly white.
-
-    Returns:
-        One line per problem, naming the trace or line and the range; empty when none.
-    """
+    """What a figure hides, one line each: values, interval ends, reference lines or labels
+    outside a set axis range, and heatmap cells outside their colour scale or filling less
+    than a quarter of it (nearly white)."""
     problems: list[str] = []
     layout = fig.layout
     plotted: dict[str, list[tuple[str, float]]] = {}
@@ -388,14 +352,12 @@ def figure_problems(fig: go.Figure) -> list[str]:
         values = [float(v) for v in (trace.y if trace.y is not None else ()) if _finite(v)]
         error = trace.error_y
         if error is not None and error.array is not None:
-            plus = list(error.array)
-            minus = list(error.arrayminus) if error.arrayminus is not None else plus
-            values += [
-                float(v) + float(p) for v, p in zip(trace.y, plus) if _finite(v) and _finite(p)
-            ]
-            values += [
-                float(v) - float(m) for v, m in zip(trace.y, minus) if _finite(v) and _finite(m)
-            ]
+            minus = error.arrayminus if error.arrayminus is not None else error.array
+            for sign, ends in ((1.0, error.array), (-1.0, minus)):
+                pairs = zip(trace.y, ends)
+                values += [
+                    float(v) + sign * float(e) for v, e in pairs if _finite(v) and _finite(e)
+                ]
         axis = trace.yaxis or "y"
         plotted.setdefault(axis, []).extend((f"{name!r}", v) for v in values)
     for shape in layout.shapes:

@@ -1,47 +1,14 @@
 """The smallest graft that recovers the donor: attribution proposes, exact grafts decide.
 
-The question
-------------
-Which cells (a component at a layer at a group of positions) must come from the
-donor for the base to do what the donor does? :func:`find_minimal_graft` answers
-with a small set of cells whose graft recovers at least a given ``fraction`` of the
-gap between the base's metric and the donor's (averaged over prompts):
-
-    recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) - metric(base))
-
-Finding the smallest such set exactly means trying subsets of hundreds of cells; the
-search here is greedy, with attribution to keep each step cheap, and a pruning pass
-to make the result *1-minimal* (no single cell of it can be dropped without falling
-below the fraction). It is not guaranteed to be the smallest set: a pair of cells
-that only helps together, each useless alone, can be missed by a greedy step.
-
-The search
-----------
-Each step starts from the cells accepted so far, grafted into the base:
-
-1. **Propose by attribution.** One relaxed forward and backward pass
-   (:func:`~grafting_lens.analysis.attribution.attribute_grafts`'s estimate, from the current
-   graft) ranks every remaining cell; the ``proposals`` with the largest estimates
-   are the candidates.
-2. **Accept by exact grafts.** Each candidate is added to the current set and the
-   result grafted exactly (one batched pass for all candidates); the candidate with
-   the highest exact recovery is accepted.
-
-With ``beam=b > 1`` the search keeps the ``b`` best sets of each size instead of one
-(a beam search; each beam member proposes its own candidates). It stops when the
-best set reaches ``fraction``, when no candidate improves on the best set (then the
-result is returned with ``reached=False`` and a warning), or after ``max_cells``
-cells. Then, with ``prune=True``, it drops cells while the recovery stays at or
-above ``fraction``, the one whose removal costs least first.
-
-Since attribution only proposes, a poor first-order estimate costs search steps, not
-correctness: every accepted set and every reported recovery is an exact graft.
-
-The result, :class:`MinimalGraft`, holds the cells in the order they were added, the
-recovery curve (recovery against the number of cells, on the search prompts and on
-held-out prompts, each point an exact graft of the first ``k`` cells), the log of the
-search and a :meth:`MinimalGraft.mask` to graft the cells on any batch.
-:func:`grafting_lens.analysis.plots.plot_recovery` draws the curve.
+:func:`find_minimal_graft` looks for a small set ``S`` of cells (a component at a layer at a
+group of positions) whose graft recovers at least ``fraction`` of the gap, averaged over
+prompts, ``recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) -
+metric(base))``. Each step attributes every remaining cell from the current graft and
+accepts, among the best ``proposals``, the one whose exact graft recovers most (a beam
+with ``beam > 1``); once ``fraction`` is reached it drops the cells the set can do
+without, so the result is 1-minimal. It is greedy: a pair of cells that helps only
+together can be missed. Every reported recovery is an exact graft. The concept page "What
+a graft attribution estimates" tells the story.
 
 Examples:
     >>> found = find_minimal_graft(models, batch, fraction=0.8, held_out=other_batch)
@@ -68,12 +35,12 @@ from grafting_lens.analysis.attribution import (
     BatchMetric,
     Cell,
     PositionGroups,
-    _check_choice,
     _check_count,
     cell_label,
     resolve_groups,
 )
 from grafting_lens.analysis.batch import as_batch
+from grafting_lens.analysis.metrics import check_choice
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import AttributionError
@@ -98,24 +65,20 @@ class MinimalGraft:
     """A small set of cells whose graft recovers a fraction of the donor's metric.
 
     Attributes:
-        cells: The cells in the order they were added: ``order`` (1, 2...), ``cell``
-            (its label), ``component``, ``layer`` (``<NA>`` for global components) and
-            ``positions`` (the group's label).
-        curve: The recovery of the first ``k`` cells, ``k = 0..len(cells)``, each an
-            exact graft: ``prompts`` (``"search"`` or ``"held_out"``), ``cells``
-            (``k``), ``cell`` (the ``k``-th cell's label, empty for ``k = 0``),
-            ``metric`` (mean over prompts) and ``recovery``.
-        search: The log of the search: one row per candidate set tried, with its
-            ``step``, its ``cells`` (labels joined with " + "), the ``cell`` it added,
-            that cell's ``estimate``, the set's exact ``recovery`` and whether it was
-            ``kept`` in the beam.
+        cells: In the order added: ``order`` (1, 2...), ``cell`` (its label),
+            ``component``, ``layer`` (``<NA>`` for global components), ``positions``.
+        curve: The exact recovery of the first ``k`` cells, ``k = 0..len(cells)``:
+            ``prompts`` (``"search"`` or ``"held_out"``), ``cells`` (``k``), ``cell`` (the
+            ``k``-th cell's label, empty for 0), ``metric`` (mean over prompts), ``recovery``.
+        search: One row per candidate set tried: ``step``, ``cells`` (labels joined with
+            " + "), the ``cell`` it added, its ``estimate``, the set's exact ``recovery``
+            and whether it was ``kept`` in the beam.
         fraction: The recovery asked for.
         recovery: The recovery of all the cells on the search prompts.
         held_out_recovery: The same on the held-out prompts (``None`` without them).
         reached: Whether ``recovery >= fraction``.
         reference: What a recovery of 1 is (:data:`REFERENCES`).
-        groups: Each position group's label and specification, to select the cells'
-            positions in other prompts.
+        groups: Each position group's label and specification (to select in other prompts).
         source: The donor's index in the model set.
     """
 
@@ -131,16 +94,11 @@ class MinimalGraft:
     source: int
 
     def mask(self, models: ModelSet, tokenized: Any) -> GraftMask:
-        """The graft of these cells for a batch of prompts (the search's or others).
-
-        Args:
-            models: The model set the search ran on.
-            tokenized: A tokenized batch; the cells' position groups select their
-                positions in it.
+        """The graft of these cells for a batch of prompts (the search's or others), on the
+        model set the search ran on.
 
         Raises:
-            AttributionError: A position group given as a tensor over the search's
-                prompts, for other prompts.
+            AttributionError: A position group given as a tensor over the search's prompts.
         """
         batch = as_batch(tokenized, models)
         selections = resolve_groups(self.groups, batch)
@@ -179,47 +137,34 @@ def find_minimal_graft(
     batch_size: int = 16,
     rows_per_forward: int = 64,
     progress: bool | None = None,
+    logits: str = "last",
 ) -> MinimalGraft:
     """The smallest set of cells found whose graft recovers ``fraction`` of the donor's metric.
 
-    Cells are proposed by attribution and accepted by exact grafts (see the module
-    docstring); every reported recovery is measured, on the search prompts and, when
-    given, on held-out prompts.
+    Arguments shared with :func:`~grafting_lens.analysis.attribution.attribute_grafts` mean
+    what they mean there (``metric``: higher must be better).
 
     Args:
         models: The aligned checkpoints.
         tokenized: The search prompts (a tokenized batch).
         fraction: The recovery to reach, in (0, 1].
-        held_out: Other prompts on which to report the recovery of the cells found
-            (position groups are selected afresh in them, so they must be span
-            expressions, position functions or ``"each"``).
-        metric: As for :func:`~grafting_lens.analysis.attribution.attribute_grafts`; higher
-            must be better (the donor's value is the target).
-        components: The candidate cells' components (as for :meth:`GraftMask.build`).
-        layers: Their layers.
-        positions: Their position groups (as for ``attribute_grafts``).
-        source: The donor's index in the model set.
-        reference: ``"donor"`` (recovery 1 is the donor run whole) or ``"all_cells"``
-            (the graft of every candidate cell, which may fall short of the donor when
-            the candidates leave out, say, the unembedding).
+        held_out: Other prompts on which to report the recovery of the cells found (their
+            position groups are selected afresh, so no tensors over the search's rows).
+        reference: ``"donor"`` (recovery 1 is the donor whole) or ``"all_cells"`` (the graft
+            of every candidate cell, which may fall short of the donor).
         proposals: Candidates per beam member and step, by attribution.
         beam: Sets kept per step (1: greedy).
         method: The attribution proposing candidates: ``"gradient"`` or ``"integrated"``.
-        steps: Points of the integrated path.
         max_cells: Stop after this many cells (default: every candidate).
         prune: Drop cells the result can do without.
-        batch_size: Prompts per pass.
-        rows_per_forward: Rows of one exact graft pass.
-        progress: Show a progress bar over the search's steps (``None``: only where
-            someone watches, see :func:`~grafting_lens.core.console.show_progress`).
+        progress: Show a progress bar over the search's steps.
 
     Returns:
         A :class:`MinimalGraft`.
 
     Raises:
         AttributionError: A fraction outside (0, 1], a reference that does not beat the
-            base on the metric, or a bad option (and everything ``attribute_grafts``
-            refuses).
+            base on the metric, or a bad option (and all ``attribute_grafts`` refuses).
     """
     if not is_number(fraction) or not 0 < fraction <= 1:
         raise AttributionError(
@@ -227,8 +172,8 @@ def find_minimal_graft(
             f"the donor to recover), got {fraction!r}."
         )
     fraction = float(fraction)  # a numpy float too; kept in the result as Python's
-    _check_choice("reference", reference, REFERENCES)
-    _check_choice("method", method, METHODS)
+    check_choice("reference", reference, REFERENCES, AttributionError)
+    check_choice("method", method, METHODS, AttributionError)
     for name, value in (("proposals", proposals), ("beam", beam), ("steps", steps)):
         _check_count(name, value)
     if max_cells is not None:
@@ -243,6 +188,7 @@ def find_minimal_graft(
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
         progress=False,
+        logits=logits,
     )
     plan = AttributionPlan(models, tokenized, positions=positions, **settings)
     held = None
@@ -320,20 +266,10 @@ def find_minimal_graft(
             "components or positions, or reference='all_cells'.",
             stacklevel=2,
         )
-    cells_frame = pd.DataFrame(
-        [
-            {
-                "order": order + 1,
-                "cell": cell_label(*cell),
-                "component": cell[0],
-                "layer": cell[1],
-                "positions": cell[2],
-            }
-            for order, cell in enumerate(chosen)
-        ],
-        columns=["order", "cell", "component", "layer", "positions"],
-    )
-    cells_frame["layer"] = cells_frame["layer"].astype("Int64")
+    cells_frame = pd.DataFrame(chosen, columns=["component", "layer", "positions"])
+    cells_frame.insert(0, "cell", [cell_label(*cell) for cell in chosen])
+    cells_frame.insert(0, "order", range(1, len(chosen) + 1))
+    cells_frame["layer"] = cells_frame["layer"].astype("Int64")  # <NA> for global components
     return MinimalGraft(
         cells=cells_frame,
         curve=curve,
@@ -381,7 +317,13 @@ def _donor_metric(plan: AttributionPlan) -> float:
         mask = GraftMask.build(
             plan.models, rows.tokens, source=plan.source, attention_mask=rows.attention_mask
         )
-        logits = graft_forward(plan.models, rows.tokens, mask, attention_mask=rows.attention_mask)
+        logits = graft_forward(  # logits=plan.logits (engine)
+            plan.models,
+            rows.tokens,
+            mask,
+            attention_mask=rows.attention_mask,
+            last_only=plan.last_only,
+        )
         values.append(plan.metric(logits, rows).float().cpu())
     return float(torch.cat(values).mean())
 
@@ -403,15 +345,11 @@ def _curve(
 ) -> pd.DataFrame:
     """The exact metric and recovery of each prefix of the cells found."""
     values = plan.exact(prefixes)
-    recoveries = scale.recovery(values)
-    rows = [
-        {
-            "prompts": prompts,
-            "cells": len(prefix),
-            "cell": cell_label(*prefix[-1]) if prefix else "",
-            "metric": float(values[i].mean()),
-            "recovery": recoveries[i],
-        }
-        for i, prefix in enumerate(prefixes)
-    ]
-    return pd.DataFrame(rows, columns=list(CURVE_COLUMNS))
+    columns = {
+        "prompts": [prompts] * len(prefixes),
+        "cells": [len(prefix) for prefix in prefixes],
+        "cell": [cell_label(*prefix[-1]) if prefix else "" for prefix in prefixes],
+        "metric": values.mean(dim=1).tolist(),
+        "recovery": scale.recovery(values),
+    }
+    return pd.DataFrame(columns, columns=list(CURVE_COLUMNS))

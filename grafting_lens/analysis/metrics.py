@@ -1,51 +1,14 @@
 """Scoring next-token predictions: ranks, probabilities, top-k hits and their uncertainty.
 
-The paper scores a relation as recalled when the first token of the answer is
-among the model's top five next-token candidates at the prompt's last token
-(top-5 accuracy). Top-1 is too strict for small models that hesitate between
-parts of speech (" the" versus a name) or between tokenizations of one name
-(" Rob", " Robert"); the rank of the target, and its probability, say how close
-a miss was. Everything here starts from the logits at the last *real* token of
-each row (:func:`last_token_logits` picks them out of a right-padded batch).
-
-Definitions, fixed once so every table agrees:
-
-* ``rank``: the number of other vocabulary entries whose logit is greater than
-  the target's, or equal to it. 0 means the target is the top prediction and no
-  other token ties with it. This is the *pessimistic* rank: a tie is never
-  counted as a win for the target, so a top-k hit means the target is in the
-  top ``k`` under every ordering of the tied tokens (and greedy decoding, which
-  breaks ties by index, may well not pick it). Ties are rare in float32 but
-  common in bfloat16, where counting them for the target would bias ranks
-  upward. ``ties="optimistic"`` counts only strictly greater logits, the rule
-  of the paper's code; a table built with it says so in its parameters, not
-  here. (A mean rank over tie orderings would be unbiased, but fractional, and
-  a top-k hit would stop being a yes or a no.) Ranks compare logits by default;
-  ``by="probability"`` compares the float32 softmax instead, as the paper's code
-  does: tokens whose logits differ by less than float32 can tell apart after the
-  softmax (an underflow to 0, say) then tie.
-* top-k hit: ``rank < k``, under the same tie rule.
-* probability: softmax of the logits, computed in float32.
-* Non-finite logits: a row holding a NaN or an infinite logit has no rank, hit
-  or probability. A NaN compares false with everything, so counting "tokens
-  above the target" would give it rank 0, a perfect answer; an infinite logit
-  (float16 overflow) makes ties and probabilities meaningless. Every scorer
-  here raises :class:`~grafting_lens.core.errors.NonFiniteLogitsError` naming the
-  rows instead, so a NaN can never reach a table as a hit. Such logits come
-  from a NaN or infinite weight in a checkpoint or from float16 overflow, and
-  the fix is there, not in the scoring.
-
-Aggregates come with a percentile bootstrap confidence interval of the mean
-(:func:`bootstrap_ci`), because a toy experiment has tens of examples, and a
-difference of five points between two configurations means nothing without
-one. :func:`summarize` turns a tidy results table (one row per example and
-configuration, as :func:`grafting_lens.study.run_position_grafting`
-returns) into one row per configuration and prompt.
+The paper counts a relation as recalled when the answer's first token is among the top
+five at the prompt's last real token (:func:`last_token_logits` picks it out of a
+right-padded batch); the rank and the probability say how close a miss was. A NaN logit
+would rank 0, so every scorer raises :class:`~grafting_lens.core.errors.NonFiniteLogitsError`
+instead. Aggregates carry a percentile bootstrap interval (:func:`bootstrap_ci`), since a
+toy experiment has tens of examples; :func:`summarize` gives one row per configuration.
 
 Examples:
-    >>> final = last_token_logits(logits, attention_mask)
-    >>> ranks = target_rank(final, target_ids)
-    >>> hits = top_k_hit(final, target_ids, k=5)
+    >>> ranks = target_rank(last_token_logits(logits, attention_mask), target_ids)
     >>> summarize(results).loc[:, ["config", "prompt", "top5", "top5_low", "top5_high"]]
 """
 
@@ -60,7 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError
+from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError, did_you_mean
 from grafting_lens.engine.positions import row_lengths
 
 __all__ = [
@@ -69,6 +32,7 @@ __all__ = [
     "TIE_RULES",
     "TopTokens",
     "bootstrap_ci",
+    "check_choice",
     "last_token_logits",
     "summarize",
     "target_probability",
@@ -77,23 +41,15 @@ __all__ = [
     "top_k_tokens",
 ]
 
-
 MIN_INTERVAL_ROWS = 10
-"""The fewest rows a bootstrap interval is shown for. Below it the percentile bootstrap
-says little (two hits in two rows resample to [100%, 100%]): figures draw no whisker and
-tables print "n = 2, no interval" instead. :func:`summarize` still computes it."""
+"""The fewest rows a bootstrap interval is shown for: figures draw no whisker below it
+and tables say "no interval" (two hits in two rows resample to [100%, 100%])."""
 
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
-"""How :func:`target_rank` counts tokens whose logit equals the target's.
-
-``"pessimistic"`` (the default) counts them as above the target;
-``"optimistic"`` ignores them (the rank counts strictly greater logits only).
-"""
-
+"""How :func:`target_rank` counts a tie with the target: as above it, or (the code's) not."""
 
 RANK_BY: tuple[str, ...] = ("logit", "probability")
-"""What :func:`target_rank` compares: the logits (the default) or the float32 softmax
-probabilities, as the paper's code does (``torch.softmax(logits, -1)``)."""
+"""What :func:`target_rank` compares: logits, or (the code's) float32 probabilities."""
 
 
 class TopTokens(NamedTuple):
@@ -102,12 +58,24 @@ class TopTokens(NamedTuple):
     Attributes:
         ids: ``[batch, k]`` token ids.
         probabilities: ``[batch, k]`` softmax probabilities.
-        strings: Per row, the ``k`` decoded tokens (``None`` when no tokenizer was given).
+        strings: Per row, the ``k`` decoded tokens (``None`` without a tokenizer).
     """
 
     ids: Int[torch.Tensor, "batch k"]
     probabilities: Float[torch.Tensor, "batch k"]
     strings: list[list[str]] | None
+
+
+def check_choice(
+    name: str, value: object, choices: Sequence[str], error: type[Exception] = GraftingLensError
+) -> str:
+    """``value`` if it is one of ``choices``; else ``error`` naming them (and a near miss)."""
+    if value not in choices:
+        raise error(
+            f"Unknown {name} {value!r}.{did_you_mean(str(value), choices)} "
+            f"Choose one of {', '.join(map(repr, choices))}."
+        )
+    return str(value)
 
 
 # ------------------------------------------------------------------- per example
@@ -120,36 +88,23 @@ def last_token_logits(
     """The logits at the last real (non-padding) token of each row.
 
     Args:
-        logits: Model output for a right-padded batch.
-        attention_mask: Ones then zeros in each row; ``None`` means no padding,
-            so the last position of every row is taken.
+        logits: Model output for a right-padded batch; one position is each row's last
+            token already (the mask is then not read).
+        attention_mask: Ones then zeros in each row; ``None`` means no padding.
 
     Raises:
-        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]`` or have no
-            position, or an attention mask of another shape, with values other than 0 and 1,
-            not right padded, or with an empty row (see
-            :func:`~grafting_lens.engine.positions.row_lengths`).
+        GraftingLensError: Logits that are not ``[batch, pos, d_vocab]`` with a position.
+        SelectionError: An attention mask of another shape, not right padding or not 0/1.
     """
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[1] == 0:
         raise GraftingLensError(
-            "last_token_logits expects [batch, pos, d_vocab] logits, got " + _describe(logits) + "."
+            f"Expected [batch, pos, d_vocab] logits with a position, got {_describe(logits)} "
+            "(no position means empty tokens were run)."
         )
-    batch, positions, _ = logits.shape
-    if positions == 0:
-        raise GraftingLensError(
-            f"The logits have no position (shape {tuple(logits.shape)}), so there is no last "
-            "token to score: they came from empty tokens. Run at least one token per row."
-        )
-    if attention_mask is None:
+    if attention_mask is None or logits.shape[1] == 1:
         return logits[:, -1]
-    if tuple(attention_mask.shape) != (batch, positions):
-        raise GraftingLensError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, the logits have "
-            f"[batch, pos] = {[batch, positions]}."
-        )
-    # The same rule for a row's last real token as masks and runs use.
-    lengths = row_lengths((batch, positions), attention_mask)
-    rows = torch.arange(batch, device=logits.device)
+    lengths = row_lengths(tuple(logits.shape[:2]), attention_mask)
+    rows = torch.arange(logits.shape[0], device=logits.device)
     return logits[rows, (lengths - 1).to(logits.device)]
 
 
@@ -162,30 +117,24 @@ def target_rank(
 ) -> Int[torch.Tensor, " batch"]:
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
-    The rank counts the other tokens whose logit is greater than the target's
-    and, with ``ties="pessimistic"``, those whose logit equals it (see the
-    module docstring for why ties do not go to the target).
+    The rank counts the other tokens whose logit is greater than the target's or equal to
+    it, so a top-k hit (``rank < k``) holds under every order of tied tokens (ties are
+    common in bfloat16); ``ties="optimistic"`` counts only greater ones and
+    ``by="probability"`` compares the float32 softmax, as the paper's code does.
 
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
         target_ids: The correct next token of each row.
-        ties: ``"pessimistic"`` (default: a tie counts against the target) or
-            ``"optimistic"`` (only strictly greater values count, as in the
-            paper's code). See :data:`TIE_RULES`.
-        by: ``"logit"`` (default) or ``"probability"``: compare the float32
-            softmax, as the paper's code does (see :data:`RANK_BY`).
+        ties: One of :data:`TIE_RULES`.
+        by: One of :data:`RANK_BY`.
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
         GraftingLensError: Shapes that do not match, a target outside the
-            vocabulary, or an unknown tie rule or ``by``.
+            vocabulary, or an unknown ``ties`` or ``by``.
     """
-    _check_ties(ties)
-    if by not in RANK_BY:
-        raise GraftingLensError(
-            f"by must be one of {', '.join(map(repr, RANK_BY))}, got {by!r}: 'logit' ranks "
-            "by logits, 'probability' by the float32 softmax (as the paper's code)."
-        )
+    check_choice("ties", ties, TIE_RULES)
+    check_choice("by", by, RANK_BY)
     logits, target_ids = _check(logits, target_ids)
     values = torch.softmax(logits.float(), dim=-1) if by == "probability" else logits
     target_value = values.gather(1, target_ids[:, None])
@@ -198,12 +147,7 @@ def target_rank(
 def target_probability(
     logits: Float[torch.Tensor, "batch d_vocab"], target_ids: Int[torch.Tensor, " batch"]
 ) -> Float[torch.Tensor, " batch"]:
-    """Softmax probability of each target, computed in float32.
-
-    Raises:
-        NonFiniteLogitsError: A row holds a NaN or infinite logit.
-        GraftingLensError: Shapes that do not match, or a target outside the vocabulary.
-    """
+    """Softmax probability of each target, computed in float32 (checks as :func:`target_rank`)."""
     logits, target_ids = _check(logits, target_ids)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     return log_probs.gather(1, target_ids[:, None]).squeeze(1).exp()
@@ -219,17 +163,8 @@ def top_k_hit(
 ) -> Bool[torch.Tensor, " batch"]:
     """Whether each target is among the ``k`` most likely tokens (``rank < k``).
 
-    Args:
-        logits: Logits at the last real token of each row.
-        target_ids: The correct next token of each row.
-        k: How many top tokens count as a hit.
-        ties: The tie rule of the rank (see :func:`target_rank`).
-        by: What the rank compares (see :func:`target_rank`).
-
     Raises:
-        NonFiniteLogitsError: A row holds a NaN or infinite logit.
-        GraftingLensError: ``k < 1``, shapes that do not match, a target
-            outside the vocabulary, or an unknown tie rule or ``by``.
+        GraftingLensError: ``k < 1``, and what :func:`target_rank` refuses.
     """
     _check_k(k)
     return target_rank(logits, target_ids, ties=ties, by=by) < k
@@ -240,15 +175,10 @@ def top_k_tokens(
 ) -> TopTokens:
     """The ``k`` most likely next tokens of each row, with probabilities and text.
 
-    The paper lists the top ten tokens of sample predictions: they show whether a
-    miss was a near miss (another tokenization of the name, a co-star from another
-    relation) or the model answering something else entirely.
-
     Args:
         logits: Logits at the last real token of each row.
         k: How many tokens; at most the vocabulary size.
-        tokenizer: Decodes each id on its own (``tokenizer.decode([id])``); without
-            one, ``strings`` is ``None``.
+        tokenizer: Decodes each id on its own; without one, ``strings`` is ``None``.
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
@@ -256,17 +186,10 @@ def top_k_tokens(
             ``[batch, d_vocab]``.
     """
     _check_k(k)
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise GraftingLensError(
-            "top_k_tokens expects [batch, d_vocab] logits at the last token, got "
-            + _describe(logits)
-            + ". Use last_token_logits(logits, attention_mask) first."
-        )
-    _check_finite(logits)
+    logits, _ = _check(logits)
     if k > logits.shape[1]:
         raise GraftingLensError(f"k={k} exceeds the vocabulary size {logits.shape[1]}.")
-    probabilities = torch.softmax(logits.float(), dim=-1)
-    top = probabilities.topk(k, dim=-1)
+    top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
     strings = None
     if tokenizer is not None:
         strings = [[tokenizer.decode([int(i)]) for i in row] for row in top.indices.tolist()]
@@ -282,14 +205,10 @@ def bootstrap_ci(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of the mean.
+    """Percentile bootstrap confidence interval of the mean (``scipy.stats.bootstrap``).
 
-    Resamples ``values`` with replacement ``n_resamples`` times, takes the mean of
-    each resample, and returns the ``(1 - confidence) / 2`` and
-    ``(1 + confidence) / 2`` quantiles of those means. Seeded with its own
-    ``numpy.random.Generator``, so the same inputs give the same interval and no
-    global random state is touched. For 0/1 values (hits) the interval never leaves
-    ``[0, 1]``, unlike a normal approximation; with a single value it is that value.
+    Seeded with its own generator (no global random state is touched); for 0/1 values the
+    interval stays in ``[0, 1]``, and with a single value it is that value.
 
     Args:
         values: Per-example numbers (booleans count as 0/1).
@@ -307,29 +226,31 @@ def bootstrap_ci(
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
     array = np.asarray(values, dtype=np.float64).ravel()
-    if array.size == 0:
-        raise GraftingLensError("bootstrap_ci needs at least one value, got none.")
-    if not np.isfinite(array).all():
+    if (
+        array.size == 0
+        or not np.isfinite(array).all()
+        or not is_integer(n_resamples)
+        or n_resamples < 1
+        or not 0.0 < confidence < 1.0
+    ):
         raise GraftingLensError(
-            "bootstrap_ci got NaN or infinite values; drop or fill them first "
-            f"({int((~np.isfinite(array)).sum())} of {array.size})."
+            f"bootstrap_ci needs finite values (got {array.size}, "
+            f"{int((~np.isfinite(array)).sum())} not finite), n_resamples >= 1 (got "
+            f"{n_resamples!r}) and a confidence in (0, 1) (got {confidence!r})."
         )
-    if not is_integer(n_resamples) or n_resamples < 1:
-        raise GraftingLensError(f"n_resamples must be an integer >= 1, got {n_resamples!r}.")
-    if not 0.0 < confidence < 1.0:
-        raise GraftingLensError(f"confidence must lie in (0, 1), e.g. 0.95; got {confidence!r}.")
-    generator = np.random.default_rng(seed)
-    n = array.size
-    # Resample in blocks so a large table does not need an n_resamples x n index array.
-    block = max(1, min(n_resamples, 4_000_000 // n))
-    means = np.empty(n_resamples)
-    for start in range(0, n_resamples, block):
-        stop = min(start + block, n_resamples)
-        indices = generator.integers(0, n, size=(stop - start, n))
-        means[start:stop] = array[indices].mean(axis=1)
-    alpha = (1.0 - confidence) / 2.0
-    low, high = np.quantile(means, [alpha, 1.0 - alpha])
-    return float(low), float(high)
+    if array.size == 1:  # scipy refuses one observation; its every resample is itself
+        return float(array[0]), float(array[0])
+    from scipy import stats  # imported when needed: it takes a second to import
+
+    interval = stats.bootstrap(
+        (array,),
+        np.mean,
+        n_resamples=int(n_resamples),
+        confidence_level=confidence,
+        method="percentile",
+        rng=np.random.default_rng(seed),
+    ).confidence_interval
+    return float(interval.low), float(interval.high)
 
 
 def summarize(
@@ -342,136 +263,95 @@ def summarize(
 ) -> pd.DataFrame:
     """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval.
 
+    ``n_resamples``, ``confidence`` and ``seed`` are every interval's :func:`bootstrap_ci`'s.
+
     Args:
-        results: One row per example and configuration with a ``target_rank``
-            column (0 = top-1) and the ``by`` columns, as
-            :func:`~grafting_lens.study.position_grafting.run_position_grafting` returns.
-        by: Columns that define a group. Groups keep the order in which they first
-            appear, so configurations stay in the order they were run (PRE, SFT,
-            FE...), not alphabetical.
-        ks: The k of each top-k accuracy column, computed as ``rank < k``.
-        n_resamples: Bootstrap resamples per interval (see :func:`bootstrap_ci`).
-        confidence: Coverage of every interval.
-        seed: Seed of every bootstrap, so the table is reproducible.
+        results: One row per example and configuration, with ``target_rank`` (0 = top-1)
+            and the ``by`` columns.
+        by: Columns that define a group (groups keep their order of first appearance).
+        ks: The k of each top-k accuracy column (``rank < k``).
 
     Returns:
-        One row per group: the ``by`` columns, ``n``, then for each ``k``
-        ``top{k}``, ``top{k}_low``, ``top{k}_high``, then ``mean_rank``,
-        ``mean_rank_low``, ``mean_rank_high``.
+        One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,
+        ``top{k}_low``, ``top{k}_high``, then ``mean_rank``, ``mean_rank_low``,
+        ``mean_rank_high``.
 
     Raises:
-        GraftingLensError: An empty table, missing columns, or a bad ``k``.
+        GraftingLensError: Not a non-empty table with the columns, ranks that are not
+            non-negative numbers, or a bad ``k``.
     """
-    if not isinstance(results, pd.DataFrame):
-        raise GraftingLensError(
-            f"summarize expects a pandas DataFrame, got {type(results).__name__}."
-        )
-    if isinstance(by, str):
-        by = (by,)
-    by = list(by)
+    by = [by] if isinstance(by, str) else list(by)
     ks = [ks] if is_integer(ks) else list(ks)
     for k in ks:
         _check_k(k)
-    if len(set(ks)) != len(ks):
-        raise GraftingLensError(f"ks has repeated values: {ks}.")
-    missing = [column for column in [*by, "target_rank"] if column not in results.columns]
-    if missing:
+    columns = getattr(results, "columns", ())
+    missing = [column for column in [*by, "target_rank"] if column not in columns]
+    if not isinstance(results, pd.DataFrame) or results.empty or missing:
         raise GraftingLensError(
-            f"summarize needs the columns {missing}, which the table lacks (it has "
-            f"{list(results.columns)}). Pass by=... naming columns it has."
+            f"summarize needs a non-empty DataFrame with the columns {[*by, 'target_rank']}; "
+            f"got {type(results).__name__} lacking {missing}. Pass by=... naming its columns."
         )
-    if results.empty:
-        raise GraftingLensError("summarize got an empty table: there is nothing to summarize.")
     ranks = pd.to_numeric(results["target_rank"], errors="coerce")
-    if ranks.isna().any() or (ranks < 0).any():
+    if ranks.isna().any() or (ranks < 0).any() or len(set(ks)) != len(ks):
         raise GraftingLensError(
-            "target_rank must hold non-negative numbers (0 = top-1), without NaN."
+            f"summarize needs target_rank to hold numbers >= 0 (0 = top-1) and distinct ks "
+            f"(got {ks})."
         )
-
-    columns = [*by, "n"]
-    for k in ks:
-        columns += [f"top{k}", f"top{k}_low", f"top{k}_high"]
-    columns += ["mean_rank", "mean_rank_low", "mean_rank_high"]
     rows = []
-    grouped = results.assign(_rank=ranks).groupby(by, sort=False, observed=True, dropna=False)
-    for key, group in grouped:
-        key = key if isinstance(key, tuple) else (key,)
-        row: dict[str, Any] = dict(zip(by, key))
+    groups = results.assign(_rank=ranks).groupby(by, sort=False, observed=True, dropna=False)
+    for key, group in groups:
+        row: dict[str, Any] = dict(zip(by, key if isinstance(key, tuple) else (key,)))
         group_ranks = group["_rank"].to_numpy(dtype=np.float64)
         row["n"] = len(group_ranks)
-        for k in ks:
-            hits = group_ranks < k
-            row[f"top{k}"] = float(hits.mean())
-            row[f"top{k}_low"], row[f"top{k}_high"] = bootstrap_ci(
-                hits, n_resamples, confidence, seed
+        hits = {f"top{k}": group_ranks < k for k in ks}
+        for name, values in [*hits.items(), ("mean_rank", group_ranks)]:
+            row[name] = float(values.mean())
+            row[f"{name}_low"], row[f"{name}_high"] = bootstrap_ci(
+                values, n_resamples, confidence, seed
             )
-        row["mean_rank"] = float(group_ranks.mean())
-        row["mean_rank_low"], row["mean_rank_high"] = bootstrap_ci(
-            group_ranks, n_resamples, confidence, seed
-        )
         rows.append(row)
-    return pd.DataFrame(rows, columns=columns)
+    return pd.DataFrame(rows)
 
 
-# ----------------------------------------------------------------------- helpers
-
-
-def _check(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+def _check(logits: Any, target_ids: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[batch, d_vocab]`` finite logits and, if given, one in-vocabulary id per row."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[0] == 0:
         raise GraftingLensError(
-            "Expected [batch, d_vocab] logits at the last token, got "
-            + _describe(logits)
-            + ". Use last_token_logits(logits, attention_mask) to pick them out."
+            f"Expected [batch, d_vocab] logits at the last token with a row, got "
+            f"{_describe(logits)}. Use last_token_logits(logits, attention_mask) first."
         )
-    target_ids = torch.as_tensor(target_ids)
-    if target_ids.dim() != 1 or target_ids.shape[0] != logits.shape[0]:
-        raise GraftingLensError(
-            f"target_ids has shape {tuple(target_ids.shape)}; expected one id per row, "
-            f"({logits.shape[0]},)."
-        )
-    if logits.shape[0] == 0:
-        raise GraftingLensError("Got an empty batch: there is no prediction to score.")
-    if target_ids.is_floating_point() or target_ids.is_complex() or target_ids.dtype == torch.bool:
-        raise GraftingLensError(f"target_ids must hold integer token ids, got {target_ids.dtype}.")
-    vocab = logits.shape[1]
-    # As int64: torch has no min/max for its unsigned types wider than 8 bits.
-    target_ids = target_ids.to(torch.long)
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= vocab:
-        raise GraftingLensError(
-            f"target_ids must lie in 0..{vocab - 1}, the vocabulary of the logits."
-        )
-    _check_finite(logits)
-    return logits, target_ids.to(device=logits.device, dtype=torch.long)
-
-
-def _check_finite(logits: torch.Tensor) -> None:
-    """Refuse rows holding a NaN or infinite logit (see the module docstring)."""
+    wide = torch.empty(0, dtype=torch.long)
+    if target_ids is not None:
+        ids = torch.as_tensor(target_ids)
+        integer = not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+        # As int64: torch has no min/max for its unsigned types wider than 8 bits.
+        wide = ids.to(torch.long)
+        if (
+            ids.dim() != 1
+            or ids.shape[0] != logits.shape[0]
+            or not integer
+            or int(wide.min()) < 0
+            or int(wide.max()) >= logits.shape[1]
+        ):
+            raise GraftingLensError(
+                f"target_ids must hold one id per row in 0..{logits.shape[1] - 1} (the "
+                f"vocabulary of the logits); got {ids.dtype} of shape {tuple(ids.shape)} for "
+                f"{logits.shape[0]} rows."
+            )
     bad = ~torch.isfinite(logits).all(dim=1)
-    if not bool(bad.any()):
-        return
-    rows = bad.nonzero().squeeze(1).tolist()
-    shown = ", ".join(str(row) for row in rows[:5]) + (", ..." if len(rows) > 5 else "")
-    nan = bool(torch.isnan(logits[bad]).any())
-    raise NonFiniteLogitsError(
-        f"{len(rows)} of {logits.shape[0]} rows of logits (rows {shown}) hold "
-        f"{'NaN' if nan else 'infinite'} values, so they have no rank, hit or probability; "
-        "they are refused rather than scored (a NaN would rank 0, a perfect answer). Usual "
-        "causes: a NaN or infinite weight in a checkpoint (check "
-        "all(torch.isfinite(p).all() for p in model.parameters()) for each source), or "
-        f"float16 overflow (these logits are {logits.dtype}; load the models with "
-        "dtype=torch.float32 or torch.bfloat16)."
-    )
-
-
-def _check_ties(ties: object) -> None:
-    if ties not in TIE_RULES:
-        raise GraftingLensError(
-            f"ties must be one of {', '.join(map(repr, TIE_RULES))}, got {ties!r}: "
-            "'pessimistic' counts a tie against the target, 'optimistic' for it."
+    if bool(bad.any()):
+        rows = bad.nonzero().squeeze(1).tolist()
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        kind = "NaN" if bool(torch.isnan(logits[bad]).any()) else "infinite"
+        raise NonFiniteLogitsError(
+            f"{len(rows)} of {logits.shape[0]} rows of logits (rows {shown}) hold {kind} values, "
+            f"so they are not scored. Check the checkpoints' weights; these are {logits.dtype}: "
+            "float16 overflows (load in float32 or bfloat16)."
         )
+    return logits, wide.to(logits.device)
 
 
-def _check_k(k: int) -> None:
+def _check_k(k: object) -> None:
     if not is_integer(k) or k < 1:
         raise GraftingLensError(f"k must be an integer >= 1, got {k!r}.")
 

@@ -1,31 +1,22 @@
-"""Figures of grafting results, fit for a paper, and saving them so they survive a machine without Chrome.
+"""Figures of grafting results, fit for a paper.
 
-The paper's figures are grouped bar charts: one group per graft configuration
-(PRE, SFT, FE, LT...), one bar per prompt, the height the top-5 accuracy.
-:func:`plot_accuracy` draws that chart from :func:`grafting_lens.analysis.metrics.summarize`'s
-table, with bootstrap confidence intervals as error bars, since a toy run has few
-examples per bar. :func:`plot_mean_rank` draws the mean rank of the answer the same
-way: where top-k accuracy sits at the floor (every bar near 0%), the rank still shows
-which grafts move the answer up.
-
-Every figure follows one style (:mod:`grafting_lens.analysis.figure_style`: the value
-axis scaled to the data, labels a reader knows, ``n`` and what the whiskers are in the
-subtitle, a caption saying the setting, zero-height bars drawn as a line so that a 0% is
-visible, reference lines labelled in the margin), and is saved with
-:func:`~grafting_lens.analysis.figure_style.save_figure` (HTML always, PNG where a Chrome
-is), which this module serves too.
+The paper's figures are grouped bar charts: one group per graft configuration (PRE, SFT,
+FE, LT...), one bar per prompt, the height the top-5 accuracy (:func:`plot_accuracy`),
+with bootstrap whiskers; :func:`plot_mean_rank` shows the rank, which still moves where
+accuracy sits at the floor. :func:`plot_comparison`, :func:`plot_attribution` and
+:func:`plot_recovery` draw grafting beside patching, a graft attribution and a minimal
+graft's recovery. The style and :func:`~grafting_lens.analysis.figure_style.save_figure`
+are :mod:`grafting_lens.analysis.figure_style`'s.
 
 Examples:
-    >>> summary = metrics.summarize(results)
-    >>> fig = plot_accuracy(summary, k=5, caption="toy world, semantics reference")
-    >>> save_figure(fig, "out/position_grafting")
-    {'html': 'out/position_grafting.html', 'png': 'out/position_grafting.png', 'png_error': None}
+    >>> fig = plot_accuracy(metrics.summarize(results), k=5, caption="toy world, reference")
+    >>> figure_style.save_figure(fig, "out/position_grafting")
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pandas as pd
@@ -33,50 +24,45 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from grafting_lens.analysis.figure_style import (
-    COLUMN_TITLES,
-    NO_CHROME_HINT,
     PALETTE,
-    VALUE_LABELS,
     add_reference_line,
     axis_range,
     column_title,
     display_label,
-    figure_problems,
     figure_style,
-    save_figure,
     subtitle,
-    wrap_text,
 )
-from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
-from grafting_lens.core.errors import GraftingLensError, did_you_mean
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, check_choice
+from grafting_lens.core.errors import GraftingLensError
 
 __all__ = [
-    "COLUMN_TITLES",
-    "NO_CHROME_HINT",
-    "VALUE_LABELS",
-    "add_reference_line",
-    "axis_range",
-    "display_label",
-    "figure_problems",
-    "figure_style",
     "plot_accuracy",
     "plot_attribution",
     "plot_comparison",
     "plot_mean_rank",
     "plot_recovery",
-    "save_figure",
-    "wrap_text",
 ]
 
 
-def _check_summary(summary: Any, columns: Sequence[str], function: str, hint: str) -> None:
-    if not isinstance(summary, pd.DataFrame) or summary.empty:
+def _check_table(table: Any, columns: Iterable[str], what: str) -> None:
+    """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits."""
+    missing = [column for column in columns if column not in getattr(table, "columns", ())]
+    if not isinstance(table, pd.DataFrame) or table.empty or missing:
         raise GraftingLensError(
-            f"{function} needs a non-empty table from grafting_lens.analysis.metrics.summarize."
+            f"Expected a non-empty {what}; got {type(table).__name__} lacking the columns {missing}."
         )
-    missing = [c for c in columns if c not in summary.columns]
-    if missing:
-        raise GraftingLensError(f"The summary lacks the columns {missing}. {hint}")
+
+
+def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
+    """Error bars to the interval's ends; none from too few rows (2 rows give no interval)."""
+    few = group["n"] < MIN_INTERVAL_ROWS if "n" in group else pd.Series(False, index=group.index)
+    return dict(
+        type="data",
+        symmetric=False,
+        array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
+        arrayminus=(group[value] - group[f"{value}_low"]).clip(lower=0).mask(few),
+        **style,
+    )
 
 
 def _bars(
@@ -99,10 +85,7 @@ def _bars(
     for index, (name, group) in enumerate(summary.groupby(color, sort=False)):
         counts = group["n"] if "n" in group else pd.Series([None] * len(group), index=group.index)
         shade = PALETTE[index % len(PALETTE)]
-        # No whisker from too few rows: a bootstrap of 2 rows is no interval.
-        few = counts.apply(lambda n: n is not None and not pd.isna(n) and n < MIN_INTERVAL_ROWS)
-        up = (group[high] - group[value]).clip(lower=0).mask(few)
-        down = (group[value] - group[low]).clip(lower=0).mask(few)
+        whiskers = _whiskers(group, value, color="#333", thickness=1.2, width=3)
         fig.add_trace(
             go.Bar(
                 name=display_label(name),
@@ -110,15 +93,7 @@ def _bars(
                 y=group[value],
                 # A bar of height 0 has no area; its outline still draws a line at 0.
                 marker=dict(color=shade, line=dict(color=shade, width=1.5)),
-                error_y=dict(
-                    type="data",
-                    symmetric=False,
-                    array=up,
-                    arrayminus=down,
-                    color="#333",
-                    thickness=1.2,
-                    width=3,
-                ),
+                error_y=whiskers,
                 customdata=list(zip(group[low], group[high], counts, *(group[c] for c in extra))),
                 hovertemplate=(
                     f"{column_title(color)}: {display_label(name)}<br>"
@@ -126,7 +101,7 @@ def _bars(
                 ),
             )
         )
-        ends += [*group[value], *group[high].mask(few, group[value])]
+        ends += [*group[value], *(group[value] + whiskers["array"].fillna(0))]
     fig.update_layout(
         barmode="group",
         bargap=0.25,
@@ -151,34 +126,24 @@ def plot_accuracy(
     """Grouped bar chart of top-k accuracy: groups along ``x``, one bar per ``color``.
 
     Args:
-        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with columns
-            ``x``, ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
+            ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
         k: Which top-k accuracy to plot (``summarize`` must have computed it).
         x: Column along the horizontal axis; its values keep their table order.
         color: Column giving one bar (and legend entry) per value in each group.
         title: Figure title (default: "Top-{k} accuracy").
-        caption: The setting, shown under the title before ``n`` (e.g. "toy world,
-            semantics reference, base unembedding").
-
-    Returns:
-        A plotly figure; error bars span the bootstrap confidence interval, the value
-        axis fits the data (see :func:`axis_range`).
+        caption: The setting, shown under the title before ``n``.
 
     Raises:
-        GraftingLensError: An empty table or missing columns (the message says
-            which ``k`` values the table has).
+        GraftingLensError: An empty table or missing columns (naming the table's ks).
     """
     value = f"top{k}"
-    if isinstance(summary, pd.DataFrame):
-        available = sorted(c for c in summary.columns if c.startswith("top") and c[3:].isdigit())
-    else:
-        available = []
-    _check_summary(
+    columns = getattr(summary, "columns", ())
+    available = sorted(c for c in columns if c.startswith("top") and c[3:].isdigit())
+    _check_table(
         summary,
         (x, color, value, f"{value}_low", f"{value}_high"),
-        "plot_accuracy",
-        f"It has the accuracies {available}; pass k=... accordingly or "
-        f"summarize(results, ks=(..., {k})).",
+        f"summary with top-{k}: it has {available}; pass k=... or summarize(results, ks=(..., {k}))",
     )
     fig, ends = _bars(
         summary,
@@ -205,28 +170,21 @@ def plot_mean_rank(
 ) -> go.Figure:
     """Grouped bar chart of the answer's mean rank (0 = the top token; lower is better).
 
-    Where top-k accuracy sits at the floor the rank still moves: it tells a graft that
-    brings the answer from rank 3,000 to rank 40 from one that does nothing.
+    ``x``, ``color``, ``title`` and ``caption`` are as for :func:`plot_accuracy`.
 
     Args:
-        summary: A table from :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
+        summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
             ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
-        x: Column along the horizontal axis; its values keep their table order.
-        color: Column giving one bar per value in each group.
-        title: Figure title (default: "Mean rank of the answer").
-        caption: The setting, shown under the title before ``n``.
-        log: A logarithmic value axis (ranks span orders of magnitude): bars are drawn
-            at rank + 1, so that rank 0 has a place on it, and the ticks are labelled
-            with the rank (0, 10, 100...), as the tables print it.
+        log: A logarithmic value axis: bars drawn at rank + 1 (so rank 0 has a place),
+            ticks labelled with the rank (0, 10, 100...).
 
     Raises:
         GraftingLensError: An empty table or missing columns.
     """
-    _check_summary(
+    _check_table(
         summary,
         (x, color, "mean_rank", "mean_rank_low", "mean_rank_high"),
-        "plot_mean_rank",
-        "summarize(results) computes mean_rank with its interval.",
+        "table from summarize(results)",
     )
     shown = summary.copy()
     ranks = ("mean_rank", "mean_rank_low", "mean_rank_high")
@@ -270,7 +228,6 @@ def plot_mean_rank(
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
 
-
 _VALUE_TITLES = {
     "top1": "top-1 accuracy",
     "top5": "top-5 accuracy",
@@ -290,42 +247,35 @@ def plot_comparison(
 ) -> go.Figure:
     """Grafting and patching layer by layer, side by side, one panel per position set and pair.
 
-    Each panel has one line per method over the layers, with the bootstrap
-    interval as error bars; dashed horizontal lines mark the references
-    (e.g. the base and the donor, from :func:`reference_scores`).
+    Each panel has one line per method over the layers, with bootstrap error bars, and
+    dotted lines at the references (the base and the donor, from ``reference_scores``).
 
     Args:
-        summary: From :func:`summarize_comparison`, grouped by ``method``, ``layer``
-            and the ``row`` and ``col`` columns.
+        summary: From ``summarize_comparison``, grouped by ``method``, ``layer`` and the
+            ``row`` and ``col`` columns.
         value: ``"top5"``, ``"top1"``, ``"target_prob"`` or ``"mean_rank"``.
         row: Column (or columns, joined with " / ") giving one row of panels per value.
         col: Column giving one column of panels per value.
-        references: A summary with a ``model`` column and ``value``; it may also
-            have the ``row``/``col`` columns, and then each panel shows only the
-            matching references.
+        references: A summary with ``model`` and ``value`` columns; those with the
+            ``row``/``col`` columns are drawn in the matching panels only.
         title: Figure title.
         caption: The setting, shown under the title before ``n``.
 
     Raises:
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
     """
-    if value not in _VALUE_TITLES:
-        raise GraftingLensError(
-            f"Unknown value {value!r}.{did_you_mean(value, _VALUE_TITLES)} "
-            f"Choose one of {', '.join(_VALUE_TITLES)}."
+    check_choice("value", value, list(_VALUE_TITLES))
+    if references is not None:
+        _check_table(
+            references, ("model", value), "references: summarize_comparison(reference_scores(...))"
         )
     rows = [row] if isinstance(row, str) else list(row)
-    if not isinstance(summary, pd.DataFrame) or summary.empty:
-        raise GraftingLensError(
-            "plot_comparison needs a non-empty table from summarize_comparison."
-        )
-    needed = [*rows, col, "method", "layer", value, f"{value}_low", f"{value}_high"]
-    missing = [column for column in needed if column not in summary.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The summary lacks the columns {missing}; summarize with "
-            f"by=({', '.join(repr(c) for c in [*rows, col, 'method', 'layer'])})."
-        )
+    by = [*rows, col, "method", "layer"]
+    _check_table(
+        summary,
+        [*by, value, f"{value}_low", f"{value}_high"],
+        f"table from summarize_comparison(results, by={tuple(by)})",
+    )
     row_keys = list(dict.fromkeys(map(tuple, summary[rows].itertuples(index=False))))
     col_keys = list(dict.fromkeys(summary[col]))
     fig = make_subplots(
@@ -345,11 +295,6 @@ def plot_comparison(
             for method, group in panel.groupby("method", sort=False):
                 group = group.sort_values("layer")
                 color = _METHOD_COLORS.get(str(method))
-                few = (
-                    group["n"] < MIN_INTERVAL_ROWS
-                    if "n" in group
-                    else pd.Series(False, index=group.index)
-                )
                 fig.add_trace(
                     go.Scatter(
                         x=group["layer"],
@@ -359,14 +304,7 @@ def plot_comparison(
                         legendgroup=str(method),
                         showlegend=str(method) not in legend_shown,
                         line=dict(color=color),
-                        error_y=dict(
-                            type="data",
-                            symmetric=False,
-                            array=(group[f"{value}_high"] - group[value]).clip(lower=0).mask(few),
-                            arrayminus=(group[value] - group[f"{value}_low"])
-                            .clip(lower=0)
-                            .mask(few),
-                        ),
+                        error_y=_whiskers(group, value),
                         hovertemplate=(
                             f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
                             "<extra></extra>"
@@ -387,25 +325,31 @@ def plot_comparison(
             ends += list(references[value])
         low, high = axis_range(ends)
         fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
-    if references is not None:
-        for r, row_key in enumerate(row_keys, start=1):
-            for c, col_key in enumerate(col_keys, start=1):
-                _add_references(
-                    fig,
-                    references,
-                    value,
-                    dict(zip(rows, row_key)),
-                    col,
-                    col_key,
-                    r,
-                    c,
-                    label=c == len(col_keys),
-                )
-    # Each row says what it holds in its axis title: a row title in the right margin would
-    # run into the references' labels there.
     for r, row_key in enumerate(row_keys, start=1):
+        # Each row says what it holds in its axis title: a row title in the right margin
+        # would run into the references' labels there.
         label = " / ".join(map(display_label, row_key))
         fig.update_yaxes(title_text=f"{label}<br>{_VALUE_TITLES[value]}", row=r, col=1)
+        for c, col_key in enumerate(col_keys, start=1):
+            if references is None:
+                break
+            matching = references
+            for column, key in [*zip(rows, row_key), (col, col_key)]:
+                if column in matching.columns:
+                    matching = matching[matching[column] == key]
+            # References at one value (the donor and its stream read by the base, say)
+            # share a line and a label.
+            by_value: dict[float, list[str]] = {}
+            for y, model in zip(matching[value], matching["model"]):
+                by_value.setdefault(round(float(y), 4), []).append(str(model))
+            for y, models in sorted(by_value.items()):
+                text = " = ".join(models) + (f" {y:,.1f}" if value == "mean_rank" else f" {y:.0%}")
+                if c == len(col_keys):
+                    # Labelled in the margin of the row's last panel: the lines align across
+                    # a row, and labels inside narrow panels would run into the data.
+                    add_reference_line(fig, y, text, row=r, col=c)
+                else:
+                    fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
     counts = summary["n"].tolist() if "n" in summary else []
     figure_style(
         fig,
@@ -416,45 +360,6 @@ def plot_comparison(
         legend_title_text="method",
     )
     return fig
-
-
-def _add_references(
-    fig: go.Figure,
-    references: pd.DataFrame,
-    value: str,
-    row_values: Mapping[str, Any],
-    col: str,
-    col_key: Any,
-    r: int,
-    c: int,
-    label: bool,
-) -> None:
-    if "model" not in references.columns or value not in references.columns:
-        raise GraftingLensError(
-            f"references needs the columns 'model' and {value!r}: summarize "
-            "reference_scores(...) with by=('model',) (plus any panel columns)."
-        )
-    matching = references
-    for column, key in [*row_values.items(), (col, col_key)]:
-        if column in matching.columns:
-            matching = matching[matching[column] == key]
-    # References at one value (the donor and its stream read by the base, say) share a
-    # line and a label.
-    by_value: dict[float, list[str]] = {}
-    for _, reference in matching.iterrows():
-        by_value.setdefault(round(float(reference[value]), 4), []).append(str(reference["model"]))
-    for y, models in sorted(by_value.items()):
-        number = f"{y:.0%}" if value != "mean_rank" else f"{y:,.1f}"
-        text = " = ".join(models) + f" {number}"
-        if label:
-            # Labelled in the right margin of the row's last panel: the lines align across
-            # a row, and labels inside narrow panels would run into the data.
-            add_reference_line(fig, y, text, row=r, col=c)
-        else:
-            fig.add_hline(y=y, line=dict(dash="dot", color="#555", width=1.2), row=r, col=c)
-
-
-# ------------------------------------------------------------------ graft attribution
 
 
 _ATTRIBUTION_VALUES = {
@@ -471,10 +376,8 @@ def plot_attribution(
 ) -> go.Figure:
     """Heatmaps of a graft attribution: layers x components, one panel per position group.
 
-    Each cell's colour is its estimated (or measured) change of the metric when it is
-    switched, on a diverging scale centred on 0 and shared by every panel; global
-    components (embeddings, final norm, unembedding) sit in a row of their own above
-    layer 0. Hovering shows the cell, its value and its standard error over prompts.
+    A diverging scale centred on 0, shared by every panel; global components sit in a
+    row of their own above layer 0; hovering shows a cell's value and standard error.
 
     Args:
         frame: The ``frame`` of a :class:`~grafting_lens.analysis.attribution.GraftAttribution`.
@@ -485,19 +388,12 @@ def plot_attribution(
     Raises:
         GraftingLensError: An unknown ``value``, an empty table or missing columns.
     """
-    if value not in _ATTRIBUTION_VALUES:
-        raise GraftingLensError(
-            f"Unknown value {value!r}.{did_you_mean(value, _ATTRIBUTION_VALUES)} Choose "
-            f"one of {', '.join(_ATTRIBUTION_VALUES)}."
-        )
-    needed = ["component", "layer", "positions", "cell", value, f"{value}_se"]
-    if not isinstance(frame, pd.DataFrame) or frame.empty:
-        raise GraftingLensError("plot_attribution needs a non-empty GraftAttribution.frame.")
-    missing = [column for column in needed if column not in frame.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The table lacks the columns {missing}; plot a GraftAttribution.frame."
-        )
+    check_choice("value", value, list(_ATTRIBUTION_VALUES))
+    _check_table(
+        frame,
+        ("component", "layer", "positions", "cell", value, f"{value}_se"),
+        "GraftAttribution.frame",
+    )
     groups = list(dict.fromkeys(frame["positions"]))
     components = list(dict.fromkeys(frame["component"]))
     layers = sorted(int(layer) for layer in frame["layer"].dropna().unique())
@@ -577,8 +473,7 @@ def plot_recovery(
 ) -> go.Figure:
     """The recovery curve of a minimal graft: recovery against the number of cells grafted.
 
-    One line per set of prompts (the search's, and the held-out ones); each point is
-    the exact graft of the first ``k`` cells, and hovering names the cell added there.
+    One line per set of prompts (search, held out); hovering names the cell added.
 
     Args:
         curve: The ``curve`` of a :class:`~grafting_lens.analysis.graft_search.MinimalGraft`.
@@ -588,14 +483,7 @@ def plot_recovery(
     Raises:
         GraftingLensError: An empty table or missing columns.
     """
-    needed = ["prompts", "cells", "cell", "recovery"]
-    if not isinstance(curve, pd.DataFrame) or curve.empty:
-        raise GraftingLensError("plot_recovery needs a non-empty MinimalGraft.curve.")
-    missing = [column for column in needed if column not in curve.columns]
-    if missing:
-        raise GraftingLensError(
-            f"The table lacks the columns {missing}; plot a MinimalGraft.curve."
-        )
+    _check_table(curve, ("prompts", "cells", "cell", "recovery"), "MinimalGraft.curve")
     fig = go.Figure()
     for prompts, group in curve.groupby("prompts", sort=False):
         fig.add_trace(

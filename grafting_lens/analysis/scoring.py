@@ -1,32 +1,13 @@
 """Scoring each row's prediction at its last real token: the result columns every table shares.
 
-Every runner asks one question of a logit tensor: *is the answer the model's next
-token?* The experiment runner, the position-grafting wrapper, the grafting-versus-
-patching comparison and the reference scores all answer it through
-:class:`LastTokenScorer`, so their tables agree column by column, and a new score
-is added here, once, for all of them.
-
-The columns, in the order tables show them:
-
-* :data:`SCORE_COLUMNS`, in every table: ``target_rank`` (0 = top-1, also where
-  the paper's figures add 1 to a mean rank; see
-  :func:`grafting_lens.analysis.metrics.target_rank` for ties and for ranking by logit or
-  by probability), ``target_prob`` (softmax in float32), ``top1`` and ``top5``
-  (``rank < k``; the paper's measure is top-5);
-* :data:`TOP_TOKEN_COLUMNS`, with ``top_token=True``: the model's top token,
-  ``top_token_id`` and its text ``top_token``;
-* :data:`TOP_K_COLUMNS`, with ``top_k=k``: the ``k`` most likely tokens, best
-  first, as ``topk_tokens`` (text), ``topk_ids`` and ``topk_probs`` (rounded to six
-  decimals, which keeps saved runs small and loses nothing a table shows).
-
-The primitives (ranks, probabilities, top-k) are :mod:`grafting_lens.analysis.metrics`'s;
-this module only decides which of them a results table holds and what the columns
-are called.
+Every runner (the experiment runner, position grafting, the comparison, the reference
+scores) scores through :class:`LastTokenScorer`, so their tables agree column by column and
+a new score is added here once. The primitives are :mod:`grafting_lens.analysis.metrics`';
+this module decides which columns a table holds and what they are called.
 
 Examples:
     >>> scorer = LastTokenScorer(models.tokenizer, top_k=10)
     >>> columns = scorer(logits, batch.target_ids, batch.attention_mask)
-    >>> columns["target_rank"][:3], scorer.columns
 """
 
 from __future__ import annotations
@@ -43,33 +24,30 @@ from grafting_lens.core.errors import GraftingLensError
 __all__ = ["SCORE_COLUMNS", "TOP_K_COLUMNS", "TOP_TOKEN_COLUMNS", "LastTokenScorer"]
 
 SCORE_COLUMNS: tuple[str, ...] = ("target_rank", "target_prob", "top1", "top5")
-"""The scores every results table holds."""
+"""In every table: the rank (0 = top-1, :func:`~grafting_lens.analysis.metrics.target_rank`),
+the float32 probability, and the hits ``rank < 1`` and ``rank < 5`` (the paper's)."""
 
 TOP_TOKEN_COLUMNS: tuple[str, ...] = ("top_token_id", "top_token")
-"""The model's top token, when a table asks for it (``top_token=True``)."""
+"""The model's top token and its text, with ``top_token=True``."""
 
 TOP_K_COLUMNS: tuple[str, ...] = ("topk_tokens", "topk_ids", "topk_probs")
-"""The ``k`` most likely tokens, when a table asks for them (``top_k=k``)."""
+"""The ``k`` most likely tokens, best first, with ``top_k=k`` (probabilities to 6 decimals,
+which keeps saved runs small and loses nothing a table shows)."""
 
 
 class LastTokenScorer:
     """Scores the prediction at each row's last real token, as table columns.
 
     Args:
-        tokenizer: Decodes token ids for ``top_token`` and ``topk_tokens`` (each id
-            decoded on its own, once per scorer). Without one, those columns hold
-            ``None``.
+        tokenizer: Decodes ``top_token`` and ``topk_tokens``, each id on its own (without
+            one, those columns hold ``None``).
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
-        rank_by: What ``target_rank`` compares: ``"logit"`` (default) or
-            ``"probability"`` (the float32 softmax, as the paper's code); see
-            :func:`grafting_lens.analysis.metrics.target_rank`.
-        ties: How ``target_rank`` counts ties: ``"pessimistic"`` (default) or
-            ``"optimistic"`` (the paper's code).
+        rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`).
+        ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`).
 
     Raises:
-        GraftingLensError: ``top_k`` that is not a positive integer, or an unknown
-            ``rank_by`` or ``ties``.
+        GraftingLensError: A ``top_k`` below 1, or an unknown ``rank_by`` or ``ties``.
     """
 
     def __init__(
@@ -83,19 +61,11 @@ class LastTokenScorer:
     ):
         if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
-        if rank_by not in metrics.RANK_BY:
-            raise GraftingLensError(
-                f"rank_by must be one of {', '.join(map(repr, metrics.RANK_BY))}, got {rank_by!r}."
-            )
-        if ties not in metrics.TIE_RULES:
-            raise GraftingLensError(
-                f"ties must be one of {', '.join(map(repr, metrics.TIE_RULES))}, got {ties!r}."
-            )
+        self.rank_by = metrics.check_choice("rank_by", rank_by, metrics.RANK_BY)
+        self.ties = metrics.check_choice("ties", ties, metrics.TIE_RULES)
         self.tokenizer = tokenizer
         self.top_k = None if top_k is None else int(top_k)
         self.top_token = top_token
-        self.rank_by = rank_by
-        self.ties = ties
         self._decoded: dict[int, str | None] = {}
 
     @property
@@ -120,24 +90,18 @@ class LastTokenScorer:
         target_ids: Int[torch.Tensor, " rows"],
         attention_mask: Int[torch.Tensor, "rows pos"] | None = None,
     ) -> dict[str, list[Any]]:
-        """Score every row at its last real token.
+        """``{column: one value per row}`` for every column of :attr:`columns`.
 
         Args:
-            logits: A run's logits, right padded.
+            logits: A run's right-padded logits, or each row's last token alone
+                (``[rows, 1, d_vocab]``, which needs no attention mask).
             target_ids: The correct next token of each row.
             attention_mask: The right padding (``None``: no padding).
 
-        Returns:
-            ``{column: one value per row}`` for every column of :attr:`columns`.
-
         Raises:
-            GraftingLensError: Shapes that do not fit, a target outside the
-                vocabulary, or ``top_k`` above it.
+            GraftingLensError: What :func:`~grafting_lens.analysis.metrics.target_rank` refuses.
         """
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(logits.device)
         final = metrics.last_token_logits(logits, attention_mask)
-        target_ids = torch.as_tensor(target_ids).to(final.device)
         ranked = metrics.target_rank(final, target_ids, ties=self.ties, by=self.rank_by)
         ranks = [int(rank) for rank in ranked.cpu().tolist()]
         probabilities = metrics.target_probability(final, target_ids).cpu().tolist()

@@ -1,23 +1,10 @@
 """How a patch or a sweep runs: hooks, resumed passes, and cells planned into passes.
 
-Internal to :mod:`grafting_lens.patching.patch`, which validates every argument and then
-hands this module a :class:`PatchRun`: which checkpoint runs (the *running* one),
-which one the patched-in activations come from (the *giving* one), on which tokens.
-In the sufficiency direction the base runs and the donor gives; in the necessity
-direction the donor runs and the base gives. The names say which runs, never which
-checkpoint is which.
-
-Three things happen here, each explained where it is done:
-
-* :meth:`PatchRun.given_activations` records the activations to patch in, in one
-  forward pass of the giving checkpoint; :func:`site_hooks` writes them over the
-  running checkpoint's own (``resid_mid`` through the attention output, because the
-  bridge's ``hook_resid_mid`` is ``ln2``'s input, not the residual);
-* :meth:`PatchRun.run` computes one pass in which many cells are patched, each in its
-  own block of rows, resuming the unpatched run (:class:`UnpatchedPrefix`) from the
-  first position and the first layer the pass patches;
-* :func:`plan_passes` groups cells into passes so that the skipped work outweighs
-  each pass's fixed cost.
+Internal to :mod:`grafting_lens.patching.patch`, which checks every argument and hands
+this module a :class:`PatchRun`: the *running* checkpoint, the *giving* one whose
+activations are patched in (the base and the donor in the sufficiency direction, the other
+way round in the necessity direction), and the tokens. How a sweep is batched and resumed:
+the how-to "Run a sweep", section "Patching sweeps".
 """
 
 from __future__ import annotations
@@ -65,17 +52,9 @@ _RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDi
 
 
 class PatchRun:
-    """One patch or sweep, validated: the running and giving checkpoints and their tokens.
-
-    Args:
-        models: The model set.
-        site: A site the architecture has.
-        running: Index of the checkpoint that runs.
-        giving: Index of the checkpoint whose activations are patched in.
-        tokens: ``[batch, pos]`` ids of the running checkpoint's run.
-        patch_tokens: Ids of the giving run (default: ``tokens``), same shape.
-        attention_mask: ``[batch, pos]`` right padding of both runs, or ``None``.
-    """
+    """One patch or sweep, checked: checkpoint ``running`` runs on ``[batch, pos]`` ``tokens``
+    with ``giving``'s activations at ``site`` (from ``patch_tokens``, default ``tokens``)
+    patched in; ``attention_mask`` right-pads both runs."""
 
     def __init__(
         self,
@@ -112,25 +91,14 @@ class PatchRun:
 
     def given_activations(self, layers: Sequence[int]) -> dict[int, torch.Tensor]:
         """The activations to patch in, from one forward pass of the giving checkpoint."""
-        wanted = {HOOKS[self.site].format(layer=layer): layer for layer in layers}
-        if self.site == "resid_mid":
-            for layer in layers:
-                wanted[HOOKS["resid_pre"].format(layer=layer)] = layer
-                wanted[HOOKS["attn_out"].format(layer=layer)] = layer
+        sites = (self.site, "resid_pre", "attn_out") if self.site == "resid_mid" else (self.site,)
+        names = [HOOKS[site].format(layer=layer) for layer in layers for site in sites]
         stored: dict[str, torch.Tensor] = {}
-
-        def store(name: str) -> Callable:
-            # Keyed by the name asked for: the bridge reports aliases by their target.
-            def hook(activation, hook):
-                stored[name] = activation.detach()
-
-            return hook
-
         self.giving_model.run_with_hooks(
             self.patch_tokens,
             attention_mask=self.attention_mask,
             return_type=None,
-            fwd_hooks=[(name, store(name)) for name in wanted],
+            fwd_hooks=[(name, _keeper(stored, name)) for name in names],
         )
         given = {}
         for layer in layers:
@@ -147,13 +115,6 @@ class PatchRun:
         patched runs from."""
         cache = DynamicCache()
         residuals: dict[int, torch.Tensor] = {}
-
-        def store(layer: int) -> Callable:
-            def hook(activation, hook):
-                residuals[layer] = activation.detach()
-
-            return hook
-
         check_cache_continuation(
             self.running_model,
             "patching with reuse_prefix=True (pass reuse_prefix=False)",
@@ -165,7 +126,7 @@ class PatchRun:
                 attention_mask=self.attention_mask,
                 return_type="logits",
                 fwd_hooks=[
-                    (HOOKS["resid_pre"].format(layer=layer), store(layer))
+                    (HOOKS["resid_pre"].format(layer=layer), _keeper(residuals, layer))
                     for layer in range(self.models.n_layers)
                 ],
                 **cached_forward_kwargs(self.running_model, cache),
@@ -175,15 +136,8 @@ class PatchRun:
         )
 
     def can_skip_layers(self, prefix: UnpatchedPrefix) -> bool:
-        """Whether resuming from a later block reproduces the unpatched run.
-
-        Skipping blocks swaps the Hugging Face model's list of decoder layers for
-        its tail for one pass. The models this library is tested on loop over
-        that list and nothing else; an architecture whose forward also indexes
-        per-layer settings by loop position would compute something else. One
-        unhooked pass from the middle block checks it against the unpatched
-        logits, once per bridge, and a model that fails keeps computing every block.
-        """
+        """Whether resuming from a later block reproduces the unpatched run (checked once
+        per bridge: a forward that indexes per-layer settings by loop position would not)."""
         known = _RESUMABLE.get(self.running_model)
         if known is not None:
             return known
@@ -206,12 +160,9 @@ class PatchRun:
         prefix: UnpatchedPrefix | None,
         kept: torch.Tensor,
     ) -> torch.Tensor:
-        """Each row's last-token logits, ``[rows, 1, d_vocab]``.
-
-        ``computed`` holds the logits of positions ``kept`` (absolute, all at or
-        after ``start``); rows whose last token comes before ``start`` were not
-        computed and take the unpatched run's.
-        """
+        """Each row's last-token logits, ``[rows, 1, d_vocab]``, from ``computed``, the logits
+        of positions ``kept`` (absolute, all at or after ``start``), or for rows ending
+        before ``start`` from the unpatched run."""
         # The logits are on the unembedding's device, not necessarily the tokens'.
         device = computed.device
         last = self.last_positions.repeat(repeats).to(device)
@@ -269,14 +220,11 @@ class PatchRun:
     ) -> torch.Tensor:
         """The patched run's logits, with every entry written in one forward pass.
 
-        The tokens run ``repeats`` times along the batch. With ``start > 0`` only
-        positions ``start..pos-1`` are computed, attending over ``prefix``'s keys and
-        values of the earlier positions: a patch never changes what comes before it,
-        so those are the unpatched run's. With ``first_layer > 0`` blocks before it
-        are not run at all: the pass enters block ``first_layer`` with the unpatched
-        run's residual stream, which no patch at a later layer can change. With
-        ``last_only`` the result is each row's last real token, ``[rows, 1, d_vocab]``,
-        and the unembedding runs on those positions only. Entry positions are absolute.
+        The tokens run ``repeats`` times along the batch. ``start > 0`` computes positions
+        ``start..pos-1`` only, over ``prefix``'s keys and values of the earlier ones (a patch
+        never changes what comes before it); ``first_layer > 0`` enters that block with the
+        unpatched residual stream. ``last_only`` gives each row's last real token, ``[rows,
+        1, d_vocab]``, the unembedding run there only. Entry positions are absolute.
         """
         hooks = []
         for layer, (rows, pos, heads, prompts) in entries.items():
@@ -364,6 +312,16 @@ class PatchRun:
             setattr(parent, attribute, every_block)
 
 
+def _keeper(stored: dict, key: Any) -> Callable:
+    """A hook keeping its activation, detached, in ``stored[key]`` (keyed by the name asked
+    for: the bridge reports aliases by their target)."""
+
+    def hook(activation, hook):
+        stored[key] = activation.detach()
+
+    return hook
+
+
 def site_hooks(
     site: str,
     layer: int,
@@ -421,22 +379,13 @@ def plan_passes(
 ) -> list[list[int]]:
     """Group cells into forward passes of at most ``per_pass`` cells, cheaply.
 
-    A pass computes from the earliest position and the earliest layer of its
-    cells on, so cells that start alike should share one; but every pass also
-    has a fixed cost (reading every weight, launching kernels). Cells are tiled
-    over the grid of (first position, first layer) with every power-of-two tile
-    shape, and the tiling whose modelled cost is lowest wins: a pass costs
+    Cells are tiled over the grid of (first position, first layer) with every power-of-two
+    tile shape, and the tiling whose modelled cost is lowest wins: a pass costs
     ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
 
-    Args:
-        starts: ``(first position, first layer)`` of each cell.
-        per_pass: Most cells in one pass.
-        rows_per_cell: Rows (prompts) each cell adds to a pass.
-        length: Tokens per row.
-        costs: ``(n_layers, unembedding cost in blocks, fixed cost of a pass in tokens)``.
-
-    Returns:
-        Cell indices, one list per pass.
+    ``starts`` holds each cell's ``(first position, first layer)``, each cell adds
+    ``rows_per_cell`` rows of ``length`` tokens, ``costs`` is :meth:`PatchRun.pass_costs`.
+    Returns cell indices, one list per pass.
     """
     n_layers, unembed, overhead = costs
     position_index = {value: i for i, value in enumerate(sorted({p for p, _ in starts}))}
@@ -478,14 +427,7 @@ def first_position(selection: Bool[torch.Tensor, "batch pos"], length: int) -> i
 
 def per_head(activation: torch.Tensor, n_heads: int) -> torch.Tensor:
     """``hook_z`` as ``[batch, pos, head, d_head]``, whether the bridge gives it flat or split."""
-    if activation.dim() == 4:
-        return activation
-    if activation.dim() == 3 and activation.shape[-1] % n_heads == 0:
-        return activation.reshape(*activation.shape[:2], n_heads, -1)
-    raise PatchingError(
-        f"hook_z has shape {list(activation.shape)}; expected [batch, pos, {n_heads} heads, "
-        "d_head] or [batch, pos, n_heads * d_head]."
-    )
+    return activation if activation.dim() == 4 else activation.unflatten(-1, (n_heads, -1))
 
 
 def check_resid_mid(models: ModelSet, layer: int, stored: dict[str, torch.Tensor]) -> None:

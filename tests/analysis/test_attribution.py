@@ -42,8 +42,13 @@ def batch_for(models: gl.ModelSet, n: int = 4, seed: int = 0, answers: str = "do
 
 
 def last_logprob(logits: torch.Tensor, batch) -> torch.Tensor:
-    """The metric of these tests, computed on its own: log P(answer) at each row's last real token."""
-    last = batch.attention_mask.sum(dim=1) - 1
+    """The metric of these tests, computed on its own: log P(answer) at each row's last real
+    token (the only position of logits="last", the default)."""
+    last = (
+        batch.attention_mask.sum(dim=1) - 1
+        if logits.shape[1] > 1
+        else torch.zeros_like(batch.target_ids)
+    )
     final = logits[torch.arange(len(last)), last].double()
     return torch.log_softmax(final, dim=-1)[torch.arange(len(last)), batch.target_ids]
 
@@ -373,6 +378,11 @@ def test_spearman_is_the_rank_correlation():
     agreement = attribution_agreement(frame).set_index("positions")
     # 1 - 6 * sum(d^2) / (n (n^2 - 1)) with rank differences (0, 1, 1, 0): 1 - 12/60.
     assert agreement.loc["LT", "spearman"] == pytest.approx(0.8)
+    # Pearson by its definition: the covariance over the product of the deviations.
+    x, y = np.array([1.0, 2.0, 3.0, 4.0]), np.array([10.0, 30.0, 20.0, 40.0])
+    dx, dy = x - x.mean(), y - y.mean()
+    expected = (dx * dy).sum() / np.sqrt((dx**2).sum() * (dy**2).sum())
+    assert agreement.loc["LT", "pearson"] == pytest.approx(expected)
     assert np.isnan(agreement.loc["FE", "spearman"])  # a constant estimate
     assert agreement.loc["FE", "cells"] == 2 and agreement.loc["all", "cells"] == 6
 
@@ -475,57 +485,66 @@ def test_a_search_that_cannot_reach_the_fraction_says_so(llama):
 # ------------------------------------------------------------------ bad inputs
 
 
-def test_bad_inputs_fail_clearly_before_any_forward_pass(llama):
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(components="mlp_gates"), gl.errors.ComponentError, "mlp_gates"),
+        (dict(layers=[7]), gl.errors.SelectionError, "outside the model"),
+        (dict(positions=("EF",)), gl.errors.SelectionError, "Unknown position set 'EF'"),
+        (dict(metric="logprobs"), gl.errors.AttributionError, r"metric must be one of .*got 'logp"),
+        (dict(metric=3), gl.errors.AttributionError, r"or a function .* got 3"),
+        (dict(method="ig"), gl.errors.AttributionError, "Unknown method 'ig'"),
+        (dict(method="integrated", steps=0), gl.errors.AttributionError, "steps must be"),
+        (dict(verify="some"), gl.errors.AttributionError, "verify must be"),
+        (dict(source=0), gl.errors.AttributionError, "source 0 is the base"),
+        (dict(direction="backward"), gl.errors.AttributionError, "Unknown direction 'backward'"),
+        (dict(logits="first"), gl.errors.AttributionError, "Unknown logits 'first'"),
+        (dict(batch_size=0), gl.errors.AttributionError, "batch_size must be"),
+        (dict(start="LT"), gl.errors.AttributionError, r"start must be a GraftMask for this batch"),
+        (dict(start=(1, 3)), gl.errors.AttributionError, r"\[batch, pos\] = \[2, \d+\]"),
+        (dict(models=[]), TypeError, "Expected a ModelSet, got list"),
+    ],
+)
+def test_attribute_grafts_refuses_before_any_forward_pass(llama, options, error, message):
     batch = batch_for(llama, n=2, answers="data")
+    if options.get("start") == (1, 3):
+        options = dict(start=gl.GraftMask.from_dict(llama, {}, (1, 3)))
+    arguments = {**dict(models=llama, tokenized=batch, progress=False), **options}
+    with no_forward_pass(llama), pytest.raises(error, match=message):
+        attribute_grafts(**arguments)
 
-    def attribute(**options):
-        return attribute_grafts(llama, batch, progress=False, **options)
 
-    with no_forward_pass(llama):
-        with pytest.raises(gl.errors.ComponentError, match="mlp_gates"):
-            attribute(components="mlp_gates")
-        with pytest.raises(gl.errors.SelectionError, match="outside the model"):
-            attribute(layers=[7])
-        with pytest.raises(gl.errors.SelectionError, match="Unknown position set 'EF'"):
-            attribute(positions=("EF",))
-        with pytest.raises(gl.errors.AttributionError, match="Unknown metric 'logprobs'"):
-            attribute(metric="logprobs")
-        with pytest.raises(TypeError, match="metric"):
-            attribute(metric=3)
-        with pytest.raises(gl.errors.AttributionError, match="Unknown method"):
-            attribute(method="ig")
-        with pytest.raises(gl.errors.AttributionError, match="steps"):
-            attribute(method="integrated", steps=0)
-        with pytest.raises(gl.errors.AttributionError, match="verify"):
-            attribute(verify="some")
-        with pytest.raises(gl.errors.AttributionError, match="source 0 is the base"):
-            attribute(source=0)
-        with pytest.raises(gl.errors.AttributionError, match="direction"):
-            attribute(direction="backward")
-        with pytest.raises(gl.errors.AttributionError, match="start is a mask"):
-            attribute(start=gl.GraftMask.from_dict(llama, {}, (1, 3)))
-        for fraction in (0, 1.5, -0.1, True, "0.5"):
-            with pytest.raises(gl.errors.AttributionError, match="fraction"):
-                gl.find_minimal_graft(llama, batch, fraction=fraction, progress=False)
-        with pytest.raises(gl.errors.AttributionError, match="reference"):
-            gl.find_minimal_graft(llama, batch, reference="sft", progress=False)
-    with pytest.raises(TypeError, match="ModelSet"):
-        attribute_grafts([llama.base], batch)
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        *(
+            (dict(fraction=fraction), "fraction must be")
+            for fraction in (0, 1.5, -0.1, True, "0.5")
+        ),
+        (dict(reference="sft"), "Unknown reference 'sft'"),
+        (dict(beam=0), "beam must be"),
+        (dict(max_cells=0), "max_cells must be"),
+    ],
+)
+def test_find_minimal_graft_refuses_before_any_forward_pass(llama, options, message):
+    batch = batch_for(llama, n=2, answers="data")
+    with no_forward_pass(llama), pytest.raises(gl.errors.AttributionError, match=message):
+        gl.find_minimal_graft(llama, batch, progress=False, **options)
 
 
 @pytest.mark.parametrize(
     ("metric", "message"),
     [
-        (lambda logits, batch: logits[:, -1].logsumexp(-1).mean(), r"shape \[\]"),
-        (lambda logits, batch: logits[:, :, 0], r"shape \[2, \d+\]"),
+        (lambda logits, batch: logits[:, -1].logsumexp(-1).mean(), r"shape \[\] from logits"),
+        (lambda logits, batch: logits[:, -1, :2], r"shape \[2, 2\]"),
         (lambda logits, batch: [0.0, 1.0], "list"),
         (lambda logits, batch: batch.target_ids, "torch.int64"),
-        (lambda logits, batch: logits[:, -1, 0].detach(), "no gradient"),
+        (lambda logits, batch: logits[:, -1, 0].detach(), "no gradient through the grafted run"),
         (lambda logits, batch: logits[:, -1, 0] * float("nan"), "not finite"),
         # Rebuilt from copied values: it requires a gradient, but not through the run.
         (
             lambda logits, batch: torch.tensor(logits[:, -1, 0].tolist(), requires_grad=True),
-            "do not depend on the grafted run",
+            "no gradient through the grafted run",
         ),
     ],
 )
@@ -556,3 +575,15 @@ def test_relaxing_refuses_bad_weights(three_models):
         with relaxing(three_models, {("o", 0): torch.zeros(1, 4)}, source=3):
             pass
     assert three_models.base(tokens).shape == (1, 4, 300)
+
+
+def test_the_last_tokens_logits_alone_give_the_same_attribution(llama):
+    """logits="last" (the default) runs the unembedding at the scored tokens only."""
+    batch = batch_for(llama, n=3)
+    options = dict(components="o+ffn", positions=("FE", "LT"), verify="all", progress=False)
+    last = attribute_grafts(llama, batch, **options)
+    every = attribute_grafts(llama, batch, logits="all", **options)
+    for column in ("estimate", "exact"):
+        expected = every.frame[column].to_numpy()
+        assert last.frame[column].to_numpy() == pytest.approx(expected, abs=1e-5)
+    assert abs(every.frame["exact"]).max() > 1e-3  # the cells move the metric

@@ -9,7 +9,7 @@ import torch
 from conftest import make_tokenizer, no_forward_pass, random_model
 
 import grafting_lens as gl
-from grafting_lens.analysis import plots
+from grafting_lens.analysis import figure_style, plots
 from grafting_lens.analysis.comparison import (
     DEFAULT_PAIRS,
     RESULT_COLUMNS,
@@ -160,6 +160,25 @@ def test_rows_equal_one_graft_or_one_patch_run_alone(models, batch):
                     )
 
 
+def test_the_unembedding_runs_at_the_scored_tokens_only(models, batch):
+    """With a 262k-token vocabulary, every position's logits were most of the memory."""
+    widths = []
+    hooks = [
+        source.bridge.original_model.lm_head.register_forward_hook(
+            lambda module, inputs, output: widths.append(output.shape[1])
+        )
+        for source in models.sources
+    ]
+    try:
+        compare_graft_and_patch(models, batch, positions="LT", methods="graft", progress=False)
+        reference_scores(models, batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    distinct_lengths = batch.attention_mask.sum(dim=1).unique().numel()
+    assert widths and max(widths) <= distinct_lengths < batch.tokens.shape[1]
+
+
 # ------------------------------------------------------- agreement and asymmetry
 
 
@@ -274,16 +293,24 @@ def test_attention_graft_reads_the_base_keys_outside_its_positions(tokenizer, ba
         (dict(pairs=[("attn", "z")]), "head_patch_sweep"),
         (dict(pairs=[("blok", "resid_post")]), r"Unknown component 'blok'"),
         (dict(pairs=[("pos_embed", "resid_pre")]), r"has no 'pos_embed' component"),
-        (dict(pairs=[ComparisonPair("x", "block", "resid_post")] * 2), "Two pairs are named"),
+        (
+            dict(pairs=[ComparisonPair("x", "block", "resid_post")] * 2),
+            r"distinct names.*\['x', 'x'\]",
+        ),
+        (dict(pairs=[]), r"distinct names \(they label the results\), at least one: got \[\]"),
+        (dict(pairs=[("a", "b", "c", "d")]), r"A pair is a ComparisonPair"),
         (dict(positions=("LT", "EF")), r"Unknown position set 'EF'.*Did you mean 'FE'"),
         (dict(positions={"bad": torch.ones(5, 3, dtype=torch.bool)}), "shape"),
         (dict(layers=[0, N_LAYERS]), rf"Layer {N_LAYERS} is outside the model"),
         (dict(direction="sufficient"), r"Unknown direction.*Did you mean 'sufficiency'"),
         (dict(methods=("graft", "patching")), r"Unknown method 'patching'"),
-        (dict(source=0), "source and target are both 0"),
-        (dict(target=2), r"target=2, but the model set has 2 sources"),
-        (dict(batch_size=0), "batch_size must be an integer >= 1"),
-        (dict(rows_per_forward=0), "rows_per_forward must be an integer >= 1"),
+        (dict(methods=()), r"distinct methods of \('graft', 'patch'\) \(got \(\)\)"),
+        (dict(methods=("graft", "graft")), r"distinct methods"),
+        (dict(source=0), r"two checkpoints of the 2 \(got 0, 0\)"),
+        (dict(target=2), r"two checkpoints of the 2 \(got 1, 2\)"),
+        (dict(source=True), r"two checkpoints of the 2 \(got True, 0\)"),
+        (dict(batch_size=0), r"batch_size and rows_per_forward >= 1 \(got 0, 256\)"),
+        (dict(rows_per_forward=0), r"batch_size and rows_per_forward >= 1 \(got 8, 0\)"),
     ],
 )
 def test_bad_arguments_raise_before_any_forward(models, batch, arguments, message):
@@ -294,10 +321,11 @@ def test_bad_arguments_raise_before_any_forward(models, batch, arguments, messag
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (dict(sources=[1, 1]), r"listed twice: \[1, 1\]"),  # each example would count twice
-        (dict(sources=[True]), "Source True is out of range"),
-        (dict(batch_size=0), "batch_size must be an integer >= 1"),
-        (dict(batch_size=2.5), "batch_size must be an integer >= 1"),
+        (dict(sources=[1, 1]), r"distinct sources .*got \[1, 1\]"),  # each would count twice
+        (dict(sources=[True]), r"distinct sources .*got \[True\]"),
+        (dict(sources=[2]), r"distinct sources of the model set's 2 \(0\.\.1\)"),
+        (dict(batch_size=0), "batch_size >= 1; got .* and 0"),
+        (dict(batch_size=2.5), "batch_size >= 1; got .* and 2.5"),
     ],
 )
 def test_reference_scores_refuse_bad_arguments_before_any_forward(
@@ -361,8 +389,8 @@ def test_summary_and_figure_put_the_methods_side_by_side(models, batch):
     # Each row names its positions in its axis title, clear of the references' labels.
     assert fig.layout.yaxis.title.text.startswith("LT<br>")
     assert fig.layout.yaxis4.title.text.startswith("FE<br>")
-    assert plots.figure_problems(fig) == []
+    assert figure_style.figure_problems(fig) == []
     with pytest.raises(GraftingLensError, match="Unknown value 'top3'"):
         plots.plot_comparison(summary, value="top3")
-    with pytest.raises(GraftingLensError, match="lacks the columns"):
+    with pytest.raises(GraftingLensError, match="lacking the columns"):
         plots.plot_comparison(summary.drop(columns="pair"))

@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from grafting_lens.analysis import plots
+from grafting_lens.analysis import figure_style, plots
 from grafting_lens.analysis.metrics import summarize
 from grafting_lens.core.errors import GraftingLensError
 
@@ -54,7 +54,7 @@ def test_save_figure_writes_html_and_a_png_or_a_reason(tmp_path):
     fig = plots.plot_accuracy(_summary())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the no-PNG warning, when there is no browser
-        saved = plots.save_figure(fig, tmp_path / "sub" / "figure")
+        saved = figure_style.save_figure(fig, tmp_path / "sub" / "figure")
     html = tmp_path / "sub" / "figure.html"
     assert saved["html"] == str(html)
     text = html.read_text()
@@ -79,20 +79,20 @@ def test_save_figure_without_a_browser_keeps_the_html_and_says_why(tmp_path, mon
 
     monkeypatch.setattr(go.Figure, "to_image", no_chrome)
     with pytest.warns(RuntimeWarning, match="plotly_get_chrome"):
-        saved = plots.save_figure(go.Figure(go.Bar(x=[1], y=[1])), tmp_path / "figure.html")
+        saved = figure_style.save_figure(go.Figure(go.Bar(x=[1], y=[1])), tmp_path / "figure.html")
     assert saved["png"] is None
     assert (
         "no Chrome found" in saved["png_error"] and "apt-get install chromium" in saved["png_error"]
     )
     assert (tmp_path / "figure.html").exists() and not (tmp_path / "figure.png").exists()
 
-    saved = plots.save_figure(go.Figure(), tmp_path / "plain", png=False)
+    saved = figure_style.save_figure(go.Figure(), tmp_path / "plain", png=False)
     assert saved == {"html": str(tmp_path / "plain.html"), "png": None, "png_error": None}
 
 
 def test_save_figure_refuses_a_directory(tmp_path):
     with pytest.raises(GraftingLensError, match="is a directory"):
-        plots.save_figure(go.Figure(), tmp_path, png=False)
+        figure_style.save_figure(go.Figure(), tmp_path, png=False)
 
 
 def _attribution_frame() -> pd.DataFrame:
@@ -146,7 +146,7 @@ def test_plot_attribution_puts_each_cell_at_its_layer_and_component():
     assert all(pd.isna(value) for row in exact.data[1].z for value in row)  # LT unverified
     with pytest.raises(GraftingLensError, match="Did you mean 'exact'"):
         plots.plot_attribution(frame, value="exakt")
-    with pytest.raises(GraftingLensError, match="lacks the columns"):
+    with pytest.raises(GraftingLensError, match="lacking the columns"):
         plots.plot_attribution(frame.drop(columns="estimate_se"))
 
 
@@ -182,7 +182,7 @@ def test_the_value_axis_fits_the_data():
     low, high = fig.layout.yaxis.range
     assert low == 0 and high < 0.5
     assert high >= summary.top5_high.max()
-    assert list(plots.axis_range([0.2, 0.97])) == [0, 1.05]
+    assert list(figure_style.axis_range([0.2, 0.97])) == [0, 1.05]
 
 
 def test_labels_read_as_in_the_paper_and_the_subtitle_says_n_and_the_setting():
@@ -195,7 +195,7 @@ def test_labels_read_as_in_the_paper_and_the_subtitle_says_n_and_the_setting():
     subtitle = fig.layout.title.subtitle.text
     assert "toy world, semantics clean" in subtitle and "n = 12 per bar" in subtitle
     assert "95% bootstrap" in subtitle
-    assert plots.display_label("last_quarter") == "4th quarter"
+    assert figure_style.display_label("last_quarter") == "4th quarter"
 
 
 def test_a_zero_bar_is_drawn_as_a_line():
@@ -303,7 +303,7 @@ def test_comparison_references_are_drawn_in_every_panel_and_labelled_once_per_ro
     assert {a.xref for a in labels} == {"x3 domain", "x6 domain"}
     low, high = fig.layout.yaxis.range
     assert high == 0.5 and low < 0  # fitted to the data and the reference, not 0-100%
-    assert plots.figure_problems(fig) == []
+    assert figure_style.figure_problems(fig) == []
 
 
 # ------------------------------------------------------------ every figure fits its data
@@ -342,8 +342,8 @@ def _figures() -> dict[str, go.Figure]:
     few = summarize(_rows({("PRE", "qa"): [0, 0], ("SFT", "qa"): [3, 900]}), n_resamples=20)
     # A DONOR far above bars under 50%: the tutorial's component figure.
     donor = plots.plot_accuracy(component[component.component_set == "O+FFN"], x="layer_range")
-    plots.add_reference_line(donor, 0.98, "DONOR 98%")
-    plots.add_reference_line(donor, 0.94, "SFT 94%")
+    figure_style.add_reference_line(donor, 0.98, "DONOR 98%")
+    figure_style.add_reference_line(donor, 0.94, "SFT 94%")
     references = pd.DataFrame([dict(model="sft", top5=0.97), dict(model="base", top5=0.01)])
     recovery = pd.DataFrame(
         {"prompts": ["search"] * 3, "cells": [0, 1, 2], "cell": ["", "a", "b"]}
@@ -370,7 +370,7 @@ def _figures() -> dict[str, go.Figure]:
 @pytest.mark.parametrize("name", list(_figures()))
 def test_every_figure_holds_its_data_and_its_reference_lines(name):
     fig = _figures()[name]
-    assert plots.figure_problems(fig) == []
+    assert figure_style.figure_problems(fig) == []
     # Never a cut title: wrapped to the figure's width.
     width = fig.layout.width or 760
     title = fig.layout.title.text
@@ -380,23 +380,23 @@ def test_every_figure_holds_its_data_and_its_reference_lines(name):
 def test_figure_problems_names_a_hidden_line_and_a_washed_out_colour_scale():
     fig = go.Figure(go.Bar(x=["a"], y=[0.3], error_y=dict(array=[0.1])))
     fig.update_yaxes(range=[0, 0.5])
-    assert plots.figure_problems(fig) == []
+    assert figure_style.figure_problems(fig) == []
     fig.add_hline(y=0.98)  # plotly's own line does not grow the range
-    assert plots.figure_problems(fig) == [
+    assert figure_style.figure_problems(fig) == [
         "a reference line at 0.98 is outside the axis y's range [0, 0.5]"
     ]
     heatmap = go.Figure(go.Heatmap(z=[[-4.0, 7.0]], zmin=-60, zmax=60, name="shift"))
-    assert "nearly blank" in plots.figure_problems(heatmap)[0]
+    assert "nearly blank" in figure_style.figure_problems(heatmap)[0]
     heatmap.data[0].update(zmin=-7, zmax=7)
-    assert plots.figure_problems(heatmap) == []
+    assert figure_style.figure_problems(heatmap) == []
 
 
 def test_a_reference_line_grows_the_axis_and_close_labels_move_apart():
     summary = summarize(_rows({("PRE", "qa"): [9] * 12}), n_resamples=20)
     fig = plots.plot_accuracy(summary)
     assert fig.layout.yaxis.range[1] < 0.1
-    plots.add_reference_line(fig, 0.98, "DONOR 98%")
-    plots.add_reference_line(fig, 0.96, "SFT 96%")
+    figure_style.add_reference_line(fig, 0.98, "DONOR 98%")
+    figure_style.add_reference_line(fig, 0.96, "SFT 96%")
     assert fig.layout.yaxis.range[1] >= 0.98
     labels = [a for a in fig.layout.annotations if a.name == "reference"]
     assert [a.yshift for a in labels] == [0, -14]  # the lower one moved under the other
@@ -415,10 +415,15 @@ def test_fewer_than_ten_rows_draw_no_interval_and_say_so():
 
 
 def test_a_long_title_wraps_at_words():
-    text = plots.wrap_text("Relation model grafted into the task model (headline prompt)", 30)
+    text = figure_style.wrap_text(
+        "Relation model grafted into the task model (headline prompt)", 30
+    )
     assert text.split("<br>") == [
         "Relation model grafted into",
         "the task model (headline",
         "prompt)",
     ]
-    assert plots.wrap_text("(FE+LT)<sup>C</sup> is short", 12) == "(FE+LT)<sup>C</sup> is<br>short"
+    assert (
+        figure_style.wrap_text("(FE+LT)<sup>C</sup> is short", 12)
+        == "(FE+LT)<sup>C</sup> is<br>short"
+    )

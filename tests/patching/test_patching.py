@@ -11,22 +11,24 @@ from transformer_lens import patching as tl_patching
 from transformer_lens.utilities import get_act_name
 
 import grafting_lens as gl
+from grafting_lens.core.errors import (
+    AlignmentError,
+    PatchingError,
+    SelectionError,
+    TokenError,
+)
 from grafting_lens.patching import passes as patch_passes
 from grafting_lens.patching import patch as patching
-from grafting_lens.patching.patch import (
-    PatchingError,
-    head_patch_sweep,
-    patch_forward,
-    resid_patch_sweep,
-)
+from grafting_lens.patching.patch import head_patch_sweep, patch_forward, resid_patch_sweep
 
 TOLERANCE = 1e-5
 TWO_FAMILIES = pytest.mark.parametrize("family", ["gpt2", "llama"], indirect=True)
 
 
 def per_prompt(logits: torch.Tensor) -> torch.Tensor:
-    """A logit difference at the last two positions: one value per prompt."""
-    return logits[:, -1, 5] - logits[:, -2, 7]
+    """A logit difference at the last position: one value per prompt (a sweep's default
+    logits="last" gives that position alone)."""
+    return logits[:, -1, 5] - logits[:, -1, 7]
 
 
 def scalar(logits: torch.Tensor) -> torch.Tensor:
@@ -194,6 +196,7 @@ def test_batched_sweeps_equal_a_per_cell_loop(three_models):
                 chunk_size=chunk_size,
                 reuse_prefix=reuse_prefix,
                 progress=False,
+                logits="all",
             )
             if site == "z":
                 sweeps.append(head_patch_sweep(three_models, tokens, metric, heads=heads, **kwargs))
@@ -249,11 +252,9 @@ def test_last_token_logits_give_the_same_sweeps(three_models):
                 progress=False,
                 **extra,
             )
-            expected, _ = sweep(three_models, tokens, every_position, **kwargs)
-            values, _ = sweep(three_models, tokens, last_position, logits="last", **kwargs)
+            expected, _ = sweep(three_models, tokens, every_position, logits="all", **kwargs)
+            values, _ = sweep(three_models, tokens, last_position, **kwargs)
             assert (values - expected).abs().max() <= TOLERANCE, (site, chunk_size, reuse_prefix)
-    with pytest.raises(PatchingError, match="logits must be 'all'"):
-        resid_patch_sweep(three_models, tokens, last_position, logits="first")
 
 
 def test_sweeps_resume_from_later_blocks_on_every_family(three_models):
@@ -317,6 +318,7 @@ def test_each_position_leaves_rows_too_short_for_it_unpatched(three_models):
         three_models,
         tokens,
         lambda logits: logits[:, 2, 4],
+        logits="all",
         layers=[1],
         attention_mask=attention_mask,
         reduce="none",
@@ -443,7 +445,7 @@ def test_parallel_blocks_have_no_resid_mid(three_models):
     with no_forward_pass(three_models):
         with pytest.raises(
             PatchingError,
-            match=r"GPTNeoXForCausalLM has no 'resid_mid' site \(.*parallel.*\)\. Its sites are: "
+            match=r"GPTNeoXForCausalLM has no 'resid_mid' site \(.*parallel\)\. Its sites are: "
             r"resid_pre, resid_post, attn_out, mlp_out, z",
         ):
             resid_patch_sweep(three_models, tokens, per_prompt, site="resid_mid")
@@ -451,88 +453,111 @@ def test_parallel_blocks_have_no_resid_mid(three_models):
             patch_forward(three_models, tokens, "resid_mid", 0, "all")
 
 
+TOKENS = random_tokens(2, 5, seed=30)
+PADDED = TOKENS.masked_fill(torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]) == 1, 0)
+
+
 @pytest.mark.parametrize("family", ["gpt2"], indirect=True)
-def test_bad_inputs_fail_before_any_forward_pass(three_models):
-    tokens = random_tokens(2, 5, seed=30)
-    cases = [
-        (dict(site="resid_mdi"), r"Unknown site 'resid_mdi'\. Did you mean 'resid_mid'\?"),
-        (dict(site="z", heads=[4]), r"Head 4 is out of range: .* 4 heads per layer \(0\.\.3\)"),
-        (dict(site="z", heads=-1), r"Head -1 is out of range"),
-        (dict(site="attn_out", heads=[0]), r"heads applies to the per-head site 'z' only"),
-        (dict(layers=3), r"Layer 3 is outside the model, which has 3 layers \(0\.\.2\)"),
-        (dict(layers="last_thrid"), r"Unknown layer range 'last_thrid'"),
-        (dict(positions=[5]), r"Position 5 is beyond row 0, which has 5 real tokens"),
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (
+            dict(site="resid_mdi"),
+            PatchingError,
+            r"Unknown site 'resid_mdi'\. Did you mean 'resid_mid'",
+        ),
+        (dict(site="z", heads=[4]), PatchingError, r"distinct head indices in 0\.\.3 .* 4 heads"),
+        (dict(site="z", heads=-1), PatchingError, r"distinct head indices in 0\.\.3"),
+        (dict(site="z", heads=[1, 1]), PatchingError, r"distinct head indices"),
+        (dict(site="z", heads=[]), PatchingError, r"distinct head indices"),
+        (dict(site="attn_out", heads=[0]), PatchingError, r"heads applies to the per-head site"),
+        (dict(layers=3), SelectionError, r"Layer 3 is outside the model, which has 3 layers"),
+        (dict(layers="last_thrid"), SelectionError, r"Unknown layer range 'last_thrid'"),
+        (dict(positions=[5]), SelectionError, r"Position 5 is beyond row 0, which has 5 real"),
+        (dict(positions=[]), SelectionError, r"positions=\[\] selects no position"),
+        (dict(positions=True), SelectionError, r"Cannot read positions from True"),
         (
             dict(patch_tokens=random_tokens(2, 6)),
-            r"patch_tokens have shape \[2, 6\], tokens have \[2, 5\]",
+            PatchingError,
+            r"patch_tokens have shape \[2, 6\]",
         ),
-        (dict(source=3), r"source=3, but the model set has 3 sources \(0\.\.2\)"),
-        (dict(source=0), r"source and target are both 0"),
-        (dict(direction="sufficient"), r"Unknown direction 'sufficient'\. Did you mean 'suffic"),
-        (dict(tokens=tokens[0]), r"tokens must be a \[batch, pos\] tensor"),
-        (dict(tokens=tokens + 1000), r"Token ids in tokens must lie in 0\.\.299"),
-        (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1]] * 2)), r"right padding"),
-        (dict(attention_mask=torch.full((2, 5), 2)), r"only 0 \(padding\) and 1"),
-        (dict(source=True), r"source=True, but the model set has 3 sources"),
-        (dict(positions=[]), r"positions=\[\] selects no position"),
-        (dict(positions=True), r"Cannot read positions from True"),
-        (dict(tokens=tokens.bool()), r"tokens must hold integer token ids, got torch.bool"),
-        (dict(tokens=random_tokens(1, 70)), r"70 positions.*learned position embeddings for 64"),
+        (dict(source=3), PatchingError, r"source=3 and target=0 must be checkpoints .* \(0\.\.2\)"),
+        (dict(source=True), PatchingError, r"source=True and target=0 must be checkpoints"),
+        (dict(source=0), PatchingError, r"two different ones unless patch_tokens"),
+        (dict(direction="sufficient"), PatchingError, r"Unknown direction 'sufficient'\. Did you"),
+        (dict(tokens=TOKENS[0]), TokenError, r"tokens must be a \[batch, pos\] tensor"),
+        (dict(tokens=TOKENS + 1000), TokenError, r"Token ids in tokens must lie in 0\.\.299"),
+        (dict(tokens=TOKENS.bool()), TokenError, r"tokens must hold integer token ids"),
+        (dict(tokens=random_tokens(1, 70)), TokenError, r"70 positions.*embeddings for 64"),
+        (dict(tokens=TOKENS[:, :0]), TokenError, r"tokens is empty"),
+        (dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1]] * 2)), SelectionError, "right padding"),
+        (dict(attention_mask=torch.full((2, 5), 2)), SelectionError, r"only 0 \(padding\) and 1"),
+        (dict(tokens=PADDED, positions="last"), SelectionError, r"rows 1\) end in the pad token 0"),
+    ],
+)
+def test_patch_forward_refuses_before_any_forward_pass(three_models, overrides, error, message):
+    arguments = {
+        **dict(tokens=TOKENS, site="resid_pre", layers="all", positions="all"),
+        **overrides,
+    }
+    with no_forward_pass(three_models), pytest.raises(error, match=message):
+        patch_forward(three_models, **arguments)
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+@pytest.mark.parametrize(
+    "sweep, overrides, error, message",
+    [
+        ("resid", dict(site="z"), PatchingError, r"Unknown site 'z'\. Heads have their own sweep"),
+        ("resid", dict(reduce="sum"), PatchingError, r"reduce='mean' or 'none'.*'sum'"),
+        ("resid", dict(chunk_size=0), PatchingError, r"chunk_size >= 1.*, 0\.$"),
+        ("resid", dict(logits="first"), PatchingError, r"logits='last' or 'all'.*'first'"),
+        ("resid", dict(metric=3), PatchingError, r"metric must be a function"),
+        ("resid", dict(positions={}), PatchingError, r"mapping of position selections is empty"),
+        ("resid", dict(models="base"), TypeError, r"Expected a ModelSet, got TransformerBridge"),
+        ("head", dict(heads=[0, 9]), PatchingError, r"distinct head indices in 0\.\.3"),
+        ("head", dict(layers=-4), SelectionError, r"Layer -4 is outside the model"),
+        ("head", dict(models="base"), TypeError, r"Expected a ModelSet, got TransformerBridge"),
+    ],
+)
+def test_sweeps_refuse_before_any_forward_pass(three_models, sweep, overrides, error, message):
+    arguments = {**dict(models=three_models, tokens=TOKENS, metric=per_prompt), **overrides}
+    if arguments["models"] == "base":
+        arguments["models"] = three_models.base
+    run = resid_patch_sweep if sweep == "resid" else head_patch_sweep
+    with no_forward_pass(three_models), pytest.raises(error, match=message):
+        run(**arguments)
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+@pytest.mark.parametrize(
+    "metric, options, message",
+    [
         (
-            dict(
-                tokens=tokens.masked_fill(torch.tensor([[0, 0, 0, 0, 0], [0, 0, 0, 1, 1]]) == 1, 0),
-                positions="last",
-            ),
-            r"1 of 2 rows \(rows 1\) end in the pad token 0.*attention_mask",
+            lambda logits: logits[:, -1, :4],
+            {},
+            r"returned shape \[2, 4\] .*one per prompt \(\[2\]\)",
         ),
-    ]
-    with no_forward_pass(three_models):
-        for overrides, message in cases:
-            arguments = dict(tokens=tokens, site="resid_pre", layers="all", positions="all")
-            arguments.update(overrides)
-            with pytest.raises(PatchingError, match=message):
-                patch_forward(three_models, **arguments)
-        with pytest.raises(PatchingError, match="sweep attention heads with head_patch_sweep"):
-            resid_patch_sweep(three_models, tokens, per_prompt, site="z")
-        with pytest.raises(PatchingError, match="Head 9 is out of range"):
-            head_patch_sweep(three_models, tokens, per_prompt, heads=[0, 9])
-        with pytest.raises(PatchingError, match="Layer -4 is outside the model"):
-            head_patch_sweep(three_models, tokens, per_prompt, layers=-4)
-        with pytest.raises(PatchingError, match="reduce must be 'mean' or 'none'"):
-            resid_patch_sweep(three_models, tokens, per_prompt, reduce="sum")
-        with pytest.raises(PatchingError, match="chunk_size must be a positive number"):
-            resid_patch_sweep(three_models, tokens, per_prompt, chunk_size=0)
-        with pytest.raises(PatchingError, match="Expected a ModelSet, got TransformerBridge"):
-            resid_patch_sweep(three_models.base, tokens, per_prompt)
-    assert issubclass(PatchingError, gl.GraftingLensError)
-
-
-@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
-def test_metrics_of_the_wrong_shape_are_named(three_models):
+        (scalar, dict(reduce="none"), r"returned shape \[\] .*since reduce='none' keeps them"),
+        (lambda logits: "good", {}, r"returned str .*it must return numbers"),
+        (lambda logits: None, {}, r"returned NoneType"),
+        (lambda logits: {"value": 1.0}, {}, r"returned dict"),
+    ],
+)
+def test_metrics_that_give_no_value_per_prompt_are_named(three_models, metric, options, message):
     tokens = random_tokens(2, 4, seed=31)
-    with pytest.raises(PatchingError, match=r"metric returned shape \[2, 4\].*\[2\]"):
-        resid_patch_sweep(three_models, tokens, lambda logits: logits[..., 0], layers=0)
-    with pytest.raises(PatchingError, match="reduce='none' keeps one value per prompt"):
-        resid_patch_sweep(three_models, tokens, scalar, layers=0, reduce="none", progress=False)
+    with pytest.raises(PatchingError, match=message):
+        resid_patch_sweep(three_models, tokens, metric, layers=0, positions=[0], **options)
 
 
 @pytest.mark.parametrize("family", ["gpt2"], indirect=True)
-def test_metrics_that_return_no_numbers_are_named(three_models):
+def test_numbers_in_a_list_are_a_metrics_values(three_models):
     tokens = random_tokens(2, 4, seed=32)
-    for returned in ("good", None, {"value": 1.0}):
-        with pytest.raises(PatchingError, match="The metric returned .*; it must return numbers"):
-            resid_patch_sweep(
-                three_models,
-                tokens,
-                lambda logits, returned=returned: returned,
-                layers=0,
-                positions=[0],
-            )
-    # Numbers in a list are numbers.
     sweep = resid_patch_sweep(
         three_models, tokens, lambda logits: [1.0, 2.0], layers=0, positions=[0], progress=False
     )
     assert sweep.values.tolist() == [[1.5]]
+    assert issubclass(PatchingError, gl.GraftingLensError)
 
 
 def test_a_source_cast_or_moved_after_loading_is_refused(tokenizer):
@@ -540,12 +565,12 @@ def test_a_source_cast_or_moved_after_loading_is_refused(tokenizer):
     tokens = random_tokens(2, 5)
     models[1].half()
     with no_forward_pass(models):
-        with pytest.raises(PatchingError, match=r"source 1 \(source1\), whose weights are torch"):
+        with pytest.raises(AlignmentError, match=r"source 1 \(source1\), whose weights are torch"):
             patch_forward(models, tokens, "resid_pre", layers=1)
-        with pytest.raises(PatchingError, match=r"torch.float16 on cpu, and the base's are torch"):
+        with pytest.raises(AlignmentError, match=r"torch.float16 on cpu, and the base's are torch"):
             resid_patch_sweep(models, tokens, lambda logits: logits[:, -1, 0])
     models[1].float().to("meta")  # patching silently returned logits on the meta device
     with pytest.raises(
-        PatchingError, match=r"float32 on meta, and the base's are torch.float32 on"
+        AlignmentError, match=r"float32 on meta, and the base's are torch.float32 on"
     ):
         patch_forward(models, tokens, "resid_pre", layers=1, direction="necessity")
