@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from jaxtyping import Bool, Int
 
+from grafting_lens.core import defaults
 from grafting_lens.core.errors import BatchError
 from grafting_lens.engine.positions import row_lengths
 
@@ -300,23 +301,19 @@ def tokenize_examples(
     examples: Sequence[Any],
     tokenizer: Any,
     *,
-    bos: str = "always",
-    target: str = "in_context",
-    spans: str = "characters",
+    bos: str = defaults.BOS,
+    target: str = defaults.TARGET,
+    spans: str = defaults.SPANS,
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    By default a token belongs to a span when its character range overlaps the span, so a
-    token straddling a span's edge counts as inside it (``spans="search"`` finds the span's
-    tokens as the paper's code does, :data:`SPAN_RULES`). Prompts are tokenized without the
-    tokenizer's own special tokens; with ``bos="always"`` the BOS id (the EOS id if the
-    tokenizer has no BOS) is prepended by hand, so the result does not depend on settings like
-    ``add_bos_token``; ``bos="tokenizer"`` keeps what ``tokenizer(text)`` adds by itself, as the
-    paper's code does (:data:`BOS_RULES`).
-
-    By default the target tokens are read off the tokenization of ``text + target``, which is
-    how the model would see the answer (``target="standalone"`` tokenizes the target on its own,
-    as the paper's code does, :data:`TARGET_RULES`). An example is dropped, never silently, when
+    The defaults are the library's one default (:mod:`grafting_lens.core.defaults`, the
+    paper's code's choices): a prompt starts with what ``tokenizer(text)`` adds by itself
+    (``bos="always"`` prepends the BOS id, the EOS id if there is none, by hand; ``"never"``
+    nothing: :data:`BOS_RULES`); a span's tokens are found by searching for its text's tokens
+    (``spans="characters"``: the tokens whose characters overlap the span, :data:`SPAN_RULES`);
+    the answer's first token is the target tokenized on its own (``target="in_context"``: read
+    off the tokenization of ``text + target``, :data:`TARGET_RULES`). An example is dropped, never silently, when
     a span covers no token (or, searching, is not found), a span lies outside the text, the
     target adds no token, the target holds the tokenizer's unknown token (which every unknown
     word shares, so two targets would be one answer), or (in context) the prompt's last token

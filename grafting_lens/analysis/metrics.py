@@ -59,6 +59,7 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 
+from grafting_lens.core import defaults
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError
 from grafting_lens.engine.positions import row_lengths
@@ -86,14 +87,14 @@ tables print "n = 2, no interval" instead. :func:`summarize` still computes it."
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
 """How :func:`target_rank` counts tokens whose logit equals the target's.
 
-``"pessimistic"`` (the default) counts them as above the target;
-``"optimistic"`` ignores them (the rank counts strictly greater logits only).
+``"pessimistic"`` counts them as above the target; ``"optimistic"`` (the default, the
+paper's code's) ignores them (the rank counts strictly greater values only).
 """
 
 
 RANK_BY: tuple[str, ...] = ("logit", "probability")
-"""What :func:`target_rank` compares: the logits (the default) or the float32 softmax
-probabilities, as the paper's code does (``torch.softmax(logits, -1)``)."""
+"""What :func:`target_rank` compares: the logits, or the float32 softmax probabilities
+(the default, as the paper's code: ``torch.softmax(logits, -1)``)."""
 
 
 class TopTokens(NamedTuple):
@@ -157,8 +158,8 @@ def target_rank(
     logits: Float[torch.Tensor, "batch d_vocab"],
     target_ids: Int[torch.Tensor, " batch"],
     *,
-    ties: str = "pessimistic",
-    by: str = "logit",
+    ties: str = defaults.TIES,
+    by: str = defaults.RANK_BY,
 ) -> Int[torch.Tensor, " batch"]:
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
@@ -169,11 +170,11 @@ def target_rank(
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
         target_ids: The correct next token of each row.
-        ties: ``"pessimistic"`` (default: a tie counts against the target) or
-            ``"optimistic"`` (only strictly greater values count, as in the
-            paper's code). See :data:`TIE_RULES`.
-        by: ``"logit"`` (default) or ``"probability"``: compare the float32
-            softmax, as the paper's code does (see :data:`RANK_BY`).
+        ties: ``"optimistic"`` (default: only strictly greater values count, as in
+            the paper's code) or ``"pessimistic"`` (a tie counts against the target).
+            See :data:`TIE_RULES`.
+        by: ``"probability"`` (default: the float32 softmax, as the paper's code) or
+            ``"logit"`` (see :data:`RANK_BY`).
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
@@ -214,8 +215,8 @@ def top_k_hit(
     target_ids: Int[torch.Tensor, " batch"],
     k: int,
     *,
-    ties: str = "pessimistic",
-    by: str = "logit",
+    ties: str = defaults.TIES,
+    by: str = defaults.RANK_BY,
 ) -> Bool[torch.Tensor, " batch"]:
     """Whether each target is among the ``k`` most likely tokens (``rank < k``).
 

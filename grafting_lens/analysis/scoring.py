@@ -37,6 +37,7 @@ import torch
 from jaxtyping import Float, Int
 
 from grafting_lens.analysis import metrics
+from grafting_lens.core import defaults
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import GraftingLensError
 
@@ -61,11 +62,11 @@ class LastTokenScorer:
             ``None``.
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
-        rank_by: What ``target_rank`` compares: ``"logit"`` (default) or
-            ``"probability"`` (the float32 softmax, as the paper's code); see
+        rank_by: What ``target_rank`` compares: ``"probability"`` (default: the float32
+            softmax, as the paper's code) or ``"logit"``; see
             :func:`grafting_lens.analysis.metrics.target_rank`.
-        ties: How ``target_rank`` counts ties: ``"pessimistic"`` (default) or
-            ``"optimistic"`` (the paper's code).
+        ties: How ``target_rank`` counts ties: ``"optimistic"`` (default, the paper's
+            code) or ``"pessimistic"``.
 
     Raises:
         GraftingLensError: ``top_k`` that is not a positive integer, or an unknown
@@ -78,8 +79,8 @@ class LastTokenScorer:
         *,
         top_k: int | None = None,
         top_token: bool = False,
-        rank_by: str = "logit",
-        ties: str = "pessimistic",
+        rank_by: str = defaults.RANK_BY,
+        ties: str = defaults.TIES,
     ):
         if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
