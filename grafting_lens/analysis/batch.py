@@ -307,7 +307,7 @@ def tokenize_examples(
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    The defaults are the library's one default (:mod:`grafting_lens.core.defaults`, the
+    The defaults are the library's one default (``grafting_lens.core.defaults``, the
     paper's code's choices): a prompt starts with what ``tokenizer(text)`` adds by itself
     (``bos="always"`` prepends the BOS id, the EOS id if there is none, by hand; ``"never"``
     nothing: :data:`BOS_RULES`); a span's tokens are found by searching for its text's tokens

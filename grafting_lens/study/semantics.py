@@ -48,7 +48,7 @@ the code's). Pass ``semantics="clean"`` (or :data:`CLEAN`) for the library's rea
 where a component means what it names. The lens's masks (:class:`~grafting_lens.GraftMask`,
 :func:`~grafting_lens.grafting`) take no semantics and graft every component exactly as
 named; its tokenization and scoring defaults are this default's
-(:mod:`grafting_lens.core.defaults` holds them, and :class:`Semantics` reads them there).
+(``grafting_lens.core.defaults`` holds them, and :class:`Semantics` reads them there).
 """
 
 from __future__ import annotations
