@@ -3,8 +3,8 @@
 Every figure on the site (the tutorials' outputs, getting started's) needs plotly.js,
 4.6 MB. Embedded in each page, as a notebook embeds it, every tutorial page weighs over
 5 MB; here the installed plotly's own ``plotly.min.js`` becomes one file of the site, which
-every page loads (and a browser caches), and the copy each notebook embeds is taken out of
-its page.
+every page loads in its head (a figure's inline script calls ``Plotly`` as the page is
+read) and a browser caches, and the copy each notebook embeds is taken out of its page.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import plotly
 from mkdocs.structure.files import File
+from mkdocs.utils import get_relative_url
 
 PLOTLY_JS = "javascripts/plotly.min.js"
 
@@ -29,4 +30,5 @@ def on_files(files, config):
 
 
 def on_post_page(output: str, page, config) -> str:
-    return _EMBEDDED.sub("", output)
+    script = f'<script src="{get_relative_url(PLOTLY_JS, page.url)}"></script>'
+    return _EMBEDDED.sub("", output).replace("</head>", f"{script}\n</head>", 1)
