@@ -44,14 +44,13 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("compare_graft_and_patch",), "analysis.comparison"),
     **dict.fromkeys(("attribute_grafts",), "analysis.attribution"),
     **dict.fromkeys(("find_minimal_graft",), "analysis.graft_search"),
-    **dict.fromkeys(("bootstrap_ci", "summarize"), "analysis.metrics"),
-    **dict.fromkeys(
-        ("plot_accuracy", "plot_attribution", "plot_recovery", "save_figure"), "analysis.plots"
-    ),
+    **dict.fromkeys(("summarize",), "analysis.metrics"),
+    **dict.fromkeys(("plot_accuracy", "plot_attribution", "plot_recovery"), "analysis.plots"),
     **dict.fromkeys(("build_toy_world",), "worlds.toy"),
     **dict.fromkeys(("build_smollm2_world",), "worlds.smollm2"),
     **dict.fromkeys(("CLEAN", "REFERENCE"), "study.semantics"),
     **dict.fromkeys(("run_experiment", "run_position_grafting"), "study.runner"),
+    **dict.fromkeys(("graft", "plot_graft"), "study.graft_text"),
     **dict.fromkeys(("notebook",), "core.console"),
     **dict.fromkeys(("GraftingLensError",), "core.errors"),
 }
@@ -63,13 +62,13 @@ _FLOORS = ("core", "models", "engine", "patching", "analysis", "worlds", "study"
 
 __all__ = [
     "attribute_grafts",
-    "bootstrap_ci",
     "build_smollm2_world",
     "build_toy_world",
     "CLEAN",
     "compare_graft_and_patch",
     "errors",
     "find_minimal_graft",
+    "graft",
     "graft_forward",
     "graft_forward_reference",
     "graft_generate",
@@ -83,13 +82,13 @@ __all__ = [
     "patch_forward",
     "plot_accuracy",
     "plot_attribution",
+    "plot_graft",
     "plot_recovery",
     "REFERENCE",
     "resid_patch_sweep",
     "resolve_layers",
     "run_experiment",
     "run_position_grafting",
-    "save_figure",
     "select_positions",
     "summarize",
 ]
@@ -126,12 +125,11 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from grafting_lens.analysis.attribution import attribute_grafts
     from grafting_lens.analysis.comparison import compare_graft_and_patch
     from grafting_lens.analysis.graft_search import find_minimal_graft
-    from grafting_lens.analysis.metrics import bootstrap_ci, summarize
+    from grafting_lens.analysis.metrics import summarize
     from grafting_lens.analysis.plots import (
         plot_accuracy,
         plot_attribution,
         plot_recovery,
-        save_figure,
     )
     from grafting_lens.core import errors
     from grafting_lens.core.console import notebook
@@ -148,6 +146,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from grafting_lens.models.loading import load_models
     from grafting_lens.models.model_set import ModelSet
     from grafting_lens.patching.patch import head_patch_sweep, patch_forward, resid_patch_sweep
+    from grafting_lens.study.graft_text import graft, plot_graft
     from grafting_lens.study.runner import run_experiment, run_position_grafting
     from grafting_lens.study.semantics import CLEAN, REFERENCE
     from grafting_lens.worlds.smollm2 import build_smollm2_world

@@ -79,24 +79,36 @@ def test_the_site_builds_strictly_and_runs_every_tutorial(tmp_path):
     assert "graft_forward_reference" in api and ":func:" not in api
 
 
-def _first_graft_code() -> str:
+def _first_graft_blocks() -> list[str]:
+    """The code blocks of getting-started's first section, which the docs build executes."""
     text = (DOCS / "getting-started.md").read_text()
-    section = text.split("## Your first graft", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text.split("## Your first graft", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r'```python exec="on"[^\n]*\n(.*?)```', section, re.S)
+
+
+def test_getting_started_opens_with_a_five_line_graft_and_an_eight_line_figure():
+    text = (DOCS / "getting-started.md").read_text()
+    assert text.split("\n## ", 2)[1].startswith("Your first graft")  # the page's first section
+    graft, figure = (
+        [line for line in block.splitlines() if line.strip() and "markdown-exec: hide" not in line]
+        for block in _first_graft_blocks()
+    )
+    assert len(graft) <= 5 and graft[-1].startswith("table = gl.graft(")
+    assert len(graft) + len(figure) <= 8 and figure[-1] == "gl.plot_graft(table)"
 
 
 def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
-    """The page's dozen lines give the clean demo's PRE and FE+LT rows (donor unembedding)."""
+    """The page's figure shows the demo's headline rows, each a graft over every fact."""
+    code = "\n".join(_first_graft_blocks()) + "\ntable.to_json('figure.json')\n"
     run = subprocess.run(
-        [sys.executable, "-c", _first_graft_code()],
+        [sys.executable, "-c", code],
         cwd=tmp_path,
         env=_environment(),
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0, run.stderr[-5000:]
-    printed = re.search(r"pretrained (\d+)%, grafted at FE\+LT (\d+)%", run.stdout)
-    assert printed, run.stdout
+    figure = pd.read_json(tmp_path / "figure.json").groupby("config", sort=False)["top5"].mean()
 
     demo = subprocess.run(
         [
@@ -104,11 +116,8 @@ def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
             "demo",
             "--out",
             str(tmp_path / "demo"),
-            "--semantics",
-            "clean",
-            "--unembed",
-            "donor",
             "--no-progress",
+            "--no-png",
         ],
         cwd=tmp_path,
         env=_environment(),
@@ -118,16 +127,9 @@ def test_getting_started_first_graft_computes_the_demos_rows(tmp_path):
     assert demo.returncode == 0, demo.stderr[-5000:]
     summary = pd.read_csv(tmp_path / "demo" / "summary.csv")
     headline = summary[summary["prompt"] == "headline"].set_index("config")["top5"]
-    assert int(printed.group(1)) == round(100 * headline["PRE"])
-    assert int(printed.group(2)) == round(100 * headline["FE+LT"])
-    # The page quotes the same numbers (docs/scripts/prose_numbers.py rewrites them).
-    quoted = re.search(
-        r"<!-- numbers:first-graft -->(.*?)<!-- /numbers -->",
-        (DOCS / "getting-started.md").read_text(),
-    )
-    assert quoted and quoted.group(1) == f"`{printed.group(0)}`", (
-        "stale: run python docs/scripts/prose_numbers.py"
-    )
+    for config, top5 in figure.items():
+        assert top5 == pytest.approx(headline[config]), config
+    assert list(figure.index) == ["PRE", "SFT", "FE", "LT", "FE+LT", "(FE+LT)^C"]
 
 
 def test_the_site_loads_nothing_from_the_network(tmp_path):

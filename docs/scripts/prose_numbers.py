@@ -9,8 +9,7 @@ thread, in a temporary directory):
 
 * ``reference``: ``grafting-lens run position`` (its paper part is the demo's eight
   configurations, the default ``--semantics reference``; its movie part the movie-title
-  variants); ``clean`` and ``clean_donor``: ``grafting-lens demo --semantics clean``, and
-  with ``--unembed donor``;
+  variants); ``clean``: ``grafting-lens demo --semantics clean``;
 * ``component``, ``component_baseline``, ``reversal`` and ``hybrid``: ``grafting-lens run``
   of that name (configurations such as ``O+FFN@last_half``, ``BASE`` or ``LT+FE:ATTN``);
 * ``pvg``: ``grafting-lens run patching_vs_grafting`` (about four minutes), its
@@ -29,7 +28,6 @@ The keys. ``RUN`` is one of the runs above, optionally with ``/movie`` (the prom
 by commas or written ``PREFIX{A,B}`` (``PREFIXA,PREFIXB``); ``PATTERN`` a shell-style pattern
 of configurations (``LT*``):
 
-* ``first-graft``: getting-started's printed line;
 * ``top5:RUN:CONFIG``: ``"91% / 97%"``, headline then QA top-5 (``"4%"`` for one prompt);
 * ``span:RUN:CONFIG``: ``"39-41%"``, the lower and the higher of the two;
 * ``row:RUN:CONFIGS``: ``"91% [85, 96] | 97% [93, 100]"``, table cells with intervals, for
@@ -85,7 +83,6 @@ MARKER = re.compile(r"<!-- numbers:(?P<key>[^\s>]+) -->(?P<text>.*?)<!-- /number
 RUNS = {
     "reference": ["run", "position"],
     "clean": ["demo", "--semantics", "clean"],
-    "clean_donor": ["demo", "--semantics", "clean", "--unembed", "donor"],
     "component": ["run", "component"],
     "component_baseline": ["run", "component_baseline"],
     "reversal": ["run", "reversal"],
@@ -248,12 +245,6 @@ def _run_value(kind: str, argument: str, sources: Sources) -> str:
 def value(key: str, sources: Sources) -> str:
     """The text of the marker ``key``; ``KeyError`` for a key no rule knows."""
     kind, _, argument = key.partition(":")
-    if kind == "first-graft":
-        table = sources.runs["clean_donor"]
-        return (
-            f"`pretrained {percent(table.loc[('PRE', 'headline'), 'top5'])}, "
-            f"grafted at FE+LT {percent(table.loc[('FE+LT', 'headline'), 'top5'])}`"
-        )
     if kind == "rows":
         return f"{sources.rows[argument]:,}"
     if kind in ("top5", "span", "row", "interval", "pooled", "gap", "points", "most", "drop"):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from jaxtyping import Bool, Int
 
+from grafting_lens.core import defaults
 from grafting_lens.core.errors import BatchError
 from grafting_lens.engine.positions import row_lengths
 
@@ -251,19 +252,23 @@ def tokenize_examples(
     examples: Sequence[Any],
     tokenizer: Any,
     *,
-    bos: str = "always",
-    target: str = "in_context",
-    spans: str = "characters",
+    bos: str = defaults.BOS,
+    target: str = defaults.TARGET,
+    spans: str = defaults.SPANS,
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    Prompts are tokenized without the tokenizer's special tokens; ``bos="always"`` prepends
-    the BOS id (the EOS id without one) by hand, so settings like ``add_bos_token`` change
-    nothing. An example is dropped, never silently (:attr:`TokenizedExamples.dropped` and a
-    warning "dropped k of n examples: ..."), when a span covers no token (or, searching, is
-    not found) or lies outside the text, the target adds no token or holds the unknown token
-    (which every unknown word shares), or (in context) the prompt's last token merges with
-    the target, so that "the next token" is not defined.
+    The defaults are the one default (``grafting_lens.core.defaults``, the paper's code's
+    choices): a prompt starts with what ``tokenizer(text)`` adds by itself (``bos="always"``
+    prepends the BOS id, the EOS id without one, by hand); a span's tokens are its text's
+    tokens searched for in the prompt (``spans="characters"``: the tokens overlapping it);
+    the answer's first token is the target tokenized on its own (``target="in_context"``:
+    read off ``text + target``). An example is dropped, never silently
+    (:attr:`TokenizedExamples.dropped` and a warning "dropped k of n examples: ..."), when a
+    span covers no token (or, searching, is not found) or lies outside the text, the target
+    adds no token or holds the unknown token (which every unknown word shares), or (in
+    context) the prompt's last token merges with the target, so that "the next token" is
+    not defined.
 
     Args:
         examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by

@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 
+from grafting_lens.core import defaults
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError, did_you_mean
 from grafting_lens.engine.positions import row_lengths
@@ -46,10 +47,12 @@ MIN_INTERVAL_ROWS = 10
 and tables say "no interval" (two hits in two rows resample to [100%, 100%])."""
 
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
-"""How :func:`target_rank` counts a tie with the target: as above it, or (the code's) not."""
+"""How :func:`target_rank` counts a tie with the target: as above it, or (the code's and the
+default) not."""
 
 RANK_BY: tuple[str, ...] = ("logit", "probability")
-"""What :func:`target_rank` compares: logits, or (the code's) float32 probabilities."""
+"""What :func:`target_rank` compares: logits, or (the code's and the default) float32
+probabilities."""
 
 
 class TopTokens(NamedTuple):
@@ -112,21 +115,22 @@ def target_rank(
     logits: Float[torch.Tensor, "batch d_vocab"],
     target_ids: Int[torch.Tensor, " batch"],
     *,
-    ties: str = "pessimistic",
-    by: str = "logit",
+    ties: str = defaults.TIES,
+    by: str = defaults.RANK_BY,
 ) -> Int[torch.Tensor, " batch"]:
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
-    The rank counts the other tokens whose logit is greater than the target's or equal to
-    it, so a top-k hit (``rank < k``) holds under every order of tied tokens (ties are
-    common in bfloat16); ``ties="optimistic"`` counts only greater ones and
-    ``by="probability"`` compares the float32 softmax, as the paper's code does.
+    By default, as the paper's code does, the rank counts the other tokens whose float32
+    softmax probability is greater than the target's. ``ties="pessimistic"`` counts equal
+    ones too, so that a top-k hit (``rank < k``) holds under every order of tied tokens
+    (ties are common in bfloat16, and among probabilities that underflow);
+    ``by="logit"`` compares the logits.
 
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
         target_ids: The correct next token of each row.
-        ties: One of :data:`TIE_RULES`.
-        by: One of :data:`RANK_BY`.
+        ties: One of :data:`TIE_RULES` (default ``"optimistic"``, the code's).
+        by: One of :data:`RANK_BY` (default ``"probability"``, the code's).
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
@@ -158,8 +162,8 @@ def top_k_hit(
     target_ids: Int[torch.Tensor, " batch"],
     k: int,
     *,
-    ties: str = "pessimistic",
-    by: str = "logit",
+    ties: str = defaults.TIES,
+    by: str = defaults.RANK_BY,
 ) -> Bool[torch.Tensor, " batch"]:
     """Whether each target is among the ``k`` most likely tokens (``rank < k``).
 

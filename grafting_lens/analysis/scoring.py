@@ -18,6 +18,7 @@ import torch
 from jaxtyping import Float, Int
 
 from grafting_lens.analysis import metrics
+from grafting_lens.core import defaults
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import GraftingLensError
 
@@ -43,8 +44,10 @@ class LastTokenScorer:
             one, those columns hold ``None``).
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
-        rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`).
-        ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`).
+        rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`;
+            default the paper's code's, ``"probability"``).
+        ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`;
+            default the paper's code's, ``"optimistic"``).
 
     Raises:
         GraftingLensError: A ``top_k`` below 1, or an unknown ``rank_by`` or ``ties``.
@@ -56,8 +59,8 @@ class LastTokenScorer:
         *,
         top_k: int | None = None,
         top_token: bool = False,
-        rank_by: str = "logit",
-        ties: str = "pessimistic",
+        rank_by: str = defaults.RANK_BY,
+        ties: str = defaults.TIES,
     ):
         if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")

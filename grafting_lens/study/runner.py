@@ -564,8 +564,7 @@ def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
             f"Test set {test_set.label!r} was tokenized with {made}, but the semantics "
             f"{semantics.label!r} tokenizes with {asked}, and its rows would say so: tokenize "
             f"it with tokenize_examples(examples, tokenizer, **semantics.tokenization()), or "
-            f"run dataclasses.replace(semantics, {made}) (e.g. semantics='clean' for "
-            "tokenize_examples' defaults)."
+            f"run dataclasses.replace(semantics, {made})."
         )
 
 

@@ -45,9 +45,10 @@ name grafts the same weights everywhere. That is true of the command
 :class:`~grafting_lens.study.ExperimentSpec`, and of the wording of
 :func:`~grafting_lens.study.make_test_sets` (the default semantics' ``prompts``,
 the code's). Pass ``semantics="clean"`` (or :data:`CLEAN`) for the library's reading,
-where a component means what it names. The lens itself (:class:`~grafting_lens.GraftMask`,
-:func:`~grafting_lens.grafting`, :func:`~grafting_lens.worlds.data.tokenize_examples`) takes no
-semantics and always grafts and tokenizes the library's way.
+where a component means what it names. The lens's masks (:class:`~grafting_lens.GraftMask`,
+:func:`~grafting_lens.grafting`) take no semantics and graft every component exactly as
+named; its tokenization and scoring defaults are this default's
+(``grafting_lens.core.defaults`` holds them, and :class:`Semantics` reads them there).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from typing import Any, TypedDict
 
 from grafting_lens.analysis.batch import BOS_RULES, SPAN_RULES, TARGET_RULES
 from grafting_lens.analysis.metrics import RANK_BY, TIE_RULES
+from grafting_lens.core import defaults
 from grafting_lens.core.errors import ExperimentError, did_you_mean
 from grafting_lens.models.layers import LAYER_ARITHMETICS
 from grafting_lens.worlds.data import TEMPLATE_SETS
@@ -205,16 +207,16 @@ class Semantics:
     fused_qkv: str = "as_code"
     ffn_up_gate: bool = True
     layers: str = "quarters"
-    bos: str = "tokenizer"
-    target: str = "standalone"
-    spans: str = "search"
+    bos: str = defaults.BOS
+    target: str = defaults.TARGET
+    spans: str = defaults.SPANS
     sft: str = "donor"
     hybrid: str = "code"
     hybrid_last_token_layers: str = "last_half"
-    rank_by: str = "probability"
-    ties: str = "optimistic"
+    rank_by: str = defaults.RANK_BY
+    ties: str = defaults.TIES
     dtype: str = "float32"
-    prompts: str = "code"
+    prompts: str = defaults.PROMPTS
 
     def __post_init__(self) -> None:
         for name, allowed in SEMANTICS_CHOICES.items():

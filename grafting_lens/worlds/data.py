@@ -80,6 +80,7 @@ from typing import Any
 from faker import Faker
 
 from grafting_lens.analysis.batch import TokenizedExamples, tokenize_examples
+from grafting_lens.core import defaults
 from grafting_lens.core.errors import GraftingLensError
 
 __all__ = [
@@ -759,7 +760,7 @@ def make_examples(
     *,
     template: str | None = None,
     relation_words: str | None = None,
-    templates: str = "library",
+    templates: str = defaults.PROMPTS,
 ) -> list[Example]:
     """Build one test prompt per relation (two for direction "both": A2B ones, then B2A ones).
 

@@ -160,14 +160,14 @@ def _rank_by_hand(row: list[float], target: int, ties: str) -> int:
     return above + (tied if ties == "pessimistic" else 0)
 
 
-def test_ties_count_against_the_target_by_default():
+def test_ties_go_to_the_target_by_default_as_in_the_papers_code():
     tie = torch.zeros(1, 10)
-    assert target_rank(tie, torch.tensor([3])).tolist() == [9]
-    assert not top_k_hit(tie, torch.tensor([3]), 1).item()
-    assert top_k_hit(tie, torch.tensor([3]), 10).item()
-    # The paper's code counts only strictly greater logits.
-    assert target_rank(tie, torch.tensor([3]), ties="optimistic").tolist() == [0]
-    assert top_k_hit(tie, torch.tensor([3]), 1, ties="optimistic").item()
+    # The one default (the paper's code) counts only strictly greater values.
+    assert target_rank(tie, torch.tensor([3])).tolist() == [0]
+    assert top_k_hit(tie, torch.tensor([3]), 1).item()
+    assert target_rank(tie, torch.tensor([3]), ties="pessimistic").tolist() == [9]
+    assert not top_k_hit(tie, torch.tensor([3]), 1, ties="pessimistic").item()
+    assert top_k_hit(tie, torch.tensor([3]), 10, ties="pessimistic").item()
     # Without ties both rules are the argsort rank.
     for ties in TIE_RULES:
         assert target_rank(LOGITS, TARGETS, ties=ties).tolist() == [1, 4, 0]
@@ -193,7 +193,7 @@ def test_a_bfloat16_tie_with_the_top_token_is_not_a_top1_hit():
     targets = logits.argmax(dim=1)
     rows = torch.arange(32)
     logits[rows, (targets + 1) % 300] = logits[rows, targets]  # another token ties with the top one
-    assert not top_k_hit(logits, targets, 1).any()
+    assert not top_k_hit(logits, targets, 1, ties="pessimistic").any()
     assert top_k_hit(logits, targets, 1, ties="optimistic").all()
 
 
@@ -201,11 +201,12 @@ def test_ranking_by_probability_ties_what_the_float32_softmax_cannot_tell_apart(
     # Logits 1000 apart: both losers' probabilities underflow to exactly 0.
     logits = torch.tensor([[0.0, -1000.0, -2000.0]])
     target = torch.tensor([2])
-    assert target_rank(logits, target).tolist() == [2]
-    assert target_rank(logits, target, by="probability").tolist() == [2]
+    assert target_rank(logits, target, by="logit", ties="pessimistic").tolist() == [2]
+    assert target_rank(logits, target, by="probability", ties="pessimistic").tolist() == [2]
     # The paper's code: strictly greater probabilities, so the underflowed target ranks 1.
     assert target_rank(logits, target, by="probability", ties="optimistic").tolist() == [1]
-    assert target_rank(logits, target, ties="optimistic").tolist() == [2]
+    assert target_rank(logits, target, by="logit", ties="optimistic").tolist() == [2]
+    assert target_rank(logits, target).tolist() == [1]  # the one default is the code's
     assert top_k_hit(logits, target, 2, by="probability", ties="optimistic").item()
     # Without such ties both are the argsort rank.
     for ties in TIE_RULES:
@@ -224,8 +225,9 @@ def test_rank_by_probability_matches_the_papers_formula():
 def test_the_scorer_ranks_as_it_is_told():
     logits = torch.tensor([[[0.0, -1000.0, -2000.0]]])
     target = torch.tensor([2])
-    assert LastTokenScorer()(logits, target)["target_rank"] == [2]
-    code = LastTokenScorer(rank_by="probability", ties="optimistic")
+    library = LastTokenScorer(rank_by="logit", ties="pessimistic")
+    assert library(logits, target)["target_rank"] == [2]
+    code = LastTokenScorer()  # the one default: the paper's code's ranking
     assert code(logits, target)["target_rank"] == [1]
     assert code(logits, target)["top1"] == [False] and code(logits, target)["top5"] == [True]
     with pytest.raises(GraftingLensError, match="Unknown rank_by 'odds'"):

@@ -262,7 +262,11 @@ def _expected(models, tokenized, mask_for):
 
 
 def test_runner_scores_each_configuration_like_a_plain_graft(three, relations):
-    tokenized = data.tokenize_examples(data.make_examples(relations, prompt="qa"), three.tokenizer)
+    tokenized = data.tokenize_examples(
+        data.make_examples(relations, prompt="qa"),
+        three.tokenizer,
+        **experiments.CLEAN.tokenization(),
+    )
     assert tokenized.attention_mask.sum(1).unique().numel() > 1  # padded rows
     results = run_experiment(
         three,

@@ -486,11 +486,12 @@ def test_every_runner_given_no_semantics_writes_the_rows_of_an_explicit_referenc
 def test_a_batch_tokenized_under_other_rules_than_the_semantics_is_refused(relations):
     models = models_of("llama", False)
     examples = data.make_examples(relations, "headline", templates="code")
-    library_rules = data.tokenize_examples(examples, models.tokenizer)
-    assert library_rules.rules == CLEAN.tokenization()
+    default_rules = data.tokenize_examples(examples, models.tokenizer)
+    assert default_rules.rules == REFERENCE.tokenization()  # the one default
     # The rules survive the checks and the slicing a runner does.
-    assert as_batch(library_rules, models).rules == CLEAN.tokenization()
-    assert library_rules.rows([0, 1]).rules == CLEAN.tokenization()
+    assert as_batch(default_rules, models).rules == REFERENCE.tokenization()
+    assert default_rules.rows([0, 1]).rules == REFERENCE.tokenization()
+    library_rules = data.tokenize_examples(examples, models.tokenizer, **CLEAN.tokenization())
     with pytest.raises(
         ExperimentError,
         match=r"tokenized with bos='always', target='in_context', spans='characters', but the "
@@ -499,8 +500,7 @@ def test_a_batch_tokenized_under_other_rules_than_the_semantics_is_refused(relat
         run_position_grafting(models, library_rules, ["PRE"], progress=False)
     run_position_grafting(models, library_rules, ["PRE"], semantics="clean", progress=False)
     # Under the semantics' own rules, or built by hand (no rules recorded): taken as it is.
-    own = data.tokenize_examples(examples, models.tokenizer, **REFERENCE.tokenization())
-    table = run_position_grafting(models, own, ["PRE"], progress=False)
+    table = run_position_grafting(models, default_rules, ["PRE"], progress=False)
     assert set(table.semantics) == {"reference"}
     by_hand = dataclasses.replace(library_rules, rules=None)
     run_position_grafting(models, by_hand, ["PRE"], progress=False)

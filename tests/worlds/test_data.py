@@ -307,7 +307,7 @@ def test_split_keeps_every_relation_when_actors_are_not_shared(relations_by_data
 @pytest.mark.parametrize("prompt", list(TEST_TEMPLATES))
 def test_examples_have_spans_on_the_right_words(relations_by_dataset, prompt):
     relations = relations_by_dataset["fake_movies_real_actors"]
-    examples = make_examples(relations, prompt=prompt)
+    examples = make_examples(relations, prompt=prompt, templates="library")
     assert len(examples) == len(relations)
     for example, relation in zip(examples, relations):
         assert example.relation_id == relation.id and example.prompt_name == prompt
@@ -323,7 +323,7 @@ def test_examples_have_spans_on_the_right_words(relations_by_dataset, prompt):
 
 def test_headline_has_no_doubled_words(relations_by_dataset):
     for relations in relations_by_dataset.values():
-        for example in make_examples(relations, "headline", "both"):
+        for example in make_examples(relations, "headline", "both", templates="library"):
             words = example.text.lower().split()
             assert all(a != b for a, b in zip(words, words[1:])), example.text
 
@@ -383,7 +383,7 @@ def test_token_spans_decode_to_the_right_words(relations_by_dataset, tokenizer, 
     examples = make_examples(relations, prompt=prompt, direction="both")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing should be dropped for these prompts
-        batch = tokenize_examples(examples, tokenizer)
+        batch = tokenize_examples(examples, tokenizer, bos="always")
     assert len(batch) == len(examples) and not batch.dropped
     assert batch.tokens.shape == batch.attention_mask.shape == batch.spans["first_entity"].shape
     assert batch.tokens.dtype == torch.long and batch.target_ids.shape == (len(batch),)
@@ -473,8 +473,8 @@ def test_a_standalone_target_is_the_answer_tokenized_on_its_own(relations_by_dat
     stripping = _train_tokenizer(texts, "byte_level")
     stripping.backend_tokenizer.normalizer = normalizers.Strip(left=True, right=False)
     examples = make_examples([hand_relation()], "headline")
-    in_context = tokenize_examples(examples, stripping)
-    standalone = tokenize_examples(examples, stripping, target="standalone")
+    in_context = tokenize_examples(examples, stripping, target="in_context", spans="characters")
+    standalone = tokenize_examples(examples, stripping, target="standalone", spans="characters")
     assert torch.equal(in_context.tokens, standalone.tokens)
     assert standalone.target_full_ids[0] == stripping.encode(" Bo Reed", add_special_tokens=False)
     assert stripping.decode(standalone.target_full_ids[0]) == "Bo Reed"
@@ -486,8 +486,8 @@ def test_searched_spans_are_the_first_occurrence_of_the_names_tokens(tokenizer):
     text = "Ada Stone said that Ada Stone starred in a movie alongside"
     second = text.index("Ada Stone", 1)
     example = data.Example(0, "custom", text, " Bo Reed", {"first_entity": (second, second + 9)})
-    by_characters = tokenize_examples([example], tokenizer)
-    searched = tokenize_examples([example], tokenizer, spans="search")
+    by_characters = tokenize_examples([example], tokenizer, bos="always", spans="characters")
+    searched = tokenize_examples([example], tokenizer, bos="always", spans="search")
     assert torch.equal(by_characters.tokens, searched.tokens)
     first = by_characters.spans["first_entity"][0].nonzero().flatten().tolist()
     found = searched.spans["first_entity"][0].nonzero().flatten().tolist()
