@@ -55,7 +55,15 @@ def make_adapter(base: Path, out: Path) -> None:
         r=8,
         lora_alpha=16,
         init_lora_weights=False,  # random B too, so the donor differs from the base
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
     )
     get_peft_model(model, config).save_pretrained(out)
 

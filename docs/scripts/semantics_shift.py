@@ -29,7 +29,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from grafting_lens import study as experiments
-from grafting_lens.analysis import metrics, plots
+from grafting_lens.analysis import figure_style, metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = ["part", "prompt", "config", "relation_id"]
@@ -128,7 +128,7 @@ def figure(shifts: dict[str, dict], configs: list[str], label: str) -> go.Figure
         fig.add_trace(
             go.Heatmap(
                 z=values,
-                x=[plots.display_label(c) for c in configs],
+                x=[figure_style.display_label(c) for c in configs],
                 y=names,
                 zmid=0,
                 zmin=-extent,
@@ -164,7 +164,7 @@ def figure(shifts: dict[str, dict], configs: list[str], label: str) -> go.Figure
     for annotation in fig.layout.annotations:
         annotation.yshift = 22
     fig.update_layout(
-        title=plots.wrap_text(f"What each difference moves: position grafting on {label}", 60),
+        title=figure_style.wrap_text(f"What each difference moves: position grafting on {label}", 60),
         height=210 + 2 * heat + bars + 150,
         width=COLUMN_WIDTH,
         margin={"l": 210, "r": 20, "t": 140, "b": 40},
@@ -216,7 +216,7 @@ def main() -> None:
 
 
 def _write(fig: go.Figure, out: Path) -> None:
-    written = plots.save_figure(fig, out / "semantics_shift", include_plotlyjs="cdn")
+    written = figure_style.save_figure(fig, out / "semantics_shift", include_plotlyjs="cdn")
     # The page shows the PNG; an HTML left in docs/ would be built into the site, and it
     # loads plotly from a CDN, which an offline reader cannot.
     if written.get("png"):

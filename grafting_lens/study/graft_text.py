@@ -131,14 +131,12 @@ def graft(
         dataclasses.replace(e, spans={**e.spans, **_piece_spans(e, pieces)}) for e in examples
     ]
     base, donor_name = models.names[0], models.names[donor_index]
+    wanted = components if isinstance(components, str) else tuple(components)
     configs = [
         GraftConfig(base),
-        GraftConfig(donor_name, Graft("ALL", "all", "all", source=donor_index)),
+        GraftConfig(donor_name, (Graft("ALL", "all", "all", source=donor_index),)),
         *(
-            GraftConfig(
-                label,
-                Graft(_selector(place, pieces), components, layers, source=donor_index),
-            )
+            GraftConfig(label, (Graft(_selector(place, pieces), wanted, layers, donor_index),))
             for label, place in grafts.items()
         ),
     ]
@@ -233,13 +231,16 @@ def _prompts(prompts: str | Sequence[Any], answer: str | Sequence[str] | None) -
     items = [prompts] if isinstance(prompts, str) else list(prompts)
     if not items:
         raise SelectionError("No prompts: give a prompt or a list of them.")
-    if all(hasattr(item, "text") and hasattr(item, "spans") for item in items):
+    examples: list[Any] = items
+    if all(hasattr(item, "text") and hasattr(item, "spans") for item in examples):
         if answer is not None:
             raise SelectionError("These examples carry their answers (target): drop answer=.")
         return [
-            _Prompt(e.text, e.target, dict(e.spans), e.relation_id, e.prompt_name) for e in items
+            _Prompt(e.text, e.target, dict(e.spans), e.relation_id, e.prompt_name) for e in examples
         ]
-    answers = [answer] * len(items) if isinstance(answer, str) or answer is None else list(answer)
+    answers: list[Any] = (
+        [answer] * len(items) if isinstance(answer, str) or answer is None else list(answer)
+    )
     if len(answers) != len(items) or not all(isinstance(a, str) and a.strip() for a in answers):
         raise SelectionError(
             f"Each prompt needs an answer to score: answer='...' for all, or one per prompt "
@@ -249,7 +250,7 @@ def _prompts(prompts: str | Sequence[Any], answer: str | Sequence[str] | None) -
     if bad is not None:
         raise SelectionError(f"Prompts are non-empty strings; got {bad!r}.")
     return [
-        _Prompt(text.rstrip(), reply if reply[:1].isspace() else " " + reply, {}, index)
+        _Prompt(str(text).rstrip(), reply if reply[:1].isspace() else " " + reply, {}, index)
         for index, (text, reply) in enumerate(zip(items, answers))
     ]
 
@@ -325,7 +326,10 @@ def _selector(place: Place, pieces: dict[str, str]) -> Any:
             elif part == "all":
                 chosen |= attention_mask.bool()
             else:
-                chosen |= select_positions(pieces.get(part, part), spans, attention_mask)
+                expression = str(part)
+                chosen |= select_positions(
+                    pieces.get(expression, expression), spans, attention_mask
+                )
         return chosen
 
     positions.__name__ = f"at_{_label(place)}"
