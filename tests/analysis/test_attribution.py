@@ -30,7 +30,12 @@ def batch_for(models: gl.ModelSet, n: int = 4, seed: int = 0, answers: str = "do
     """Tokenized prompts with FE/LT spans, padded; the answer is the donor's top token (so the
     donor beats the base), or the data's own answer."""
     relations = data.make_relations("fake_movies_real_actors", n=n, seed=seed)
-    batch = data.tokenize_examples(data.make_examples(relations, prompt="qa"), models.tokenizer)
+    # The library's wording and tokenization (a BOS, the answer read in context), which the
+    # fractions these tests ask for were chosen on.
+    examples = data.make_examples(relations, prompt="qa", templates="library")
+    batch = data.tokenize_examples(
+        examples, models.tokenizer, bos="always", target="in_context", spans="characters"
+    )
     if answers == "donor":
         with torch.no_grad():
             logits = models[1](batch.tokens, attention_mask=batch.attention_mask)
