@@ -175,26 +175,16 @@ class LoraAdapter:
         """
         path = Path(path).expanduser()
         config = _read_config(path / "adapter_config.json")
-        safetensors_file = path / "adapter_model.safetensors"
-        bin_file = path / "adapter_model.bin"
-        if safetensors_file.is_file():
-            tensors = _read_weights(safetensors_file)
-        elif bin_file.is_file():
-            tensors = _read_weights(bin_file)
-        else:
-            dangling = [f.name for f in (safetensors_file, bin_file) if f.is_symlink()]
+        file = next(
+            (path / name for name in ("adapter_model.safetensors", "adapter_model.bin")
+             if (path / name).is_file()),
+            None,
+        )  # fmt: skip
+        tensors = _read_weights(file) if file is not None else {}
+        if not tensors:  # PEFT would leave the factors as initialised: the base itself
             raise AdapterError(
-                f"{str(path)!r} has an adapter_config.json but no adapter_model.safetensors "
-                "(or .bin) beside it"
-                + (f" ({dangling[0]} is a link to a file that does not exist)" if dangling else "")
-                + ". Point to the directory PEFT's save_pretrained wrote."
-            )
-        file = safetensors_file if safetensors_file.is_file() else bin_file
-        if not tensors:
-            raise AdapterError(
-                f"{file} holds no tensors, so as a donor it would be the base itself (PEFT "
-                "would leave the adapter's factors as initialised): the adapter was not saved "
-                f"whole. {RESAVE}"
+                f"{file or path} holds no adapter tensors (adapter_model.safetensors or .bin "
+                f"beside adapter_config.json, a link to nothing?). {RESAVE}"
             )
         named, saved = _without_adapter_names(tensors, str(file))
         adapter = cls(path.name, config, named, saved)
@@ -230,115 +220,15 @@ class LoraAdapter:
     def check_supported(self) -> None:
         """Refuse what grafting-lens does not compute, or what PEFT would not load.
 
-        Other PEFT methods, LoRA variants, initialisations that rewrite the base's
-        weights (PiSSA, OLoRA...), and settings PEFT refuses (a rank or alpha that is
-        not a number, a rank below 1).
+        Other PEFT methods, LoRA variants, initialisations that rewrite the base's weights
+        (PiSSA, OLoRA...), and settings PEFT refuses (a rank that is not an integer >= 1).
 
         Raises:
-            AdapterError: Naming the method or setting, and the fix (merge the
-                adapter into a full checkpoint and load that, or save it again).
+            AdapterError: Naming the method or setting, and the fix.
         """
-        merge = (
-            "Merge it into a full checkpoint instead (model = peft_model.merge_and_unload(); "
-            "model.save_pretrained(dir)) and load that directory as the donor."
-        )
-        raw_type = self.config.get("peft_type")
-        if raw_type is None:
-            raise AdapterError(
-                f"The adapter {self.label}'s config has no peft_type, so it does not say what "
-                "kind of adapter it is (PEFT's save_pretrained always writes one, e.g. "
-                '"peft_type": "LORA"). ' + RESAVE
-            )
-        peft_type = str(getattr(raw_type, "value", raw_type))
-        if peft_type.upper() != "LORA":
-            raise AdapterError(
-                f"The adapter {self.label} is a {peft_type} adapter; grafting-lens computes "
-                f"LoRA adapters only. {merge}"
-            )
-        for setting, what in _REFUSED_SETTINGS.items():
-            if self.config.get(setting):
-                raise AdapterError(
-                    f"The adapter {self.label} uses {what}; grafting-lens computes plain LoRA "
-                    f"(W x + B A x * scale) only. {merge}"
-                )
-        if self.config.get("bias", "none") != "none":
-            raise AdapterError(
-                f"The adapter {self.label} trained biases (bias={self.config['bias']!r}); "
-                f"grafting-lens computes LoRA with the base's biases only. {merge}"
-            )
-        self._check_initialisation(merge)
-        self._check_numbers()
-
-    def _check_initialisation(self, merge: str) -> None:
-        init = self.config.get("init_lora_weights", True)
-        if str(init).lower() in _PLAIN_INITS:
-            return
-        key = str(init).lower()
-        known = next(
-            (name for prefix, name in _REWRITING_INITS.items() if key.startswith(prefix)), None
-        )
-        if known is None:
-            raise AdapterError(
-                f"The adapter {self.label} was initialised with init_lora_weights={init!r}, an "
-                "initialisation grafting-lens does not know, so it cannot tell whether PEFT "
-                "rewrites the base's weights when it loads the adapter. " + merge
-            )
-        raise AdapterError(
-            f"The adapter {self.label} was initialised with init_lora_weights={init!r} "
-            f"({known}), which rewrites the base's weights when PEFT creates or loads it (W "
-            "becomes W minus the initial factors' product), so the trained model is not "
-            "W x + B A x * scale on this base's own weights. Save it converted to plain LoRA "
-            "(peft_model.save_pretrained(dir, path_initial_model_for_weight_conversion="
-            "<the adapter saved before training>)) and load that directory, or "
-            + merge[0].lower()
-            + merge[1:]
-        )
-
-    def _check_numbers(self) -> None:
-        def number(value: Any) -> bool:
-            return (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-            )
-
-        def rank(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-        fix = "Set it as it was when the adapter was trained, or " + RESAVE[0].lower() + RESAVE[1:]
-        if not rank(self.config.get("r", 8)):
-            raise AdapterError(
-                f"The adapter {self.label} has r={self.config['r']!r}; a LoRA rank is an "
-                f"integer >= 1 (PEFT refuses anything else). {fix}"
-            )
-        if not number(self.config.get("lora_alpha", 8)):
-            raise AdapterError(
-                f"The adapter {self.label} has lora_alpha={self.config['lora_alpha']!r}; the LoRA "
-                f"scale is lora_alpha / r, so lora_alpha must be a finite number. {fix}"
-            )
-        for setting, valid, what in (
-            ("rank_pattern", rank, "ranks (integers >= 1)"),
-            ("alpha_pattern", number, "alphas (finite numbers)"),
-        ):
-            pattern = self.config.get(setting) or {}
-            if not isinstance(pattern, dict):
-                raise AdapterError(
-                    f"The adapter {self.label} has {setting}={pattern!r}; it must map module "
-                    f"names to {what}. {fix}"
-                )
-            for key, value in pattern.items():
-                try:
-                    re.compile(str(key))
-                except re.error as error:
-                    raise AdapterError(
-                        f"The adapter {self.label}'s {setting} key {key!r} is not a regular "
-                        f"expression ({error}); PEFT matches module names with it. {fix}"
-                    ) from None
-                if not valid(value):
-                    raise AdapterError(
-                        f"The adapter {self.label}'s {setting} gives {key!r} the value "
-                        f"{value!r}; it must map module names to {what}. {fix}"
-                    )
+        problem = _unsupported(self.config)
+        if problem is not None:
+            raise AdapterError(f"The adapter {self.label} {problem}")
 
     def rank(self, module: str) -> int:
         """The rank PEFT gives ``module``: its ``rank_pattern`` entry, else ``r``.
@@ -395,50 +285,113 @@ def _pattern_value(pattern: Any, module: str, default: Any) -> Any:
     return default
 
 
+_MERGE = (
+    "Merge it into a full checkpoint (peft_model.merge_and_unload().save_pretrained(dir)) and "
+    "load that directory as the donor."
+)
+
+
+def _unsupported(config: Mapping[str, Any]) -> str | None:
+    """Why an adapter config is not plain LoRA that PEFT would load (a sentence and its fix),
+    or None."""
+    raw_type = config.get("peft_type")
+    peft_type = str(getattr(raw_type, "value", raw_type))
+    init = str(config.get("init_lora_weights", True)).lower()
+    rewriting = next((name for key, name in _REWRITING_INITS.items() if init.startswith(key)), None)
+    refused = next(
+        (what for setting, what in _REFUSED_SETTINGS.items() if config.get(setting)), None
+    )
+    if raw_type is None:
+        return f"has no peft_type in its config, which PEFT always writes. {RESAVE}"
+    if peft_type.upper() != "LORA":
+        return f"is a {peft_type} adapter; grafting-lens computes LoRA only. {_MERGE}"
+    if refused is not None or config.get("bias", "none") != "none":
+        what = refused or f"trained biases (bias={config['bias']!r})"
+        return f"uses {what}; grafting-lens computes plain LoRA (W x + B A x * scale). {_MERGE}"
+    if rewriting is not None:
+        return (
+            f"was initialised with {rewriting} (init_lora_weights={init!r}), which rewrites the "
+            "base's weights when PEFT loads it. Save it converted to plain LoRA (save_pretrained("
+            "dir, path_initial_model_for_weight_conversion=...)), or merge it. " + _MERGE
+        )
+    if init not in _PLAIN_INITS:
+        return (
+            f"was initialised with init_lora_weights={init!r}, unknown here, so whether PEFT "
+            f"rewrites the base's weights when loading it cannot be told. {_MERGE}"
+        )
+    for setting, default, valid, what in (
+        ("r", 8, _is_rank, "an integer >= 1"),
+        ("lora_alpha", 8, _is_number, "a finite number"),
+    ):
+        if not valid(config.get(setting, default)):
+            return f"has {setting}={config[setting]!r}, which must be {what}. {RESAVE}"
+    for setting, valid, what in (
+        ("rank_pattern", _is_rank, "ranks (integers >= 1)"),
+        ("alpha_pattern", _is_number, "alphas (finite numbers)"),
+    ):
+        pattern = config.get(setting) or {}
+        if not isinstance(pattern, dict) or not all(
+            _is_pattern(key) and valid(value) for key, value in pattern.items()
+        ):
+            return (
+                f"has {setting}={pattern!r}; it must map module names (regular expressions) to "
+                f"{what}. {RESAVE}"
+            )
+    return None
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_pattern(key: Any) -> bool:
+    try:
+        re.compile(str(key))
+    except re.error:
+        return False
+    return True
+
+
 def _read_config(file: Path) -> dict[str, Any]:
     """``adapter_config.json`` as a dictionary, or an error naming the file and the fix."""
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
+        problem = None if isinstance(config, dict) else f"a JSON {type(config).__name__}"
     except (OSError, UnicodeDecodeError, ValueError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
         raise AdapterError(
-            f"{file} cannot be read as an adapter config ({type(error).__name__}: {error}); it "
-            "must be the JSON object of LoraConfig fields that PEFT's save_pretrained writes "
-            f"(the file is truncated or damaged?). {RESAVE}"
-        ) from None
-    if not isinstance(config, dict):
-        raise AdapterError(
-            f"{file} holds a JSON {type(config).__name__}, not the object of LoraConfig fields "
-            f"that PEFT's save_pretrained writes. {RESAVE}"
+            f"{file} is not the JSON object of LoraConfig fields PEFT's save_pretrained writes "
+            f"({problem}). {RESAVE}"
         )
     return config
 
 
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     """An adapter's weights file, or an error naming the file and the fix."""
-    damaged = (
-        "the file is truncated or damaged (an interrupted download or save). Save or "
-        "download the adapter again."
-    )
     try:
         if file.suffix == ".safetensors":
             tensors = load_file(str(file))
         else:
             tensors = torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower():
-            raise AdapterError(unsafe_pickle(str(file))) from None
-        raise AdapterError(f"{file} cannot be read ({error}): {damaged}") from None
-    except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:
+        problem, unsafe = None, False
+        if not isinstance(tensors, dict) or not all(
+            isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in tensors.items()
+        ):
+            problem = f"a {type(tensors).__name__}, not names mapped to tensors"
+    except (pickle.UnpicklingError, SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:  # fmt: skip
+        problem = f"{type(error).__name__}: {error}"
+        unsafe = isinstance(error, pickle.UnpicklingError) and "weights only" in str(error).lower()
+    if problem is not None:
         raise AdapterError(
-            f"{file} cannot be read ({type(error).__name__}: {error}): {damaged}"
-        ) from None
-    if not isinstance(tensors, dict) or not all(
-        isinstance(name, str) and isinstance(tensor, torch.Tensor)
-        for name, tensor in tensors.items()
-    ):
-        raise AdapterError(
-            f"{file} holds a {type(tensors).__name__} that is not a mapping of names to "
-            f"tensors, as PEFT saves an adapter. {RESAVE}"
+            unsafe_pickle(str(file))
+            if unsafe
+            else f"{file} cannot be read as adapter weights ({problem}): it is truncated or "
+            "damaged (an interrupted download or save). Save or download the adapter again."
         )
     return tensors
 
@@ -451,13 +404,12 @@ def _without_adapter_names(
     Returns the tensors and the modules held whole as ``modules_to_save`` copies.
 
     Raises:
-        AdapterError: Factors of several adapters in one file, or two names that
-            become one.
+        AdapterError: Factors of several adapters in one file, or two names that become one.
     """
-    renamed: dict[str, str] = {}
+    names: dict[str, torch.Tensor] = {}
     adapters: set[str] = set()
     saved: set[str] = set()
-    for key in tensors:
+    for key, tensor in tensors.items():
         name = key.removeprefix(_PREFIX)
         for pattern in _NAMED_KEYS:
             match = pattern.match(name)
@@ -467,25 +419,17 @@ def _without_adapter_names(
             module, part = match["module"], match["part"]
             if pattern is _NAMED_KEYS[2]:
                 saved.add(module)
-                name = f"{module}.{part}"
-            else:
-                name = f"{module}.{part}" + (".weight" if pattern is _NAMED_KEYS[0] else "")
+            name = f"{module}.{part}" + (".weight" if pattern is _NAMED_KEYS[0] else "")
             break
-        renamed[key] = name
-    if len(adapters) > 1:
-        raise AdapterError(
-            f"{where} holds the factors of several adapters ({', '.join(sorted(adapters))}); a "
-            "donor is one adapter. Save one: peft_model.save_pretrained(dir, "
-            "selected_adapters=[name])."
-        )
-    names: dict[str, torch.Tensor] = {}
-    for key, name in renamed.items():
-        if name in names:
+        if name in names or len(adapters) > 1:
+            what = f"two tensors named {name}"
+            if len(adapters) > 1:
+                what = f"the factors of several adapters ({', '.join(sorted(adapters))})"
             raise AdapterError(
-                f"{where} holds {key} and another tensor that both name {name}; an adapter "
-                f"holds each factor once. {RESAVE}"
+                f"{where} holds {what}; a donor is one adapter, each factor once. Save one: "
+                "peft_model.save_pretrained(dir, selected_adapters=[name])."
             )
-        names[name] = tensors[key]
+        names[name] = tensor
     return names, frozenset(saved)
 
 

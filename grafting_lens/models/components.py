@@ -189,16 +189,16 @@ def register_component_paths(architecture: str, paths: Mapping[str, str | Sequen
     checked: dict[str, tuple[str, ...]] = {}
     for component, given in paths.items():
         _check_name(component)
-        if component in COMPONENT_GROUPS or component in COMPONENT_LABELS:
-            raise ComponentError(f"{component!r} is a group; register paths for its members.")
-        templates = (given,) if isinstance(given, str) else tuple(given)
-        for path in templates:
-            if component in LAYER_COMPONENTS and "{layer}" not in path:
-                raise ComponentError(
-                    f"The path for per-layer component {component!r} must contain '{{layer}}', "
-                    f"got {path!r}."
-                )
-        checked[component] = templates
+        checked[component] = (given,) if isinstance(given, str) else tuple(given)
+        per_layer = component in LAYER_COMPONENTS
+        if (not per_layer and component not in GLOBAL_COMPONENTS) or any(
+            per_layer and "{layer}" not in path for path in checked[component]
+        ):
+            raise ComponentError(
+                f"Cannot register {component!r} at {given!r}: register the members of a group, "
+                "with '{layer}' in the path of a per-layer component "
+                "('blocks.{layer}.attn.q')."
+            )
     _ARCHITECTURE_PATHS[architecture] = checked
 
 
@@ -745,42 +745,31 @@ def expand_components(
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split("+")]
-    elif not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+    if isinstance(names, Iterable) and not isinstance(names, (bytes, Mapping)):
+        names = list(names)
+    if not isinstance(names, list) or not all(isinstance(given, str) for given in names):
         raise TypeError(
-            f"components must be a component name, a '+'-joined string such as 'o+ffn' or a "
-            f"list of names, got {type(names).__name__} {names!r:.40}."
+            "components must be a component name, a '+'-joined string such as 'o+ffn' or a "
+            f"list of names, got {names!r:.80}."
         )
-    names = list(names)
-    for given in names:
-        if not isinstance(given, str):
-            raise TypeError(
-                f"components must name components with strings, got {type(given).__name__} "
-                f"{given!r:.40} in {names!r:.80}. Write names such as 'o' or 'ffn'."
-            )
     available = set(available)
     chosen: set[str] = set()
+    missing = None
     for given in names:
         name = canonical_component_name(given)
         _check_name(name, given)
-        if name in COMPONENT_GROUPS:
-            chosen.update(member for member in COMPONENT_GROUPS[name] if member in available)
-        elif name in COMPONENT_LABELS:
-            members = [member for member in COMPONENT_LABELS[name] if member in available]
-            if not members:
-                raise ComponentError(
-                    f"{architecture} has none of {_LABEL_SPELLINGS[name]}'s components "
-                    f"({', '.join(COMPONENT_LABELS[name])})."
-                )
-            chosen.update(members)
-        elif name not in available:
-            raise ComponentError(
-                f"{architecture} has no {name!r} component. Its components are: "
-                f"{', '.join(c for c in COMPONENTS if c in available)}."
-            )
-        else:
-            chosen.add(name)
-    if not chosen:
-        raise ComponentError(f"No component selected from {names!r}.")
+        members = COMPONENT_GROUPS.get(name) or COMPONENT_LABELS.get(name) or (name,)
+        found = [member for member in members if member in available]
+        if not found and name not in COMPONENT_GROUPS:
+            missing = name if name in COMPONENTS else given
+        chosen.update(found)
+    if missing is not None or not chosen:
+        what = f"{architecture} has no {missing!r} component"
+        if missing is None:
+            what = f"No component selected from {names!r}"
+        raise ComponentError(
+            f"{what}. Its components are: {', '.join(c for c in COMPONENTS if c in available)}."
+        )
     return tuple(c for c in COMPONENTS if c in chosen)
 
 

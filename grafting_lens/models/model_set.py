@@ -1,14 +1,8 @@
 """The model set: aligned checkpoints, index 0 the base, that grafts and patches run on.
 
-Grafting needs two or more checkpoints of one architecture: index 0 is the
-*base* (usually the pretrained model), index 1 the *donor* (usually the
-finetuned one), further indices any other checkpoint (the paper's hybrid
-experiments use pretrained, task and relation models). Each is a TransformerLens 4.x
-``TransformerBridge`` loaded **without weight processing** (see
+Each source is a ``TransformerBridge`` loaded without weight processing (see
 :mod:`grafting_lens.models.loading`), or a source a graft reads modules from (see
-:mod:`grafting_lens.models.sources`): a LoRA adapter grafted as the base's weights plus
-its factors, or a checkpoint directory read lazily, component by component.
-:meth:`ModelSet.memory` says what each source holds.
+:mod:`grafting_lens.models.sources`): a LoRA adapter, or a checkpoint read lazily.
 """
 
 from __future__ import annotations
@@ -20,50 +14,29 @@ import pandas as pd
 import torch
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import (
-    AlignmentError,
-    GraftingLensError,
-    TokenError,
-)
-from grafting_lens.models.alignment import _placement
-from grafting_lens.models.components import (
-    ComponentLayout,
-    Key,
-    Slot,
-    component_layout,
-)
-from grafting_lens.models.sources import (
-    CheckpointSource,
-    LazySource,
-    Source,
-    tensor_bytes,
-)
+from grafting_lens.core.errors import AlignmentError, GraftingLensError, TokenError
+from grafting_lens.models.alignment import check_placement
+from grafting_lens.models.components import ComponentLayout, Key, Slot, component_layout
+from grafting_lens.models.sources import CheckpointSource, LazySource, Source, tensor_bytes
 
 
 class ModelSet(Sequence[TransformerBridge]):
     """Aligned checkpoints, index 0 the base; a sequence of ``TransformerBridge``.
 
-    Create one with :func:`load_models`. ``models[i]`` is source ``i`` as a model
-    that runs alone; ``models.base`` is ``models[0]``, the model every grafted run
-    goes through. ``models.sources[i]`` is the source itself (see
-    :mod:`grafting_lens.models.sources`): a checkpoint in memory, a lazily loaded one or a
-    LoRA adapter, which grafts ask for their modules. ``models[i]`` (and iterating)
-    gives each source as a model that runs alone: a LoRA adapter's is built on first
-    use over the base's tensors; iterating a set with a lazily loaded donor is refused
-    (it would read the donor whole as a side effect); ``models[i]`` reads it whole, with a
-    :class:`~grafting_lens.core.errors.LazyLoadWarning`, or refused if it was declared for some
-    components only. Grafts never need it.
+    Create one with :func:`load_models`. ``models.base`` (``models[0]``) is the model every
+    grafted run goes through; ``models.sources[i]`` is source ``i`` as grafts see it (see
+    :mod:`grafting_lens.models.sources`), ``models[i]`` as a model that runs alone: built on
+    first use for a LoRA adapter, read whole for a lazily loaded donor (with a
+    :class:`~grafting_lens.core.errors.LazyLoadWarning`; refused when it was declared for
+    some components only). Iterating a set whose lazy donors are unread is refused: it
+    would read them whole as a side effect.
 
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
-        tokenizer: The shared tokenizer (the base's).
-        allow_uncovered: Whether a graft may take every component around weights that
-            no component covers (see :meth:`coverage`). False by default: such a
-            graft raises :class:`~grafting_lens.core.errors.ComponentError`.
-        graftable: The ``(component, layer)`` pairs donors may be grafted at, as
-            declared to :func:`load_models` (``components=`` / ``layers=``), or None
-            for every pair. A graft taking any other pair from a donor raises
-            :class:`~grafting_lens.core.errors.GraftMaskError`.
+        allow_uncovered: Whether a graft may take every component around weights that no
+            component covers (see :meth:`coverage`).
+        graftable: The ``(component, layer)`` pairs donors may be grafted at, as declared
+            to :func:`load_models` (``components=`` / ``layers=``), or None for every pair.
     """
 
     def __init__(
@@ -106,9 +79,7 @@ class ModelSet(Sequence[TransformerBridge]):
         return len(self._sources)
 
     def __iter__(self) -> Iterator[TransformerBridge]:
-        # Walking the set must not read a lazily loaded donor whole as a side effect
-        # (``list(models)``, ``for model in models``, ``model in models``): refuse, and
-        # say how to ask for it on purpose.
+        # ``list(models)``, ``model in models``: never read a lazy donor whole on the side.
         unread = [
             f"{index} ({self.names[index]})"
             for index, source in enumerate(self._sources)
@@ -117,9 +88,8 @@ class ModelSet(Sequence[TransformerBridge]):
         if unread:
             raise GraftingLensError(
                 f"Iterating this model set would read its lazily loaded source(s) "
-                f"{', '.join(unread)} whole. Walk models.sources instead (each grafts what a "
-                "graft takes, nothing more), or read one on purpose with models[i] (a "
-                "LazyLoadWarning says so)."
+                f"{', '.join(unread)} whole: walk models.sources instead, or read one on "
+                "purpose with models[i]."
             )
         return (source.bridge for source in self._sources)
 
@@ -250,27 +220,9 @@ class ModelSet(Sequence[TransformerBridge]):
 
     @property
     def max_positions(self) -> int | None:
-        """How many positions the model can embed, for learned position embeddings (GPT-2).
-
-        ``None`` for models without a ``pos_embed`` component (rotary models), which
-        have no hard limit.
-        """
-        if "pos_embed" not in self.components:
-            return None
-        return int(self.base.cfg.n_ctx)
-
-    def check_length(self, length: int) -> None:
-        """Refuse sequences longer than the learned position embeddings.
-
-        Raises:
-            TokenError: ``length`` exceeds :attr:`max_positions`.
-        """
-        limit = self.max_positions
-        if limit is not None and length > limit:
-            raise TokenError(
-                f"The tokens have {length} positions, but {self.architecture} learned position "
-                f"embeddings for {limit}: truncate or split the prompts to at most {limit} tokens."
-            )
+        """How many positions the model embeds, for learned position embeddings (GPT-2);
+        ``None`` for models without a ``pos_embed`` component (rotary models)."""
+        return int(self.base.cfg.n_ctx) if "pos_embed" in self.components else None
 
     @property
     def device(self) -> torch.device:
@@ -280,8 +232,9 @@ class ModelSet(Sequence[TransformerBridge]):
     def check_tokens(self, tokens: object, name: str = "tokens") -> tuple[int, int]:
         """Check that ``tokens`` is a ``[batch, pos]`` tensor of ids this model set can run.
 
-        The one token check of the package: grafts, patches, comparisons and the
-        experiment runner all call it, so a bad tensor reads the same everywhere.
+        The one token check of the package: grafts, patches, comparisons and the runner call
+        it. Any integer dtype is accepted; the functions that run tokens widen them with
+        :func:`token_ids`.
 
         Args:
             tokens: The candidate token ids.
@@ -290,77 +243,76 @@ class ModelSet(Sequence[TransformerBridge]):
         Returns:
             ``(batch, pos)``.
 
-        Any integer dtype is accepted (``uint8`` and ``int16`` ids included); the
-        functions that run tokens widen them with :func:`token_ids`, since torch's
-        embedding takes ``int64`` and ``int32`` only.
-
         Raises:
-            TokenError: Not a two-dimensional tensor, not integer ids, empty, an id
-                outside the vocabulary, or more positions than the model learned
-                position embeddings for (:meth:`check_length`).
+            TokenError: Not a two-dimensional tensor of integer ids with values, empty, an
+                id outside the vocabulary, or more positions than :attr:`max_positions`.
         """
+        message = None
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             got = (
                 f"shape {list(tokens.shape)}"
                 if isinstance(tokens, torch.Tensor)
                 else type(tokens).__name__
             )
-            raise TokenError(
+            message = (
                 f"{name} must be a [batch, pos] tensor of token ids (models.base.to_tokens(...) "
                 f"or the tokenizer), got {got}."
             )
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TokenError(f"{name} must hold integer token ids, got {tokens.dtype}.")
-        if tokens.numel() == 0:
-            raise TokenError(
-                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row "
-                "of at least one token. Check the tokenization (an empty prompt, or a slice "
-                "past the end)."
+        elif tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            message = f"{name} must hold integer token ids, got {tokens.dtype}."
+        elif tokens.numel() == 0:
+            message = (
+                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row of "
+                "at least one token. Check the tokenization (an empty prompt?)."
             )
-        vocab = int(self.base.cfg.d_vocab)
-        # torch has no min/max for its unsigned types wider than 8 bits: compare as int64.
-        ids = token_ids(tokens)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab:
-            raise TokenError(
-                f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
-                f"{low}..{high}."
-            )
-        self.check_length(int(tokens.shape[1]))
+        elif tokens.device.type == "meta":
+            message = f"{name} is on the meta device, which holds no values: make it on the CPU."
+        else:
+            vocab, limit = int(self.base.cfg.d_vocab), self.max_positions
+            ids = token_ids(tokens)  # torch has no min/max for wide unsigned types
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                message = (
+                    f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; "
+                    f"got {low}..{high}."
+                )
+            elif limit is not None and tokens.shape[1] > limit:
+                message = (
+                    f"The tokens have {tokens.shape[1]} positions, but {self.architecture} "
+                    f"learned position embeddings for {limit}: truncate or split the prompts."
+                )
+        if message is not None:
+            raise TokenError(message)
+        assert isinstance(tokens, torch.Tensor)
         return (int(tokens.shape[0]), int(tokens.shape[1]))
 
-    def check_placement(self, indices: Iterable[int], what: str = "This run") -> None:
-        """Refuse sources cast or moved since :func:`load_models` placed them alike.
+    def check_placement(
+        self, sources: Iterable[int], what: str = "This run", *, pairs: Iterable[Key] | None = None
+    ) -> None:
+        """Refuse sources cast or moved since :func:`~grafting_lens.load_models` placed them.
 
-        Load time checks that every parameter shares the base's dtype and device; a
-        model cast or moved afterwards (``models.base.half()``, ``models[1].to("cuda")``)
-        would fail inside torch naming neither, or run on in another precision. Each
-        source's set of (dtype, device) over its floating parameters must be the base's.
-        Grafts check the modules they take instead, without building any source's model.
+        The one placement check (:func:`~grafting_lens.models.alignment.check_placement`),
+        which every run makes before its first forward pass.
 
         Args:
-            indices: The sources a run uses (each runs alone, as a model).
+            sources: The sources a run uses (the base, 0, is the reference).
             what: What runs them, for the message.
+            pairs: The ``(component, layer)`` pairs a graft takes from them: only their
+                modules are compared, and no source is read whole. ``None``: each source's
+                whole model, as a run of it alone uses it.
 
         Raises:
-            AlignmentError: A source whose parameters are of another dtype or on another
-                device than the base's.
+            AlignmentError: A tensor of another dtype or on another device than the base's.
         """
-        placements = {0: _placement(self.base)}
-        for index in indices:
-            if index not in placements:
-                placements[index] = _placement(self[index])
-            if placements[index] != placements[0]:
-                found = ", ".join(f"{dtype} on {device}" for dtype, device in placements[index])
-                base = ", ".join(f"{dtype} on {device}" for dtype, device in placements[0])
-                raise AlignmentError(
-                    f"{what} runs source {index} ({self.names[index]}), whose weights are "
-                    f"{found}, and the base's are {base}: the sources of a model set must share "
-                    "a dtype and a device, and one was cast or moved after load_models "
-                    "(models.base.half(), models[1].to('cuda')...). Load the model set with "
-                    "load_models(..., dtype=..., device=...), which places every source alike, "
-                    "or cast and move every source the same way."
-                )
+        for index in sorted(set(sources) - {0}):
+            label = f"{what}: source {index} ({self.names[index]})"
+            if pairs is None:
+                check_placement(self.base, self[index], label)
+                continue
+            for pair in pairs:
+                for slot in self.slots(*pair):
+                    source = self._sources[index].module(slot)
+                    check_placement(slot.module(self.base), source, label)
 
     def weight_diff(self) -> pd.DataFrame:
         """Relative change of every component in every source against the base.
