@@ -1,60 +1,25 @@
 """LoRA adapters as donors: the base's weights and the adapter's factors, never a merged copy.
 
-Most finetunes people study today are LoRA adapters (PEFT's ``save_pretrained``
-directory: ``adapter_config.json`` and ``adapter_model.safetensors``). A LoRA adapter
-adds, to a linear layer ``W`` of the base, a product of two thin matrices:
-``y = W x + B A x * scale``, with ``A`` of shape ``[r, d_in]``, ``B`` of shape
-``[d_out, r]`` and ``scale = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
-Merging it (``W + B A * scale``) would make a second full model; grafting does not
-need one. At a grafted position, the adapted component computes ``W x + B A x *
-scale`` from the base's own weight and the factors; a component the adapter does
-not touch is the base's module itself, so grafting it from the adapter changes
-nothing.
+A LoRA adapter (PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``) adds to a
+linear layer ``W`` of the base ``B A x * scale``, with ``A`` ``[r, d_in]``, ``B`` ``[d_out,
+r]`` and ``scale = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). Merging it would make a
+second full model; a graft needs none: an adapted component computes ``W x + B A x * scale``
+from the base's own weight (:mod:`grafting_lens.models.lora_source`), any other is the
+base's module itself.
 
-How an adapter maps onto components
------------------------------------
-PEFT names the modules it adapts by their place in the Hugging Face model
-(``model.layers.3.self_attn.q_proj``); the bridge names components (``q`` at layer
-3). Each adapted module is found in the base by name and then, by identity, in the
-bridge tree:
+PEFT names the modules it adapts by their place in the Hugging Face model; each is found in
+the base by name, then in the bridge tree by identity: a component's module is replaced by
+its LoRA form, a fused projection the bridge splits (GPT-2's ``c_attn``) gives each split
+module the rows of ``B`` the bridge's own split function assigns it, and a module inside a
+component's (one expert's projection) is replaced in a copy. An adapted embedding scales its
+update like the base's lookup, as PEFT does; ``modules_to_save`` replace the parameters of
+their own modules only (a saved ``lm_head`` on tied embeddings leaves the lookup alone).
 
-* a module that is a component's module (Llama's ``q_proj`` is ``q``) is replaced
-  by its LoRA form;
-* a fused projection the bridge splits (GPT-2's ``c_attn``, which PEFT adapts whole
-  while the bridge computes Q, K and V apart) gives each split module the rows of
-  ``B`` that produce its outputs. Which rows those are is read off the bridge's own
-  split function, run once on a matrix whose entries are their row numbers, and
-  checked against the base's split modules;
-* a module inside a component's module (one expert's projection inside ``experts``)
-  is replaced inside a copy of that module.
-
-An adapted embedding (``lora_embedding_A``/``lora_embedding_B``) adds ``B A`` rows to
-the lookup, scaled like the base's lookup (Gemma's ``sqrt(d_model)``) as PEFT does.
-``modules_to_save`` (whole modules trained and saved with the adapter, often the
-unembedding) replace the parameters of those modules only: PEFT trains a copy of
-each, so on a model whose unembedding is tied to the embedding a saved ``lm_head``
-changes the unembedding and leaves the lookup as the base's. Dropout is never
-applied: a graft computes the model in eval mode. Anything else an adapter can be
-(DoRA, LoRA biases, other PEFT methods) is refused with :class:`~grafting_lens.core.errors.AdapterError`
-naming it; merge such an adapter into a full checkpoint and load that.
-
-An adapter is grafted only where PEFT computes ``W x + B A x * scale`` on the base's
-own ``W``. Initialisations that rewrite ``W`` when PEFT creates or loads the adapter
-(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA: ``W`` minus the initial factors' product) are
-refused, with PEFT's conversion to plain LoRA as the fix; so is a config whose rank
-disagrees with the saved factors (PEFT refuses to load it, and the scale
-``lora_alpha / r`` would be taken from the wrong ``r``), and a weights file without
-tensors (PEFT would leave the factors as initialised). Files written from a PEFT
-model's own ``state_dict`` name every tensor with the adapter's name
-(``lora_A.default.weight``); they are read without it.
-
-An adapter whose module names or shapes do not match the base was made for another
-model, and is refused with :class:`~grafting_lens.core.errors.AdapterError` (an
-:class:`~grafting_lens.core.errors.AlignmentError`).
-
-Tied embeddings stay as PEFT computes them: an adapted ``embed`` changes the lookup,
-not the unembedding (PEFT's ``merge_and_unload`` would change both, through the one
-shared matrix).
+Only what PEFT computes as ``W x + B A x * scale`` on the base's own ``W`` is grafted.
+Other methods and variants (DoRA, LoRA biases), initialisations that rewrite ``W`` when PEFT
+loads the adapter (PiSSA, OLoRA...), configs whose rank disagrees with the factors, files
+without tensors, and adapters made for another base are refused with
+:class:`~grafting_lens.core.errors.AdapterError`, naming the fix.
 """
 
 from __future__ import annotations
@@ -76,14 +41,9 @@ from safetensors.torch import load_file
 
 from grafting_lens.core.errors import AdapterError, unsafe_pickle
 
-__all__ = [
-    "LoraAdapter",
-    "is_adapter_directory",
-    "is_peft_model",
-]
+__all__ = ["LoraAdapter", "is_adapter_directory", "is_peft_model"]
 
-# Settings of a PEFT LoRA config under which a module computes something other than
-# W x + B A x * scale (or which grafting-lens has not verified), with what they are.
+# Settings under which a module computes other than W x + B A x * scale (or not verified).
 _REFUSED_SETTINGS = {
     "use_dora": "DoRA (weight-decomposed LoRA)",
     "lora_bias": "a bias on LoRA's B (lora_bias=True)",
@@ -101,14 +61,11 @@ _REFUSED_SETTINGS = {
     "ensure_weight_tying": "tied modules_to_save (ensure_weight_tying=True)",
 }
 
-# Values of init_lora_weights under which PEFT leaves the base's weights as they are
-# when it creates (or loads) the adapter: the trained model is W x + B A x * scale on
-# the base's own W. Every other value rewrites W (see _REWRITING_INITS), or is one
-# grafting-lens does not know, and is refused.
+# Values of init_lora_weights under which PEFT leaves the base's W as it is when it loads the
+# adapter; any other rewrites W (_REWRITING_INITS) or is unknown, and is refused.
 _PLAIN_INITS = frozenset({"true", "false", "none", "gaussian", "eva", "orthogonal", "mica"})
 
-# Initialisations that subtract the initial factors' product from the base's weight
-# (or quantize it) when PEFT creates the adapter, and again when it loads one.
+# Initialisations that subtract the initial factors' product from W (or quantize it) on load.
 _REWRITING_INITS = {
     "pissa": "PiSSA",
     "olora": "OLoRA",
@@ -119,9 +76,8 @@ _REWRITING_INITS = {
 
 _PREFIX = "base_model.model."
 
-# PEFT names a factor with the adapter's name inside a model (lora_A.default.weight)
-# and without it in the files save_pretrained writes (lora_A.weight). A file written
-# from the model's own state_dict keeps the name.
+# A model's own state_dict names factors with the adapter's name (lora_A.default.weight);
+# save_pretrained's files do not (lora_A.weight).
 _NAMED_KEYS = (
     re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?P<adapter>[^.]+)\.weight$"),
     re.compile(
@@ -148,15 +104,12 @@ class LoraAdapter:
     """A LoRA adapter's settings and tensors, read from a PEFT directory or PEFT model.
 
     Attributes:
-        label: Where it came from (the directory's name, or ``"peft model"``).
+        label: Where it came from (the directory's name, or ``"peft model (name)"``).
         config: PEFT's ``LoraConfig`` as a dictionary (``adapter_config.json``).
-        tensors: Its tensors, named as PEFT saves them without the
-            ``base_model.model.`` prefix (``model.layers.0.self_attn.q_proj.lora_A.weight``);
-            names that carry the adapter's name (``lora_A.default.weight``, as in a
-            PEFT model's own ``state_dict``) are read without it.
-        saved_modules: Modules the file holds whole under PEFT's ``modules_to_save``
-            form (``lm_head.modules_to_save.default.weight``), besides those the
-            config's ``modules_to_save`` names.
+        tensors: Its tensors, named as PEFT saves them (``model.layers.0.self_attn.q_proj.
+            lora_A.weight``), without the adapter's name a model's own ``state_dict`` adds.
+        saved_modules: Modules the file holds whole in PEFT's ``modules_to_save`` form,
+            besides those the config names.
     """
 
     label: str
@@ -169,9 +122,7 @@ class LoraAdapter:
         """Read ``adapter_config.json`` and ``adapter_model.safetensors`` (or ``.bin``).
 
         Raises:
-            AdapterError: A config or weights file that cannot be read (naming the
-                file), no adapter weights beside the config, a weights file with no
-                tensors, or not a plain LoRA adapter.
+            AdapterError: A file that cannot be read, no tensors, or not plain LoRA.
         """
         path = Path(path).expanduser()
         config = _read_config(path / "adapter_config.json")
@@ -231,34 +182,20 @@ class LoraAdapter:
             raise AdapterError(f"The adapter {self.label} {problem}")
 
     def rank(self, module: str) -> int:
-        """The rank PEFT gives ``module``: its ``rank_pattern`` entry, else ``r``.
-
-        Keys are matched as PEFT matches them: a key matches a module name that ends
-        with it after a dot.
-        """
+        """The rank PEFT gives ``module``: its ``rank_pattern`` entry, else ``r``."""
         return int(_pattern_value(self.config.get("rank_pattern"), module, self.config.get("r", 8)))
 
     def scale(self, module: str, rank: int) -> float:
-        """``lora_alpha / r`` for ``module`` (``lora_alpha / sqrt(r)`` with rsLoRA).
-
-        Per-module alphas (``alpha_pattern``) are matched as PEFT matches them: a key
-        matches a module name that ends with it after a dot.
-        """
-        alpha = float(
-            _pattern_value(
-                self.config.get("alpha_pattern"), module, self.config.get("lora_alpha", 8)
-            )
+        """``lora_alpha / r`` for ``module`` (its ``alpha_pattern`` entry; ``/ sqrt(r)`` with
+        rsLoRA)."""
+        alpha = _pattern_value(
+            self.config.get("alpha_pattern"), module, self.config.get("lora_alpha", 8)
         )
-        if self.config.get("use_rslora"):
-            return alpha / math.sqrt(rank)
-        return alpha / rank
+        return float(alpha) / (math.sqrt(rank) if self.config.get("use_rslora") else rank)
 
     def saved_whole(self, module: str) -> bool:
-        """Whether PEFT holds ``module`` as a ``modules_to_save`` copy of the base's module.
-
-        Such a copy is that module's own: on a model whose unembedding is tied to the
-        embedding, a saved ``lm_head`` changes the unembedding and not the lookup.
-        """
+        """Whether PEFT holds ``module`` as a ``modules_to_save`` copy: that module's own,
+        even where the base ties its weight to another's."""
         if module in self.saved_modules:
             return True
         targets = self.config.get("modules_to_save") or []
@@ -275,10 +212,8 @@ class LoraAdapter:
 
 
 def _pattern_value(pattern: Any, module: str, default: Any) -> Any:
-    r"""The value of the first key of ``pattern`` that ``module`` ends with after a dot.
-
-    PEFT's ``get_pattern_key``: ``re.match(rf"(.*\.)?({key})$", module)``.
-    """
+    r"""The value of the first key of ``pattern`` that ``module`` ends with after a dot, as
+    PEFT's ``get_pattern_key`` matches: ``re.match(rf"(.*\.)?({key})$", module)``."""
     for key, value in (pattern or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value

@@ -1,13 +1,12 @@
 """Whether checkpoints are aligned: the checks :func:`~grafting_lens.load_models` runs once,
 and the one placement check every run repeats.
 
-A graft runs the donor's modules inside the base's forward pass, and whatever lives
-outside the grafted modules comes from the base: rotary frequencies, attention scaling and
-softcapping, sliding windows, norm epsilons, activations. A donor that differs there would
-be grafted silently wrong, so on load every donor must have the base's architecture,
-Hugging Face configuration (field by field, except :data:`IGNORED_CONFIG_FIELDS`),
-tensors (names, shapes), buffers, vocabulary, dtypes and devices. Anything else raises
-:class:`~grafting_lens.core.errors.AlignmentError` naming the first difference.
+A graft runs the donor's modules inside the base's forward pass, and whatever lives outside
+them comes from the base (rotary frequencies, attention scaling, sliding windows, norm
+epsilons...): a donor that differs there would be grafted silently wrong. So every donor
+must have the base's architecture, Hugging Face configuration (field by field, except
+:data:`IGNORED_CONFIG_FIELDS`), tensors, buffers, vocabulary, dtypes and devices, or an
+:class:`~grafting_lens.core.errors.AlignmentError` names the first difference.
 """
 
 from __future__ import annotations
@@ -24,62 +23,26 @@ from grafting_lens.models.components import checkpoint_modules, checkpoint_param
 from grafting_lens.models.sources import SafetensorsCheckpoint
 
 IGNORED_CONFIG_FIELDS: frozenset[str] = frozenset(
-    {
+    (
         # metadata; the architecture and dtypes are compared on the models and tensors
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "name_or_path",
-        "tokenizer_class",
-        "prefix",
-        "task_specific_params",
-        "finetuning_task",
-        "id2label",
-        "label2id",
-        "num_labels",
-        "problem_type",
+        "architectures transformers_version dtype torch_dtype name_or_path tokenizer_class "
+        "prefix task_specific_params finetuning_task id2label label2id num_labels problem_type "
         # special token ids: the tokenizers' vocabularies are compared instead
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "sep_token_id",
-        "decoder_start_token_id",
-        # what a forward call returns or keeps, not what it computes
-        "use_cache",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "torchscript",
-        "chunk_size_feed_forward",  # chunks the MLP, same numbers
-        # training only: initialisation and dropout (inactive in eval mode)
-        "initializer_range",
-        "initializer_factor",
-        "gradient_checkpointing",
-        "attention_dropout",
-        "attn_pdrop",
-        "embd_pdrop",
-        "resid_pdrop",
-        "hidden_dropout",
-        "hidden_dropout_prob",
-        "attention_probs_dropout_prob",
-        "classifier_dropout",
-        "dropout",
-        "activation_dropout",
-        "summary_first_dropout",
+        "bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id "
+        # what a forward call returns or keeps, not what it computes (chunks: same numbers)
+        "use_cache return_dict output_attentions output_hidden_states torchscript "
+        "chunk_size_feed_forward "
+        # training only: initialisation and dropout, inactive in eval mode
+        "initializer_range initializer_factor gradient_checkpointing attention_dropout "
+        "attn_pdrop embd_pdrop resid_pdrop hidden_dropout hidden_dropout_prob "
+        "attention_probs_dropout_prob classifier_dropout dropout activation_dropout "
+        "summary_first_dropout "
         # GPT-2's sequence-summary head, which a causal LM does not run
-        "summary_type",
-        "summary_use_proj",
-        "summary_activation",
-        "summary_proj_to_labels",
-    }
+        "summary_type summary_use_proj summary_activation summary_proj_to_labels"
+    ).split()
 )
-"""Hugging Face configuration fields :func:`~grafting_lens.load_models` does not compare.
-
-Every other field, nested ones included (``rope_parameters.rope_theta``), must be equal;
-fields starting with ``_`` are ignored too. A field listed here cannot change the logits
-of a causal LM in eval mode.
-"""
+"""Hugging Face configuration fields that cannot change a causal LM's logits in eval mode, not
+compared; every other field (nested ones too, ``rope_parameters.rope_theta``) must be equal."""
 
 
 def check_alignment(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
@@ -102,16 +65,11 @@ def check_lazy_alignment(
     """:func:`check_alignment` for a checkpoint on disk: its config and its files' headers.
 
     The buffers follow from the configuration; the dtypes are the files' unless ``dtype``
-    casts every tensor to the base's.
+    casts every tensor to the base's. Tensors transformers converts on load (experts stored
+    apart) are not the model's: the base's they would become are missing.
     """
     _check_architecture(base, config, label)
     _check_hf_config(base.original_model.config, config, label)
-    if files.converted:
-        raise AlignmentError(
-            f"transformers converts {label}'s {files.converted[0]!r} when it loads the "
-            "checkpoint (fusing experts stored apart, say), so it cannot be read tensor by "
-            "tensor: load it whole (lazy=False)."
-        )
     buffers = {
         prefix + name
         for prefix, m in checkpoint_modules(base.original_model)
@@ -216,8 +174,11 @@ def _check_tensors(
     else:
         detail = f"its {other[0]!r} is {found[other[0]]}, the base's {expected[other[0]]}"
     fix = "Graft checkpoints of one architecture and size"
-    if lazy:  # names transformers converts on load, or a dtype a whole load would refuse too
-        fix += "; pass dtype=... to cast every source, or load it whole (lazy=False)"
+    if lazy:
+        fix += (
+            "; read whole (lazy=False) a donor whose tensors transformers converts on load "
+            "(experts stored apart), and pass dtype=... for one stored in another dtype"
+        )
     raise AlignmentError(f"{label} does not hold the base's tensors: {detail}. {fix}.")
 
 

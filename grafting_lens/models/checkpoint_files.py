@@ -1,17 +1,13 @@
 """The weight files of a checkpoint directory, read a tensor at a time and checked before each read.
 
-A lazily loaded donor (:class:`~grafting_lens.models.sources.LazySource`) reads its
-tensors from here when a graft first needs them, minutes or hours after
-:func:`~grafting_lens.load_models` opened the checkpoint. Each file's identity (size,
-modification time, inode, device) is recorded when it is opened and checked before and
-after every read and before every use of what was read: a file replaced, rewritten or
-truncated since is refused. No file stays memory-mapped, so a file truncated under a
-tensor cannot kill the process (a memory-mapped page past a file's end raises SIGBUS).
-
-The identity cannot see a file edited in place with its size kept and its modification
-time restored. ``verify=True`` (``load_models(..., lazy="verify")``) sees that too: every
-tensor's bytes are hashed when the checkpoint is opened (the files are read once, a
-tensor at a time) and hashed again when read.
+A lazily loaded donor reads its tensors from here when a graft first needs them, maybe hours
+after :func:`~grafting_lens.load_models` opened the checkpoint. Each file's identity (size,
+modification time, inode, device) is recorded when opened and checked before and after
+every read, and before every use of what was read: a file replaced, rewritten or truncated
+since is refused. No file stays memory-mapped (a mapped page past a truncated file's end
+kills the process with SIGBUS). The identity cannot see a file edited in place with its
+size kept and its time restored; ``verify=True`` (``load_models(..., lazy="verify")``) does:
+every tensor is hashed when the checkpoint is opened and again when read.
 """
 
 from __future__ import annotations
@@ -79,20 +75,6 @@ def shard_files(directory: Path, index_name: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class _Identity:
-    """What tells a file apart from the one opened earlier at its path."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-
-    @classmethod
-    def of(cls, status: os.stat_result) -> _Identity:
-        return cls(status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev)
-
-
-@dataclass(frozen=True)
 class _Entry:
     """Where one tensor lies in its file, as the file's header says."""
 
@@ -107,26 +89,13 @@ class _Entry:
 class SafetensorsCheckpoint:
     """The safetensors files of a checkpoint directory, opened without reading a tensor.
 
-    Tensors are named as the model names its parameters: transformers renames some on load
-    (NeoX's ``embed_out`` is the model's ``lm_head``), and the same renamings, taken from
-    transformers, are applied here given the model. Tensors transformers *converts* on load
-    (experts stored apart, fused in the model) are listed in :attr:`converted`.
-
-    Args:
-        directory: A directory written by ``save_pretrained`` with safetensors weights.
-        model: A model of the checkpoint's class (the base), whose renamings apply.
-        verify: Hash every tensor now and check the hash at every read (see the module
-            docstring).
-
-    Attributes:
-        shapes: Shape of every tensor, by the model's name for it.
-        dtypes: Dtype of every tensor as stored, by the model's name for it.
-        converted: Names (as stored) of the tensors transformers converts on load.
-        disk_bytes: Total size of the weight files.
+    Tensors are named as ``model`` (of the checkpoint's class) names them, with transformers'
+    own renamings on load (NeoX's ``embed_out`` is ``lm_head``); those it *converts* on load
+    (experts stored apart) are left out. ``verify`` hashes every tensor now and checks the
+    hash at every read. :attr:`shapes` and :attr:`dtypes` (as stored) are by that name.
 
     Raises:
-        GraftingLensError: No safetensors weights, a file missing, damaged, or holding a
-            dtype that cannot be read a tensor at a time.
+        GraftingLensError: A file missing, damaged, or holding a dtype read whole only.
     """
 
     def __init__(
@@ -134,25 +103,17 @@ class SafetensorsCheckpoint:
     ) -> None:
         self.directory = Path(directory)
         index = self.directory / SHARD_INDEXES[0]
+        files = ["model.safetensors"]
         if index.is_file() or index.is_symlink():
             files = shard_files(self.directory, index.name)
-        elif (self.directory / "model.safetensors").is_symlink() or (
-            self.directory / "model.safetensors"
-        ).exists():
-            files = ["model.safetensors"]
-        else:
-            found = sorted(p.name for p in self.directory.glob("*.bin"))
-            raise GraftingLensError(
-                f"{str(self.directory)!r} holds no safetensors weights"
-                + (f" (only {', '.join(found)})" if found else "")
-                + ", which lazy loading reads. Save it again with save_pretrained (safetensors "
-                "is the default), or load it whole (lazy=False)."
-            )
-        self._identities: dict[str, _Identity] = {}
+        self._identities: dict[str, os.stat_result] = {}
         entries: list[_Entry] = []
         for file in files:
             path = self.directory / file
-            problem = None if path.is_file() else "it is missing"
+            found = sorted(p.name for p in self.directory.glob("*.bin"))
+            problem = (
+                None if path.is_file() else "it is missing" + (f" (only {found})" if found else "")
+            )
             if path.is_symlink() and not path.exists():
                 problem = f"it is a link to {os.readlink(path)!r}, which does not exist"
             try:
@@ -160,7 +121,7 @@ class SafetensorsCheckpoint:
                     with safe_open(str(path), framework="pt"):  # safetensors checks the header
                         pass
                     with open(path, "rb") as handle:
-                        self._identities[file] = _Identity.of(os.fstat(handle.fileno()))
+                        self._identities[file] = os.fstat(handle.fileno())
                         entries += _header(handle, file)
             except (SafetensorError, OSError, ValueError) as error:
                 problem = f"it is not a whole safetensors file ({error})"
@@ -170,23 +131,21 @@ class SafetensorsCheckpoint:
                     problem = f"it stores {unreadable[0].stored} in a dtype read whole only"
             if problem is not None:
                 raise GraftingLensError(
-                    f"{path}: {problem}. Download or save the checkpoint again (an interrupted "
-                    "download or save), or load it whole (lazy=False)."
+                    f"{path}: {problem}. Lazy loading reads whole safetensors files: save or "
+                    "download the checkpoint again, or load it whole (lazy=False)."
                 )
         self._where: dict[str, _Entry] = {}  # by the model's name
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
-        self.converted: list[str] = []
         renamed = _loading_names([entry.stored for entry in entries], model)
         for entry in entries:
             name = renamed.get(entry.stored)
-            if name is None:
-                self.converted.append(entry.stored)
+            if name is None:  # converted on load: not one of the model's tensors
                 continue
             self._where[name] = entry
             self.shapes[name] = entry.shape
             self.dtypes[name] = entry.dtype
-        self.disk_bytes = sum(identity.size for identity in self._identities.values())
+        self.disk_bytes = sum(status.st_size for status in self._identities.values())
         self._digests: dict[str, bytes] = {}
         if verify:
             for name in self._where:
@@ -201,18 +160,12 @@ class SafetensorsCheckpoint:
         return {self._where[name].file for name in names}
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor, read from its file into memory of its own.
-
-        Raises:
-            GraftingLensError: Its file changed since the checkpoint was opened.
-        """
+        """One tensor, read from its file into memory of its own (refused if the file changed)."""
         entry = self._where[name]
         data = self._bytes(name)
         if self._digests and hashlib.sha256(data).digest() != self._digests[name]:
             self.check([entry.file], edited=name)
-        if not data:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        return torch.frombuffer(data, dtype=entry.dtype).reshape(entry.shape)
+        return _as_tensor(data, entry.dtype).reshape(entry.shape)
 
     def sample(self, name: str, indices: Sequence[int]) -> torch.Tensor:
         """Values of one tensor at flat ``indices``, read one by one (the tensor whole when
@@ -221,20 +174,13 @@ class SafetensorsCheckpoint:
             return self.tensor(name).reshape(-1)[list(indices)]
         entry = self._where[name]
         size = entry.dtype.itemsize
-        data = bytearray()
-        for index in indices:
-            begin = entry.begin + index * size
-            data += self._bytes(name, begin, begin + size)
-        return (
-            torch.frombuffer(data, dtype=entry.dtype) if data else torch.empty(0, dtype=entry.dtype)
+        return _as_tensor(
+            self._bytes(name, [entry.begin + i * size for i in indices], size), entry.dtype
         )
 
     def check(self, files: Iterable[str] | None = None, *, edited: str | None = None) -> None:
-        """Refuse when a weight file (every one by default) changed since it was opened.
-
-        Raises:
-            GraftingLensError: Naming the file, what changed, and the fix.
-        """
+        """Refuse when a weight file (every one by default) changed since it was opened;
+        ``edited`` names a tensor whose bytes are not those hashed then."""
         for file in self._identities if files is None else files:
             try:
                 what = _difference(self._identities[file], os.stat(self.directory / file), edited)
@@ -247,35 +193,40 @@ class SafetensorsCheckpoint:
                     "keep a checkpoint's files unchanged while a model set reads them lazily."
                 )
 
-    def _bytes(self, name: str, begin: int | None = None, end: int | None = None) -> bytearray:
-        """Bytes ``begin..end`` of a file (default: the tensor's), checked before and after."""
+    def _bytes(self, name: str, starts: Sequence[int] | None = None, size: int = 0) -> bytearray:
+        """``size`` bytes at each of ``starts`` in a tensor's file (default: the tensor's bytes),
+        the file checked before and after."""
         entry = self._where[name]
-        begin = entry.begin if begin is None else begin
-        end = entry.end if end is None else end
-        data = bytearray(end - begin)
+        if starts is None:
+            starts, size = [entry.begin], entry.end - entry.begin
+        data = bytearray(len(starts) * size)
+        done = 0
         self.check([entry.file])
         with open(self.directory / entry.file, "rb", buffering=0) as handle:
-            handle.seek(begin)
-            done = 0
-            while done < len(data):
-                count = handle.readinto(memoryview(data)[done:])
-                if not count:
-                    break
-                done += count
+            for start in starts:
+                handle.seek(start)
+                end = done + size
+                while done < end and (count := handle.readinto(memoryview(data)[done:end])):
+                    done += count
         self.check([entry.file])  # a write while the bytes were read changes the identity
         if done < len(data):  # cut short with its identity restored: damaged all the same
             self.check([entry.file], edited=name)
         return data
 
 
-def _difference(recorded: _Identity, status: os.stat_result, edited: str | None) -> str | None:
-    """What changed in a file since ``recorded``, or None."""
-    now = _Identity.of(status)
-    if (now.inode, now.device) != (recorded.inode, recorded.device):
+def _as_tensor(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` (little-endian, as safetensors stores it) as a flat tensor that owns it."""
+    return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def _difference(was: os.stat_result, now: os.stat_result, edited: str | None) -> str | None:
+    """What changed in a file since ``was``: its identity (inode, device, size, modification
+    time), or the bytes of a tensor ``edited`` in place; None if nothing did."""
+    if (now.st_ino, now.st_dev) != (was.st_ino, was.st_dev):
         return "another file now has its name (it was replaced)"
-    if now.size != recorded.size:
-        return f"its size went from {recorded.size} to {now.size} bytes"
-    if now != recorded:
+    if now.st_size != was.st_size:
+        return f"its size went from {was.st_size} to {now.st_size} bytes"
+    if now.st_mtime_ns != was.st_mtime_ns:
         return "it was written to (its modification time changed)"
     if edited is not None:
         return f"the bytes of {edited} differ from those it held (edited in place)"

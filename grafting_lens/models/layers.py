@@ -17,18 +17,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Union
+from typing import Union, cast
 
 from grafting_lens.core.arguments import is_integer, is_number
 from grafting_lens.core.errors import SelectionError, did_you_mean
 
-__all__ = [
-    "LAYER_ARITHMETICS",
-    "LAYER_FRACTIONS",
-    "LayerSpec",
-    "quarter_ranges",
-    "resolve_layers",
-]
+__all__ = ["LAYER_ARITHMETICS", "LAYER_FRACTIONS", "LayerSpec", "quarter_ranges", "resolve_layers"]
 
 LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
 """Anything :func:`resolve_layers` accepts."""
@@ -51,16 +45,9 @@ code's ``n // 4`` quarters, :func:`quarter_ranges`)."""
 
 
 def quarter_ranges(n_layers: int) -> dict[str, range]:
-    """The named layer ranges of the paper's released code for an ``n_layers``-deep model.
-
-    A quarter is ``q = n_layers // 4`` layers: ``first_quarter`` is ``0..q-1``,
-    ``second_quarter`` ``q..2q-1``, ``third_quarter`` ``2q..3q-1`` and ``last_quarter``
-    ``3q..n-1``, so the last quarter takes the remainder (for 18 layers: 0-3, 4-7,
-    8-11, 12-17). ``first_half`` and ``last_half`` are two quarters each, as the
-    code's configurations name them (``[third_quarter, fourth_quarter]``), so for 18
-    layers ``last_half`` is 8-17. Every name of :data:`LAYER_FRACTIONS` is here; below
-    four layers some ranges are empty, as in the code.
-    """
+    """The named layer ranges of the paper's released code: a quarter is ``n_layers // 4``
+    layers and the last takes the remainder (18 layers: 0-3, 4-7, 8-11, 12-17); a half is
+    two quarters (``last_half`` of 18 is 8-17). Below four layers some are empty, as there."""
     q = n_layers // 4
     return {
         "all": range(n_layers),
@@ -141,7 +128,7 @@ def resolve_layers(
                 if isinstance(spec, slice)
                 else [spec]
                 if is_integer(spec)
-                else spec
+                else cast(Iterable, spec)
             )
     bad = next((x for x in chosen if not is_integer(x) or not -n_layers <= x < n_layers), None)
     if bad is not None:

@@ -1,21 +1,16 @@
 """Loading aligned checkpoints as one :class:`~grafting_lens.models.model_set.ModelSet`.
 
-Grafting needs two or more checkpoints of one architecture: index 0 is the *base*, index
-1 the *donor*, further indices other checkpoints (the paper's hybrid experiments use
-pretrained, task and relation models). Each becomes a TransformerLens ``TransformerBridge``
-**without weight processing** (no LayerNorm folding or centering: a graft swaps the
-checkpoint's own parameters), or a source a graft reads modules from
-(:mod:`grafting_lens.models.sources`): a LoRA adapter, or a directory read lazily.
+Each checkpoint becomes a TransformerLens ``TransformerBridge`` **without weight
+processing** (a graft swaps the checkpoint's own parameters), or a source a graft reads
+modules from (:mod:`grafting_lens.models.sources`): a LoRA adapter, a directory read lazily.
 
-What the caller gives is never changed. A model, bridge or tokenizer passed in memory is
-copied (its modules and config; the copy shares the weight tensors, so loading costs no
-second copy of the weights), and the copy is cast, moved and wrapped. ``dtype=`` follows
-Hugging Face's own policy on both paths: a checkpoint is loaded with
-``from_pretrained(dtype=...)``, and an in-memory model is cast as that would load it,
-parameters to ``dtype`` and each buffer to the dtype HF's initialisation gives it (rotary
-frequencies stay float32).
-
-Alignment is checked once, on load (:mod:`grafting_lens.models.alignment`).
+What the caller gives is never changed: a model, bridge or tokenizer passed in memory is
+copied (modules and config; the copy shares the weight tensors), and the copy is cast, moved
+and wrapped. ``dtype=`` follows Hugging Face's policy on both paths: a checkpoint is loaded
+with ``from_pretrained(dtype=...)``, an in-memory model is cast as that would load it
+(parameters to ``dtype``, each buffer to the dtype HF's initialisation gives it: rotary
+frequencies stay float32). Alignment is checked once, on load
+(:mod:`grafting_lens.models.alignment`).
 """
 
 from __future__ import annotations
@@ -75,9 +70,7 @@ from grafting_lens.models.placement import (
 from grafting_lens.models.sources import CheckpointSource, LazySource, Source
 
 SourceSpec = Union[str, os.PathLike, PreTrainedModel, TransformerBridge, Any]
-"""What :func:`load_models` takes as a source: a hub id, a ``save_pretrained`` directory
-(a checkpoint, or a PEFT adapter directory), an HF model, a TransformerBridge, or a PEFT
-model."""
+"""A hub id, a ``save_pretrained`` directory (or a PEFT adapter's), an HF, bridge or PEFT model."""
 
 
 def load_models(
@@ -101,37 +94,30 @@ def load_models(
 
     Args:
         *sources: Base first, then donors: hub ids, ``save_pretrained`` directories, HF
-            models or TransformerBridges (without processed weights). A donor may be a LoRA
-            adapter of the base (a PEFT adapter directory or PEFT model), grafted as the
-            base's weights plus its factors, never merged.
-        tokenizer: A tokenizer, or a directory or hub id to load one from. Default: each
-            directory's own, the base's for in-memory models (one is then required).
+            models or TransformerBridges (weights unprocessed). A donor may be a LoRA
+            adapter of the base (a PEFT directory or model), grafted unmerged.
+        tokenizer: A tokenizer, or where to load one. Default: each directory's own, the
+            base's for in-memory donors.
         device: One device for every source. Default: where models are, the CPU for paths.
-        device_map: What ``from_pretrained`` takes: a device (as ``device=``), an accelerate
-            strategy (``"auto"``...) or ``{module name: device}``, for sources given as
-            paths; donors follow the map the base realised. Offloading maps are refused.
+        device_map: What ``from_pretrained`` takes: a device, an accelerate strategy
+            (``"auto"``...) or ``{module name: device}`` (for paths); donors follow the
+            base's. Offloading maps are refused.
         max_memory: With a strategy, the budget per device (``{0: "70GiB"}``).
-        dtype: Load every source in this floating dtype (or its name, ``"bfloat16"``), as
+        dtype: Load every source in this floating dtype (or its name), as
             ``from_pretrained(dtype=...)`` does. Default: each checkpoint's.
         names: A label per source, for tables and figures.
         allow_uncovered: Let grafts take every component around parameters no component
             covers (see :meth:`ModelSet.coverage`).
-        lazy: ``True`` opens donor directories of safetensors without reading their
-            weights: a graft reads the components it takes, once. ``"verify"`` also hashes
-            every tensor now and checks the hash at every read (a file edited in place).
-        components: Declare the components grafts take from donors (``"o+ffn"``): another
-            is refused, and a lazy donor never reads more.
+        lazy: ``True`` opens donor directories of safetensors unread: a graft reads the
+            components it takes. ``"verify"`` also hashes every tensor, checked at each read.
+        components: Declare the components grafts take from donors (``"o+ffn"``).
         layers: Declare the layers, as :func:`~grafting_lens.resolve_layers` takes them.
 
-    Returns:
-        The model set, index 0 the base.
-
     Raises:
-        AlignmentError: Sources that cannot be grafted together, or a source this cannot take.
-        AdapterError: An adapter made for another base, or of a kind not computed.
-        GraftingLensError: An argument or a checkpoint that cannot be used (named, with the fix).
-        ComponentError: ``components`` names a component the architecture lacks.
-        SelectionError: ``components`` / ``layers`` declare nothing the model has.
+        AlignmentError: Sources that cannot be grafted together (``AdapterError``: an
+            adapter), or a source this cannot take.
+        GraftingLensError: An argument or a checkpoint that cannot be used.
+        ComponentError, SelectionError: A declaration of what the model lacks.
         UnsupportedArchitectureError: An architecture TransformerLens cannot bridge.
 
     Examples:
@@ -145,7 +131,7 @@ def load_models(
         )
     if names is not None and len(names) != len(sources):
         raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
-    if lazy not in (True, False, "verify") or not isinstance(lazy, (bool, str)):
+    if not (isinstance(lazy, bool) or (isinstance(lazy, str) and lazy == "verify")):
         raise GraftingLensError(f"lazy must be True, False or 'verify', got {lazy!r}.")
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not hasattr(tokenizer, "get_vocab"):
@@ -177,25 +163,25 @@ def load_models(
         loaded: list[Source] = [CheckpointSource(base, labels[0], _disk_bytes(sources[0]))]
         for index, source in enumerate(sources[1:], start=1):
             name, label = labels[index], f"source {index} ({labels[index]})"
-            path = isinstance(source, (str, os.PathLike))
-            if is_peft_model(source) or (path and is_adapter_directory(source)):
-                if is_peft_model(source):
+            path = source if isinstance(source, (str, os.PathLike)) else None
+            if is_peft_model(source) or (path is not None and is_adapter_directory(path)):
+                if path is None:
                     adapter = LoraAdapter.from_peft_model(source)
                 else:
-                    adapter = LoraAdapter.from_directory(source)
+                    adapter = LoraAdapter.from_directory(path)
                     if given is None:  # the adapter's own tokenizer, if it was saved with one
-                        check_vocabulary(base.tokenizer, _load_tokenizer(source, fallback), label)
-                warn_if_other_base(adapter, str(base.original_model.config._name_or_path or ""))
+                        check_vocabulary(base.tokenizer, _load_tokenizer(path, fallback), label)
+                warn_if_other_base(adapter, str(getattr(base.original_model, "name_or_path", "")))
                 loaded.append(
                     LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
                 )
-            elif lazy and path:
+            elif lazy and path is not None:
                 loaded.append(
-                    _lazy_source(source, index, name, base, slots, declared, given, fallback,
+                    _lazy_source(path, index, name, base, slots, declared, given, fallback,
                                  dtype, verify=lazy == "verify")
                 )  # fmt: skip
             else:
-                where = (None, following) if path else (device, None)
+                where = (None, following) if path is not None else (device, None)
                 bridge = _to_bridge(source, index, given, fallback, where[0], dtype, where[1])
                 check_alignment(base, bridge, label)
                 loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
@@ -207,9 +193,7 @@ def load_models(
 def resolve_placement(
     device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
 ) -> tuple[torch.device | None, torch.dtype | None]:
-    """``device`` and ``dtype`` as torch objects, checked before anything is loaded.
-
-    A command line calls it first, so that a typo fails before minutes of loading.
+    """``device`` and ``dtype`` (or its name) as torch objects, checked before anything loads.
 
     Raises:
         GraftingLensError: A device this machine cannot use, or not a floating torch dtype.
@@ -229,26 +213,19 @@ def resolve_placement(
 
 def _check_sources(sources: Sequence[SourceSpec], device_map: object) -> None:
     """Refuse, before anything loads, a source :func:`load_models` cannot take."""
-    seen: dict[int, int] = {}
     for index, source in enumerate(sources):
         path = isinstance(source, (str, os.PathLike))
-        adapter = is_peft_model(source) or (path and is_adapter_directory(source))
+        adapter = is_peft_model(source) or (
+            isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
+        )
         if not (path or adapter or isinstance(source, (PreTrainedModel, TransformerBridge))):
             raise TypeError(
                 f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, "
                 "a transformers PreTrainedModel, a TransformerBridge or (a donor) a PEFT model."
             )
         problem = None
-        if id(source) in seen:
-            problem = (
-                f"the same object as source {seen[id(source)]}; pass copy.deepcopy(model) to "
-                "graft a model into itself"
-            )
-        elif index == 0 and adapter:
-            problem = (
-                "a LoRA adapter, but source 0 is the base every grafted run goes through: pass "
-                "the model it was trained on first, then the adapter"
-            )
+        if index == 0 and adapter:
+            problem = "a LoRA adapter, but source 0 is the base: pass the model it adapts first"
         elif device_map is not None and not path:
             problem = (
                 f"an in-memory {type(source).__name__}, and device_map= splits checkpoints given "
@@ -256,20 +233,17 @@ def _check_sources(sources: Sequence[SourceSpec], device_map: object) -> None:
             )
         elif getattr(source, "_weights_processed", False):
             problem = (
-                "a TransformerBridge with processed weights (folded, centred), no longer the "
-                "checkpoint's: boot it again without process_weights()"
+                "a TransformerBridge with processed weights: boot it without process_weights()"
             )
         elif isinstance(source, PreTrainedModel) and any(
             type(module).__module__.startswith("peft.") for module in source.modules()
         ):
             problem = (
-                "a model holding PEFT layers (get_peft_model adds them in place): pass it "
-                "without them (peft_model.unload()) and the adapter as a donor"
+                "a model holding PEFT layers (get_peft_model adds them in place): pass it without "
+                "them (peft_model.unload()) and the adapter as a donor"
             )
         if problem:
             raise AlignmentError(f"Source {index} is {problem}.")
-        if not path:
-            seen[id(source)] = index
 
 
 def _label(source: SourceSpec, index: int) -> str:
@@ -328,12 +302,7 @@ def _lazy_source(
     """Open a checkpoint directory without reading its weights, checked against the base."""
     path = Path(source).expanduser()
     label = f"source {index} ({name})"
-    if not Path(_checkpoint_target(str(source), path, index)).is_dir():
-        raise GraftingLensError(
-            f"lazy=True reads donors from checkpoint directories, but {label} is a hub id. "
-            "Download it first (huggingface_hub.snapshot_download(repo_id) returns the "
-            "directory), or load it whole (lazy=False)."
-        )
+    _checkpoint_target(str(source), path, index, lazy=True)
     files = SafetensorsCheckpoint(path, base.original_model, verify=verify)
     check_lazy_alignment(base, files, AutoConfig.from_pretrained(str(path)), label, dtype)
     if given is None:  # a directory's own tokenizer, as for a donor loaded whole
@@ -366,6 +335,7 @@ def _to_bridge(
         model = _load_checkpoint(str(source), path, index, dtype, device_map, max_memory)
         if tokenizer is None:
             tokenizer = _load_tokenizer(path if path.is_dir() else str(source), fallback)
+        label = str(source)
     else:
         if isinstance(source, TransformerBridge):  # it keeps its own tokenizer
             tokenizer = copy.deepcopy(source.tokenizer)
@@ -376,11 +346,12 @@ def _to_bridge(
         if device is not None:
             model.to(device)
         tokenizer = tokenizer if tokenizer is not None else fallback
-        if tokenizer is None:
-            raise GraftingLensError(
-                f"Source {index} is an in-memory model without a tokenizer: pass tokenizer=... "
-                "to load_models."
-            )
+        label = f"an in-memory {type(model).__name__}"
+    if tokenizer is None:
+        raise GraftingLensError(
+            f"Source {index} ({label}) has no tokenizer, and none was given: pass tokenizer=... "
+            "to load_models (a tokenizer, or where the checkpoint's was saved)."
+        )
     resolve_architecture(model, index)
     check_placed(model, f"source {index}")
     model.eval()
@@ -399,12 +370,8 @@ def _to_bridge(
 
 def _copy(model: nn.Module, share_parameters: bool = False) -> Any:
     """A copy of ``model``'s modules and config over the same weight tensors, unwrapped from
-    any bridge.
-
-    Parameters become new ``Parameter`` objects over the same storage (the same objects
-    with ``share_parameters``), so that casting or moving the copy leaves ``model`` as it
-    was; buffers are the same tensors.
-    """
+    any bridge: new ``Parameter`` objects over the same storage (the same objects with
+    ``share_parameters``), so that casting or moving the copy leaves ``model`` as it was."""
     memo: dict[int, Any] = {}
     for tensor in (*model.parameters(), *model.buffers()):
         if isinstance(tensor, nn.Parameter) and not share_parameters:
@@ -433,34 +400,29 @@ def _cast_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> None:
                 module._buffers[key] = buffer.to(kept.get(f"{prefix}.{key}".lstrip("."), dtype))
 
 
-def _checkpoint_target(label: str, path: Path, index: int) -> str:
+def _checkpoint_target(label: str, path: Path, index: int, lazy: bool = False) -> str:
     """What ``from_pretrained`` loads a source path from: its directory, or a hub id."""
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            contents = sorted(child.name for child in path.iterdir())[:8]
-            raise GraftingLensError(
-                f"Source {index} ({label!r}) is a directory without a config.json, so not a "
-                f"checkpoint (it holds {contents or 'nothing'}): give the directory "
-                "save_pretrained wrote."
-            )
+    if path.is_dir() and (path / "config.json").is_file():
         return str(path)
-    if path.exists() or re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is None:
-        raise GraftingLensError(
-            f"Source {index} ({label!r}) is not a directory"
-            + (" (it is a file)" if path.exists() else " (no such path)")
-            + ". Give the directory save_pretrained wrote, or a hub id such as "
-            "'EleutherAI/pythia-160m'."
-        )
-    return label
+    hub_id = not path.exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is not None
+    if hub_id and not lazy:
+        return label
+    if hub_id:
+        problem = "a hub id, and lazy=True reads checkpoint directories: download it first "
+        problem += "(huggingface_hub.snapshot_download), or load it whole (lazy=False)"
+    elif path.is_dir():
+        contents = sorted(child.name for child in path.iterdir())[:8]
+        problem = f"a directory without a config.json (it holds {contents or 'nothing'})"
+    else:
+        problem = "not a directory " + ("(it is a file)" if path.exists() else "(no such path)")
+    raise GraftingLensError(
+        f"Source {index} ({label!r}) is {problem}. Give the directory save_pretrained wrote, "
+        "or a hub id such as 'EleutherAI/pythia-160m'."
+    )
 
 
 def _load_checkpoint(
-    label: str,
-    path: Path,
-    index: int,
-    dtype: torch.dtype | None,
-    device_map: Any,
-    max_memory: Any,
+    label: str, path: Path, index: int, dtype: torch.dtype | None, device_map: Any, max_memory: Any
 ) -> PreTrainedModel:
     """An HF causal LM from a directory or hub id, loaded in ``dtype`` where ``device_map``
     says, or an error naming what is wrong."""
@@ -507,12 +469,9 @@ def _unloadable(label: str, path: Path, index: int, error: BaseException) -> str
 
 
 def _check_loading_info(info: Any, label: str, index: int) -> None:
-    """Refuse a checkpoint whose weights are not its config's model: missing, extra, other shapes.
-
-    transformers fills a weight the checkpoint lacks (or holds in another shape) with random
-    values and reports it in a log TransformerLens silences. Tied weights and those a model
-    class expects to lack are not in the report.
-    """
+    """Refuse a checkpoint whose weights are not its config's model: transformers fills one it
+    lacks (or holds in another shape) with random values, and reports it in a log
+    TransformerLens silences."""
 
     def entries(name: str) -> list[str]:  # a dict in transformers 5, an object's fields before
         found = info.get(name) if isinstance(info, dict) else getattr(info, name, None)
@@ -540,15 +499,8 @@ def _load_tokenizer(name: str | os.PathLike, fallback: Any) -> Any:
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name))
     except (OSError, ValueError):
-        tokenizer = None
-    if tokenizer is None or _only_special_tokens(tokenizer):
-        if fallback is None:
-            raise GraftingLensError(
-                f"{str(name)!r} has no tokenizer and none was given: pass tokenizer=... to "
-                "load_models (a tokenizer, or where the checkpoint's was saved)."
-            )
         return fallback
-    return tokenizer
+    return fallback if _only_special_tokens(tokenizer) else tokenizer
 
 
 def _tokenizer_from(name: str | os.PathLike) -> Any:
@@ -598,11 +550,8 @@ def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
 
 
 def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
-    """A second bridge over the base's own tensors (an adapter runs alone in it).
-
-    It holds the base's parameters and buffers themselves, so it costs the modules, not
-    the weights, and casting or moving the base moves it too.
-    """
+    """A second bridge over the base's own parameters and buffers (an adapter runs alone in
+    it): it costs the modules, not the weights, and moves with the base."""
     model = _copy(base.original_model, share_parameters=True)
     model.eval()
     return adapt_bridge(

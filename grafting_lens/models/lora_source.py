@@ -38,17 +38,6 @@ from grafting_lens.models.sources import CheckpointSource, Source, structural_co
 __all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
 
 
-def _read_through(module: nn.Module, name: str) -> Any:
-    """``module``'s attribute ``name``, or its base layer's (PEFT's LoRA layers do the same)."""
-    try:
-        return nn.Module.__getattr__(module, name)
-    except AttributeError:
-        base = module.__dict__.get("_modules", {}).get("base_layer")
-        if base is None:
-            raise
-        return getattr(base, name)
-
-
 class _LoraLayer(nn.Module, abc.ABC):
     """A base layer and LoRA factors; attributes it lacks are read from the base layer."""
 
@@ -62,7 +51,13 @@ class _LoraLayer(nn.Module, abc.ABC):
         self.scale = float(scale)
 
     def __getattr__(self, name: str) -> Any:
-        return _read_through(self, name)
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:  # the base layer's, as PEFT's LoRA layers read it
+            base = self.__dict__.get("_modules", {}).get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
 
     @abc.abstractmethod
     def delta(self) -> torch.Tensor:
@@ -72,16 +67,9 @@ class _LoraLayer(nn.Module, abc.ABC):
 class LoraLinear(_LoraLayer):
     """A linear layer with a LoRA update: ``base_layer(x) + B A x * scale``.
 
-    ``base_layer`` is the base's own module (``nn.Linear`` or GPT-2's ``Conv1D``), not a
-    copy. Attributes it does not have (``in_features``, ``weight``...) are read from
-    ``base_layer``, as PEFT's LoRA layers do, so code that inspects a module's shape or
-    dtype keeps working; the weight read that way is the base's, without the update.
-
-    Args:
-        base_layer: The base's linear layer.
-        lora_A: ``[r, d_in]``.
-        lora_B: ``[d_out, r]``.
-        scale: The LoRA scale.
+    ``base_layer`` is the base's own ``nn.Linear`` or ``Conv1D``; attributes this lacks
+    (``in_features``, ``weight``: the base's) are read from it, as PEFT's LoRA layers do.
+    ``lora_A`` is ``[r, d_in]``, ``lora_B`` ``[d_out, r]``.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,18 +85,9 @@ class LoraLinear(_LoraLayer):
 
 
 class LoraEmbedding(_LoraLayer):
-    """An embedding with a LoRA update: ``base_layer(ids) + (B A)^T[ids] * scale``.
-
-    The update is multiplied by the base layer's ``embed_scale`` where it has one
-    (Gemma scales its lookup by ``sqrt(d_model)``), as PEFT does, so that it equals
-    the merged model's lookup.
-
-    Args:
-        base_layer: The base's embedding.
-        lora_A: ``[r, vocab]``.
-        lora_B: ``[d_model, r]``.
-        scale: The LoRA scale.
-    """
+    """An embedding with a LoRA update: ``base_layer(ids) + (B A)^T[ids] * scale``, scaled
+    like the base's lookup where it has an ``embed_scale`` (Gemma), as PEFT does.
+    ``lora_A`` is ``[r, vocab]``, ``lora_B`` ``[d_model, r]``."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         base = self._modules["base_layer"]
@@ -148,11 +127,10 @@ class _Update:
 class _Replacement:
     """A parameter of the base that the adapter holds whole, with its new value.
 
-    ``owner`` is the module whose copy PEFT trains (``modules_to_save``): only that
-    module computes with the new value, even where the base ties the parameter to
-    another module. ``None`` is a value PEFT loads into the base's parameter itself
-    (an embedding layer saved beside an embedding adapter), which every module
-    sharing it then computes with.
+    ``owner`` is the module whose copy PEFT trains (``modules_to_save``), the only one that
+    computes with the new value even where the base ties the parameter to another; ``None``
+    is a value loaded into the base's parameter itself (an embedding layer saved beside an
+    embedding adapter), which every module sharing it computes with.
     """
 
     name: str
@@ -164,12 +142,10 @@ class _Replacement:
 class LoraSource(Source):
     """A LoRA adapter on the base, as a donor: the base's modules plus the adapter's factors.
 
-    Created by :func:`~grafting_lens.load_models` for an adapter directory or a PEFT
-    model. Its module for an adapted slot is a :class:`LoraLinear` or
-    :class:`LoraEmbedding` around the base's own module (or a copy of the base's
-    module holding a ``modules_to_save`` replacement); for any other slot, the base's
-    module itself. It runs alone (:attr:`bridge`) as a second bridge over the base's
-    own tensors with the adapted modules in place, built on first use.
+    Its module for an adapted slot is a :class:`LoraLinear` or :class:`LoraEmbedding`
+    around the base's own module (or a copy holding a ``modules_to_save`` replacement); for
+    any other slot, the base's module itself. It runs alone (:attr:`bridge`) as a second
+    bridge over the base's own tensors, built on first use.
 
     Args:
         name: The source's label.
@@ -179,9 +155,7 @@ class LoraSource(Source):
         make_bridge: Builds a bridge over the base's own tensors (for :attr:`bridge`).
 
     Raises:
-        AdapterError: A module the base lacks, a shape the base's module does not
-            have, a module no component computes, or a fused projection whose split
-            does not follow its output rows.
+        AdapterError: An adapter made for another base, or one no component computes.
     """
 
     kind = "lora"
@@ -211,11 +185,8 @@ class LoraSource(Source):
 
     @property
     def bridge(self) -> TransformerBridge:
-        """The base with the adapter: a second bridge over the base's own tensors.
-
-        Moving or casting it moves the base too (the tensors are the same): place
-        the model set with ``device=`` / ``dtype=`` of :func:`~grafting_lens.load_models`.
-        """
+        """The base with the adapter: a second bridge over the base's own tensors (moving or
+        casting it moves the base too)."""
         if self._bridge is None:
             bridge = self._make_bridge()
             for path, module in self._modules.items():
@@ -240,35 +211,30 @@ class LoraSource(Source):
     def full_bytes(self) -> int:
         return CheckpointSource(self._base, self.name).full_bytes()  # the merged model's
 
-    def floating_dtypes(self) -> set[torch.dtype]:
+    def _parameters_of(self) -> Iterable[nn.Parameter]:
         # The factors are cast to the base weight's dtype where they are applied.
-        return CheckpointSource(self._base, self.name).floating_dtypes()
+        return self._base.original_model.parameters()
 
     def _weights_state(self) -> tuple | None:
         return parameters_state(self._base.original_model)  # the factors are read-only
 
     def _fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        digest.update(
-            weights_fingerprint(checkpoint_parameters(self._base.original_model)).encode()
-        )
-        for name in sorted(self.adapter.tensors):
-            tensor = self.adapter.tensors[name]
-            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
-        settings["use_rslora"] = self.adapter.config.get("use_rslora")
-        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-        return digest.hexdigest()[:16]
+        base = weights_fingerprint(checkpoint_parameters(self._base.original_model))
+        # Every value of the factors: they are small, and sampling could miss a change.
+        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:16]
 
     def content_digest(self) -> str:
-        digest = hashlib.sha256()
-        digest.update(content_digest(checkpoint_parameters(self._base.original_model)).encode())
-        digest.update(content_digest(sorted(self.adapter.tensors.items())).encode())
-        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
-        settings["use_rslora"] = self.adapter.config.get("use_rslora")
-        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-        return digest.hexdigest()[:32]
+        base = content_digest(checkpoint_parameters(self._base.original_model))
+        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:32]
+
+    def _digest(self, base: str, factors: str) -> str:
+        """The base's and the factors' hashes, with the settings that scale the factors."""
+        settings = {
+            key: self.adapter.config.get(key)
+            for key in ("lora_alpha", "alpha_pattern", "use_rslora")
+        }
+        text = f"{base}{factors}{json.dumps(settings, sort_keys=True, default=str)}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -503,12 +469,9 @@ class _AdaptedModules:
         return kind(module, update.lora_A, update.lora_B, scale)
 
     def _rows(self, fused: FusedProjection, update: _Update) -> dict[str, torch.Tensor]:
-        """Which rows of ``B`` (outputs of the fused module) each split module computes.
-
-        The bridge's split function runs on a stand-in whose weight holds each
-        output's row number in every entry; a split module's row ``i`` then holds the
-        fused output it computes. Checked against the base's own split modules.
-        """
+        """Which rows of ``B`` (outputs of the fused module) each split module computes: the
+        bridge's split function runs on a weight holding each output's row number, checked
+        against the base's own split modules."""
         template = fused.fused(self.base)
         weight = template.weight
         bias = getattr(template, "bias", None)

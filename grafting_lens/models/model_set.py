@@ -113,18 +113,12 @@ class ModelSet(Sequence[TransformerBridge]):
     def memory(self) -> pd.DataFrame:
         """What each source holds in memory, against what it would hold whole and on disk.
 
-        Tensors several sources share (a LoRA donor computes with the base's weights)
-        count once, for the first source that holds them; views of one tensor (the
-        bridge's Q, K and V cut out of GPT-2's fused matrix) count once.
-
         Returns:
-            One row per source, with columns ``source``, ``name``, ``kind``
-            (``checkpoint``, ``lazy`` or ``lora``), ``resident_bytes`` (held now, not
-            counted for an earlier source), ``declared_bytes`` (a lazily loaded donor
-            declared for some components: what those take once read; ``<NA>``
-            otherwise), ``full_bytes`` (the checkpoint whole in memory; for an
-            adapter, the merged model) and ``disk_bytes`` (its weight files, ``<NA>``
-            for an in-memory model).
+            One row per source: ``source``, ``name``, ``kind`` (``checkpoint``, ``lazy``,
+            ``lora``), ``resident_bytes`` (held now; a tensor shared with an earlier source,
+            or a view of one, counts once), ``declared_bytes`` (a lazy donor declared for some
+            components: what those take once read), ``full_bytes`` (whole in memory; an
+            adapter's merged model) and ``disk_bytes`` (its weight files).
         """
         counted: set[int] = set()
         rows = [
@@ -166,12 +160,7 @@ class ModelSet(Sequence[TransformerBridge]):
 
     @property
     def pairs(self) -> tuple[tuple[str, int | None], ...]:
-        """Every ``(component, layer)`` pair of the architecture, as masks address them.
-
-        Usually every per-layer component at every layer; a stack that interleaves
-        dense and mixture-of-experts blocks has ``mlp_in`` at some layers and
-        ``experts`` at others.
-        """
+        """Every ``(component, layer)`` pair of the architecture, as masks address them."""
         return tuple(self._layout.slots)
 
     @property
@@ -186,19 +175,14 @@ class ModelSet(Sequence[TransformerBridge]):
     def coverage(self) -> pd.DataFrame:
         """Every parameter of the checkpoint and the component that grafts it.
 
-        Each parameter belongs to exactly one component, or to several that share it
-        (tied embeddings: ``embed+unembed``; a fused QKV matrix, which the bridge
-        splits: ``q+k+v``). A parameter no component covers is one a graft cannot
-        take from a donor; a graft that takes every component around it (``all``,
-        ``block``, ``attn`` or ``ffn`` at its layer) raises
-        :class:`~grafting_lens.core.errors.ComponentError` unless :attr:`allow_uncovered`.
+        A parameter no component covers cannot be taken from a donor: a graft that takes
+        every component around it raises :class:`~grafting_lens.core.errors.ComponentError`
+        unless :attr:`allow_uncovered`.
 
         Returns:
-            One row per checkpoint parameter, with columns ``parameter`` (its name in
-            the checkpoint), ``component`` (``+``-joined components, empty when
-            uncovered), ``layer`` (an integer column, ``<NA>`` outside the blocks),
-            ``path`` (the bridge path that holds it), ``shape``, ``size`` (number of
-            values) and ``covered``.
+            One row per checkpoint parameter: ``parameter``, ``component`` (``+``-joined when
+            shared: ``embed+unembed``, ``q+k+v``; empty when uncovered), ``layer``
+            (``<NA>`` outside the blocks), ``path``, ``shape``, ``size`` and ``covered``.
         """
         frame = pd.DataFrame(
             [
@@ -309,22 +293,20 @@ class ModelSet(Sequence[TransformerBridge]):
             if pairs is None:
                 check_placement(self.base, self[index], label)
                 continue
-            for pair in pairs:
-                for slot in self.slots(*pair):
+            for component, layer in pairs:
+                where = component if layer is None else f"{component} at layer {layer}"
+                for slot in self.slots(component, layer):
                     source = self._sources[index].module(slot)
-                    check_placement(slot.module(self.base), source, label)
+                    check_placement(slot.module(self.base), source, f"{label}'s {where}")
 
     def weight_diff(self) -> pd.DataFrame:
-        """Relative change of every component in every source against the base.
-
-        For source ``i`` and component ``c`` (at a layer), the figure is
-        ``||theta_i - theta_0|| / ||theta_0||`` over all of ``c``'s parameters: a
-        first look at what finetuning moved, and where a graft can matter.
+        """Relative change ``||theta_i - theta_0|| / ||theta_0||`` of every component of every
+        donor: a first look at what finetuning moved, and where a graft can matter.
 
         Returns:
-            One row per source (1..n-1), component and layer, with columns
-            ``source``, ``name``, ``component``, ``layer`` (an integer column;
-            ``<NA>`` for global components), ``relative_change`` and ``base_norm``.
+            One row per source (1..n-1), component and layer: ``source``, ``name``,
+            ``component``, ``layer`` (``<NA>`` for global components), ``relative_change``,
+            ``base_norm``.
         """
         rows = []
         for source in range(1, len(self)):
@@ -350,13 +332,8 @@ class ModelSet(Sequence[TransformerBridge]):
 
 
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is.
-
-    :meth:`ModelSet.check_tokens` accepts ids of any integer dtype; every function that
-    runs them passes them through this first, so that ``uint8`` or ``int16`` ids (a
-    compact dataset on disk) run as the same ids instead of failing inside the
-    embedding.
-    """
+    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is, so
+    that ``uint8`` or ``int16`` ids (a compact dataset) run as the same ids."""
     if tokens.dtype in (torch.int64, torch.int32):
         return tokens
     return tokens.to(torch.int64)

@@ -1,17 +1,12 @@
 """Placement: where each checkpoint's modules sit, on one device or split across several.
 
-A graft runs a donor's module on the activation the base's module received, so every
-donor module must sit where the base module it stands in for sits. ``device=`` puts every
-source on one device. ``device_map=`` takes what ``from_pretrained`` takes: one device
-(the same as ``device=``), an accelerate strategy (``"auto"``, ``"balanced"``...) or a
-dict ``{module name: device}``; a map that splits a model is applied to the base, and
-every donor is loaded with the map the base *realised* (:func:`realised_map`), so base and
-donor modules of one layer share a device.
-
-Offloading is refused: a map that sends modules to ``"disk"``, or to ``"cpu"`` beside an
-accelerator, leaves placeholders that accelerate fills at call time, and a donor module
-run in their place would not be filled. A map that puts everything on the CPU places, it
-does not offload.
+A graft runs a donor's module on the activation the base's module received, so every donor
+module must sit where the base module it stands in for sits. ``device_map=`` takes what
+``from_pretrained`` takes: a device (as ``device=``), an accelerate strategy or ``{module
+name: device}``; the base is loaded with it, every donor with the map the base *realised*
+(:func:`realised_map`). Offloading (``"disk"``, or ``"cpu"`` beside an accelerator) is
+refused: accelerate fills such modules at call time, and a donor module run in their place
+would not be filled.
 """
 
 from __future__ import annotations
@@ -43,7 +38,7 @@ def usable_device(device: object, what: str = "device") -> torch.device:
             (``"cuda"`` on a CPU-only machine).
     """
     try:
-        found = torch.device(device)  # type: ignore[arg-type]
+        found = torch.device(device)  # type: ignore[call-overload]
         torch.empty(0, device=found)  # fails here, not halfway through loading
     except (RuntimeError, TypeError, AssertionError) as error:
         strategies = f" nor a strategy ({', '.join(STRATEGIES)})" if what == "device_map" else ""
@@ -69,18 +64,18 @@ def resolve_device_map(
         GraftingLensError: Both given, ``max_memory`` without a strategy or not a dict, a
             device this machine cannot use, or a map that offloads.
     """
-    if max_memory is not None and not (
+    problem = None
+    if device is not None and device_map is not None:
+        problem = "device= and device_map= both say where the models go: pass one"
+    elif max_memory is not None and not (
         isinstance(max_memory, Mapping) and isinstance(device_map, str)
     ):
-        raise GraftingLensError(
+        problem = (
             "max_memory= is a dict {device: budget} such as {0: '70GiB'} that bounds what a "
-            "device_map strategy puts on each device: pass it with device_map='auto'."
+            "device_map strategy puts on each device: pass it with device_map='auto'"
         )
-    if device is not None and device_map is not None:
-        raise GraftingLensError(
-            "device= and device_map= both say where the models go: pass one (device= for one "
-            "device, device_map= to split the layers across several)."
-        )
+    if problem:
+        raise GraftingLensError(f"{problem}.")
     if isinstance(device_map, Mapping) and list(device_map) == [""]:
         device_map = device_map[""]  # the whole model on one device
     if isinstance(device_map, str) and device_map in STRATEGIES:

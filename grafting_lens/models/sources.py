@@ -1,21 +1,14 @@
 """What a source of weights is: a checkpoint in memory, one read from disk on first use, or an adapter.
 
-A :class:`~grafting_lens.ModelSet` holds *sources*: the base (index 0) and the donors. A
-graft asks each source one question per slot of the bridge tree (see
-:mod:`grafting_lens.models.components`): which module computes this slot for you?
-
-* :class:`CheckpointSource`: a checkpoint loaded whole, as a ``TransformerBridge``; its
-  module for a slot is the one in its own tree. The base is always one.
-* :class:`LazySource`: a checkpoint directory of safetensors files, opened without reading
-  its weights. Its module for a slot is a copy of the base's module holding the donor's
-  tensors, read from disk on first use and kept (see
-  :mod:`grafting_lens.models.checkpoint_files` for the checks of its files).
-* :class:`~grafting_lens.models.lora_source.LoraSource`: a LoRA adapter on the base, whose
-  module for an adapted slot computes ``W x + B A x * scale`` from the base's own weight.
-
-Every source also runs alone, as :attr:`Source.bridge` (patching and scoring run donors
-so): an adapter as a second bridge over the base's tensors, a lazily loaded donor read
-whole on first use, with a :class:`~grafting_lens.core.errors.LazyLoadWarning`.
+A :class:`~grafting_lens.ModelSet` holds *sources*, the base (index 0) and the donors, and a
+graft asks each one question per slot of the bridge tree: which module computes this slot
+for you? A :class:`CheckpointSource` (the base is one) answers with its own bridge's module;
+a :class:`LazySource` with a copy of the base's module holding the donor's tensors, read
+from safetensors files on first use (:mod:`grafting_lens.models.checkpoint_files`); a
+:class:`~grafting_lens.models.lora_source.LoraSource` with a module computing ``W x + B A x
+* scale`` from the base's own weight. Every source also runs alone, as
+:attr:`Source.bridge`: an adapter as a second bridge over the base's tensors, a lazy donor
+read whole on first use (with a :class:`~grafting_lens.core.errors.LazyLoadWarning`).
 """
 
 from __future__ import annotations
@@ -90,10 +83,8 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def content_digest(self) -> str:
-        """A hash of every value of this source's weights (see
-        :func:`~grafting_lens.models.fingerprints.content_digest`): what a run directory
-        compares before it reuses stored results. Equal for the same checkpoint loaded
-        whole or lazily; a lazy donor's tensors are read one at a time, never kept."""
+        """A hash of every value of this source's weights, equal for the same checkpoint loaded
+        whole or lazily: what a run directory compares before it reuses stored results."""
 
     @abc.abstractmethod
     def _fingerprint(self) -> str: ...
@@ -112,14 +103,9 @@ class Source(abc.ABC):
         return None
 
     def fingerprint(self) -> str:
-        """A short hash of this source's weights (see
-        :func:`~grafting_lens.models.fingerprints.weights_fingerprint`).
-
-        Equal for the same checkpoint loaded whole or lazily; a lazy donor is sampled from
-        its files, never read whole. It samples 64 values of each tensor, so it tells
-        checkpoints apart, not every edit of one weight (:meth:`content_digest` does). Kept
-        until a parameter is replaced or changed in place.
-        """
+        """A short hash of 64 values of each weight tensor (see
+        :mod:`~grafting_lens.models.fingerprints`), equal for the same checkpoint loaded whole
+        or lazily, kept until a parameter is replaced or changed in place."""
         state = self._weights_state()
         known = self.__dict__.get("_fingerprinted")
         if known is None or state is None or known[0] != state:
@@ -137,13 +123,7 @@ class Source(abc.ABC):
 
 
 class CheckpointSource(Source):
-    """A checkpoint loaded whole, as a ``TransformerBridge``; the base is always one.
-
-    Args:
-        bridge: The loaded model (unprocessed weights).
-        name: Its label.
-        disk_bytes: Bytes of the weight files it was read from, if known.
-    """
+    """A checkpoint loaded whole, as a ``TransformerBridge``; the base is always one."""
 
     kind = "checkpoint"
 
@@ -188,21 +168,12 @@ class CheckpointSource(Source):
 class LazySource(Source):
     """A donor read from safetensors files a component at a time, on first use.
 
-    Its module for a slot is a copy of the base's module (same class and settings, the
-    base's buffers) whose parameters are the donor's tensors, read from disk once, put on
-    the device of the base module it stands in for and in its dtype (the alignment check
-    at load makes that the files' dtype unless ``dtype=`` casts). A slot the bridge cuts
-    out of a fused matrix (GPT-2's Q, K, V) is cut from the donor's fused matrix by the
-    bridge's own split function. Every use first checks that the files are still those
-    opened at load (:meth:`SafetensorsCheckpoint.check`).
-
-    Args:
-        name: The source's label.
-        files: The checkpoint's weight files.
-        base: The base's bridge (its modules are the templates).
-        slots: Every slot of the architecture.
-        declared: The slots a graft may take from this source, or None for every one.
-        load_whole: Loads the checkpoint whole as a bridge (for :attr:`bridge`).
+    Its module for a slot is a copy of the base's (same class, settings and buffers) holding
+    the donor's tensors, read once, on the device and in the dtype of the base's parameters
+    (which the alignment check at load makes the files' unless ``dtype=`` casts). A slot the
+    bridge cuts out of a fused matrix is cut from the donor's by the bridge's own split. Every
+    use first checks that the files are those opened at load. ``declared`` are the slots a
+    graft may take (None: every one); ``load_whole`` loads it whole, for :attr:`bridge`.
     """
 
     kind = "lazy"
@@ -429,13 +400,9 @@ def structural_copy(
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
-
-    Args:
-        tensors: Any tensors.
-        counted: Storages already counted elsewhere (by data pointer), skipped and updated in
-            place, so that several sources sharing tensors count them once.
-    """
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once),
+    skipping and adding to ``counted`` (data pointers), so that sources sharing tensors count
+    them once."""
     counted = set() if counted is None else counted
     total = 0
     for tensor in tensors:

@@ -204,9 +204,12 @@ def test_lazy_loading_needs_a_directory_of_safetensors(tmp_path, tokenizer):
     weights = load_file(str(tmp_path / "bin" / "model.safetensors"))
     torch.save(weights, tmp_path / "bin" / "pytorch_model.bin")
     (tmp_path / "bin" / "model.safetensors").unlink()
-    with pytest.raises(gl.GraftingLensError, match="holds no safetensors weights.*lazy=False"):
+    with pytest.raises(
+        gl.GraftingLensError,
+        match=r"model.safetensors: it is missing \(only \['pytorch_model.bin'\]\).*lazy=False",
+    ):
         gl.load_models(tmp_path / "base", tmp_path / "bin", lazy=True, tokenizer=tokenizer)
-    with pytest.raises(gl.GraftingLensError, match="snapshot_download"):
+    with pytest.raises(gl.GraftingLensError, match="is a hub id, and lazy=True.*snapshot_download"):
         gl.load_models(tmp_path / "base", "someone/some-model", lazy=True)
     with pytest.raises(gl.GraftingLensError, match="without a config.json"):
         gl.load_models(tmp_path / "base", tmp_path, lazy=True)
