@@ -135,9 +135,13 @@ def check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> N
         token = differing[0]
         raise AlignmentError(
             f"{label}'s vocabulary ({len(theirs)} tokens) is not the base's ({len(mine)}): "
-            f"token {token!r} is id {mine.get(token)} in the base and {theirs.get(token)} in "
+            f"token {token!r} is {_id(mine, token)} in the base and {_id(theirs, token)} in "
             f"{label}. Graft checkpoints trained with one tokenizer."
         )
+
+
+def _id(vocabulary: dict[str, int], token: str) -> str:
+    return f"id {vocabulary[token]}" if token in vocabulary else "absent"
 
 
 def _floating(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

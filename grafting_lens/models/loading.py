@@ -415,10 +415,8 @@ def _checkpoint_target(label: str, path: Path, index: int, lazy: bool = False) -
         problem = f"a directory without a config.json (it holds {contents or 'nothing'})"
     else:
         problem = "not a directory " + ("(it is a file)" if path.exists() else "(no such path)")
-    raise GraftingLensError(
-        f"Source {index} ({label!r}) is {problem}. Give the directory save_pretrained wrote, "
-        "or a hub id such as 'EleutherAI/pythia-160m'."
-    )
+    fix = "" if hub_id else " Give the directory save_pretrained wrote, or a hub id."
+    raise GraftingLensError(f"Source {index} ({label!r}) is {problem}.{fix}")
 
 
 def _load_checkpoint(

@@ -745,3 +745,26 @@ def test_dtype_loads_every_path_as_from_pretrained_does(tmp_path, tokenizer, fam
         grafted[how] = gl.graft_forward(loaded, tokens, everywhere)
     # Every path computes the same numbers, bit for bit.
     assert all(torch.equal(logits, grafted["paths"]) for logits in grafted.values())
+
+
+# ---------------------------------------- ModelSet.check_tokens, the one token check
+
+
+@pytest.mark.parametrize("family", ["gpt2"])
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        (torch.ones(3, dtype=torch.long), r"must be a \[batch, pos\] tensor .*got shape \[3\]"),
+        ([[1, 2]], r"must be a \[batch, pos\] tensor .*got list"),
+        (torch.ones(1, 3), "must hold integer token ids, got torch.float32"),
+        (torch.ones(1, 0, dtype=torch.long), r"is empty \(shape \[1, 0\]\)"),
+        (torch.ones(1, 3, dtype=torch.long, device="meta"), "on the meta device"),
+        (torch.full((1, 3), 300), r"must lie in 0\.\.299.*got 300\.\.300"),
+        (torch.ones(1, 70, dtype=torch.long), "70 positions.*learned position embeddings for 64"),
+    ],
+    ids=["1d", "list", "float", "empty", "meta", "vocabulary", "too_long"],
+)
+def test_check_tokens_refuses(three_models, tokens, message):
+    with pytest.raises(gl.errors.TokenError, match=message):
+        three_models.check_tokens(tokens)
+    assert three_models.check_tokens(torch.ones(2, 4, dtype=torch.uint8)) == (2, 4)
