@@ -43,9 +43,9 @@ def usable_device(device: object, what: str = "device") -> torch.device:
     except (RuntimeError, TypeError, AssertionError) as error:
         strategies = f" nor a strategy ({', '.join(STRATEGIES)})" if what == "device_map" else ""
         raise GraftingLensError(
-            f"{what}={device!r} is not a device torch can use here{strategies}: "
-            f"{str(error).splitlines()[0]} Use 'cpu', or 'cuda:0' / 'mps' where torch has that "
-            "backend (torch.cuda.is_available())."
+            f"{what}={device!r} cannot be used: it is not a device torch can use here"
+            f"{strategies} ({str(error).splitlines()[0]}). Use 'cpu', or 'cuda:0' / 'mps' where "
+            "torch has that backend (torch.cuda.is_available())."
         ) from None
     return found
 

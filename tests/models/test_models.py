@@ -453,7 +453,7 @@ REFUSALS = {
     "a device torch lacks": (
         _pair(device="banana"),
         gl.GraftingLensError,
-        "'banana' is not a device",
+        "device='banana' cannot be used",
     ),
     "another architecture": (
         _donor(lambda: random_model("llama", 1), family="gpt2"),

@@ -97,7 +97,7 @@ def test_a_device_name_places_in_memory_models_too(tokenizer):
             "offloads modules to cpu",
         ),
         ({"device_map": "everywhere"}, GraftingLensError, "nor a strategy"),
-        ({"device_map": {"": "gpu7"}}, GraftingLensError, "'gpu7' is not a device"),
+        ({"device_map": {"": "gpu7"}}, GraftingLensError, "device_map='gpu7' cannot be used"),
         ({"device_map": f"cuda:{MISSING_GPU}"}, GraftingLensError, "not a device torch can use"),
         ({"device_map": MISSING_GPU}, GraftingLensError, "not a device torch can use"),
         (
