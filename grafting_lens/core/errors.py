@@ -179,9 +179,7 @@ def unsafe_pickle(what: str) -> str:
     whatever code the file holds; grafting-lens never does, and says so instead.
     """
     return (
-        f"{what} is a pickle holding more than tensors, refused as unsafe: unpickling it "
-        "could run arbitrary code, so grafting-lens reads pickled weights only with torch's "
-        "weights-only loader and never retries without it. If you trust the file, convert it "
-        "to safetensors where it was made (save_pretrained(..., safe_serialization=True)) and "
-        "load that."
+        f"{what} is a pickle holding more than tensors, refused as unsafe (unpickling could run "
+        "any code). If you trust it, convert it to safetensors where it was made "
+        "(save_pretrained(..., safe_serialization=True)) and load that."
     )

@@ -411,6 +411,65 @@ def _donor(donor, family="llama"):
     )
 
 
+def _saved_pair(**options):
+    """A Llama base and donor saved as checkpoint directories, with ``options``."""
+    return lambda tmp_path, tokenizer: (
+        [_saved(tmp_path, tokenizer, "base"), _saved(tmp_path, tokenizer, "donor")],
+        options,
+    )
+
+
+# A GPU this machine does not have: past the last one, or any on a CPU-only machine.
+MISSING_GPU = torch.cuda.device_count()
+PER_LAYER = {
+    name: MISSING_GPU
+    for name in ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+}
+PLACEMENTS = {
+    "disk": ({"device_map": {"": "disk"}}, gl.errors.AlignmentError, "offloads modules to disk"),
+    "disk by name": ({"device_map": "disk"}, gl.errors.AlignmentError, "offloads modules to disk"),
+    "meta": ({"device_map": {"": "meta"}}, gl.errors.AlignmentError, "offloads modules to meta"),
+    "cpu beside a GPU": (
+        {"device_map": {"model.layers.0": 0, "lm_head": "cpu"}},
+        gl.errors.AlignmentError,
+        "offloads modules to cpu",
+    ),
+    "no such strategy": ({"device_map": "everywhere"}, gl.GraftingLensError, "nor a strategy"),
+    "no such device": ({"device_map": {"": "gpu7"}}, gl.GraftingLensError, "'gpu7' cannot be used"),
+    "a missing GPU by name": (
+        {"device_map": f"cuda:{MISSING_GPU}"},
+        gl.GraftingLensError,
+        "cannot be used: it is not a device torch can use here",
+    ),
+    "a missing GPU by index": (
+        {"device_map": MISSING_GPU},
+        gl.GraftingLensError,
+        "cannot be used: it is not a device torch can use here",
+    ),
+    "a per-layer map onto a missing GPU": (
+        {"device_map": PER_LAYER},
+        gl.GraftingLensError,
+        "cannot be used: it is not a device torch can use here",
+    ),
+    "device= a missing GPU": (
+        {"device": f"cuda:{MISSING_GPU}"},
+        gl.GraftingLensError,
+        "cannot be used: it is not a device torch can use here",
+    ),
+    "not a map": ({"device_map": []}, gl.GraftingLensError, "non-empty dict"),
+    "a map and a device": (
+        {"device_map": "auto", "device": "cpu"},
+        gl.GraftingLensError,
+        "pass one",
+    ),
+    "max_memory alone": ({"max_memory": {0: "1GiB"}}, gl.GraftingLensError, "device_map='auto'"),
+    "max_memory not a dict": (
+        {"device_map": "auto", "max_memory": "1GiB"},
+        gl.GraftingLensError,
+        "max_memory= is a dict",
+    ),
+}
+
 _model = random_model("llama", 0)
 _inv_freq_halved = random_model("llama", 1)
 _inv_freq_halved.model.rotary_emb.inv_freq.mul_(0.5)  # as another rope scaling makes it
@@ -560,6 +619,10 @@ REFUSALS = {
         gl.GraftingLensError,
         "holds no usable tokenizer",
     ),
+    **{
+        f"placement: {case}": (_saved_pair(**options), error, message)
+        for case, (options, error, message) in PLACEMENTS.items()
+    },
     "a headless model": (
         lambda tmp_path, tokenizer: (
             [GPT2Model(family_config("gpt2")), GPT2Model(family_config("gpt2"))],
