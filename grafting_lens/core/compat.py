@@ -1,23 +1,16 @@
 """What differs between the releases this library runs on, and the checks that catch the next difference.
 
-Two kinds of code live here, and nothing else:
-
-- **The cache under the name each release takes.** transformers 5.24 renamed the
-  key/value cache argument of every model's ``forward`` from ``past_key_values`` to
-  ``cache`` (the old name is accepted, with a warning, until 5.40), and hands it to
-  each attention layer as ``cache``. TransformerLens 4.3's attention bridges
-  recompute attention themselves and look for ``past_key_values`` (or
-  ``layer_past``) only: under 5.24 they never see the cache, so a continued pass
-  silently attends over its own tokens alone. :func:`cached_forward_kwargs` names
-  the cache as the model's own ``forward`` declares it, and :func:`cache_visible`
-  shows it to the attention bridges under the name they read, for the duration of
-  a cached run and on that model only (no class of TransformerLens is patched).
-
-- **Canaries.** A path that relies on behaviour beyond a plain forward (continuing a
-  pass over a key/value cache) checks it once per model against a plain forward of
-  a few tokens, and raises :class:`~grafting_lens.core.errors.DependencyError` naming the
-  installed releases when they disagree, so that a new release can make a run fail
-  but never make a number silently wrong.
+- **The cache under the name each release takes.** transformers 5.24 renamed the key/value
+  cache argument of ``forward`` from ``past_key_values`` to ``cache``; TransformerLens
+  4.3's attention bridges still look for ``past_key_values`` only, so under 5.24 a
+  continued pass would silently attend over its own tokens alone.
+  :func:`cached_forward_kwargs` names the cache as the model's ``forward`` declares it, and
+  :func:`cache_visible` shows it to the bridges under the name they read, for one cached
+  run on one model (no class of TransformerLens is patched).
+- **Canaries.** A path that continues a pass over a cache checks it once per model against a
+  plain forward (:func:`check_cache_continuation`), and raises
+  :class:`~grafting_lens.core.errors.DependencyError` naming the installed releases when they
+  disagree: a new release can make a run fail, never a number silently wrong.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import inspect
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -46,37 +39,21 @@ _CONTINUATION_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = (
 
 def installed_versions() -> str:
     """The releases a result depends on, for error messages and run reports."""
-    found = []
-    for package in ("transformers", "transformer-lens", "torch"):
-        try:
-            found.append(f"{package} {version(package)}")
-        except PackageNotFoundError:  # pragma: no cover - all three are dependencies
-            found.append(f"{package} (not installed)")
-    return ", ".join(found)
+    return ", ".join(
+        f"{name} {version(name)}" for name in ("transformers", "transformer-lens", "torch")
+    )
 
 
 def cache_argument(bridge: TransformerBridge, what: str, error: type[GraftingLensError]) -> str:
-    """The name under which the bridge's Hugging Face model takes a key/value cache.
-
-    Read from the model's own ``forward`` signature (through transformers'
-    deprecation wrapper, which keeps the new name in the signature), so each release
-    gets the name it declares and no deprecation warning is raised.
-
-    Args:
-        bridge: The model to run over a cache.
-        what: What needs the cache, for the message.
-        error: The error to raise when the model takes no cache: an architecture's
-            limit, which the caller names in its own terms.
+    """The name under which the bridge's HF model takes a key/value cache, read from its own
+    ``forward`` signature (so no deprecation warning is raised).
 
     Raises:
-        error: The model's ``forward`` takes no cache under either name.
+        error: The model takes no cache (an architecture's limit; ``what`` needs it).
     """
     model = getattr(bridge, "original_model", None)
     forward = getattr(type(model), "forward", None)
-    try:
-        parameters = inspect.signature(forward).parameters if forward is not None else {}
-    except (TypeError, ValueError):  # pragma: no cover - a C-implemented forward
-        parameters = {}
+    parameters = inspect.signature(forward).parameters if forward is not None else {}
     for name in _CACHE_NAMES:
         if name in parameters:
             return name
@@ -117,13 +94,9 @@ def _reading_cache(update: Any) -> Any:
 def cache_visible(bridge: TransformerBridge) -> Iterator[None]:
     """Within this block, the bridge's attention components see the key/value cache.
 
-    Attention bridges that recompute attention themselves extend the cache in their
-    ``_update_kv_cache``, which reads ``past_key_values``; transformers >= 5.24 hands
-    them the cache as ``cache``. Each such bridge of this model gets, for the block,
-    an instance-level ``_update_kv_cache`` that also reads ``cache``; bridges that
-    call the Hugging Face attention module pass ``cache`` on untouched, and releases
-    that pass ``past_key_values`` are unaffected. Removed on exit. (A private method
-    of TransformerLens: :func:`check_cache_continuation` catches a release that
+    Each attention bridge of this model gets, for the block, an instance-level
+    ``_update_kv_cache`` that reads ``cache`` as well as ``past_key_values``. (A private
+    method of TransformerLens: :func:`check_cache_continuation` catches a release that
     renames it.)
     """
     patched = []
@@ -144,23 +117,14 @@ def check_cache_continuation(
 ) -> None:
     """Check, once per model, that a pass continued over a cache equals a plain pass.
 
-    Runs a few tokens in one plain pass, then the same tokens as a prefix and a
-    continuation over the prefix's key/value cache, and compares the continuation's
-    logits with the plain pass's. Call it with the model unmodified (no graft
-    installed, no hooks): it checks the libraries, not a graft.
-
-    Args:
-        bridge: The model whose cache will be continued.
-        what: What relies on the cache, for the message (e.g. ``"graft_generate"``).
-        error: The error to raise when the model's architecture takes no cache.
+    Six tokens in one pass against three, then three more over the first three's cache.
+    Call it with the model unmodified (no graft, no hooks): it checks the libraries.
 
     Raises:
-        error: The model takes no key/value cache at all, or keeps a cache of its own
-            kind (recurrent layers, a sliding window shorter than the check) that a
-            continued pass does not reproduce; the message names it.
-        DependencyError: The continued pass fails or differs from the plain one on a
-            model without such a cache: the installed transformers or TransformerLens no
-            longer keeps or reads the cache the way this library uses it.
+        error: The model takes no cache, or keeps its own kind (recurrent layers, a short
+            sliding window) that a continued pass does not reproduce; ``what`` needs it.
+        DependencyError: On any other model, the installed releases no longer keep or read
+            the cache as this library uses it.
     """
     model = bridge.original_model
     if _CONTINUATION_CHECKED.get(model):
@@ -181,35 +145,36 @@ def check_cache_continuation(
                 tokens[:, 3:], return_type="logits", **cached_forward_kwargs(bridge, cache)
             )
     except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as failure:
-        found = f"the continued pass failed: {type(failure).__name__}: {_first_line(failure)}"
-        if own:
-            raise _own_cache_error(model, own, found, what, error) from None
-        raise DependencyError(
-            f"{what} continues a pass over a key/value cache, and on {type(model).__name__} "
-            f"under the installed releases ({installed_versions()}) {found}. Install the "
-            "versions of the lock (README: 'Three commands'), or report the versions above to "
-            "grafting-lens."
+        found: str | None = (
+            f"the continued pass failed: {type(failure).__name__}: {_first_line(failure)}"
+        )
+    else:
+        expected = plain[:, 3:].float()
+        scale = float(expected.abs().max()) + 1e-6
+        tolerance = (1e-4 if plain.dtype == torch.float32 else 1e-2) * scale
+        difference = float((continued.float() - expected).abs().max())
+        found = None
+        if kept != 3:
+            found = f"the cache holds {kept} positions after a 3-token prefix"
+        elif not difference <= tolerance:
+            found = f"its logits differ from a plain pass by {difference:.3g} (tolerance {tolerance:.3g})"
+    if found is not None:
+        # A model that keeps its own kind of cache is the architecture's limit; otherwise
+        # the installed releases no longer keep or read the cache as this library uses it.
+        raise (
+            error(
+                f"{type(model).__name__} keeps {own}, which a pass continued over a key/value "
+                f"cache given from outside does not reproduce ({found}), so {what} cannot "
+                "continue a pass on it. graft_forward runs the whole prompt at once and is "
+                "unaffected."
+            )
+            if own
+            else DependencyError(
+                f"{what} continues a pass over a key/value cache, and on {type(model).__name__} "
+                f"under the installed releases ({installed_versions()}) {found}. Install the "
+                "versions of the lock (README: 'Three commands'), or report them to grafting-lens."
+            )
         ) from None
-    expected = plain[:, 3:].float()
-    scale = float(expected.abs().max()) + 1e-6
-    tolerance = (1e-4 if plain.dtype == torch.float32 else 1e-2) * scale
-    difference = float((continued.float() - expected).abs().max())
-    if kept != 3 or not difference <= tolerance:
-        found = (
-            f"the cache holds {kept} positions after a 3-token prefix"
-            if kept != 3
-            else f"its logits differ from a plain pass by {difference:.3g} (tolerance "
-            f"{tolerance:.3g})"
-        )
-        if own:
-            raise _own_cache_error(model, own, found, what, error)
-        raise DependencyError(
-            f"{what} continues a pass over a key/value cache, and on "
-            f"{type(model).__name__} under the installed releases ({installed_versions()}) "
-            f"that no longer works: {found}. A newer or older release changed how the cache "
-            "is passed or kept. Install the versions of the lock (README: 'Three commands'), "
-            "or report the versions above to grafting-lens."
-        )
     _CONTINUATION_CHECKED[model] = True
 
 
@@ -224,12 +189,8 @@ _RECURRENT_LAYERS = ("linear", "recurrent", "mamba", "conv", "rwkv")
 
 
 def _own_cache(config: Any) -> str | None:
-    """What a model keeps between calls that a cache given from outside may not reproduce.
-
-    Layers that keep a recurrent state of their own, or a sliding window shorter than the
-    canary's tokens (a longer one cannot change the canary); None for neither, where a
-    failed continuation is the releases' doing.
-    """
+    """What a model keeps between calls that a cache given from outside may not reproduce
+    (recurrent layers, a sliding window shorter than the canary), or None."""
     if config is None:
         return None
     layer_types = [str(kind) for kind in getattr(config, "layer_types", None) or ()]
@@ -248,18 +209,6 @@ def _own_cache(config: Any) -> str | None:
     return " and ".join(parts) or None
 
 
-def _own_cache_error(
-    model: Any, own: str, found: str, what: str, error: type[GraftingLensError]
-) -> GraftingLensError:
-    """The architecture's limit, named: its own kind of cache, not the releases."""
-    return error(
-        f"{type(model).__name__} keeps {own}, which a pass continued over a key/value cache "
-        f"given from outside does not reproduce ({found}), so {what} cannot continue a pass "
-        "over earlier tokens on it. graft_forward runs the whole prompt at once and is "
-        "unaffected."
-    )
-
-
 def _first_line(failure: BaseException) -> str:
     return (str(failure).strip().splitlines() or [""])[0][:200]
 
@@ -267,14 +216,10 @@ def _first_line(failure: BaseException) -> str:
 def adapt_bridge(bridge: TransformerBridge) -> TransformerBridge:
     """Give TransformerLens 4.3's bridge what a newer transformers moved out of its reach.
 
-    transformers 5.24 moved CodeGen's table of rotary sines and cosines from each
-    attention module (``embed_positions``) to one module of the model
-    (``rotary_emb``), and replaced the attention's divisor ``scale_attn`` by its
-    inverse ``scaling``; TransformerLens 4.3's CodeGen attention bridge still reads
-    both from the attention module. Each such attention module is given the model's table
-    as a plain attribute (not a buffer: the checkpoint's state is unchanged). The same
-    table, so the same numbers: the architecture tests compare with HF's own forward.
-    Releases that keep the table in the attention module are left as they are.
+    transformers 5.24 moved CodeGen's rotary table (``embed_positions``) from each attention
+    module to the model's ``rotary_emb``, and replaced the divisor ``scale_attn`` by its
+    inverse; TransformerLens 4.3's CodeGen bridge reads both from the attention module,
+    which gets them back as plain attributes (not buffers: the state is unchanged).
     """
     model = getattr(bridge, "original_model", None)
     if model is None:

@@ -1,19 +1,10 @@
 """What the library prints: progress bars, the loading bars of transformers, notebook set-up.
 
-A progress bar helps a person watching a terminal and spams a log file: every redraw
-is a line there. So ``progress=None``, the default wherever a long loop shows one,
-means *when someone is watching*: on when standard error is a terminal or the code
-runs in a Jupyter kernel, off when it is redirected to a file or a pipe (a batch job,
-CI). ``True`` and ``False`` say it outright (:func:`show_progress`).
-
-Loading a checkpoint with transformers draws a "Loading weights" bar per checkpoint;
-:func:`quiet_loading` silences it for the duration of a block and restores what was
-set before, and :func:`grafting_lens.load_models` loads inside it.
-
-:func:`notebook` is the one line a notebook starts with: quiet loading, no warnings
-that say nothing to a reader, figures that render in Jupyter and on a web page
-rendered from the notebook, without a network, and the torch settings a small model
-wants.
+A progress bar helps a person watching and spams a log file (every redraw is a line), so
+``progress=None``, the default wherever a long loop shows one, means *when someone is
+watching*: standard error is a terminal, or the code runs in Jupyter (:func:`show_progress`).
+:func:`quiet_loading` holds back transformers' per-checkpoint loading bars, and
+:func:`notebook` is the one line a notebook starts with.
 """
 
 from __future__ import annotations
@@ -41,11 +32,7 @@ def in_notebook() -> bool:
 
 
 def show_progress(progress: bool | None) -> bool:
-    """Whether to draw a progress bar: ``progress`` if given, else whether someone watches.
-
-    Args:
-        progress: ``True`` or ``False`` to decide; ``None`` to draw one only when
-            standard error is a terminal or the code runs in a Jupyter kernel.
+    """Whether to draw a progress bar: ``progress`` if a bool, else whether someone watches.
 
     Raises:
         TypeError: ``progress`` is neither a bool nor None.
@@ -64,13 +51,10 @@ def show_progress(progress: bool | None) -> bool:
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """Silence transformers' progress bars and info messages inside the block, then restore them.
+    """Silence transformers' loading bars and info messages inside the block, then restore them.
 
-    Only the per-checkpoint "Loading weights" bars and transformers' informational
-    logging are held back here. Its warnings do not show once TransformerLens is
-    imported either: TransformerLens sets the ``transformers`` logger to ERROR, which
-    hides transformers' report of weights a checkpoint lacks. :func:`~grafting_lens.load_models`
-    reads that report itself and raises on it.
+    (TransformerLens sets the ``transformers`` logger to ERROR on import, which hides the
+    report of weights a checkpoint lacks: :func:`~grafting_lens.load_models` reads it itself.)
     """
     from transformers.utils import logging as transformers_logging
 
@@ -87,11 +71,8 @@ def quiet_loading() -> Iterator[None]:
 
 
 def available_cores() -> int:
-    """The CPU cores this process may run on (its affinity where the system has one).
-
-    The bound on any thread count grafting-lens sets: torch with more threads than
-    cores only slows down, and asked for thousands it makes the machine unusable.
-    """
+    """The CPU cores this process may run on (its affinity where the system has one): the
+    bound on any thread count grafting-lens sets."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # no affinity on macOS and Windows
@@ -113,23 +94,19 @@ def threads_beyond_cores(threads: int, name: str = "threads") -> str | None:
 def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None = None) -> None:
     """Set a notebook up for grafting-lens in one line: ``gl.notebook()``.
 
-    It turns transformers' loading bars off for the session, drops tqdm's warning that
-    widgets are not installed (the bars fall back to text), makes plotly figures render
-    both in Jupyter and on a web page made from the notebook (plotly.js is embedded
-    once, so the page needs no network), lets pandas print cells of up to 120
-    characters, and sets torch's threads and autograd.
+    Turns transformers' loading bars off, quiets tqdm's missing-widgets warning, makes plotly
+    figures render in Jupyter and on a page made from the notebook without a network, lets
+    pandas print cells of 120 characters, and sets torch's threads and autograd.
 
     Args:
-        threads: torch CPU threads; 1 suits the toy world's tiny models, whose
-            matrices are too small to gain from more. ``None`` leaves torch's default
-            (use it for real models).
+        threads: torch CPU threads (1 suits the toy world's tiny models; ``None`` leaves
+            torch's default, for real models).
         grad: Keep autograd on (off by default: grafting runs forward passes).
-        renderer: A plotly renderer to use instead (``"browser"``, ``"vscode"``...);
-            default: Jupyter's own format plus self-contained HTML.
+        renderer: A plotly renderer instead of Jupyter's own format plus offline HTML.
 
     Raises:
-        GraftingLensError: ``threads`` is not a positive int, or more than the cores
-            this process may use (:func:`available_cores`).
+        GraftingLensError: ``threads`` is not a positive int, or more than the cores this
+            process may use.
     """
     from tqdm import TqdmWarning
 
@@ -137,8 +114,9 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     from grafting_lens.core.errors import GraftingLensError
 
     if threads is not None and (not is_integer(threads) or threads < 1):
-        raise GraftingLensError(f"threads must be a positive int or None, got {threads!r}.")
-    too_many = None if threads is None else threads_beyond_cores(threads)
+        too_many: str | None = f"threads must be a positive int or None, got {threads!r}."
+    else:
+        too_many = None if threads is None else threads_beyond_cores(threads)
     if too_many:
         raise GraftingLensError(too_many)
     # Before transformers is imported: it imports tqdm.auto, which warns on import.

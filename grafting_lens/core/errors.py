@@ -68,25 +68,13 @@ class GraftingLensError(ValueError):
 
 
 class AlignmentError(GraftingLensError):
-    """The checkpoints of a :class:`~grafting_lens.ModelSet` cannot be grafted together.
-
-    Grafting swaps one checkpoint's weights for another's at the same place in the
-    network, so every source must share the architecture, the shape of every
-    parameter and the vocabulary of the base. The message names the first difference.
-    """
+    """The checkpoints of a :class:`~grafting_lens.ModelSet` cannot be grafted together: not one
+    network with other weights, or placed apart (another dtype or device)."""
 
 
 class AdapterError(AlignmentError):
-    """A LoRA/PEFT adapter cannot be grafted: made for another base, or of a kind not computed.
-
-    An adapter whose modules or shapes do not match the base was made for another
-    model. grafting-lens computes plain LoRA (``W x + B A x * scale``, with rsLoRA's
-    scale and per-module ranks and alphas) on linear layers and embeddings, and
-    ``modules_to_save``; other PEFT methods and LoRA variants (DoRA, LoRA biases,
-    adapters of raw parameters) are refused with the variant named. The fix for
-    those: merge the adapter into a full checkpoint (PEFT's ``merge_and_unload``)
-    and load that.
-    """
+    """A LoRA/PEFT adapter cannot be grafted: made for another base, or of a kind not computed
+    (the fix for those: merge it into a full checkpoint and load that)."""
 
 
 class ComponentError(GraftingLensError):
@@ -95,11 +83,7 @@ class ComponentError(GraftingLensError):
 
 
 class UnsupportedArchitectureError(GraftingLensError):
-    """A model whose architecture TransformerLens cannot bridge, so it cannot be grafted.
-
-    The message names the model's class and ``model_type``, the nearest supported
-    architectures, and what to do.
-    """
+    """A model whose architecture TransformerLens cannot bridge, so it cannot be grafted."""
 
 
 class UnverifiedArchitectureWarning(UserWarning):
@@ -115,14 +99,8 @@ class GraftMaskError(GraftingLensError):
 
 
 class SelectionError(GraftMaskError):
-    """Positions, spans or layers cannot be selected.
-
-    Raised by the selectors in :mod:`grafting_lens.engine.positions` and
-    :mod:`grafting_lens.models.layers`: an unknown selector, a span expression that does not
-    parse, an index outside a row's real tokens, an attention mask that is not right
-    padding, a layer outside the model. Patching reports the same messages as
-    :class:`PatchingError`.
-    """
+    """Positions, spans or layers cannot be selected (:mod:`grafting_lens.engine.positions`,
+    :mod:`grafting_lens.models.layers`); patching reports the same as :class:`PatchingError`."""
 
 
 class TokenError(GraftMaskError):
@@ -137,15 +115,7 @@ class BatchError(GraftingLensError):
 
 class DependencyError(GraftingLensError):
     """An installed release of transformers, TransformerLens or torch no longer computes what
-    this library relies on.
-
-    Paths that rely on more than a plain forward pass (continuing a pass over a
-    key/value cache: the token-by-token reference, generation, patching that resumes
-    the unpatched run) check that behaviour once per model against a plain pass and
-    raise this, with the installed versions, instead of returning a number that a new
-    release made wrong. The fix: install the versions of the project's lock, or report
-    the versions named to grafting-lens.
-    """
+    this library relies on (a pass continued over a key/value cache, checked once per model)."""
 
 
 class GraftingError(GraftingLensError):
@@ -162,13 +132,7 @@ class KernelError(GraftingLensError):
 
 
 class NonFiniteLogitsError(GraftingLensError):
-    """Logits to be scored hold NaN or infinite values.
-
-    A NaN compares false with everything, so a rank counted as "tokens scoring
-    higher than the target" would be 0, a perfect answer. Scoring refuses such
-    rows instead; the message names them and the usual causes (a NaN or infinite
-    weight in a checkpoint, float16 overflow).
-    """
+    """Logits to be scored hold NaN or infinite values (a NaN would rank 0, a perfect answer)."""
 
 
 class PatchingError(GraftingLensError):
@@ -215,9 +179,7 @@ def unsafe_pickle(what: str) -> str:
     whatever code the file holds; grafting-lens never does, and says so instead.
     """
     return (
-        f"{what} is a pickle holding more than tensors, refused as unsafe: unpickling it "
-        "could run arbitrary code, so grafting-lens reads pickled weights only with torch's "
-        "weights-only loader and never retries without it. If you trust the file, convert it "
-        "to safetensors where it was made (save_pretrained(..., safe_serialization=True)) and "
-        "load that."
+        f"{what} is a pickle holding more than tensors, refused as unsafe (unpickling could run "
+        "any code). If you trust it, convert it to safetensors where it was made "
+        "(save_pretrained(..., safe_serialization=True)) and load that."
     )

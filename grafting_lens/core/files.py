@@ -1,23 +1,13 @@
 """Where grafting-lens keeps files; writing them complete, and one writer at a time.
 
-Everything grafting-lens caches (toy worlds, the kernel decisions of this machine)
-lives under one root, :func:`cache_root`.
-
-Runs get killed (a notebook kernel restarted, a job out of time). A table or
-figure written in place would then be left half-written yet look finished, and a
-resumed run would trust it. Every file grafting-lens writes goes to a temporary
-sibling first and is renamed into place, which is atomic on one filesystem
-(:func:`atomic_write`). A file that records a decision (:func:`write_once`) is
-linked into place instead, so that of two processes writing it at once the first
-wins and both read the same.
-
-Two processes writing into one directory would delete or overwrite each other's
-files. A directory that grafting-lens writes results into is held by one process
-at a time (:class:`DirectoryLock`): an advisory lock on a ``.lock`` file inside it,
-which the operating system releases when the process ends, however it ends, so a
-lock is never left behind by a killed run. And a directory that cannot be written
-is found before any work is done (:func:`check_writable`), not when the results
-are ready.
+Everything grafting-lens caches lives under one root, :func:`cache_root`. Runs get killed,
+and a table written in place would be left half-written yet look finished: every file goes
+to a temporary sibling first and is renamed into place (:func:`atomic_write`), or linked
+into place when it records a decision two processes may race to write (:func:`write_once`).
+A directory results are written into is held by one process at a time
+(:class:`DirectoryLock`, an advisory lock the operating system releases when the process
+ends, however it ends), and one that cannot be written is found before any work is done
+(:func:`check_writable`).
 """
 
 from __future__ import annotations
@@ -61,18 +51,8 @@ def cache_root() -> Path:
 
 
 def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = False) -> Path:
-    """Write ``content`` to ``path`` through a temporary sibling and a rename.
-
-    Args:
-        path: The file to write; its directory must exist.
-        content: The bytes.
-        durable: Also flush the file to disk before the rename, so that it survives a
-            power cut as well as a killed process (slower; for files that say what a
-            directory is, such as a run's manifest).
-
-    Returns:
-        The path written.
-    """
+    """Write ``content`` to ``path`` (whose directory exists) through a temporary sibling and a
+    rename; ``durable`` also flushes it to disk first, to survive a power cut (slower)."""
     path = Path(path)
     with _complete_sibling(path, content, durable=durable) as temporary:
         os.replace(temporary, path)
@@ -100,54 +80,40 @@ def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> I
 
 
 def check_writable(path: str | os.PathLike, what: str = "The output directory") -> Path:
-    """Check, without creating anything, that files can be written at ``path``.
-
-    ``path`` need not exist: then its nearest existing parent must be a directory this
-    process can create files in (it is tried, with a temporary file that is removed).
-
-    Args:
-        path: A directory, existing or to be created.
-        what: How to name it in the message.
-
-    Returns:
-        ``path``, with ``~`` expanded.
+    """Check, without creating anything, that files can be written in the directory ``path``
+    (or, when it does not exist, in its nearest existing parent); return it, ``~`` expanded.
 
     Raises:
         GraftingLensError: ``path`` is empty, is a file or lies under one, or cannot be
-            written (read-only, no permission, a full or read-only filesystem).
+            written; ``what`` names it in the message.
     """
-    if not str(path).strip():
-        raise GraftingLensError(
-            f"{what} is an empty path; name a directory (an empty path would write into the "
-            "working directory)."
-        )
     target = Path(path).expanduser()
     existing = next(p for p in (target, *target.parents) if p.exists() or p == p.parent)
-    if not existing.is_dir():
-        where = "is an existing file" if existing == target else f"lies under the file {existing}"
-        raise GraftingLensError(f"{what} {target} {where}; it must be a directory.")
-    try:
-        handle, probe = tempfile.mkstemp(dir=existing, prefix=".grafting-lens-probe.")
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
-        reason = error.strerror or str(error)
-        made = "" if existing == target else f" (so {target} cannot be created)"
-        raise GraftingLensError(
-            f"{what} {target} cannot be written: {existing} refuses new files ({reason}){made}. "
-            "Choose a directory you can write to."
-        ) from None
+    problem = None
+    if not str(path).strip():
+        problem = "is an empty path, which would write into the working directory; name a directory"
+    elif not existing.is_dir():
+        where = "an existing file" if existing == target else f"under the file {existing}"
+        problem = f"{target} is {where}; it must be a directory"
+    else:
+        try:
+            handle, probe = tempfile.mkstemp(dir=existing, prefix=".grafting-lens-probe.")
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as error:
+            made = "" if existing == target else f" (so {target} cannot be created)"
+            problem = (
+                f"{target} cannot be written: {existing} refuses new files "
+                f"({error.strerror or error}){made}. Choose a directory you can write to"
+            )
+    if problem:
+        raise GraftingLensError(f"{what} {problem}.")
     return target
 
 
 def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str = "") -> RunError:
-    """The :class:`RunError` for a file or directory ``path`` that could not be written.
-
-    Names ``what`` and ``path``, the cause as the fix depends on it (a full disk, a
-    read-only filesystem, no permission, a directory where a file belongs), and the fix,
-    then ``note`` (what was kept, say). Raise it ``from None``: the OSError's traceback
-    says nothing more.
-    """
+    """The :class:`RunError` for ``path`` that could not be written: the cause as the fix
+    depends on it (a full disk, a read-only filesystem...), the fix, then ``note``."""
     path = Path(path)
     code = error.errno
     if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
@@ -169,12 +135,7 @@ def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str =
 
 @contextlib.contextmanager
 def writing(what: str, path: str | os.PathLike, note: str = "") -> Iterator[None]:
-    """Within this block, an OSError becomes :func:`cannot_write`'s RunError for ``path``.
-
-    For the files a run or a report writes (tables, chunks, manifests): a full disk or a
-    directory standing where a table belongs is then an error that names the file and
-    the fix, not a traceback.
-    """
+    """Within this block, an OSError becomes :func:`cannot_write`'s RunError for ``path``."""
     try:
         yield
     except OSError as error:
@@ -184,20 +145,12 @@ def writing(what: str, path: str | os.PathLike, note: str = "") -> Iterator[None
 class DirectoryLock:
     """One writing process at a time in a directory: an advisory lock on ``<dir>/.lock``.
 
-    Taking the lock creates the directory if needed and writes the holder (process id,
-    host, command, time) into the lock file, so that a second process is refused with
-    a message saying who holds it. The operating system releases the lock when the
-    holder ends, killed or not: a lock is never stale. The lock file itself stays (it
-    is empty of meaning once released); deleting it while held would let two
-    processes hold it. Within one process the lock is re-entrant (the command holds
-    its output directory while the report writer takes it again), so it keeps
-    processes apart, not threads.
-
-    Use it as a context manager, or call :meth:`acquire` and :meth:`release`.
-
-    Args:
-        directory: The directory to hold.
-        what: How to name the directory in messages ("The run directory").
+    The holder (process, host, command, time) is written into the lock file, so that a
+    second process is refused with a message naming it; the operating system releases the
+    lock when the holder ends, killed or not. The lock file stays (deleting it while held
+    would let two processes hold it). Re-entrant within a process: it keeps processes apart,
+    not threads. A context manager, or :meth:`acquire` and :meth:`release`; ``what`` names
+    the directory in messages.
     """
 
     def __init__(self, directory: str | os.PathLike, what: str = "The directory") -> None:
@@ -211,18 +164,14 @@ class DirectoryLock:
         return self._key is not None
 
     def acquire(self) -> DirectoryLock:
-        """Take the lock, creating the directory if needed.
-
-        A process that holds the lock already (through another ``DirectoryLock``) takes
-        it again: the lock keeps processes apart, not the parts of one.
+        """Take the lock (again, if this process holds it), creating the directory if needed.
 
         Raises:
-            RunError: Another process holds it (the message names that process), or the
-                directory cannot be created or written.
+            RunError: Another process holds it, or the directory cannot be written.
         """
         if self._key is not None:
             return self
-        path = self.directory / LOCK_NAME
+        handle = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             key = self.directory.resolve()
@@ -230,46 +179,31 @@ class DirectoryLock:
                 _HELD[key][1] += 1
                 self._key = key
                 return self
-            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise cannot_write(self.what, self.directory, error) from None
-        try:
-            locked = _try_lock(handle)
-        except OSError as error:
-            # A filesystem without locks (some network mounts): say so, and go on unlocked.
-            warnings.warn(
-                f"{self.directory} is on a filesystem that cannot lock files ({error}); "
-                "nothing stops a second process from writing into it at the same time.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            locked = True
-        if not locked:
+            handle = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            if _try_lock(handle, self.directory):
+                me = {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "command": " ".join(sys.argv) or sys.executable,
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+                os.ftruncate(handle, 0)
+                os.lseek(handle, 0, os.SEEK_SET)
+                os.write(handle, json.dumps(me).encode())  # a full disk fails here
+                _HELD[key] = [handle, 1]
+                self._key = key
+                return self
             holder = _read_holder(handle)
-            os.close(handle)
-            raise RunError(
-                f"{self.what} {self.directory} is in use by another process ({holder}). Two "
-                "runs writing into one directory would delete each other's files: wait for it "
-                "to finish or stop it, or choose another directory. (A process that has ended "
-                "holds no lock, so this is a live one.)"
-            )
-        me = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "command": " ".join(sys.argv) or sys.executable,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        try:
-            os.ftruncate(handle, 0)
-            os.lseek(handle, 0, os.SEEK_SET)
-            os.write(handle, json.dumps(me).encode())
         except OSError as error:
-            # A full disk: the lock file exists, but who holds it cannot be written.
-            os.close(handle)
+            if handle is not None:
+                os.close(handle)
             raise cannot_write(self.what, self.directory, error) from None
-        _HELD[key] = [handle, 1]
-        self._key = key
-        return self
+        os.close(handle)
+        raise RunError(
+            f"{self.what} {self.directory} is in use by another process ({holder}): two runs "
+            "writing into one directory would delete each other's files. Wait for it to finish "
+            "or stop it, or choose another directory."
+        )
 
     def release(self) -> None:
         """Release the lock (nothing happens if this object does not hold it)."""
@@ -292,29 +226,28 @@ class DirectoryLock:
         self.release()
 
 
-def _try_lock(handle: int) -> bool:
+def _try_lock(handle: int, directory: Path) -> bool:
     """Take an exclusive lock on an open file without waiting; False if another holds it."""
-    if sys.platform == "win32":
-        import msvcrt
-
-        os.lseek(handle, 0, os.SEEK_SET)
-        try:
-            msvcrt.locking(handle, msvcrt.LK_NBLCK, 1)
-        except OSError as error:
-            if error.errno in (errno.EACCES, errno.EDEADLK):
-                return False
-            raise
-        return True
-    import fcntl
-
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as error:
-        if error.errno in (errno.EACCES, errno.EAGAIN):
+        if sys.platform == "win32":
+            import msvcrt
+
+            os.lseek(handle, 0, os.SEEK_SET)
+            msvcrt.locking(handle, msvcrt.LK_NBLCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:  # BlockingIOError (EAGAIN) included
+        if error.errno in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
             return False
-        raise
+        # A filesystem without locks (some network mounts): say so, and go on unlocked.
+        warnings.warn(
+            f"{directory} is on a filesystem that cannot lock files ({error}); nothing stops a "
+            "second process from writing into it at the same time.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return True
 
 
@@ -334,10 +267,8 @@ def _read_holder(handle: int) -> str:
 def write_once(path: str | os.PathLike, content: bytes) -> bytes:
     """Write ``content`` to ``path`` unless the file exists; return what the file holds.
 
-    A complete temporary sibling is hard-linked into place, which fails if the path
-    exists: of two processes writing at once, the first to link wins and both read
-    its content. Where a file system has no hard links, the sibling is renamed into
-    place if the path is still absent (two writers can then race in the gap).
+    A complete sibling is hard-linked into place, which fails if the path exists: of two
+    writers the first wins. Without hard links it is renamed, if the path is still absent.
     """
     path = Path(path)
     with _complete_sibling(path, content) as temporary:

@@ -1,8 +1,6 @@
-"""Submodules reached as attributes of their package, imported on first use.
-
-Each floor's package (``grafting_lens.analysis``...) imports none of its modules when it
-is imported, so ``import grafting_lens`` stays quick and no floor drags in another; yet a
-notebook can write ``gl.analysis.metrics.top_k_hit`` without an import line of its own.
+"""Submodules reached as attributes of their package, imported on first use: ``import
+grafting_lens`` stays quick and no floor drags in another, yet a notebook can write
+``gl.analysis.metrics.top_k_hit`` without an import line of its own.
 """
 
 from __future__ import annotations
@@ -14,16 +12,8 @@ from types import ModuleType
 
 
 def submodules(package: str) -> Callable[[str], ModuleType]:
-    """A module ``__getattr__`` for ``package`` that imports ``package.<name>`` on first use.
-
-    Args:
-        package: The package's ``__name__``.
-
-    Returns:
-        The function to assign to the package's ``__getattr__``; it raises
-        :class:`AttributeError`, as Python's own lookup does, for a name that is no
-        submodule.
-    """
+    """A module ``__getattr__`` for ``package`` (its ``__name__``) that imports
+    ``package.<name>`` on first use; a name that is no submodule is an AttributeError."""
 
     def __getattr__(name: str) -> ModuleType:
         if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:

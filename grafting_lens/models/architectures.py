@@ -1,16 +1,11 @@
 """Which model architectures grafting-lens loads, and how a model's architecture is found.
 
-TransformerLens picks the bridge for a model by its architecture name
-(``"LlamaForCausalLM"``), read from ``config.architectures``. A model built with
-``AutoModelForCausalLM.from_config`` has no such entry, so :func:`resolve_architecture`
-takes the name from the model's class and records it in the config.
-
-:data:`VERIFIED_ARCHITECTURES` are the architectures the test suite checks end to end
-(``tests/models/test_architectures.py``, which also writes the table in the documentation):
-built from a fresh configuration, every parameter belongs to a component, a graft of
-every component equals the donor's own forward pass, and the single grafted pass
-equals the token-by-token procedure. Another architecture TransformerLens bridges
-loads with a warning; one it cannot bridge is refused with the nearest verified ones.
+TransformerLens picks the bridge for a model by its architecture name, read from
+``config.architectures``, which a model built with ``from_config`` lacks:
+:func:`resolve_architecture` takes it from the model's class. :data:`VERIFIED_ARCHITECTURES`
+are those the test suite checks end to end (``tests/models/test_architectures.py``, which
+also writes the documentation's table); another that TransformerLens bridges loads with a
+warning, one it cannot is refused with the nearest verified ones.
 """
 
 from __future__ import annotations
@@ -82,23 +77,13 @@ _WHERE = "grafting_lens.models.architectures.VERIFIED_ARCHITECTURES; the documen
 
 
 def resolve_architecture(model: PreTrainedModel, index: int = 0) -> str:
-    """The architecture TransformerLens should bridge ``model`` as, recorded in its config.
-
-    The model's class decides (a subclass of a supported class counts as that
-    class; case is ignored, as TransformerLens spells some names differently). ``model.config.architectures`` is set to it when it names nothing, or
-    something else: a model built with ``from_config`` has ``architectures=None``,
-    which TransformerLens cannot read.
-
-    Args:
-        model: A Hugging Face model.
-        index: The source's index, for messages.
-
-    Returns:
-        The architecture name, e.g. ``"OlmoeForCausalLM"``.
+    """The architecture TransformerLens bridges ``model`` as (its class, or a supported class it
+    derives from), recorded in ``model.config.architectures``, which ``from_config`` leaves
+    empty. Call it on a model of this library's own (load_models' copy).
 
     Raises:
-        UnsupportedArchitectureError: TransformerLens has no bridge for the model's
-            class; the message names the nearest verified architectures.
+        UnsupportedArchitectureError: TransformerLens has no bridge for the model's class
+            (``index``: the source's, for the message).
     """
     config = model.config
     classes = [kind.__name__ for kind in type(model).__mro__]
@@ -117,12 +102,8 @@ def resolve_architecture(model: PreTrainedModel, index: int = 0) -> str:
 
 
 def warn_if_unverified(architecture: str) -> None:
-    """Warn that ``architecture`` is bridged by TransformerLens but not verified here.
-
-    Warns:
-        UnverifiedArchitectureWarning: ``architecture`` is not in
-            :data:`VERIFIED_ARCHITECTURES`.
-    """
+    """Warn (:class:`~grafting_lens.core.errors.UnverifiedArchitectureWarning`) that
+    ``architecture`` is bridged by TransformerLens but not in :data:`VERIFIED_ARCHITECTURES`."""
     if architecture in VERIFIED_ARCHITECTURES:
         return
     warnings.warn(
@@ -134,19 +115,13 @@ def warn_if_unverified(architecture: str) -> None:
     )
 
 
-def nearest_verified(name: str, model_type: str | None = None, n: int = 3) -> list[str]:
-    """The verified architectures closest to ``name`` (same ``model_type`` first)."""
-    same = [
-        arch for arch, kind in VERIFIED_ARCHITECTURES.items() if model_type and kind == model_type
-    ]
-    close = difflib.get_close_matches(name, list(VERIFIED_ARCHITECTURES), n=n, cutoff=0.0)
-    return list(dict.fromkeys(same + close))[:n]
-
-
 def _unsupported_message(model: PreTrainedModel, index: int) -> str:
     name = type(model).__name__
     model_type = getattr(model.config, "model_type", None)
-    nearest = ", ".join(nearest_verified(name, model_type))
+    # The verified architectures of the same model_type first, then the closest names.
+    same = [arch for arch, kind in VERIFIED_ARCHITECTURES.items() if kind == model_type]
+    close = difflib.get_close_matches(name, list(VERIFIED_ARCHITECTURES), n=3, cutoff=0.0)
+    nearest = ", ".join(list(dict.fromkeys(same + close))[:3])
     return (
         f"Source {index} is a {name} (model_type {model_type!r}), which TransformerLens "
         f"{version('transformer-lens')} cannot bridge, so grafting-lens cannot load it. "

@@ -1,40 +1,23 @@
 """Architecture-neutral names for the weights a graft can swap, and where each one lives.
 
 A graft names *components* (``q``, ``mlp_out``, ``experts``, ``ln_final``...), not the
-parameter names of one model family: GPT-2 fuses Q, K and V into ``c_attn``, NeoX
-interleaves them per head in ``query_key_value``, Llama keeps ``q_proj``, ``k_proj``
-and ``v_proj`` apart. TransformerLens's ``TransformerBridge`` already maps every
-supported family onto one tree of bridge components (``blocks.3.attn.q``,
-``blocks.3.mlp.out``, ``blocks.3.mlp.gate``...), and splits fused projections into
-separate Q, K and V modules. A component here is a name for one or more places
-(*slots*) in that tree.
-
-Components come in two kinds:
-
-* per-layer components, addressed as ``(component, layer)``: the norms ``ln1``,
-  ``ln1_post``, ``ln2``, ``ln2_post``; attention's ``q``, ``k``, ``v``, ``q_norm``,
-  ``k_norm``, ``attn_gate``, ``o``; a dense MLP's ``mlp_gate``, ``mlp_in``,
-  ``mlp_out``; a mixture-of-experts block's ``router``, ``experts`` (every routed
-  expert of the layer, as one component), ``shared_expert`` and ``shared_expert_gate``;
-* global components (``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``,
-  ``unembed``), addressed as ``(component, None)``.
-
-Groups name the sets the paper talks about: ``attn`` (what computes queries, keys and
-values: Q, K, V, their norms and the attention's gate), ``ffn`` (the whole feed-forward block: every MLP
-matrix, or on a mixture-of-experts model the router, every expert and the shared
-expert with its gate), ``block`` (every per-layer component) and ``all``. A group
-expands to the members the architecture has; naming a single component the
-architecture lacks (``mlp_gate`` on GPT-2, ``pos_embed`` on a rotary model) is an
+parameter names of one family: GPT-2 fuses Q, K and V into ``c_attn``, NeoX interleaves
+them in ``query_key_value``, Llama keeps ``q_proj``, ``k_proj``, ``v_proj`` apart.
+TransformerLens's ``TransformerBridge`` maps every supported family onto one tree of bridge
+components (``blocks.3.attn.q``...) and splits fused projections; a component names one or
+more places (*slots*) in that tree. Per-layer components (norms, ``q``...``o``, the MLP's
+and a mixture-of-experts block's parts) are addressed as ``(component, layer)``, global ones
+(``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``, ``unembed``) as ``(component,
+None)``. Groups name the sets the paper talks about (``attn``, ``ffn``, ``block``,
+``all``) and expand to the members an architecture has; a single component it lacks is an
 error.
 
-Where each component lives is not listed per model family. :func:`component_layout`
-walks the bridge tree of a loaded model and names each place that holds weights by
-TransformerLens's own keys (``blocks.{layer}.attn.q_norm`` is ``q_norm`` in OLMo-2 as
-in Qwen3); what no name fits is reported as *uncovered*
-(:meth:`~grafting_lens.models.model_set.ModelSet.coverage`) and a graft that would take every
-component around it refuses to run (see :func:`leftover_parameters`). An
-architecture whose tree differs registers its own paths with
-:func:`register_component_paths`, like SAELens's ``register_sae_class``.
+Where each component lives is not listed per family: :func:`component_layout` walks the
+bridge tree of a loaded model and names each place that holds weights by TransformerLens's
+own keys. What no name fits is *uncovered*
+(:meth:`~grafting_lens.models.model_set.ModelSet.coverage`), and a graft that would take
+every component around it refuses to run (:func:`leftover_parameters`). An architecture
+whose tree differs registers its paths with :func:`register_component_paths`.
 """
 
 from __future__ import annotations
@@ -104,23 +87,17 @@ COMPONENT_LABELS: dict[str, tuple[str, ...]] = {
     "ffn_down": ("mlp_out",),
     "ffn_gate": ("mlp_gate",),
 }
-"""The paper's labels for parts of the feed-forward block, by their canonical names.
-
-``FFN-up`` is the up projection and, on a gated MLP, the gate beside it; ``FFN-down``
-the down projection; ``FFN-gate`` the gate alone. Written any case, with ``-`` or
-``_`` (``"FFN-up"``, ``"ffn_up"``), wherever components are accepted. Like a group, a
-label takes the members an architecture has, and naming one that has none of them is
-an error. The paper's ``ATTN``, ``O`` and ``FFN`` are the group ``attn``, the component
-``o`` and the group ``ffn``, in any case."""
+"""The paper's labels for parts of the feed-forward block (``FFN-up``: the up projection and,
+gated, the gate beside it), in any case, with ``-`` or ``_``. Like a group, a label takes the
+members an architecture has. The paper's ``ATTN``, ``O`` and ``FFN`` are ``attn``, ``o`` and
+``ffn``."""
 
 _LABEL_SPELLINGS = {"ffn_up": "FFN-up", "ffn_down": "FFN-down", "ffn_gate": "FFN-gate"}
 
 
 def canonical_component_name(name: str) -> str:
-    """A component, group or label as this module spells it: ``"FFN-up"`` -> ``"ffn_up"``.
-
-    Case does not matter and ``-`` reads as ``_`` (``"attn-gate"`` is ``attn_gate``);
-    the result is not checked against the known names.
+    """A component, group or label as this module spells it: ``"FFN-up"`` -> ``"ffn_up"``
+    (not checked against the known names).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -166,22 +143,17 @@ _ARCHITECTURE_PATHS: dict[str, dict[str, tuple[str, ...]]] = {}
 def register_component_paths(architecture: str, paths: Mapping[str, str | Sequence[str]]) -> None:
     """Name the bridge paths of components for an architecture whose tree differs.
 
-    The default names come from TransformerLens's own keys (see the module
-    docstring); paths registered here take precedence for this architecture, in
-    model sets loaded afterwards. A second call for the same architecture replaces
-    the first.
+    They take precedence over TransformerLens's keys in model sets loaded afterwards; a
+    second call for the same architecture replaces the first.
 
     Args:
-        architecture: The HF architecture name as the bridge reports it in
-            ``bridge.cfg.architecture`` (e.g. ``"GPT2LMHeadModel"``).
-        paths: Component name to bridge path (or several paths, when one component
-            spans several modules); per-layer paths contain ``{layer}``. A path
-            names a bridge component (``blocks.{layer}.attn.q``) or a plain module
-            inside one (``blocks.{layer}.mlp.experts``), and everything under it.
+        architecture: The architecture as ``bridge.cfg.architecture`` names it.
+        paths: Component to bridge path (or paths), ``{layer}`` in per-layer ones: a bridge
+            component (``blocks.{layer}.attn.q``) or a plain module inside one, and
+            everything under it.
 
     Raises:
-        ComponentError: A key is not a component name, or a per-layer path lacks
-            ``{layer}``.
+        ComponentError: A key is not a component, or a per-layer path lacks ``{layer}``.
 
     Examples:
         >>> register_component_paths("MyModelForCausalLM", {"q": "blocks.{layer}.attn.q"})
@@ -189,16 +161,16 @@ def register_component_paths(architecture: str, paths: Mapping[str, str | Sequen
     checked: dict[str, tuple[str, ...]] = {}
     for component, given in paths.items():
         _check_name(component)
-        if component in COMPONENT_GROUPS or component in COMPONENT_LABELS:
-            raise ComponentError(f"{component!r} is a group; register paths for its members.")
-        templates = (given,) if isinstance(given, str) else tuple(given)
-        for path in templates:
-            if component in LAYER_COMPONENTS and "{layer}" not in path:
-                raise ComponentError(
-                    f"The path for per-layer component {component!r} must contain '{{layer}}', "
-                    f"got {path!r}."
-                )
-        checked[component] = templates
+        checked[component] = (given,) if isinstance(given, str) else tuple(given)
+        per_layer = component in LAYER_COMPONENTS
+        if (not per_layer and component not in GLOBAL_COMPONENTS) or any(
+            per_layer and "{layer}" not in path for path in checked[component]
+        ):
+            raise ComponentError(
+                f"Cannot register {component!r} at {given!r}: register the members of a group, "
+                "with '{layer}' in the path of a per-layer component "
+                "('blocks.{layer}.attn.q')."
+            )
     _ARCHITECTURE_PATHS[architecture] = checked
 
 
@@ -210,13 +182,11 @@ class Slot:
     """One place in the bridge tree a graft swaps: a bridge component, or a plain module in one.
 
     Attributes:
-        path: The dotted path shown to users, e.g. ``"blocks.0.attn.q"`` or
-            ``"blocks.0.mlp.experts"``.
+        path: The dotted path shown to users (``"blocks.0.attn.q"``).
         owner: Path of the bridge component that holds the slot.
-        attribute: ``None`` when the slot is the bridge component itself (its wrapped
-            module is swapped with ``set_original_component``); otherwise the dotted
-            attribute of a plain module inside the component's wrapped module
-            (a mixture-of-experts block's ``experts``), swapped in its parent.
+        attribute: ``None`` for the bridge component itself (swapped with
+            ``set_original_component``), else the dotted attribute of a plain module in its
+            wrapped module (a mixture-of-experts block's ``experts``).
     """
 
     path: str
@@ -253,18 +223,8 @@ class Slot:
 
 @dataclass(frozen=True)
 class ParameterRecord:
-    """Where one checkpoint parameter lives and which component, if any, grafts it.
-
-    Attributes:
-        name: The parameter's name in the checkpoint (``model.layers.0.mlp.experts.down_proj``).
-        shape: Its shape.
-        components: The components that graft it: one, or several for a weight that
-            several components share (tied embeddings: ``embed`` and ``unembed``; a
-            fused QKV matrix: ``q``, ``k`` and ``v``). Empty when none does.
-        layer: The block it lives in, or None outside the blocks.
-        path: The bridge path of the slot or bridge component that holds it, or
-            None when no bridge component wraps it.
-    """
+    """Where one checkpoint parameter lives and which components graft it (several for a
+    shared weight: tied embeddings, a fused QKV matrix; none when uncovered)."""
 
     name: str
     shape: tuple[int, ...]
@@ -297,13 +257,10 @@ Key = tuple[str, "int | None"]
 class ComponentLayout:
     """Every component of a loaded architecture, its slots, and where each parameter went.
 
-    Built by :func:`component_layout` from the base of a model set; every aligned
-    source has the same tree, so the same slots.
-
     Attributes:
-        slots: ``(component, layer)`` to the slots it swaps, for every pair the
-            architecture has (a stack of dense and mixture-of-experts layers has
-            ``mlp_in`` at some layers and ``experts`` at others).
+        slots: ``(component, layer)`` to the slots it swaps, for every pair the architecture
+            has (interleaved dense and expert layers have ``mlp_in`` at some, ``experts`` at
+            others).
         parameters: One record per checkpoint parameter.
     """
 
@@ -322,14 +279,9 @@ class ComponentLayout:
         return tuple(record for record in self.parameters if not record.covered)
 
     def shares_parameter(self, *components: str) -> bool:
-        """Whether one checkpoint parameter is held by every one of ``components``.
-
-        True for ``("embed", "unembed")`` on a model with tied embeddings and for
-        ``("q", "k", "v")`` on one whose Q, K and V are a single fused matrix (GPT-2's
-        ``c_attn``, NeoX's ``query_key_value``). A graft swaps modules, so it keeps such
-        components apart; code that copies weights by value (``load_state_dict``) moves
-        them together, which is what a caller reproducing such code needs to know.
-        """
+        """Whether one checkpoint parameter is held by every one of ``components`` (tied
+        embeddings; a fused QKV matrix): a graft keeps them apart, a copy by value moves them
+        together."""
         wanted = set(components)
         return any(wanted <= set(record.components) for record in self.parameters)
 
@@ -337,20 +289,11 @@ class ComponentLayout:
 def component_layout(bridge: nn.Module) -> ComponentLayout:
     """Walk ``bridge``'s tree: the slots of every component, and which parameters they hold.
 
-    A bridge component without bridge components inside is one slot. A bridge
-    component with some (an attention, an MLP, a mixture-of-experts block) hands
-    each plain module it wraps that holds parameters and no bridge component (a
-    mixture-of-experts block's batched ``experts``) to a slot of its own; parameters
-    it holds directly cannot be swapped without its children and stay uncovered.
-    Each slot is named by :data:`_BLOCK_KEYS` / :data:`_GLOBAL_KEYS` (or by the paths
-    registered for the architecture); a slot no name fits stays uncovered.
-
-    Args:
-        bridge: A ``TransformerBridge``.
-
-    Returns:
-        The layout; every parameter of ``bridge.original_model`` is in
-        :attr:`ComponentLayout.parameters` exactly once.
+    A bridge component without bridge components inside is one slot. One with some (an
+    attention, an MLP, an expert block) gives each plain module it wraps that holds
+    parameters (a block's batched ``experts``) a slot of its own; parameters it holds itself
+    cannot be swapped without its children and stay uncovered, as does a slot no key names.
+    Every parameter of ``bridge.original_model`` is in the layout exactly once.
     """
     registered = _ARCHITECTURE_PATHS.get(str(getattr(bridge.cfg, "architecture", "")), {})
     slots: dict[Key, list[Slot]] = {}
@@ -413,7 +356,9 @@ def component_layout(bridge: nn.Module) -> ComponentLayout:
         )
     ordered = {
         key: tuple(slots[key])
-        for key in sorted(slots, key=lambda key: (_order(key[0]), -1 if key[1] is None else key[1]))
+        for key in sorted(
+            slots, key=lambda k: (COMPONENTS.index(k[0]), -1 if k[1] is None else k[1])
+        )
     }
     return ComponentLayout(ordered, tuple(records))
 
@@ -421,19 +366,9 @@ def component_layout(bridge: nn.Module) -> ComponentLayout:
 def leftover_parameters(layout: ComponentLayout, grafted: Iterable[Key]) -> list[ParameterRecord]:
     """Uncovered parameters that a graft of every component around them would leave behind.
 
-    A graft takes *every* component of a region when it grafts, at one layer, every
-    member of ``attn`` the layer has (the attention's uncovered weights are then
-    left behind), every member of ``ffn`` (the feed-forward block's), every
-    component of the layer (the block's), or every pair of the model (weights
-    outside the blocks), however the mask was built. A graft of part of a region
-    (``mlp_out`` alone) takes exactly what it names.
-
-    Args:
-        layout: The architecture's layout.
-        grafted: The ``(component, layer)`` pairs a mask grafts somewhere.
-
-    Returns:
-        The uncovered parameters inside a region the graft takes whole.
+    A graft takes a region whole when it takes, at one layer, every member of ``attn`` or
+    ``ffn`` the layer has, or every component of the layer, or every pair of the model
+    (weights outside the blocks); ``grafted`` are the pairs a mask grafts somewhere.
     """
     uncovered = layout.uncovered
     if not uncovered:
@@ -488,18 +423,8 @@ def _bridge_nodes(
 def _split_projection(
     node: nn.Module, path: str, registered: Mapping[str, tuple[str, ...]]
 ) -> tuple[str, tuple[str, ...]] | None:
-    """A fused projection that ``node`` splits into bridge children when the model loads.
-
-    GPT-2's ``c_attn`` becomes the children ``q``, ``k`` and ``v`` of a
-    ``JointQKVAttentionBridge`` (which keeps the fused module as its child ``qkv``);
-    Phi-3's ``gate_up_proj`` becomes the children ``gate`` and ``in`` of a
-    ``JointGateUpMLPBridge``. The children compute, so the fused weights are grafted
-    through the children's components.
-
-    Returns:
-        The fused module's key under ``node`` and the components of its split
-        children, or None.
-    """
+    """The fused module's key under ``node`` and the components of the children the bridge
+    splits it into (GPT-2's ``c_attn`` into ``q``, ``k``, ``v``), or None."""
     keys: tuple[str, ...]
     if isinstance(node, JointQKVAttentionBridge):
         fused, keys = "qkv", ("q", "k", "v")
@@ -523,14 +448,9 @@ def _holds_bridge(module: nn.Module, bridged: set[int]) -> bool:
 def _plain_children(
     wrapped: nn.Module, bridged: set[int], prefix: str = ""
 ) -> Iterator[tuple[str, list[nn.Parameter], nn.Module | None]]:
-    """Plain modules inside a bridge component's wrapped module that hold parameters.
-
-    Yields ``(attribute, parameters, module)``: a module with no bridge component
-    inside is a slot of its own. The parameters that ``wrapped``, or a plain module
-    with bridge components below it, holds directly come with ``module=None``: they
-    cannot be swapped without those children. Modules in ``bridged`` (the ids of
-    modules some bridge component wraps) are that component's, and skipped.
-    """
+    """``(attribute, parameters, module)`` for each plain module in a bridge component's
+    wrapped module that holds parameters; ``module=None`` for parameters held beside bridge
+    children, which cannot be swapped without them. Modules in ``bridged`` are skipped."""
     direct = [p for p in wrapped._parameters.values() if p is not None]
     if direct:
         yield prefix.rstrip("."), direct, None
@@ -578,30 +498,15 @@ def _name_slot(
 
 
 def _longest_prefix(relative: str, table: Mapping[str, str]) -> str | None:
-    best = None
-    for key, component in table.items():
-        if (relative == key or relative.startswith(key + ".")) and (
-            best is None or len(key) > len(best[0])
-        ):
-            best = (key, component)
-    return best[1] if best else None
+    keys = [key for key in table if relative == key or relative.startswith(key + ".")]
+    return table[max(keys, key=len)] if keys else None
 
 
 def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The HF model's own parameters, named as in its checkpoint, each once.
+    """The HF model's own ``(name, parameter)``, named as in its checkpoint, tied ones once.
 
-    The bridge wraps modules in place (``q_proj`` becomes a bridge component whose
-    ``_original_component`` is the ``q_proj``) and adds modules of its own (the Q, K
-    and V it splits out of a fused matrix); the walk descends into wrapped modules
-    only, so neither the wrappers' names nor the bridge's own modules appear.
-
-    Args:
-        model: A Hugging Face model, wrapped by a bridge or not
-            (``bridge.original_model``).
-
-    Yields:
-        ``(name, parameter)`` as ``model.named_parameters()`` gives them before the
-        bridge wraps the model; tied parameters once, under their first name.
+    ``model`` may be wrapped by a bridge (``bridge.original_model``): the walk goes through
+    each wrapper to the module it wraps, never into the bridge's own modules.
     """
     seen: set[int] = set()
     for prefix, module in checkpoint_modules(model):
@@ -612,18 +517,8 @@ def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]
 
 
 def checkpoint_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """The HF model's own modules, named as in its checkpoint, depth first.
-
-    The walk of :func:`checkpoint_parameters`: through each bridge component to the
-    module it wraps, never into the bridge's own modules.
-
-    Args:
-        model: A Hugging Face model, wrapped by a bridge or not.
-
-    Yields:
-        ``(prefix, module)``: the module's name followed by a dot (``""`` for the model
-        itself, ``"model.layers.0.self_attn.q_proj."``), as a parameter name starts.
-    """
+    """The HF model's own ``(prefix, module)``, depth first, as :func:`checkpoint_parameters`
+    walks: the prefix is the module's name and a dot (``""`` for the model itself)."""
 
     def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
         if isinstance(module, GeneralizedComponent):
@@ -643,19 +538,14 @@ def checkpoint_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 class FusedProjection:
     """A fused projection the bridge splits into per-component modules when a model loads.
 
-    GPT-2's ``c_attn`` (Q, K and V), NeoX's interleaved ``query_key_value``, Phi-3's
-    ``gate_up_proj``: the checkpoint holds one matrix, the bridge computes with modules
-    it cuts out of it (views or copies, by the architecture's own split function).
-    Anything that brings its own version of the fused matrix (a lazily loaded donor,
-    a LoRA adapter of it) must cut it the same way: :meth:`split` runs the bridge's
-    own split function on it.
+    GPT-2's ``c_attn``, NeoX's interleaved ``query_key_value``, Phi-3's ``gate_up_proj``: a
+    donor's own fused matrix (read lazily, or a LoRA adapter's) must be cut as the base's
+    was, by the bridge's own split function (:meth:`split`).
 
     Attributes:
         node: Bridge path of the splitting component (``"blocks.0.attn"``).
-        attribute: Name of the fused module in the module that component wraps
-            (``"c_attn"``).
-        children: Bridge keys of the split modules, in the order the split returns
-            them (``("q", "k", "v")`` or ``("gate", "in")``).
+        attribute: The fused module's name in the module that component wraps.
+        children: Bridge keys of the split modules, in the split's order.
     """
 
     node: str
@@ -673,14 +563,8 @@ class FusedProjection:
         return module
 
     def split(self, bridge: nn.Module, fused: nn.Module) -> dict[str, nn.Module]:
-        """The modules the bridge would cut out of ``fused``, by child key.
-
-        Args:
-            bridge: A bridge of the architecture (its split function and settings
-                are used; nothing in it changes).
-            fused: A module like :meth:`fused` (same class and shapes), holding other
-                values.
-        """
+        """The modules ``bridge``'s split function cuts out of ``fused`` (a module like
+        :meth:`fused` holding other values), by child key; ``bridge`` is not changed."""
         node = bridge.get_submodule(self.node)
         wrapped = node.original_component
         assert isinstance(wrapped, nn.Module), f"{self.node} wraps no module"
@@ -700,99 +584,75 @@ class FusedProjection:
 def fused_projections(bridge: nn.Module) -> tuple[FusedProjection, ...]:
     """Every fused projection the bridge split when ``bridge`` loaded (see :class:`FusedProjection`)."""
     found = []
-    keys: tuple[str, ...]
     for path, node, _ in _bridge_nodes(bridge):
+        attribute, keys = None, ("gate", "in")  # type: tuple[str | None, tuple[str, ...]]
         if isinstance(node, JointQKVAttentionBridge):
             qkv = node.submodules.get("qkv")
             attribute, keys = (None if qkv is None else qkv.name), ("q", "k", "v")
         elif isinstance(node, JointGateUpMLPBridge):
-            attribute, keys = str(node.fused_attr), ("gate", "in")
-        else:
-            continue
-        if attribute is None or node.original_component is None:
-            continue
-        if not hasattr(node.original_component, attribute):
-            continue
-        found.append(FusedProjection(path, attribute, keys))
+            attribute = str(node.fused_attr)
+        if attribute is not None and hasattr(node.original_component, attribute):
+            found.append(FusedProjection(path, attribute, keys))
     return tuple(found)
-
-
-def _order(component: str) -> int:
-    return COMPONENTS.index(component)
 
 
 def expand_components(
     names: str | Iterable[str], available: Iterable[str], architecture: str = "this model"
 ) -> tuple[str, ...]:
-    """Expand component names, groups and the paper's labels into the components an architecture has.
+    """Expand component names, groups and labels into the components an architecture has.
 
     Args:
-        names: One name, group (``"attn"``) or label (``"FFN-up"``), a ``+``-joined
-            string (``"O+FFN-down"``), or an iterable of them. Case does not matter,
-            and ``-`` reads as ``_`` (see :func:`canonical_component_name`).
+        names: A name, group (``"attn"``) or label (``"FFN-up"``), a ``+``-joined string
+            (``"O+FFN-down"``), or an iterable of them, in any case.
         available: The components the architecture has.
         architecture: Used in error messages.
 
     Returns:
-        The distinct components, in :data:`COMPONENTS` order. A group or label
-        contributes the members the architecture has; a single component it lacks
-        is an error.
+        The distinct components, in :data:`COMPONENTS` order.
 
     Raises:
-        ComponentError: An unknown name (with the nearest known one), a component
-            the architecture lacks, or a label none of whose members it has.
-        TypeError: ``names`` is neither a string nor an iterable of strings (``3``).
+        ComponentError: An unknown name, a component the architecture lacks, or a label
+            none of whose members it has.
+        TypeError: ``names`` is not a string or an iterable of strings.
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split("+")]
-    elif not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+    if isinstance(names, Iterable) and not isinstance(names, (bytes, Mapping)):
+        names = list(names)
+    if not isinstance(names, list) or not all(isinstance(given, str) for given in names):
         raise TypeError(
-            f"components must be a component name, a '+'-joined string such as 'o+ffn' or a "
-            f"list of names, got {type(names).__name__} {names!r:.40}."
+            "components must be a component name, a '+'-joined string such as 'o+ffn' or a "
+            f"list of names, got {names!r:.80}."
         )
-    names = list(names)
-    for given in names:
-        if not isinstance(given, str):
-            raise TypeError(
-                f"components must name components with strings, got {type(given).__name__} "
-                f"{given!r:.40} in {names!r:.80}. Write names such as 'o' or 'ffn'."
-            )
     available = set(available)
     chosen: set[str] = set()
+    missing = None
     for given in names:
         name = canonical_component_name(given)
         _check_name(name, given)
-        if name in COMPONENT_GROUPS:
-            chosen.update(member for member in COMPONENT_GROUPS[name] if member in available)
-        elif name in COMPONENT_LABELS:
-            members = [member for member in COMPONENT_LABELS[name] if member in available]
-            if not members:
-                raise ComponentError(
-                    f"{architecture} has none of {_LABEL_SPELLINGS[name]}'s components "
-                    f"({', '.join(COMPONENT_LABELS[name])})."
-                )
-            chosen.update(members)
-        elif name not in available:
-            raise ComponentError(
-                f"{architecture} has no {name!r} component. Its components are: "
-                f"{', '.join(c for c in COMPONENTS if c in available)}."
-            )
-        else:
-            chosen.add(name)
-    if not chosen:
-        raise ComponentError(f"No component selected from {names!r}.")
+        members = COMPONENT_GROUPS.get(name) or COMPONENT_LABELS.get(name) or (name,)
+        found = [member for member in members if member in available]
+        if not found and name in COMPONENT_LABELS:
+            missing = f"none of {_LABEL_SPELLINGS[name]}'s components ({', '.join(members)})"
+        elif not found and name not in COMPONENT_GROUPS:
+            missing = f"no {name!r} component"
+        chosen.update(found)
+    if missing is not None or not chosen:
+        what = (
+            f"{architecture} has {missing}" if missing else f"No component selected from {names!r}"
+        )
+        raise ComponentError(
+            f"{what}. Its components are: {', '.join(c for c in COMPONENTS if c in available)}."
+        )
     return tuple(c for c in COMPONENTS if c in chosen)
 
 
 def _check_name(name: str, given: str | None = None) -> None:
     """Refuse an unknown name; the suggestion is compared and spelled as the caller wrote it."""
-    spelled = {
-        **{known: known for known in (*COMPONENTS, *COMPONENT_GROUPS)},
-        **_LABEL_SPELLINGS,
-    }
+    spelled = {**{known: known for known in (*COMPONENTS, *COMPONENT_GROUPS)}, **_LABEL_SPELLINGS}
     if name not in spelled:
         close = difflib.get_close_matches(name, list(spelled), n=1, cutoff=0.5)
-        hint = f" Did you mean {spelled[close[0]]!r}?" if close else ""
+        hint = f" Did you mean {spelled[close[0]]!r}?" if close else ""  # as it is spelled
         raise ComponentError(
             f"Unknown component {given if given is not None else name!r}.{hint} Known "
             f"components: {', '.join(COMPONENTS)}; groups: {', '.join(COMPONENT_GROUPS)}; the "

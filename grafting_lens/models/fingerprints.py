@@ -1,17 +1,13 @@
 """Fingerprints: a short hash of a checkpoint's weights that never reads one whole, and an
 exact one for what must not be mistaken.
 
-Names, shapes, dtypes and 64 evenly spaced values of every tensor: the same values for
-a checkpoint in memory and for one read lazily from its files
-(:meth:`~grafting_lens.models.sources.SafetensorsCheckpoint.sample`), so both get one
-fingerprint. :meth:`Source.fingerprint <grafting_lens.models.sources.Source.fingerprint>`
-is built on it, and keeps it until a parameter changes (:func:`parameters_state`).
-
-A fingerprint tells checkpoints apart (a finetune moves every sampled value), not every
-edit of one weight: an ablation that zeroes one neuron between the sampled values, or a
-change written through ``.data`` (which no version counter sees), keeps it. What decides
-whether stored results are reused, a run directory's weights, uses :func:`content_digest`
-instead: every value of every tensor, read one tensor at a time, never kept.
+:func:`weights_fingerprint` hashes names, shapes, dtypes and 64 evenly spaced values of every
+tensor: the same values for a checkpoint in memory and for one read lazily from its files
+(:meth:`~grafting_lens.models.checkpoint_files.SafetensorsCheckpoint.sample`). It tells
+checkpoints apart (a finetune moves every sampled value), not every edit of one weight: an
+ablation of one neuron between the sampled values, or a change written through ``.data``
+(which no version counter sees), keeps it. What decides whether stored results are reused
+uses :func:`content_digest` instead: every value, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -33,29 +29,13 @@ __all__ = [
 _SAMPLES = 64
 
 
-def weights_fingerprint(
-    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
-) -> str:
-    """A short hash of named tensors: names, shapes, dtypes and 64 evenly spaced values of each.
-
-    A lazily loaded checkpoint reads the same 64 values of each tensor from its files
-    (:meth:`~grafting_lens.models.sources.SafetensorsCheckpoint.sample`), so it is
-    fingerprinted without being read.
-
-    Args:
-        tensors: ``(name, tensor)`` pairs, in a fixed order.
-        dtype: The dtype the tensors are used in, when they are stored in another
-            (the sampled values are cast to it first, as a model cast whole would be).
-
-    Returns:
-        16 hexadecimal digits.
-    """
+def weights_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A short hash (16 hex digits) of named tensors: names, shapes, dtypes and 64 values of each."""
     digest = hashlib.sha256()
     for name, tensor in tensors:
         flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // _SAMPLES)
-        sample = flat[::step][:_SAMPLES]
-        digest_sample(digest, name, tuple(tensor.shape), sample, dtype or tensor.dtype)
+        sample = flat[:: max(1, flat.numel() // _SAMPLES)][:_SAMPLES]  # sample_indices'
+        digest_sample(digest, name, tuple(tensor.shape), sample, tensor.dtype)
     return digest.hexdigest()[:16]
 
 
@@ -74,7 +54,7 @@ def parameters_state(model: nn.Module) -> tuple | None:
 
 
 def sample_indices(numel: int) -> range:
-    """The flat indices :func:`weights_fingerprint` samples: ``flat[::step][:64]``."""
+    """The flat indices :func:`weights_fingerprint` samples: 64, evenly spaced."""
     return range(0, numel, max(1, numel // _SAMPLES))[:_SAMPLES]
 
 
@@ -90,26 +70,14 @@ def digest_sample(
     digest.update(sample.to(dtype).float().cpu().contiguous().numpy().tobytes())
 
 
-def content_digest(
-    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None
-) -> str:
-    """A hash of every value of named tensors: their names, shapes, dtypes and bytes.
+def content_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A hash (32 hex digits) of every value of named tensors: names, shapes, dtypes and bytes.
 
-    Args:
-        tensors: ``(name, tensor)`` pairs, in a fixed order; an iterator is read one
-            tensor at a time (a lazily loaded checkpoint is never held whole).
-        dtype: The dtype the floating tensors are used in, when they are stored in
-            another (each is cast first, as a model cast whole would be, so a checkpoint
-            read lazily and the same one loaded whole get one digest).
-
-    Returns:
-        32 hexadecimal digits.
+    An iterator is read one tensor at a time (a lazily loaded checkpoint is never held whole).
     """
     digest = hashlib.sha256()
     for name, tensor in tensors:
         value = tensor.detach()
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
         digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
         digest.update(value.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()[:32]

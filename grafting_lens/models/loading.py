@@ -1,33 +1,16 @@
 """Loading aligned checkpoints as one :class:`~grafting_lens.models.model_set.ModelSet`.
 
-Grafting needs two or more checkpoints of one architecture: index 0 is the
-*base* (usually the pretrained model), index 1 the *donor* (usually the
-finetuned one), further indices any other checkpoint (the paper's hybrid
-experiments use pretrained, task and relation models). Each becomes a
-TransformerLens 4.x ``TransformerBridge`` loaded **without weight processing**:
-no LayerNorm folding, centering or value-bias folding, because a graft swaps the
-checkpoint's own parameters and processed weights are no longer those.
+Each checkpoint becomes a TransformerLens ``TransformerBridge`` **without weight
+processing** (a graft swaps the checkpoint's own parameters), or a source a graft reads
+modules from (:mod:`grafting_lens.models.sources`): a LoRA adapter, a directory read lazily.
 
-A donor need not be a whole model in memory (see :mod:`grafting_lens.models.sources`): a
-LoRA adapter (a PEFT directory or model) is grafted as the base's weights plus its
-factors, and with ``lazy=True`` a checkpoint directory is opened without reading its
-weights, each component read from disk when a graft first needs it.
-:meth:`ModelSet.memory` says what each source holds.
-
-Alignment is checked once, on load: the same architecture, the same shape,
-dtype and device for every parameter, the same vocabulary, and the same
-configuration of what the models *compute*. A graft runs the donor's modules
-inside the base's forward pass, and whatever lives outside the grafted modules
-comes from the base: rotary frequencies (``rope_theta``, ``rope_scaling``, the
-rotary fraction), attention scaling and softcapping, sliding windows, norm
-epsilons, activations. A donor that differs there would be grafted silently
-wrong, so the Hugging Face configurations are compared field by field, except
-fields that cannot change the forward pass of a causal LM in eval mode
-(:data:`IGNORED_CONFIG_FIELDS`: metadata, special token ids, dropout rates,
-initialisation, output flags). The buffers the models derive from their
-configuration (rotary ``inv_freq``...) must be equal too. Anything else raises
-:class:`~grafting_lens.core.errors.AlignmentError` naming the first difference, instead of a
-shape mismatch deep inside torch in the middle of a sweep, or a wrong number.
+What the caller gives is never changed: a model, bridge or tokenizer passed in memory is
+copied (modules and config; the copy shares the weight tensors), and the copy is cast, moved
+and wrapped. ``dtype=`` follows Hugging Face's policy on both paths: a checkpoint is loaded
+with ``from_pretrained(dtype=...)``, an in-memory model is cast as that would load it
+(parameters to ``dtype``, each buffer to the dtype HF's initialisation gives it: rotary
+frequencies stay float32). Alignment is checked once, on load
+(:mod:`grafting_lens.models.alignment`).
 """
 
 from __future__ import annotations
@@ -38,12 +21,15 @@ import pickle
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 from accelerate import init_empty_weights
+from huggingface_hub.constants import is_offline_mode
 from safetensors import SafetensorError
+from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grafting_lens.core.compat import adapt_bridge
@@ -60,17 +46,13 @@ from grafting_lens.models.adapters import (
     is_peft_model,
     warn_if_other_base,
 )
-from grafting_lens.models.alignment import (
-    _check_alignment,
-    _check_lazy_alignment,
-    _check_vocabulary,
-)
+from grafting_lens.models.alignment import check_alignment, check_lazy_alignment, check_vocabulary
 from grafting_lens.models.architectures import resolve_architecture, warn_if_unverified
+from grafting_lens.models.checkpoint_files import SHARD_INDEXES, SafetensorsCheckpoint, shard_files
 from grafting_lens.models.components import (
     ComponentLayout,
     Key,
     Slot,
-    checkpoint_modules,
     component_layout,
     expand_components,
 )
@@ -79,34 +61,26 @@ from grafting_lens.models.lora_source import LoraSource
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.models.placement import (
     DeviceMap,
-    check_device_map,
     check_placed,
     embedding_device,
     realised_map,
+    resolve_device_map,
+    usable_device,
 )
-from grafting_lens.models.sources import (
-    SHARD_INDEXES,
-    CheckpointSource,
-    LazySource,
-    SafetensorsCheckpoint,
-    Source,
-    shard_files,
-)
+from grafting_lens.models.sources import CheckpointSource, LazySource, Source
 
 SourceSpec = Union[str, os.PathLike, PreTrainedModel, TransformerBridge, Any]
-"""What :func:`load_models` takes as a source: a hub id, a ``save_pretrained`` directory
-(a checkpoint, or a PEFT adapter directory), an HF model, a TransformerBridge, or a PEFT
-model."""
+"""A hub id, a ``save_pretrained`` directory (or a PEFT adapter's), an HF, bridge or PEFT model."""
 
 
 def load_models(
     *sources: SourceSpec,
     tokenizer: Any = None,
     device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: str | torch.dtype | None = None,
     names: Sequence[str] | None = None,
     allow_uncovered: bool = False,
-    lazy: bool = False,
+    lazy: bool | Literal["verify"] = False,
     components: str | Iterable[str] | None = None,
     layers: LayerSpec = None,
     device_map: DeviceMap | None = None,
@@ -114,98 +88,42 @@ def load_models(
 ) -> ModelSet:
     """Load two or more checkpoints of one architecture as an aligned :class:`ModelSet`.
 
-    Args:
-        *sources: Base first, then donors. Each is an HF hub id, a local
-            ``save_pretrained`` directory, an HF ``PreTrainedModel`` (wrapped in
-            place by the bridge) or a ``TransformerBridge`` (used as is; it must
-            not have processed weights). A donor may also be a LoRA adapter of the
-            base: a PEFT adapter directory (``adapter_config.json`` beside
-            ``adapter_model.safetensors``) or a PEFT model object; it is grafted as
-            the base's weights plus the adapter's factors, never merged (see
-            :mod:`grafting_lens.models.adapters`).
-        tokenizer: A tokenizer or a path/hub id to load one from. By default the
-            base's own: its directory's tokenizer, or the bridge's.
-        device: Where to put every model (default: where they are, CPU for paths).
-        device_map: Split checkpoints given as paths across devices by layers with
-            accelerate (see :mod:`grafting_lens.models.placement`): a strategy
-            (``"auto"``, ``"balanced"``...) or ``{module name: device}``. The base is
-            loaded with it, every donor with the map the base realised, so base and
-            donor modules of one layer share a device. Maps that offload (``"disk"``,
-            or ``"cpu"`` beside an accelerator) are refused. In-memory models are
-            taken as placed (dispatch them first, e.g. ``from_pretrained(...,
-            device_map=...)``), so they cannot be given with it.
-        max_memory: With a strategy, the budget per device (``{0: "70GiB", 1:
-            "70GiB"}``), as accelerate takes it; leave room for the donors' share.
-        dtype: Cast every model to this floating dtype, a ``torch.dtype`` or its
-            name (``"float32"``, ``"bfloat16"``, ``"torch.float16"``); default:
-            keep the checkpoint's.
-        names: A label per source, used in tables and figures.
-        allow_uncovered: Let grafts take every component around parameters that no
-            component covers (see :meth:`ModelSet.coverage`), leaving those at the
-            base's values. Off by default: such a graft raises
-            :class:`~grafting_lens.core.errors.ComponentError`. Every architecture in the
-            supported table is covered completely.
-        lazy: Open donors given as checkpoint directories (safetensors) without
-            reading their weights: a graft reads, memory-mapped, the components its
-            mask takes from them, once (see :class:`~grafting_lens.models.sources.LazySource`).
-            A lazily loaded donor that runs alone (patching, scoring) is read whole,
-            with a :class:`~grafting_lens.core.errors.LazyLoadWarning`. The base is always
-            loaded whole.
-        components: Declare which components grafts will take from donors: a
-            component, a group or a ``+``-joined list (``"o+ffn"``), as masks name
-            them. A graft taking another component from a donor raises
-            :class:`~grafting_lens.core.errors.GraftMaskError`; a lazily loaded donor then never
-            reads more than the declaration (:meth:`ModelSet.memory` says how much),
-            and cannot run alone. Default: every component.
-        layers: Declare at which layers (any layer specification of
-            :func:`~grafting_lens.resolve_layers`, e.g. ``"last_half"``); global
-            components (``embed``, ``unembed``...) are not limited by it. Default:
-            every layer.
+    Nothing given is changed: models, bridges and tokenizers passed in memory are copied
+    (modules and config; the copies share your weight tensors, so an in-place edit of your
+    model's weights shows in the set). See the how-to "Load your own checkpoints".
 
-    Returns:
-        The model set, index 0 the base.
+    Args:
+        *sources: Base first, then donors: hub ids, ``save_pretrained`` directories, HF
+            models or TransformerBridges (weights unprocessed). A donor may be a LoRA
+            adapter of the base (a PEFT directory or model), grafted unmerged.
+        tokenizer: A tokenizer, or where to load one. Default: each directory's own, the
+            base's for in-memory donors.
+        device: One device for every source. Default: where models are, the CPU for paths.
+        device_map: What ``from_pretrained`` takes: a device, an accelerate strategy
+            (``"auto"``...) or ``{module name: device}`` (for paths); donors follow the
+            base's. Offloading maps are refused.
+        max_memory: With a strategy, the budget per device (``{0: "70GiB"}``).
+        dtype: Load every source in this floating dtype (or its name), as
+            ``from_pretrained(dtype=...)`` does. Default: each checkpoint's.
+        names: A label per source, for tables and figures.
+        allow_uncovered: Let grafts take every component around parameters no component
+            covers (see :meth:`ModelSet.coverage`).
+        lazy: ``True`` opens donor directories of safetensors unread: a graft reads the
+            components it takes. ``"verify"`` also hashes every tensor, checked at each read.
+        components: Declare the components grafts take from donors (``"o+ffn"``).
+        layers: Declare the layers, as :func:`~grafting_lens.resolve_layers` takes them.
 
     Raises:
-        AlignmentError: Fewer than two sources, or sources that differ in
-            architecture, configuration (any field that changes the forward
-            pass, see :data:`IGNORED_CONFIG_FIELDS`), parameter shapes, dtypes or
-            devices, buffers or vocabulary; a base that is an adapter or holds PEFT
-            layers.
-        AdapterError: An adapter made for another base (a module the base lacks, a
-            shape that differs), of a kind grafting-lens does not compute (other
-            methods, LoRA variants, initialisations that rewrite the base's weights),
-            or whose files cannot be read or disagree (each named, with the fix).
-        GraftingLensError: A path that is neither a checkpoint directory nor
-            loadable from the hub, an unreadable checkpoint file, a ``tokenizer=``
-            path that does not exist or holds no tokenizer, a base without a
-            tokenizer of its own when none is given, weights missing, extra or of another
-            shape than the config's model, a device or
-            dtype torch does not have, or ``lazy=True`` for a donor that is not a
-            directory of safetensors files.
-        ComponentError: ``components`` names a component the architecture lacks.
-        SelectionError: ``layers`` selects no layer of the model.
-        UnsupportedArchitectureError: A model TransformerLens cannot bridge (the
-            message names the nearest supported architectures).
-
-    Warns:
-        UserWarning: An architecture TransformerLens bridges but grafting-lens has
-            not verified (see the supported-architectures page); an adapter whose
-            config names another base than this one (its shapes match).
-
-    Loading is quiet: transformers' per-checkpoint loading bars and info messages are
-    held back (see :func:`grafting_lens.core.console.quiet_loading`). Its warnings do not
-    show either (TransformerLens sets transformers' logger to ERROR on import), so the
-    one that matters is checked here: a checkpoint directory or hub id whose weights
-    are missing, extra or of another shape than its config's model raises
-    :class:`~grafting_lens.GraftingLensError` instead of loading with random values.
+        AlignmentError: Sources that cannot be grafted together (``AdapterError``: an
+            adapter), or a source this cannot take.
+        GraftingLensError: An argument or a checkpoint that cannot be used.
+        ComponentError, SelectionError: A declaration of what the model lacks.
+        UnsupportedArchitectureError: An architecture TransformerLens cannot bridge.
 
     Examples:
         >>> models = load_models("out/pretrained", "out/finetuned")
-        >>> models.weight_diff().sort_values("relative_change").tail()
         >>> lora = load_models("meta-llama/Llama-3.1-8B", "out/my-lora-adapter")
-        >>> big = load_models("base_dir", "donor_dir", lazy=True, components="o+ffn",
-        ...                   layers="last_half")
-        >>> big.memory()
+        >>> big = load_models("base", "donor", lazy=True, components="o+ffn", layers="last_half")
     """
     if len(sources) < 2:
         raise AlignmentError(
@@ -213,111 +131,119 @@ def load_models(
         )
     if names is not None and len(names) != len(sources):
         raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
-    if not isinstance(lazy, bool):
-        raise TypeError(f"lazy must be True or False, got {type(lazy).__name__}.")
-    device, dtype = resolve_placement(device, dtype)
-    device_map = check_device_map(device_map, max_memory, device)
-    if device_map is not None:
-        for index, source in enumerate(sources):
-            if not isinstance(source, (str, os.PathLike)):
-                raise GraftingLensError(
-                    f"device_map= places checkpoints given as paths, but source {index} is an "
-                    f"in-memory {type(source).__name__}, which load_models takes as placed. "
-                    "Give every source as a path, or dispatch the models yourself "
-                    "(AutoModelForCausalLM.from_pretrained(..., device_map=...)) and pass "
-                    "them without device_map=."
-                )
-    seen: dict[int, int] = {}
-    for index, source in enumerate(sources):
-        if isinstance(source, (PreTrainedModel, TransformerBridge)) or is_peft_model(source):
-            if id(source) in seen:
-                raise AlignmentError(
-                    f"Sources {seen[id(source)]} and {index} are the same model object; grafting "
-                    "needs distinct models (pass copy.deepcopy(model) to graft a model into itself)."
-                )
-            seen[id(source)] = index
-    if is_peft_model(sources[0]) or (
-        isinstance(sources[0], (str, os.PathLike)) and is_adapter_directory(sources[0])
-    ):
-        raise AlignmentError(
-            "Source 0 is a LoRA adapter, but source 0 is the base: every grafted run goes "
-            "through its forward pass. Pass the model the adapter was trained on first, "
-            "then the adapter: load_models(base, adapter)."
-        )
+    if not (isinstance(lazy, bool) or (isinstance(lazy, str) and lazy == "verify")):
+        raise GraftingLensError(f"lazy must be True, False or 'verify', got {lazy!r}.")
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not hasattr(tokenizer, "get_vocab"):
             raise TypeError(
-                f"tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
+                "tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
                 f"got {type(tokenizer).__name__}."
             )
+    device, device_map = resolve_device_map(device, device_map, max_memory)
+    dtype = resolve_placement(None, dtype)[1]
+    _check_sources(sources, device_map)
+    labels = [names[i] if names is not None else _label(s, i) for i, s in enumerate(sources)]
     # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
     with quiet_loading():
+        given = tokenizer
         if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = _tokenizer_from(tokenizer)
-        placing = None if device_map is None else (device_map, max_memory)
-        base, base_label = _to_bridge(
-            sources[0], 0, tokenizer, tokenizer, device, dtype, placing=placing
-        )
-        # Every donor module goes where the base module it stands in for went.
-        donor_placing = None if device_map is None else (realised_map(base.original_model), None)
-        labels = [names[0] if names is not None else base_label]
-        base_name = str(getattr(base.original_model.config, "_name_or_path", "") or "")
+            given = _tokenizer_from(tokenizer)
+        elif tokenizer is not None:
+            given = copy.deepcopy(tokenizer)  # the bridge writes into it
+        base = _to_bridge(sources[0], 0, given, None, device, dtype, device_map, max_memory)
+        fallback = given if given is not None else base.tokenizer
         layout = component_layout(base)
         graftable = _declared_pairs(base, layout, components, layers)
-        declared = (
-            None
-            if graftable is None
-            else [slot for key in sorted(graftable, key=str) for slot in layout.slots[key]]
-        )
         slots = [slot for key_slots in layout.slots.values() for slot in key_slots]
+        declared = None
+        if graftable is not None:
+            declared = [slot for key in sorted(graftable, key=str) for slot in layout.slots[key]]
+        # Every donor module goes where the base module it stands in for went.
+        following = realised_map(base.original_model)
         loaded: list[Source] = [CheckpointSource(base, labels[0], _disk_bytes(sources[0]))]
-        fallback = tokenizer if tokenizer is not None else base.tokenizer
         for index, source in enumerate(sources[1:], start=1):
-            label = _label(source, index)
-            name = names[index] if names is not None else label
-            if is_peft_model(source) or (
-                isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
-            ):
-                if is_peft_model(source):
+            name, label = labels[index], f"source {index} ({labels[index]})"
+            path = source if isinstance(source, (str, os.PathLike)) else None
+            if is_peft_model(source) or (path is not None and is_adapter_directory(path)):
+                if path is None:
                     adapter = LoraAdapter.from_peft_model(source)
                 else:
-                    path = Path(source).expanduser()  # type: ignore[arg-type]
                     adapter = LoraAdapter.from_directory(path)
-                    if tokenizer is None:
-                        _check_vocabulary(
-                            base.tokenizer, _load_tokenizer(str(path), fallback), name
-                        )
-                warn_if_other_base(adapter, base_name)
+                    if given is None:  # the adapter's own tokenizer, if it was saved with one
+                        check_vocabulary(base.tokenizer, _load_tokenizer(path, fallback), label)
+                warn_if_other_base(adapter, str(getattr(base.original_model, "name_or_path", "")))
                 loaded.append(
                     LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
                 )
-            elif lazy and not isinstance(source, (PreTrainedModel, TransformerBridge)):
+            elif lazy and path is not None:
                 loaded.append(
-                    _lazy_source(
-                        source,
-                        index,
-                        name,
-                        base,
-                        labels[0],
-                        slots,
-                        declared,
-                        tokenizer,
-                        fallback,
-                        dtype,
-                    )
-                )
+                    _lazy_source(path, index, name, base, slots, declared, given, fallback,
+                                 dtype, verify=lazy == "verify")
+                )  # fmt: skip
             else:
-                # A directory brings its own tokenizer, so the vocabulary check compares
-                # what each checkpoint was trained with; in-memory models borrow the base's.
-                bridge, _ = _to_bridge(
-                    source, index, tokenizer, fallback, device, dtype, placing=donor_placing
-                )
-                _check_alignment(base, bridge, labels[0], name, index)
+                where = (None, following) if path is not None else (device, None)
+                bridge = _to_bridge(source, index, given, fallback, where[0], dtype, where[1])
+                check_alignment(base, bridge, label)
                 loaded.append(CheckpointSource(bridge, name, _disk_bytes(source)))
-            labels.append(name)
     models = ModelSet(loaded, labels, allow_uncovered=allow_uncovered, graftable=graftable)
     warn_if_unverified(models.architecture)
     return models
+
+
+def resolve_placement(
+    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
+) -> tuple[torch.device | None, torch.dtype | None]:
+    """``device`` and ``dtype`` (or its name) as torch objects, checked before anything loads.
+
+    Raises:
+        GraftingLensError: A device this machine cannot use, or not a floating torch dtype.
+    """
+    if dtype is not None:
+        found = (
+            getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+        )
+        if not (isinstance(found, torch.dtype) and found.is_floating_point):
+            raise GraftingLensError(
+                f"dtype={dtype!r} is not a floating torch dtype: use torch.float32, "
+                "torch.bfloat16 or torch.float16 (or a name such as 'bfloat16')."
+            )
+        dtype = found
+    return (None if device is None else usable_device(device)), dtype
+
+
+def _check_sources(sources: Sequence[SourceSpec], device_map: object) -> None:
+    """Refuse, before anything loads, a source :func:`load_models` cannot take."""
+    for index, source in enumerate(sources):
+        path = isinstance(source, (str, os.PathLike))
+        adapter = is_peft_model(source) or (
+            isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
+        )
+        if not (path or adapter or isinstance(source, (PreTrainedModel, TransformerBridge))):
+            raise TypeError(
+                f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, "
+                "a transformers PreTrainedModel, a TransformerBridge or (a donor) a PEFT model."
+            )
+        problem = None
+        if index == 0 and adapter:
+            problem = "a LoRA adapter, but source 0 is the base: pass the model it adapts first"
+        elif device_map is not None and not path:
+            problem = (
+                f"an in-memory {type(source).__name__}, and device_map= splits checkpoints given "
+                "as paths: pass device=, or dispatch it yourself (from_pretrained(device_map=))"
+            )
+        elif getattr(source, "_weights_processed", False):
+            problem = (
+                "a TransformerBridge with processed weights: boot it without process_weights()"
+            )
+        elif isinstance(source, PreTrainedModel) and any(
+            type(module).__module__.startswith("peft.") for module in source.modules()
+        ):
+            problem = (
+                "a model holding PEFT layers (get_peft_model adds them in place): pass it without "
+                "them (peft_model.unload()) and the adapter as a donor"
+            )
+        if problem:
+            raise AlignmentError(f"Source {index} is {problem}.")
 
 
 def _label(source: SourceSpec, index: int) -> str:
@@ -346,18 +272,14 @@ def _declared_pairs(
     if components is None and layers is None:
         return None
     architecture = str(getattr(base.cfg, "architecture", type(base.original_model).__name__))
-    chosen = set(
-        expand_components(
-            "all" if components is None else components, layout.components, architecture
-        )
-    )
+    chosen = set(expand_components(components or "all", layout.components, architecture))
     at = set(resolve_layers(layers, int(base.cfg.n_layers)))
     pairs = frozenset(
         (component, layer)
         for component, layer in layout.slots
         if component in chosen and (layer is None or layer in at)
     )
-    if not pairs:
+    if not pairs:  # a component only some layers have (interleaved experts), not those
         raise SelectionError(
             f"components={components!r} at layers={layers!r} declares nothing this "
             f"{architecture} has; declare components it has at those layers."
@@ -366,117 +288,33 @@ def _declared_pairs(
 
 
 def _lazy_source(
-    source: SourceSpec,
+    source: str | os.PathLike,
     index: int,
     name: str,
     base: TransformerBridge,
-    base_name: str,
     slots: list[Slot],
     declared: list[Slot] | None,
-    tokenizer: Any,
+    given: Any,
     fallback: Any,
     dtype: torch.dtype | None,
+    verify: bool,
 ) -> LazySource:
     """Open a checkpoint directory without reading its weights, checked against the base."""
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(
-            f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, a "
-            "transformers PreTrainedModel, a TransformerBridge or a PEFT model."
-        )
     path = Path(source).expanduser()
-    if not path.is_dir():
-        raise GraftingLensError(
-            f"lazy=True reads donors from checkpoint directories, but source {index} "
-            f"({str(source)!r}) is not a directory. Download it first "
-            "(huggingface_hub.snapshot_download(repo_id) returns the directory), or load "
-            "it whole (lazy=False)."
-        )
-    if not (path / "config.json").is_file():
-        _load_checkpoint(str(source), path, index)  # raises, naming what the directory holds
-    files = SafetensorsCheckpoint(path, base.original_model)
-    config = AutoConfig.from_pretrained(str(path))
     label = f"source {index} ({name})"
-    _check_lazy_alignment(base, files, config, label, dtype)
-    if tokenizer is None:  # a directory's own tokenizer, as for a donor loaded whole
-        _check_vocabulary(base.tokenizer, _load_tokenizer(str(path), fallback), label)
-    # Read whole (to run alone), the donor goes where the base is, module for module.
-    split = getattr(base.original_model, "hf_device_map", None)
-    placing = (realised_map(base.original_model), None) if split else None
-    device = None if split else next(base.original_model.parameters()).device
+    _checkpoint_target(str(source), path, index, lazy=True)
+    files = SafetensorsCheckpoint(path, base.original_model, verify=verify)
+    check_lazy_alignment(base, files, AutoConfig.from_pretrained(str(path)), label, dtype)
+    if given is None:  # a directory's own tokenizer, as for a donor loaded whole
+        check_vocabulary(base.tokenizer, _load_tokenizer(path, fallback), label)
 
     def load_whole() -> TransformerBridge:
-        bridge, _ = _to_bridge(source, index, tokenizer, fallback, device, dtype, placing=placing)
-        _check_alignment(base, bridge, base_name, name, index)
+        following = realised_map(base.original_model)
+        bridge = _to_bridge(source, index, given, fallback, None, dtype, following)
+        check_alignment(base, bridge, label)
         return bridge
 
-    return LazySource(
-        name, files, base, slots, dtype=dtype, declared=declared, load_whole=load_whole
-    )
-
-
-def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
-    """A second bridge over the base's own tensors (an adapter runs alone in it).
-
-    A skeleton of the base's class is built without allocating weights, then holds
-    the base's parameters and buffers themselves, so it costs the modules, not the
-    weights.
-    """
-    original = base.original_model
-    assert isinstance(original, PreTrainedModel)
-    with init_empty_weights():
-        skeleton = type(original)._from_config(original.config)
-    tensors = {
-        prefix + name: tensor
-        for prefix, module in checkpoint_modules(original)
-        for table in (module._parameters, module._buffers)
-        for name, tensor in table.items()
-        if tensor is not None
-    }
-    for table in ("_parameters", "_buffers"):
-        named = (
-            skeleton.named_parameters(remove_duplicate=False)
-            if table == "_parameters"
-            else skeleton.named_buffers(remove_duplicate=False)
-        )
-        for name, _ in list(named):
-            owner, _, attribute = name.rpartition(".")
-            if name not in tensors:
-                raise GraftingLensError(
-                    f"Cannot run the adapter alone: the base has no {name!r} to share. Merge "
-                    "the adapter into a full checkpoint to run it alone."
-                )
-            getattr(skeleton.get_submodule(owner), table)[attribute] = tensors[name]
-    skeleton.eval()
-    _mirror_dispatch(original, skeleton)
-    parameter = next(original.parameters())
-    return adapt_bridge(
-        TransformerBridge.boot_transformers(
-            str(getattr(base.cfg, "model_name", "") or "base"),
-            hf_model=skeleton,
-            tokenizer=base.tokenizer,
-            device=str(embedding_device(skeleton)),
-            dtype=parameter.dtype,
-        )
-    )
-
-
-def _mirror_dispatch(original: PreTrainedModel, skeleton: PreTrainedModel) -> None:
-    """Give the skeleton the base's accelerate hooks, module for module.
-
-    A base dispatched across devices (``device_map``) moves each block's inputs to the
-    block's device with accelerate's hooks; the skeleton holds the same tensors, so it
-    needs the same moves, or an adapter running alone on a layer-split base would meet
-    activations on another device than its weights. A base on one device has none.
-    """
-    from accelerate.hooks import add_hook_to_module
-
-    for prefix, module in checkpoint_modules(original):  # the HF modules the bridge wraps
-        hook = getattr(module, "_hf_hook", None)
-        if hook is not None:  # a copy: a hook keeps per-call state (the input's device)
-            add_hook_to_module(skeleton.get_submodule(prefix.rstrip(".")), copy.copy(hook))
-    placed = getattr(original, "hf_device_map", None)
-    if placed:
-        skeleton.__dict__["hf_device_map"] = dict(placed)  # what the bridge reads
+    return LazySource(name, files, base, slots, declared=declared, load_whole=load_whole)
 
 
 def _to_bridge(
@@ -484,326 +322,204 @@ def _to_bridge(
     index: int,
     tokenizer: Any,
     fallback: Any,
-    device: Any,
+    device: torch.device | None,
     dtype: torch.dtype | None,
-    *,
-    placing: tuple[DeviceMap, Any] | None = None,
-) -> tuple[TransformerBridge, str]:
-    if isinstance(source, TransformerBridge):
-        if getattr(source, "_weights_processed", False):
-            raise AlignmentError(
-                f"Source {index} is a TransformerBridge with processed weights (folded LayerNorm, "
-                "centered weights): a graft must swap the checkpoint's own parameters. Load it "
-                "again without calling process_weights() or enable_compatibility_mode()."
-            )
-        check_placed(source.original_model, f"source {index}")
-        if device is not None or dtype is not None:
-            source.to(device=device, dtype=dtype, print_details=False)  # TransformerLens prints
-        return adapt_bridge(source), f"source{index}"
-    if isinstance(source, PreTrainedModel):
-        if any(type(module).__module__.startswith("peft.") for module in source.modules()):
-            raise AlignmentError(
-                f"Source {index} holds PEFT layers (get_peft_model and PeftModel.from_pretrained "
-                "add them to the model in place), so it does not compute the checkpoint alone. "
-                "Pass the model without them (a fresh load, or peft_model.unload()), and the "
-                "adapter as a donor: load_models(base, adapter_dir_or_peft_model)."
-            )
-        if any("_original_component" in name for name, _ in source.named_modules()):
-            raise GraftingLensError(
-                f"Source {index} is a model that a TransformerBridge already wraps (load_models "
-                "wraps in-memory models in place). Pass the bridge from the earlier ModelSet "
-                "(models[i]) instead, or a fresh copy of the model (copy.deepcopy before the "
-                "first load_models)."
-            )
-        model, label = source, f"source{index}"
-        model_name = getattr(model.config, "_name_or_path", "") or label
-    elif isinstance(source, (str, os.PathLike)):
-        label = str(source)
-        model_name = label
+    device_map: Any = None,
+    max_memory: Any = None,
+) -> TransformerBridge:
+    """A bridge over a checkpoint loaded from a path, or over a copy of an in-memory model."""
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
-        model = _load_checkpoint(label, path, index, placing=placing, dtype=dtype)
-        if path.is_dir():
-            label = path.name
+        if device is not None:
+            device_map = {"": device}
+        model = _load_checkpoint(str(source), path, index, dtype, device_map, max_memory)
         if tokenizer is None:
-            tokenizer = _load_tokenizer(str(path) if path.is_dir() else model_name, fallback)
+            tokenizer = _load_tokenizer(path if path.is_dir() else str(source), fallback)
+        label = str(source)
     else:
-        raise TypeError(
-            f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, a "
-            "transformers PreTrainedModel, a TransformerBridge or (for a donor) a PEFT model."
-        )
-    tokenizer = tokenizer if tokenizer is not None else fallback
+        if isinstance(source, TransformerBridge):  # it keeps its own tokenizer
+            tokenizer = copy.deepcopy(source.tokenizer)
+            source = source.original_model
+        model = _copy(source)
+        if dtype is not None:
+            _cast_as_loaded(model, dtype)
+        if device is not None:
+            model.to(device)
+        tokenizer = tokenizer if tokenizer is not None else fallback
+        label = f"an in-memory {type(model).__name__}"
     if tokenizer is None:
         raise GraftingLensError(
-            f"Source {index} is an in-memory model without a tokenizer: pass tokenizer=... to "
-            "load_models."
+            f"Source {index} ({label}) has no tokenizer, and none was given: pass tokenizer=... "
+            "to load_models (a tokenizer, or where the checkpoint's was saved)."
         )
     resolve_architecture(model, index)
-    check_placed(model, f"source {index} ({label})")
+    check_placed(model, f"source {index}")
     model.eval()
-    if placing is None and (device is not None or dtype is not None):
-        # transformers wraps PreTrainedModel.to in a decorator mypy reads as unbound.
-        model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
-    parameter = next(model.parameters())
+    name = str(model.config._name_or_path or f"source{index}")
     # A dispatched model is taken as is: the bridge reads its hf_device_map, and token
     # ids go to the embedding's device.
     bridge = TransformerBridge.boot_transformers(
-        model_name,
+        name,
         hf_model=model,
-        tokenizer=_prepare_tokenizer(tokenizer, model_name),
+        tokenizer=_prepare_tokenizer(tokenizer, name),
         device=str(embedding_device(model)),
-        dtype=parameter.dtype,
+        dtype=next(model.parameters()).dtype,
     )
-    return adapt_bridge(bridge), label
+    return adapt_bridge(bridge)
 
 
-def _accelerate_map(device_map: DeviceMap) -> Any:
-    """A map as accelerate takes it: a strategy, or devices as strings or GPU indices."""
-    if isinstance(device_map, str):
-        return device_map
-    return {
-        name: str(target) if isinstance(target, torch.device) else target
-        for name, target in device_map.items()
-    }
+def _copy(model: nn.Module, share_parameters: bool = False) -> Any:
+    """A copy of ``model``'s modules and config over the same weight tensors, unwrapped from
+    any bridge: new ``Parameter`` objects over the same storage (the same objects with
+    ``share_parameters``), so that casting or moving the copy leaves ``model`` as it was."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if isinstance(tensor, nn.Parameter) and not share_parameters:
+            memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = tensor
+    # A bridge wraps modules in place: each wrapper stands for the module it wraps.
+    for module in reversed(list(model.modules())):
+        if isinstance(module, GeneralizedComponent) and module.original_component is not None:
+            memo[id(module)] = copy.deepcopy(module.original_component, memo)
+    return copy.deepcopy(model, memo)
 
 
-def resolve_placement(
-    device: str | torch.device | None = None, dtype: str | torch.dtype | None = None
-) -> tuple[torch.device | None, torch.dtype | None]:
-    """``device`` and ``dtype`` as torch objects, checked before anything is loaded.
+def _cast_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> None:
+    """Cast as ``from_pretrained(dtype=dtype)`` would load it: parameters to ``dtype``, and
+    each buffer to the dtype HF's own initialisation gives it under ``dtype``."""
+    with init_empty_weights():  # parameters on meta; buffers made as HF makes them
+        made = type(model)._from_config(model.config, dtype=dtype)
+    kept = {name: buffer.dtype for name, buffer in made.named_buffers()}
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    for prefix, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[key] = buffer.to(kept.get(f"{prefix}.{key}".lstrip("."), dtype))
 
-    :func:`load_models` calls it; a command line calls it first so that a typo
-    fails before minutes of loading or building.
 
-    Args:
-        device: A device torch can use here (``"cpu"``, ``"cuda:0"``...), or ``None``.
-        dtype: A floating ``torch.dtype`` or its name (``"bfloat16"``,
-            ``"torch.float16"``), or ``None``.
-
-    Raises:
-        GraftingLensError: A device torch does not know or has no backend for
-            here, or a dtype that is not a floating torch dtype.
-        TypeError: A dtype that is neither a torch dtype nor a string.
-    """
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        candidate = getattr(torch, name, None)
-        if not isinstance(candidate, torch.dtype):
-            raise GraftingLensError(
-                f"dtype={dtype!r} is not a torch dtype; use torch.float32, torch.bfloat16 or "
-                "torch.float16 (or their names, e.g. 'bfloat16')."
-            )
-        dtype = candidate
-    if dtype is not None:
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or its name, got {type(dtype).__name__}.")
-        if not dtype.is_floating_point:
-            raise GraftingLensError(
-                f"dtype={dtype} is not a floating dtype; model weights need torch.float32, "
-                "torch.bfloat16 or torch.float16."
-            )
-    if device is not None:
-        try:
-            device = torch.device(device)
-            torch.empty(0, device=device)  # fails here, not halfway through loading
-        except (RuntimeError, TypeError, AssertionError) as error:
-            raise GraftingLensError(
-                f"device={device!r} cannot be used: {str(error).splitlines()[0]} Use 'cpu', or "
-                "'cuda' / 'cuda:0' / 'mps' where torch has that backend (torch.cuda.is_available())."
-            ) from None
-    return device, dtype
+def _checkpoint_target(label: str, path: Path, index: int, lazy: bool = False) -> str:
+    """What ``from_pretrained`` loads a source path from: its directory, or a hub id."""
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path)
+    hub_id = not path.exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is not None
+    if hub_id and not lazy:
+        return label
+    if hub_id:
+        problem = "a hub id, and lazy=True reads checkpoint directories: download it first "
+        problem += "(huggingface_hub.snapshot_download), or load it whole (lazy=False)"
+    elif path.is_dir():
+        contents = sorted(child.name for child in path.iterdir())[:8]
+        problem = f"a directory without a config.json (it holds {contents or 'nothing'})"
+    else:
+        problem = "not a directory " + ("(it is a file)" if path.exists() else "(no such path)")
+    fix = "" if hub_id else " Give the directory save_pretrained wrote, or a hub id."
+    raise GraftingLensError(f"Source {index} ({label!r}) is {problem}.{fix}")
 
 
 def _load_checkpoint(
-    label: str,
-    path: Path,
-    index: int,
-    *,
-    placing: tuple[DeviceMap, Any] | None = None,
-    dtype: torch.dtype | None = None,
+    label: str, path: Path, index: int, dtype: torch.dtype | None, device_map: Any, max_memory: Any
 ) -> PreTrainedModel:
-    """An HF causal LM from a directory or hub id, or an error naming what is wrong.
-
-    With ``placing`` (a device map and a memory budget) accelerate dispatches it as it
-    loads, in ``dtype``; without, it loads on the CPU in the checkpoint's dtype.
-    """
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            contents = sorted(child.name for child in path.iterdir())[:8]
-            raise GraftingLensError(
-                f"Source {index} ({label!r}) is a directory without a config.json, so it is not "
-                f"a checkpoint (it holds {contents or 'nothing'}). Point to the directory "
-                "save_pretrained wrote (config.json next to the weights)."
-            )
-        for index_name in SHARD_INDEXES:
-            if (path / index_name).is_file():
-                shard_files(path, index_name)  # every shard inside the checkpoint
-        target = str(path)
-    else:
-        hub_id_form = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is not None
-        if path.exists() or not hub_id_form:
-            raise GraftingLensError(
-                f"Source {index} ({label!r}) is not a directory"
-                + (" (it is a file)" if path.exists() else " (no such path)")
-                + ". Give the directory save_pretrained wrote, or a hub id such as "
-                "'EleutherAI/pythia-160m'."
-            )
-        target = label
+    """An HF causal LM from a directory or hub id, loaded in ``dtype`` where ``device_map``
+    says, or an error naming what is wrong."""
+    target = _checkpoint_target(label, path, index)
+    for index_name in SHARD_INDEXES:
+        if (path / index_name).is_file():
+            shard_files(path, index_name)  # every shard inside the checkpoint
+    given = {"dtype": dtype, "device_map": device_map, "max_memory": max_memory}
+    options = {key: value for key, value in given.items() if value is not None}
     try:
         # The loading report is read here, not logged: TransformerLens sets transformers'
-        # logger to ERROR on import, which hides it. Mismatched shapes are reported in it
-        # too, instead of a RuntimeError that points at the hidden report.
-        # With output_loading_info, transformers returns (model, info); its stubs say a model.
-        options: dict[str, Any] = {}
-        if placing is not None:
-            options["device_map"] = _accelerate_map(placing[0])
-            if placing[1] is not None:
-                options["max_memory"] = dict(placing[1])
-            if dtype is not None:
-                options["dtype"] = dtype
+        # logger to ERROR, which hides it; mismatched shapes are reported in it too.
         loaded: Any = AutoModelForCausalLM.from_pretrained(
             target, output_loading_info=True, ignore_mismatched_sizes=True, **options
         )
-        model, info = loaded
-    except (OSError, ValueError) as error:
-        where = "directory" if path.is_dir() else "hub id"
-        raise GraftingLensError(
-            f"Could not load source {index} ({label!r}) as a {where}: {str(error).rstrip('.')}. A local "
-            "checkpoint is a directory written by save_pretrained; a hub id needs a network "
-            "connection or a filled HF cache (HF_HUB_OFFLINE=1 forbids downloads)."
-        ) from error
-    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        if isinstance(error, pickle.UnpicklingError) and "weights only" in str(error).lower():
-            raise GraftingLensError(
-                unsafe_pickle(f"A weight file of source {index} ({label!r})")
-            ) from None
-        # A damaged weight file (truncated download, interrupted save) fails inside
-        # safetensors or torch with a message that names no file.
-        files = (
-            sorted(
-                child.name for child in path.glob("*") if child.suffix in (".safetensors", ".bin")
-            )
-            if path.is_dir()
-            else []
-        )
-        raise GraftingLensError(
-            f"Could not read the weights of source {index} ({label!r}"
-            + (f": {', '.join(files)}" if files else "")
-            + f"): {type(error).__name__}: {error}. The file is probably truncated or damaged "
-            "(an interrupted download or save): save or download the checkpoint again."
-        ) from error
+    except (OSError, ValueError, SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # fmt: skip
+        raise GraftingLensError(_unloadable(label, path, index, error)) from error
+    model, info = loaded
     _check_loading_info(info, label, index)
-    assert isinstance(model, PreTrainedModel)
     return model
 
 
-def _check_loading_info(info: Any, label: str, index: int) -> None:
-    """Refuse a checkpoint whose weights are not the model's: missing, extra, other shapes.
-
-    transformers fills a weight the checkpoint lacks (or holds in another shape) with
-    random values and reports it in a log that TransformerLens silences; a graft from
-    such a model would be silently wrong. Weights transformers ties (the unembedding of
-    GPT-2 or Gemma) and those its model classes expect to lack or ignore (old buffers)
-    are not in the report.
-
-    Raises:
-        GraftingLensError: Naming the weights and the fix.
-    """
-
-    def first(names: list[str]) -> str:
-        shown = ", ".join(names[:3])
-        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    def entries(name: str) -> Any:  # a dict in transformers 5, fields of an object in others
-        found = info.get(name) if isinstance(info, dict) else getattr(info, name, None)
-        return found or ()
-
-    missing = sorted(str(key) for key in entries("missing_keys"))
-    unexpected = sorted(str(key) for key in entries("unexpected_keys"))
-    mismatched = sorted(
-        (
-            f"{entry[0]} ({tuple(entry[1])} in the checkpoint, {tuple(entry[2])} in the model)"
-            if isinstance(entry, tuple) and len(entry) == 3
-            else str(entry)
-        )
-        for entry in entries("mismatched_keys")
+def _unloadable(label: str, path: Path, index: int, error: BaseException) -> str:
+    """Why ``from_pretrained`` could not load a source, and the fix."""
+    what = f"Could not load source {index} ({label!r})"
+    if isinstance(error, pickle.UnpicklingError) and "weights only" in str(error).lower():
+        return unsafe_pickle(f"A weight file of source {index} ({label!r})")
+    if not path.is_dir():
+        if is_offline_mode():
+            return (
+                f"{what}: the hub id is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
+                f"forbids downloading it. Download it once with a connection, or pass its directory."
+            )
+        return f"{what} as a hub id: {' '.join(str(error).split())[:300]}"
+    if isinstance(error, (OSError, ValueError)):
+        return f"{what} as a directory: {' '.join(str(error).split())[:300]}"
+    # A damaged weight file (an interrupted download or save) fails inside safetensors or
+    # torch with a message that names no file.
+    files = sorted(p.name for p in path.glob("*") if p.suffix in (".safetensors", ".bin"))
+    return (
+        f"{what}: its weights ({', '.join(files)}) cannot be read ({type(error).__name__}: "
+        f"{str(error)[:200]}). A file is truncated or damaged: save or download it again."
     )
-    problems = []
-    if missing:
-        problems.append(
-            f"it lacks {len(missing)} weight(s) of the model ({first(missing)}), which "
-            "transformers filled with random values"
+
+
+def _check_loading_info(info: Any, label: str, index: int) -> None:
+    """Refuse a checkpoint whose weights are not its config's model: transformers fills one it
+    lacks (or holds in another shape) with random values, and reports it in a log
+    TransformerLens silences."""
+
+    def entries(name: str) -> list[str]:  # a dict in transformers 5, an object's fields before
+        found = info.get(name) if isinstance(info, dict) else getattr(info, name, None)
+        return sorted(str(entry[0] if isinstance(entry, tuple) else entry) for entry in found or ())
+
+    problems = [
+        f"{len(found)} weight(s) {what} ({', '.join(found[:3])}{' ...' if len(found) > 3 else ''})"
+        for key, what in (
+            ("missing_keys", "missing, which transformers filled with random values"),
+            ("mismatched_keys", "of another shape than the model's, filled with random values"),
+            ("unexpected_keys", "the model does not have"),
         )
-    if mismatched:
-        problems.append(
-            f"it holds {len(mismatched)} weight(s) in another shape than the model's "
-            f"({first(mismatched)}), which transformers filled with random values"
-        )
-    if unexpected:
-        problems.append(
-            f"it holds {len(unexpected)} weight(s) the model does not have ({first(unexpected)})"
-        )
+        if (found := entries(key))
+    ]
     if problems:
         raise GraftingLensError(
             f"Source {index} ({label!r}) does not hold the weights of the model its config "
-            f"describes: {'; '.join(problems)}. A model loaded from it would not be the "
-            "checkpoint, and every graft from it would be wrong. The checkpoint is incomplete "
-            "(an interrupted save or download) or its config.json belongs to another model: "
-            "save or download it again, or load it with the config it was saved with."
+            f"describes: {'; '.join(problems)}. It is incomplete or its config.json is another "
+            "model's: save or download it again."
         )
 
 
-def _load_tokenizer(name: str, fallback: Any) -> Any:
+def _load_tokenizer(name: str | os.PathLike, fallback: Any) -> Any:
     """The tokenizer saved with a checkpoint, or ``fallback`` when it has none."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(str(name))
     except (OSError, ValueError):
-        tokenizer = None
-    if tokenizer is None or _only_special_tokens(tokenizer):
-        if fallback is None:
-            raise GraftingLensError(
-                f"{name!r} has no tokenizer and none was given: pass tokenizer=... to load_models "
-                "(a tokenizer, or the directory or hub id of the one the checkpoint was "
-                "trained with)."
-            )
         return fallback
-    return _prepare_tokenizer(tokenizer, name)
+    return fallback if _only_special_tokens(tokenizer) else tokenizer
 
 
 def _tokenizer_from(name: str | os.PathLike) -> Any:
     """The tokenizer ``tokenizer=`` names (a directory or a hub id), or an error saying why not."""
-    label = str(name)
     path = Path(name).expanduser()
-    if path.exists() and not path.is_dir():
-        raise GraftingLensError(
-            f"tokenizer={label!r} is a file; give the directory a tokenizer was saved in "
-            "(tokenizer.save_pretrained(directory) writes tokenizer.json and its config there), "
-            "or a hub id such as 'gpt2'."
-        )
-    if not path.exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", label) is None:
-        raise GraftingLensError(
-            f"tokenizer={label!r} does not exist (no such path, and not a hub id). Give the "
-            "directory a tokenizer was saved in, or a hub id such as 'gpt2'."
-        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else label)
-    except (OSError, ValueError) as error:
-        where = "the directory" if path.is_dir() else "the hub id"
-        reason = " ".join(str(error).split())[:200]
-        raise GraftingLensError(
-            f"tokenizer={label!r}: no tokenizer could be loaded from {where} ({reason}). Give "
-            "the directory tokenizer.save_pretrained wrote (tokenizer.json and its config), or "
-            "a hub id that is reachable (HF_HUB_OFFLINE=1 needs it in the local HF cache)."
-        ) from None
-    if _only_special_tokens(tokenizer):
-        # transformers builds a tokenizer from a config.json alone, with nothing but its
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(name))
+        # transformers builds a tokenizer from a config.json alone, knowing nothing but its
         # special tokens: every text would tokenize to unknown or nothing.
-        raise GraftingLensError(
-            f"tokenizer={label!r} holds no tokenizer: no vocabulary files were found there, "
-            f"so the tokenizer transformers made knows only its {len(tokenizer.get_vocab())} "
-            "special token(s). Give the directory tokenizer.save_pretrained wrote (tokenizer.json "
-            "and its config), or a hub id such as 'gpt2'."
+        problem = (
+            "only special tokens: no vocabulary files" if _only_special_tokens(tokenizer) else None
         )
-    return _prepare_tokenizer(tokenizer, label)
+    except (OSError, ValueError) as error:
+        problem = " ".join(str(error).split())[:200]
+    if problem:
+        raise GraftingLensError(
+            f"tokenizer={str(name)!r} holds no usable tokenizer ({problem}). Give the directory "
+            "tokenizer.save_pretrained wrote, or a hub id such as 'gpt2' (in the local HF cache "
+            "when HF_HUB_OFFLINE=1)."
+        )
+    return tokenizer
 
 
 def _only_special_tokens(tokenizer: Any) -> bool:
@@ -818,7 +534,7 @@ def _only_special_tokens(tokenizer: Any) -> bool:
 
 
 def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
-    """Work around TransformerLens 4.3's handling of in-memory tokenizers.
+    """Fill in what TransformerLens 4.3's bridge reads of a tokenizer (this library's copy).
 
     The bridge reads ``init_kwargs["name_or_path"]`` and ``init_kwargs["add_bos_token"]``;
     without them it fails, or looks the tokenizer up on the hub.
@@ -829,3 +545,19 @@ def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
             init_kwargs["name_or_path"] = getattr(tokenizer, "name_or_path", "") or name
         init_kwargs.setdefault("add_bos_token", True)
     return tokenizer
+
+
+def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
+    """A second bridge over the base's own parameters and buffers (an adapter runs alone in
+    it): it costs the modules, not the weights, and moves with the base."""
+    model = _copy(base.original_model, share_parameters=True)
+    model.eval()
+    return adapt_bridge(
+        TransformerBridge.boot_transformers(
+            str(getattr(base.cfg, "model_name", "") or "base"),
+            hf_model=model,
+            tokenizer=base.tokenizer,
+            device=str(embedding_device(model)),
+            dtype=next(model.parameters()).dtype,
+        )
+    )

@@ -10,6 +10,7 @@ holds its factors and no second copy of the base.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -37,18 +38,7 @@ from grafting_lens.models.sources import CheckpointSource, Source, structural_co
 __all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
 
 
-def _read_through(module: nn.Module, name: str) -> Any:
-    """``module``'s attribute ``name``, or its base layer's (PEFT's LoRA layers do the same)."""
-    try:
-        return nn.Module.__getattr__(module, name)
-    except AttributeError:
-        base = module.__dict__.get("_modules", {}).get("base_layer")
-        if base is None:
-            raise
-        return getattr(base, name)
-
-
-class _LoraLayer(nn.Module):
+class _LoraLayer(nn.Module, abc.ABC):
     """A base layer and LoRA factors; attributes it lacks are read from the base layer."""
 
     def __init__(
@@ -61,26 +51,25 @@ class _LoraLayer(nn.Module):
         self.scale = float(scale)
 
     def __getattr__(self, name: str) -> Any:
-        return _read_through(self, name)
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:  # the base layer's, as PEFT's LoRA layers read it
+            base = self.__dict__.get("_modules", {}).get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
 
+    @abc.abstractmethod
     def delta(self) -> torch.Tensor:
         """``B A * scale``, laid out like ``base_layer.weight``."""
-        raise NotImplementedError
 
 
 class LoraLinear(_LoraLayer):
     """A linear layer with a LoRA update: ``base_layer(x) + B A x * scale``.
 
-    ``base_layer`` is the base's own module (``nn.Linear`` or GPT-2's ``Conv1D``), not a
-    copy. Attributes it does not have (``in_features``, ``weight``...) are read from
-    ``base_layer``, as PEFT's LoRA layers do, so code that inspects a module's shape or
-    dtype keeps working; the weight read that way is the base's, without the update.
-
-    Args:
-        base_layer: The base's linear layer.
-        lora_A: ``[r, d_in]``.
-        lora_B: ``[d_out, r]``.
-        scale: The LoRA scale.
+    ``base_layer`` is the base's own ``nn.Linear`` or ``Conv1D``; attributes this lacks
+    (``in_features``, ``weight``: the base's) are read from it, as PEFT's LoRA layers do.
+    ``lora_A`` is ``[r, d_in]``, ``lora_B`` ``[d_out, r]``.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,18 +85,9 @@ class LoraLinear(_LoraLayer):
 
 
 class LoraEmbedding(_LoraLayer):
-    """An embedding with a LoRA update: ``base_layer(ids) + (B A)^T[ids] * scale``.
-
-    The update is multiplied by the base layer's ``embed_scale`` where it has one
-    (Gemma scales its lookup by ``sqrt(d_model)``), as PEFT does, so that it equals
-    the merged model's lookup.
-
-    Args:
-        base_layer: The base's embedding.
-        lora_A: ``[r, vocab]``.
-        lora_B: ``[d_model, r]``.
-        scale: The LoRA scale.
-    """
+    """An embedding with a LoRA update: ``base_layer(ids) + (B A)^T[ids] * scale``, scaled
+    like the base's lookup where it has an ``embed_scale`` (Gemma), as PEFT does.
+    ``lora_A`` is ``[r, vocab]``, ``lora_B`` ``[d_model, r]``."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         base = self._modules["base_layer"]
@@ -147,11 +127,10 @@ class _Update:
 class _Replacement:
     """A parameter of the base that the adapter holds whole, with its new value.
 
-    ``owner`` is the module whose copy PEFT trains (``modules_to_save``): only that
-    module computes with the new value, even where the base ties the parameter to
-    another module. ``None`` is a value PEFT loads into the base's parameter itself
-    (an embedding layer saved beside an embedding adapter), which every module
-    sharing it then computes with.
+    ``owner`` is the module whose copy PEFT trains (``modules_to_save``), the only one that
+    computes with the new value even where the base ties the parameter to another; ``None``
+    is a value loaded into the base's parameter itself (an embedding layer saved beside an
+    embedding adapter), which every module sharing it computes with.
     """
 
     name: str
@@ -163,12 +142,10 @@ class _Replacement:
 class LoraSource(Source):
     """A LoRA adapter on the base, as a donor: the base's modules plus the adapter's factors.
 
-    Created by :func:`~grafting_lens.load_models` for an adapter directory or a PEFT
-    model. Its module for an adapted slot is a :class:`LoraLinear` or
-    :class:`LoraEmbedding` around the base's own module (or a copy of the base's
-    module holding a ``modules_to_save`` replacement); for any other slot, the base's
-    module itself. It runs alone (:attr:`bridge`) as a second bridge over the base's
-    own tensors with the adapted modules in place, built on first use.
+    Its module for an adapted slot is a :class:`LoraLinear` or :class:`LoraEmbedding`
+    around the base's own module (or a copy holding a ``modules_to_save`` replacement); for
+    any other slot, the base's module itself. It runs alone (:attr:`bridge`) as a second
+    bridge over the base's own tensors, built on first use.
 
     Args:
         name: The source's label.
@@ -178,9 +155,7 @@ class LoraSource(Source):
         make_bridge: Builds a bridge over the base's own tensors (for :attr:`bridge`).
 
     Raises:
-        AdapterError: A module the base lacks, a shape the base's module does not
-            have, a module no component computes, or a fused projection whose split
-            does not follow its output rows.
+        AdapterError: An adapter made for another base, or one no component computes.
     """
 
     kind = "lora"
@@ -210,11 +185,8 @@ class LoraSource(Source):
 
     @property
     def bridge(self) -> TransformerBridge:
-        """The base with the adapter: a second bridge over the base's own tensors.
-
-        Moving or casting it moves the base too (the tensors are the same): place
-        the model set with ``device=`` / ``dtype=`` of :func:`~grafting_lens.load_models`.
-        """
+        """The base with the adapter: a second bridge over the base's own tensors (moving or
+        casting it moves the base too)."""
         if self._bridge is None:
             bridge = self._make_bridge()
             for path, module in self._modules.items():
@@ -239,35 +211,30 @@ class LoraSource(Source):
     def full_bytes(self) -> int:
         return CheckpointSource(self._base, self.name).full_bytes()  # the merged model's
 
-    def floating_dtypes(self) -> set[torch.dtype]:
+    def _parameters_of(self) -> Iterable[nn.Parameter]:
         # The factors are cast to the base weight's dtype where they are applied.
-        return CheckpointSource(self._base, self.name).floating_dtypes()
+        return self._base.original_model.parameters()
 
     def _weights_state(self) -> tuple | None:
         return parameters_state(self._base.original_model)  # the factors are read-only
 
     def _fingerprint(self) -> str:
-        digest = hashlib.sha256()
-        digest.update(
-            weights_fingerprint(checkpoint_parameters(self._base.original_model)).encode()
-        )
-        for name in sorted(self.adapter.tensors):
-            tensor = self.adapter.tensors[name]
-            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
-        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
-        settings["use_rslora"] = self.adapter.config.get("use_rslora")
-        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-        return digest.hexdigest()[:16]
+        base = weights_fingerprint(checkpoint_parameters(self._base.original_model))
+        # Every value of the factors: they are small, and sampling could miss a change.
+        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:16]
 
     def content_digest(self) -> str:
-        digest = hashlib.sha256()
-        digest.update(content_digest(checkpoint_parameters(self._base.original_model)).encode())
-        digest.update(content_digest(sorted(self.adapter.tensors.items())).encode())
-        settings = {key: self.adapter.config.get(key) for key in ("lora_alpha", "alpha_pattern")}
-        settings["use_rslora"] = self.adapter.config.get("use_rslora")
-        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-        return digest.hexdigest()[:32]
+        base = content_digest(checkpoint_parameters(self._base.original_model))
+        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:32]
+
+    def _digest(self, base: str, factors: str) -> str:
+        """The base's and the factors' hashes, with the settings that scale the factors."""
+        settings = {
+            key: self.adapter.config.get(key)
+            for key in ("lora_alpha", "alpha_pattern", "use_rslora")
+        }
+        text = f"{base}{factors}{json.dumps(settings, sort_keys=True, default=str)}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:
@@ -276,9 +243,6 @@ def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:
         base = module._modules["base_layer"]
         assert base is not None
         merged = _merged_parameters(base)
-        own = [p for p in base._parameters.values() if p is not None]
-        if not own or own[0] is not base.weight:
-            raise AdapterError(f"Cannot merge the LoRA update into a {type(base).__name__}.")
         # The weight comes first among its parameters (nn.Linear, Conv1D, nn.Embedding).
         merged[0] = merged[0] + module.delta().to(merged[0])
         return merged
@@ -289,6 +253,16 @@ def _merged_parameters(module: nn.Module) -> list[torch.Tensor]:
         if child is not None
         for p in _merged_parameters(child)
     ]
+
+
+_LORA_KEYS = {  # suffix: (the factor, whether it adapts an embedding)
+    ".lora_A.weight": ("lora_A", False),
+    ".lora_B.weight": ("lora_B", False),
+    ".lora_embedding_A": ("lora_A", True),
+    ".lora_embedding_B": ("lora_B", True),
+}
+
+_MERGE_IT = "Merge it into a full checkpoint (merge_and_unload) and load that."
 
 
 class _AdaptedModules:
@@ -320,10 +294,10 @@ class _AdaptedModules:
         }
         self.replacements: list[_Replacement] = []
 
-    def _another_base(self, what: str) -> AdapterError:
+    def _another_base(self, what: str) -> str:
         named = self.adapter.base_name
         made_for = f" (its config names the base {named!r})" if named else ""
-        return AdapterError(
+        return (
             f"The adapter {self.adapter.label}{made_for} {what}: it was made for another model "
             f"than this base ({self.architecture}). Load it on the base it was trained on."
         )
@@ -336,8 +310,7 @@ class _AdaptedModules:
             if not any(id(replacement.parameter) in self._replacing(m) for m in modules):
                 raise AdapterError(
                     f"The adapter {self.adapter.label} replaces {replacement.name}, which no "
-                    "component grafts (see ModelSet.coverage()). Merge it into a full "
-                    "checkpoint (merge_and_unload) and load that."
+                    f"component grafts (see ModelSet.coverage()). {_MERGE_IT}"
                 )
         donors: dict[str, nn.Module] = {}
         # Replaced parameters (modules_to_save, saved embedding layers) first: the
@@ -374,10 +347,8 @@ class _AdaptedModules:
                 nested.setdefault(path, {})[id(module)] = self._wrap(inner, update)
             else:
                 raise AdapterError(
-                    f"The adapter {self.adapter.label} adapts {update.name} "
-                    f"({type(module).__name__}), which no component of the bridge computes: "
-                    "grafting-lens grafts adapters of the linear layers and embeddings that "
-                    "components hold (q, k, v, o, the MLP matrices, embed, unembed)."
+                    f"The adapter {self.adapter.label} adapts {update.name}, which no "
+                    f"component computes (see ModelSet.coverage()). {_MERGE_IT}"
                 )
         for path, inner_modules in nested.items():
             template = self.templates[path]
@@ -402,120 +373,94 @@ class _AdaptedModules:
         """The adapter's LoRA updates by module, and the base parameters it replaces."""
         updates: dict[str, _Update] = {}
         replacements: list[_Replacement] = []
-        lora_keys = {
-            ".lora_A.weight": ("lora_A", False),
-            ".lora_B.weight": ("lora_B", False),
-            ".lora_embedding_A": ("lora_A", True),
-            ".lora_embedding_B": ("lora_B", True),
-        }
+        problem = None
         for key, tensor in self.adapter.tensors.items():
-            for suffix, (part, embedding) in lora_keys.items():
-                if key.endswith(suffix):
-                    name = key[: -len(suffix)]
-                    if name not in self.named:
-                        raise self._another_base(f"adapts {name}, which the base lacks")
-                    update = updates.setdefault(name, _Update(name, embedding=embedding))
-                    setattr(update, part, tensor)
-                    break
-            else:
-                if ".lora_" in key:
-                    what = (
-                        "DoRA's magnitude vector"
-                        if ".lora_magnitude_vector" in key
-                        else "not one of plain LoRA's A and B factors"
-                    )
-                    raise AdapterError(
-                        f"The adapter {self.adapter.label} holds {key}, a LoRA tensor of a kind "
-                        f"grafting-lens does not compute ({what}; plain LoRA A and B only). "
-                        "Merge it into a full checkpoint (merge_and_unload) and load that."
-                    )
-                # A whole parameter: modules_to_save, the embedding layers PEFT saves
-                # beside embedding adapters (as base_layer.weight), or PEFT's copy of
-                # the base's own module beside a modules_to_save (original_module).
-                original = ".original_module." in key
-                name = key.replace(".base_layer.", ".").replace(".original_module.", ".")
-                parameter = self.parameters.get(name)
-                if parameter is None:
-                    raise self._another_base(f"holds {key}, a parameter the base lacks")
-                if tuple(tensor.shape) != tuple(parameter.shape):
-                    raise self._another_base(
-                        f"holds {key} of shape {tuple(tensor.shape)}, where the base's "
-                        f"{name} has {tuple(parameter.shape)}"
-                    )
-                value = tensor.to(device=parameter.device, dtype=parameter.dtype)
-                if torch.equal(value, parameter.detach()):
-                    continue
-                if original:
-                    raise self._another_base(
-                        f"holds {key}, its copy of the base's {name}, with other values than "
-                        "this base's"
-                    )
-                module_name = name.rpartition(".")[0]
-                owner = (
-                    self.named.get(module_name)
-                    if ".base_layer." not in key and self.adapter.saved_whole(module_name)
-                    else None
+            suffix = next((end for end in _LORA_KEYS if key.endswith(end)), None)
+            name = key[: -len(suffix)] if suffix else key
+            if suffix is not None and name in self.named:
+                part, embedding = _LORA_KEYS[suffix]
+                setattr(updates.setdefault(name, _Update(name, embedding=embedding)), part, tensor)
+                continue
+            if suffix is not None:
+                problem = self._another_base(f"adapts {name}, which the base lacks")
+                break
+            if ".lora_" in key:
+                kind = "DoRA's magnitude vector" if "magnitude" in key else "not plain LoRA A or B"
+                problem = (
+                    f"The adapter {self.adapter.label} holds {key}, a LoRA tensor of a kind "
+                    f"grafting-lens does not compute ({kind}). {_MERGE_IT}"
                 )
-                replacements.append(
-                    _Replacement(name, parameter, nn.Parameter(value, requires_grad=False), owner)
+                break
+            # A whole parameter: modules_to_save, the embedding layers PEFT saves beside
+            # embedding adapters (as base_layer.weight), or PEFT's copy of the base's own
+            # module beside a modules_to_save (original_module), which must be the base's.
+            name = key.replace(".base_layer.", ".").replace(".original_module.", ".")
+            parameter = self.parameters.get(name)
+            if parameter is None or tuple(tensor.shape) != tuple(parameter.shape):
+                where = "lacks" if parameter is None else f"holds as {tuple(parameter.shape)}"
+                problem = self._another_base(
+                    f"holds {key} {tuple(tensor.shape)}, which the base {where}"
                 )
+                break
+            value = tensor.to(device=parameter.device, dtype=parameter.dtype)
+            if torch.equal(value, parameter.detach()):
+                continue
+            if ".original_module." in key:
+                problem = self._another_base(
+                    f"holds {key}, a copy of the base's {name} with other values"
+                )
+                break
+            module_name = name.rpartition(".")[0]
+            owner = (
+                self.named.get(module_name)
+                if ".base_layer." not in key and self.adapter.saved_whole(module_name)
+                else None
+            )
+            replacements.append(
+                _Replacement(name, parameter, nn.Parameter(value, requires_grad=False), owner)
+            )
         for update in updates.values():
-            self._check(update)
+            problem = problem or self._problem(update)
+        if problem is not None:
+            raise AdapterError(problem)
         return updates, replacements
 
-    def _check(self, update: _Update) -> None:
+    def _problem(self, update: _Update) -> str | None:
+        """What makes ``update`` other than LoRA of its base module, or None (then its factors
+        are put beside the base weight, in its dtype)."""
         module = self.named[update.name]
-        if update.lora_A is None or update.lora_B is None:
-            missing = "A" if update.lora_A is None else "B"
-            raise AdapterError(
-                f"The adapter {self.adapter.label} holds LoRA B without A (or A without B) for "
-                f"{update.name} (no {missing}); its weights file is incomplete."
-            )
-        if update.lora_A.dim() != 2 or update.lora_B.dim() != 2:
-            raise AdapterError(
-                f"The adapter {self.adapter.label} adapts {update.name} with factors of "
-                f"shapes {tuple(update.lora_A.shape)} and {tuple(update.lora_B.shape)}; "
-                "grafting-lens computes LoRA of linear layers and embeddings (2-d factors)."
-            )
-        if update.embedding:
-            if not isinstance(module, nn.Embedding):
-                raise self._another_base(
-                    f"adapts {update.name} as an embedding, which in the base is a "
-                    f"{type(module).__name__}"
-                )
+        label, name = self.adapter.label, update.name
+        lora_A, lora_B = update.lora_A, update.lora_B
+        if lora_A is None or lora_B is None:
+            missing = "A" if lora_A is None else "B"
+            return f"The adapter {label} holds no {missing} for {name}: its file is incomplete. {RESAVE}"
+        if update.embedding and isinstance(module, nn.Embedding):
             d_in, d_out = module.num_embeddings, module.embedding_dim
-        elif isinstance(module, nn.Linear):
+        elif not update.embedding and isinstance(module, nn.Linear):
             d_in, d_out = module.in_features, module.out_features
-        elif isinstance(module, Conv1D):
+        elif not update.embedding and isinstance(module, Conv1D):
             d_in, d_out = module.weight.shape[0], module.weight.shape[1]
         else:
-            raise AdapterError(
-                f"The adapter {self.adapter.label} adapts {update.name}, a "
-                f"{type(module).__name__}; grafting-lens computes LoRA of linear layers "
-                "(nn.Linear, Conv1D) and embeddings."
+            return self._another_base(
+                f"adapts {name} as {'an embedding' if update.embedding else 'a linear layer'}, "
+                f"which in the base is a {type(module).__name__}"
             )
-        rank = update.lora_A.shape[0]
-        if tuple(update.lora_A.shape) != (rank, d_in) or tuple(update.lora_B.shape) != (
-            d_out,
-            rank,
-        ):
-            raise self._another_base(
-                f"adapts {update.name} with A {tuple(update.lora_A.shape)} and B "
-                f"{tuple(update.lora_B.shape)}, but the base's {update.name} maps {d_in} to "
-                f"{d_out} features (A must be [r, {d_in}], B [{d_out}, r])"
+        rank = lora_A.shape[0] if lora_A.dim() == 2 else -1
+        if tuple(lora_A.shape) != (rank, d_in) or tuple(lora_B.shape) != (d_out, rank):
+            return self._another_base(
+                f"adapts {name} with A {tuple(lora_A.shape)} and B {tuple(lora_B.shape)}, but the "
+                f"base's {name} maps {d_in} to {d_out} features (A must be [r, {d_in}], B "
+                f"[{d_out}, r])"
             )
-        expected = self.adapter.rank(update.name)
-        if rank != expected:
-            raise AdapterError(
-                f"The adapter {self.adapter.label} adapts {update.name} with factors of rank "
-                f"{rank} (A {tuple(update.lora_A.shape)}), but its config gives that module "
-                f"rank {expected} (r, or its rank_pattern entry), and the LoRA scale is "
-                "lora_alpha / rank: the config does not belong to these weights, and PEFT "
-                f"refuses to load them. {RESAVE}"
+        if rank != self.adapter.rank(name):
+            return (
+                f"The adapter {label} adapts {name} with factors of rank {rank}, but its config "
+                f"gives that module rank {self.adapter.rank(name)} (r or rank_pattern), and "
+                f"scales by lora_alpha / rank: the config is not these weights'. {RESAVE}"
             )
-        weight = module.weight
-        update.lora_A = update.lora_A.to(device=weight.device, dtype=weight.dtype)
-        update.lora_B = update.lora_B.to(device=weight.device, dtype=weight.dtype)
+        update.lora_A = lora_A.to(device=module.weight.device, dtype=module.weight.dtype)
+        update.lora_B = lora_B.to(device=module.weight.device, dtype=module.weight.dtype)
+        return None
 
     def _wrap(self, module: nn.Module, update: _Update) -> nn.Module:
         assert update.lora_A is not None and update.lora_B is not None
@@ -524,12 +469,9 @@ class _AdaptedModules:
         return kind(module, update.lora_A, update.lora_B, scale)
 
     def _rows(self, fused: FusedProjection, update: _Update) -> dict[str, torch.Tensor]:
-        """Which rows of ``B`` (outputs of the fused module) each split module computes.
-
-        The bridge's split function runs on a stand-in whose weight holds each
-        output's row number in every entry; a split module's row ``i`` then holds the
-        fused output it computes. Checked against the base's own split modules.
-        """
+        """Which rows of ``B`` (outputs of the fused module) each split module computes: the
+        bridge's split function runs on a weight holding each output's row number, checked
+        against the base's own split modules."""
         template = fused.fused(self.base)
         weight = template.weight
         bias = getattr(template, "bias", None)
@@ -561,10 +503,8 @@ class _AdaptedModules:
             ):
                 raise AdapterError(
                     f"The adapter {self.adapter.label} adapts {update.name}, which the bridge "
-                    f"splits into {', '.join(fused.children)} in a way that does not select "
-                    "whole output rows, so the adapter's B cannot be split with it. Merge the "
-                    "adapter into a full checkpoint (merge_and_unload) and load that, and "
-                    "please report the architecture."
+                    f"splits into {', '.join(fused.children)} other than by output rows: its B "
+                    f"cannot be split alike. {_MERGE_IT}"
                 )
             rows[child] = index.to(update.lora_B.device)
         return rows

@@ -1,14 +1,8 @@
 """The model set: aligned checkpoints, index 0 the base, that grafts and patches run on.
 
-Grafting needs two or more checkpoints of one architecture: index 0 is the
-*base* (usually the pretrained model), index 1 the *donor* (usually the
-finetuned one), further indices any other checkpoint (the paper's hybrid
-experiments use pretrained, task and relation models). Each is a TransformerLens 4.x
-``TransformerBridge`` loaded **without weight processing** (see
+Each source is a ``TransformerBridge`` loaded without weight processing (see
 :mod:`grafting_lens.models.loading`), or a source a graft reads modules from (see
-:mod:`grafting_lens.models.sources`): a LoRA adapter grafted as the base's weights plus
-its factors, or a checkpoint directory read lazily, component by component.
-:meth:`ModelSet.memory` says what each source holds.
+:mod:`grafting_lens.models.sources`): a LoRA adapter, or a checkpoint read lazily.
 """
 
 from __future__ import annotations
@@ -20,50 +14,29 @@ import pandas as pd
 import torch
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import (
-    AlignmentError,
-    GraftingLensError,
-    TokenError,
-)
-from grafting_lens.models.alignment import _placement
-from grafting_lens.models.components import (
-    ComponentLayout,
-    Key,
-    Slot,
-    component_layout,
-)
-from grafting_lens.models.sources import (
-    CheckpointSource,
-    LazySource,
-    Source,
-    tensor_bytes,
-)
+from grafting_lens.core.errors import AlignmentError, GraftingLensError, TokenError
+from grafting_lens.models.alignment import check_placement
+from grafting_lens.models.components import ComponentLayout, Key, Slot, component_layout
+from grafting_lens.models.sources import CheckpointSource, LazySource, Source, tensor_bytes
 
 
 class ModelSet(Sequence[TransformerBridge]):
     """Aligned checkpoints, index 0 the base; a sequence of ``TransformerBridge``.
 
-    Create one with :func:`load_models`. ``models[i]`` is source ``i`` as a model
-    that runs alone; ``models.base`` is ``models[0]``, the model every grafted run
-    goes through. ``models.sources[i]`` is the source itself (see
-    :mod:`grafting_lens.models.sources`): a checkpoint in memory, a lazily loaded one or a
-    LoRA adapter, which grafts ask for their modules. ``models[i]`` (and iterating)
-    gives each source as a model that runs alone: a LoRA adapter's is built on first
-    use over the base's tensors; iterating a set with a lazily loaded donor is refused
-    (it would read the donor whole as a side effect); ``models[i]`` reads it whole, with a
-    :class:`~grafting_lens.core.errors.LazyLoadWarning`, or refused if it was declared for some
-    components only. Grafts never need it.
+    Create one with :func:`load_models`. ``models.base`` (``models[0]``) is the model every
+    grafted run goes through; ``models.sources[i]`` is source ``i`` as grafts see it (see
+    :mod:`grafting_lens.models.sources`), ``models[i]`` as a model that runs alone: built on
+    first use for a LoRA adapter, read whole for a lazily loaded donor (with a
+    :class:`~grafting_lens.core.errors.LazyLoadWarning`; refused when it was declared for
+    some components only). Iterating a set whose lazy donors are unread is refused: it
+    would read them whole as a side effect.
 
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
-        tokenizer: The shared tokenizer (the base's).
-        allow_uncovered: Whether a graft may take every component around weights that
-            no component covers (see :meth:`coverage`). False by default: such a
-            graft raises :class:`~grafting_lens.core.errors.ComponentError`.
-        graftable: The ``(component, layer)`` pairs donors may be grafted at, as
-            declared to :func:`load_models` (``components=`` / ``layers=``), or None
-            for every pair. A graft taking any other pair from a donor raises
-            :class:`~grafting_lens.core.errors.GraftMaskError`.
+        allow_uncovered: Whether a graft may take every component around weights that no
+            component covers (see :meth:`coverage`).
+        graftable: The ``(component, layer)`` pairs donors may be grafted at, as declared
+            to :func:`load_models` (``components=`` / ``layers=``), or None for every pair.
     """
 
     def __init__(
@@ -106,9 +79,7 @@ class ModelSet(Sequence[TransformerBridge]):
         return len(self._sources)
 
     def __iter__(self) -> Iterator[TransformerBridge]:
-        # Walking the set must not read a lazily loaded donor whole as a side effect
-        # (``list(models)``, ``for model in models``, ``model in models``): refuse, and
-        # say how to ask for it on purpose.
+        # ``list(models)``, ``model in models``: never read a lazy donor whole on the side.
         unread = [
             f"{index} ({self.names[index]})"
             for index, source in enumerate(self._sources)
@@ -117,9 +88,8 @@ class ModelSet(Sequence[TransformerBridge]):
         if unread:
             raise GraftingLensError(
                 f"Iterating this model set would read its lazily loaded source(s) "
-                f"{', '.join(unread)} whole. Walk models.sources instead (each grafts what a "
-                "graft takes, nothing more), or read one on purpose with models[i] (a "
-                "LazyLoadWarning says so)."
+                f"{', '.join(unread)} whole: walk models.sources instead, or read one on "
+                "purpose with models[i]."
             )
         return (source.bridge for source in self._sources)
 
@@ -143,18 +113,12 @@ class ModelSet(Sequence[TransformerBridge]):
     def memory(self) -> pd.DataFrame:
         """What each source holds in memory, against what it would hold whole and on disk.
 
-        Tensors several sources share (a LoRA donor computes with the base's weights)
-        count once, for the first source that holds them; views of one tensor (the
-        bridge's Q, K and V cut out of GPT-2's fused matrix) count once.
-
         Returns:
-            One row per source, with columns ``source``, ``name``, ``kind``
-            (``checkpoint``, ``lazy`` or ``lora``), ``resident_bytes`` (held now, not
-            counted for an earlier source), ``declared_bytes`` (a lazily loaded donor
-            declared for some components: what those take once read; ``<NA>``
-            otherwise), ``full_bytes`` (the checkpoint whole in memory; for an
-            adapter, the merged model) and ``disk_bytes`` (its weight files, ``<NA>``
-            for an in-memory model).
+            One row per source: ``source``, ``name``, ``kind`` (``checkpoint``, ``lazy``,
+            ``lora``), ``resident_bytes`` (held now; a tensor shared with an earlier source,
+            or a view of one, counts once), ``declared_bytes`` (a lazy donor declared for some
+            components: what those take once read), ``full_bytes`` (whole in memory; an
+            adapter's merged model) and ``disk_bytes`` (its weight files).
         """
         counted: set[int] = set()
         rows = [
@@ -196,12 +160,7 @@ class ModelSet(Sequence[TransformerBridge]):
 
     @property
     def pairs(self) -> tuple[tuple[str, int | None], ...]:
-        """Every ``(component, layer)`` pair of the architecture, as masks address them.
-
-        Usually every per-layer component at every layer; a stack that interleaves
-        dense and mixture-of-experts blocks has ``mlp_in`` at some layers and
-        ``experts`` at others.
-        """
+        """Every ``(component, layer)`` pair of the architecture, as masks address them."""
         return tuple(self._layout.slots)
 
     @property
@@ -216,19 +175,14 @@ class ModelSet(Sequence[TransformerBridge]):
     def coverage(self) -> pd.DataFrame:
         """Every parameter of the checkpoint and the component that grafts it.
 
-        Each parameter belongs to exactly one component, or to several that share it
-        (tied embeddings: ``embed+unembed``; a fused QKV matrix, which the bridge
-        splits: ``q+k+v``). A parameter no component covers is one a graft cannot
-        take from a donor; a graft that takes every component around it (``all``,
-        ``block``, ``attn`` or ``ffn`` at its layer) raises
-        :class:`~grafting_lens.core.errors.ComponentError` unless :attr:`allow_uncovered`.
+        A parameter no component covers cannot be taken from a donor: a graft that takes
+        every component around it raises :class:`~grafting_lens.core.errors.ComponentError`
+        unless :attr:`allow_uncovered`.
 
         Returns:
-            One row per checkpoint parameter, with columns ``parameter`` (its name in
-            the checkpoint), ``component`` (``+``-joined components, empty when
-            uncovered), ``layer`` (an integer column, ``<NA>`` outside the blocks),
-            ``path`` (the bridge path that holds it), ``shape``, ``size`` (number of
-            values) and ``covered``.
+            One row per checkpoint parameter: ``parameter``, ``component`` (``+``-joined when
+            shared: ``embed+unembed``, ``q+k+v``; empty when uncovered), ``layer``
+            (``<NA>`` outside the blocks), ``path``, ``shape``, ``size`` and ``covered``.
         """
         frame = pd.DataFrame(
             [
@@ -250,27 +204,9 @@ class ModelSet(Sequence[TransformerBridge]):
 
     @property
     def max_positions(self) -> int | None:
-        """How many positions the model can embed, for learned position embeddings (GPT-2).
-
-        ``None`` for models without a ``pos_embed`` component (rotary models), which
-        have no hard limit.
-        """
-        if "pos_embed" not in self.components:
-            return None
-        return int(self.base.cfg.n_ctx)
-
-    def check_length(self, length: int) -> None:
-        """Refuse sequences longer than the learned position embeddings.
-
-        Raises:
-            TokenError: ``length`` exceeds :attr:`max_positions`.
-        """
-        limit = self.max_positions
-        if limit is not None and length > limit:
-            raise TokenError(
-                f"The tokens have {length} positions, but {self.architecture} learned position "
-                f"embeddings for {limit}: truncate or split the prompts to at most {limit} tokens."
-            )
+        """How many positions the model embeds, for learned position embeddings (GPT-2);
+        ``None`` for models without a ``pos_embed`` component (rotary models)."""
+        return int(self.base.cfg.n_ctx) if "pos_embed" in self.components else None
 
     @property
     def device(self) -> torch.device:
@@ -280,8 +216,9 @@ class ModelSet(Sequence[TransformerBridge]):
     def check_tokens(self, tokens: object, name: str = "tokens") -> tuple[int, int]:
         """Check that ``tokens`` is a ``[batch, pos]`` tensor of ids this model set can run.
 
-        The one token check of the package: grafts, patches, comparisons and the
-        experiment runner all call it, so a bad tensor reads the same everywhere.
+        The one token check of the package: grafts, patches, comparisons and the runner call
+        it. Any integer dtype is accepted; the functions that run tokens widen them with
+        :func:`token_ids`.
 
         Args:
             tokens: The candidate token ids.
@@ -290,89 +227,86 @@ class ModelSet(Sequence[TransformerBridge]):
         Returns:
             ``(batch, pos)``.
 
-        Any integer dtype is accepted (``uint8`` and ``int16`` ids included); the
-        functions that run tokens widen them with :func:`token_ids`, since torch's
-        embedding takes ``int64`` and ``int32`` only.
-
         Raises:
-            TokenError: Not a two-dimensional tensor, not integer ids, empty, an id
-                outside the vocabulary, or more positions than the model learned
-                position embeddings for (:meth:`check_length`).
+            TokenError: Not a two-dimensional tensor of integer ids with values, empty, an
+                id outside the vocabulary, or more positions than :attr:`max_positions`.
         """
+        message = None
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
             got = (
                 f"shape {list(tokens.shape)}"
                 if isinstance(tokens, torch.Tensor)
                 else type(tokens).__name__
             )
-            raise TokenError(
+            message = (
                 f"{name} must be a [batch, pos] tensor of token ids (models.base.to_tokens(...) "
                 f"or the tokenizer), got {got}."
             )
-        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-            raise TokenError(f"{name} must hold integer token ids, got {tokens.dtype}.")
-        if tokens.numel() == 0:
-            raise TokenError(
-                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row "
-                "of at least one token. Check the tokenization (an empty prompt, or a slice "
-                "past the end)."
+        elif tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            message = f"{name} must hold integer token ids, got {tokens.dtype}."
+        elif tokens.numel() == 0:
+            message = (
+                f"{name} is empty (shape {list(tokens.shape)}): a run needs at least one row of "
+                "at least one token. Check the tokenization (an empty prompt?)."
             )
-        vocab = int(self.base.cfg.d_vocab)
-        # torch has no min/max for its unsigned types wider than 8 bits: compare as int64.
-        ids = token_ids(tokens)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= vocab:
-            raise TokenError(
-                f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; got "
-                f"{low}..{high}."
-            )
-        self.check_length(int(tokens.shape[1]))
+        elif tokens.device.type == "meta":
+            message = f"{name} is on the meta device, which holds no values: make it on the CPU."
+        else:
+            vocab, limit = int(self.base.cfg.d_vocab), self.max_positions
+            ids = token_ids(tokens)  # torch has no min/max for wide unsigned types
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                message = (
+                    f"Token ids in {name} must lie in 0..{vocab - 1}, the model's vocabulary; "
+                    f"got {low}..{high}."
+                )
+            elif limit is not None and tokens.shape[1] > limit:
+                message = (
+                    f"The tokens have {tokens.shape[1]} positions, but {self.architecture} "
+                    f"learned position embeddings for {limit}: truncate or split the prompts."
+                )
+        if message is not None:
+            raise TokenError(message)
+        assert isinstance(tokens, torch.Tensor)
         return (int(tokens.shape[0]), int(tokens.shape[1]))
 
-    def check_placement(self, indices: Iterable[int], what: str = "This run") -> None:
-        """Refuse sources cast or moved since :func:`load_models` placed them alike.
+    def check_placement(
+        self, sources: Iterable[int], what: str = "This run", *, pairs: Iterable[Key] | None = None
+    ) -> None:
+        """Refuse sources cast or moved since :func:`~grafting_lens.load_models` placed them.
 
-        Load time checks that every parameter shares the base's dtype and device; a
-        model cast or moved afterwards (``models.base.half()``, ``models[1].to("cuda")``)
-        would fail inside torch naming neither, or run on in another precision. Each
-        source's set of (dtype, device) over its floating parameters must be the base's.
-        Grafts check the modules they take instead, without building any source's model.
+        The one placement check (:func:`~grafting_lens.models.alignment.check_placement`),
+        which every run makes before its first forward pass.
 
         Args:
-            indices: The sources a run uses (each runs alone, as a model).
+            sources: The sources a run uses (the base, 0, is the reference).
             what: What runs them, for the message.
+            pairs: The ``(component, layer)`` pairs a graft takes from them: only their
+                modules are compared, and no source is read whole. ``None``: each source's
+                whole model, as a run of it alone uses it.
 
         Raises:
-            AlignmentError: A source whose parameters are of another dtype or on another
-                device than the base's.
+            AlignmentError: A tensor of another dtype or on another device than the base's.
         """
-        placements = {0: _placement(self.base)}
-        for index in indices:
-            if index not in placements:
-                placements[index] = _placement(self[index])
-            if placements[index] != placements[0]:
-                found = ", ".join(f"{dtype} on {device}" for dtype, device in placements[index])
-                base = ", ".join(f"{dtype} on {device}" for dtype, device in placements[0])
-                raise AlignmentError(
-                    f"{what} runs source {index} ({self.names[index]}), whose weights are "
-                    f"{found}, and the base's are {base}: the sources of a model set must share "
-                    "a dtype and a device, and one was cast or moved after load_models "
-                    "(models.base.half(), models[1].to('cuda')...). Load the model set with "
-                    "load_models(..., dtype=..., device=...), which places every source alike, "
-                    "or cast and move every source the same way."
-                )
+        for index in sorted(set(sources) - {0}):
+            label = f"{what}: source {index} ({self.names[index]})"
+            if pairs is None:
+                check_placement(self.base, self[index], label)
+                continue
+            for component, layer in pairs:
+                where = component if layer is None else f"{component} at layer {layer}"
+                for slot in self.slots(component, layer):
+                    source = self._sources[index].module(slot)
+                    check_placement(slot.module(self.base), source, f"{label}'s {where}")
 
     def weight_diff(self) -> pd.DataFrame:
-        """Relative change of every component in every source against the base.
-
-        For source ``i`` and component ``c`` (at a layer), the figure is
-        ``||theta_i - theta_0|| / ||theta_0||`` over all of ``c``'s parameters: a
-        first look at what finetuning moved, and where a graft can matter.
+        """Relative change ``||theta_i - theta_0|| / ||theta_0||`` of every component of every
+        donor: a first look at what finetuning moved, and where a graft can matter.
 
         Returns:
-            One row per source (1..n-1), component and layer, with columns
-            ``source``, ``name``, ``component``, ``layer`` (an integer column;
-            ``<NA>`` for global components), ``relative_change`` and ``base_norm``.
+            One row per source (1..n-1), component and layer: ``source``, ``name``,
+            ``component``, ``layer`` (``<NA>`` for global components), ``relative_change``,
+            ``base_norm``.
         """
         rows = []
         for source in range(1, len(self)):
@@ -398,13 +332,8 @@ class ModelSet(Sequence[TransformerBridge]):
 
 
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is.
-
-    :meth:`ModelSet.check_tokens` accepts ids of any integer dtype; every function that
-    runs them passes them through this first, so that ``uint8`` or ``int16`` ids (a
-    compact dataset on disk) run as the same ids instead of failing inside the
-    embedding.
-    """
+    """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is, so
+    that ``uint8`` or ``int16`` ids (a compact dataset) run as the same ids."""
     if tokens.dtype in (torch.int64, torch.int32):
         return tokens
     return tokens.to(torch.int64)

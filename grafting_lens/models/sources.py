@@ -1,59 +1,34 @@
 """What a source of weights is: a checkpoint in memory, one read from disk on first use, or an adapter.
 
-A :class:`~grafting_lens.ModelSet` holds *sources*: the base (index 0) and the
-donors. A graft asks each source one question per slot of the bridge tree (see
-:mod:`grafting_lens.models.components`): which module computes this slot for you? Anything
-that can answer is a source, and the answer need not be a whole model in memory:
-
-* :class:`CheckpointSource`: a checkpoint loaded whole, as a ``TransformerBridge``;
-  its module for a slot is the one in its own tree. The base is always one.
-* :class:`LazySource`: a checkpoint directory of safetensors files, opened without
-  reading its weights. Its module for a slot is built on first use: a copy of the
-  base's module (same class, same settings, buffers shared) holding the donor's
-  tensors, read from disk once and kept. A graft of the O projection and MLP in the
-  last half of the layers reads those and nothing else. Each read first checks that
-  the file is still the one opened at load time, and refuses if it changed.
-* :class:`~grafting_lens.models.lora_source.LoraSource` (in :mod:`grafting_lens.models.lora_source`): a
-  LoRA adapter on the base. Its module for an adapted slot computes
-  ``W x + B A x * scale`` from the base's own weight and the adapter's factors; for
-  every other slot it is the base's module. No merged copy of the donor exists.
-
-Every source can also run alone, as :attr:`Source.bridge`: patching, scoring and
-every TransformerLens tool run a donor that way. A checkpoint source is its bridge;
-an adapter runs as a second bridge over the base's own tensors with the adapted
-modules in place; a lazily loaded donor is loaded whole on first use, with a
-:class:`~grafting_lens.core.errors.LazyLoadWarning`, unless it was declared for some
-components only, in which case running it alone is refused.
-
-What each source holds is measured the same way for all of them
-(:meth:`~grafting_lens.models.model_set.ModelSet.memory`): the bytes of the distinct tensors it keeps
-in memory, where tensors the base holds too (an adapter's shared weights) count once,
-for the base. :meth:`Source.fingerprint` summarises a source's weights in a short
-hash, equal for the same checkpoint however it was loaded.
+A :class:`~grafting_lens.ModelSet` holds *sources*, the base (index 0) and the donors, and a
+graft asks each one question per slot of the bridge tree: which module computes this slot
+for you? A :class:`CheckpointSource` (the base is one) answers with its own bridge's module;
+a :class:`LazySource` with a copy of the base's module holding the donor's tensors, read
+from safetensors files on first use (:mod:`grafting_lens.models.checkpoint_files`); a
+:class:`~grafting_lens.models.lora_source.LoraSource` with a module computing ``W x + B A x
+* scale`` from the base's own weight. Every source also runs alone, as
+:attr:`Source.bridge`: an adapter as a second bridge over the base's tensors, a lazy donor
+read whole on first use (with a :class:`~grafting_lens.core.errors.LazyLoadWarning`).
 """
 
 from __future__ import annotations
 
+import abc
 import copy
 import hashlib
-import json
-import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO, ClassVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
 from grafting_lens.core.errors import GraftingLensError, LazyLoadWarning
+from grafting_lens.models.checkpoint_files import SafetensorsCheckpoint
 from grafting_lens.models.components import (
     FusedProjection,
     Slot,
-    checkpoint_modules,
     checkpoint_parameters,
     fused_projections,
 )
@@ -65,64 +40,11 @@ from grafting_lens.models.fingerprints import (
     weights_fingerprint,
 )
 
-__all__ = [
-    "CheckpointSource",
-    "LazySource",
-    "SafetensorsCheckpoint",
-    "Source",
-    "structural_copy",
-    "tensor_bytes",
-    "weights_fingerprint",  # re-exported from grafting_lens.models.fingerprints
-]
+__all__ = ["CheckpointSource", "LazySource", "Source", "structural_copy", "tensor_bytes"]
 
 
-SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-"""The files in which a sharded checkpoint lists its shards."""
-
-
-def shard_files(directory: Path, index_name: str) -> list[str]:
-    """The shards a checkpoint's index lists, each an entry of ``directory`` itself.
-
-    An index is a file like any other in a directory that may come from anywhere: a
-    shard named with a directory part, ``..`` or an absolute path would read weights
-    from wherever the index says, and is refused. An entry of the directory that is a
-    link is taken, as any file of it is: the Hugging Face cache keeps every file of a
-    snapshot as a link into its ``blobs/``, and a link is made by whoever made the
-    directory, not named by the index.
-
-    Raises:
-        GraftingLensError: The index is not JSON with a ``weight_map`` of file names,
-            or names a shard outside the checkpoint directory.
-    """
-    index = directory / index_name
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise TypeError("weight_map is not a non-empty mapping")
-        files = sorted({str(file) for file in weight_map.values()})
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise GraftingLensError(
-            f"{index} cannot be read as a shard index ({type(error).__name__}: {error}); it "
-            "must be JSON with a 'weight_map' of tensor names to shard files, as save_pretrained "
-            "writes it. Save the checkpoint again."
-        ) from None
-    for file in files:
-        if Path(file).name != file or file in ("", ".", "..") or "\\" in file:
-            raise GraftingLensError(
-                f"{index} lists the shard {file!r}, which is not a file of {directory} itself; "
-                "grafting-lens reads no weights from outside a checkpoint's directory. Save the "
-                "checkpoint again, or put its shards beside the index."
-            )
-    return files
-
-
-class Source:
+class Source(abc.ABC):
     """One checkpoint of a model set, as a graft and a run see it.
-
-    Subclasses answer four questions: the module that computes a slot
-    (:meth:`module`), the values of its parameters (:meth:`weights`), a model that
-    runs the source alone (:attr:`bridge`), and what it holds in memory
-    (:meth:`resident_tensors`).
 
     Attributes:
         kind: ``"checkpoint"``, ``"lazy"`` or ``"lora"``.
@@ -138,34 +60,38 @@ class Source:
         return f"{type(self).__name__}({self.name!r})"
 
     @property
+    @abc.abstractmethod
     def bridge(self) -> TransformerBridge:
         """A model that runs this source alone (``models[i]``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def module(self, slot: Slot) -> nn.Module:
         """The module that computes ``slot`` for this source (read from disk on first use)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def weights(self, slot: Slot) -> list[torch.Tensor]:
-        """The values of ``slot``'s parameters for this source.
+        """The values of ``slot``'s parameters, in the order and shapes of the base module's
+        (an adapter's merged ``W + B A * scale``; a lazy donor's read, not kept)."""
 
-        In the order of the base module's parameters, each the shape of the base's:
-        an adapter's merged weight ``W + B A * scale``, for one slot at a time. A
-        lazily loaded donor reads the slot's tensors without keeping them.
-        """
-        raise NotImplementedError
-
+    @abc.abstractmethod
     def resident_tensors(self) -> list[torch.Tensor]:
         """The tensors this source holds in memory now (those it shares included)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def full_bytes(self) -> int:
         """Bytes of this checkpoint held whole in memory (for an adapter: the merged model)."""
-        raise NotImplementedError
+
+    @abc.abstractmethod
+    def content_digest(self) -> str:
+        """A hash of every value of this source's weights, equal for the same checkpoint loaded
+        whole or lazily: what a run directory compares before it reuses stored results."""
+
+    @abc.abstractmethod
+    def _fingerprint(self) -> str: ...
 
     def floating_dtypes(self) -> set[torch.dtype]:
         """The dtypes this source computes its weights in, without loading any."""
-        raise NotImplementedError
+        return {p.dtype for p in self._parameters_of() if p.is_floating_point()}
 
     def declared_bytes(self) -> int | None:
         """Bytes this source loads at most under its declaration, or None when undeclared."""
@@ -177,16 +103,9 @@ class Source:
         return None
 
     def fingerprint(self) -> str:
-        """A short hash of this source's weights (see :func:`weights_fingerprint`).
-
-        The one hash of a source's weights grafting-lens keeps (a run directory's
-        fingerprint is made of it). Equal for the same checkpoint loaded whole or
-        lazily, and lazy-safe: a lazily loaded donor is sampled from its files, never
-        read whole. An adapter's combines the base's with its own factors and scales.
-        Cheap: it reads 64 values of each tensor, not every value, so it tells
-        checkpoints apart (a finetune moves every sampled value of what it trains), not
-        every edit of one weight. Kept until a parameter is replaced or changed in place.
-        """
+        """A short hash of 64 values of each weight tensor (see
+        :mod:`~grafting_lens.models.fingerprints`), equal for the same checkpoint loaded whole
+        or lazily, kept until a parameter is replaced or changed in place."""
         state = self._weights_state()
         known = self.__dict__.get("_fingerprinted")
         if known is None or state is None or known[0] != state:
@@ -194,33 +113,17 @@ class Source:
             self.__dict__["_fingerprinted"] = known
         return known[1]
 
-    def _fingerprint(self) -> str:
-        raise NotImplementedError
-
-    def content_digest(self) -> str:
-        """A hash of every value of this source's weights (see :func:`content_digest`).
-
-        Exact where :meth:`fingerprint` samples: what a run directory compares before it
-        reuses stored results, so that an edit of one weight is a different run. Reads
-        every tensor once, one at a time; a lazily loaded donor's are read from its
-        files and dropped, never kept. Equal for the same checkpoint loaded whole or
-        lazily.
-        """
-        raise NotImplementedError
-
     def _weights_state(self) -> tuple | None:
         """What, changed, changes the fingerprint (``None``: unknown, so never kept)."""
         return ()
 
+    def _parameters_of(self) -> Iterable[nn.Parameter]:
+        """The base's or this checkpoint's parameters, whose dtypes this source computes in."""
+        return self.bridge.original_model.parameters()
+
 
 class CheckpointSource(Source):
-    """A checkpoint loaded whole, as a ``TransformerBridge``; the base is always one.
-
-    Args:
-        bridge: The loaded model (unprocessed weights).
-        name: Its label.
-        disk_bytes: Bytes of the weight files it was read from, if known.
-    """
+    """A checkpoint loaded whole, as a ``TransformerBridge``; the base is always one."""
 
     kind = "checkpoint"
 
@@ -248,10 +151,6 @@ class CheckpointSource(Source):
     def full_bytes(self) -> int:
         return tensor_bytes(self.resident_tensors())
 
-    def floating_dtypes(self) -> set[torch.dtype]:
-        parameters = self._bridge.original_model.parameters()
-        return {p.dtype for p in parameters if p.is_floating_point()}
-
     @property
     def disk_bytes(self) -> int | None:
         return self._disk_bytes
@@ -266,379 +165,15 @@ class CheckpointSource(Source):
         return parameters_state(self._bridge.original_model)
 
 
-@dataclass(frozen=True)
-class _FileIdentity:
-    """What tells a file apart from the one opened earlier at its path."""
-
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-
-    @classmethod
-    def of(cls, status: os.stat_result) -> _FileIdentity:
-        return cls(status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev)
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """Where one tensor lies in its file, as the file's header says."""
-
-    file: str
-    stored: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # absolute offsets in the file
-    end: int
-
-
-class SafetensorsCheckpoint:
-    """The weight files of a checkpoint directory, opened without reading a tensor.
-
-    ``model.safetensors``, or the shards a ``model.safetensors.index.json`` lists.
-    Names, shapes and dtypes come from the files' headers; :meth:`tensor` reads one
-    tensor from disk into memory of its own.
-
-    Each file's identity (size, modification time, inode and device) is recorded when
-    it is opened, and checked before and after every read: a file replaced, rewritten
-    or truncated since would give later reads another checkpoint than the one loaded,
-    and is refused with an error naming it. No file stays memory-mapped, so a file
-    truncated under a tensor already read cannot kill the process (a memory-mapped
-    page past a file's end raises SIGBUS), and tensors already read keep the values
-    the checkpoint had when it was loaded.
-
-    Tensors are named as the model names its parameters: transformers renames some
-    when it loads a checkpoint (NeoX's ``embed_out`` is the model's ``lm_head``), and
-    :class:`SafetensorsCheckpoint` applies the same renamings, taken from
-    transformers itself, when given the model class. Tensors transformers *converts*
-    on load (experts stored apart and fused in the model) are listed in
-    :attr:`converted`; they cannot be read as they are stored.
-
-    Args:
-        directory: A directory written by ``save_pretrained`` with safetensors weights.
-        model: A model of the checkpoint's class (the base), whose loading renamings
-            apply; None reads the names as stored.
-
-    Attributes:
-        shapes: Shape of every tensor, by the model's name for it.
-        dtypes: Dtype of every tensor as stored, by the model's name for it.
-        converted: Names (as stored) of tensors transformers converts on load.
-        disk_bytes: Total size of the weight files.
-
-    Raises:
-        GraftingLensError: The directory holds no safetensors weights (only
-            ``pytorch_model.bin``, which cannot be read a tensor at a time), its
-            weights file or a shard is missing or a link to nothing, its index cannot
-            be read, or a file is not a whole safetensors file (truncated, damaged).
-    """
-
-    def __init__(self, directory: str | os.PathLike, model: nn.Module | None = None) -> None:
-        self.directory = Path(directory)
-        index = self.directory / "model.safetensors.index.json"
-        single = self.directory / "model.safetensors"
-        for path in (index, single):
-            if path.is_symlink() and not path.exists():
-                raise GraftingLensError(
-                    f"{path} is a link to {os.readlink(path)!r}, which does not exist (a "
-                    "download cleaned up half-way, or a cache whose files were deleted). "
-                    "Download or save the checkpoint again."
-                )
-        if index.is_file():
-            files = shard_files(self.directory, index.name)
-        elif single.is_file():
-            files = [single.name]
-        else:
-            found = sorted(p.name for p in self.directory.glob("*.bin"))
-            raise GraftingLensError(
-                f"{str(self.directory)!r} holds no safetensors weights"
-                + (f" (only {', '.join(found)})" if found else "")
-                + ", so it cannot be loaded lazily: lazy loading reads tensors from "
-                "safetensors files. Save it again with save_pretrained (safetensors is the "
-                "default), or load it whole (lazy=False)."
-            )
-        self._identities: dict[str, _FileIdentity] = {}
-        entries: list[_Entry] = []
-        for file in files:
-            path = self.directory / file
-            if not path.is_file():
-                raise GraftingLensError(
-                    f"{index} lists the shard {file!r}, which {self.directory} does not hold"
-                    + (" (it is a link to a file that does not exist)" if path.is_symlink() else "")
-                    + ". Download or save the checkpoint again, with all its shards."
-                )
-            with open(path, "rb") as handle:
-                identity = _FileIdentity.of(os.fstat(handle.fileno()))
-                entries += _read_header(handle, path, file, identity.size)
-            self._identities[file] = identity
-        self._where: dict[str, _Entry] = {}  # by the model's name
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
-        self.converted: list[str] = []
-        renamed = _loading_names([entry.stored for entry in entries], model)
-        for entry in entries:
-            model_name = renamed.get(entry.stored)
-            if model_name is None:
-                self.converted.append(entry.stored)
-                continue
-            self._where[model_name] = entry
-            self.shapes[model_name] = entry.shape
-            self.dtypes[model_name] = _DTYPES.get(entry.dtype, torch.uint8)
-        self.disk_bytes = sum(identity.size for identity in self._identities.values())
-
-    def names(self) -> list[str]:
-        """Every tensor name, as the model names it (converted tensors excluded)."""
-        return list(self.shapes)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by the model's name for it, read from its file into memory of its own.
-
-        Raises:
-            GraftingLensError: Its file changed since the checkpoint was opened, or is
-                not the whole file it was (naming the file and the fix).
-        """
-        entry = self._where[name]
-        dtype = self._dtype(entry)
-        data = bytearray(entry.end - entry.begin)
-        with self._open(entry.file) as handle:
-            self._read_into(handle, entry, entry.begin, memoryview(data))
-        return _as_tensor(data, dtype).reshape(entry.shape)
-
-    def sample(self, name: str, indices: Sequence[int]) -> torch.Tensor:
-        """Values of one tensor at flat ``indices``, read one by one (no tensor is read whole).
-
-        Raises:
-            GraftingLensError: As :meth:`tensor`.
-        """
-        entry = self._where[name]
-        dtype = self._dtype(entry)
-        size = dtype.itemsize
-        data = bytearray(len(indices) * size)
-        view = memoryview(data)
-        with self._open(entry.file) as handle:
-            for at, index in enumerate(indices):
-                offset = entry.begin + index * size
-                self._read_into(handle, entry, offset, view[at * size : (at + 1) * size])
-        return _as_tensor(data, dtype)
-
-    def check(self) -> None:
-        """Refuse when a weight file changed since the checkpoint was opened.
-
-        Raises:
-            GraftingLensError: Naming the file, what changed, and the fix.
-        """
-        for file in self._identities:
-            try:
-                status = os.stat(self.directory / file)
-            except OSError as error:
-                raise self._changed(file, f"it cannot be opened ({error.strerror})") from None
-            self._check_identity(file, status)
-
-    def nbytes(self, name: str, dtype: torch.dtype | None = None) -> int:
-        """Bytes of one tensor in memory, in ``dtype`` (default: its dtype on disk)."""
-        numel = 1
-        for size in self.shapes[name]:
-            numel *= size
-        return numel * (dtype or self.dtypes[name]).itemsize
-
-    # ------------------------------------------------------------------ internals
-
-    @contextmanager
-    def _open(self, file: str) -> Iterator[BinaryIO]:
-        """The file, opened unbuffered, checked against its identity when opened."""
-        try:
-            handle = open(self.directory / file, "rb", buffering=0)  # noqa: SIM115
-        except OSError as error:
-            raise self._changed(file, f"it cannot be opened ({error.strerror})") from None
-        with handle:
-            self._check_identity(file, os.fstat(handle.fileno()))
-            yield handle
-            # A write while the bytes were read changes the file's identity too.
-            self._check_identity(file, os.fstat(handle.fileno()))
-
-    def _read_into(self, handle: BinaryIO, entry: _Entry, offset: int, target: memoryview) -> None:
-        handle.seek(offset)
-        done = 0
-        while done < len(target):
-            count = handle.readinto(target[done:])  # type: ignore[attr-defined]
-            if not count:
-                raise self._changed(
-                    entry.file,
-                    f"it ends before the bytes of {entry.stored} (it was truncated)",
-                )
-            done += count
-
-    def _dtype(self, entry: _Entry) -> torch.dtype:
-        dtype = _DTYPES.get(entry.dtype)
-        if dtype is None:
-            raise GraftingLensError(
-                f"{self.directory / entry.file} stores {entry.stored} as {entry.dtype}, a dtype "
-                "grafting-lens cannot read a tensor at a time. Load the checkpoint whole "
-                "(lazy=False)."
-            )
-        return dtype
-
-    def _check_identity(self, file: str, status: os.stat_result) -> None:
-        recorded = self._identities[file]
-        now = _FileIdentity.of(status)
-        if now == recorded:
-            return
-        if (now.inode, now.device) != (recorded.inode, recorded.device):
-            what = "another file now has its name (it was replaced)"
-        elif now.size != recorded.size:
-            what = f"its size went from {recorded.size} to {now.size} bytes"
-        else:
-            what = "it was written to (its modification time changed)"
-        raise self._changed(file, what)
-
-    def _changed(self, file: str, what: str) -> GraftingLensError:
-        return GraftingLensError(
-            f"{self.directory / file} changed after load_models opened it: {what}. A graft "
-            "reads the checkpoint that was loaded, and that file no longer holds it, so "
-            "nothing more is read from it. Load the model set again with load_models (and "
-            "keep a checkpoint's files unchanged while a model set reads them lazily)."
-        )
-
-
-def _as_tensor(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
-    """``data`` (little-endian, as safetensors stores it) as a flat tensor that owns it."""
-    if not data:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(data, dtype=dtype)
-
-
-def _read_header(handle: BinaryIO, path: Path, file: str, size: int) -> list[_Entry]:
-    """The tensors a safetensors file's header lists, checked against the file's size.
-
-    The format: 8 bytes (little-endian) giving the header's length, the header (JSON:
-    each tensor's dtype, shape and data offsets, counted from the header's end), then
-    the data.
-    """
-
-    def damaged(reason: str) -> GraftingLensError:
-        return GraftingLensError(
-            f"{path} is not a whole safetensors file ({reason}): it is truncated or damaged "
-            "(an interrupted download or save). Download or save the checkpoint again."
-        )
-
-    start = handle.read(8)
-    if len(start) < 8:
-        raise damaged(f"{size} bytes, fewer than a header needs")
-    length = int.from_bytes(start, "little")
-    if 8 + length > size:
-        raise damaged(f"its header claims {length} bytes, the file has {size}")
-    try:
-        header = json.loads(handle.read(length))
-    except ValueError as error:
-        raise damaged(f"its header is not JSON: {error}") from None
-    if not isinstance(header, dict):
-        raise damaged("its header is not a JSON object")
-    entries = []
-    for stored, fields in header.items():
-        if stored == "__metadata__":
-            continue
-        try:
-            dtype = str(fields["dtype"])
-            shape = tuple(int(n) for n in fields["shape"])
-            begin, end = (int(n) for n in fields["data_offsets"])
-        except (TypeError, KeyError, ValueError):
-            raise damaged(f"its header describes {stored!r} as {fields!r}") from None
-        numel = 1
-        for n in shape:
-            numel *= n
-        known = _DTYPES.get(dtype)
-        if (
-            min(shape, default=0) < 0
-            or not 0 <= begin <= end
-            or 8 + length + end > size
-            or (known is not None and end - begin != numel * known.itemsize)
-        ):
-            raise damaged(
-                f"{stored!r} ({dtype} {list(shape)}) at bytes {begin}..{end} of the data, "
-                f"which does not fit it or the file's {size} bytes"
-            )
-        entries.append(_Entry(file, stored, dtype, shape, 8 + length + begin, 8 + length + end))
-    return entries
-
-
-def _loading_names(stored: list[str], model: nn.Module | None) -> dict[str, str]:
-    """The model's name for each stored tensor name, as transformers renames them on load.
-
-    transformers keeps the renamings of each architecture (and legacy ones such as
-    LayerNorm's ``gamma``) in ``conversion_mapping``; they are applied here with its
-    own ``rename_source_key``. A name that a *converter* (an operation on values, not
-    only a new name) claims is left out of the result.
-    """
-    if model is None:
-        return {name: name for name in stored}
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
-    except ImportError:  # another transformers: names as stored
-        return {name: name for name in stored}
-    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    known = {
-        prefix + name: True
-        for prefix, module in checkpoint_modules(model)
-        for table in (module._parameters, module._buffers)
-        for name in table
-    }
-    prefix = getattr(model, "base_model_prefix", None)
-    names = {}
-    for name in stored:
-        renamed, converter = rename_source_key(name, renamings, converters, prefix, known)
-        if renamed not in known and name in known:
-            # As transformers does: a name that should not have been renamed.
-            renamed, converter = rename_source_key(name, [], [], prefix, known)
-        if converter is None:
-            names[name] = renamed
-    return names
-
-
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
 class LazySource(Source):
     """A donor read from safetensors files a component at a time, on first use.
 
-    Its module for a slot is a copy of the base's module (same class and settings,
-    the base's buffers) whose parameters are the donor's tensors, read from disk,
-    cast and put on the device of the base module it stands in for (on a layer-split
-    base each layer's own), read once and kept. A file that changed since load time
-    is refused before anything more is read from it (see
-    :class:`SafetensorsCheckpoint`). A slot the bridge
-    cuts out of a fused matrix (GPT-2's Q, K and V out of ``c_attn``) is cut from the
-    donor's fused matrix by the bridge's own split function, so the fused matrix is
-    read whole. Created by :func:`~grafting_lens.load_models` with ``lazy=True``,
-    which has checked the directory against the base (configuration, every tensor's
-    name, shape and dtype, vocabulary).
-
-    Args:
-        name: The source's label.
-        files: The checkpoint's weight files.
-        base: The base's bridge (its modules are the templates).
-        slots: Every slot of the architecture.
-        dtype: The dtype every tensor is cast to (the base's).
-        declared: The slots a graft may take from this source, or None for every one.
-        load_whole: Loads the checkpoint whole as a bridge (for :attr:`bridge`).
+    Its module for a slot is a copy of the base's (same class, settings and buffers) holding
+    the donor's tensors, read once, on the device and in the dtype of the base's parameters
+    (which the alignment check at load makes the files' unless ``dtype=`` casts). A slot the
+    bridge cuts out of a fused matrix is cut from the donor's by the bridge's own split. Every
+    use first checks that the files are those opened at load. ``declared`` are the slots a
+    graft may take (None: every one); ``load_whole`` loads it whole, for :attr:`bridge`.
     """
 
     kind = "lazy"
@@ -650,7 +185,6 @@ class LazySource(Source):
         base: TransformerBridge,
         slots: Iterable[Slot],
         *,
-        dtype: torch.dtype | None,
         declared: Sequence[Slot] | None,
         load_whole: Callable[[], TransformerBridge],
     ) -> None:
@@ -666,12 +200,23 @@ class LazySource(Source):
             for fused in fused_projections(base)
             for child in fused.children
         }
-        self._dtype = dtype
         self._declared = None if declared is None else tuple(declared)
         self._load_whole = load_whole
         self._tensors: dict[str, torch.Tensor] = {}
         self._modules: dict[str, nn.Module] = {}
+        self._slot_files: dict[str, set[str]] = {}
         self._whole: TransformerBridge | None = None
+        derived = [
+            path
+            for path in self._slots
+            if any(id(p) not in self._names for p in self._template(path).parameters())
+        ]
+        if derived:
+            raise GraftingLensError(
+                f"{name}: the bridge computes {derived[0]} with a parameter it derives at load "
+                "time, not one the checkpoint holds, so the donor cannot be read lazily. Load "
+                "it whole (lazy=False), and please report the architecture."
+            )
 
     @property
     def loaded(self) -> tuple[str, ...]:
@@ -688,17 +233,16 @@ class LazySource(Source):
         """The donor loaded whole, on first use, with a :class:`~grafting_lens.core.errors.LazyLoadWarning`.
 
         Raises:
-            GraftingLensError: The donor was declared for some components only
-                (``components=`` / ``layers=`` of :func:`~grafting_lens.load_models`).
+            GraftingLensError: The donor was declared for some components only, or its
+                files changed.
         """
+        self._files.check()  # the checkpoint read whole, or used, is the one opened lazily
         if self._whole is None:
             if self._declared is not None:
                 raise GraftingLensError(
                     f"{self.name} was loaded lazily for some components only (components= / "
-                    "layers= of load_models), so it cannot run alone: that needs every weight. "
-                    "Patching and scoring run each checkpoint alone; load the model set "
-                    "without the declaration (the donor is then read whole when it runs "
-                    "alone), or with lazy=False."
+                    "layers= of load_models), so it cannot run alone, as patching and scoring "
+                    "run it: load the model set without the declaration, or with lazy=False."
                 )
             warnings.warn(
                 f"Running {self.name} alone loads it whole ({self.full_bytes() / 2**30:.2f} GiB): "
@@ -707,7 +251,6 @@ class LazySource(Source):
                 LazyLoadWarning,
                 stacklevel=3,
             )
-            self._files.check()  # the checkpoint read whole is the one opened lazily
             self._whole = self._load_whole()
             # The whole model's modules serve grafts from now on.
             self._modules.clear()
@@ -715,6 +258,10 @@ class LazySource(Source):
         return self._whole
 
     def module(self, slot: Slot) -> nn.Module:
+        files = self._slot_files.get(slot.path)
+        if files is None:
+            files = self._slot_files[slot.path] = self._files.files(self._slot_names([slot]))
+        self._files.check(files)  # what was read is used only while its files are unchanged
         if self._whole is not None:
             return slot.module(self._whole)
         module = self._modules.get(slot.path)
@@ -736,92 +283,74 @@ class LazySource(Source):
         return tensors + [p.detach() for m in self._modules.values() for p in m.parameters()]
 
     def full_bytes(self) -> int:
-        return sum(self._nbytes(name) for name in set(self._names.values()))
-
-    def floating_dtypes(self) -> set[torch.dtype]:
-        if self._dtype is not None:
-            return {self._dtype}  # every tensor is cast to it as it is read
-        stored = {self._files.dtypes[name] for name in set(self._names.values())}
-        return {dtype for dtype in stored if dtype.is_floating_point}
+        return self._bytes_of(None)
 
     def declared_bytes(self) -> int | None:
-        if self._declared is None:
-            return None
-        return sum(self._nbytes(name) for name in self._slot_names(self._declared))
+        return None if self._declared is None else self._bytes_of(self._slot_names(self._declared))
 
     @property
     def disk_bytes(self) -> int | None:
         return self._files.disk_bytes
 
+    def _parameters_of(self) -> Iterable[nn.Parameter]:
+        return self._base.original_model.parameters()  # cast to the base's dtypes as read
+
     def _fingerprint(self) -> str:
-        # 64 values of each tensor are read from its file, then cast: none is read
-        # whole (nor copied to the GPU, or to another dtype).
+        # 64 values of each tensor are read from its file, then cast: none is read whole.
         digest = hashlib.sha256()
-        for name, _ in checkpoint_parameters(self._base.original_model):
-            numel = 1
-            for size in self._files.shapes[name]:
-                numel *= size
-            sample = self._files.sample(name, sample_indices(numel))
-            dtype = self._dtype or self._files.dtypes[name]
-            digest_sample(digest, name, self._files.shapes[name], sample, dtype)
+        for name, parameter in checkpoint_parameters(self._base.original_model):
+            sample = self._files.sample(name, sample_indices(parameter.numel()))
+            digest_sample(digest, name, self._files.shapes[name], sample, parameter.dtype)
         return digest.hexdigest()[:16]
 
     def content_digest(self) -> str:
-        names = (name for name, _ in checkpoint_parameters(self._base.original_model))
-        return content_digest(((name, self._files.tensor(name)) for name in names), self._dtype)
+        return content_digest(
+            (name, self._files.tensor(name).to(parameter.dtype))
+            for name, parameter in checkpoint_parameters(self._base.original_model)
+        )
 
-    # ------------------------------------------------------------------ internals
+    def _bytes_of(self, names: set[str] | None) -> int:
+        """Bytes of the named tensors (every one for None) once read: the base's, per tensor."""
+        return sum(
+            p.numel() * p.element_size()
+            for name, p in checkpoint_parameters(self._base.original_model)
+            if names is None or name in names
+        )
 
-    def _nbytes(self, name: str) -> int:
-        return self._files.nbytes(name, self._dtype)
+    def _template(self, path: str) -> nn.Module:
+        fused = self._fused.get(path)
+        return fused.fused(self._base) if fused is not None else self._templates[path]
 
-    def _read(self, name: str, device: torch.device) -> torch.Tensor:
-        tensor = self._files.tensor(name)
-        return tensor.to(device=device, dtype=self._dtype or tensor.dtype)
+    def _read(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self._files.tensor(name).to(device=like.device, dtype=like.dtype)
 
-    def _tensor(self, name: str, device: torch.device) -> torch.Tensor:
+    def _tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
         tensor = self._tensors.get(name)
         if tensor is None:
-            tensor = self._tensors[name] = self._read(name, device)
+            tensor = self._tensors[name] = self._read(name, like)
         return tensor
 
     def _slot_names(self, slots: Iterable[Slot]) -> set[str]:
         """The checkpoint tensors that computing ``slots`` reads."""
-        names: set[str] = set()
-        for slot in slots:
-            fused = self._fused.get(slot.path)
-            template = fused.fused(self._base) if fused is not None else self._templates[slot.path]
-            names.update(self._names[id(p)] for p in template.parameters() if id(p) in self._names)
-        return names
+        return {
+            self._names[id(p)] for slot in slots for p in self._template(slot.path).parameters()
+        }
 
-    def _build(self, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]) -> nn.Module:
+    def _build(self, slot: Slot, read: Callable[[str, torch.Tensor], torch.Tensor]) -> nn.Module:
+        template = self._template(slot.path)
+        # Each parameter beside the base's it stands in for: on a layer-split base
+        # (device_map) each layer's modules are on their own device.
+        donor = structural_copy(
+            template,
+            {
+                id(p): nn.Parameter(read(self._names[id(p)], p), requires_grad=p.requires_grad)
+                for p in template.parameters()
+            },
+        )
         fused = self._fused.get(slot.path)
-        if fused is not None:
-            template = fused.fused(self._base)
-            donor = structural_copy(template, self._parameters(template, slot, read))
-            return fused.split(self._base, donor)[slot.path.rpartition(".")[2]]
-        template = self._templates[slot.path]
-        return structural_copy(template, self._parameters(template, slot, read))
-
-    def _parameters(
-        self, template: nn.Module, slot: Slot, read: Callable[[str, torch.device], torch.Tensor]
-    ) -> dict[int, nn.Parameter]:
-        replacements = {}
-        for local, parameter in template.named_parameters():
-            name = self._names.get(id(parameter))
-            if name is None:
-                raise GraftingLensError(
-                    f"{self.name}: the bridge computes {slot.path} with a parameter "
-                    f"({local!r}) that it derives from the checkpoint at load time, not one "
-                    "the checkpoint holds, so this donor cannot be read lazily. Load it whole "
-                    "(lazy=False) and please report the architecture."
-                )
-            # Beside the base's module it stands in for: on a layer-split base
-            # (device_map) each layer's modules are on their own device.
-            replacements[id(parameter)] = nn.Parameter(
-                read(name, parameter.device), requires_grad=parameter.requires_grad
-            )
-        return replacements
+        if fused is None:
+            return donor
+        return fused.split(self._base, donor)[slot.path.rpartition(".")[2]]
 
 
 def structural_copy(
@@ -831,37 +360,35 @@ def structural_copy(
 ) -> nn.Module:
     """A copy of ``module``'s tree of modules, with some parameters and submodules replaced.
 
-    Every module in the tree is a new object of the same class with the same
-    attributes (settings, buffers and untouched parameters are shared, not copied),
-    so the copy computes what ``module`` computes with the replacements in place.
+    Every module is a new object of the same class and attributes (settings, buffers and
+    untouched parameters shared, not copied), so the copy computes what ``module``
+    computes with the replacements in place.
 
     Args:
         module: The template (e.g. the base's ``q_proj``).
         parameters: Replacements by ``id`` of the template's parameter.
-        modules: Replacements by ``id`` of a submodule of the template (taken as
-            they are, not copied).
+        modules: Replacements by ``id`` of a submodule (taken as they are).
 
     Raises:
-        GraftingLensError: A module of the template keeps a replaced parameter in a
-            plain attribute too (a cached transpose), which the copy would leave
-            pointing at the template's values.
+        GraftingLensError: A module keeps a replaced parameter in a plain attribute too (a
+            cached transpose), which the copy would leave pointing at the template's values.
     """
     modules = modules or {}
     if id(module) in modules:
         return modules[id(module)]
     clone = copy.copy(module)
+    replaced = {
+        p.untyped_storage().data_ptr()
+        for p in module._parameters.values()
+        if p is not None and id(p) in parameters
+    }
     for key, value in vars(module).items():
         if isinstance(value, dict):  # parameters, buffers, submodules and the hook tables
             clone.__dict__[key] = copy.copy(value)
-        elif isinstance(value, torch.Tensor) and any(
-            value.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-            for p in module._parameters.values()
-            if p is not None and id(p) in parameters
-        ):
+        elif isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in replaced:
             raise GraftingLensError(
                 f"{type(module).__name__} keeps a parameter in its attribute {key!r} too, so a "
-                "copy with other weights would compute with both; this module cannot be "
-                "loaded lazily or adapted. Load the checkpoint whole."
+                "copy with other weights would compute with both: load the checkpoint whole."
             )
     for name, parameter in module._parameters.items():
         if parameter is not None and id(parameter) in parameters:
@@ -873,22 +400,17 @@ def structural_copy(
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once).
-
-    Args:
-        tensors: Any tensors.
-        counted: Storages already counted elsewhere (by data pointer), skipped and
-            updated in place, so that several sources sharing tensors count them once.
-    """
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once),
+    skipping and adding to ``counted`` (data pointers), so that sources sharing tensors count
+    them once."""
     counted = set() if counted is None else counted
     total = 0
     for tensor in tensors:
         if tensor.device.type == "meta":
             continue
         storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer in counted or storage.nbytes() == 0:
+        if storage.data_ptr() in counted or storage.nbytes() == 0:
             continue
-        counted.add(pointer)
+        counted.add(storage.data_ptr())
         total += storage.nbytes()
     return total
