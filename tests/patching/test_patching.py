@@ -565,12 +565,17 @@ def test_a_source_cast_or_moved_after_loading_is_refused(tokenizer):
     tokens = random_tokens(2, 5)
     models[1].half()
     with no_forward_pass(models):
-        with pytest.raises(AlignmentError, match=r"source 1 \(source1\), whose weights are torch"):
+        with pytest.raises(
+            AlignmentError,
+            match=r"This patch: source 1 \(source1\)'s .* is torch.float16 on cpu, the base's torch",
+        ):
             patch_forward(models, tokens, "resid_pre", layers=1)
-        with pytest.raises(AlignmentError, match=r"torch.float16 on cpu, and the base's are torch"):
+        with pytest.raises(
+            AlignmentError, match=r"is torch.float16 on cpu, the base's torch.float32 on cpu"
+        ):
             resid_patch_sweep(models, tokens, lambda logits: logits[:, -1, 0])
     models[1].float().to("meta")  # patching silently returned logits on the meta device
     with pytest.raises(
-        AlignmentError, match=r"float32 on meta, and the base's are torch.float32 on"
+        AlignmentError, match=r"is torch.float32 on meta, the base's torch.float32 on cpu"
     ):
         patch_forward(models, tokens, "resid_pre", layers=1, direction="necessity")
