@@ -191,7 +191,8 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
 
     Returns:
         The exit status: 0, 1 for an input the run refuses (printed as ``Error: ...``),
-        2 for options that do not parse.
+        2 for options that do not parse, 130 after Ctrl-C (one line: resume by running the
+        same command again, or, where the run does not resume, start it again).
     """
     try:
         parser = experiment_parser(experiment, prog=command)
@@ -208,6 +209,31 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
     except ValueError as error:  # GraftingLensError and every other input error raised on purpose
         print(f"Error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        from grafting_lens.study import get_experiment
+
+        spec = get_experiment(experiment)
+        finetunes = (
+            spec.finetune_missing_donor
+            and args.model is not None
+            and not any(
+                getattr(args, option.lstrip("-").replace("-", "_"))
+                for option, _ in spec.donors.values()
+            )
+        )
+        if spec.run is None and not finetunes:
+            return interrupted("run the same command to resume")
+        return interrupted("run the same command to start again (this run does not resume)")
+
+
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def interrupted(what_next: str) -> int:
+    """Say in one line that the command was interrupted and what to do; return 130."""
+    print(f"Interrupted; {what_next}.", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
@@ -255,6 +281,7 @@ def _run_locked(
         write_experiment_report,
     )
     from grafting_lens.study.run_directory import weights_digests
+    from grafting_lens.study.testsets import check_answers
 
     prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     started = time.perf_counter()
@@ -275,6 +302,8 @@ def _run_locked(
         world=args.world or "toy",
         lazy=args.lazy,
     )
+    # Answers the tokenizer cannot score are refused before the report directory is touched.
+    shared = [] if prompts is None else check_answers(prompts, setup.models, semantics)
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
@@ -318,6 +347,7 @@ def _run_locked(
         f"{_where(setup.models.device)}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
+    notes += shared
     if spec.run is None:
         notes.append(_semantics_note(semantics))
     if spec.note:
