@@ -490,10 +490,15 @@ def _toy_config(text: str | None) -> Any:
         return None
     import json
 
+    from grafting_lens.study.testsets import RepeatedKey, unique_keys
     from grafting_lens.worlds.toy import ToyWorldConfig
 
     try:
-        return ToyWorldConfig(**json.loads(text))
+        return ToyWorldConfig(**json.loads(text, object_pairs_hook=unique_keys))
+    except RepeatedKey as error:
+        raise GraftingLensError(
+            f"--toy-config sets {error.args[0]!r} twice (JSON would keep the last); keep one."
+        ) from None
     except (json.JSONDecodeError, TypeError) as error:
         raise GraftingLensError(
             f"--toy-config is not a JSON object of ToyWorldConfig fields: {error}"

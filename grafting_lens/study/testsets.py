@@ -330,13 +330,13 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
                 )
             spans["first_entity"] = (start, start + len(entity))
         name = row.get("name") or "custom"
-        key = (name, prompt, target)
-        if key in seen:
+        question = (name, prompt, target)
+        if question in seen:
             raise ExperimentError(
-                f"{where} repeats row {seen[key]} (the same prompt, target and name): it "
+                f"{where} repeats row {seen[question]} (the same prompt, target and name): it "
                 "would be counted twice in every summary. Delete one of them."
             )
-        seen[key] = number
+        seen[question] = number
         try:
             example = data.Example(
                 relation_id=number - 1, prompt_name=name, text=prompt, target=target, spans=spans
@@ -380,14 +380,14 @@ def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
         raise ExperimentError(f"Cannot read the prompts file {path}: {error}.") from None
     if suffix == ".json":
         try:
-            rows = json.loads(text, object_pairs_hook=_unique_keys)
+            rows = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as error:
             raise ExperimentError(
                 f"{path} is not valid JSON ({error}); write a list of objects such as "
                 '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
                 'Bullock", "first_entity": "Keanu Reeves"}].'
             ) from None
-        except _RepeatedKey as error:
+        except RepeatedKey as error:
             raise ExperimentError(
                 f"{path}: an object sets {error.args[0]!r} twice (JSON would keep the last "
                 "silently); keep one."
@@ -425,15 +425,21 @@ def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
     return rows
 
 
-class _RepeatedKey(Exception):
-    pass
+class RepeatedKey(Exception):
+    """A JSON object set one key twice (its first argument)."""
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` refusing a key set twice, which ``json`` would
+    resolve silently by keeping the last.
+
+    Raises:
+        RepeatedKey: Naming the key.
+    """
     keys = [key for key, _ in pairs]
     for key in keys:
         if keys.count(key) > 1:
-            raise _RepeatedKey(key)
+            raise RepeatedKey(key)
     return dict(pairs)
 
 
@@ -465,7 +471,8 @@ def check_answers(
         tokenizer = models.tokenizer
         shared: dict[int, dict[str, list[str]]] = {}
         blank = []
-        for index, (example, token) in enumerate(zip(batch.examples, batch.target_ids.tolist())):
+        scored = zip(batch.examples or [], batch.target_ids.tolist())
+        for index, (example, token) in enumerate(scored):
             where = test_set.where(example, index)
             if not tokenizer.decode([token]).strip():
                 blank.append((f"{example.target!r} ({where})", token))

@@ -368,6 +368,8 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
         (["--semantics", "referense"], "Unknown semantics 'referense'"),
         (["--semantics", "reference+unembed=nowhere"], "Semantics.unembed must be one of"),
         (["--semantics", "clean+colour=red"], "Cannot read 'colour=red'"),
+        # json keeps the last of a key set twice, without a word.
+        (["--toy-config", '{"seed": 1, "seed": 2}'], "--toy-config sets 'seed' twice"),
     ],
 )
 def test_script_options_are_checked_before_loading(
