@@ -308,7 +308,8 @@ def _run_locked(
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
     if prompts is not None:  # the file's content, not its name, makes the run
-        description["prompts"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()[:16]
+        content = Path(args.prompts).expanduser().read_bytes()
+        description["prompts"] = hashlib.sha256(content).hexdigest()[:16]
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
@@ -616,7 +617,12 @@ def _torch() -> Any:
 
 def _print_summary(summary: pd.DataFrame, title: str) -> None:
     """The summary on standard output: the cells summary.md has, intervals beside each accuracy."""
+    from grafting_lens.study.markdown import visible
     from grafting_lens.study.report import summary_table
 
-    print(f"{title} (95% bootstrap CI; mean rank 0 = the top token)")
-    print(summary_table(summary).to_string(index=False))
+    # A name's newline or terminal escape sequence is shown, not obeyed.
+    shown = summary_table(summary).map(
+        lambda cell: visible(cell) if isinstance(cell, str) else cell
+    )
+    print(visible(f"{title} (95% bootstrap CI; mean rank 0 = the top token)"))
+    print(shown.to_string(index=False))

@@ -343,7 +343,15 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
             )
         except ValueError as error:
             raise ExperimentError(f"{where}: {error}") from None
-        groups.setdefault(name, []).append(example)
+        group = groups.setdefault(name, [])
+        if group and bool(group[0].spans) != bool(spans):
+            raise ExperimentError(
+                f"{where} {'gives' if spans else 'has no'} first_entity, but row "
+                f"{group[0].relation_id + 1} (test set {name!r}) "
+                f"{'has none' if spans else 'gives one'}: give it in every row of a test set, "
+                "or in none."
+            )
+        group.append(example)
     label = dataset or path.stem
     return [
         TestSet(examples, dataset=label, prompt=name, source=str(path))

@@ -656,6 +656,8 @@ def test_names_from_a_prompts_file_stay_text_in_summary_md(tmp_path, world):
     assert len(shapes) == 2 + len(experiments.PAPER_POSITION_CONFIGS)  # header, rule, rows
     assert set(shapes) == {shapes[0]}, summary
     assert "a\\|b\\n&lt;script&gt;" in summary  # shown, escaped, on one line
+    # The summary on the terminal shows the newline too, rather than breaking its row.
+    assert "a|b\\n<script>" in result.output and "\n<script>" not in result.output
 
 
 @pytest.mark.parametrize(
@@ -676,8 +678,18 @@ def test_names_from_a_prompts_file_stay_text_in_summary_md(tmp_path, world):
             },
             r"mine.json, row 1 \('Keanu.*is \d+ tokens, longer than the model's context \(n_ctx\) of 64",
         ),
+        (
+            {"answers": (" movie",), "first_entity": None},
+            r"mine.json has no first_entity column, and configuration 'FE' grafts at the first",
+        ),
     ],
-    ids=["bare-space answers", "object as prompt", "array as target", "past the context"],
+    ids=[
+        "bare-space answers",
+        "object as prompt",
+        "array as target",
+        "past the context",
+        "no first entity for FE",
+    ],
 )
 def test_own_prompts_the_models_cannot_score_are_refused_naming_the_row(
     tmp_path, world, rows, message
@@ -697,7 +709,9 @@ def test_own_prompts_the_models_cannot_score_are_refused_naming_the_row(
     assert not (tmp_path / "out" / "results.csv").exists()
 
 
-def test_a_csv_with_a_byte_order_mark_reads_and_shared_first_tokens_are_noted(tmp_path, world):
+def test_a_csv_with_a_byte_order_mark_reads_and_shared_first_tokens_are_noted(
+    tmp_path, world, monkeypatch
+):
     """Excel's UTF-8 CSV starts with a byte-order mark: its first column is still
     'prompt'. Two answers scored by one token are run, and the report says so."""
     from grafting_lens.worlds import data
@@ -711,7 +725,9 @@ def test_a_csv_with_a_byte_order_mark_reads_and_shared_first_tokens_are_noted(tm
     prompts = tmp_path / "excel.csv"
     prompts.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
     out = tmp_path / "out"
-    result = invoke(["demo", "--out", out, "--prompts", prompts, "--no-progress", "--no-png"])
+    monkeypatch.setenv("HOME", str(tmp_path))  # and a path written with ~
+    home = ["--prompts", "~/excel.csv"]
+    result = invoke(["demo", "--out", out, *home, "--no-progress", "--no-png"])
     assert result.exit_code == 0, _output(result)
     summary = (out / "summary.md").read_text()
     assert "share their first token" in summary and "movie star" in summary

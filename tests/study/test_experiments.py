@@ -818,6 +818,12 @@ def test_read_prompts_takes_json_and_csv_with_one_test_set_per_name(tmp_path):
         ("p.csv", "prompt,target\nWho?, Bob, Al\n", "row 1 has 3 cells but the header 2"),
         ("p.csv", b"prompt,target\nWho is Jos\xe9?, Bob\n", "not UTF-8 text \\(byte 0xe9"),
         ("p.csv/", "", "is a directory"),
+        # Spans must be alike within a test set; say which row, not "relation 1".
+        (
+            "p.csv",
+            "prompt,target,first_entity\nAl met Bo, Cy,Al\nBo met Al, Cy,\n",
+            "row 2 has no first_entity, but row 1 .* gives one",
+        ),
     ],
 )
 def test_a_prompts_file_with_a_mistake_names_it_and_the_fix(tmp_path, name, text, message):
