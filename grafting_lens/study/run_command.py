@@ -252,6 +252,10 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
             "--toy-config configures the toy world: leave it out with --world smollm2."
         )
     _check_relation_options(args, toy=checkpoints is None)
+    if args.prompts is not None:
+        from grafting_lens.study.named import check_prompts_apply
+
+        check_prompts_apply(spec)  # before anything loads
     semantics = _semantics(spec, args)
     dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading

@@ -381,6 +381,18 @@ def test_script_options_are_checked_before_loading(
     assert message in capsys.readouterr().err
 
 
+def test_own_prompts_for_an_experiment_that_asks_its_own_are_refused_before_loading(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    prompts = tmp_path / "mine.json"
+    prompts.write_text('[{"prompt": "Who?", "target": " Bob"}]')
+    out = str(tmp_path / "out")
+    status = cli.main(["run", "graft_attribution", "--out", out, "--prompts", str(prompts)])
+    assert status == 1
+    assert "asks its own questions" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the output directory
 
 
