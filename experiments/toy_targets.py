@@ -1,4 +1,4 @@
-"""Measure every target the toy world was built for, with its 95% interval, PASS or FAIL.
+"""Measure every target the toy world was built for, with its 95% interval and verdict.
 
 The setting is the one that reproduces the authors' released code, the REFERENCE
 semantics (:data:`grafting_lens.study.REFERENCE`: the code's prompt wording,
@@ -6,10 +6,11 @@ tokenization, layer quarters, hybrid model and ranking), on the toy world shippe
 the package, or on one rebuilt from the recipe (``--rebuild``). Each number pools both
 test prompts (``headline`` and ``qa``); the per-prompt values are printed beside it.
 
-A target PASSes when its pooled estimate meets the threshold; the interval says how
-sure that is (95% percentile bootstrap over the examples, 1,000 resamples, seed 0;
-ratios and differences resample (relation, prompt) pairs, so both configurations are
-compared on the same examples).
+A target's verdict reads its pooled 95% interval (percentile bootstrap over the examples,
+1,000 resamples, seed 0; ratios and differences resample (relation, prompt) pairs, so
+both configurations are compared on the same examples): *met* when the whole interval
+meets the threshold, *not met* when none of it does, *undecided* when it holds values on
+both sides (:func:`grafting_lens.study.verdicts.verdict`).
 
 The targets:
 
@@ -42,15 +43,18 @@ semantics ``--semantics`` names) and hold every configuration a target names.
 
 With ``--rebuild`` the script exits non-zero when a rebuilt estimate falls outside the
 shipped world's 95% interval (the finding is not reproduced); otherwise it exits 0,
-whatever the PASS/FAIL verdicts (they are measurements, reported, not asserted).
+whatever the verdicts (they are measurements, reported, not asserted). Run directories
+or a targets file that cannot be used exit 2 with one line saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -68,8 +72,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pandas as pd
 
+from grafting_lens.core.errors import ExperimentError, GraftingLensError, RunError
+from grafting_lens.core.files import check_writable
 from grafting_lens.study import get_experiment, run_spec, setup_experiment
 from grafting_lens.study.specs import Part
+from grafting_lens.study.verdicts import verdict
 from grafting_lens.worlds import toy
 from grafting_lens.worlds.toy_shipped import shipped_manifest
 
@@ -104,7 +111,7 @@ class Target:
     a: str
     b: str | None
     threshold: float
-    at_least: bool  # True: PASS when the estimate >= threshold; False: <=
+    at_least: bool  # True: the target is value >= threshold; False: value <= threshold
     paper: str
 
 
@@ -113,14 +120,42 @@ TARGETS_FILE = Path(__file__).with_name("targets.toml")
 
 
 def load_targets(path: Path = TARGETS_FILE) -> tuple[Target, ...]:
-    """The targets of ``path``, each checked to name a known kind."""
-    with path.open("rb") as file:
-        entries = tomllib.load(file)["target"]
-    targets = tuple(Target(**{"b": None, **entry}) for entry in entries)
-    unknown = [t.name for t in targets if t.kind not in ("rate", "ratio", "difference")]
-    if unknown:
-        raise SystemExit(f"{path}: targets of an unknown kind: {unknown}")
-    return targets
+    """The targets of ``path``, each entry's keys and their kinds checked.
+
+    Raises:
+        ExperimentError: A file that does not read as TOML, or an entry with an unknown,
+            missing or mistyped key, an unknown kind, or a name used twice.
+    """
+    try:
+        entries = tomllib.loads(path.read_text(encoding="utf-8")).get("target")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise ExperimentError(f"{path} cannot be read as TOML: {error}.") from None
+    if not isinstance(entries, list) or not entries:
+        raise ExperimentError(f"{path} has no [[target]] entries.")
+    kinds = {field.name: field.type for field in dataclasses.fields(Target)}
+    targets = []
+    for number, entry in enumerate(entries, start=1):
+        where = f"{path}, target {number}"
+        unknown = sorted(set(entry) - set(kinds))
+        missing = sorted(set(kinds) - set(entry) - {"b"})
+        if unknown or missing:
+            raise ExperimentError(f"{where}: unknown keys {unknown}, missing keys {missing}.")
+        for key, value in entry.items():
+            wanted = {"float": (int, float), "bool": bool}.get(str(kinds[key]), str)
+            if not isinstance(value, wanted) or (wanted is not bool and isinstance(value, bool)):
+                raise ExperimentError(f"{where}: {key} = {value!r} is not a {kinds[key]}.")
+        target = Target(**{"b": None, **entry})
+        if target.kind not in ("rate", "ratio", "difference") or (target.b is None) != (
+            target.kind == "rate"
+        ):
+            raise ExperimentError(
+                f"{where}: kind {target.kind!r} with b = {target.b!r}; a rate has no b, a "
+                "ratio or difference has one."
+            )
+        if target.name in {t.name for t in targets}:
+            raise ExperimentError(f"{where}: the name {target.name!r} is used twice.")
+        targets.append(target)
+    return tuple(targets)
 
 
 TARGETS = load_targets()
@@ -141,37 +176,183 @@ def run_experiments(cache_dir: Path | None, progress: bool) -> pd.DataFrame:
 
 def read_runs(directories: list[Path], wanted: str = SEMANTICS) -> tuple[pd.DataFrame, str]:
     """The tables of finished ``grafting-lens run`` directories, as :func:`run_experiments`
-    returns them (each experiment's first part, the two test prompts), and their world.
-    Every run must have run under the semantics ``wanted`` (its label, as the run wrote it)."""
+    returns them (each experiment's first part, the two test prompts), and what they ran
+    on (``"toy"``, ``"smollm2"``, ``"checkpoints ..."``). Every run must have run under the
+    semantics ``wanted`` (its label, as the run wrote it), one run per experiment.
+
+    Raises:
+        RunError: A directory that is not a finished run; a ``report.json`` or
+            ``results.csv`` that cannot be read, lacks what the targets read, holds a
+            value out of its range, repeats a row, or disagrees with the other (its
+            semantics); a run given twice (by path or content) or two runs of one
+            experiment; a run of another semantics than ``wanted``.
+    """
     tables, worlds = [], set()
+    seen: dict[Any, Path] = {}
     for directory in directories:
         report_file, results_file = directory / "report.json", directory / "results.csv"
         if not report_file.is_file() or not results_file.is_file():
-            raise SystemExit(
+            raise RunError(
                 f"{directory}: not a finished run (no report.json or results.csv); run it with "
                 "grafting-lens run (or experiments/run.py) first."
             )
-        report = json.loads(report_file.read_text())
+        report = _read_report(report_file)
         name = report["experiment"]
+        description = report["description"]
+        for key in (
+            ("path", directory.resolve()),
+            ("fingerprint", report.get("fingerprint") or object()),
+            ("rows", hashlib.sha256(results_file.read_bytes()).hexdigest()),
+            ("experiment", name),
+        ):
+            if key in seen:
+                why = {
+                    "path": "is the same directory as",
+                    "fingerprint": "holds the same run (the same fingerprint) as",
+                    "rows": "holds the same results.csv as",
+                    "experiment": f"is a second {name} run beside",
+                }[key[0]]
+                raise RunError(
+                    f"{directory} {why} {seen[key]}: its rows would be pooled twice. Pass one "
+                    "run per experiment."
+                )
+            seen[key] = directory
         if name not in RUNS:
-            raise SystemExit(f"{directory}: a {name!r} run; the targets read {sorted(RUNS)}.")
-        semantics = report["description"].get("semantics")
+            raise RunError(f"{directory}: a {name!r} run; the targets read {sorted(RUNS)}.")
+        semantics = description["semantics"]
         if semantics != wanted:
-            raise SystemExit(
+            raise RunError(
                 f"{directory}: ran under {semantics!r}; the targets are measured "
                 f"under {wanted!r} (rerun it with --semantics {wanted}, or pass "
                 f"--semantics {semantics} to measure runs made under it)."
             )
-        table = pd.read_csv(results_file)
+        table = _read_results(results_file)
+        written = sorted(set(table["semantics"].astype(str)))
+        if written != [semantics]:
+            raise RunError(
+                f"{results_file}: its rows ran under {written}, but {report_file} says "
+                f"{semantics!r}: the two files come from different runs. Rerun the experiment "
+                "into an empty directory."
+            )
         part = get_experiment(name).parts[0].name
         table = table[(table["part"] == part) & table["prompt"].isin(PROMPTS)]
         missing = sorted(set(RUNS[name]) - set(table["config"]))
         if missing:
-            raise SystemExit(f"{directory}: no rows for {missing} (a --quick run?).")
+            raise RunError(f"{directory}: no rows for {missing} (a --quick run?).")
         table.insert(0, "experiment", name)
         tables.append(table[table["config"].isin(RUNS[name])])
-        worlds.add(report["description"]["options"].get("world") or "checkpoints")
+        worlds.add(_ran_on(report))
     return pd.concat(tables, ignore_index=True), ", ".join(sorted(worlds))
+
+
+def _read_report(path: Path) -> dict[str, Any]:
+    """A run's ``report.json``, with the keys the targets read."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RunError(
+            f"{path} cannot be read as JSON ({error}); the run directory is damaged: rerun "
+            "the experiment into an empty directory."
+        ) from None
+    description = report.get("description") if isinstance(report, dict) else None
+    lacking = [
+        key
+        for key, value in (
+            ("experiment", report.get("experiment") if isinstance(report, dict) else None),
+            ("description.semantics", (description or {}).get("semantics")),
+        )
+        if not isinstance(value, str)
+    ]
+    if not isinstance((description or {}).get("options", {}), dict):
+        lacking.append("description.options")
+    if lacking:
+        raise RunError(
+            f"{path} lacks {', '.join(lacking)}: it is not the report.json grafting-lens run "
+            "writes (or it was edited). Rerun the experiment into an empty directory."
+        )
+    return report
+
+
+RESULT_COLUMNS = {
+    "part": "text",
+    "prompt": "text",
+    "example": "count",
+    "config": "text",
+    "semantics": "text",
+    "top5": "hit",
+}
+"""The columns of ``results.csv`` the targets read, and what each holds."""
+
+RANGES = {"top1": "hit", "target_rank": "count", "target_prob": "probability"}
+"""Further columns whose values are checked when present."""
+
+IDENTITY = ("models", "part", "dataset", "prompt", "direction", "example", "config")
+"""The columns that name a row: two rows with the same values are one row given twice."""
+
+
+def _read_results(path: Path) -> pd.DataFrame:
+    """A run's ``results.csv``, every column the targets read present and in range, no row
+    given twice."""
+    try:
+        table = pd.read_csv(path, encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError, ValueError) as error:  # pandas' parser errors too
+        raise RunError(
+            f"{path} cannot be read as CSV ({type(error).__name__}: {error}); rerun the "
+            "experiment into an empty directory."
+        ) from None
+    missing = sorted(set(RESULT_COLUMNS) - set(table.columns))
+    if missing:
+        raise RunError(
+            f"{path} has no column {', '.join(missing)}: it is not the results.csv of "
+            "grafting-lens run (or it was edited)."
+        )
+    for column, kind in {**RESULT_COLUMNS, **RANGES}.items():
+        if column not in table.columns or kind == "text":
+            continue
+        values = pd.to_numeric(table[column].replace({"True": 1, "False": 0}), errors="coerce")
+        good = {
+            "hit": values.isin([0, 1]),
+            "count": (values >= 0) & (values % 1 == 0),
+            "probability": (values >= 0) & (values <= 1),
+        }[kind]
+        if not good.all():
+            row = int((~good).to_numpy().nonzero()[0][0])
+            what = {"hit": "0 or 1", "count": "a whole number >= 0", "probability": "in [0, 1]"}
+            raise RunError(
+                f"{path}, line {row + 2}: {column} is {_plain(table[column].iloc[row])!r}, but a "
+                f"{column} is {what[kind]}. The file was edited or damaged: rerun the experiment."
+            )
+        table[column] = values
+    identity = [column for column in IDENTITY if column in table.columns]
+    repeated = table.duplicated(identity, keep=False)
+    if repeated.any():
+        first = table[repeated].iloc[0]
+        named = ", ".join(f"{column} {_plain(first[column])!r}" for column in identity)
+        raise RunError(
+            f"{path} holds the row ({named}) {int(repeated.sum())} times: it would count more "
+            "than once. Rerun the experiment into an empty directory."
+        )
+    return table
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value a message shows (``2``, not ``np.int64(2)``)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _ran_on(report: dict[str, Any]) -> str:
+    """What a run ran on, from the command that made it: your checkpoints (``--model``),
+    or a world (``--world``, the toy world when neither is given)."""
+    try:
+        words = shlex.split(report.get("command") or "")
+    except ValueError:
+        words = []
+    for index, word in enumerate(words):
+        if word == "--model" and index + 1 < len(words):
+            return f"checkpoints {words[index + 1]}"
+        if word.startswith("--model="):
+            return f"checkpoints {word.removeprefix('--model=')}"
+    return report["description"]["options"].get("world") or "toy"
 
 
 def relations_per_experiment(table: pd.DataFrame) -> dict[str, int]:
@@ -249,8 +430,6 @@ def measure(table: pd.DataFrame, n_resamples: int = N_RESAMPLES) -> list[dict[st
         if b is not None:  # what a ratio or difference is made of: a ratio of two small
             # numbers can pass while neither configuration recovers anything
             pooled["a"], pooled["b"] = float(a.mean()), float(b.mean())
-        value = pooled["estimate"]
-        passed = value >= target.threshold if target.at_least else value <= target.threshold
         rows.append(
             {
                 "target": target.name,
@@ -259,7 +438,7 @@ def measure(table: pd.DataFrame, n_resamples: int = N_RESAMPLES) -> list[dict[st
                 "threshold": (">= " if target.at_least else "<= ") + f"{target.threshold:g}",
                 "pooled": pooled,
                 "per_prompt": per_prompt,
-                "verdict": "PASS" if passed else "FAIL",
+                "verdict": verdict(*pooled["ci95"], target.threshold, at_least=target.at_least),
                 "paper": target.paper,
             }
         )
@@ -324,10 +503,17 @@ def compare(rows: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list
                 "shipped_ci95": [low, high],
                 "rebuilt": value,
                 "reproduced": bool(low <= value <= high),
-                "same_verdict": before["verdict"] == row["verdict"],
+                # The shipped verdict from its interval (the manifest's own was written by
+                # an older rule: PASS/FAIL on the estimate).
+                "same_verdict": _verdict_of(row["target"], low, high) == row["verdict"],
             }
         )
     return out
+
+
+def _verdict_of(name: str, low: float, high: float) -> str:
+    target = next(t for t in TARGETS if t.name == name)
+    return verdict(low, high, target.threshold, at_least=target.at_least)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,11 +543,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.semantics != SEMANTICS and args.runs is None:
         parser.error("--semantics applies to --runs; the toy world's targets run under reference")
+    if args.runs is not None and args.rebuild:
+        parser.error("--runs measures finished runs; --rebuild builds a world: choose one")
+    from grafting_lens.study.run_command import interrupted
+
+    try:
+        return _measure(args)
+    except GraftingLensError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return interrupted("run the same command to start again (nothing was written)")
+
+
+def _measure(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        if args.json.is_dir():
+            raise GraftingLensError(f"--json {args.json} is a directory; name a file.")
+        check_writable(args.json.parent, "--json's folder")
     progress = not args.quiet
     start = time.perf_counter()
     if args.runs is not None:
-        if args.rebuild:
-            parser.error("--runs measures finished runs; --rebuild builds a world: choose one")
         table, world_name = read_runs(args.runs, args.semantics)
         rows = measure(table)
         n_relations = relations_per_experiment(table)
@@ -376,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                 "targets": rows,
                 "configs": config_rates(table),
             }
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
+            _write_json(args.json, result)
         return 0
     cache_dir = args.cache_dir
     if args.rebuild:
@@ -411,12 +613,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\nRebuilt against the shipped world (estimate inside the shipped 95% interval?):")
         for row in result["reproduction"]:
             print(json.dumps(row))
-        if not all(row["reproduced"] for row in result["reproduction"]):
+        if any(row["reproduced"] is False for row in result["reproduction"]):
             status = 1
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        _write_json(args.json, result)
     print(json.dumps({"seconds": result["seconds"], "json": str(args.json) if args.json else None}))
     return status
+
+
+def _write_json(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ of configurations (``LT*``):
   wording, a BOS prepended); ``checkpoint:...``: the same in prose, ``"99% / 97%"``;
 * ``target:SLUG``: ``"96% [94, 98] | 96% [92, 99] | 97% [93, 100]"``, pooled, headline and
   QA cells of one target (``SLUG``: its name, lower case, runs of other characters as ``-``);
-  ``verdict:SLUG``: ``"96%, PASS"``, its pooled estimate and verdict.
+  ``verdict:SLUG``: ``"96%, undecided"``, its pooled estimate and verdict (met, not met or
+  undecided, from its interval: :func:`grafting_lens.study.verdicts.verdict`); ``met:SLUG``:
+  the verdict alone.
 
 (An interval's bounds are joined by ``&nbsp;``: see :func:`_estimate`.) After the toy world
 or the code changes, run
@@ -242,6 +244,16 @@ def _run_value(kind: str, argument: str, sources: Sources) -> str:
     raise KeyError(kind)
 
 
+def target_verdict(target: dict[str, Any]) -> str:
+    """A measured target's verdict, from its pooled interval and threshold (``">= 0.95"``),
+    by the one rule every script uses (the manifest's own ``verdict`` is not read)."""
+    from grafting_lens.study.verdicts import verdict
+
+    sign, threshold = target["threshold"].split()
+    low, high = target["pooled"]["ci95"]
+    return verdict(low, high, float(threshold), at_least=sign == ">=")
+
+
 def value(key: str, sources: Sources) -> str:
     """The text of the marker ``key``; ``KeyError`` for a key no rule knows."""
     kind, _, argument = key.partition(":")
@@ -256,8 +268,10 @@ def value(key: str, sources: Sources) -> str:
             percent(scores[f"code:{prompt}/{direction}/{subset}"]["top5_accuracy"])
             for prompt in PROMPTS
         )
-    if kind in ("target", "verdict"):
+    if kind in ("target", "verdict", "met"):
         (target,) = [t for t in sources.targets if slug(t["target"]) == argument]
+        if kind == "met":
+            return target_verdict(target)
         if kind == "verdict":
             pooled = target["pooled"]["estimate"]
             shown = (
@@ -267,7 +281,7 @@ def value(key: str, sources: Sources) -> str:
                 if target["kind"] == "ratio"
                 else f"{_points(pooled)} pts"
             )
-            return f"{shown}, {target['verdict']}"
+            return f"{shown}, {target_verdict(target)}"
         cells = [target["pooled"], *(target["per_prompt"][prompt] for prompt in PROMPTS)]
         return " | ".join(_estimate(target["kind"], c["estimate"], *c["ci95"]) for c in cells)
     raise KeyError(key)

@@ -43,9 +43,12 @@ def cell(row: pd.Series, intervals: bool = True) -> str:
 
 
 def load(directory: Path) -> tuple[str, pd.DataFrame]:
-    report = json.loads((directory / "report.json").read_text())
-    summary = pd.read_csv(directory / "summary.csv")
-    return report["description"]["semantics"], summary
+    """A run's semantics (as Markdown text: a label is the user's string) and its summary."""
+    from grafting_lens.study.markdown import escape
+
+    report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    summary = pd.read_csv(directory / "summary.csv", encoding="utf-8-sig")
+    return escape(report["description"]["semantics"]), summary
 
 
 def rows_table(directories: list[Path], configs: tuple[str, ...]) -> str:
@@ -97,7 +100,7 @@ def write_heatmaps(directory: Path, target: Path) -> int:
     from grafting_lens.analysis.plots import save_figure
     from grafting_lens.study.report import component_heatmap, figure_caption
 
-    results = pd.read_csv(directory / "results.csv", usecols=["semantics"])
+    results = pd.read_csv(directory / "results.csv", usecols=["semantics"], encoding="utf-8-sig")
     caption = figure_caption("smollm2 world", results)
     _, summary = load(directory)
     for prompt in PROMPTS:

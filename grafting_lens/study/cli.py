@@ -51,7 +51,7 @@ from pathlib import Path
 
 from grafting_lens.core.console import threads_beyond_cores
 from grafting_lens.core.errors import GraftingLensError, did_you_mean
-from grafting_lens.study.run_command import WORLDS, run_experiment_command
+from grafting_lens.study.run_command import WORLDS, interrupted, run_experiment_command
 
 COMMANDS = {
     "run": "Run a named experiment: grafting-lens run <experiment> --out DIR (--help for its "
@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command with ``argv`` (default: the process's) and return its exit status.
 
     0 on success, 1 for an input a command refuses (printed as ``Error: ...``), 2 for a
-    command line that does not parse (printed with the usage); never a traceback.
+    command line that does not parse (printed with the usage), 130 after Ctrl-C (one line
+    saying how to go on); never a traceback.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -77,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `grafting-lens run | head` closed the pipe: nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # a run says more (run_experiment_command); builds resume
+        return interrupted("run the same command to resume")
 
 
 def _dispatch(args: list[str]) -> int:

@@ -36,6 +36,8 @@ from grafting_lens.analysis.attribution import attribute_grafts
 from grafting_lens.analysis.graft_search import find_minimal_graft
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.core.files import atomic_write, writing
+from grafting_lens.study import markdown
+from grafting_lens.study.markdown import Markup
 from grafting_lens.study.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.study.report import (
     ExperimentReport,
@@ -237,48 +239,70 @@ def report(
 
 def _markdown(tables: Mapping[str, Any], settings: dict, figures: dict) -> str:
     results, references = tables["results"], tables["references"]
-    lines = ["# Graft attribution", "", "```json", json.dumps(settings, indent=1), "```", ""]
-    lines += ["## The metric: log P(answer) at the last token", ""]
-    lines += ["| prompt | n | PRE | every cell grafted |", "|---|---|---|---|"]
-    for row in references.itertuples():
-        lines.append(
-            f"| {row.prompt} | {row.n} | {row.start_metric:.3f} | {row.all_cells_metric:.3f} |"
-        )
+    lines = ["# Graft attribution", "", *markdown.fence(json.dumps(settings, indent=1), "json")]
+    lines += ["", "## The metric: log P(answer) at the last token", ""]
+    lines += markdown.table(
+        ["prompt", "n", "PRE", "every cell grafted"],
+        [
+            [
+                row.prompt,
+                row.n,
+                Markup(f"{row.start_metric:.3f}"),
+                Markup(f"{row.all_cells_metric:.3f}"),
+            ]
+            for row in references.itertuples()
+        ],
+    )
     agreement = tables["agreement"]
     if not agreement.empty:
         lines += ["", "## How well the estimates rank the exact effects", ""]
-        lines += [
-            "| prompt | positions | cells | Spearman | Pearson | same sign |",
-            "|---|---|---|---|---|---|",
-        ]
-        for row in agreement.itertuples():
-            lines.append(
-                f"| {row.prompt} | {row.positions} | {row.cells} | {row.spearman:.3f} | "
-                f"{row.pearson:.3f} | {row.sign_agreement:.0%} |"
-            )
+        lines += markdown.table(
+            ["prompt", "positions", "cells", "Spearman", "Pearson", "same sign"],
+            [
+                [
+                    row.prompt,
+                    row.positions,
+                    row.cells,
+                    Markup(f"{row.spearman:.3f}"),
+                    Markup(f"{row.pearson:.3f}"),
+                    Markup(f"{row.sign_agreement:.0%}"),
+                ]
+                for row in agreement.itertuples()
+            ],
+        )
     for prompt, frame in results.groupby("prompt", sort=False):
         ranked = frame.sort_values("estimate", ascending=False).head(10)
-        lines += ["", f"## The ten cells with the largest estimates ({prompt} prompt)", ""]
-        lines += ["| cell | estimate | exact |", "|---|---|---|"]
-        for row in ranked.itertuples():
-            exact = "" if pd.isna(row.exact) else f"{row.exact:+.3f} ± {row.exact_se:.3f}"
-            lines.append(f"| {row.cell} | {row.estimate:+.3f} | {exact} |")
+        heading = f"The ten cells with the largest estimates ({prompt} prompt)"
+        lines += ["", f"## {markdown.escape(heading)}", ""]
+        lines += markdown.table(
+            ["cell", "estimate", "exact"],
+            [
+                [
+                    row.cell,
+                    Markup(f"{row.estimate:+.3f}"),
+                    Markup("" if pd.isna(row.exact) else f"{row.exact:+.3f} ± {row.exact_se:.3f}"),
+                ]
+                for row in ranked.itertuples()
+            ],
+        )
     curve = tables["recovery"]
     lines += ["", "## The minimal graft", ""]
     lines += [
-        f"Cells added greedily until the graft recovers {settings.get('fraction')} of the "
-        f"gap between PRE and SFT on the {PROMPTS[0]} prompts (reached: "
-        f"{settings.get('reached')}); recovery on the {PROMPTS[1]} prompts held out.",
+        markdown.escape(
+            f"Cells added greedily until the graft recovers {settings.get('fraction')} of the "
+            f"gap between PRE and SFT on the {PROMPTS[0]} prompts (reached: "
+            f"{settings.get('reached')}); recovery on the {PROMPTS[1]} prompts held out."
+        ),
         "",
-        "| cells | cell added | recovery | held out |",
-        "|---|---|---|---|",
     ]
     search = curve[curve.prompts == "search"].set_index("cells")
     held = curve[curve.prompts == "held_out"].set_index("cells")
+    rows = []
     for cells, row in search.iterrows():
         # + 0.0 turns a -0.0 (the empty graft, to rounding) into 0.0.
         other = f"{held.loc[cells, 'recovery'] + 0.0:.1%}" if cells in held.index else ""
-        lines.append(f"| {cells} | {row.cell} | {row.recovery + 0.0:.1%} | {other} |")
+        rows.append([cells, row.cell, Markup(f"{row.recovery + 0.0:.1%}"), Markup(other)])
+    lines += markdown.table(["cells", "cell added", "recovery", "held out"], rows)
     lines += ["", "## Figures", ""]
     lines += figure_lines(figures)
     return "\n".join(lines) + "\n"

@@ -559,12 +559,8 @@ def run_spec(
     assert isinstance(semantics, Semantics)  # with_semantics gives one
     if setup.seeds:  # the toy world's seed goes with every row; explicit seeds come after
         options = dataclasses.replace(options, seeds={**setup.seeds, **options.seeds})
-    if prompts is not None and spec.run is not None:
-        grids = [name for name, other in EXPERIMENTS.items() if other.run is None]
-        raise ExperimentError(
-            f"The {spec.name} experiment asks its own questions; own prompts go with an "
-            f"experiment of configurations: {', '.join(grids)}."
-        )
+    if prompts is not None:
+        check_prompts_apply(spec)
     if spec.run is not None:
         return dict(
             spec.run(
@@ -626,6 +622,21 @@ def run_spec(
         table.insert(1, "part", name)
         tables.append(table)
     return {"results": pd.concat(tables, ignore_index=True)}
+
+
+def check_prompts_apply(experiment: str | ExperimentSpec) -> None:
+    """Refuse own prompts for an experiment that asks its own questions (one with a ``run``).
+
+    Raises:
+        ExperimentError: Naming the experiments that take them.
+    """
+    spec = get_experiment(experiment)
+    if spec.run is not None:
+        grids = [name for name, other in EXPERIMENTS.items() if other.run is None]
+        raise ExperimentError(
+            f"The {spec.name} experiment asks its own questions; own prompts go with an "
+            f"experiment of configurations: {', '.join(grids)}."
+        )
 
 
 def _check_n_examples(n_examples: Any) -> None:

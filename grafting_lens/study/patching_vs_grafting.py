@@ -32,6 +32,8 @@ from grafting_lens.analysis.comparison import (
 )
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study import markdown
+from grafting_lens.study.markdown import Markup
 from grafting_lens.study.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.study.report import (
     ExperimentReport,
@@ -215,28 +217,32 @@ def _markdown(
     summary: pd.DataFrame, references: pd.DataFrame, settings: dict, figures: dict
 ) -> str:
     """Top-5 accuracy (and answer probability) per layer, graft next to patch, per table."""
-    lines = ["# Patching vs grafting", "", "```json", json.dumps(settings, indent=1), "```", ""]
-    lines += [
-        "## References (no intervention)",
-        "",
-        "| prompt | model | n | top-5 | P(answer) |",
-        "|---|---|---|---|---|",
-    ]
-    for _, row in references.iterrows():
-        lines.append(
-            f"| {row.prompt} | {row.model} | {row.n} | {_interval(row, 'top5')} | "
-            f"{_interval(row, 'target_prob', '.3f')} |"
-        )
+    lines = ["# Patching vs grafting", "", *markdown.fence(json.dumps(settings, indent=1), "json")]
+    lines += ["", "## References (no intervention)", ""]
+    lines += markdown.table(
+        ["prompt", "model", "n", "top-5", "P(answer)"],
+        [
+            [
+                row.prompt,
+                row.model,
+                row.n,
+                Markup(_interval(row, "top5")),
+                Markup(_interval(row, "target_prob", ".3f")),
+            ]
+            for _, row in references.iterrows()
+        ],
+    )
     groups = summary.groupby(["direction", "prompt", "positions"], sort=False)
     for (direction, prompt, positions), group in groups:
-        lines += ["", f"## {direction}, {prompt} prompt, positions {positions}", ""]
+        heading = f"{direction}, {prompt} prompt, positions {positions}"
+        lines += ["", f"## {markdown.escape(heading)}", ""]
         lines += ["Top-5 accuracy [95% bootstrap CI]; mean P(answer) in parentheses.", ""]
         pairs = list(dict.fromkeys(group.pair))
         methods = ("graft", "patch")
         header = ["layer"] + [f"{pair}: {method}" for pair in pairs for method in methods]
-        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        rows = []
         for layer in sorted(group.layer.unique()):
-            cells = [str(layer)]
+            cells: list[object] = [layer]
             for pair in pairs:
                 for method in methods:
                     chosen = (group.pair == pair) & (group.method == method)
@@ -245,8 +251,9 @@ def _markdown(
                         cells.append("")
                         continue
                     row = match.iloc[0]
-                    cells.append(f"{_interval(row, 'top5')} ({row.target_prob:.3f})")
-            lines.append("| " + " | ".join(cells) + " |")
+                    cells.append(Markup(f"{_interval(row, 'top5')} ({row.target_prob:.3f})"))
+            rows.append(cells)
+        lines += markdown.table(header, rows)
     lines += ["", "## Figures", ""]
     lines += figure_lines(figures)
     return "\n".join(lines) + "\n"

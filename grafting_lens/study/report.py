@@ -46,6 +46,7 @@ from plotly.subplots import make_subplots
 from grafting_lens.analysis import figure_style, metrics, plots
 from grafting_lens.core.errors import RunError
 from grafting_lens.core.files import DirectoryLock, atomic_write, writing
+from grafting_lens.study import markdown
 from grafting_lens.study.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
 from grafting_lens.study.specs import ExperimentSpec, get_experiment
 
@@ -136,7 +137,7 @@ def figure_lines(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
             png = Path(written["png"]).name
         else:
             png = f"no PNG: {written['png_error']}" if written["png_error"] else "HTML only"
-        lines.append(f"- `{Path(written['html']).name}` ({png})")
+        lines.append(f"- {markdown.code(Path(written['html']).name)} ({markdown.escape(png)})")
     return lines
 
 
@@ -513,18 +514,24 @@ def summary_markdown(
         notes: Lines to list under the table.
         paper: What the paper reports, listed for comparison.
     """
-    table = summary_table(summary)
-    lines = [f"# {title}", ""]
+    shown = summary_table(summary)
+    # The grouping columns hold the run's names (prompts, configurations, datasets);
+    # the other cells are numbers formatted above.
+    named = [c for c in shown.columns if c in summary.columns and c != "n"]
+    rows = [
+        [cell if column in named else markdown.Markup(cell) for column, cell in row.items()]
+        for _, row in shown.iterrows()
+    ]
+    lines = [f"# {markdown.escape(title)}", ""]
     if command:
-        lines += ["```", command, "```", ""]
+        lines += [*markdown.fence(command), ""]
     lines += ["Intervals: 95% bootstrap; mean rank: 0 = the top token.", ""]
-    lines += ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    for _, row in table.iterrows():
-        lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
+    lines += markdown.table(list(shown.columns), rows)
     if notes:
-        lines += ["", *[f"- {note}" for note in notes]]
+        lines += ["", *[f"- {markdown.escape(note)}" for note in notes]]
     if paper:
-        lines += ["", "What the paper reports:", "", *[f"- {line}" for line in paper]]
+        lines += ["", "What the paper reports:", ""]
+        lines += [f"- {markdown.escape(line)}" for line in paper]
     return "\n".join(lines) + "\n"
 
 

@@ -191,7 +191,8 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
 
     Returns:
         The exit status: 0, 1 for an input the run refuses (printed as ``Error: ...``),
-        2 for options that do not parse.
+        2 for options that do not parse, 130 after Ctrl-C (one line: resume by running the
+        same command again, or, where the run does not resume, start it again).
     """
     try:
         parser = experiment_parser(experiment, prog=command)
@@ -208,6 +209,31 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
     except ValueError as error:  # GraftingLensError and every other input error raised on purpose
         print(f"Error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        from grafting_lens.study import get_experiment
+
+        spec = get_experiment(experiment)
+        finetunes = (
+            spec.finetune_missing_donor
+            and args.model is not None
+            and not any(
+                getattr(args, option.lstrip("-").replace("-", "_"))
+                for option, _ in spec.donors.values()
+            )
+        )
+        if spec.run is None and not finetunes:
+            return interrupted("run the same command to resume")
+        return interrupted("run the same command to start again (this run does not resume)")
+
+
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT, as a shell reports it)."""
+
+
+def interrupted(what_next: str) -> int:
+    """Say in one line that the command was interrupted and what to do; return 130."""
+    print(f"Interrupted; {what_next}.", file=sys.stderr)
+    return INTERRUPTED
 
 
 def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
@@ -226,6 +252,10 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
             "--toy-config configures the toy world: leave it out with --world smollm2."
         )
     _check_relation_options(args, toy=checkpoints is None)
+    if args.prompts is not None:
+        from grafting_lens.study.named import check_prompts_apply
+
+        check_prompts_apply(spec)  # before anything loads
     semantics = _semantics(spec, args)
     dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
@@ -255,6 +285,7 @@ def _run_locked(
         write_experiment_report,
     )
     from grafting_lens.study.run_directory import weights_digests
+    from grafting_lens.study.testsets import check_answers
 
     prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     started = time.perf_counter()
@@ -275,11 +306,14 @@ def _run_locked(
         world=args.world or "toy",
         lazy=args.lazy,
     )
+    # Answers the tokenizer cannot score are refused before the report directory is touched.
+    shared = [] if prompts is None else check_answers(prompts, setup.models, semantics)
     # Only a grid of configurations saves chunks and reads them back.
     resumed = setup.resumable and spec.run is None
     description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
     if prompts is not None:  # the file's content, not its name, makes the run
-        description["prompts"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()[:16]
+        content = Path(args.prompts).expanduser().read_bytes()
+        description["prompts"] = hashlib.sha256(content).hexdigest()[:16]
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
     prepare_report_directory(
@@ -318,6 +352,7 @@ def _run_locked(
         f"{_where(setup.models.device)}"
         + (f" (the others read back from {out / 'runs'})." if resumed else "."),
     ]
+    notes += shared
     if spec.run is None:
         notes.append(_semantics_note(semantics))
     if spec.note:
@@ -460,10 +495,15 @@ def _toy_config(text: str | None) -> Any:
         return None
     import json
 
+    from grafting_lens.study.testsets import RepeatedKey, unique_keys
     from grafting_lens.worlds.toy import ToyWorldConfig
 
     try:
-        return ToyWorldConfig(**json.loads(text))
+        return ToyWorldConfig(**json.loads(text, object_pairs_hook=unique_keys))
+    except RepeatedKey as error:
+        raise GraftingLensError(
+            f"--toy-config sets {error.args[0]!r} twice (JSON would keep the last); keep one."
+        ) from None
     except (json.JSONDecodeError, TypeError) as error:
         raise GraftingLensError(
             f"--toy-config is not a JSON object of ToyWorldConfig fields: {error}"
@@ -581,7 +621,12 @@ def _torch() -> Any:
 
 def _print_summary(summary: pd.DataFrame, title: str) -> None:
     """The summary on standard output: the cells summary.md has, intervals beside each accuracy."""
+    from grafting_lens.study.markdown import visible
     from grafting_lens.study.report import summary_table
 
-    print(f"{title} (95% bootstrap CI; mean rank 0 = the top token)")
-    print(summary_table(summary).to_string(index=False))
+    # A name's newline or terminal escape sequence is shown, not obeyed.
+    shown = summary_table(summary).map(
+        lambda cell: visible(cell) if isinstance(cell, str) else cell
+    )
+    print(visible(f"{title} (95% bootstrap CI; mean rank 0 = the top token)"))
+    print(shown.to_string(index=False))

@@ -652,6 +652,15 @@ def _prepare_cells(grid: _Grid) -> list[_TestCell]:
                         for g in grafts
                     ]
                 except GraftingLensError as error:
+                    missing = "first_entity" not in batch.spans and "'first_entity'" in str(error)
+                    if test_set.source is not None and missing:
+                        # Not "tokenize with tokenize_examples": the span comes from the file.
+                        error = type(error)(
+                            f"{test_set.source} has no first_entity column, and configuration "
+                            f"{config.name!r} grafts at the first entity: add the column (the "
+                            "entity as each prompt writes it), or run configurations of the "
+                            "last token only."
+                        )
                     raise type(error)(
                         f"Configuration {config.name!r} on test set {test_set.label!r}: {error}"
                     ) from error

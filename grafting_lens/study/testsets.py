@@ -15,6 +15,7 @@ library does (``templates="library"``, what ``semantics="clean"`` asks for).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import warnings
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
-from grafting_lens.core.errors import ExperimentError, did_you_mean
+from grafting_lens.core.errors import ExperimentError, TokenError, did_you_mean
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
@@ -36,6 +37,7 @@ __all__ = [
     "MOVIE_PROMPTS",
     "PROMPT_COLUMNS",
     "TestSet",
+    "check_answers",
     "make_test_sets",
     "read_prompts",
 ]
@@ -73,6 +75,8 @@ class TestSet:
             (:data:`~grafting_lens.worlds.data.TEMPLATE_SETS`; set by :func:`make_test_sets`),
             or ``None`` for prompts of your own; a run refuses test sets whose wording
             is not its semantics'.
+        source: The file the examples were read from (set by :func:`read_prompts`; each
+            example's ``relation_id`` is its row there, from 0), for messages to name rows.
 
     Raises:
         ExperimentError: No examples, something that is neither examples nor a batch, or
@@ -86,6 +90,7 @@ class TestSet:
     prompt: str | None = None
     seed: int | None = None
     templates: str | None = None
+    source: str | None = None
 
     def __post_init__(self) -> None:
         if self.is_tokenized:
@@ -154,7 +159,44 @@ class TestSet:
                     f"cleanly (first: {source.dropped[0][1]}).",
                     stacklevel=4,  # the caller of run_experiment
                 )
-        return as_batch(source, models)
+            self._check_context(source, models)
+            return as_batch(source, models)
+        batch = as_batch(source, models)
+        self._check_context(batch, models)
+        return batch
+
+    def where(self, example: Any, index: int) -> str:
+        """How a message names one example: its row in :attr:`source`, or its place here."""
+        relation = getattr(example, "relation_id", None)
+        if self.source is not None and relation is not None:
+            return f"{self.source}, row {relation + 1}"
+        return f"test set {self.label!r}, example {index}"
+
+    def _check_context(self, batch: Any, models: ModelSet) -> None:
+        """Refuse a prompt longer than the model's context (``n_ctx``), naming it: a run
+        would otherwise grow its activations past memory before any error."""
+        context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
+        mask = getattr(batch, "attention_mask", None)
+        tokens = torch.as_tensor(batch.tokens)
+        lengths = (
+            torch.as_tensor(mask).sum(dim=1)
+            if mask is not None
+            else torch.full((tokens.shape[0],), tokens.shape[1])
+        )
+        if not context or int(lengths.max()) <= context:
+            return
+        index = int(lengths.argmax())
+        examples = getattr(batch, "examples", None)
+        example = examples[index] if examples else None
+        text = getattr(example, "text", None)
+        shown = "" if text is None else f" ({text[:60]!r}{'...' if len(text) > 60 else ''})"
+        longer = int((lengths > context).sum())
+        raise TokenError(
+            f"The prompt of {self.where(example, index)}{shown} is {int(lengths[index])} tokens, "
+            f"longer than the model's context (n_ctx) of {context}"
+            + (f"; {longer - 1} more are too" if longer > 1 else "")
+            + f". Shorten or split it to at most {context} tokens."
+        )
 
 
 def make_test_sets(
@@ -233,61 +275,29 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
     :data:`PROMPT_COLUMNS` (``prompt``, ``target``; optional ``first_entity``, ``name``).
 
     JSON is a list of objects (``[{"prompt": ..., "target": ...}, ...]``); CSV has a header
-    row. Each row becomes an :class:`~grafting_lens.worlds.data.Example` (``relation_id`` = its row
-    number), one test set per ``name``, with no template wording (``templates=None``), so
-    it runs under any semantics. ``grafting-lens run ... --prompts FILE`` reads it.
+    row (UTF-8, with or without a byte-order mark). Each row becomes an
+    :class:`~grafting_lens.worlds.data.Example` (``relation_id`` = its row number - 1), one
+    test set per ``name``, with no template wording (``templates=None``), so it runs under
+    any semantics. ``grafting-lens run ... --prompts FILE`` reads it, then checks the answers
+    against the models' tokenizer with :func:`check_answers` (do the same in Python).
 
     Args:
         path: A ``.json`` or ``.csv`` file.
         dataset: The ``dataset`` label of the rows (default: the file's name).
 
     Raises:
-        ExperimentError: A missing or unreadable file, another format, missing or unknown
-            columns, an empty row, a target breaking the target rule or a ``first_entity``
-            not in its prompt; the message names the row and the fix.
+        ExperimentError: A missing, unreadable or non-UTF-8 file, another format, missing,
+            unknown or repeated columns (or JSON keys), an empty row, a value that is not
+            text, a target breaking the target rule, a ``first_entity`` not in its
+            prompt, or a row repeating another; the message names the row and the fix.
     """
     path = Path(path).expanduser()
-    columns = ", ".join(f"{name} ({what})" for name, what in PROMPT_COLUMNS.items())
-    if not path.is_file():
-        raise ExperimentError(
-            f"No prompts file at {path}: pass a .json or .csv file with the columns {columns}."
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ExperimentError(f"Cannot read the prompts file {path}: {error}.") from None
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ExperimentError(
-                f"{path} is not valid JSON ({error}); write a list of objects such as "
-                '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
-                'Bullock", "first_entity": "Keanu Reeves"}].'
-            ) from None
-        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-            raise ExperimentError(
-                f"{path} holds a {type(rows).__name__}; a prompts file in JSON is a list of "
-                f"objects with the keys {columns}."
-            )
-    elif suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        rows = list(reader)
-        unknown = [c for c in (reader.fieldnames or []) if c not in PROMPT_COLUMNS]
-        if unknown:
-            raise ExperimentError(
-                f"{path} has the unknown columns {unknown}; a prompts file's columns are "
-                f"{columns}. Rename or drop them."
-            )
-    else:
-        raise ExperimentError(
-            f"{path} is neither .json nor .csv: save the prompts as one of them, with the "
-            f"columns {columns}."
-        )
+    columns = "prompt, target and optionally first_entity and name (PROMPT_COLUMNS)"
+    rows = _prompt_rows(path, columns)
     if not rows:
         raise ExperimentError(f"{path} has no prompts: add one row per prompt ({columns}).")
     groups: dict[str, list[data.Example]] = {}
+    seen: dict[tuple[str, str, str], int] = {}
     for number, row in enumerate(rows, start=1):
         where = f"{path}, row {number}"
         unknown = [key for key in row if key not in PROMPT_COLUMNS]
@@ -295,14 +305,21 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
             raise ExperimentError(
                 f"{where} has the unknown keys {unknown}; the columns are {columns}."
             )
-        missing = [key for key in ("prompt", "target") if not str(row.get(key) or "").strip()]
+        wrong = {k: v for k, v in row.items() if v is not None and not isinstance(v, str)}
+        if wrong:
+            key, value = next(iter(wrong.items()))
+            raise ExperimentError(
+                f"{where}: {key} is a JSON {_json_kind(value)} ({json.dumps(value)[:60]}), "
+                "not text: write it as a string."
+            )
+        missing = [key for key in ("prompt", "target") if not (row.get(key) or "").strip()]
         if missing:
             raise ExperimentError(
                 f"{where} has no {' and no '.join(missing)}: every row needs a prompt and "
                 "its target."
             )
-        prompt, target = str(row["prompt"]), str(row["target"])
-        entity = str(row.get("first_entity") or "")
+        prompt, target = row["prompt"], row["target"]
+        entity = row.get("first_entity") or ""
         spans = {}
         if entity:
             start = prompt.find(entity)
@@ -312,13 +329,178 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
                     "it from the prompt as written (case and spacing included)."
                 )
             spans["first_entity"] = (start, start + len(entity))
-        name = str(row.get("name") or "custom")
+        name = row.get("name") or "custom"
+        question = (name, prompt, target)
+        if question in seen:
+            raise ExperimentError(
+                f"{where} repeats row {seen[question]} (the same prompt, target and name): it "
+                "would be counted twice in every summary. Delete one of them."
+            )
+        seen[question] = number
         try:
             example = data.Example(
                 relation_id=number - 1, prompt_name=name, text=prompt, target=target, spans=spans
             )
         except ValueError as error:
             raise ExperimentError(f"{where}: {error}") from None
-        groups.setdefault(name, []).append(example)
+        group = groups.setdefault(name, [])
+        if group and bool(group[0].spans) != bool(spans):
+            raise ExperimentError(
+                f"{where} {'gives' if spans else 'has no'} first_entity, but row "
+                f"{group[0].relation_id + 1} (test set {name!r}) "
+                f"{'has none' if spans else 'gives one'}: give it in every row of a test set, "
+                "or in none."
+            )
+        group.append(example)
     label = dataset or path.stem
-    return [TestSet(examples, dataset=label, prompt=name) for name, examples in groups.items()]
+    return [
+        TestSet(examples, dataset=label, prompt=name, source=str(path))
+        for name, examples in groups.items()
+    ]
+
+
+def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
+    """The rows of a prompts file, each a mapping of column to value, as the file holds them."""
+    if path.is_dir():
+        raise ExperimentError(
+            f"{path} is a directory; --prompts takes a .json or .csv file with the columns "
+            f"{columns}."
+        )
+    if not path.is_file():
+        raise ExperimentError(
+            f"No prompts file at {path}: pass a .json or .csv file with the columns {columns}."
+        )
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".csv"):
+        raise ExperimentError(
+            f"{path} is neither .json nor .csv: save the prompts as one of them, with the "
+            f"columns {columns}."
+        )
+    try:
+        # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name.
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise ExperimentError(
+            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+            f"{error.start}); save it as UTF-8."
+        ) from None
+    except OSError as error:
+        raise ExperimentError(f"Cannot read the prompts file {path}: {error}.") from None
+    if suffix == ".json":
+        try:
+            rows = json.loads(text, object_pairs_hook=unique_keys)
+        except json.JSONDecodeError as error:
+            raise ExperimentError(
+                f"{path} is not valid JSON ({error}); write a list of objects such as "
+                '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
+                'Bullock", "first_entity": "Keanu Reeves"}].'
+            ) from None
+        except RepeatedKey as error:
+            raise ExperimentError(
+                f"{path}: an object sets {error.args[0]!r} twice (JSON would keep the last "
+                "silently); keep one."
+            ) from None
+        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+            raise ExperimentError(
+                f"{path} holds a {type(rows).__name__}; a prompts file in JSON is a list of "
+                f"objects with the keys {columns}."
+            )
+        return rows
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, [])
+    repeated = sorted({c for c in header if header.count(c) > 1})
+    if repeated:
+        raise ExperimentError(
+            f"{path}: the header names {repeated} twice (only the last would be read); keep "
+            "one column of each."
+        )
+    unknown = [c for c in header if c not in PROMPT_COLUMNS]
+    if unknown:
+        raise ExperimentError(
+            f"{path} has the unknown columns {unknown}; a prompts file's columns are "
+            f"{columns}. Rename or drop them."
+        )
+    rows = []
+    for cells in reader:
+        if not cells:
+            continue  # an empty line
+        if len(cells) > len(header):
+            raise ExperimentError(
+                f"{path}, row {len(rows) + 1} has {len(cells)} cells but the header "
+                f"{len(header)}: quote a cell that holds a comma."
+            )
+        rows.append(dict(zip(header, cells)))
+    return rows
+
+
+class RepeatedKey(Exception):
+    """A JSON object set one key twice (its first argument)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` refusing a key set twice, which ``json`` would
+    resolve silently by keeping the last.
+
+    Raises:
+        RepeatedKey: Naming the key.
+    """
+    keys = [key for key, _ in pairs]
+    for key in keys:
+        if keys.count(key) > 1:
+            raise RepeatedKey(key)
+    return dict(pairs)
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
+def check_answers(
+    test_sets: Sequence[TestSet], models: ModelSet, semantics: Semantics | str | None = None
+) -> list[str]:
+    """Check that ``models``' tokenizer can score each answer of your own prompts.
+
+    The score is the answer's first token (as ``semantics`` tokenizes it). An answer whose
+    first token is bare whitespace (a tokenizer that splits the space from digits or
+    from characters it has no merged token for: ``" 1999"``, ``" 東京"``) would score
+    only whether a space comes next, the same for every such answer: refused. Different
+    answers that share their first token (``" Sandra Bullock"``, ``" Sandra Oh"``) are
+    scored alike, which a reader should know: returned as lines for the report.
+
+    Raises:
+        ExperimentError: An answer scored by a bare-whitespace token, naming its rows.
+    """
+    lines = []
+    for test_set in test_sets:
+        if test_set.is_tokenized:
+            continue
+        batch = test_set.batch(models, semantics)
+        tokenizer = models.tokenizer
+        shared: dict[int, dict[str, list[str]]] = {}
+        blank = []
+        scored = zip(batch.examples or [], batch.target_ids.tolist())
+        for index, (example, token) in enumerate(scored):
+            where = test_set.where(example, index)
+            if not tokenizer.decode([token]).strip():
+                blank.append((f"{example.target!r} ({where})", token))
+            shared.setdefault(token, {}).setdefault(example.target, []).append(where)
+        if blank:
+            token = tokenizer.convert_ids_to_tokens(blank[0][1])
+            raise ExperimentError(
+                f"The answer {blank[0][0]}"
+                + (f" and {len(blank) - 1} more" if len(blank) > 1 else "")
+                + " is scored by a first token that is only whitespace (this tokenizer splits "
+                f"the space off; token {token!r}), so every such answer would score alike. "
+                "Reword the answer so that its first token holds a word."
+            )
+        for token, answers in shared.items():
+            if len(answers) > 1:
+                named = ", ".join(f"{answer!r}" for answer in list(answers)[:4])
+                more = f" and {len(answers) - 4} more" if len(answers) > 4 else ""
+                lines.append(
+                    f"Test set {test_set.label!r}: the answers {named}{more} share their "
+                    f"first token {tokenizer.decode([token])!r}, the token scored: a hit on "
+                    "one is a hit on each."
+                )
+    return lines

@@ -368,6 +368,8 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
         (["--semantics", "referense"], "Unknown semantics 'referense'"),
         (["--semantics", "reference+unembed=nowhere"], "Semantics.unembed must be one of"),
         (["--semantics", "clean+colour=red"], "Cannot read 'colour=red'"),
+        # json keeps the last of a key set twice, without a word.
+        (["--toy-config", '{"seed": 1, "seed": 2}'], "--toy-config sets 'seed' twice"),
     ],
 )
 def test_script_options_are_checked_before_loading(
@@ -377,6 +379,18 @@ def test_script_options_are_checked_before_loading(
     status = cli.main(["run", "position", "--out", str(tmp_path), *arguments])
     assert status == 1
     assert message in capsys.readouterr().err
+
+
+def test_own_prompts_for_an_experiment_that_asks_its_own_are_refused_before_loading(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(toy, "build_toy_world", lambda *a, **k: pytest.fail("built a toy world"))
+    prompts = tmp_path / "mine.json"
+    prompts.write_text('[{"prompt": "Who?", "target": " Bob"}]')
+    out = str(tmp_path / "out")
+    status = cli.main(["run", "graft_attribution", "--out", out, "--prompts", str(prompts)])
+    assert status == 1
+    assert "asks its own questions" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the output directory
@@ -553,15 +567,20 @@ def test_python_m_grafting_lens_cli_runs_the_command():
     assert "Experiments:" in listed.stdout and "demo" in listed.stdout
 
 
+ANSWERS = (" movie", " the film", " actor")
+"""Answers whose first token under the tiny tokenizer holds a word: it splits the space
+off most names (" Sandra" is " ", "S", ...), which a run on your own prompts refuses."""
+
+
 def test_own_prompts_from_a_file_run_through_the_command(tmp_path, world, capfd):
     from grafting_lens.worlds import data
 
     examples = data.make_examples(world.relations[:3], prompt="headline")
     prompts = tmp_path / "mine.csv"
     lines = ["prompt,target,first_entity,name"]
-    for example in examples:
+    for example, answer in zip(examples, ANSWERS):
         start, end = example.spans["first_entity"]
-        lines.append(f'"{example.text}","{example.target}","{example.text[start:end]}",ours')
+        lines.append(f'"{example.text}","{answer}","{example.text[start:end]}",ours')
     prompts.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     result = invoke(["demo", "--out", str(out), "--prompts", str(prompts), "--no-progress"])
@@ -597,3 +616,157 @@ def test_the_summary_says_where_a_run_computed():
     assert run_command._where(torch.device("cpu")) == f"{threads} CPU thread" + "s" * (threads > 1)
     # Not "CPU threads" for a device that is not the CPU.
     assert run_command._where(torch.device("meta")) == "meta"
+
+
+def _prompts_file(path, world, names=("custom",) * 3, answers=ANSWERS, **changes):
+    """A JSON prompts file: the world's first headline prompts (first entity marked),
+    ``answers``, ``names``."""
+    from grafting_lens.worlds import data
+
+    examples = data.make_examples(world.relations[: len(answers)], prompt="headline")
+    rows = [
+        {
+            "prompt": example.text,
+            "target": answer,
+            "first_entity": example.text[slice(*example.spans["first_entity"])],
+            "name": name,
+            **changes,
+        }
+        for example, answer, name in zip(examples, answers, names)
+    ]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+HOSTILE = "a|b\n<script>alert(1)</script> <img src=x onerror=alert(1)> `x` [l](javascript:x)"
+
+
+def _table_shapes(markdown: str) -> list[int]:
+    """The number of cells of every table line (split at ``|`` not escaped by ``\\``)."""
+    return [
+        len(re.split(r"(?<!\\)\|", line)) for line in markdown.splitlines() if line.startswith("|")
+    ]
+
+
+def test_names_from_a_prompts_file_stay_text_in_summary_md(tmp_path, world):
+    """A prompt name (and a file name) holding a table's ``|``, a newline and HTML lands in
+    summary.md as the characters typed: the table keeps its shape, no tag is left for a
+    Markdown viewer to run."""
+    folder = tmp_path / "in|<b>"
+    folder.mkdir()
+    prompts = _prompts_file(folder / "x|<i>y.json", world, names=(HOSTILE,) * 3)
+    out = tmp_path / "out"
+    result = invoke(["demo", "--out", out, "--prompts", prompts, "--no-progress", "--no-png"])
+    assert result.exit_code == 0, _output(result)
+    summary = (out / "summary.md").read_text()
+    # The command is shown verbatim in a fenced block, where nothing is markup.
+    fenced = re.fullmatch(r"(.*?)\n(`{3,})\n.*?\n\2\n(.*)", summary, flags=re.S)
+    assert fenced is not None and "--prompts" in summary
+    outside = fenced[1] + fenced[3]
+    assert not re.search(r"<[A-Za-z/!?]", outside)  # every tag escaped (&lt;), none raw
+    shapes = _table_shapes(summary)
+    assert len(shapes) == 2 + len(experiments.PAPER_POSITION_CONFIGS)  # header, rule, rows
+    assert set(shapes) == {shapes[0]}, summary
+    assert "a\\|b\\n&lt;script&gt;" in summary  # shown, escaped, on one line
+    # The summary on the terminal shows the newline too, rather than breaking its row.
+    assert "a|b\\n<script>" in result.output and "\n<script>" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        # The tiny tokenizer splits the space off digits: both answers are scored by " ".
+        ({"answers": (" 1999", " 2001")}, r"' 1999' \(.*mine.json, row 1\).*only whitespace"),
+        (
+            {"answers": (" movie",), "prompt": {"text": "Who?"}},
+            r"mine.json, row 1: prompt is a JSON object",
+        ),
+        ({"answers": (" movie",), "target": [" a", " b"]}, r"row 1: target is a JSON array"),
+        (
+            {
+                "answers": (" movie",),
+                "prompt": "Keanu Reeves starred in a" + " movie" * 80,
+                "first_entity": None,
+            },
+            r"mine.json, row 1 \('Keanu.*is \d+ tokens, longer than the model's context \(n_ctx\) of 64",
+        ),
+        (
+            {"answers": (" movie",), "first_entity": None},
+            r"mine.json has no first_entity column, and configuration 'FE' grafts at the first",
+        ),
+    ],
+    ids=[
+        "bare-space answers",
+        "object as prompt",
+        "array as target",
+        "past the context",
+        "no first entity for FE",
+    ],
+)
+def test_own_prompts_the_models_cannot_score_are_refused_naming_the_row(
+    tmp_path, world, rows, message
+):
+    """Refused after the models load (the tokenizer and the context are theirs), before
+    any forward pass: the row named, the fix said, nothing written."""
+    answers = rows.pop("answers")
+    prompts = _prompts_file(tmp_path / "mine.json", world, names=("custom",) * 3, answers=answers)
+    if rows:
+        table = json.loads(prompts.read_text())
+        table[0].update(rows)
+        prompts.write_text(json.dumps(table))
+    result = invoke(["demo", "--out", tmp_path / "out", "--prompts", prompts, "--no-progress"])
+    assert result.exit_code == 1, _output(result)
+    assert re.search(message, _output(result)), _output(result)
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_a_csv_with_a_byte_order_mark_reads_and_shared_first_tokens_are_noted(
+    tmp_path, world, monkeypatch
+):
+    """Excel's UTF-8 CSV starts with a byte-order mark: its first column is still
+    'prompt'. Two answers scored by one token are run, and the report says so."""
+    from grafting_lens.worlds import data
+
+    examples = data.make_examples(world.relations[:3], prompt="headline")
+    answers = (" movie", " movie star", " actor")
+    lines = ["prompt,target,first_entity"] + [
+        f'"{e.text}",{answer},{e.text[slice(*e.spans["first_entity"])]}'
+        for e, answer in zip(examples, answers)
+    ]
+    prompts = tmp_path / "excel.csv"
+    prompts.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    out = tmp_path / "out"
+    monkeypatch.setenv("HOME", str(tmp_path))  # and a path written with ~
+    home = ["--prompts", "~/excel.csv"]
+    result = invoke(["demo", "--out", out, *home, "--no-progress", "--no-png"])
+    assert result.exit_code == 0, _output(result)
+    summary = (out / "summary.md").read_text()
+    assert "share their first token" in summary and "movie star" in summary
+
+
+@pytest.mark.parametrize(
+    ("arguments", "patched", "line"),
+    [
+        (["demo"], "run_spec", "Interrupted; run the same command to resume."),
+        (["run", "graft_attribution", "--quick"], "run_spec", "this run does not resume"),
+        (["world", "build", "toy"], "build_toy_world", "Interrupted; run the same command"),
+    ],
+    ids=["a resumable run", "a run that does not resume", "a world build"],
+)
+def test_ctrl_c_prints_one_line_and_exits_130(
+    tmp_path, world, monkeypatch, arguments, patched, line
+):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    target = toy if patched == "build_toy_world" else experiments
+    monkeypatch.setattr(target, patched, interrupt)
+    out = [] if arguments[0] == "world" else ["--out", tmp_path / "out", "--no-progress"]
+    try:
+        result = invoke([*arguments, *out])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped the command as a traceback")
+    assert result.exit_code == 130
+    assert result.output.strip().splitlines()[-1].startswith("Interrupted;")
+    assert line in result.output and "Traceback" not in result.output

@@ -803,11 +803,41 @@ def test_read_prompts_takes_json_and_csv_with_one_test_set_per_name(tmp_path):
             '[{"prompt": "Who is it?", "target": " Bob", "first_entity": "Alice"}]',
             "first_entity 'Alice' is not in the prompt",
         ),
+        # A value that is not text would run as its Python repr.
+        (
+            "p.json",
+            '[{"prompt": {"q": "Who?"}, "target": " Bob"}]',
+            "row 1: prompt is a JSON object",
+        ),
+        ("p.json", '[{"prompt": "Who?", "target": 7}]', "row 1: target is a JSON number"),
+        ("p.json", '[{"prompt": "Who?", "target": " Bob", "name": ["a"]}]', "name is a JSON array"),
+        # Set twice: JSON and csv keep the last without a word; a row twice counts twice.
+        (
+            "p.json",
+            '[{"prompt": "Who?", "target": " Bob", "target": " Al"}]',
+            "sets 'target' twice",
+        ),
+        ("p.csv", "prompt,target,target\nWho?, Bob, Al\n", "names \\['target'\\] twice"),
+        ("p.csv", "prompt,target\nWho?, Bob\nWho else?, Al\nWho?, Bob\n", "row 3 repeats row 1"),
+        ("p.csv", "prompt,target\nWho?, Bob, Al\n", "row 1 has 3 cells but the header 2"),
+        ("p.csv", b"prompt,target\nWho is Jos\xe9?, Bob\n", "not UTF-8 text \\(byte 0xe9"),
+        ("p.csv/", "", "is a directory"),
+        # Spans must be alike within a test set; say which row, not "relation 1".
+        (
+            "p.csv",
+            "prompt,target,first_entity\nAl met Bo, Cy,Al\nBo met Al, Cy,\n",
+            "row 2 has no first_entity, but row 1 .* gives one",
+        ),
     ],
 )
 def test_a_prompts_file_with_a_mistake_names_it_and_the_fix(tmp_path, name, text, message):
     path = tmp_path / name
-    path.write_text(text)
+    if name.endswith("/"):
+        path.mkdir()
+    elif isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
     with pytest.raises(GraftingLensError, match=message):
         experiments.read_prompts(path)
     with pytest.raises(GraftingLensError, match="No prompts file at"):
