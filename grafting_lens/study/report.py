@@ -94,8 +94,8 @@ class ExperimentReport:
     problems: list[str] = field(default_factory=list)
 
     def save_figure(self, figure: go.Figure, path: Path, png: bool = True) -> dict[str, Any]:
-        """Save a figure (see :func:`grafting_lens.analysis.plots.save_figure`) and note what was written."""
-        saved = plots.save_figure(figure, path, png=png, warn=False)
+        """Save a figure (see :func:`grafting_lens.analysis.figure_style.save_figure`) and note what was written."""
+        saved = figure_style.save_figure(figure, path, png=png, warn=False)
         self.files.append(Path(saved["html"]))
         if saved["png"] is not None:
             self.files.append(Path(saved["png"]))
@@ -625,7 +625,7 @@ def component_heatmap(
     """Top-k accuracy per layer range (rows) and component set (columns), one panel per prompt.
 
     The colour scale runs from 0 to just above the highest cell (see
-    :func:`grafting_lens.analysis.plots.axis_range`), so that cells under 10% are not all white;
+    :func:`grafting_lens.analysis.figure_style.axis_range`), so that cells under 10% are not all white;
     each cell prints its value, and each panel's title the BASE and DONOR references.
     """
     grid = summary[~summary.component_set.isin(_BASELINES)]
@@ -633,10 +633,10 @@ def component_heatmap(
     figure = make_subplots(
         rows=1,
         cols=len(prompts),
-        subplot_titles=[plots.display_label(p) for p in prompts],
+        subplot_titles=[figure_style.display_label(p) for p in prompts],
         horizontal_spacing=0.14,
     )
-    top = plots.axis_range(grid[f"top{k}"])[1]
+    top = figure_style.axis_range(grid[f"top{k}"])[1]
     for column, prompt in enumerate(prompts, start=1):
         values = grid[grid.prompt == prompt].pivot(
             index="layer_range", columns="component_set", values=f"top{k}"
@@ -649,8 +649,8 @@ def component_heatmap(
         figure.add_trace(
             go.Heatmap(
                 z=values.to_numpy(),
-                x=[plots.display_label(c) for c in columns],
-                y=[plots.display_label(r) for r in rows],
+                x=[figure_style.display_label(c) for c in columns],
+                y=[figure_style.display_label(r) for r in rows],
                 zmin=0,
                 zmax=min(top, 1.0),
                 colorscale="Blues",
@@ -663,12 +663,14 @@ def component_heatmap(
             row=1,
             col=column,
         )
-        figure.layout.annotations[column - 1].text = f"{plots.display_label(prompt)} ({frame})"
+        figure.layout.annotations[
+            column - 1
+        ].text = f"{figure_style.display_label(prompt)} ({frame})"
         figure.update_yaxes(autorange="reversed", row=1, col=column)
         figure.update_xaxes(title_text="components grafted", tickangle=-30, row=1, col=column)
     figure.update_yaxes(title_text="layers", col=1)
     counts = grid["n"].tolist() if "n" in grid else []
-    return plots.figure_style(
+    return figure_style.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
         figure_style.subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
@@ -687,10 +689,10 @@ def component_bars(
     figure = make_subplots(
         rows=len(prompts),
         cols=1,
-        subplot_titles=[plots.display_label(p) for p in prompts],
+        subplot_titles=[figure_style.display_label(p) for p in prompts],
         vertical_spacing=0.14,
     )
-    top = plots.axis_range([*summary[f"top{k}"], *summary[f"top{k}_high"]])
+    top = figure_style.axis_range([*summary[f"top{k}"], *summary[f"top{k}_high"]])
     for row, prompt in enumerate(prompts, start=1):
         rows = summary[summary.prompt == prompt]
         panel = plots.plot_accuracy(
@@ -701,7 +703,7 @@ def component_bars(
         )
         for trace in panel.data:
             # One colour per layer range in every panel.
-            names = [plots.display_label(r) for r in COMPONENT_LAYER_RANGES]
+            names = [figure_style.display_label(r) for r in COMPONENT_LAYER_RANGES]
             shade = _COLORS[names.index(trace.name) % len(_COLORS)]
             trace.marker.color = shade
             trace.marker.line.color = shade
@@ -714,10 +716,12 @@ def component_bars(
             y = float(baseline[f"top{k}"])
             # Labelled in the right margin; add_reference_line moves a label clear of a
             # close one and grows the axis to hold the line.
-            plots.add_reference_line(figure, y, f"{baseline.component_set} {y:.0%}", row=row, col=1)
+            figure_style.add_reference_line(
+                figure, y, f"{baseline.component_set} {y:.0%}", row=row, col=1
+            )
     figure.update_xaxes(title_text="components grafted at the last token", row=len(prompts))
     counts = summary["n"].tolist() if "n" in summary else []
-    return plots.figure_style(
+    return figure_style.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
         figure_style.subtitle(caption, counts),
