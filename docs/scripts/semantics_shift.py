@@ -164,7 +164,9 @@ def figure(shifts: dict[str, dict], configs: list[str], label: str) -> go.Figure
     for annotation in fig.layout.annotations:
         annotation.yshift = 22
     fig.update_layout(
-        title=figure_style.wrap_text(f"What each difference moves: position grafting on {label}", 60),
+        title=figure_style.wrap_text(
+            f"What each difference moves: position grafting on {label}", 60
+        ),
         height=210 + 2 * heat + bars + 150,
         width=COLUMN_WIDTH,
         margin={"l": 210, "r": 20, "t": 140, "b": 40},
