@@ -134,13 +134,9 @@ class SourceDispatch(Dispatch):
             return self._pick(plan, args, kwargs)
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim()]
         layout = self.layout(tensors[0] if tensors else None)
+        for other in tensors[1:]:  # routed with the input's rows: laid out as the input
+            self.layout(other, like=layout)
         assert layout is not None  # required: refused otherwise
-        unlike = [x for x in tensors if not layout.fits(x.shape)]
-        if unlike:
-            raise self.refusal(
-                f"an argument of shape {list(unlike[0].shape)} laid out unlike its input "
-                f"{list(tensors[0].shape)}, so its rows cannot be routed with the input's"
-            )
         pieces = []
         # Indices on the device of the activation they index: on a layer-split model
         # (accelerate's device_map) each layer's activations are on its own device.
@@ -325,21 +321,19 @@ def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:
     return used
 
 
-def _check_mask_type(mask: object) -> None:
-    if not isinstance(mask, GraftMask):
+def _check_mask(models: ModelSet, mask: object) -> None:
+    """Refuse what is not a graft mask for this model set (a dict, a mask for other sources)."""
+    if not isinstance(mask, GraftMask) or mask.n_sources != len(models):
+        got = mask.n_sources if isinstance(mask, GraftMask) else type(mask).__name__
         raise GraftMaskError(
-            f"Expected a GraftMask, got {type(mask).__name__}. Build one with "
-            "GraftMask.build(...) or GraftMask.from_dict(models, {...})."
+            f"Expected a GraftMask for the model set's {len(models)} sources, got "
+            + (f"one built for {got}" if isinstance(got, int) else f"a {got}")
+            + ".\nBuild one with GraftMask.build(models, ...) or GraftMask.from_dict(models, {...})."
         )
 
 
 def _check_graft(models: ModelSet, mask: GraftMask) -> None:
     """The door's checks of a mask against the model set, before anything runs or loads."""
-    if mask.n_sources != len(models):
-        raise GraftMaskError(
-            f"The mask was built for {mask.n_sources} sources, the model set has {len(models)}. "
-            "Build it for this model set."
-        )
     for component, layer in mask.keys():
         check_component(models, component, (layer,))
     check_leftovers(models, mask.keys())
@@ -388,7 +382,7 @@ def _check_run(
 
     Returns the tokens and attention mask on the models' device, and each row's length.
     """
-    _check_mask_type(mask)
+    _check_mask(models, mask)
     models.check_tokens(tokens)
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
@@ -421,7 +415,7 @@ def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
         >>> with grafting(models, mask) as model:
         ...     logits, cache = model.run_with_cache(tokens)
     """
-    _check_mask_type(mask)
+    _check_mask(models, mask)
     _check_graft(models, mask)
 
     # The user calls the model, so the padding is checked where every call style (plain
@@ -587,33 +581,35 @@ def graft_generate(
         "its last column. Generate for prompts of one length (e.g. one at a time).",
     )
     batch, prompt = mask.shape
+    # The context also bounds memory: the cache and mask grow with every new token.
     context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
-    if (
-        not is_integer(max_new_tokens)
-        or max_new_tokens < 1
-        or (context and prompt + max_new_tokens > context)
+    room = context - prompt if context else None
+    problems = []
+    if not is_integer(max_new_tokens) or not 1 <= max_new_tokens <= (
+        max_new_tokens if room is None else room
     ):
-        # The context also bounds memory: the cache and mask grow with every new token.
-        raise GraftingError(
-            f"max_new_tokens must be an int >= 1 that fits the model's context of {context} "
-            f"positions with the prompt's {prompt}, got {max_new_tokens!r}.\n"
-            + (
-                f"Ask for 1..{context - prompt} new tokens."
-                if prompt < context
-                else f"Shorten the prompt to at most {context - 1} tokens."
-            )
+        fits = f" that fits the model's context of {context} with the prompt's {prompt}"
+        problems.append(
+            f"max_new_tokens must be an int >= 1{fits if context else ''}, got {max_new_tokens!r}"
+            + ("" if room is None else f": ask for 1..{room} new tokens" if room > 0 else "")
+            + ("" if room is None or room > 0 else f": shorten the prompt to {context - 1} tokens")
         )
-    if new_token_sources == "last":
-        full = mask.extend(int(max_new_tokens))
-    elif is_integer(new_token_sources) and 0 <= new_token_sources < len(models):
-        new = torch.full((batch, int(max_new_tokens)), int(new_token_sources), dtype=torch.long)
-        entries = {pair: torch.cat([mask[pair], new], dim=1) for pair in models.pairs}
-        full = GraftMask(entries, (batch, prompt + int(max_new_tokens)), mask.n_sources)
-    else:
-        raise GraftingError(
+    if new_token_sources != "last" and not (
+        is_integer(new_token_sources) and 0 <= new_token_sources < len(models)
+    ):
+        problems.append(
             f"new_token_sources must be 'last' or a source index 0..{len(models) - 1}, "
-            f"got {new_token_sources!r}."
+            f"got {new_token_sources!r}"
         )
+    if problems:
+        raise GraftingError("; ".join(problems) + ".")
+    new = int(max_new_tokens)
+    if new_token_sources == "last":
+        full = mask.extend(new)
+    else:
+        tail = torch.full((batch, new), int(new_token_sources), dtype=torch.long)
+        entries = {pair: torch.cat([mask[pair], tail], dim=1) for pair in models.pairs}
+        full = GraftMask(entries, (batch, prompt + new), mask.n_sources)
     _check_graft(models, full)  # before the canary's forward passes
     check_cache_continuation(models.base, "graft_generate", GraftingError)
     generated = [tokens]
@@ -623,11 +619,11 @@ def graft_generate(
         state.last = torch.full((batch,), prompt - 1)
         logits = models.base(tokens, return_type="logits", **continuing)
         state.last = None  # each new token is a window of one position
-        for step in range(int(max_new_tokens)):
+        for step in range(new):
             _check_finite(logits[:, -1], step)
             # Logits come back on the unembedding's device; tokens go to the embedding's.
             generated.append(logits[:, -1].argmax(dim=-1, keepdim=True).to(tokens.device))
-            if step == max_new_tokens - 1:
+            if step == new - 1:
                 break
             state.window = (prompt + step, 1)
             logits = models.base(generated[-1], return_type="logits", **continuing)

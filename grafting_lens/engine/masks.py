@@ -31,7 +31,13 @@ import torch
 from jaxtyping import Int
 
 from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import ComponentError, GraftMaskError, TokenError, did_you_mean
+from grafting_lens.core.errors import (
+    ComponentError,
+    GraftingLensError,
+    GraftMaskError,
+    TokenError,
+    did_you_mean,
+)
 from grafting_lens.engine.positions import (
     PositionSpec,
     check_padding,
@@ -255,11 +261,7 @@ class GraftMask:
                 "token ids (the tokenizer's, or models.base.to_tokens(...)) or their shape, a "
                 "tuple of two ints >= 1."
             )
-        if not is_integer(source) or not 0 <= source < len(models):
-            raise GraftMaskError(
-                f"source={source!r}, but the model set has {len(models)} sources: give an int "
-                f"0..{len(models) - 1}."
-            )
+        check_source(models, source, allow_base=True, error=GraftMaskError)
         if not isinstance(components, str) and isinstance(components, Iterable):
             components = list(components)  # read twice below: an iterator only once
         lengths = row_lengths(shape, attention_mask)
@@ -411,6 +413,22 @@ class GraftMask:
                         f"attention mask makes padding (the row has {int(lengths[row])} real tokens)"
                     )
         return None
+
+
+def check_source(
+    models: ModelSet,
+    source: object,
+    *,
+    allow_base: bool,
+    error: type[GraftingLensError] = GraftMaskError,
+) -> None:
+    """Refuse a checkpoint index the model set lacks (or the base, unless ``allow_base``)."""
+    low = 0 if allow_base else 1
+    if not is_integer(source) or not low <= source < len(models):
+        raise error(
+            f"source={source!r}, but the model set has {len(models)} sources: give an int "
+            f"{low}..{len(models) - 1}" + ("" if allow_base else " (source 0 is the base)") + "."
+        )
 
 
 def checked_key(models: ModelSet, key: object) -> Key:

@@ -56,8 +56,8 @@ import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import AttributionError
+from grafting_lens.engine import masks
 from grafting_lens.engine.graft import check_declared
 from grafting_lens.engine.masks import GraftMask, Key, checked_key
 from grafting_lens.engine.routing import Dispatch, installed, position_shape
@@ -313,11 +313,4 @@ def check_source(models: ModelSet, source: object, *, allow_base: bool) -> None:
     Raises:
         AttributionError: Not an int, or out of range.
     """
-    low = 0 if allow_base else 1
-    if not is_integer(source) or not low <= source < len(models):
-        raise AttributionError(
-            f"source={source!r}, but the donor must be a checkpoint index {low}.."
-            f"{len(models) - 1} of the model set"
-            + ("" if allow_base else " (source 0 is the base itself)")
-            + "."
-        )
+    masks.check_source(models, source, allow_base=allow_base, error=AttributionError)

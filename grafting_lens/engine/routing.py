@@ -255,14 +255,20 @@ class Dispatch(nn.Module):
     def per_position(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The tensor a bridge reads as ``name`` (``value`` is the first source's)."""
 
-    def layout(self, value: object, required: bool = True) -> Layout | None:
-        """Where ``value`` (a tensor, or a shape) carries the window's positions: on the
-        bridge's declared axis, else on dimension 1 or in flattened rows. Refused where it
-        carries none (unless not ``required``) or where that is ambiguous."""
+    def layout(
+        self, value: object, required: bool = True, like: Layout | None = None
+    ) -> Layout | None:
+        """Where ``value`` (a tensor, or a shape) carries the window's positions: as ``like``
+        (the input's layout, for a further argument), else on the bridge's declared axis, on
+        dimension 1 or in flattened rows. Refused where it carries none (unless not
+        ``required``) or where that is ambiguous."""
         batch, length = self.window()
         shape = value.shape if isinstance(value, torch.Tensor) else value
         found, cause = None, f"a {type(value).__name__} where a tensor was expected"
-        if isinstance(shape, torch.Size):
+        if isinstance(shape, torch.Size) and like is not None:
+            found = like if like.fits(shape) else None
+            cause = f"an argument of shape {list(shape)} laid out unlike the input"
+        elif isinstance(shape, torch.Size):
             # [batch, heads, pos, d_head] with as many heads as positions looks like
             # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
             if self._pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
@@ -292,11 +298,12 @@ class Dispatch(nn.Module):
         self._reading = None if primary is None else primary.shape
 
     def __getattr__(self, name: str):
-        try:
+        # Only reached for what the dispatcher lacks: it registers no parameter, buffer or
+        # submodule, so nn.Module's lookup is needed only before __init__ set the sources.
+        sources = self.__dict__.get("sources")
+        if sources is None:
             return super().__getattr__(name)
-        except AttributeError:
-            pass
-        value = getattr(self.__dict__["sources"][0], name)
+        value = getattr(sources[0], name)
         if not isinstance(value, torch.Tensor):
             return value  # configuration (eps, in_features...), shared by aligned sources
         return self.per_position(name, value)
@@ -334,10 +341,11 @@ def installed(
     try:
         for key in keys:
             for slot in models.slots(*key):
-                current = slot.module(models.base)
                 # TransformerLens marks the position axis of a norm applied to
                 # [batch, heads, pos, d_head]; plain modules inside a block get rows.
                 holder = slot.holder(models.base) if slot.attribute is None else None
+                current = slot.module(models.base) if holder is None else holder.original_component
+                assert current is not None  # every bridge component of a loaded model wraps one
                 pos_dim = None if holder is None else getattr(holder.hook_in, "pos_dim", None)
                 norm = isinstance(holder, NormalizationBridge)
                 module = dispatch(key, slot, current, pos_dim, norm)

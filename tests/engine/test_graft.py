@@ -353,7 +353,7 @@ RUN_REFUSALS = [  # (arguments, error, message) for graft_forward and its oracle
     (
         _run(mask=gl.GraftMask({("q", 0): torch.ones(2, 5, dtype=torch.long)}, (2, 5), 2)),
         ERRORS.GraftMaskError,
-        "built for 2 sources, the model set has 3",
+        "for the model set.s 3 sources, got one built for 2",
     ),
     (_run(tokens=random_tokens(2, 5) + 10_000), ERRORS.TokenError, "vocabulary"),
     (
@@ -429,11 +429,15 @@ def _long_prompt(models):
     ]
     + [
         # 10**9 new tokens would allocate until the process is killed.
-        (_run(max_new_tokens=10**9), ERRORS.GraftingError, "(?s)context of 64.*Ask for 1..59 new"),
+        (
+            _run(max_new_tokens=10**9),
+            ERRORS.GraftingError,
+            "context of 64 with the prompt's 5, got 1000000000: ask for 1..59 new tokens",
+        ),
         (
             _long_prompt,
             ERRORS.GraftingError,
-            r"(?s)prompt's 78.*Shorten the prompt to at most 63 tokens\.",
+            r"prompt's 78, got 1: shorten the prompt to 63 tokens\.$",
         ),
         (_run(new_token_sources=True), ERRORS.GraftingError, "new_token_sources must be 'last' or"),
         (_run(new_token_sources=3), ERRORS.GraftingError, "a source index 0..2"),
