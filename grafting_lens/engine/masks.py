@@ -487,10 +487,10 @@ def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
         more = f" and {len(left) - 4} more" if len(left) > 4 else ""
         raise ComponentError(
             f"This graft takes every component around {len(left)} parameter(s) of "
-            f"{models.architecture} that no component covers: {shown}{more}; they would keep "
-            "the base's values.\nGraft only named components, name the missing weights with "
-            "register_component_paths(...), or pass allow_uncovered=True to load_models "
-            "(models.coverage() lists every parameter)."
+            f"{models.architecture} that no component covers ({shown}{more}), which would keep "
+            "the base's values: graft named components, or load with allow_uncovered=True.\n"
+            "models.coverage() lists every parameter; register_component_paths(...) names "
+            "the missing weights as components."
         )
 
 
@@ -508,15 +508,12 @@ def _source_indices(key: Key, value: object, size: tuple[int, int], n_sources: i
         tensor = tensor.to(device="cpu", dtype=torch.long)
         fits = not tensor.numel() or (int(tensor.min()) >= 0 and int(tensor.max()) < n_sources)
     if not fits:
-        values = (
-            f", values {int(tensor.min())}..{int(tensor.max())}"
-            if tensor.device.type == "cpu" and tensor.numel() and not tensor.is_complex()
-            else ""
-        )
+        readable = tensor.device.type == "cpu" and tensor.numel() and not tensor.is_complex()
+        held = f" holding {int(tensor.min())}..{int(tensor.max())}" if readable else ""
         raise GraftMaskError(
-            f"The mask for {key} must be a {size} (batch, pos) tensor of source indices "
-            f"0..{n_sources - 1} (booleans with two sources), on a device with values; got "
-            f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}{values}."
+            f"The mask for {key} must be a {size} [batch, pos] tensor of source indices "
+            f"0..{n_sources - 1} (booleans with two sources), not on the meta device; got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}{held}."
         )
     return tensor
 

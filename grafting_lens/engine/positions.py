@@ -263,12 +263,13 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
                         f"(positions 0..{length - 1}; negative indices count from the end)."
                     )
                 selected[row, index % length] = True
-    if not bool(selected.any()):
-        # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
-        raise SelectionError(
-            f"positions={spec!r:.80} selects no position in any row, so nothing would be grafted "
-            "or patched.\nGive at least one index in some row, e.g. [[1, 2], []], or 'last'."
-        )
+        if not bool(selected.any()):
+            # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
+            raise SelectionError(
+                f"positions={spec!r:.80} selects no position in any row, so nothing would be "
+                "grafted or patched.\nGive at least one index in some row, e.g. [[1, 2], []], "
+                "or 'last'."
+            )
     return selected
 
 
@@ -448,14 +449,15 @@ def _named_span(
     if name == "last_token":
         # The last real token follows from the padding; a batch built by hand need not mark it.
         return _last(lengths, pos)
-    alias = next((label for label, span in SPAN_ALIASES.items() if span == name), name)
+    known = name in SPAN_ALIASES.values()  # a paper's span this batch lacks: no typo
     raise SelectionError(
         f"Unknown position set {expression!r}: this batch has no {name!r} span."
-        f"{did_you_mean(alias, [*SPAN_ALIASES, 'ALL', *spans])} It has {sorted(spans)}.\n"
+        f"{'' if known else did_you_mean(name, [*SPAN_ALIASES, 'ALL', *spans])} It has "
+        f"{sorted(spans)}; "
         + (
-            "Use a prompt that names the movie (see grafting_lens.study.MOVIE_PROMPTS)."
+            "use a prompt that names the movie (see grafting_lens.study.MOVIE_PROMPTS)."
             if name == "movie"
-            else "Tokenize with grafting_lens.worlds.data.tokenize_examples, which marks the "
+            else "tokenize with grafting_lens.worlds.data.tokenize_examples, which marks the "
             "paper's spans, or give a [batch, pos] boolean tensor."
         )
     )

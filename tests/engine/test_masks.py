@@ -309,12 +309,12 @@ ONES = torch.ones(2, 4, dtype=torch.long)
         (
             _from_dict({("q", 0): ONES * 3}),
             ERRORS.GraftMaskError,
-            r"source indices 0..2 .*values 3..3",
+            r"source indices 0..2 .*holding 3..3",
         ),
         (
             _from_dict({("q", 0): ONES, ("k", 0): torch.ones(2, 5, dtype=torch.long)}),
             ERRORS.GraftMaskError,
-            r"\('k', 0\) must be a \(2, 4\) \(batch, pos\) tensor.*shape \(2, 5\)",
+            r"\('k', 0\) must be a \(2, 4\) \[batch, pos\] tensor.*shape \(2, 5\)",
         ),
         (
             _from_dict({("q", 0): ONES.bool()}),
@@ -323,7 +323,11 @@ ONES = torch.ones(2, 4, dtype=torch.long)
         ),
         (_from_dict({("q", 0): ONES.float()}), ERRORS.GraftMaskError, "got torch.float32"),
         # torch: "Cannot copy out of meta tensor"
-        (_from_dict({("q", 0): ONES.to("meta")}), ERRORS.GraftMaskError, "values; got .* on meta"),
+        (
+            _from_dict({("q", 0): ONES.to("meta")}),
+            ERRORS.GraftMaskError,
+            "not on the meta device; got .* on meta",
+        ),
         (
             _from_dict({("embed", 0): ONES}),
             ERRORS.GraftMaskError,

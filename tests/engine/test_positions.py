@@ -214,7 +214,7 @@ SPANS = {"first_entity": torch.tensor([[False, True, True, False, False]] * 2)}
             ("LT", "EF"),
             r"Unknown position set 'EF': this batch has no 'EF' span. Did you mean 'FE'",
         ),
-        ("M", r"no 'movie' span.*\nUse a prompt that names the movie"),
+        ("M", r"no 'movie' span. It has \['first_entity'\]; use a prompt that names the movie"),
         ({"mine": lambda spans, mask: mask}, r"position function .*'s result must be a boolean"),
         ({"mine": lambda spans, mask: torch.ones(2, 5).bool()}, "selecting padding in row 1"),
         ({}, "positions must be span expressions"),
