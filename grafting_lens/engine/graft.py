@@ -106,6 +106,8 @@ class SourceDispatch(Dispatch):
 
     error = GraftingError
     verb = "graft"
+    _state: GraftState
+    _vectors: dict[tuple, torch.Tensor]
 
     def __init__(
         self,
@@ -117,10 +119,9 @@ class SourceDispatch(Dispatch):
         norm: bool = False,
     ) -> None:
         super().__init__(key, path, sources, pos_dim, norm)
-        self._state = state
         # Per-position vectors, built once per window: norm bridges read them
         # several times per forward.
-        self._vectors: dict[tuple, torch.Tensor] = {}
+        self.__dict__.update(_state=state, _vectors={})
 
     def window(self) -> tuple[int, int]:
         batch, length = self._state.plan(self.key).window.shape

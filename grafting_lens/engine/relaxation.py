@@ -81,6 +81,7 @@ class _MixDispatch(Dispatch):
 
     error = AttributionError
     verb = "relax"
+    _weight: torch.Tensor
 
     def __init__(
         self,
@@ -92,7 +93,7 @@ class _MixDispatch(Dispatch):
         norm: bool,
     ) -> None:
         super().__init__(key, path, sources, pos_dim, norm)
-        self._weight = weight
+        self.__dict__["_weight"] = weight
 
     def window(self) -> tuple[int, int]:
         return int(self._weight.shape[0]), int(self._weight.shape[1])

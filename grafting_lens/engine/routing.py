@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
+from weakref import WeakKeyDictionary
 
 import torch
 from jaxtyping import Int
 from torch import nn
 from transformer_lens.model_bridge.generalized_components import NormalizationBridge
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.engine.masks import GraftMask, Key
@@ -231,21 +233,31 @@ class Dispatch(nn.Module):
 
     error: ClassVar[type[GraftingLensError]]
     verb: ClassVar[str]  # "graft", "relax": what the refusal says cannot be done
+    key: Key
+    path: str
+    sources: tuple[nn.Module, ...]
+    _pos_dim: int | None
+    _reads_any_tensor: bool
+    _reading: torch.Size | None
 
     def __init__(
         self, key: Key, path: str, sources: tuple[nn.Module, ...], pos_dim: int | None, norm: bool
     ) -> None:
         super().__init__()
-        self.key = key
-        self.path = path
-        self.sources = sources
-        # None: nobody declared where positions are; dimension 1, with a check.
-        self._pos_dim = pos_dim
-        # A norm bridge computes with its module's scale and bias, whatever their rank
-        # (Cohere's per-head norms hold [heads, d_head]); other bridges read vectors
-        # such as a bias, and matrices only for their dtype and shape.
-        self._reads_any_tensor = norm
-        self._reading: torch.Size | None = None
+        # Plain attributes, set past nn.Module's __setattr__ (which checks each value for
+        # a parameter or a module): a graft makes a dispatcher per slot on every call.
+        self.__dict__.update(
+            key=key,
+            path=path,
+            sources=sources,
+            # None: nobody declared where positions are; dimension 1, with a check.
+            _pos_dim=pos_dim,
+            # A norm bridge computes with its module's scale and bias, whatever their rank
+            # (Cohere's per-head norms hold [heads, d_head]); other bridges read vectors
+            # such as a bias, and matrices only for their dtype and shape.
+            _reads_any_tensor=norm,
+            _reading=None,
+        )
 
     @abstractmethod
     def window(self) -> tuple[int, int]:
@@ -295,7 +307,7 @@ class Dispatch(nn.Module):
     def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
         primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-        self._reading = None if primary is None else primary.shape
+        self.__dict__["_reading"] = None if primary is None else primary.shape
 
     def __getattr__(self, name: str):
         # Only reached for what the dispatcher lacks: it registers no parameter, buffer or
@@ -323,7 +335,7 @@ def installed(
     Token ids the model is run on inside must have the ``[batch, pos]`` of ``shape()``.
     ``flag`` is set on the base bridge meanwhile (the doors refuse nesting by it).
     """
-    swapped: list[tuple[Slot, nn.Module]] = []
+    swapped: list[tuple[Slot, GeneralizedComponent | None, nn.Module]] = []
     embed = models.slots("embed", None)[0].holder(models.base)
 
     def check_tokens(module: nn.Module, args: tuple) -> None:
@@ -337,28 +349,47 @@ def installed(
                 )
 
     handles = [embed.register_forward_pre_hook(check_tokens)]
+    holders = _HOLDERS.setdefault(models.base, {})
     setattr(models.base, flag, True)
     try:
         for key in keys:
             for slot in models.slots(*key):
-                # TransformerLens marks the position axis of a norm applied to
-                # [batch, heads, pos, d_head]; plain modules inside a block get rows.
-                holder = slot.holder(models.base) if slot.attribute is None else None
+                if slot.path not in holders:
+                    holders[slot.path] = (
+                        slot.holder(models.base) if slot.attribute is None else None
+                    )
+                holder = holders[slot.path]
                 current = slot.module(models.base) if holder is None else holder.original_component
                 assert current is not None  # every bridge component of a loaded model wraps one
+                # TransformerLens marks the position axis of a norm applied to
+                # [batch, heads, pos, d_head]; plain modules inside a block get rows.
                 pos_dim = None if holder is None else getattr(holder.hook_in, "pos_dim", None)
-                norm = isinstance(holder, NormalizationBridge)
-                module = dispatch(key, slot, current, pos_dim, norm)
-                slot.replace(models.base, module)
-                swapped.append((slot, current))
+                module = dispatch(
+                    key, slot, current, pos_dim, isinstance(holder, NormalizationBridge)
+                )
+                _put(models, slot, holder, module)
+                swapped.append((slot, holder, current))
                 if holder is not None:
                     handles.append(
                         holder.register_forward_pre_hook(module.record_input, with_kwargs=True)
                     )
         yield
     finally:
-        for slot, current in reversed(swapped):
-            slot.replace(models.base, current)
+        for slot, holder, current in reversed(swapped):
+            _put(models, slot, holder, current)
         for handle in handles:
             handle.remove()
         setattr(models.base, flag, False)
+
+
+# The bridge component holding each slot of a base bridge (None for a module inside one),
+# found once: a graft installs every grafted slot on every call, and a lookup walks the tree.
+_HOLDERS: WeakKeyDictionary[nn.Module, dict[str, GeneralizedComponent | None]] = WeakKeyDictionary()
+
+
+def _put(models: ModelSet, slot: Slot, holder: GeneralizedComponent | None, module: nn.Module):
+    """Put ``module`` in ``slot``, through the bridge's public API where the slot is its component."""
+    if holder is None:
+        slot.replace(models.base, module)
+    else:
+        holder.set_original_component(module)
