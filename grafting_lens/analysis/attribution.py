@@ -591,7 +591,11 @@ class AttributionPlan:
                 mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
                 repeated = self.batch.rows(index.repeat(len(block)))
                 logits = graft_forward(
-                    self.models, repeated.tokens, mask, attention_mask=repeated.attention_mask
+                    self.models,
+                    repeated.tokens,
+                    mask,
+                    attention_mask=repeated.attention_mask,
+                    logits="all",
                 )
                 scores = _metric_values(self.metric, logits, repeated).float().cpu()
                 values[first : first + len(block), index] = scores.reshape(len(block), -1)

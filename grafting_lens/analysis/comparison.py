@@ -403,7 +403,7 @@ class _ComparisonPlan:
         self,
         logits: Float[torch.Tensor, "rows pos d_vocab"],
         target_ids: Int[torch.Tensor, " rows"],
-        attention_mask: Int[torch.Tensor, "rows pos"],
+        attention_mask: Int[torch.Tensor, "rows pos"] | None,
         examples: Sequence[int],
     ) -> list[dict[str, Any]]:
         """One dict per row: its example's index and the scorer's columns."""
@@ -477,11 +477,12 @@ def _graft_chunk(
         repeats = len(configs)
         attention_mask = chunk.batch.attention_mask.repeat(repeats, 1)
         tokens = chunk.batch.tokens.repeat(repeats, 1)
+        # Each row's last real token alone: the unembedding runs there only.
         logits = graft_forward(plan.models, tokens, mask, attention_mask=attention_mask)
         scored = plan.score(
             logits,
             chunk.batch.target_ids.repeat(repeats),
-            attention_mask,
+            None,
             chunk.examples * repeats,
         )
         for block, config in enumerate(configs):
