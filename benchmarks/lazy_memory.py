@@ -106,7 +106,7 @@ def measure(root: Path, variant: str) -> dict:
     )
     start = time.perf_counter()
     with torch.no_grad():
-        logits = gl.graft_forward(models_, tokens, mask)
+        logits = gl.graft_forward(models_, tokens, mask, logits="all")
     grafted = time.perf_counter() - start
     memory = models_.memory()
     donor = memory.iloc[1]

@@ -120,7 +120,7 @@ def memory_of(root: Path, donor: str) -> dict:
     models_ = gl.load_models(root / "base", root / donor, tokenizer=placeholder_tokenizer())
     tokens, mask = workload(models_)
     with torch.no_grad():
-        gl.graft_forward(models_, tokens, mask)
+        gl.graft_forward(models_, tokens, mask, logits="all")
         models_[1](tokens)
     memory = models_.memory()
     return {
@@ -145,7 +145,7 @@ def compare(root: Path, rank: int, repeats: int, device: torch.device) -> dict:
         f"{kind}_{what}": run
         for kind, models_ in sets.items()
         for what, run in (
-            ("graft", lambda m=models_: gl.graft_forward(m, tokens, mask)),
+            ("graft", lambda m=models_: gl.graft_forward(m, tokens, mask, logits="all")),
             ("alone", lambda m=models_: m[1](tokens)),
         )
     }

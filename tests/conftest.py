@@ -177,21 +177,6 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def kernel_decisions_without_timing(monkeypatch, tmp_path_factory):
-    """No test times kernels, nor keeps a kernel decision in the user's cache.
-
-    Where "auto" would measure a product (the toy world's unembedding on a large
-    batch), it is told PyTorch's kernel was faster, so it keeps PyTorch's kernel, as
-    an ungrafted forward does, whatever the machine; the decision goes to a directory
-    of the test session. The kernel tests inject their own timings.
-    """
-    root = tmp_path_factory.getbasetemp() / "kernel-decisions"
-    monkeypatch.setattr(gl.engine.kernels, "cache_root", lambda: root)
-    monkeypatch.setattr(gl.engine.kernels, "_measure", lambda module, rows: (1.0, 2.0, 7))
-    monkeypatch.setattr(gl.engine.kernels, "_decided", {})
-
-
 @contextmanager
 def no_forward_pass(models: gl.ModelSet):
     """Fail if any checkpoint of the model set runs a forward pass inside the block."""

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "grafting_lens"
 FLOORS: tuple[str, ...] = (
     "core",  # errors, numbers, files and the cache root, the console, release differences
     "models",  # architectures, components, layers, sources, adapters, loading, the model set
-    "engine",  # positions, the mask, kernels, the graft and its oracle, the relaxed graft
+    "engine",  # positions, the mask, the graft and its oracle, the relaxed graft
     "patching",  # activation patching: the passes, the API and sweeps
     "analysis",  # metrics, the batch, the scorer, comparison, attribution, search, figures
     # The study of the paper: built on the lens, never imported by it.

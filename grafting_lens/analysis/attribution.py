@@ -492,12 +492,12 @@ class AttributionPlan:
                 block = configs[first : first + per_pass]
                 mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
                 repeated = self.batch.rows(index.repeat(len(block)))
-                logits = graft_forward(  # logits=self.logits (engine)
+                logits = graft_forward(
                     self.models,
                     repeated.tokens,
                     mask,
                     attention_mask=repeated.attention_mask,
-                    last_only=self.last_only,
+                    logits="last" if self.last_only else "all",
                 )
                 scores = _metric_values(self.metric, logits, repeated).float().cpu()
                 values[first : first + len(block), index] = scores.reshape(len(block), -1)

@@ -343,12 +343,11 @@ def _graft_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
         configs = plan.configs[begin : begin + per_pass]
         mask = GraftMask.cat([_graft_mask(plan, chunk, config) for config in configs])
         repeats = len(configs)
-        logits = graft_forward(  # logits="last" (engine)
+        logits = graft_forward(  # each row's last real token: the unembedding runs there alone
             plan.models,
             chunk.batch.tokens.repeat(repeats, 1),
             mask,
             attention_mask=chunk.batch.attention_mask.repeat(repeats, 1),
-            last_only=True,
         )
         scored = plan.score(
             logits, chunk.batch.target_ids.repeat(repeats), chunk.examples * repeats

@@ -14,7 +14,7 @@ Examples:
     >>> found = find_minimal_graft(models, batch, fraction=0.8, held_out=other_batch)
     >>> found.cells, found.recovery, found.held_out_recovery
     >>> logits = gl.graft_forward(models, batch.tokens, found.mask(models, batch),
-    ...                           attention_mask=batch.attention_mask)
+    ...                           attention_mask=batch.attention_mask, logits="all")
 """
 
 from __future__ import annotations
@@ -317,12 +317,12 @@ def _donor_metric(plan: AttributionPlan) -> float:
         mask = GraftMask.build(
             plan.models, rows.tokens, source=plan.source, attention_mask=rows.attention_mask
         )
-        logits = graft_forward(  # logits=plan.logits (engine)
+        logits = graft_forward(
             plan.models,
             rows.tokens,
             mask,
             attention_mask=rows.attention_mask,
-            last_only=plan.last_only,
+            logits="last" if plan.last_only else "all",
         )
         values.append(plan.metric(logits, rows).float().cpu())
     return float(torch.cat(values).mean())

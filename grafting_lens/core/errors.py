@@ -18,7 +18,6 @@ The hierarchy, one class per thing that can go wrong:
     │   └── TokenError      token ids the model set cannot run
     ├── BatchError          a tokenized batch is malformed
     ├── GraftingError       a grafted run asked for something the single pass cannot do
-    ├── KernelError         an unknown kernel policy, or an unusable kernel decision file
     ├── NonFiniteLogitsError  logits to be scored hold NaN or infinite values
     ├── PatchingError       a patch or sweep the model set or tokens cannot give
     ├── AttributionError    a graft attribution or graft search that cannot be run
@@ -49,7 +48,6 @@ __all__ = [
     "GraftMaskError",
     "GraftingError",
     "GraftingLensError",
-    "KernelError",
     "LazyLoadWarning",
     "NonFiniteLogitsError",
     "PatchingError",
@@ -120,15 +118,6 @@ class DependencyError(GraftingLensError):
 
 class GraftingError(GraftingLensError):
     """A grafted run was asked for something the single pass cannot do."""
-
-
-class KernelError(GraftingLensError):
-    """The kernel for grafted linear layers cannot be chosen as asked.
-
-    An unknown policy in :func:`grafting_lens.engine.kernels.use` or ``GRAFTING_LENS_KERNEL``,
-    ``"onednn"`` pinned in a PyTorch without a working oneDNN operator, or a kernel
-    decision file in the cache that cannot be read (see :mod:`grafting_lens.engine.kernels`).
-    """
 
 
 class NonFiniteLogitsError(GraftingLensError):

@@ -31,12 +31,18 @@ import torch
 from jaxtyping import Int
 
 from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import ComponentError, GraftMaskError, did_you_mean
+from grafting_lens.core.errors import (
+    ComponentError,
+    GraftingLensError,
+    GraftMaskError,
+    TokenError,
+    did_you_mean,
+)
 from grafting_lens.engine.positions import (
     PositionSpec,
     check_padding,
-    resolve_positions,
     row_lengths,
+    selected_positions,
 )
 from grafting_lens.models.components import (
     COMPONENT_GROUPS,
@@ -48,16 +54,13 @@ from grafting_lens.models.components import (
     expand_components,
     leftover_parameters,
 )
-from grafting_lens.models.layers import LAYER_FRACTIONS, LayerSpec, resolve_layers  # noqa: F401 (re-exported)
+from grafting_lens.models.layers import LayerSpec, resolve_layers
 
 if TYPE_CHECKING:
     from grafting_lens.models.model_set import ModelSet
 
 Key = tuple[str, Union[int, None]]
 """A ``(component, layer)`` pair; ``layer`` is None for global components."""
-
-# LAYER_FRACTIONS, LayerSpec and resolve_layers live in grafting_lens.models.layers; they stay
-# importable from here because masks were their first home.
 
 
 class GraftMask:
@@ -70,12 +73,11 @@ class GraftMask:
     Attributes:
         shape: ``(batch, pos)`` of the tokens the mask is for.
         n_sources: Number of checkpoints in the model set it was built for.
-        lengths: ``[batch]``, the number of real tokens of each row the mask was
-            built for: from the attention mask given to :meth:`build` or
-            :meth:`from_dict` (every row full when :meth:`build` got none), or
-            ``None`` when unknown. A grafted run whose attention mask gives other
-            lengths is refused, so "last" means the same token in the mask and
-            in the run.
+        lengths: ``[batch]``, the number of real tokens of each row the mask was built
+            for (from the attention mask given to :meth:`build` or :meth:`from_dict`;
+            every row full when :meth:`build` got none), or ``None`` when unknown. A run
+            whose attention mask gives other lengths is refused, so "last" means the
+            same token in the mask and in the run.
     """
 
     def __init__(
@@ -88,20 +90,17 @@ class GraftMask:
         self.shape = (int(shape[0]), int(shape[1]))
         self.n_sources = int(n_sources)
         self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long).cpu()
-        if self.lengths is not None and tuple(self.lengths.shape) != (self.shape[0],):
-            raise GraftMaskError(
-                f"lengths has shape {tuple(self.lengths.shape)}, expected one length per row "
-                f"({self.shape[0]},)."
-            )
         # Only pairs that graft something are stored: an all-zero pair is the base. On the
-        # CPU, as from_dict keeps them: masks combine (union, cat, check_rows) on one device,
-        # and a grafted run moves them to the models'. Pairs that share a tensor keep sharing.
-        on_cpu: dict[int, torch.Tensor] = {}
+        # CPU: masks combine (union, cat, check_rows) on one device, and a grafted run
+        # moves them to the models'. Pairs that share a tensor keep sharing it.
+        kept: dict[int, torch.Tensor | None] = {}
         self._entries: dict[Key, torch.Tensor] = {}
         for key, value in entries.items():
-            value = on_cpu.setdefault(id(value), value.cpu())
-            if bool(value.any()):
-                self._entries[key] = value
+            if id(value) not in kept:
+                kept[id(value)] = value.cpu() if bool(value.any()) else None
+            stored = kept[id(value)]
+            if stored is not None:
+                self._entries[key] = stored
 
     # ----------------------------------------------------------------- access
     def keys(self) -> list[Key]:
@@ -142,20 +141,14 @@ class GraftMask:
         A quick way to check a mask says what you meant before running it. The
         ``layer`` column is an integer column, ``<NA>`` for global components.
         """
-        rows = []
-        for component, layer in self.keys():
-            values = self._entries[(component, layer)]
-            for source in range(1, self.n_sources):
-                count = int((values == source).sum())
-                if count:
-                    rows.append(
-                        {
-                            "component": component,
-                            "layer": layer,
-                            "source": source,
-                            "positions": count,
-                        }
-                    )
+        rows = [
+            {"component": component, "layer": layer, "source": source, "positions": count}
+            for component, layer in self.keys()
+            for source, count in enumerate(
+                torch.bincount(self._entries[(component, layer)].flatten()).tolist()
+            )
+            if source and count
+        ]
         frame = pd.DataFrame(rows, columns=["component", "layer", "source", "positions"])
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
@@ -186,54 +179,26 @@ class GraftMask:
             ComponentError: An unknown component, one the architecture lacks (at
                 that layer), or a graft of every component around parameters no
                 component covers (see :meth:`~grafting_lens.models.model_set.ModelSet.coverage`).
-            GraftMaskError: A bad layer, a tensor of another shape or dtype, a
-                source index out of range, or a graft at a padding position.
+            GraftMaskError: A bad key or shape, a tensor that is not source indices of
+                the model set, a pair given twice, or a graft at a padding position.
         """
-        if shape is None:
-            if not entries:
-                raise GraftMaskError("An empty mask needs an explicit shape=(batch, pos).")
-            given: tuple[int, ...] = tuple(torch.as_tensor(next(iter(entries.values()))).shape)
-        else:
-            given = tuple(shape)
-        if len(given) != 2:
-            raise GraftMaskError(f"A mask has shape (batch, pos), got {given}.")
+        given = shape if shape is not None or not entries else next(iter(entries.values())).shape
+        if given is None or len(given) != 2:
+            raise GraftMaskError(
+                f"A mask has shape (batch, pos): give shape=(batch, pos) (required for an "
+                f"empty mask); got {None if given is None else tuple(given)}."
+            )
         size = (int(given[0]), int(given[1]))
-        n_sources = len(models)
         checked: dict[Key, torch.Tensor] = {}
         for key, value in entries.items():
-            key = _check_key(key, models)
-            value = torch.as_tensor(value)
-            if tuple(value.shape) != size:
-                raise GraftMaskError(
-                    f"The mask for {key} has shape {tuple(value.shape)}, expected {size} "
-                    "(batch, pos) like the tokens."
-                )
-            if value.dtype == torch.bool:
-                if n_sources != 2:
-                    raise GraftMaskError(
-                        f"A boolean mask is ambiguous with {n_sources} sources: give integer "
-                        "source indices."
-                    )
-                value = value.long()
-            elif value.is_floating_point() or value.is_complex():
-                raise GraftMaskError(
-                    f"The mask for {key} must hold integer source indices, got {value.dtype}."
-                )
-            value = value.to(device="cpu", dtype=torch.long)
-            if value.numel() and (int(value.min()) < 0 or int(value.max()) >= n_sources):
-                bad = int(value.max()) if int(value.max()) >= n_sources else int(value.min())
-                raise GraftMaskError(
-                    f"The mask for {key} names source {bad}, but the model set has "
-                    f"{n_sources} sources (0..{n_sources - 1})."
-                )
+            key = checked_key(models, key)
             if key in checked:
-                raise GraftMaskError(f"{key} is given twice.")
-            checked[key] = value
-        mask = cls(checked, size, n_sources)
+                raise GraftMaskError(f"{key} is given twice (as {list(entries)}).")
+            checked[key] = _source_indices(key, value, size, len(models))
+        mask = cls(checked, size, len(models))
         check_leftovers(models, mask.keys())
         if attention_mask is not None:
-            mask.lengths = row_lengths(mask.shape, attention_mask)
-            mask.check_rows(attention_mask)
+            mask.lengths = mask.check_rows(attention_mask)
         return mask
 
     @classmethod
@@ -255,8 +220,8 @@ class GraftMask:
             tokens: The ``[batch, pos]`` tokens, or just their shape.
             positions: Where to graft (see :func:`~grafting_lens.engine.positions.resolve_positions`):
                 ``"all"``, ``"last"``, indices, per-row lists or a boolean tensor.
-            layers: Which layers (see :func:`resolve_layers`); global components
-                (embed, pos_embed, ln_final, unembed) ignore it.
+            layers: Which layers (see :func:`~grafting_lens.models.layers.resolve_layers`);
+                global components (embed, pos_embed, ln_final, unembed) ignore it.
             components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``),
                 the paper's labels (``"O"``, ``"FFN-up"``, ``"FFN-down"``, any case) or
                 a ``+``-joined string such as ``"O+FFN"``. A group or label takes, at
@@ -266,58 +231,55 @@ class GraftMask:
             attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
                 The mask remembers each row's length (:attr:`lengths`) and a run
                 with another attention mask is refused. Without one every position
-                is real, and tokens whose rows end in the pad token are refused
-                (pass the attention mask of a padded batch).
+                is real, and tokens whose rows end in the pad token are refused.
 
         Raises:
             GraftMaskError: A bad source, layer or position, or padded tokens
                 without their attention mask.
             TokenError: Tokens no run accepts (see
-                :meth:`~grafting_lens.models.model_set.ModelSet.check_tokens`): empty, not integer
-                ids, ids outside the vocabulary.
-            SelectionError: Positions that select nothing, or a selector of a type it
-                cannot read.
+                :meth:`~grafting_lens.models.model_set.ModelSet.check_tokens`).
+            SelectionError: Positions that select nothing, or of a form it cannot read.
             ComponentError: An unknown component, or one the architecture lacks.
 
         Examples:
             >>> mask = GraftMask.build(models, tokens, positions="last",
             ...                        layers="last_half", components="o+ffn")
         """
-        shape = _tokens_shape(tokens)
-        if not isinstance(components, str) and isinstance(components, Iterable):
-            components = list(components)  # read twice below: an iterator only once
-        if not is_integer(source) or not 0 <= source < len(models):
-            raise GraftMaskError(
-                f"source={source!r}, but the model set has {len(models)} sources: give an int "
-                f"0..{len(models) - 1}."
-            )
-        source = int(source)
         if isinstance(tokens, torch.Tensor):
             # The check every run makes: a mask for tokens no run accepts fails here, first.
-            models.check_tokens(tokens)
+            shape = models.check_tokens(tokens)
             check_padding(tokens, attention_mask, models.tokenizer)
-        elif min(shape) < 1:
-            raise GraftMaskError(
-                f"tokens=(batch, pos) = {shape} describes no token: a mask needs at least one "
-                "row of at least one position. Pass the tokens themselves, or their shape."
+        elif (
+            isinstance(tokens, tuple)
+            and all(is_integer(n) and n >= 1 for n in tokens)
+            and len(tokens) == 2
+        ):
+            shape = (int(tokens[0]), int(tokens[1]))
+        else:
+            raise TokenError(
+                f"tokens=(batch, pos) = {tokens!r} describes no token: give the [batch, pos] "
+                "token ids (the tokenizer's, or models.base.to_tokens(...)) or their shape, a "
+                "tuple of two ints >= 1."
             )
-        selected = resolve_positions(positions, shape, attention_mask)
+        check_source(models, source, allow_base=True, error=GraftMaskError)
+        if not isinstance(components, str) and isinstance(components, Iterable):
+            components = list(components)  # read twice below: an iterator only once
+        lengths = row_lengths(shape, attention_mask)
+        value = selected_positions(positions, lengths, shape[1]).long() * int(source)
         names = expand_components(components, models.components, models.architecture)
         layer_list = resolve_layers(layers, models.n_layers)
-        value = selected.long() * source
-        present = set(models.pairs)
-        entries: dict[Key, torch.Tensor] = {}
-        for name in names:
-            for layer in layer_list if name in LAYER_COMPONENTS else (None,):
-                if (name, layer) in present:
-                    entries[(name, layer)] = value
         named = components.split("+") if isinstance(components, str) else list(components)
-        for name in (canonical_component_name(part) for part in named):
+        for name in map(canonical_component_name, named):
             if name not in COMPONENT_GROUPS and name not in COMPONENT_LABELS:
-                for layer in layer_list if name in LAYER_COMPONENTS else (None,):
-                    _check_present(models, name, layer)
-        mask = cls.from_dict(models, entries, shape)
-        mask.lengths = row_lengths(mask.shape, attention_mask)
+                check_component(models, name, layer_list if name in LAYER_COMPONENTS else (None,))
+        entries = {
+            (name, layer): value
+            for name in names
+            for layer in (layer_list if name in LAYER_COMPONENTS else (None,))
+            if (name, layer) in models.layout.slots
+        }
+        mask = cls(entries, shape, len(models), lengths)
+        check_leftovers(models, mask.keys())
         return mask
 
     @classmethod
@@ -325,44 +287,38 @@ class GraftMask:
         """Combine grafts: each cell takes the non-base source any mask gives it.
 
         Args:
-            masks: Masks of one shape for one model set.
+            masks: Masks of one shape for one model set, built for the same rows.
             on_conflict: What to do where two masks name different non-base
                 sources for the same cell: ``"error"`` (the default) or ``"last"``
                 (the later mask wins, like painting over).
 
         Raises:
-            GraftMaskError: Masks of different shapes or source counts, or a
-                conflict with ``on_conflict="error"``.
+            GraftMaskError: Masks of different shapes, source counts or row lengths, or
+                a conflict with ``on_conflict="error"``.
         """
-        if on_conflict not in ("error", "last"):
-            raise GraftMaskError(f"on_conflict must be 'error' or 'last', got {on_conflict!r}.")
         if len(masks) == 1 and isinstance(masks[0], (list, tuple)):
             masks = tuple(masks[0])
-        first = _check_compatible(masks)
+        _check_compatible(masks, "GraftMask.union", rows=True)
+        if on_conflict not in ("error", "last"):
+            raise GraftMaskError(f"on_conflict must be 'error' or 'last', got {on_conflict!r}.")
         combined: dict[Key, torch.Tensor] = {}
         for mask in masks:
             for key, value in mask._entries.items():
-                if key not in combined:
-                    combined[key] = value.clone()
+                current = combined.get(key)
+                if current is None:
+                    combined[key] = value
                     continue
-                current = combined[key]
                 clash = (current != 0) & (value != 0) & (current != value)
-                if clash.any() and on_conflict == "error":
+                if on_conflict == "error" and bool(clash.any()):
                     row, position = (int(i) for i in clash.nonzero()[0])
                     raise GraftMaskError(
                         f"Grafts disagree at {key}, row {row}, position {position}: source "
-                        f"{int(current[row, position])} vs {int(value[row, position])}. Pass "
-                        "on_conflict='last' to let the later graft win."
+                        f"{int(current[row, position])} vs {int(value[row, position])}.\n"
+                        "Pass on_conflict='last' to let the later graft win."
                     )
                 combined[key] = torch.where(value != 0, value, current)
         known = [mask.lengths for mask in masks if mask.lengths is not None]
-        for lengths in known[1:]:
-            if not torch.equal(lengths, known[0]):
-                raise GraftMaskError(
-                    "The masks were built for rows of different lengths (different attention "
-                    "masks); build every graft of a union from the same tokens and attention mask."
-                )
-        return cls(combined, first.shape, first.n_sources, known[0] if known else None)
+        return cls(combined, masks[0].shape, masks[0].n_sources, known[0] if known else None)
 
     @classmethod
     def cat(cls, masks: Sequence[GraftMask]) -> GraftMask:
@@ -372,140 +328,150 @@ class GraftMask:
         ``k`` configurations of the same prompts).
         """
         masks = list(masks)
-        if not masks:
-            raise GraftMaskError("GraftMask.cat needs at least one mask.")
-        n_sources = masks[0].n_sources
-        positions = masks[0].shape[1]
-        for mask in masks:
-            if mask.n_sources != n_sources or mask.shape[1] != positions:
-                raise GraftMaskError(
-                    "GraftMask.cat needs masks with the same number of positions and sources, "
-                    f"got {masks[0].shape}/{n_sources} and {mask.shape}/{mask.n_sources}."
-                )
+        _check_compatible(masks, "GraftMask.cat", rows=False)
         keys = {key for mask in masks for key in mask._entries}
         entries = {key: torch.cat([mask[key] for mask in masks], dim=0) for key in keys}
         batch = sum(mask.shape[0] for mask in masks)
         known = [mask.lengths for mask in masks if mask.lengths is not None]
         lengths = torch.cat(known) if len(known) == len(masks) else None
-        return cls(entries, (batch, positions), n_sources, lengths)
+        return cls(entries, (batch, masks[0].shape[1]), masks[0].n_sources, lengths)
 
     def extend(self, new_positions: int) -> GraftMask:
         """Append ``new_positions`` columns that repeat each row's last column.
 
         Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
-        in each row, the source it had at the row's last position.
+        in each row, the source it had at the row's last position. The mask must be
+        for unpadded rows (whose last column is the last token).
         """
-        if not is_integer(new_positions) or new_positions < 0:
-            raise GraftMaskError(f"new_positions must be an int >= 0, got {new_positions!r}.")
-        new_positions = int(new_positions)
         batch, positions = self.shape
-        if self.lengths is not None and bool((self.lengths < positions).any()):
+        padded = self.lengths is not None and bool((self.lengths < positions).any())
+        if padded or not is_integer(new_positions) or new_positions < 0:
             raise GraftMaskError(
                 "extend continues each row after its last column, but this mask was built for "
-                "padded rows, whose last column is padding. Extend a mask of unpadded tokens."
+                "padded rows.\nExtend a mask of unpadded tokens."
+                if padded
+                else f"new_positions must be an int >= 0, got {new_positions!r}."
             )
         entries = {
-            key: torch.cat([value, value[:, -1:].expand(batch, new_positions)], dim=1)
+            key: torch.cat([value, value[:, -1:].expand(batch, int(new_positions))], dim=1)
             for key, value in self._entries.items()
         }
-        lengths = None if self.lengths is None else self.lengths + new_positions
-        return GraftMask(entries, (batch, positions + new_positions), self.n_sources, lengths)
+        lengths = None if self.lengths is None else self.lengths + int(new_positions)
+        return GraftMask(entries, (batch, positions + int(new_positions)), self.n_sources, lengths)
 
-    def check_rows(self, attention_mask: Int[torch.Tensor, "batch pos"] | None) -> None:
-        """Refuse running this mask under an attention mask it was not built for.
+    def check_rows(
+        self,
+        attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+        *,
+        shape: tuple[int, ...] | None = None,
+    ) -> Int[torch.Tensor, " batch"]:
+        """Refuse running this mask on tokens of another ``shape`` (by default the mask's), or
+        under an attention mask it was not built for (``None``: no padding).
 
-        A grafted run calls this with its own attention mask (``None``: no
-        padding). The rows' lengths must equal :attr:`lengths` when the mask
-        knows them, and no position the run treats as padding may be grafted:
-        either would mean the mask's "last token" is not the run's.
+        The rows' lengths must equal :attr:`lengths` when the mask knows them, and no
+        position the run treats as padding may be grafted: either would mean the mask's
+        "last token" is not the run's.
+
+        Returns:
+            The run's row lengths.
 
         Raises:
-            GraftMaskError: Lengths that disagree, or a graft at a padding position.
+            GraftMaskError: Another shape, lengths that disagree, or a graft at padding.
+            SelectionError: An attention mask that is not ``[batch, pos]`` right padding.
         """
-        lengths = row_lengths(self.shape, attention_mask)
+        shape = self.shape if shape is None else (int(shape[0]), int(shape[1]))
+        lengths = None if shape != self.shape else row_lengths(shape, attention_mask)
+        problem = (
+            self._misfit(lengths)
+            if lengths is not None
+            else (f"it is for [batch, pos] = {list(self.shape)}, the tokens have {list(shape)}")
+        )
+        if problem:
+            raise GraftMaskError(
+                f"The mask does not fit this run: {problem}.\nBuild it from the run's tokens "
+                "and attention mask: GraftMask.build(models, tokens, ..., attention_mask=...)."
+            )
+        assert lengths is not None
+        return lengths
+
+    def _misfit(self, lengths: torch.Tensor) -> str | None:
+        """Why rows of ``lengths`` are not the ones this mask was built for, if they are not."""
         if self.lengths is not None and not torch.equal(lengths, self.lengths):
             row = int((lengths != self.lengths).nonzero()[0])
-            raise GraftMaskError(
-                f"The mask was built for rows of other lengths than this run's attention mask "
-                f"gives (row {row}: {int(self.lengths[row])} real tokens in the mask, "
-                f"{int(lengths[row])} in the run), so its positions ('last', spans) are not "
-                "the run's. Build the mask with the run's attention mask: "
-                "GraftMask.build(..., attention_mask=attention_mask)."
+            return (
+                f"row {row}: {int(self.lengths[row])} real tokens in the mask, "
+                f"{int(lengths[row])} in the run"
             )
         padding = torch.arange(self.shape[1])[None, :] >= lengths[:, None]
-        if not bool(padding.any()):
-            return
-        checked: set[int] = set()
-        for key, value in self._entries.items():
-            if id(value) in checked:  # pairs often share one tensor
-                continue
-            checked.add(id(value))
-            grafted = (value != 0) & padding
-            if bool(grafted.any()):
-                row, position = (int(i) for i in grafted.nonzero()[0])
-                raise GraftMaskError(
-                    f"The mask grafts {key} at row {row}, position {position}, which this run's "
-                    f"attention mask makes padding (the row has {int(lengths[row])} real "
-                    "tokens): the mask was built for other rows. Build it with the run's "
-                    "attention mask (GraftMask.build(..., attention_mask=...), or "
-                    "from_dict(..., attention_mask=...))."
-                )
+        if bool(padding.any()):
+            for key, value in {id(v): (k, v) for k, v in self._entries.items()}.values():
+                grafted = (value != 0) & padding
+                if bool(grafted.any()):
+                    row, position = (int(i) for i in grafted.nonzero()[0])
+                    return (
+                        f"it grafts {key} at row {row}, position {position}, which the run's "
+                        f"attention mask makes padding (the row has {int(lengths[row])} real tokens)"
+                    )
+        return None
 
 
-def _tokens_shape(tokens: object) -> tuple[int, int]:
-    if isinstance(tokens, torch.Tensor):
-        shape = tuple(tokens.shape)
-    elif isinstance(tokens, tuple) and all(is_integer(n) for n in tokens):
-        shape = tokens
-    else:
-        raise TypeError(
-            f"tokens must be a [batch, pos] tensor of token ids or a (batch, pos) tuple, got "
-            f"{type(tokens).__name__}. Tokenize with the tokenizer or models.base.to_tokens(...)."
+def check_source(
+    models: ModelSet,
+    source: object,
+    *,
+    allow_base: bool,
+    error: type[GraftingLensError] = GraftMaskError,
+) -> None:
+    """Refuse a checkpoint index the model set lacks (or the base, unless ``allow_base``)."""
+    low = 0 if allow_base else 1
+    if not is_integer(source) or not low <= source < len(models):
+        raise error(
+            f"source={source!r}, but the model set has {len(models)} sources: give an int "
+            f"{low}..{len(models) - 1}" + ("" if allow_base else " (source 0 is the base)") + "."
         )
-    if len(shape) != 2:
-        raise GraftMaskError(f"tokens must be [batch, pos], got shape {shape}.")
-    return (int(shape[0]), int(shape[1]))
 
 
-def _check_key(key: object, models: ModelSet) -> Key:
-    if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)):
+def checked_key(models: ModelSet, key: object) -> Key:
+    """``key`` as the ``(component, layer)`` pair of ``models`` it names (a negative layer
+    counts from the end); refused when malformed or naming what the architecture lacks."""
+    component, layer = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+    if isinstance(component, str):
+        check_component(models, component)
+    if (
+        not isinstance(component, str)
+        or (layer is None) != (component in GLOBAL_COMPONENTS)
+        or not (layer is None or is_integer(layer))
+    ):
         raise GraftMaskError(
-            f"Mask keys are (component, layer) pairs such as ('q', 3) or ('embed', None), got {key!r}."
+            "Mask keys are (component, layer) pairs: ('q', 3) for a per-layer component, "
+            f"('embed', None) for a global component; got {key!r}."
         )
-    component, layer = key
-    if component not in COMPONENTS:
-        raise ComponentError(
-            f"Unknown component {component!r}.{did_you_mean(component, COMPONENTS)} "
-            f"Known components: {', '.join(COMPONENTS)}."
-        )
-    if component not in models.components:
-        raise ComponentError(
-            f"{models.architecture} has no {component!r} component. Its components are: "
-            f"{', '.join(models.components)}."
-        )
-    if component in GLOBAL_COMPONENTS:
-        if layer is not None:
-            raise GraftMaskError(
-                f"{component!r} is a global component: use ({component!r}, None), not layer {layer}."
-            )
+    if layer is None:
         return (component, None)
-    if not is_integer(layer):
-        raise GraftMaskError(f"{component!r} exists per layer: give an int layer, got {layer!r}.")
     layer = resolve_layers(int(layer), models.n_layers)[0]
-    _check_present(models, component, layer)
+    check_component(models, component, (layer,))
     return (component, layer)
 
 
-def _check_present(models: ModelSet, component: str, layer: int | None) -> None:
-    """Refuse a component at a layer that lacks it (dense layers of a mixture-of-experts stack)."""
-    if (component, layer) in models.layout.slots:
+def check_component(
+    models: ModelSet, component: str, layers: Iterable[int | None] | None = None
+) -> None:
+    """Refuse a component the architecture lacks, anywhere or (given ``layers``) at one of them
+    (a mixture-of-experts stack has ``experts`` at some layers, ``mlp_in`` at others)."""
+    missing = [layer for layer in layers or () if (component, layer) not in models.layout.slots]
+    if component in models.components and not missing:
         return
-    layers = [str(at) for name, at in models.pairs if name == component]
-    raise ComponentError(
-        f"{models.architecture} has no {component!r} at layer {layer}; it has one at layers "
-        f"{', '.join(layers)}. Name those layers, or use a group (ffn, block), which takes "
-        "what each layer has."
-    )
+    if component not in COMPONENTS:
+        problem = f"Unknown component {component!r}.{did_you_mean(component, COMPONENTS)}"
+        fix = f"Known components: {', '.join(COMPONENTS)}."
+    elif component not in models.components:
+        problem = f"{models.architecture} has no {component!r} component."
+        fix = f"Its components are: {', '.join(models.components)}."
+    else:
+        at = ", ".join(str(layer) for name, layer in models.pairs if name == component)
+        problem = f"{models.architecture} has no {component!r} at layer {missing[0]}; it has one at layers {at}."
+        fix = "Name those layers, or use a group (ffn, block), which takes what each layer has."
+    raise ComponentError(f"{problem}\n{fix}")
 
 
 def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
@@ -514,40 +480,69 @@ def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
     Such a graft would run the donor's weights everywhere there except those
     parameters, which stay the base's: a partial graft nobody asked for.
     ``models.allow_uncovered`` turns the check off.
-
-    Raises:
-        ComponentError: The parameters left behind, and what to do.
     """
-    if models.allow_uncovered:
-        return
-    left = leftover_parameters(models.layout, keys)
-    if not left:
-        return
-    shown = ", ".join(
-        f"{record.name} (at {record.path or 'no bridge component'})" for record in left[:4]
-    )
-    more = f" and {len(left) - 4} more" if len(left) > 4 else ""
-    raise ComponentError(
-        f"This graft takes every component around {len(left)} parameter(s) of "
-        f"{models.architecture} that no component covers: {shown}{more}. Those would keep the "
-        "base's values while everything around them is grafted. models.coverage() lists every "
-        "parameter and its component. Graft only named components, name the missing weights "
-        "with register_component_paths(...), or pass allow_uncovered=True to load_models to "
-        "graft what the components cover."
-    )
+    left = [] if models.allow_uncovered else leftover_parameters(models.layout, keys)
+    if left:
+        shown = ", ".join(f"{r.name} (at {r.path or 'no bridge component'})" for r in left[:4])
+        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+        raise ComponentError(
+            f"This graft takes every component around {len(left)} parameter(s) of "
+            f"{models.architecture} that no component covers ({shown}{more}), which would keep "
+            "the base's values: graft named components, or load with allow_uncovered=True.\n"
+            "models.coverage() lists every parameter; register_component_paths(...) names "
+            "the missing weights as components."
+        )
 
 
-def _check_compatible(masks: Sequence[GraftMask]) -> GraftMask:
-    if not masks:
-        raise GraftMaskError("Need at least one mask.")
-    first = masks[0]
-    for mask in masks[1:]:
-        if mask.shape != first.shape or mask.n_sources != first.n_sources:
-            raise GraftMaskError(
-                f"Masks differ: shape {first.shape} with {first.n_sources} sources vs "
-                f"{mask.shape} with {mask.n_sources}."
-            )
-    return first
+def _source_indices(key: Key, value: object, size: tuple[int, int], n_sources: int) -> torch.Tensor:
+    """``value`` as a ``[batch, pos]`` long tensor of source indices on the CPU; refused otherwise."""
+    tensor = torch.as_tensor(value) if not isinstance(value, torch.Tensor) else value
+    if tensor.dtype == torch.bool and n_sources == 2:
+        tensor = tensor.long()
+    fits = (
+        tuple(tensor.shape) == size
+        and tensor.device.type != "meta"
+        and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+    )
+    if fits:
+        tensor = tensor.to(device="cpu", dtype=torch.long)
+        fits = not tensor.numel() or (int(tensor.min()) >= 0 and int(tensor.max()) < n_sources)
+    if not fits:
+        readable = tensor.device.type == "cpu" and tensor.numel() and not tensor.is_complex()
+        held = f" holding {int(tensor.min())}..{int(tensor.max())}" if readable else ""
+        raise GraftMaskError(
+            f"The mask for {key} must be a {size} [batch, pos] tensor of source indices "
+            f"0..{n_sources - 1} (booleans with two sources), not on the meta device; got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)} on {tensor.device}{held}."
+        )
+    return tensor
+
+
+def _check_compatible(masks: Sequence[object], what: str, rows: bool) -> None:
+    """Refuse masks that cannot be combined: none, not masks, or of other positions or sources
+    (and, with ``rows``, other rows or row lengths)."""
+    kinds = {
+        (m.n_sources, m.shape if rows else m.shape[1]) if isinstance(m, GraftMask) else None
+        for m in masks
+    }
+    lengths = [m.lengths for m in masks if isinstance(m, GraftMask) and m.lengths is not None]
+    if (
+        len(kinds) != 1
+        or None in kinds
+        or (rows and any(not torch.equal(known, lengths[0]) for known in lengths))
+    ):
+        shown = [
+            m
+            if not isinstance(m, GraftMask)
+            else (m.shape, m.n_sources, None if m.lengths is None else m.lengths.tolist())
+            for m in masks
+        ]
+        raise GraftMaskError(
+            f"{what} needs one or more masks of one {'shape' if rows else 'length'} and source "
+            f"count{', built for the same rows' if rows else ''}; got (shape, sources, row "
+            f"lengths) {shown}.\nBuild every mask from the same tokens and attention mask, for "
+            "one model set."
+        )
 
 
 def _key_order(key: Key) -> tuple[int, int]:

@@ -37,14 +37,15 @@ own name, joined with ``+`` (union) and complemented with ``^C`` among the row's
 tokens, as in ``(FE+LT)^C``. Grafts, patches and comparisons name positions this way.
 
 Every mistake raises :class:`~grafting_lens.core.errors.SelectionError`, which says what
-was given and how to fix it.
+was given and how to fix it. The public functions check their arguments; the
+internal ones (:func:`selected_positions`) trust them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 import numpy as np
 import torch
@@ -59,44 +60,46 @@ PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Ten
 def row_lengths(
     shape: tuple[int, ...], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
 ) -> Int[torch.Tensor, " batch"]:
-    """Number of real tokens in each row of a right-padded batch.
+    """Number of real tokens in each row of a right-padded batch (on the CPU).
 
     Raises:
-        SelectionError: The attention mask has the wrong shape, holds values
-            other than 0 and 1, or is not right padded (a zero followed by a one
-            in some row).
+        SelectionError: An attention mask that is not a ``[batch, pos]`` tensor (with
+            values: not on the ``meta`` device) of 0 and 1, right padded, with a real
+            token in every row. A model reads the mask as given: a 2 or a 0.5 would move
+            its logits while a length computed here would silently disagree with it.
     """
-    batch, pos = shape
+    batch, pos = int(shape[0]), int(shape[1])
     if attention_mask is None:
         return torch.full((batch,), pos, dtype=torch.long)
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(
-            f"attention_mask must be a [batch, pos] tensor of 0/1, got {type(attention_mask).__name__}."
-        )
-    if tuple(attention_mask.shape) != (batch, pos):
+    lengths = None
+    if _has_values(attention_mask) and tuple(attention_mask.shape) == (batch, pos):
+        values = attention_mask.detach().cpu()
+        if not values.is_complex() and bool(((values == 0) | (values == 1)).all()):
+            lengths = values.long().sum(dim=1)
+            right = torch.arange(pos)[None, :] < lengths[:, None]
+            if not torch.equal(right, values.bool()) or bool((lengths == 0).any()):
+                lengths = None
+    if lengths is None:
         raise SelectionError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, tokens have {(batch, pos)}."
+            f"attention_mask must be a [batch, pos] = {[batch, pos]} tensor holding only 0 "
+            "(padding) and 1 (real token), with right padding (ones, then zeros) and a real "
+            f"token in every row; got {_described(attention_mask)}.\nPass the tokenizer's "
+            "attention_mask as it comes, tokenized with padding_side='right'."
         )
-    values = attention_mask.detach().cpu()
-    if values.is_complex() or not bool(((values == 0) | (values == 1)).all()):
-        # A model reads the mask as given: a 2 or a 0.5 would move its logits
-        # while a length computed here would silently disagree with it.
-        raise SelectionError(
-            "attention_mask must hold only 0 (padding) and 1 (real token), got values "
-            f"{sorted(set(values.flatten().tolist()))[:5]}. Pass the tokenizer's attention_mask "
-            "as it comes."
-        )
-    mask = values.to(torch.long)
-    lengths = mask.sum(dim=1)
-    expected = torch.arange(pos)[None, :] < lengths[:, None]
-    if not torch.equal(expected, mask.bool()):
-        raise SelectionError(
-            "attention_mask must describe right padding (ones, then zeros, in every row). "
-            "Tokenize with padding_side='right'."
-        )
-    if (lengths == 0).any():
-        raise SelectionError("A row of attention_mask has no real token.")
     return lengths
+
+
+def _has_values(value: object) -> TypeGuard[torch.Tensor]:
+    """A tensor whose values can be read (one on the ``meta`` device has none)."""
+    return isinstance(value, torch.Tensor) and value.device.type != "meta"
+
+
+def _described(value: object) -> str:
+    """What was given, for a message: a tensor's dtype, shape, device and first values."""
+    if not isinstance(value, torch.Tensor):
+        return f"{type(value).__name__} {value!r:.60}"
+    shown = value.flatten()[:6].tolist() if _has_values(value) else "no values"
+    return f"{value.dtype} of shape {list(value.shape)} on {value.device} ({shown})"
 
 
 def check_padding(
@@ -109,17 +112,11 @@ def check_padding(
     """Refuse a padded batch given without its attention mask.
 
     Without an attention mask every position counts as real, so "last" would be
-    the padding column of every shorter row. Two signs give padding away:
-
-    * rows ending in the pad token (right padding);
-    * rows that start with more pad tokens than others (left padding: a shorter row
-      begins with padding; a BOS that is the pad token, as GPT-2's, starts every row
-      once, and is not counted against it).
-
-    The check refuses either unless an attention mask says where rows are. The pad
-    token is the tokenizer's, or its EOS token when it has none (what
-    :func:`~grafting_lens.worlds.data.tokenize_examples` and most scripts pad with). Prompts
-    that really end or start with that token pass with
+    the padding column of every shorter row. Two signs give padding away: rows ending
+    in the pad token (right padding), and rows that start with more pad tokens than
+    others (left padding; a BOS that is the pad token, as GPT-2's, starts every row once
+    and is not counted against it). The pad token is the tokenizer's, or its EOS token
+    when it has none. Prompts that really end or start with that token pass with
     ``attention_mask=torch.ones_like(tokens)``.
 
     Args:
@@ -129,64 +126,45 @@ def check_padding(
             nor an EOS token) skips the check.
         fix: What the caller can do about it, instead of passing an attention mask
             (for a function that takes none, such as ``graft_generate``).
-
-    Raises:
-        SelectionError: ``attention_mask`` is ``None`` and some row ends in the pad
-            token, or rows start with different numbers of pad tokens.
     """
-    pad_token_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = getattr(tokenizer, "eos_token_id", None)
-    if attention_mask is not None or pad_token_id is None or not isinstance(tokens, torch.Tensor):
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = getattr(tokenizer, "eos_token_id", None) if pad is None else pad
+    if attention_mask is not None or pad is None or not _has_values(tokens) or tokens.dim() != 2:
         return
-    if tokens.dim() != 2 or tokens.shape[1] == 0:
-        return
-    padding = (tokens == int(pad_token_id)).cpu()
-    padded = padding[:, -1]
-    if bool(padded.any()):
-        rows = padded.nonzero().squeeze(1).tolist()
+    padding = (tokens == int(pad)).cpu()
+    # Leading pad tokens per row: the position of the first other token.
+    leading = torch.where(padding.all(1), padding.shape[1], (~padding).to(torch.int8).argmax(1))
+    ends, starts = padding[:, -1], leading > leading.min()
+    if bool(ends.any()) or bool(starts.any()):
+        rows = (ends if bool(ends.any()) else starts).nonzero().squeeze(1).tolist()
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
         raise SelectionError(
-            f"{len(rows)} of {tokens.shape[0]} rows (rows {_shown(rows)}) end in the pad token "
-            f"{int(pad_token_id)}, but no attention_mask says where the rows really end: every "
-            "position would count as real, and 'last' would be a padding column. "
+            f"{len(rows)} of {tokens.shape[0]} rows (rows {shown}) "
+            + (
+                f"end in the pad token {int(pad)}"
+                if bool(ends.any())
+                else f"start with more pad tokens ({int(pad)}) than the others"
+            )
+            + ", but no attention_mask says where the rows really are: padding would count "
+            "as real tokens ('last' a padding column).\n"
             + (
                 fix
-                or "Pass the tokenizer's attention_mask=..., or "
+                or "Pass the tokenizer's attention_mask=... (padding_side='right'), or "
                 "attention_mask=torch.ones_like(tokens) if those tokens are real."
             )
         )
-    # Leading pad tokens per row: the position of the first other token.
-    leading = torch.where(
-        padding.all(dim=1), padding.shape[1], (~padding).to(torch.int8).argmax(dim=1)
-    )
-    if int(leading.max()) != int(leading.min()):
-        rows = (leading > leading.min()).nonzero().squeeze(1).tolist()
-        raise SelectionError(
-            f"{len(rows)} of {tokens.shape[0]} rows (rows {_shown(rows)}) start with more pad "
-            f"tokens ({int(pad_token_id)}) than the others, but no attention_mask says where "
-            "the rows really start: a left-padded batch, whose padding would count as real "
-            "tokens (positions are indices from each row's start). "
-            + (
-                fix
-                or "Tokenize with padding_side='right' and pass the tokenizer's "
-                "attention_mask=..., or attention_mask=torch.ones_like(tokens) if those "
-                "tokens are real."
-            )
-        )
-
-
-def _shown(rows: list[int]) -> str:
-    """Row numbers for a message: the first five, then an ellipsis."""
-    return ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
 
 
 def last_token(
     shape: tuple[int, ...], attention_mask: Int[torch.Tensor, "batch pos"] | None = None
 ) -> Bool[torch.Tensor, "batch pos"]:
     """The last real token of each row (the paper's LT)."""
-    lengths = row_lengths(shape, attention_mask)
-    selected = torch.zeros(shape, dtype=torch.bool)
-    selected[torch.arange(shape[0]), lengths - 1] = True
+    return _last(row_lengths(shape, attention_mask), int(shape[1]))
+
+
+def _last(lengths: torch.Tensor, pos: int) -> torch.Tensor:
+    selected = torch.zeros((len(lengths), pos), dtype=torch.bool)
+    selected[torch.arange(len(lengths)), lengths - 1] = True
     return selected
 
 
@@ -199,18 +177,21 @@ def span_positions(
     """Token spans ``[start, end)``, one per row (or one for every row).
 
     Raises:
-        SelectionError: A span is empty or reaches past the row's real tokens.
+        SelectionError: Not one int (or one per row) each, an empty span, or a span
+            reaching past the row's real tokens.
     """
-    batch = shape[0]
-    starts_list, ends_list = _per_row(starts, batch, "starts"), _per_row(ends, batch, "ends")
-    if len(starts_list) != batch or len(ends_list) != batch:
+    batch = int(shape[0])
+    bounds = [[v] * batch if _is_index(v) else v for v in (starts, ends)]
+    fits = all(
+        isinstance(b, (Sequence, np.ndarray)) and len(b) == batch and all(map(_is_index, b))
+        for b in bounds
+    )
+    if not fits or any(end <= start for start, end in zip(*bounds)):
         raise SelectionError(
-            f"Got {len(starts_list)} starts and {len(ends_list)} ends for {batch} rows."
+            f"Spans need starts and ends that are ints (one for every row, or one per row of "
+            f"{batch}) with start < end; got starts={starts!r}, ends={ends!r}."
         )
-    rows = [list(range(s, e)) for s, e in zip(starts_list, ends_list)]
-    for row, (s, e) in enumerate(zip(starts_list, ends_list)):
-        if e <= s:
-            raise SelectionError(f"Row {row}: the span [{s}, {e}) is empty.")
+    rows = [list(range(int(s), int(e))) for s, e in zip(*bounds)]
     return resolve_positions(rows, shape, attention_mask)
 
 
@@ -219,9 +200,13 @@ def complement(
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
 ) -> Bool[torch.Tensor, "batch pos"]:
     """Every real token not in ``positions`` (the paper's ``X^C``)."""
-    positions = _check_bool(positions, tuple(positions.shape))
-    real = resolve_positions("all", tuple(positions.shape), attention_mask)
-    return real & ~positions
+    lengths = row_lengths(tuple(positions.shape), attention_mask)
+    real = _real(lengths, int(positions.shape[1]))
+    return real & ~_selection(positions, lengths, int(positions.shape[1]), "The positions")
+
+
+def _real(lengths: torch.Tensor, pos: int) -> torch.Tensor:
+    return torch.arange(pos)[None, :] < lengths[:, None]
 
 
 def resolve_positions(
@@ -240,92 +225,52 @@ def resolve_positions(
         ``True`` at every selected position (never at a padding position).
 
     Raises:
-        SelectionError: An index outside a row's real tokens, a tensor of the wrong
-            shape, a specification of an unknown form, an empty list or per-row
-            lists that are all empty (they would select nothing), or a bool where an
-            index is expected (``True`` would read as position 1).
+        SelectionError: A form it cannot read (a bool reads as no index: ``True`` would
+            be position 1), an index outside a row's real tokens, a tensor of another
+            shape or dtype, or a specification that selects nothing.
     """
-    batch, pos = shape
-    lengths = row_lengths(shape, attention_mask)
-    real = torch.arange(pos)[None, :] < lengths[:, None]
-    if isinstance(spec, str):
-        if spec == "all":
-            return real
-        if spec in ("last", "last_token"):
-            return last_token(shape, attention_mask)
-        raise SelectionError(
-            f"Unknown position specification {spec!r}: use 'all', 'last', indices or a "
-            "[batch, pos] boolean tensor."
-        )
-    if isinstance(spec, torch.Tensor):
-        selected = _check_bool(spec, shape)
-        if (selected & ~real).any():
-            row = int((selected & ~real).any(dim=1).nonzero()[0])
+    return selected_positions(spec, row_lengths(shape, attention_mask), int(shape[1]))
+
+
+def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> torch.Tensor:
+    """:func:`resolve_positions` for rows of checked ``lengths``."""
+    if isinstance(spec, str) and spec in ("all", "last", "last_token"):
+        return _real(lengths, pos) if spec == "all" else _last(lengths, pos)
+    if isinstance(spec, torch.Tensor) or (isinstance(spec, np.ndarray) and spec.dtype == np.bool_):
+        selected = _selection(torch.as_tensor(spec), lengths, pos, "A position tensor")
+    else:
+        batch = len(lengths)
+        given: Any = [spec] if _is_index(spec) else spec
+        rows: list[list[Any]] | None = None  # one list of indices per row, once read
+        if isinstance(given, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(given, str):
+            items: list[Any] = list(given)
+            per_row = bool(items) and all(_is_row(item) for item in items)
+            if per_row and len(items) == batch:
+                rows = [list(item) for item in items]
+            elif not per_row:
+                rows = [items] * batch
+        if rows is None or not all(_is_index(i) for row in rows for i in row):
             raise SelectionError(
-                f"Row {row} selects padding positions (it has {int(lengths[row])} real tokens)."
+                f"Cannot read positions from {spec!r:.80}: use 'all', 'last', an int, a list of "
+                f"ints, one list of ints per row ({batch} rows), or a [batch, pos] boolean tensor."
             )
-        return selected
-    if isinstance(spec, np.ndarray) and spec.dtype == np.bool_:
-        return resolve_positions(torch.from_numpy(spec), shape, attention_mask)
-    given: Any = [spec] if _is_index(spec) else spec
-    if isinstance(given, (bool, np.bool_)) or not isinstance(given, (Sequence, np.ndarray)):
-        raise SelectionError(
-            f"Cannot read positions from {given!r}: use 'all', 'last', an int, a list of ints, "
-            "one list per row, or a [batch, pos] boolean tensor."
-        )
-    items: list[Any] = list(given)
-    if not items:
-        raise SelectionError(
-            "positions=[] selects no position, so nothing would be grafted or patched. Give "
-            "at least one index, or one list per row."
-        )
-    first = items[0]
-    per_row = isinstance(first, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(first, str)
-    if not per_row and not _is_index(first):
-        raise SelectionError(
-            f"Position indices must be ints, got {first!r}: give ints, or one list of ints per row."
-        )
-    if per_row and len(items) != batch:
-        raise SelectionError(f"Got position lists for {len(items)} rows, the tokens have {batch}.")
-    selected = torch.zeros(shape, dtype=torch.bool)
-    for row in range(batch):
-        indices = items[row] if per_row else items
-        if _is_index(indices) or isinstance(indices, (str, bool, np.bool_)):
+        selected = torch.zeros((batch, pos), dtype=torch.bool)
+        for row, (indices, length) in enumerate(zip(rows, lengths.tolist())):
+            for index in map(int, indices):
+                if not -length <= index < length:
+                    raise SelectionError(
+                        f"Position {index} is beyond row {row}, which has {length} real tokens "
+                        f"(positions 0..{length - 1}; negative indices count from the end)."
+                    )
+                selected[row, index % length] = True
+        if not bool(selected.any()):
+            # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
             raise SelectionError(
-                f"Row {row}'s positions are {indices!r}; per-row positions are one list of "
-                "ints per row, e.g. [[1, 2], [3]]."
+                f"positions={spec!r:.80} selects no position in any row, so nothing would be "
+                "grafted or patched.\nGive at least one index in some row, e.g. [[1, 2], []], "
+                "or 'last'."
             )
-        length = int(lengths[row])
-        for index in list(indices):
-            if not _is_index(index):
-                raise SelectionError(f"Position indices must be ints, got {index!r}.")
-            index = int(index)
-            resolved = index + length if index < 0 else index
-            if not 0 <= resolved < length:
-                raise SelectionError(
-                    f"Position {index} is beyond row {row}, which has {length} real tokens "
-                    f"(positions 0..{length - 1})."
-                )
-            selected[row, resolved] = True
-    if not bool(selected.any()):
-        # One empty list per row ([[]], [[], []]) reads as a selection, yet grafts nothing.
-        raise SelectionError(
-            f"positions={spec!r} selects no position in any row, so nothing would be grafted "
-            "or patched. Give at least one index in some row, e.g. [[1, 2], []], or "
-            "positions='last'."
-        )
     return selected
-
-
-def _per_row(value: Any, batch: int, name: str) -> list[int]:
-    """One int per row from an int (the same for every row) or a sequence of ints."""
-    if not (_is_index(value) or isinstance(value, (Sequence, np.ndarray))):
-        raise SelectionError(f"{name} must be an int or one int per row, got {value!r}.")
-    values = [value] * batch if _is_index(value) else list(value)
-    for item in values:
-        if not _is_index(item):
-            raise SelectionError(f"Span starts and ends must be ints, got {item!r}.")
-    return [int(item) for item in values]
 
 
 def _is_index(value: object) -> bool:
@@ -333,14 +278,26 @@ def _is_index(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _check_bool(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    if tuple(tensor.shape) != tuple(shape):
-        raise SelectionError(
-            f"The position tensor has shape {tuple(tensor.shape)}, the tokens have {tuple(shape)}."
-        )
-    if tensor.dtype != torch.bool:
-        raise SelectionError(f"A position tensor must be boolean, got {tensor.dtype}.")
-    return tensor.cpu()
+def _is_row(value: object) -> bool:
+    """One row's positions: a list, tuple, array or tensor (not a string)."""
+    return isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, str)
+
+
+def _selection(value: object, lengths: torch.Tensor, pos: int, what: str) -> torch.Tensor:
+    """``value`` as the boolean ``[batch, pos]`` selection of real tokens it must be, on the CPU."""
+    shape = [len(lengths), pos]
+    got = _described(value)
+    if _has_values(value) and value.dtype == torch.bool and list(value.shape) == shape:
+        value = value.cpu()
+        padding = (value & ~_real(lengths, pos)).any(dim=1)
+        if not bool(padding.any()):
+            return value
+        row = int(padding.nonzero()[0])
+        got = f"one selecting padding in row {row} (it has {int(lengths[row])} real tokens)"
+    raise SelectionError(
+        f"{what} must be a boolean [batch, pos] = {shape} tensor selecting real tokens only; "
+        f"got {got}."
+    )
 
 
 # ------------------------------------------------------------------ span expressions
@@ -361,7 +318,7 @@ SPAN_ALIASES: dict[str, str] = {
 }
 """The paper's labels for the spans :func:`grafting_lens.worlds.data.tokenize_examples` marks."""
 
-_SPAN_TOKEN = re.compile(r"\s*(\^[Cc]|\(|\)|\+|[A-Za-z_][A-Za-z_0-9]*)")
+_SPAN_TOKEN = re.compile(r"\^[Cc]|[()+]|[A-Za-z_][A-Za-z_0-9]*|\S")
 
 
 def parse_span_expression(expression: str) -> tuple:
@@ -373,68 +330,42 @@ def parse_span_expression(expression: str) -> tuple:
     ``("complement", child)``.
 
     Raises:
-        SelectionError: An empty expression, a character outside the grammar, or
-            unbalanced parentheses.
+        SelectionError: Not a non-empty string, a character outside the grammar, a
+            misplaced name or operator, or unbalanced parentheses.
     """
-    if not isinstance(expression, str) or not expression.strip():
-        raise SelectionError(f"A span expression must be a non-empty string, got {expression!r}.")
-    tokens: list[str] = []
-    position = 0
-    text = expression.rstrip()
-    while position < len(text):
-        match = _SPAN_TOKEN.match(text, position)
-        if match is None:
-            raise SelectionError(
-                f"Cannot read the span expression {expression!r} at {text[position:]!r}: use span "
-                f"names ({', '.join(SPAN_ALIASES)}, ALL or a span's own name), '+', '^C' and "
-                "parentheses, e.g. '(FE+LT)^C'."
-            )
-        tokens.append(match.group(1))
-        position = match.end()
-    stream = iter([*tokens, ""])
-    current = [next(stream)]
-
-    def advance() -> str:
-        token = current[0]
-        current[0] = next(stream, "")
-        return token
-
-    def parse_expr() -> tuple:
-        terms = [parse_term()]
-        while current[0] == "+":
-            advance()
-            terms.append(parse_term())
-        return terms[0] if len(terms) == 1 else ("union", tuple(terms))
-
-    def parse_term() -> tuple:
-        node = parse_atom()
-        while current[0].upper() == "^C":
-            advance()
-            node = ("complement", node)
-        return node
-
-    def parse_atom() -> tuple:
-        token = advance()
-        if token == "(":
-            node = parse_expr()
-            if advance() != ")":
-                raise SelectionError(
-                    f"Unbalanced parentheses in the span expression {expression!r}."
-                )
-            return node
-        if not token or not (token[0].isalpha() or token[0] == "_"):
-            raise SelectionError(
-                f"The span expression {expression!r} has {token or 'nothing'!r} where a span "
-                "name or '(' belongs."
-            )
-        if token.upper() == "ALL":
-            return ("all",)
-        return ("span", SPAN_ALIASES.get(token, token))
-
-    tree = parse_expr()
-    if current[0]:
-        raise SelectionError(f"Unexpected {current[0]!r} in the span expression {expression!r}.")
-    return tree
+    tokens = _SPAN_TOKEN.findall(expression) if isinstance(expression, str) else []
+    # One list of terms per open parenthesis; a term is complemented where '^C' follows it.
+    groups: list[list[tuple]] = [[]]
+    operand = True  # whether a name or '(' comes next
+    problem = "Nothing to read" if not tokens else None
+    for token in tokens:
+        if operand and token == "(":
+            groups.append([])
+        elif operand and (token[0].isalpha() or token[0] == "_"):
+            name = ("all",) if token.upper() == "ALL" else ("span", SPAN_ALIASES.get(token, token))
+            groups[-1].append(name)
+            operand = False
+        elif not operand and token.upper() == "^C":
+            groups[-1][-1] = ("complement", groups[-1][-1])
+        elif not operand and token == "+":
+            operand = True
+        elif not operand and token == ")" and len(groups) > 1:
+            terms = groups.pop()
+            groups[-1].append(terms[0] if len(terms) == 1 else ("union", tuple(terms)))
+        else:
+            closing = token == ")" and not operand
+            problem = "Unbalanced parentheses" if closing else f"Cannot read {token!r} there"
+            break
+    if problem is None and (operand or len(groups) > 1):
+        problem = "Unbalanced parentheses" if not operand else "A name is missing at the end"
+    if problem is not None:
+        raise SelectionError(
+            f"{problem} in the span expression {expression!r}: use span names ("
+            f"{', '.join(SPAN_ALIASES)}, ALL or a span's own name), '+', '^C' and parentheses, "
+            "e.g. '(FE+LT)^C'."
+        )
+    terms = groups[0]
+    return terms[0] if len(terms) == 1 else ("union", tuple(terms))
 
 
 def span_names(expression: str) -> set[str]:
@@ -443,19 +374,14 @@ def span_names(expression: str) -> set[str]:
     Raises:
         SelectionError: The expression does not parse.
     """
-    names: set[str] = set()
 
-    def walk(node: tuple) -> None:
+    def walk(node: tuple) -> set[str]:
         if node[0] == "span":
-            names.add(node[1])
-        elif node[0] == "union":
-            for child in node[1]:
-                walk(child)
-        elif node[0] == "complement":
-            walk(node[1])
+            return {node[1]}
+        children = node[1] if node[0] == "union" else (node[1],) if node[0] == "complement" else ()
+        return set().union(*map(walk, children))
 
-    walk(parse_span_expression(expression))
-    return names
+    return walk(parse_span_expression(expression))
 
 
 def select_positions(
@@ -478,43 +404,32 @@ def select_positions(
 
     Raises:
         SelectionError: Bad syntax, a function that returns something other than a
-            boolean ``[batch, pos]`` tensor, positions on padding, or a span the
-            batch lacks (the message lists the ones it has).
+            boolean ``[batch, pos]`` tensor of real tokens, positions on padding, or a
+            span the batch lacks (the message lists the ones it has).
 
     Examples:
         >>> select_positions("FE+LT", batch.spans, batch.attention_mask)
     """
-    attention_mask = torch.as_tensor(attention_mask).cpu()
+    attention_mask = torch.as_tensor(attention_mask)
     shape = tuple(attention_mask.shape)
-    real = resolve_positions("all", shape, attention_mask)
+    lengths = row_lengths(shape, attention_mask)
+    real = _real(lengths, shape[1])
     if callable(expression):
         selected = expression(spans, attention_mask)
-        if not isinstance(selected, torch.Tensor) or selected.dtype != torch.bool:
-            described = (
-                f"a tensor of {selected.dtype}"
-                if isinstance(selected, torch.Tensor)
-                else type(selected).__name__
-            )
-            raise SelectionError(
-                f"The position function {callable_name(expression)} returned {described}; it "
-                "must return a boolean [batch, pos] tensor."
-            )
-        return resolve_positions(selected.cpu(), shape, attention_mask)
+        what = f"The position function {callable_name(expression)}'s result"
+        return _selection(selected, lengths, shape[1], what)
 
     def evaluate(node: tuple) -> torch.Tensor:
-        kind = node[0]
-        if kind == "all":
+        if node[0] == "all":
             return real
-        if kind == "span":
-            return _named_span(spans, node[1], attention_mask)
-        if kind == "union":
-            result = torch.zeros(shape, dtype=torch.bool)
-            for child in node[1]:
-                result = result | evaluate(child)
-            return result
+        if node[0] == "span":
+            return _named_span(spans, node[1], expression, lengths, shape[1])
+        if node[0] == "union":
+            return torch.stack([evaluate(child) for child in node[1]]).any(dim=0)
         return real & ~evaluate(node[1])
 
-    return resolve_positions(evaluate(parse_span_expression(expression)), shape, attention_mask)
+    tree = parse_span_expression(expression)
+    return _selection(evaluate(tree), lengths, shape[1], f"The positions of {expression!r}")
 
 
 def callable_name(function: Callable[..., Any]) -> str:
@@ -523,24 +438,27 @@ def callable_name(function: Callable[..., Any]) -> str:
     return f"{module}.{getattr(function, '__qualname__', repr(function))}"
 
 
-def _named_span(spans: Spans, name: str, attention_mask: torch.Tensor) -> torch.Tensor:
+def _named_span(
+    spans: Spans, name: str, expression: str, lengths: torch.Tensor, pos: int
+) -> torch.Tensor:
     if name in spans:
-        value = torch.as_tensor(spans[name]).cpu()
-        if tuple(value.shape) != tuple(attention_mask.shape):
-            raise SelectionError(
-                f"The span {name!r} has shape {tuple(value.shape)}, the batch has "
-                f"{tuple(attention_mask.shape)}."
-            )
-        return value.bool()
+        value = spans[name]
+        return _selection(
+            value.bool() if _has_values(value) else value, lengths, pos, f"The span {name!r}"
+        )
     if name == "last_token":
         # The last real token follows from the padding; a batch built by hand need not mark it.
-        return resolve_positions("last", tuple(attention_mask.shape), attention_mask)
+        return _last(lengths, pos)
+    known = name in SPAN_ALIASES.values()  # a paper's span this batch lacks: no typo
     raise SelectionError(
-        f"This configuration needs the {name!r} span, but the batch has only {sorted(spans)}. "
+        f"Unknown position set {expression!r}: this batch has no {name!r} span."
+        f"{'' if known else did_you_mean(name, [*SPAN_ALIASES, 'ALL', *spans])} It has "
+        f"{sorted(spans)}; "
         + (
-            "Use a prompt that names the movie (see grafting_lens.study.MOVIE_PROMPTS)."
+            "use a prompt that names the movie (see grafting_lens.study.MOVIE_PROMPTS)."
             if name == "movie"
-            else "Tokenize with grafting_lens.worlds.data.tokenize_examples, which marks it."
+            else "tokenize with grafting_lens.worlds.data.tokenize_examples, which marks the "
+            "paper's spans, or give a [batch, pos] boolean tensor."
         )
     )
 
@@ -570,42 +488,30 @@ def position_sets(
         attention_mask: The batch's right padding.
 
     Raises:
-        SelectionError: No position set, a label given twice, an unknown span name
-            (with the names the batch has), or a specification of another kind.
+        SelectionError: No position set, a label given twice, a specification of another
+            kind, or one :func:`select_positions` refuses (an unknown span name: the
+            message has the names the batch has).
     """
     if isinstance(positions, str):
         positions = [positions]
-    if isinstance(positions, Mapping):
-        items = list(positions.items())
-    else:
-        items = [(name, name) for name in positions]
-    if not items:
-        raise SelectionError(f"No position set given; e.g. {('LT', 'FE')}.")
+    items = (
+        list(positions.items()) if isinstance(positions, Mapping) else [(p, p) for p in positions]
+    )
+    labels = [str(label) for label, _ in items]
+    if (
+        not items
+        or len(set(labels)) < len(labels)
+        or not all(isinstance(spec, (str, torch.Tensor)) or callable(spec) for _, spec in items)
+    ):
+        raise SelectionError(
+            "positions must be span expressions such as ('LT', 'FE'), or {label: span "
+            "expression, [batch, pos] boolean tensor or position function}, each label once; "
+            f"got {positions!r:.80}."
+        )
     shape = tuple(attention_mask.shape)
-    # Names a span expression may use here: the paper's labels, ALL, the batch's spans.
-    known = {*SPAN_ALIASES.values(), *spans}
-    vocabulary = [*SPAN_ALIASES, "ALL", *spans]
-    selections: dict[str, torch.Tensor] = {}
-    for label, spec in items:
-        if label in selections:
-            raise SelectionError(f"The position set {label!r} is given twice.")
-        if isinstance(spec, str):
-            unknown = sorted(span_names(spec) - known)
-            if unknown:
-                raise SelectionError(
-                    f"Unknown position set {spec!r}.{did_you_mean(spec, vocabulary)} Known: "
-                    f"{', '.join(vocabulary)} and span expressions over them (FE+LT, "
-                    "(FE+LT)^C...), or pass {label: [batch, pos] boolean tensor}."
-                )
-            selection = select_positions(spec, spans, attention_mask)
-        elif isinstance(spec, torch.Tensor):
-            selection = resolve_positions(spec.cpu(), shape, attention_mask)
-        elif callable(spec):
-            selection = select_positions(spec, spans, attention_mask)
-        else:
-            raise SelectionError(
-                f"Position set {label!r}: expected a span expression, a [batch, pos] boolean "
-                f"tensor or a position function, got {type(spec).__name__}."
-            )
-        selections[str(label)] = selection
-    return selections
+    return {
+        label: resolve_positions(spec, shape, attention_mask)
+        if isinstance(spec, torch.Tensor)
+        else select_positions(spec, spans, attention_mask)
+        for label, (_, spec) in zip(labels, items)
+    }

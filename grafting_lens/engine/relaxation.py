@@ -35,8 +35,7 @@ the module named.
 How it is done
 --------------
 Each slot of each relaxed component (see :mod:`grafting_lens.models.components`) is given a
-mixing module through the same public ``set_original_component`` the graft engine
-uses. It calls what the slot held (so a relaxation sits on top of a graft) and the
+mixing module, a :class:`~grafting_lens.engine.routing.Dispatch` as the graft's are. It calls what the slot held (so a relaxation sits on top of a graft) and the
 other checkpoint's module on the slot's whole input, finds the positions in each
 output with the graft engine's own layouts (``[batch, pos, ...]``, per-head
 ``[batch, heads, pos, d_head]`` where the bridge declares it, flattened rows), and
@@ -46,38 +45,23 @@ bridge's hooks fire as usual, so ``run_with_cache`` and ``run_with_hooks`` see t
 relaxed run, and a hook that edits it changes the gradient. On exit (also after an
 exception) the slots are restored.
 
-Examples:
-    >>> alpha = torch.zeros(tokens.shape, requires_grad=True)
-    >>> with relaxing(models, {("mlp_out", 2): alpha}) as model:
-    ...     logits = model(tokens)
-    >>> logits[:, -1, answer].sum().backward()  # alpha.grad: [batch, pos]
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
-from transformer_lens.model_bridge.generalized_components import NormalizationBridge
 
-from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import AttributionError
-
-# The graft engine's own machinery: where positions sit in a module's tensors, how a
-# bridge reads per-position parameters, and how a source's module is called.
-from grafting_lens.engine.graft import SourceDispatch, check_declared
-from grafting_lens.engine.masks import GraftMask, Key
-from grafting_lens.engine.routing import (
-    Layout,
-    call_module,
-    declared_layout,
-    input_shape,
-    position_shape,
-)
+from grafting_lens.engine import masks
+from grafting_lens.engine.graft import check_declared
+from grafting_lens.engine.masks import GraftMask, Key, checked_key
+from grafting_lens.engine.routing import Dispatch, installed, position_shape
+from grafting_lens.models.components import Slot
 from grafting_lens.models.model_set import ModelSet
 
 __all__ = ["check_source", "relaxing"]
@@ -85,65 +69,58 @@ __all__ = ["check_source", "relaxing"]
 _RELAXING = "_grafting_lens_relaxing"  # set on the base bridge while a relaxation is installed
 
 
-class _MixDispatch(nn.Module):
+class _MixDispatch(Dispatch):
     """Stands in for one slot: what computes it now, mixed per position with another module.
 
-    ``current`` is what the slot held when the relaxation was installed (the base's
-    module, or an enclosing graft's dispatcher); ``switch`` is the checkpoint's module
-    the relaxation moves toward. Both are called on the slot's whole input, and every
-    floating-point output is mixed as ``lerp(current_out, switch_out, weight)`` with the
-    weight of each output row's position. Both modules are held in a tuple, not
-    registered as submodules, so no donor parameter joins the base's module tree.
+    ``sources`` is ``(current, switch)``: what the slot held when the relaxation was
+    installed (the base's module, or an enclosing graft's dispatcher) and the
+    checkpoint's module it moves toward. Both are called on the slot's whole input,
+    and every floating-point output is mixed as ``lerp(current_out, switch_out, weight)``
+    with the weight of each output row's position.
     """
+
+    error = AttributionError
+    verb = "relax"
+    _weight: torch.Tensor
 
     def __init__(
         self,
         key: Key,
         path: str,
-        current: nn.Module,
-        switch: nn.Module,
+        sources: tuple[nn.Module, nn.Module],
         weight: torch.Tensor,
         pos_dim: int | None,
-        reads_any_tensor: bool,
+        norm: bool,
     ) -> None:
-        super().__init__()
-        self._key = key
-        self._path = path
-        self._pair = (current, switch)
-        self._weight = weight
-        self._pos_dim = pos_dim
-        self._reads_any_tensor = reads_any_tensor
-        self._reading: torch.Size | None = None
+        super().__init__(key, path, sources, pos_dim, norm)
+        self.__dict__["_weight"] = weight
+
+    def window(self) -> tuple[int, int]:
+        return int(self._weight.shape[0]), int(self._weight.shape[1])
 
     def forward(self, *args, **kwargs):
-        current, switch = self._pair
-        rest = call_module(current, args, kwargs)
-        other = call_module(switch, args, kwargs)
+        current, switch = self.sources
+        rest, other = current(*args, **kwargs), switch(*args, **kwargs)
         single = not isinstance(rest, tuple)
         rests, others = ((rest,), (other,)) if single else (rest, other)
-        if single == isinstance(other, tuple) or len(rests) != len(others):
-            raise self._refusal("outputs of different structure from the two checkpoints")
-        routing = _routing(rests) if self._key[0] == "router" else None
-        if routing is not None:
-            return self._mix_routing(rests, others, *routing)
-        mixed = []
-        for index, (first, second) in enumerate(zip(rests, others)):
-            if isinstance(first, torch.Tensor) and first.is_floating_point():
-                mixed.append(self._mix(first, second))
-            elif first is second or (
-                isinstance(first, torch.Tensor)
-                and isinstance(second, torch.Tensor)
-                and first.shape == second.shape
-                and torch.equal(first, second)
-            ):
-                mixed.append(first)
-            else:
-                raise self._refusal(
-                    f"outputs whose element {index} ({type(first).__name__}) differs between "
-                    "the two checkpoints and is not a floating-point tensor, so it cannot be "
-                    "mixed"
-                )
-        return mixed[0] if single else tuple(mixed)
+        routing = _routing(rests) if self.key[0] == "router" else None
+        if (
+            single != isinstance(other, tuple)
+            and len(rests) == len(others)
+            and all(_mixable(a, b, routing is not None) for a, b in zip(rests, others))
+        ):
+            if routing is not None:
+                return self._mix_routing(rests, others, *routing)
+            mixed = [
+                self._mix(a, b) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a, b in zip(rests, others)
+            ]
+            return mixed[0] if single else tuple(mixed)
+        shown = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in rests]
+        raise self.refusal(
+            f"outputs {shown} that differ between the two checkpoints and cannot be mixed "
+            "(only floating-point tensors of one shape can)"
+        )
 
     def _mix_routing(
         self, rests: tuple, others: tuple, logits_at: int, weights_at: int, indices_at: int
@@ -172,20 +149,10 @@ class _MixDispatch(nn.Module):
         mixed[indices_at] = every.expand(*rests[indices_at].shape[:-1], experts)
         return tuple(mixed)
 
-    def _mix(self, rest: torch.Tensor, other: object) -> torch.Tensor:
+    def _mix(self, rest: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``lerp(rest, other, weight)``, the weight of each row's position broadcast over the rest."""
-        if not isinstance(other, torch.Tensor) or other.shape != rest.shape:
-            raise self._refusal(
-                f"an output of shape {list(rest.shape)} from one checkpoint and "
-                f"{list(getattr(other, 'shape', []))} from the other"
-            )
-        batch, length = self._weight.shape
-        layout = self._layout(rest.shape, batch, length)
-        if layout is None:
-            raise self._refusal(
-                f"an output of shape {list(rest.shape)} without one row per position of "
-                f"[batch={batch}, pos={length}]"
-            )
+        layout = self.layout(rest)
+        assert layout is not None  # required: refused otherwise
         first, second = layout.rows(rest), layout.rows(other)
         weight = self._weight.to(first.device).reshape(-1, *([1] * (first.dim() - 1)))
         if first.dtype in (torch.float32, torch.float64):
@@ -195,46 +162,28 @@ class _MixDispatch(nn.Module):
             mixed = torch.lerp(first.float(), second.float(), weight.float()).to(first.dtype)
         return layout.restore(mixed, grid=layout.pos_dim is not None)
 
-    def _refusal(self, cause: str) -> AttributionError:
-        component, layer = self._key
-        where = component if layer is None else f"{component} at layer {layer}"
-        module = type(self._pair[1]).__name__
-        return AttributionError(
-            f"Cannot relax {where}: {self._path} ({module}) gave {cause}. Attribute the "
-            "components around this one instead, and if no hook of yours reshaped its "
-            "tensors, please report the architecture."
-        )
-
-    def _layout(self, shape: torch.Size, batch: int, length: int) -> Layout | None:
-        """Where a tensor's positions are, by the graft engine's rule."""
-        return declared_layout(shape, batch, length, self._pos_dim, self._refusal)
-
-    def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
-        self._reading = input_shape(args, kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            pass
-        current, switch = self.__dict__["_pair"]
-        value = getattr(current, name)
-        other = getattr(switch, name, None)
-        if not isinstance(value, torch.Tensor) or not isinstance(other, torch.Tensor):
-            return value  # configuration (eps, in_features...), shared by aligned sources
-        if other.dim() == 0 or (other.dim() > 1 and not self.__dict__["_reads_any_tensor"]):
+    def per_position(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        other = getattr(self.sources[1], name, None)
+        if not isinstance(other, torch.Tensor) or other.dim() == 0:
+            return value
+        if other.dim() > 1 and not self._reads_any_tensor:
             return value  # read for its dtype or shape only (see SourceDispatch)
         # A norm bridge applying its scale and bias itself (x * weight + bias): its
         # output is affine in them, so mixing them per position mixes the outputs.
-        weight = self.__dict__["_weight"]
-        batch, length = weight.shape
-        reading = self.__dict__["_reading"]
-        layout = None if reading is None else self._layout(reading, batch, length)
-        shape = position_shape(layout, reading, other.shape, batch, length)
+        batch, length = self.window()
+        layout = None if self._reading is None else self.layout(self._reading, required=False)
+        shape = position_shape(layout, self._reading, other.shape, batch, length)
         lead = len(shape) - other.dim()
-        mixing = weight.to(other.device, other.dtype).reshape(*shape[:lead], *([1] * other.dim()))
-        return torch.lerp(value, other, mixing)
+        weight = self._weight.to(other.device, other.dtype)
+        return torch.lerp(value, other, weight.reshape(*shape[:lead], *([1] * other.dim())))
+
+
+def _mixable(a: object, b: object, routing: bool) -> bool:
+    """Whether two checkpoints' outputs can be mixed (floating-point tensors of one shape) or are
+    the same (a router's expert indices may differ: the two routings are mixed)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+        return a.is_floating_point() or routing or torch.equal(a, b)
+    return a is b
 
 
 @contextmanager
@@ -280,47 +229,25 @@ def relaxing(
             "grafting_lens.load_models(base, donor, ...)."
         )
     check_source(models, source, allow_base=True)
-    shape = _check_weights(models, weights, source)
+    checked, shape = _check_weights(models, weights, source)
     if getattr(models.base, _RELAXING, False):
         raise AttributionError(
             "This model set is already inside a relaxing(...) block; relaxations do not "
-            "nest. Put every component in one weights mapping."
+            "nest.\nPut every component in one weights mapping."
         )
-    swapped: list[tuple[Any, nn.Module]] = []
-    embed = models.slots("embed", None)[0].holder(models.base)
-    handles = [embed.register_forward_pre_hook(lambda module, args: _check_run(shape, args))]
-    setattr(models.base, _RELAXING, True)
-    try:
-        for key, weight in weights.items():
-            for slot in models.slots(*key):
-                current = slot.module(models.base)
-                if source == 0:
-                    # Inside a graft the slot holds its dispatcher; the base's module is
-                    # the dispatcher's source 0.
-                    switch = current._sources[0] if isinstance(current, SourceDispatch) else current
-                else:
-                    # The source's module for this slot, as a graft asks for it: a lazily
-                    # loaded donor reads this slot only, an adapter adds its factors to
-                    # the base's module; no whole donor model is built.
-                    switch = models.sources[source].module(slot)
-                holder = slot.holder(models.base)
-                bridged = slot.attribute is None
-                pos_dim = getattr(holder.hook_in, "pos_dim", None) if bridged else None
-                norm = bridged and isinstance(holder, NormalizationBridge)
-                mix = _MixDispatch(key, slot.path, current, switch, weight, pos_dim, norm)
-                slot.replace(models.base, mix)
-                swapped.append((slot, current))
-                if bridged:
-                    handles.append(
-                        holder.register_forward_pre_hook(mix.record_input, with_kwargs=True)
-                    )
+
+    def dispatch(key: Key, slot: Slot, current: nn.Module, pos_dim: int | None, norm: bool):
+        if source == 0:
+            # Inside a graft the slot holds its dispatcher, whose source 0 is the base's module.
+            switch = current.sources[0] if isinstance(current, Dispatch) else current
+        else:
+            # As a graft asks for it: a lazily loaded donor reads this slot only, an
+            # adapter adds its factors to the base's module; no whole donor is built.
+            switch = models.sources[source].module(slot)
+        return _MixDispatch(key, slot.path, (current, switch), checked[key], pos_dim, norm)
+
+    with installed(models, list(checked), dispatch, lambda: shape, AttributionError, _RELAXING):
         yield models.base
-    finally:
-        for slot, current in reversed(swapped):
-            slot.replace(models.base, current)
-        for handle in handles:
-            handle.remove()
-        setattr(models.base, _RELAXING, False)
 
 
 def _routing(parts: tuple) -> tuple[int, int, int] | None:
@@ -343,47 +270,42 @@ def _routing(parts: tuple) -> tuple[int, int, int] | None:
     return rest[0], paired[0], indices_at
 
 
-def _check_run(shape: tuple[int, int], args: tuple) -> None:
-    """Refuse token ids whose shape is not the weights' ``[batch, pos]``."""
-    if not args or not isinstance(args[0], torch.Tensor) or args[0].is_floating_point():
-        return
-    if tuple(args[0].shape[:2]) != shape:
-        raise AttributionError(
-            f"The relaxed model was run on tokens of shape {list(args[0].shape)}, but the "
-            f"weights are [batch, pos] = {list(shape)}. Run it on the tokens the weights "
-            "were made for (no generation with a cache: every position at once)."
+def _check_weights(
+    models: ModelSet, weights: object, source: int
+) -> tuple[dict[Key, torch.Tensor], tuple[int, int]]:
+    """The weights by checked key, and their one ``[batch, pos]``."""
+    given = list(weights.items()) if isinstance(weights, Mapping) else []
+    shapes = {
+        tuple(w.shape)
+        if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dim() == 2
+        else None
+        for _, w in given
+    }
+    if not given or None in shapes or len(shapes) != 1:
+        got = (
+            f"several shapes {sorted(map(str, shapes))}"
+            if None not in shapes and len(shapes) > 1
+            else ", ".join(f"{k}: {_described(w)}" for k, w in given) or f"{weights!r:.80}"
         )
-
-
-def _check_weights(models: ModelSet, weights: object, source: int) -> tuple[int, int]:
-    if not isinstance(weights, Mapping) or not weights:
         raise AttributionError(
-            "weights must be a non-empty mapping {(component, layer): [batch, pos] tensor}, "
-            f"got {weights!r:.80}."
+            "weights must be a non-empty mapping {(component, layer): floating-point "
+            f"[batch, pos] tensor}}, one shape for every key; got {got}."
         )
-    shapes = set()
-    for key, weight in weights.items():
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            given = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
-            raise AttributionError(
-                f"The weights of {key} must be a floating-point [batch, pos] tensor, got {given}."
-            )
-        if weight.dim() != 2:
-            raise AttributionError(
-                f"The weights of {key} have shape {list(weight.shape)}; expected [batch, pos]."
-            )
-        shapes.add(tuple(weight.shape))
-    if len(shapes) > 1:
-        raise AttributionError(f"The weights have several shapes {sorted(shapes)}; give one.")
     shape = shapes.pop()
-    # The mask builder's checks: known components, present at these layers, no graft
-    # around uncovered parameters (weights of 1 everywhere are that graft).
-    GraftMask.from_dict(models, {key: torch.ones(shape, dtype=torch.long) for key in weights})
+    assert shape is not None
+    # The mask builder's checks: known components, present at these layers, each given
+    # once, no graft around uncovered parameters (weights of 1 everywhere are that graft).
+    everywhere = torch.full(shape, source or 1, dtype=torch.long)
+    mask = GraftMask.from_dict(models, {key: everywhere for key, _ in given})
     if source:
-        # A donor declared to load_models for some components only has no others.
-        everywhere = torch.full(shape, source, dtype=torch.long)
-        check_declared(models, GraftMask.from_dict(models, dict.fromkeys(weights, everywhere)))
-    return (int(shape[0]), int(shape[1]))
+        check_declared(models, mask)  # a donor declared for some components only
+    return {checked_key(models, k): w for k, w in given}, (int(shape[0]), int(shape[1]))
+
+
+def _described(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {list(value.shape)}"
+    return type(value).__name__
 
 
 def check_source(models: ModelSet, source: object, *, allow_base: bool) -> None:
@@ -392,11 +314,4 @@ def check_source(models: ModelSet, source: object, *, allow_base: bool) -> None:
     Raises:
         AttributionError: Not an int, or out of range.
     """
-    low = 0 if allow_base else 1
-    if not is_integer(source) or not low <= source < len(models):
-        raise AttributionError(
-            f"source={source!r}, but the donor must be a checkpoint index {low}.."
-            f"{len(models) - 1} of the model set"
-            + ("" if allow_base else " (source 0 is the base itself)")
-            + "."
-        )
+    masks.check_source(models, source, allow_base=allow_base, error=AttributionError)

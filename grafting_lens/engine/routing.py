@@ -4,23 +4,32 @@ A grafted slot of the base computes each position with the source the mask names
 This room holds what every grafted module shares for that: the window of positions being
 computed (all of them in one pass, one at a time in generation), each mask's split of the
 window into the positions of each source (:class:`Plan`, made once per mask tensor and
-window, and kept), and the layout of a tensor a module receives (:class:`Layout`: positions
+window, and kept), the layout of a tensor a module receives (:class:`Layout`: positions
 on an axis of a grid, or flattened rows), so that the rows of one source can be taken out,
-computed and put back. The graft dispatcher (:mod:`grafting_lens.engine.graft`) and the
-relaxed graft (:mod:`grafting_lens.engine.relaxation`) both route through it.
+computed and put back, and :class:`Dispatch`, the module that stands in for a slot: the
+graft's (:mod:`grafting_lens.engine.graft`) and the relaxed graft's
+(:mod:`grafting_lens.engine.relaxation`) dispatchers are both one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
+from weakref import WeakKeyDictionary
 
 import torch
 from jaxtyping import Int
 from torch import nn
+from transformer_lens.model_bridge.generalized_components import NormalizationBridge
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
-from grafting_lens.engine.kernels import run_module
+from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.engine.masks import GraftMask, Key
+from grafting_lens.models.components import Slot
+from grafting_lens.models.model_set import ModelSet
 
 
 @dataclass
@@ -57,6 +66,10 @@ class Plan:
             window = self._windows[device] = self.window.to(device)
         return window
 
+    def sources(self) -> frozenset[int]:
+        """The sources some position of the window takes."""
+        return frozenset([self.single] if self.single is not None else [s for s, _ in self.parts])
+
 
 class GraftState:
     """The mask of one grafted run and the window of positions being computed.
@@ -66,28 +79,34 @@ class GraftState:
     the host and the full window's plans are made here, before the forward: a plan
     made from a device tensor mid-forward (``bincount().tolist()``, ``nonzero()``)
     would wait for the device once per mask per window.
+
+    ``last`` (``[batch]``, positions in the window), when set, is where the unembedding
+    runs: :func:`~grafting_lens.engine.graft.graft_forward` hands it each row's last real
+    token alone, so its plan covers those positions only.
     """
 
-    def __init__(self, mask: GraftMask) -> None:
+    def __init__(self, mask: GraftMask, last: torch.Tensor | None = None) -> None:
         self.shape = mask.shape
         self.n_sources = mask.n_sources
         self.window = (0, mask.shape[1])
-        # Many pairs share one tensor (GraftMask.build); keep the sharing so each
-        # distinct tensor is split into index lists once.
-        moved: dict[int, torch.Tensor] = {}
-        self.masks = {key: moved.setdefault(id(mask[key]), mask[key].cpu()) for key in mask.keys()}
-        self._plans: dict[tuple[int, int, int], Plan] = {}
-        for key in self.masks:
-            self.plan(key)
+        self.last = last
+        # Many pairs share one tensor (GraftMask.build): each distinct tensor is split
+        # into index lists once.
+        self.masks = {key: mask[key] for key in mask.keys()}
+        self._plans: dict[tuple, Plan] = {}
+        self.used = {key: self.plan(key).sources() for key in self.masks}
 
     def plan(self, key: Key) -> Plan:
         """The plan of ``key`` for the current window (made once per mask tensor and window)."""
         values = self.masks[key]
         offset, length = self.window
-        cache_key = (id(values), offset, length)
+        last = self.last if key[0] == "unembed" else None
+        cache_key = (id(values), offset, length, None if last is None else id(last))
         plan = self._plans.get(cache_key)
         if plan is None:
             window = values[:, offset : offset + length]
+            if last is not None:
+                window = window.gather(1, last[:, None])
             flat = window.reshape(-1)
             counts = torch.bincount(flat, minlength=self.n_sources).tolist()
             used = [source for source, count in enumerate(counts) if count]
@@ -147,8 +166,11 @@ class Layout:
         x = x.expand(self.batch, *x.shape[1:]).movedim(self.pos_dim, 1)
         return x.reshape(self.batch * self.length, *x.shape[2:])
 
-    def take(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """The rows ``index`` of ``x``, laid out as the module expects (a batch of one on a grid)."""
+    def take(self, x: object, index: torch.Tensor) -> object:
+        """The rows ``index`` of a tensor ``x``, laid out as the module expects (a batch of
+        one on a grid); anything else as it is."""
+        if not isinstance(x, torch.Tensor) or not x.dim():
+            return x
         picked = self.rows(x).index_select(0, index)
         if self.pos_dim is None:
             return picked
@@ -168,31 +190,6 @@ class Layout:
         if not grid or self.pos_dim is None:
             return rows
         return rows.reshape(self.batch, self.length, *rows.shape[1:]).movedim(1, self.pos_dim)
-
-
-def input_shape(args: tuple, kwargs: dict) -> torch.Size | None:
-    """The shape of a module call's first tensor argument, or None if it has none."""
-    primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
-    return None if primary is None else primary.shape
-
-
-def declared_layout(
-    shape: torch.Size,
-    batch: int,
-    length: int,
-    pos_dim: int | None,
-    refusal: Callable[[str], Exception],
-) -> Layout | None:
-    """Where a slot's tensor carries the window's positions: on ``pos_dim`` where the bridge
-    declares it, else on dimension 1; raises ``refusal(cause)`` where that is ambiguous."""
-    if pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
-        # [batch, heads, pos, d_head] with as many heads as positions looks like
-        # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
-        raise refusal(
-            f"an input of shape {list(shape)} whose position axis is ambiguous (dimension 1 "
-            "or 2) and not declared by the bridge"
-        )
-    return Layout.of(shape, batch, length, pos_dim or 1)
 
 
 def position_shape(
@@ -217,13 +214,182 @@ def position_shape(
     return shape
 
 
-def call_module(module: nn.Module, args: tuple, kwargs: dict):
-    if args:
-        return run_module(module, *args, **kwargs)
-    return module(**kwargs)
+class Dispatch(nn.Module):
+    """Stands in for one slot of the base, computing each position from its own source(s).
+
+    ``sources[0]`` is what the slot held when this was installed (the base's module, or
+    an enclosing graft's dispatcher). The sources are held in a tuple, not registered as
+    submodules, so no donor parameter is adopted into the base's module tree; while it
+    is installed, ``models.base.parameters()`` lacks the slot's parameters.
+
+    A module's input may carry the window's positions on a grid (``[batch, pos, ...]``,
+    or ``[batch, heads, pos, d_head]`` for a query/key norm that TransformerLens marks
+    with ``pos_dim=2``) or flattened (``[batch * pos, ...]``); what carries them nowhere
+    is refused with the module named, since no routing of it could be known to be right.
+    A norm bridge may apply its scale and bias itself (``x * weight + bias``): reading
+    them gives each position's own (:meth:`per_position`), shaped against the bridge's
+    input (:meth:`record_input`).
+    """
+
+    error: ClassVar[type[GraftingLensError]]
+    verb: ClassVar[str]  # "graft", "relax": what the refusal says cannot be done
+    key: Key
+    path: str
+    sources: tuple[nn.Module, ...]
+    _pos_dim: int | None
+    _reads_any_tensor: bool
+    _reading: torch.Size | None
+
+    def __init__(
+        self, key: Key, path: str, sources: tuple[nn.Module, ...], pos_dim: int | None, norm: bool
+    ) -> None:
+        super().__init__()
+        # Plain attributes, set past nn.Module's __setattr__ (which checks each value for
+        # a parameter or a module): a graft makes a dispatcher per slot on every call.
+        self.__dict__.update(
+            key=key,
+            path=path,
+            sources=sources,
+            # None: nobody declared where positions are; dimension 1, with a check.
+            _pos_dim=pos_dim,
+            # A norm bridge computes with its module's scale and bias, whatever their rank
+            # (Cohere's per-head norms hold [heads, d_head]); other bridges read vectors
+            # such as a bias, and matrices only for their dtype and shape.
+            _reads_any_tensor=norm,
+            _reading=None,
+        )
+
+    @abstractmethod
+    def window(self) -> tuple[int, int]:
+        """``(batch, pos)`` of the positions the current call computes."""
+
+    @abstractmethod
+    def per_position(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The tensor a bridge reads as ``name`` (``value`` is the first source's)."""
+
+    def layout(
+        self, value: object, required: bool = True, like: Layout | None = None
+    ) -> Layout | None:
+        """Where ``value`` (a tensor, or a shape) carries the window's positions: as ``like``
+        (the input's layout, for a further argument), else on the bridge's declared axis, on
+        dimension 1 or in flattened rows. Refused where it carries none (unless not
+        ``required``) or where that is ambiguous."""
+        batch, length = self.window()
+        shape = value.shape if isinstance(value, torch.Tensor) else value
+        found, cause = None, f"a {type(value).__name__} where a tensor was expected"
+        if isinstance(shape, torch.Size) and like is not None:
+            found = like if like.fits(shape) else None
+            cause = f"an argument of shape {list(shape)} laid out unlike the input"
+        elif isinstance(shape, torch.Size):
+            # [batch, heads, pos, d_head] with as many heads as positions looks like
+            # [batch, pos, heads, d_head]; only a declared position axis tells them apart.
+            if self._pos_dim is None and len(shape) >= 4 and shape[1] == shape[2] == length:
+                cause = f"shape {list(shape)}, whose position axis (1 or 2) is not declared"
+                required = True
+            else:
+                found = Layout.of(shape, batch, length, self._pos_dim or 1)
+                cause = f"shape {list(shape)}, which does not carry the window's positions"
+        if found is None and required:
+            raise self.refusal(cause)
+        return found
+
+    def refusal(self, cause: str) -> GraftingLensError:
+        component, layer = self.key
+        where = component if layer is None else f"{component} at layer {layer}"
+        batch, length = self.window()
+        return self.error(
+            f"Cannot {self.verb} {where} through {self.path} ({type(self.sources[-1]).__name__}): "
+            f"it gave {cause} (the window is [batch={batch}, pos={length}]).\n"
+            f"{self.verb.capitalize()} the components around it; if no hook of yours reshaped "
+            "its tensors, please report the architecture."
+        )
+
+    def record_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook on the bridge: remember its input's shape for scale reads."""
+        primary = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+        self.__dict__["_reading"] = None if primary is None else primary.shape
+
+    def __getattr__(self, name: str):
+        # Only reached for what the dispatcher lacks: it registers no parameter, buffer or
+        # submodule, so nn.Module's lookup is needed only before __init__ set the sources.
+        sources = self.__dict__.get("sources")
+        if sources is None:
+            return super().__getattr__(name)
+        value = getattr(sources[0], name)
+        if not isinstance(value, torch.Tensor):
+            return value  # configuration (eps, in_features...), shared by aligned sources
+        return self.per_position(name, value)
 
 
-def take_rows(layout: Layout, x: object, index: torch.Tensor) -> object:
-    if isinstance(x, torch.Tensor) and x.dim():
-        return layout.take(x, index)
-    return x
+@contextmanager
+def installed(
+    models: ModelSet,
+    keys: list[Key],
+    dispatch: Callable[[Key, Slot, nn.Module, int | None, bool], Dispatch],
+    shape: Callable[[], tuple[int, int]],
+    error: type[GraftingLensError],
+    flag: str,
+) -> Iterator[None]:
+    """Put ``dispatch(key, slot, current, pos_dim, norm)`` in every slot of ``keys``; restore on exit.
+
+    Token ids the model is run on inside must have the ``[batch, pos]`` of ``shape()``.
+    ``flag`` is set on the base bridge meanwhile (the doors refuse nesting by it).
+    """
+    swapped: list[tuple[Slot, GeneralizedComponent | None, nn.Module]] = []
+    embed = models.slots("embed", None)[0].holder(models.base)
+
+    def check_tokens(module: nn.Module, args: tuple) -> None:
+        tokens = args[0] if args else None
+        if isinstance(tokens, torch.Tensor) and not tokens.is_floating_point():
+            if tuple(tokens.shape[:2]) != shape():
+                raise error(
+                    f"The model was run on tokens of shape {list(tokens.shape)} inside a block "
+                    f"for [batch, pos] = {list(shape())}.\nRun it on the tokens the block was "
+                    "made for (every position at once), or make a block for these tokens."
+                )
+
+    handles = [embed.register_forward_pre_hook(check_tokens)]
+    holders = _HOLDERS.setdefault(models.base, {})
+    setattr(models.base, flag, True)
+    try:
+        for key in keys:
+            for slot in models.slots(*key):
+                if slot.path not in holders:
+                    holders[slot.path] = (
+                        slot.holder(models.base) if slot.attribute is None else None
+                    )
+                holder = holders[slot.path]
+                current = slot.module(models.base) if holder is None else holder.original_component
+                assert current is not None  # every bridge component of a loaded model wraps one
+                # TransformerLens marks the position axis of a norm applied to
+                # [batch, heads, pos, d_head]; plain modules inside a block get rows.
+                pos_dim = None if holder is None else getattr(holder.hook_in, "pos_dim", None)
+                module = dispatch(
+                    key, slot, current, pos_dim, isinstance(holder, NormalizationBridge)
+                )
+                _put(models, slot, holder, module)
+                swapped.append((slot, holder, current))
+                if holder is not None:
+                    handles.append(
+                        holder.register_forward_pre_hook(module.record_input, with_kwargs=True)
+                    )
+        yield
+    finally:
+        for slot, holder, current in reversed(swapped):
+            _put(models, slot, holder, current)
+        for handle in handles:
+            handle.remove()
+        setattr(models.base, flag, False)
+
+
+# The bridge component holding each slot of a base bridge (None for a module inside one),
+# found once: a graft installs every grafted slot on every call, and a lookup walks the tree.
+_HOLDERS: WeakKeyDictionary[nn.Module, dict[str, GeneralizedComponent | None]] = WeakKeyDictionary()
+
+
+def _put(models: ModelSet, slot: Slot, holder: GeneralizedComponent | None, module: nn.Module):
+    """Put ``module`` in ``slot``, through the bridge's public API where the slot is its component."""
+    if holder is None:
+        slot.replace(models.base, module)
+    else:
+        holder.set_original_component(module)

@@ -694,7 +694,7 @@ def _run_examples(
         batch.tokens.repeat(repeats, 1),
         mask,
         attention_mask=attention_mask,
-        last_only=scored,
+        logits="last" if scored else "all",
     )
     # Every position's logits are scored at each row's last real token.
     scores = scorer(logits, batch.target_ids.repeat(repeats), None if scored else attention_mask)

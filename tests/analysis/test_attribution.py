@@ -105,7 +105,7 @@ def test_gradient_equals_a_finite_difference_of_exact_grafts(family, tokenizer):
         for source in (2, 3, 4, 5):
             mask = gl.GraftMask.from_dict(models, {key: selected.long() * source})
             with torch.no_grad():
-                logits = gl.graft_forward(models, tokens, mask)
+                logits = gl.graft_forward(models, tokens, mask, logits="all")
             grafted.append(float(answer_logprob(logits, answers).sum()))
         plus, minus, half_plus, half_minus = grafted
         wide = (plus - minus) / (2 * h)
@@ -133,7 +133,9 @@ def test_weights_of_zero_are_the_base_and_of_one_the_graft(three_models):
     only_two = gl.GraftMask.from_dict(
         three_models, {pair: (mask[pair] == 2).long() * 2 for pair in three_models.pairs}
     )
-    assert (relaxed - gl.graft_forward(three_models, tokens, only_two)).abs().max() <= 1e-5
+    assert (
+        relaxed - gl.graft_forward(three_models, tokens, only_two, logits="all")
+    ).abs().max() <= 1e-5
     assert (relaxed - three_models.base(tokens)).abs().max() > 1.0
     everywhere = {pair: torch.ones(tokens.shape) for pair in three_models.pairs}
     with relaxing(three_models, everywhere, source=1) as model:
@@ -224,7 +226,9 @@ def exact_effect(models, batch, component, layer, selection, *, direction="suffi
         switched = gl.GraftMask.from_dict(models, entries, attention_mask=attention_mask)
     with torch.no_grad():
         values = [
-            last_logprob(gl.graft_forward(models, tokens, mask, attention_mask), batch)
+            last_logprob(
+                gl.graft_forward(models, tokens, mask, attention_mask, logits="all"), batch
+            )
             for mask in (start, switched)
         ]
     return values[1] - values[0], values[0]
@@ -352,7 +356,7 @@ def test_attribution_on_top_of_a_graft(llama):
     )
     with torch.no_grad():
         started = last_logprob(
-            gl.graft_forward(llama, batch.tokens, start, batch.attention_mask), batch
+            gl.graft_forward(llama, batch.tokens, start, batch.attention_mask, logits="all"), batch
         )
         on_top = gl.GraftMask.union(
             start,
@@ -366,7 +370,7 @@ def test_attribution_on_top_of_a_graft(llama):
             ),
         )
         switched = last_logprob(
-            gl.graft_forward(llama, batch.tokens, on_top, batch.attention_mask), batch
+            gl.graft_forward(llama, batch.tokens, on_top, batch.attention_mask, logits="all"), batch
         )
     assert result.start_metric == pytest.approx(float(started.mean()), abs=1e-4)
     assert result.frame.exact.iloc[0] == pytest.approx(float((switched - started).mean()), abs=1e-4)
@@ -404,7 +408,8 @@ def graft_recovery(models, result, prompts) -> float:
         )
         mask = result.mask(models, prompts)
         grafted = last_logprob(
-            gl.graft_forward(models, prompts.tokens, mask, prompts.attention_mask), prompts
+            gl.graft_forward(models, prompts.tokens, mask, prompts.attention_mask, logits="all"),
+            prompts,
         )
     return float((grafted.mean() - base.mean()) / (donor.mean() - base.mean()))
 

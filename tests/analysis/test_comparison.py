@@ -142,7 +142,7 @@ def test_rows_equal_one_graft_or_one_patch_run_alone(models, batch):
                     components=components,
                     attention_mask=attention_mask,
                 )
-                graft = gl.graft_forward(models, batch.tokens, mask, attention_mask)
+                graft = gl.graft_forward(models, batch.tokens, mask, attention_mask, logits="all")
                 patch = gl.patch_forward(
                     models,
                     batch.tokens,

@@ -20,7 +20,7 @@ TOLERANCE = 1e-4
 def test_single_pass_equals_token_by_token_oracle(three_models):
     tokens = random_tokens(3, 9, seed=1)
     mask = random_mask(three_models, tokens.shape, seed=2)
-    fast = gl.graft_forward(three_models, tokens, mask)
+    fast = gl.graft_forward(three_models, tokens, mask, logits="all")
     slow = gl.graft_forward_reference(three_models, tokens, mask)
     assert (fast - slow).abs().max() <= TOLERANCE
     # The comparison means something only if grafting moved the logits a lot.
@@ -38,7 +38,7 @@ def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
         {key: noisy[key] * attention_mask for key in noisy.keys()},
         attention_mask=attention_mask,
     )
-    fast = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask)
+    fast = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask, logits="all")
     slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
     for row, length in enumerate(lengths):
         assert (fast[row, :length] - slow[row, :length]).abs().max() <= TOLERANCE
@@ -46,11 +46,13 @@ def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
         row_mask = gl.GraftMask.from_dict(
             three_models, {key: mask[key][row : row + 1, :length] for key in mask.keys()}
         )
-        alone = gl.graft_forward(three_models, tokens[row : row + 1, :length], row_mask)
+        alone = gl.graft_forward(
+            three_models, tokens[row : row + 1, :length], row_mask, logits="all"
+        )
         assert (fast[row, :length] - alone[0]).abs().max() <= TOLERANCE
 
 
-def test_last_only_is_the_oracles_last_token_in_a_padded_batch(three_models):
+def test_logits_last_is_the_oracles_last_token_in_a_padded_batch(three_models):
     tokens = random_tokens(4, 8, seed=5)
     lengths = [8, 5, 3, 5]  # two rows share a last position
     attention_mask = (torch.arange(8)[None, :] < torch.tensor(lengths)[:, None]).long()
@@ -66,27 +68,52 @@ def test_last_only_is_the_oracles_last_token_in_a_padded_batch(three_models):
             },
             attention_mask=attention_mask,
         )
-        last = gl.graft_forward(
-            three_models, tokens, mask, attention_mask=attention_mask, last_only=True
-        )
+        last = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask)
         slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
         assert last.shape == (4, 1, slow.shape[-1])
         for row, length in enumerate(lengths):
             assert (last[row, 0] - slow[row, length - 1]).abs().max() <= TOLERANCE
     unpadded = gl.GraftMask.from_dict(three_models, {key: noisy[key] for key in noisy.keys()})
-    full = gl.graft_forward(three_models, tokens, unpadded)
-    assert torch.equal(
-        gl.graft_forward(three_models, tokens, unpadded, last_only=True)[:, 0], full[:, -1]
-    )
+    full = gl.graft_forward(three_models, tokens, unpadded, logits="all")
+    last = gl.graft_forward(three_models, tokens, unpadded, logits="last")
+    assert (last[:, 0] - full[:, -1]).abs().max() <= 1e-5
+
+
+def test_a_grafted_unembedding_runs_on_the_scored_positions_alone(three_models):
+    """logits="last" cuts the final stream to each row's last real token before the
+    unembedding, also where the unembedding is grafted (its plan takes those positions)."""
+    tokens = random_tokens(3, 7, seed=24)
+    lengths = torch.tensor([7, 4, 2])
+    attention_mask = (torch.arange(7)[None, :] < lengths[:, None]).long()
+    noisy = random_mask(three_models, tokens.shape, seed=25)
+    entries = {key: noisy[key] * attention_mask for key in noisy.keys()}
+    unembed = torch.zeros(3, 7, dtype=torch.long)
+    unembed[0, 6], unembed[1, 3], unembed[1, 0] = 1, 2, 1  # rows' last tokens: 1, 2 and 0
+    entries[("unembed", None)] = unembed
+    mask = gl.GraftMask.from_dict(three_models, entries, attention_mask=attention_mask)
+    hook_in = three_models.slots("unembed", None)[0].holder(three_models.base).hook_in
+    seen = []
+    handle = hook_in.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    try:
+        last = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask)
+    finally:
+        handle.remove()
+    assert seen == [(3, 1, three_models.base.cfg.d_model)]
+    full = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask, logits="all")
+    assert (last[:, 0] - full[torch.arange(3), lengths - 1]).abs().max() <= 1e-5
+    # The graft moved the scored logits: the rows' own sources computed them.
+    base = three_models.base(tokens, attention_mask=attention_mask)[torch.arange(3), lengths - 1]
+    assert (last[:2, 0] - base[:2]).abs().amax(dim=-1).min() > 1e-2
 
 
 def test_empty_mask_is_the_base_and_full_mask_is_the_donor(three_models):
     tokens = random_tokens(2, 7, seed=5)
     empty = gl.GraftMask.from_dict(three_models, {}, shape=tokens.shape)
-    assert torch.equal(gl.graft_forward(three_models, tokens, empty), three_models.base(tokens))
+    grafted = gl.graft_forward(three_models, tokens, empty, logits="all")
+    assert torch.equal(grafted, three_models.base(tokens))
     for source in (1, 2):
         full = gl.GraftMask.build(three_models, tokens, components="all", source=source)
-        grafted = gl.graft_forward(three_models, tokens, full)
+        grafted = gl.graft_forward(three_models, tokens, full, logits="all")
         assert (grafted - three_models[source](tokens)).abs().max() <= 1e-5
 
 
@@ -98,7 +125,7 @@ def test_graft_at_position_t_leaves_earlier_positions_untouched(three_models):
         gl.GraftMask.build(three_models, tokens, positions=[t], components="attn+ln1", source=2),
         gl.GraftMask.build(three_models, tokens, positions=[t, 6], components="ffn+o", source=1),
     )
-    grafted = gl.graft_forward(three_models, tokens, mask)
+    grafted = gl.graft_forward(three_models, tokens, mask, logits="all")
     assert (grafted[:, :t] - base[:, :t]).abs().max() <= 1e-5
     assert (grafted[:, t:] - base[:, t:]).abs().amax(dim=-1).min() > 1e-2
 
@@ -111,7 +138,7 @@ def test_run_with_cache_inside_grafting_sees_the_grafted_run(three_models):
     mask = gl.GraftMask.build(three_models, tokens, positions=[t], components="all", source=1)
     with gl.grafting(three_models, mask) as model:
         logits, cache = model.run_with_cache(tokens)
-    assert (logits - gl.graft_forward(three_models, tokens, mask)).abs().max() <= 1e-5
+    assert (logits - gl.graft_forward(three_models, tokens, mask, logits="all")).abs().max() <= 1e-5
     _, base_cache = three_models.base.run_with_cache(tokens)
     _, donor_cache = three_models[1].run_with_cache(tokens)
     q, base_q, donor_q = (c["blocks.0.attn.hook_q"] for c in (cache, base_cache, donor_cache))
@@ -131,7 +158,7 @@ def test_hooks_can_edit_a_grafted_run(three_models):
         edited = model.run_with_hooks(
             tokens, fwd_hooks=[("blocks.1.hook_attn_out", zero_attention)]
         )
-    plain = gl.graft_forward(three_models, tokens, mask)
+    plain = gl.graft_forward(three_models, tokens, mask, logits="all")
     assert (edited - plain).abs().max() > 1e-2
 
 
@@ -172,24 +199,17 @@ def test_running_other_tokens_inside_grafting_is_an_error(three_models, componen
     """Whichever grafted module the run would reach first (a norm applies its own scale)."""
     mask = gl.GraftMask.build(three_models, (2, 6), positions=[1], components=components, source=1)
     with gl.grafting(three_models, mask) as model:
-        with pytest.raises(gl.errors.GraftingError, match=r"\[batch=2, pos=6\]"):
+        with pytest.raises(gl.errors.GraftingError, match=r"\[batch, pos\] = \[2, 6\]"):
             model(random_tokens(2, 7))
-        with pytest.raises(gl.errors.GraftingError, match=r"\[batch=2, pos=6\]"):
+        with pytest.raises(gl.errors.GraftingError, match=r"\[batch, pos\] = \[2, 6\]"):
             model.run_with_cache(random_tokens(3, 6))
-
-
-def test_a_mask_that_is_not_a_graft_mask_is_named(three_models):
-    tokens = random_tokens(1, 4)
-    for run in (gl.graft_forward, gl.graft_forward_reference):
-        with pytest.raises(gl.errors.GraftMaskError, match="Expected a GraftMask, got dict"):
-            run(three_models, tokens, {("q", 0): torch.ones(1, 4)})
 
 
 def test_embed_graft_does_not_touch_a_tied_unembedding(three_models):
     """Grafting the embedding equals patching in the donor's embedding output."""
     tokens = random_tokens(2, 6, seed=10)
     mask = gl.GraftMask.build(three_models, tokens, components="embed", source=1)
-    grafted = gl.graft_forward(three_models, tokens, mask)
+    grafted = gl.graft_forward(three_models, tokens, mask, logits="all")
     _, donor_cache = three_models[1].run_with_cache(tokens)
     patched = three_models.base.run_with_hooks(
         tokens, fwd_hooks=[("hook_embed", lambda act, hook: donor_cache["hook_embed"])]
@@ -200,7 +220,7 @@ def test_embed_graft_does_not_touch_a_tied_unembedding(three_models):
 def test_unembed_graft_applies_the_donor_unembedding_to_the_base_stream(three_models):
     tokens = random_tokens(2, 6, seed=11)
     mask = gl.GraftMask.build(three_models, tokens, components="unembed", source=2)
-    grafted = gl.graft_forward(three_models, tokens, mask)
+    grafted = gl.graft_forward(three_models, tokens, mask, logits="all")
     _, base_cache = three_models.base.run_with_cache(tokens)
     expected = three_models[2].unembed(base_cache["ln_final.hook_out"])
     assert (grafted - expected).abs().max() <= 1e-5
@@ -262,23 +282,6 @@ def test_gradients_flow_through_a_grafted_run(three_models):
     assert gradient[1].abs().sum() == 0  # rows do not interact
 
 
-def test_bad_inputs_fail_clearly_and_change_nothing(three_models):
-    tokens = random_tokens(2, 6, seed=15)
-    before = three_models.base(tokens)
-    mask = gl.GraftMask.build(three_models, tokens, components="all", source=1)
-    with pytest.raises(gl.errors.GraftMaskError, match=r"\[2, 6\].*\[2, 5\]"):
-        gl.graft_forward(three_models, tokens[:, :5], mask)
-    with pytest.raises(gl.errors.GraftMaskError, match="sources"):
-        gl.graft_forward(three_models, tokens, gl.GraftMask({("q", 0): mask[("q", 0)]}, (2, 6), 2))
-    with pytest.raises(gl.errors.GraftMaskError, match="vocabulary"):
-        gl.graft_forward(three_models, tokens + 10_000, mask)
-    with pytest.raises(gl.errors.GraftMaskError, match="right padding"):
-        gl.graft_forward(
-            three_models, tokens, mask, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1]] * 2)
-        )
-    assert torch.equal(three_models.base(tokens), before)
-
-
 def test_two_backward_passes_in_one_grafting_block(three_models):
     tokens = random_tokens(1, 5, seed=18)
     mask = random_mask(three_models, tokens.shape, seed=19)
@@ -301,58 +304,99 @@ def _padded_batch():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_mask_built_for_other_rows_is_refused_before_any_forward_pass(three_models):
+def test_a_mask_built_with_the_runs_attention_mask_grafts_each_rows_last_token(three_models):
     tokens, attention_mask = _padded_batch()
-    # Built from the shape alone, "last" is column 5: padding in rows 1-3.
-    unpadded = gl.GraftMask.build(three_models, tuple(tokens.shape), positions="last")
-    by_hand = torch.zeros(4, 6, dtype=torch.long)
-    by_hand[:, -1] = 1
-    raw = gl.GraftMask.from_dict(three_models, {("o", 0): by_hand})  # lengths unknown
-    with no_forward_pass(three_models):
-        with pytest.raises(
-            gl.errors.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"
-        ):
-            gl.graft_forward(three_models, tokens, unpadded, attention_mask=attention_mask)
-        with pytest.raises(
-            gl.errors.GraftMaskError, match="grafts \\('o', 0\\) at row 1, position 5"
-        ):
-            gl.graft_forward(three_models, tokens, raw, attention_mask=attention_mask)
-        with pytest.raises(gl.errors.GraftMaskError, match="end in the pad token"):
-            gl.graft_forward(three_models, tokens, unpadded)  # no attention mask at all
-        with pytest.raises(
-            gl.errors.GraftMaskError, match="row 1: 6 real tokens in the mask, 4 in"
-        ):
-            gl.graft_forward_reference(
-                three_models, tokens, unpadded, attention_mask=attention_mask
-            )
     built = gl.GraftMask.build(
         three_models, tokens, positions="last", components="all", attention_mask=attention_mask
     )
     logits = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
     base = three_models.base(tokens, attention_mask=attention_mask)
     # Each row's real last token was grafted (a padding column would leave it the base's).
-    moved = (
-        (
-            gl.analysis.metrics.last_token_logits(logits, attention_mask)
-            - gl.analysis.metrics.last_token_logits(base, attention_mask)
-        )
-        .abs()
-        .amax(dim=1)
-    )
-    assert (moved > 1.0).all()
+    moved = (logits[:, 0] - gl.analysis.metrics.last_token_logits(base, attention_mask)).abs()
+    assert (moved.amax(dim=1) > 1.0).all()
+
+
+def _other_rows(models):
+    """A mask for the padded batch built from its shape alone: "last" is column 5."""
+    tokens, attention_mask = _padded_batch()
+    mask = gl.GraftMask.build(models, tuple(tokens.shape), positions="last")
+    return dict(tokens=tokens, mask=mask, attention_mask=attention_mask)
+
+
+def _grafting_padding(models):
+    tokens, attention_mask = _padded_batch()
+    column = torch.zeros(4, 6, dtype=torch.long)
+    column[:, -1] = 1
+    mask = gl.GraftMask.from_dict(models, {("o", 0): column})  # lengths unknown
+    return dict(tokens=tokens, mask=mask, attention_mask=attention_mask)
+
+
+def _run(tokens=None, mask=None, **options):
+    """Arguments of a grafted run on (2, 5) tokens, with ``options`` in place of the defaults."""
+
+    def arguments(models):
+        given = random_tokens(2, 5, seed=21) if tokens is None else tokens
+        built = gl.GraftMask.build(models, (2, 5), positions="last") if mask is None else mask
+        return dict(tokens=given, mask=built(models) if callable(built) else built, **options)
+
+    return arguments
+
+
+ERRORS = gl.errors
+RUN_REFUSALS = [  # (arguments, error, message) for graft_forward and its oracle
+    (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "Expected a GraftMask"),
+    (
+        _run(tokens=random_tokens(2, 4)),
+        ERRORS.GraftMaskError,
+        r"\[2, 5\], the tokens have \[2, 4\]",
+    ),
+    (
+        _run(mask=gl.GraftMask({("q", 0): torch.ones(2, 5, dtype=torch.long)}, (2, 5), 2)),
+        ERRORS.GraftMaskError,
+        "for the model set.s 3 sources, got one built for 2",
+    ),
+    (_run(tokens=random_tokens(2, 5) + 10_000), ERRORS.TokenError, "vocabulary"),
+    (
+        _run(tokens=random_tokens(2, 5).bool()),
+        ERRORS.TokenError,
+        "integer token ids, got torch.bool",
+    ),
+    (
+        _run(attention_mask=torch.tensor([[0, 1, 1, 1, 1]] * 2)),
+        ERRORS.SelectionError,
+        "right padding",
+    ),
+    (
+        _run(attention_mask=torch.full((2, 5), 2)),
+        ERRORS.SelectionError,
+        r"only 0 \(padding\) and 1",
+    ),
+    (_run(attention_mask=[[1] * 5] * 2), ERRORS.SelectionError, "attention_mask must be a"),
+    (_run(attention_mask=torch.ones(2, 5, device="meta")), ERRORS.SelectionError, "on meta"),
+    (
+        lambda m: {**_other_rows(m), "attention_mask": None},
+        ERRORS.SelectionError,
+        "end in the pad token",
+    ),
+    (_other_rows, ERRORS.GraftMaskError, "row 1: 6 real tokens in the mask, 4 in the run"),
+    (_grafting_padding, ERRORS.GraftMaskError, r"grafts \('o', 0\) at row 1, position 5"),
+]
+FORWARD_REFUSALS = [
+    (_run(logits="first"), ERRORS.GraftingError, "logits must be 'last' or 'all'"),
+    (_run(grad="yes"), ERRORS.GraftingError, "grad True or False"),
+]
 
 
 @pytest.mark.parametrize("family", ["llama"])
-def test_attention_masks_other_than_zero_one_and_bool_tokens_are_refused(three_models):
-    tokens = random_tokens(2, 5, seed=21)
-    mask = gl.GraftMask.build(three_models, tokens, positions="last")
-    with no_forward_pass(three_models):
-        with pytest.raises(gl.errors.GraftMaskError, match="only 0 \\(padding\\) and 1"):
-            gl.graft_forward(three_models, tokens, mask, attention_mask=torch.full((2, 5), 2))
-        with pytest.raises(TypeError, match="attention_mask must be a \\[batch, pos\\] tensor"):
-            gl.graft_forward(three_models, tokens, mask, attention_mask=[[1] * 5] * 2)
-        with pytest.raises(gl.errors.GraftMaskError, match="integer token ids, got torch.bool"):
-            gl.graft_forward(three_models, tokens.bool(), mask)
+@pytest.mark.parametrize(
+    ("run", "arguments", "error", "message"),
+    [(gl.graft_forward, *case) for case in RUN_REFUSALS + FORWARD_REFUSALS]
+    + [(gl.graft_forward_reference, *case) for case in RUN_REFUSALS],
+)
+def test_grafted_runs_refuse_at_the_door(three_models, run, arguments, error, message):
+    given = arguments(three_models)
+    with no_forward_pass(three_models), pytest.raises(error, match=message):
+        run(three_models, **given)
 
 
 @pytest.mark.parametrize("family", ["gpt2"])
@@ -365,30 +409,66 @@ def test_tokens_past_the_learned_positions_are_refused(three_models):
             gl.graft_forward(three_models, tokens, gl.GraftMask.build(three_models, tokens))
 
 
+def _padded_prompts(models):
+    tokens, attention_mask = _padded_batch()
+    mask = gl.GraftMask.build(models, tokens, positions="last", attention_mask=attention_mask)
+    return dict(tokens=tokens, mask=mask)
+
+
+def _long_prompt(models):
+    tokens = random_tokens(1, 78)  # rotary: 78 positions embed, but exceed n_ctx=64
+    return dict(tokens=tokens, mask=gl.GraftMask.build(models, tokens), max_new_tokens=1)
+
+
 @pytest.mark.parametrize("family", ["llama"])
-def test_generation_arguments_are_bounded_and_typed(three_models):
-    tokens = random_tokens(2, 5, seed=22)
-    mask = gl.GraftMask.build(three_models, tokens, positions="last")
-    with no_forward_pass(three_models):
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (_run(max_new_tokens=bad), ERRORS.GraftingError, "max_new_tokens must be an int >= 1")
+        for bad in (2.5, True, 0, "3")
+    ]
+    + [
         # 10**9 new tokens would allocate until the process is killed.
-        with pytest.raises(
-            gl.errors.GraftingError, match="past the model's context of 64.*at most 59"
-        ):
-            gl.graft_generate(three_models, tokens, mask, max_new_tokens=10**9)
-        for bad in (2.5, True, 0):
-            with pytest.raises(gl.errors.GraftingError, match="max_new_tokens must be an int >= 1"):
-                gl.graft_generate(three_models, tokens, mask, max_new_tokens=bad)
-        with pytest.raises(
-            gl.errors.GraftingError, match="new_token_sources must be 'last' or a source"
-        ):
-            gl.graft_generate(three_models, tokens, mask, max_new_tokens=2, new_token_sources=True)
-        padded, attention_mask = _padded_batch()
-        for_padded = gl.GraftMask.build(
-            three_models, padded, positions="last", attention_mask=attention_mask
-        )
-        with pytest.raises(gl.errors.GraftMaskError, match="end in the pad token"):
-            gl.graft_generate(three_models, padded, for_padded, max_new_tokens=2)
-    assert gl.graft_generate(three_models, tokens, mask, max_new_tokens=59).shape == (2, 64)
+        (
+            _run(max_new_tokens=10**9),
+            ERRORS.GraftingError,
+            "context of 64 with the prompt's 5, got 1000000000: ask for 1..59 new tokens",
+        ),
+        (
+            _long_prompt,
+            ERRORS.GraftingError,
+            r"prompt's 78, got 1: shorten the prompt to 63 tokens\.$",
+        ),
+        (_run(new_token_sources=True), ERRORS.GraftingError, "new_token_sources must be 'last' or"),
+        (_run(new_token_sources=3), ERRORS.GraftingError, "a source index 0..2"),
+        # It takes no attention mask, so "pass one" would not be a fix.
+        (
+            _padded_prompts,
+            ERRORS.SelectionError,
+            r"end in the pad token.*\ngraft_generate takes no",
+        ),
+        (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "Expected a GraftMask"),
+    ],
+)
+def test_generation_refuses_at_the_door(three_models, arguments, error, message):
+    given = arguments(three_models)
+    with no_forward_pass(three_models), pytest.raises(error, match=message) as caught:
+        gl.graft_generate(three_models, **given)
+    assert "attention_mask=" not in str(caught.value)
+
+
+def test_generation_refuses_nan_logits_instead_of_choosing_token_0(tokenizer):
+    """The argmax of NaN logits is token 0: a NaN donor generated token 0 three times."""
+    donor = random_model("llama", 1)
+    with torch.no_grad():
+        donor.lm_head.weight.fill_(float("nan"))
+    models = gl.load_models(random_model("llama", 0), donor, tokenizer=tokenizer)
+    tokens = random_tokens(2, 5, seed=23)
+    mask = gl.GraftMask.build(models, tokens, components="unembed")
+    with pytest.raises(gl.errors.NonFiniteLogitsError, match=r"new token 0 .* rows \[0, 1\]"):
+        gl.graft_generate(models, tokens, mask, max_new_tokens=3)
+    base_only = gl.GraftMask.build(models, tokens, components="unembed", source=0)
+    assert gl.graft_generate(models, tokens, base_only, max_new_tokens=3).shape == (2, 8)
 
 
 def test_a_nan_weight_in_the_donor_is_never_scored_as_a_hit(tokenizer):
@@ -422,7 +502,9 @@ def test_runs_inside_grafting_are_checked_against_the_masks_rows(three_models):
     )
     with gl.grafting(three_models, built) as model:
         inside, _ = model.run_with_cache(tokens, attention_mask=attention_mask)
-    expected = gl.graft_forward(three_models, tokens, built, attention_mask=attention_mask)
+    expected = gl.graft_forward(
+        three_models, tokens, built, attention_mask=attention_mask, logits="all"
+    )
     assert torch.equal(inside, expected)
     # The check is gone after the block.
     three_models.base(tokens, attention_mask=attention_mask)
@@ -432,7 +514,7 @@ def test_flattened_module_inputs_are_routed_like_batched_ones(three_models):
     """A module may receive [batch * pos, ...] (OPT's decoder layer, MoE blocks do)."""
     tokens = random_tokens(2, 6, seed=15)
     mask = random_mask(three_models, tokens.shape, seed=16)
-    expected = gl.graft_forward(three_models, tokens, mask)
+    expected = gl.graft_forward(three_models, tokens, mask, logits="all")
     hooks = []
     for layer in range(three_models.n_layers):
         hooks.append((f"blocks.{layer}.mlp.out.hook_in", lambda x, hook: x.flatten(0, 1)))
@@ -505,7 +587,7 @@ def test_a_model_keeping_its_own_state_or_window_is_named_not_called_cacheless(
         )
     tokens = random_tokens(1, 4)
     mask = gl.GraftMask.build(models, tokens, positions="last", components="ln_final")
-    assert gl.graft_forward(models, tokens, mask).shape == (1, 4, 300)  # one pass works
+    assert gl.graft_forward(models, tokens, mask, logits="all").shape == (1, 4, 300)
     for run in (gl.graft_forward_reference, gl.graft_generate):
         with pytest.raises(gl.errors.GraftingError, match=message):
             run(models, tokens, mask)
@@ -571,7 +653,7 @@ def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
     models = gl.load_models(random_model("llama", 0), random_model("llama", 1), tokenizer=tokenizer)
     tokens = random_tokens(2, 5, seed=31)
     mask = gl.GraftMask.build(models, tokens, positions="last", components="o")
-    expected = gl.graft_forward(models, tokens, mask)
+    expected = gl.graft_forward(models, tokens, mask, logits="all")
     models.base.half()
     cast = r"Source 1 \(source1\)'s o at layer 0 is torch.float32 on cpu, the base's is "
     with no_forward_pass(models):
@@ -587,32 +669,8 @@ def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
             gl.graft_forward(models, tokens, mask)
     # A graft that takes nothing from the moved source runs, and the base is intact.
     nothing = gl.GraftMask.build(models, tokens, positions="last", components="o", source=0)
-    assert torch.equal(gl.graft_forward(models, tokens, nothing), models.base(tokens))
+    assert torch.equal(gl.graft_forward(models, tokens, nothing, logits="all"), models.base(tokens))
     assert not torch.equal(expected, models.base(tokens))
-
-
-@pytest.mark.parametrize("family", ["llama"])
-def test_generation_refusals_say_what_is_true_of_generation(three_models):
-    """Padded prompts were told to pass an attention_mask graft_generate does not take, and a
-    prompt past the context to "Ask for at most -14 new tokens"."""
-    tokens = random_tokens(2, 5, seed=23)
-    tokens[1, 3:] = 0  # right padding
-    mask = gl.GraftMask.build(
-        three_models, tokens, positions="last", attention_mask=(tokens != 0).long()
-    )
-    with no_forward_pass(three_models):
-        with pytest.raises(
-            gl.errors.GraftMaskError, match="graft_generate takes no attention_mask"
-        ) as e:
-            gl.graft_generate(three_models, tokens, mask, max_new_tokens=2)
-        assert "attention_mask=" not in str(e.value)
-        long = random_tokens(1, 78)  # rotary: 78 positions embed, but exceed n_ctx=64
-        with pytest.raises(
-            gl.errors.GraftingError,
-            match=r"The prompt alone \(78 tokens\) fills the model's context of 64 positions.*"
-            r"at most 63 tokens\.",
-        ):
-            gl.graft_generate(three_models, long, gl.GraftMask.build(three_models, long), 1)
 
 
 def test_graft_forward_keeps_no_autograd_graph_unless_asked(three_models):
@@ -627,5 +685,3 @@ def test_graft_forward_keeps_no_autograd_graph_unless_asked(three_models):
     kept[0, -1, 3].backward()
     assert embedding.grad is not None and embedding.grad.abs().sum() > 0
     embedding.grad = None
-    with pytest.raises(gl.errors.GraftingError, match="must be True or False"):
-        gl.graft_forward(three_models, tokens, mask, grad="yes")

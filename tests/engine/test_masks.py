@@ -107,16 +107,6 @@ def test_build_ignores_layers_for_global_components(three_models):
     assert set(mask.keys()) == {("embed", None), ("q", 0), ("unembed", None)}
 
 
-def test_unknown_and_missing_components(three_models):
-    with pytest.raises(gl.errors.ComponentError, match="Did you mean 'mlp_out'"):
-        gl.GraftMask.build(three_models, (1, 4), components="mlp_ot")
-    with pytest.raises(gl.errors.ComponentError, match="Did you mean 'mlp_in'"):
-        gl.GraftMask.from_dict(three_models, {("mlp_inn", 0): torch.ones(1, 4, dtype=torch.long)})
-    missing = next(c for c in ("mlp_gate", "pos_embed") if c not in three_models.components)
-    with pytest.raises(gl.errors.ComponentError, match=f"has no '{missing}' component"):
-        gl.GraftMask.build(three_models, (1, 4), components=missing)
-
-
 def test_the_papers_labels_are_components_in_any_spelling(three_models):
     available = set(three_models.components)
     up = {"mlp_in", "mlp_gate"} & available  # the gate where the MLP has one
@@ -146,24 +136,6 @@ def test_a_misspelt_label_suggests_the_label(three_models, typo, suggestion):
         gl.GraftMask.build(three_models, (1, 4), components=typo)
 
 
-def test_from_dict_validates_keys_shapes_and_sources(three_models):
-    ones = torch.ones(2, 4, dtype=torch.long)
-    with pytest.raises(gl.errors.GraftMaskError, match="names source 3"):
-        gl.GraftMask.from_dict(three_models, {("q", 0): ones * 3})
-    with pytest.raises(gl.errors.GraftMaskError, match=r"shape \(2, 5\), expected \(2, 4\)"):
-        gl.GraftMask.from_dict(
-            three_models, {("q", 0): ones, ("k", 0): torch.ones(2, 5, dtype=torch.long)}
-        )
-    with pytest.raises(gl.errors.GraftMaskError, match="ambiguous with 3 sources"):
-        gl.GraftMask.from_dict(three_models, {("q", 0): ones.bool()})
-    with pytest.raises(gl.errors.GraftMaskError, match="global component"):
-        gl.GraftMask.from_dict(three_models, {("embed", 0): ones})
-    with pytest.raises(gl.errors.GraftMaskError, match="outside the model"):
-        gl.GraftMask.from_dict(three_models, {("q", three_models.n_layers): ones})
-    with pytest.raises(gl.errors.GraftMaskError, match="source=5"):
-        gl.GraftMask.build(three_models, (2, 4), source=5)
-
-
 def test_union_and_conflicts(three_models):
     tokens = random_tokens(1, 5)
     attention = gl.GraftMask.build(
@@ -177,7 +149,9 @@ def test_union_and_conflicts(three_models):
     last = three_models.n_layers - 1
     assert hybrid[("mlp_out", last)].tolist() == [[0, 0, 0, 0, 2]]
     everything_2 = gl.GraftMask.build(three_models, tokens, positions=[0], components="q", source=2)
-    with pytest.raises(gl.errors.GraftMaskError, match="disagree"):
+    with pytest.raises(
+        gl.errors.GraftMaskError, match=r"disagree at \('q', 0\), row 0, position 0"
+    ):
         gl.GraftMask.union(attention, everything_2)
     painted = gl.GraftMask.union(attention, everything_2, on_conflict="last")
     assert painted[("q", 0)].tolist() == [[2, 0, 0, 0, 1]]
@@ -223,13 +197,8 @@ def _padded(batch: int = 4, pos: int = 6, length: int = 4):
 
 
 @pytest.mark.parametrize("family", ["llama"])
-def test_build_refuses_padded_tokens_without_their_attention_mask(three_models):
+def test_build_with_an_attention_mask_grafts_each_rows_last_real_token(three_models):
     tokens, attention_mask = _padded()
-    # Without the attention mask "last" would be the padding column of rows 1-3.
-    with pytest.raises(
-        gl.errors.GraftMaskError, match="3 of 4 rows \\(rows 1, 2, 3\\) end in the pad"
-    ):
-        gl.GraftMask.build(three_models, tokens, positions="last")
     mask = gl.GraftMask.build(three_models, tokens, positions="last", attention_mask=attention_mask)
     assert mask[("q", 0)].nonzero().tolist() == [[0, 5], [1, 3], [2, 3], [3, 3]]
     assert mask.lengths.tolist() == [6, 4, 4, 4]
@@ -248,24 +217,12 @@ def test_masks_record_row_lengths_through_cat_union_and_extend(three_models):
     assert unknown.lengths is None
     assert gl.GraftMask.cat([last, unknown]).lengths is None
     unpadded = gl.GraftMask.build(three_models, (4, 6), positions="last")
-    with pytest.raises(gl.errors.GraftMaskError, match="built for rows of different lengths"):
-        gl.GraftMask.union(last, unpadded)
     assert unpadded.extend(3).lengths.tolist() == [9] * 4
-    with pytest.raises(gl.errors.GraftMaskError, match="built for padded rows"):
-        last.extend(1)
-    with pytest.raises(
-        gl.errors.GraftMaskError, match="new_positions must be an int >= 0, got 2.5"
-    ):
-        unpadded.extend(2.5)
 
 
 @pytest.mark.parametrize("family", ["llama"])
-def test_from_dict_with_an_attention_mask_refuses_grafts_on_padding(three_models):
+def test_from_dict_with_an_attention_mask_records_the_rows(three_models):
     tokens, attention_mask = _padded()
-    column = torch.zeros(4, 6, dtype=torch.long)
-    column[:, -1] = 1  # "the last column": padding in rows 1-3
-    with pytest.raises(gl.errors.GraftMaskError, match="grafts \\('q', 0\\) at row 1, position 5"):
-        gl.GraftMask.from_dict(three_models, {("q", 0): column}, attention_mask=attention_mask)
     real_last = gl.engine.positions.last_token((4, 6), attention_mask).long()
     mask = gl.GraftMask.from_dict(
         three_models, {("q", 0): real_last}, attention_mask=attention_mask
@@ -274,41 +231,172 @@ def test_from_dict_with_an_attention_mask_refuses_grafts_on_padding(three_models
 
 
 @pytest.mark.parametrize("family", ["llama"])
-def test_build_arguments_of_the_wrong_kind_are_refused(three_models):
+def test_builders_read_numpy_numbers_and_iterators_like_python_ones(three_models):
     tokens = random_tokens(2, 5)
-    for source in (True, 1.0):  # True would read as source 1
-        with pytest.raises(gl.errors.GraftMaskError, match="give an int 0..2"):
-            gl.GraftMask.build(three_models, tokens, source=source)
-    with pytest.raises(TypeError, match="tokens must be a \\[batch, pos\\] tensor"):
-        gl.GraftMask.build(three_models, [[1, 2]])
-    with pytest.raises(gl.errors.GraftMaskError, match="positions=\\[\\] selects no position"):
-        gl.GraftMask.build(three_models, tokens, positions=[])
-    with pytest.raises(gl.errors.GraftMaskError, match="Cannot read positions from True"):
-        gl.GraftMask.build(three_models, tokens, positions=True)
-    # numpy layers and positions read like Python ones
     from_numpy = gl.GraftMask.build(
         three_models, tokens, positions=np.array([1]), layers=np.int64(1)
     )
     assert from_numpy == gl.GraftMask.build(three_models, tokens, positions=[1], layers=1)
     assert gl.resolve_layers([np.int64(0), 2], 3) == (0, 2)
-
-
-@pytest.mark.parametrize("family", ["llama"])
-def test_selectors_of_the_wrong_type_or_selecting_nothing_name_the_argument(three_models):
-    tokens = random_tokens(1, 5)
-    for components in (3, None, ["o", 3], b"o"):
-        with pytest.raises(TypeError, match="components must"):
-            gl.GraftMask.build(three_models, tokens, components=components)
-    # One empty list per row used to build a mask that grafts nothing, silently.
-    for empty in ([[]], [np.array([], dtype=int)]):
-        with pytest.raises(gl.errors.SelectionError, match="selects no position in any row"):
-            gl.GraftMask.build(three_models, tokens, positions=empty)
-    with pytest.raises(gl.errors.SelectionError, match="Cannot read layers from 'x'|Unknown layer"):
-        gl.GraftMask.build(three_models, tokens, layers="x")
     # An iterator of names is read once, like a list of them.
     assert gl.GraftMask.build(
         three_models, tokens, components=(name for name in ["o", "ffn"])
     ) == gl.GraftMask.build(three_models, tokens, components=["o", "ffn"])
+    by_numpy = gl.GraftMask.from_dict(three_models, {("q", np.int64(-1)): np.ones((2, 5), int)})
+    assert by_numpy.keys() == [("q", three_models.n_layers - 1)]
+
+
+ERRORS = gl.errors
+
+
+def _build(tokens=None, **options):
+    given = random_tokens(2, 5) if tokens is None else tokens
+    return lambda models: gl.GraftMask.build(models, given, **options)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        # True would read as source 1.
+        *[(_build(source=bad), ERRORS.GraftMaskError, "give an int 0..2") for bad in (True, 1.0)],
+        (_build(source=5), ERRORS.GraftMaskError, "source=5, but the model set has 3"),
+        (_build(tokens=[[1, 2]]), ERRORS.TokenError, r"\[\[1, 2\]\] describes no token"),
+        (_build(tokens=(2, 0)), ERRORS.TokenError, r"\(batch, pos\) = \(2, 0\) describes no"),
+        (_build(tokens=random_tokens(2, 5).float()), ERRORS.TokenError, "integer token ids"),
+        (_build(positions=[]), ERRORS.SelectionError, r"positions=\[\] selects no position"),
+        (_build(positions=True), ERRORS.SelectionError, "Cannot read positions from True"),
+        # One empty list per row used to build a mask that grafts nothing, silently.
+        (_build(positions=[[], []]), ERRORS.SelectionError, "selects no position in any row"),
+        (_build(positions=[np.array([], int)] * 2), ERRORS.SelectionError, "selects no position"),
+        (_build(layers="x"), ERRORS.SelectionError, "Cannot read layers from 'x'|Unknown layer"),
+        (_build(layers=[7]), ERRORS.SelectionError, "outside the model"),
+        *[
+            (_build(components=bad), TypeError, "components must")
+            for bad in (3, None, ["o", 3], b"o")
+        ],
+        (_build(components="mlp_ot"), ERRORS.ComponentError, "Did you mean 'mlp_out'"),
+        (_build(components="pos_embed"), ERRORS.ComponentError, "has no 'pos_embed' component"),
+        (_build(components="experts"), ERRORS.ComponentError, "has no 'experts' component"),
+        (
+            _build(tokens=_padded()[0], positions="last"),
+            ERRORS.SelectionError,  # "last" would be the padding column of rows 1-3
+            r"3 of 4 rows \(rows 1, 2, 3\) end in the pad",
+        ),
+        (
+            _build(attention_mask=torch.ones(2, 5, device="meta")),
+            ERRORS.SelectionError,  # torch: "Cannot copy out of meta tensor"
+            "attention_mask must be a .* on meta",
+        ),
+    ],
+)
+def test_build_refuses_at_the_door(three_models, build, error, message):
+    with pytest.raises(error, match=message):
+        build(three_models)
+
+
+def _from_dict(entries, shape=None, **options):
+    return lambda models: gl.GraftMask.from_dict(models, entries, shape, **options)
+
+
+ONES = torch.ones(2, 4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("family", ["llama"])
+@pytest.mark.parametrize(
+    ("from_dict", "error", "message"),
+    [
+        (
+            _from_dict({("q", 0): ONES * 3}),
+            ERRORS.GraftMaskError,
+            r"source indices 0..2 .*holding 3..3",
+        ),
+        (
+            _from_dict({("q", 0): ONES, ("k", 0): torch.ones(2, 5, dtype=torch.long)}),
+            ERRORS.GraftMaskError,
+            r"\('k', 0\) must be a \(2, 4\) \[batch, pos\] tensor.*shape \(2, 5\)",
+        ),
+        (
+            _from_dict({("q", 0): ONES.bool()}),
+            ERRORS.GraftMaskError,
+            "booleans with two sources.*torch.bool",
+        ),
+        (_from_dict({("q", 0): ONES.float()}), ERRORS.GraftMaskError, "got torch.float32"),
+        # torch: "Cannot copy out of meta tensor"
+        (
+            _from_dict({("q", 0): ONES.to("meta")}),
+            ERRORS.GraftMaskError,
+            "not on the meta device; got .* on meta",
+        ),
+        (
+            _from_dict({("embed", 0): ONES}),
+            ERRORS.GraftMaskError,
+            r"\('embed', None\) for a global",
+        ),
+        (_from_dict({("q", None): ONES}), ERRORS.GraftMaskError, r"got \('q', None\)"),
+        (_from_dict({"q": ONES}), ERRORS.GraftMaskError, "Mask keys are .*got 'q'"),
+        (_from_dict({("q", 3): ONES}), ERRORS.SelectionError, "outside the model"),
+        (_from_dict({("mlp_inn", 0): ONES}), ERRORS.ComponentError, "Did you mean 'mlp_in'"),
+        (_from_dict({("pos_embed", None): ONES}), ERRORS.ComponentError, "has no 'pos_embed'"),
+        (
+            _from_dict({("q", 0): ONES, ("q", -3): ONES}),
+            ERRORS.GraftMaskError,
+            r"\('q', 0\) is given twice",
+        ),
+        (_from_dict({}), ERRORS.GraftMaskError, r"give shape=\(batch, pos\).*got None"),
+        (_from_dict({}, (2, 5, 1)), ERRORS.GraftMaskError, r"got \(2, 5, 1\)"),
+        (
+            # "The last column": padding in rows 1-3.
+            _from_dict(
+                {("q", 0): torch.zeros(4, 6, dtype=torch.long).index_fill(1, torch.tensor([5]), 1)},
+                attention_mask=_padded()[1],
+            ),
+            ERRORS.GraftMaskError,
+            r"grafts \('q', 0\) at row 1, position 5, which the run's attention mask",
+        ),
+    ],
+)
+def test_from_dict_refuses_at_the_door(three_models, from_dict, error, message):
+    with pytest.raises(error, match=message):
+        from_dict(three_models)
+
+
+def _masks(models):
+    tokens, attention_mask = _padded()
+    padded = gl.GraftMask.build(models, tokens, positions="last", attention_mask=attention_mask)
+    return {
+        "padded": padded,
+        "unpadded": gl.GraftMask.build(models, (4, 6), positions="last"),
+        "short": gl.GraftMask.build(models, (4, 5), positions="last"),
+        "narrow": gl.GraftMask.build(models, (1, 6), positions=[0], components="q", source=2),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama"])
+@pytest.mark.parametrize(
+    ("combine", "message"),
+    [
+        (
+            lambda m: gl.GraftMask.union(m["padded"], m["unpadded"]),
+            r"built for the same rows.*\[6, 4, 4, 4\]",
+        ),
+        (
+            lambda m: gl.GraftMask.union(m["unpadded"], m["short"]),
+            r"GraftMask.union needs .*\(4, 5\)",
+        ),
+        (lambda m: gl.GraftMask.union(), "GraftMask.union needs one or more masks"),
+        (lambda m: gl.GraftMask.union(m["unpadded"], {}), r"got .*\{\}"),
+        (lambda m: gl.GraftMask.union(m["unpadded"], on_conflict="first"), "on_conflict must be"),
+        (lambda m: gl.GraftMask.cat([]), "GraftMask.cat needs one or more masks"),
+        (lambda m: gl.GraftMask.cat([m["unpadded"], m["short"]]), "of one length and source count"),
+        (lambda m: m["padded"].extend(1), r"built for padded rows.\nExtend a mask of unpadded"),
+        (lambda m: m["unpadded"].extend(2.5), "new_positions must be an int >= 0, got 2.5"),
+        (lambda m: m["unpadded"].extend(-1), "new_positions must be an int >= 0, got -1"),
+    ],
+)
+def test_combining_masks_refuses_what_does_not_fit(three_models, combine, message):
+    with pytest.raises(ERRORS.GraftMaskError, match=message):
+        combine(_masks(three_models))
 
 
 def test_numpy_numbers_read_like_python_ones_and_bools_are_refused():

@@ -108,8 +108,8 @@ def test_a_lora_graft_equals_the_merged_donors_graft_and_the_oracle(family, adap
     full = gl.load_models(random_model(family, 0), copy.deepcopy(merged), tokenizer=tokenizer)
     tokens = random_tokens(3, 8, seed=2)
     mask = random_mask(lora, tokens.shape, seed=3)
-    grafted = gl.graft_forward(lora, tokens, mask)
-    assert close(grafted, gl.graft_forward(full, tokens, mask))
+    grafted = gl.graft_forward(lora, tokens, mask, logits="all")
+    assert close(grafted, gl.graft_forward(full, tokens, mask, logits="all"))
     assert close(grafted, gl.graft_forward_reference(lora, tokens, mask))
     assert (grafted - lora.base(tokens)).abs().max() > 1.0
 
@@ -123,9 +123,13 @@ def test_a_component_the_adapter_does_not_touch_is_the_bases(tokenizer, tmp_path
     assert models.sources[1].module(slot) is slot.module(models.base)
     tokens = random_tokens(2, 7, seed=4)
     untouched = gl.GraftMask.build(models, tokens, components="ffn+o+k+v+ln1+ln2", source=1)
-    assert torch.equal(gl.graft_forward(models, tokens, untouched), models.base(tokens))
+    assert torch.equal(
+        gl.graft_forward(models, tokens, untouched, logits="all"), models.base(tokens)
+    )
     queries = gl.GraftMask.build(models, tokens, components="q", source=1)
-    assert (gl.graft_forward(models, tokens, queries) - models.base(tokens)).abs().max() > 0.1
+    assert (
+        gl.graft_forward(models, tokens, queries, logits="all") - models.base(tokens)
+    ).abs().max() > 0.1
 
 
 def test_a_fused_qkv_adapter_is_split_as_the_bridge_splits(tokenizer, tmp_path):
@@ -139,8 +143,8 @@ def test_a_fused_qkv_adapter_is_split_as_the_bridge_splits(tokenizer, tmp_path):
     tokens = random_tokens(2, 8, seed=5)
     for component in ("q", "k", "v"):
         mask = gl.GraftMask.build(lora, tokens, positions=[2, 5], components=component)
-        grafted = gl.graft_forward(lora, tokens, mask)
-        assert close(grafted, gl.graft_forward(full, tokens, mask))
+        grafted = gl.graft_forward(lora, tokens, mask, logits="all")
+        assert close(grafted, gl.graft_forward(full, tokens, mask, logits="all"))
         assert (grafted - lora.base(tokens)).abs().max() > 0.1
     q = lora.sources[1].module(lora.slots("q", 0)[0])
     assert isinstance(q, LoraLinear) and q.lora_B.shape == (32, 4)
@@ -174,8 +178,8 @@ def test_fused_projections_of_other_architectures(tokenizer, model_type, targets
     with torch.no_grad():
         assert close(lora[1](tokens), model(tokens).logits)
     mask = random_mask(lora, tokens.shape, seed=2)
-    grafted = gl.graft_forward(lora, tokens, mask)
-    assert close(grafted, gl.graft_forward(full, tokens, mask))
+    grafted = gl.graft_forward(lora, tokens, mask, logits="all")
+    assert close(grafted, gl.graft_forward(full, tokens, mask, logits="all"))
     assert (grafted - lora.base(tokens)).abs().max() > 1.0
 
 
@@ -224,7 +228,9 @@ def test_embedding_adapters_and_modules_to_save(tokenizer, tmp_path, family_name
         expected = model(tokens).logits
     assert close(models[1](tokens), expected)
     embed = gl.GraftMask.build(models, tokens, components="embed", source=1)
-    assert (gl.graft_forward(models, tokens, embed) - models.base(tokens)).abs().max() > 0.1
+    assert (
+        gl.graft_forward(models, tokens, embed, logits="all") - models.base(tokens)
+    ).abs().max() > 0.1
     if family_name == "llama":
         assert {"unembed", "blocks.0.attn.o"} <= set(kinds)
 
@@ -397,7 +403,9 @@ def test_an_adapter_directory_needs_no_peft(tokenizer, tmp_path, monkeypatch):
     models = gl.load_models(random_model("llama", 0), tmp_path, tokenizer=tokenizer)
     tokens = random_tokens(2, 6, seed=9)
     mask = gl.GraftMask.build(models, tokens, components="q", source=1)
-    assert (gl.graft_forward(models, tokens, mask) - models.base(tokens)).abs().max() > 0.1
+    assert (
+        gl.graft_forward(models, tokens, mask, logits="all") - models.base(tokens)
+    ).abs().max() > 0.1
 
 
 # ------------------------------------------------------------------ not plain LoRA on the base
@@ -431,9 +439,13 @@ def test_modules_to_save_on_a_tied_weight_change_only_their_module(
         expected = model(tokens).logits
     assert close(models[1](tokens), expected)
     untouched = gl.GraftMask.build(models, tokens, components=other, source=1)
-    assert torch.equal(gl.graft_forward(models, tokens, untouched), models.base(tokens))
+    assert torch.equal(
+        gl.graft_forward(models, tokens, untouched, logits="all"), models.base(tokens)
+    )
     changed = gl.GraftMask.build(models, tokens, components=saved_component(saved), source=1)
-    assert (gl.graft_forward(models, tokens, changed) - models.base(tokens)).abs().max() > 1.0
+    assert (
+        gl.graft_forward(models, tokens, changed, logits="all") - models.base(tokens)
+    ).abs().max() > 1.0
 
 
 def saved_component(module: str) -> str:

@@ -180,10 +180,12 @@ def test_every_component_graft_is_the_donor_and_an_empty_mask_the_base(loaded):
     models, tokens = loaded.models, loaded.tokens
     for source in (1, 2):
         full = gl.GraftMask.build(models, tokens, components="all", source=source)
-        grafted = gl.graft_forward(models, tokens, full)
+        grafted = gl.graft_forward(models, tokens, full, logits="all")
         assert (grafted - loaded.hf_logits[source]).abs().max() <= TOLERANCE
     empty = gl.GraftMask.from_dict(models, {}, shape=tuple(tokens.shape))
-    assert (gl.graft_forward(models, tokens, empty) - loaded.hf_logits[0]).abs().max() <= TOLERANCE
+    assert (
+        gl.graft_forward(models, tokens, empty, logits="all") - loaded.hf_logits[0]
+    ).abs().max() <= TOLERANCE
     # The comparisons mean something only if the checkpoints' logits differ a lot.
     assert (loaded.hf_logits[0] - loaded.hf_logits[1]).abs().max() > 0.1
 
@@ -205,7 +207,7 @@ def test_single_pass_equals_the_token_by_token_oracle(loaded):
         gl.GraftMask.build(models, tokens, positions="last", layers="last_half", components="o+ffn")
     )
     for mask in masks:
-        fast = gl.graft_forward(models, tokens, mask)
+        fast = gl.graft_forward(models, tokens, mask, logits="all")
         slow = gl.graft_forward_reference(models, tokens, mask)
         assert (fast - slow).abs().max() <= TOLERANCE
 
@@ -257,7 +259,7 @@ def test_no_donor_weight_that_matters_is_ignored(loaded):
             target.add_(change)
         try:
             expected = loaded.pristine_donor(tokens).logits
-            grafted = gl.graft_forward(models, tokens, mask)
+            grafted = gl.graft_forward(models, tokens, mask, logits="all")
         finally:
             for target, change in changes:
                 target.sub_(change)
@@ -274,7 +276,7 @@ def test_no_donor_weight_that_matters_is_ignored(loaded):
         assert (expected - unperturbed).abs().max() > 1e-3
         fresh = gl.load_models(random_model(loaded.model_id, 0), perturbed, tokenizer=_TOKENIZER)
         grafted = gl.graft_forward(
-            fresh, tokens, gl.GraftMask.build(fresh, tokens, components="all")
+            fresh, tokens, gl.GraftMask.build(fresh, tokens, components="all"), logits="all"
         )
         assert (grafted - expected).abs().max() <= TOLERANCE
 

@@ -94,7 +94,7 @@ def test_dtype_argument_casts_every_source(tokenizer):
         assert {p.dtype for p in bridge.original_model.parameters()} == {torch.float64}
     tokens = random_tokens(1, 4)
     mask = gl.GraftMask.build(loaded, tokens, positions="last", components="all", source=1)
-    assert gl.graft_forward(loaded, tokens, mask).dtype == torch.float64
+    assert gl.graft_forward(loaded, tokens, mask, logits="all").dtype == torch.float64
 
 
 # ---------------------------------------- alignment compares what the models compute
@@ -143,7 +143,7 @@ def test_the_refused_differences_would_have_grafted_a_wrong_model(tokenizer, cas
     )
     tokens = random_tokens(2, 12, seed=3)
     everything = gl.GraftMask.build(loaded, tokens, components="all", source=1)
-    grafted = gl.graft_forward(loaded, tokens, everything)
+    grafted = gl.graft_forward(loaded, tokens, everything, logits="all")
     # Far beyond float32 rounding (the equivalence tests hold the graft to 1e-4).
     assert (grafted - loaded[1](tokens)).abs().max() > 0.1
 
@@ -252,7 +252,7 @@ def test_registered_paths_name_weights_the_bridge_keys_do_not(tokenizer):
         }
         assert len(models.slots("mlp_in", 0)) == 2
         mask = gl.GraftMask.build(models, tokens, components="all")
-        assert (gl.graft_forward(models, tokens, mask) - expected).abs().max() <= 1e-4
+        assert (gl.graft_forward(models, tokens, mask, logits="all") - expected).abs().max() <= 1e-4
     finally:
         components._ARCHITECTURE_PATHS.pop("ApertusForCausalLM", None)
 
@@ -304,7 +304,7 @@ def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(thr
     tokens = random_tokens(2, 5, seed=41)
     assert 127 < int(tokens.max()) < 256  # past int8 (which would wrap), within uint8
     mask = gl.GraftMask.build(three_models, tokens, positions="last", components="o+ffn")
-    expected = gl.graft_forward(three_models, tokens, mask)
+    expected = gl.graft_forward(three_models, tokens, mask, logits="all")
     patched = gl.patch_forward(three_models, tokens, "resid_pre", layers=1, positions="last")
     targets = tokens[:, 0]
     scored = gl.analysis.scoring.LastTokenScorer()(expected, targets)
@@ -313,7 +313,7 @@ def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(thr
         assert (
             gl.GraftMask.build(three_models, narrow, positions="last", components="o+ffn") == mask
         )
-        assert torch.equal(gl.graft_forward(three_models, narrow, mask), expected)
+        assert torch.equal(gl.graft_forward(three_models, narrow, mask, logits="all"), expected)
         reference = gl.graft_forward_reference(three_models, narrow, mask)
         assert (reference - expected).abs().max() <= 1e-4
         generated = gl.graft_generate(three_models, narrow, mask, max_new_tokens=2)
@@ -328,7 +328,7 @@ def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(thr
     with no_forward_pass(three_models):
         for call in (
             lambda: gl.GraftMask.build(three_models, empty),
-            lambda: gl.graft_forward(three_models, empty, mask),
+            lambda: gl.graft_forward(three_models, empty, mask, logits="all"),
             lambda: gl.graft_forward_reference(three_models, empty, mask),
             lambda: gl.graft_generate(three_models, empty, mask),
         ):
@@ -648,7 +648,9 @@ def test_one_model_given_twice_is_grafted_into_itself(tokenizer):
     models = gl.load_models(model, model, tokenizer=tokenizer)
     tokens = random_tokens(2, 5)
     mask = random_mask(models, tokens.shape)
-    torch.testing.assert_close(gl.graft_forward(models, tokens, mask), models.base(tokens))
+    torch.testing.assert_close(
+        gl.graft_forward(models, tokens, mask, logits="all"), models.base(tokens)
+    )
 
 
 def test_a_donor_rounded_through_bfloat16_is_the_same_configuration(tokenizer):

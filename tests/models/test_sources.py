@@ -46,8 +46,8 @@ def test_a_lazy_donor_grafts_as_the_donor_loaded_whole(checkpoints):
     assert lazy.sources[1].loaded == ()  # nothing read yet
     tokens = random_tokens(3, 8, seed=1)
     mask = random_mask(eager, tokens.shape, seed=2)
-    grafted = gl.graft_forward(lazy, tokens, mask)
-    assert (grafted - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-6
+    grafted = gl.graft_forward(lazy, tokens, mask, logits="all")
+    assert (grafted - gl.graft_forward(eager, tokens, mask, logits="all")).abs().max() <= 1e-6
     assert (grafted - gl.graft_forward_reference(lazy, tokens, mask)).abs().max() <= 1e-4
     assert (grafted - lazy.base(tokens)).abs().max() > 1.0
 
@@ -57,7 +57,7 @@ def test_a_graft_reads_only_the_components_its_mask_names_once(checkpoints, fami
     models = gl.load_models(base, donor, lazy=True, components="o+ffn", layers="last_half")
     tokens = random_tokens(2, 7, seed=3)
     mask = gl.GraftMask.build(models, tokens, positions="last", layers="last_half", components="o")
-    gl.graft_forward(models, tokens, mask)
+    gl.graft_forward(models, tokens, mask, logits="all")
     # Three layers: the last half is layer 2 (with an odd depth the first half is larger).
     assert models.sources[1].loaded == ("blocks.2.attn.o",)
     memory = models.memory()
@@ -73,7 +73,7 @@ def test_a_graft_reads_only_the_components_its_mask_names_once(checkpoints, fami
     assert memory.loc[1, "resident_bytes"] == stored_bytes(donor, names)
     loaded = models.sources[1].module(models.slots("o", 2)[0])
     full = gl.GraftMask.build(models, tokens, layers="last_half", components="o+ffn")
-    gl.graft_forward(models, tokens, full)
+    gl.graft_forward(models, tokens, full, logits="all")
     assert models.sources[1].module(models.slots("o", 2)[0]) is loaded  # read once, kept
     memory = models.memory()
     assert memory.loc[1, "resident_bytes"] == memory.loc[1, "declared_bytes"]
@@ -91,13 +91,15 @@ def test_a_mask_beyond_the_declaration_is_refused_before_anything_runs(checkpoin
     ]
     for mask in outside:
         with no_forward_pass(models), pytest.raises(gl.errors.GraftMaskError, match="declar"):
-            gl.graft_forward(models, tokens, mask)
+            gl.graft_forward(models, tokens, mask, logits="all")
         with pytest.raises(gl.errors.GraftMaskError, match="components= / layers="):
             gl.graft_forward_reference(models, tokens, mask)
     assert models.sources[1].loaded == ()
     # The base may compute anything: a mask naming source 0 there is no graft from a donor.
     base_only = gl.GraftMask.build(models, tokens, components="q", source=0)
-    assert torch.equal(gl.graft_forward(models, tokens, base_only), models.base(tokens))
+    assert torch.equal(
+        gl.graft_forward(models, tokens, base_only, logits="all"), models.base(tokens)
+    )
 
 
 def test_a_declaration_binds_donors_loaded_whole_too(tokenizer):
@@ -109,7 +111,9 @@ def test_a_declaration_binds_donors_loaded_whole_too(tokenizer):
     )
     tokens = random_tokens(1, 5)
     with pytest.raises(gl.errors.GraftMaskError, match="o at layer 0"):
-        gl.graft_forward(models, tokens, gl.GraftMask.build(models, tokens, components="o"))
+        gl.graft_forward(
+            models, tokens, gl.GraftMask.build(models, tokens, components="o"), logits="all"
+        )
 
 
 def test_a_lazy_donor_runs_alone_once_read_whole(checkpoints):
@@ -184,7 +188,10 @@ def test_a_lazy_donor_is_aligned_from_its_files(tmp_path, tokenizer):
     whole = gl.load_models(base, half, dtype=torch.float32)
     tokens = random_tokens(1, 6)
     mask = gl.GraftMask.build(cast, tokens, components="all")
-    assert torch.equal(gl.graft_forward(cast, tokens, mask), gl.graft_forward(whole, tokens, mask))
+    assert torch.equal(
+        gl.graft_forward(cast, tokens, mask, logits="all"),
+        gl.graft_forward(whole, tokens, mask, logits="all"),
+    )
     # A file that lacks a tensor under the model's name (here: renamed by hand).
     renamed = save("renamed", random_model("llama", 1))
     tensors = load_file(str(renamed / "model.safetensors"))
@@ -225,7 +232,10 @@ def test_sharded_checkpoints_are_read_through_their_index(tmp_path, tokenizer):
     eager = gl.load_models(tmp_path / "base", tmp_path / "donor", tokenizer=tokenizer)
     tokens = random_tokens(2, 6)
     mask = random_mask(eager, tokens.shape)
-    assert torch.equal(gl.graft_forward(lazy, tokens, mask), gl.graft_forward(eager, tokens, mask))
+    assert torch.equal(
+        gl.graft_forward(lazy, tokens, mask, logits="all"),
+        gl.graft_forward(eager, tokens, mask, logits="all"),
+    )
 
 
 def test_declarations_and_lazy_are_checked(checkpoints):
@@ -254,7 +264,7 @@ def test_generation_and_the_grafting_context_read_lazily_too(checkpoints):
     )
     with gl.grafting(lazy, mask) as model:
         logits, cache = model.run_with_cache(tokens)
-    assert (logits - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-6
+    assert (logits - gl.graft_forward(eager, tokens, mask, logits="all")).abs().max() <= 1e-6
     assert all(path.startswith("blocks.") and ".mlp." in path for path in lazy.sources[1].loaded)
 
 
@@ -279,7 +289,7 @@ def test_a_relaxed_graft_reads_a_lazy_donor_by_its_declaration(checkpoints):
         relaxed = model(tokens)
     # A weight of 1 is the graft; only that slot was read, no whole donor was built.
     mask = gl.GraftMask.build(eager, tokens, layers=layer, components="mlp_out")
-    assert (relaxed - gl.graft_forward(eager, tokens, mask)).abs().max() <= 1e-5
+    assert (relaxed - gl.graft_forward(eager, tokens, mask, logits="all")).abs().max() <= 1e-5
     assert lazy.sources[1].loaded == tuple(slot.path for slot in lazy.slots("mlp_out", layer))
     with pytest.raises(gl.errors.GraftMaskError, match="components= / layers="):
         with gl.engine.relaxation.relaxing(lazy, {("o", layer): ones}):
@@ -373,9 +383,9 @@ def test_a_donor_file_changed_after_a_graft_is_refused_not_read(tmp_path, tokeni
     tokens = random_tokens(2, 6, seed=8)
     eager = gl.load_models(base, donor)
     first = gl.GraftMask.build(eager, tokens, components="o")
-    expected = gl.graft_forward(eager, tokens, first).clone()
+    expected = gl.graft_forward(eager, tokens, first, logits="all").clone()
     models = gl.load_models(base, donor, lazy=True)
-    assert torch.equal(gl.graft_forward(models, tokens, first), expected)
+    assert torch.equal(gl.graft_forward(models, tokens, first, logits="all"), expected)
     change(donor, other)
     refused = rf"model.safetensors changed after load_models opened it: {what}.*load the model"
     # What was read is not used again either: the checkpoint on disk is another now.
@@ -427,7 +437,7 @@ base, donor = sys.argv[1:3]
 models = gl.load_models(base, donor, lazy=True)
 tokens = random_tokens(2, 6, seed=8)
 first = gl.GraftMask.build(models, tokens, components="o")
-before = gl.graft_forward(models, tokens, first)
+before = gl.graft_forward(models, tokens, first, logits="all")
 file = os.path.join(donor, "model.safetensors")
 os.truncate(file, os.path.getsize(file) // 2)
 for components in ("o", "ffn"):  # what was read, then what was not

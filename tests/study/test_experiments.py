@@ -252,7 +252,7 @@ def _expected(models, tokenized, mask_for):
     """Ranks and probabilities of a configuration computed the long way, one plain mask."""
     mask = mask_for(tokenized)
     logits = gl.graft_forward(
-        models, tokenized.tokens, mask, attention_mask=tokenized.attention_mask
+        models, tokenized.tokens, mask, attention_mask=tokenized.attention_mask, logits="all"
     )
     final = last_token_logits(logits, tokenized.attention_mask)
     return (
