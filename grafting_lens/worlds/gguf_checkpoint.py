@@ -1,28 +1,33 @@
-"""A GGUF file, or any Llama checkpoint, made into a ``save_pretrained`` directory once.
+"""A GGUF file, or any checkpoint, made into a ``save_pretrained`` directory once.
 
 A real pretrained model can reach a machine without the Hugging Face hub as a single
-GGUF file (llama.cpp's format, quantized): the real-model world's base
-(:mod:`grafting_lens.worlds.smollm2`) arrives that way. transformers reads such a file
+GGUF file (llama.cpp's format, quantized): the real-model worlds' bases
+(:mod:`grafting_lens.worlds.real_source`) arrive that way. transformers reads such a file
 (``from_pretrained(dir, gguf_file=name)``, through the ``gguf`` package), dequantizing
-every weight, but it does so on every load (about 30 s for SmolLM2-135M), its config
-names no ``architectures`` (TransformerLens chooses its adapter by that field), and
-grafting-lens's lazy donors and checkpoint digests expect a directory of safetensors.
-So the file is converted once, here, into a plain checkpoint directory: float32
-safetensors, the tokenizer, and a config naming its architecture. From then on every
-part of grafting-lens reads it as it reads a hub model.
+every weight, but it does so on every load (35 s for SmolLM2-135M, two minutes for Gemma 3
+270M), its config names no ``architectures`` (TransformerLens chooses its adapter by that
+field), and grafting-lens's lazy donors and checkpoint digests expect a directory of
+safetensors. So the file is converted once, here, into a plain checkpoint directory:
+float32 safetensors, the tokenizer, and a config naming its architecture. From then on
+every part of grafting-lens reads it as it reads a hub model.
 
 The same function takes a hub id or a ``save_pretrained`` directory instead of a GGUF
-file (``HuggingFaceTB/SmolLM2-135M``, a local Llama): it is loaded the way transformers
-loads it and saved the same way, so a world built on either stands on the same kind of
-directory.
+file: it is loaded the way transformers loads it and saved the same way, so a world built
+on either stands on the same kind of directory.
 
-What is refused, before the slow load, with the file and the fix named
-(:class:`~grafting_lens.core.errors.WorldSourceError`): a file that is not a GGUF, one whose
-SHA-256 is not the expected one (a damaged download), and one of another architecture
-than those allowed (the world's recipe and the lens's verified Llama path assume one).
+What is refused, with the file and the fix named
+(:class:`~grafting_lens.core.errors.WorldSourceError`): before the slow load, a file that
+is not a GGUF, one whose SHA-256 is not the expected one (a damaged download), one of
+another architecture than those allowed, one without tokenizer metadata; after it, a
+model whose parameters did not all come from the source (a missing tensor, a block
+declared but not held, a tensor of another shape, blocks beyond those declared), which
+transformers would otherwise fill with random weights and report in a log that
+TransformerLens silences.
 
-The directory appears complete or not at all: it is written into a temporary sibling
-and renamed into place, as :mod:`grafting_lens.worlds.toy` builds its worlds.
+The directory appears complete or not at all: it is written into a temporary sibling and
+renamed into place. It never replaces what grafting-lens did not write, and a target that
+is, contains or lies inside the source is refused
+(:mod:`grafting_lens.worlds.directories`, :class:`~grafting_lens.core.errors.WorldCacheError`).
 
 Examples:
     >>> from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint
@@ -110,7 +115,7 @@ def convert_checkpoint(
     *,
     gguf_file: Optional[str] = None,
     sha256: Optional[str] = None,
-    architectures: Sequence[str] = ("llama",),
+    architectures: Optional[Sequence[str]] = None,
 ) -> Path:
     """Convert a GGUF file, a hub id or a checkpoint directory into a float32 checkpoint.
 
@@ -129,7 +134,7 @@ def convert_checkpoint(
         gguf_file: The GGUF file's name inside the directory ``source``.
         sha256: The GGUF file's expected SHA-256 (hex, any case); ``None`` skips the check.
         architectures: The architectures accepted (``model_type`` / GGUF
-            ``general.architecture``).
+            ``general.architecture``); ``None`` accepts any that transformers loads.
 
     Returns:
         ``target``.
@@ -164,13 +169,14 @@ def convert_checkpoint(
         options, location, named = {}, str(source), str(source)
     tokenizer = _tokenizer(location, options, named)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             location,
             dtype=torch.float32,
             output_loading_info=True,
             ignore_mismatched_sizes=True,  # reported below, naming the tensor
             **options,
         )
+        model, info = loaded
     except OSError as error:
         raise WorldSourceError(
             f"Cannot load {named} ({str(error).splitlines()[0]}): pass a GGUF file, a "
@@ -298,8 +304,8 @@ def _gguf_path(source: Path, gguf_file: Optional[str]) -> Optional[Path]:
     return None
 
 
-def _check_architecture(found: str, allowed: Sequence[str], where: Any) -> None:
-    if found not in allowed:
+def _check_architecture(found: str, allowed: Optional[Sequence[str]], where: Any) -> None:
+    if allowed is not None and found not in allowed:
         raise WorldSourceError(
             f"{where} holds a {found!r} model, not one of {tuple(allowed)}: pass a checkpoint of "
             "one of those, or widen architectures= to one the bridge supports."

@@ -110,7 +110,7 @@ def test_padding_is_masked_out_of_the_loss(tokenizer):
     model = tiny_model(tokenizer).eval()
     bos, eos, pad = finetune_module._special_ids(tokenizer)
     (short, long), n_truncated = finetune_module._encode(
-        tokenizer, ["Ada Lovelace", DOCUMENTS[0]], bos, eos, 64
+        tokenizer, ["Ada Lovelace", DOCUMENTS[0]], [bos], eos, 64
     )
     assert n_truncated == 0
     assert short[0] == bos and short[-1] == eos

