@@ -467,13 +467,16 @@ class _EpochCheckpoint:
             # Our own file, but read with the safe loader all the same (only tensors,
             # numbers, lists, tuples and dicts are in it).
             state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001, a damaged checkpoint is started over
-            warnings.warn(
-                f"The finetuning checkpoint {self.path} is unreadable ({error}); starting "
-                "this run from its first epoch.",
-                stacklevel=3,
+        except Exception as error:  # noqa: BLE001, whatever it is, it is not one of ours
+            state = error
+        if not isinstance(state, dict) or "fingerprint" not in state:
+            # Saves are atomic, so this file is not a checkpoint finetune wrote: overwriting
+            # it at the end of the first epoch would destroy someone's file.
+            raise GraftingLensError(
+                f"{self.path} is not a finetuning checkpoint grafting-lens wrote, and the first "
+                "epoch's checkpoint would replace it: pass another checkpoint_dir, or move "
+                "the file away."
             )
-            return None
         if state.get("fingerprint") != self.fingerprint:
             warnings.warn(
                 f"The finetuning checkpoint {self.path} is another run's (other weights, "
