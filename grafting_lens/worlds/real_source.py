@@ -38,6 +38,7 @@ from grafting_lens.core.files import cache_root
 from grafting_lens.worlds.directories import (
     cache_errors,
     check_cache_dir,
+    check_replaceable,
     is_sealed,
     make_directory,
     waiting_lock,
@@ -148,8 +149,10 @@ def fetch_gguf(
         with cache_errors("The fetched file", target):
             if target.exists() and sha256_of(target) == source.sha256:
                 return target
-            # Damaged or another release: fetched again below (the folder is the library's).
-            target.unlink(missing_ok=True)
+            if target.exists():
+                # Damaged or another release: fetched again, if the library put it there.
+                check_replaceable(folder, "The folder of fetched files")
+                target.unlink()
             with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as scratch:
                 partial = Path(scratch) / source.file_name
                 with open(partial, "wb") as joined:

@@ -24,16 +24,11 @@ from tiny_gguf import tiny_gemma3, tiny_llama, write_gguf
 import grafting_lens as gl
 import grafting_lens.worlds.finetune as finetune_module
 from grafting_lens.core.errors import GraftingLensError, RunError, WorldCacheError
-from grafting_lens.worlds import real_source, real_world
+from grafting_lens.worlds import directories, real_recipe, real_source, real_world
 from grafting_lens.worlds.gguf_checkpoint import sha256_of
+from grafting_lens.worlds.real_recipe import known_actors
 from grafting_lens.worlds.real_source import PackageSource, base_checkpoint, fetch_gguf
-from grafting_lens.worlds.real_world import (
-    WORLDS,
-    RealWorldConfig,
-    build_real_world,
-    known_actors,
-    open_world,
-)
+from grafting_lens.worlds.real_world import WORLDS, RealWorldConfig, build_real_world, open_world
 
 TINY = dict(
     n_relations=12,
@@ -152,7 +147,7 @@ def test_a_killed_build_resumes_to_the_same_bytes(world, config, tmp_path, monke
 
 def test_a_second_build_of_the_same_world_is_refused(config, tmp_path):
     building = tmp_path / f".{real_world._world_key(config)}.building"
-    real_world.make_directory(building)
+    directories.make_directory(building)
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -325,7 +320,7 @@ def test_evaluation_unembeds_the_last_position_alone(world):
 
     model.forward = spy
     rows = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15]]
-    ranks = real_world._target_ranks(model, rows, [20, 21, 22])
+    ranks = real_recipe._target_ranks(model, rows, [20, 21, 22])
 
     assert set(widths) == {1}
     with torch.no_grad():
@@ -421,7 +416,7 @@ def _read_only(tmp_path, monkeypatch):
 def _directory_where_the_gguf_goes(tmp_path, monkeypatch):
     path = tmp_path / "cache"
     (path / "gguf").mkdir(parents=True)
-    (path / "gguf" / real_world.MARKER).write_text('{"files": null}')
+    (path / "gguf" / directories.MARKER).write_text('{"files": null}')
     (path / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf").mkdir()
     return path
 
