@@ -78,6 +78,10 @@ class PackageSource:
     sha256: str
     architectures: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        # A checksum reads the same in either case; compared and keyed in lower case.
+        object.__setattr__(self, "sha256", self.sha256.lower())
+
 
 SOURCES: dict[str, PackageSource] = {
     source.name: source
