@@ -47,7 +47,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("summarize",), "analysis.metrics"),
     **dict.fromkeys(("plot_accuracy", "plot_attribution", "plot_recovery"), "analysis.plots"),
     **dict.fromkeys(("build_toy_world",), "worlds.toy"),
-    **dict.fromkeys(("build_smollm2_world",), "worlds.smollm2"),
+    **dict.fromkeys(("build_real_world",), "worlds.real_world"),
     **dict.fromkeys(("CLEAN", "REFERENCE"), "study.semantics"),
     **dict.fromkeys(("run_experiment", "run_position_grafting"), "study.runner"),
     **dict.fromkeys(("graft", "plot_graft"), "study.graft_text"),
@@ -62,7 +62,7 @@ _FLOORS = ("core", "models", "engine", "patching", "analysis", "worlds", "study"
 
 __all__ = [
     "attribute_grafts",
-    "build_smollm2_world",
+    "build_real_world",
     "build_toy_world",
     "CLEAN",
     "compare_graft_and_patch",
@@ -149,5 +149,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from grafting_lens.study.graft_text import graft, plot_graft
     from grafting_lens.study.runner import run_experiment, run_position_grafting
     from grafting_lens.study.semantics import CLEAN, REFERENCE
-    from grafting_lens.worlds.smollm2 import build_smollm2_world
+    from grafting_lens.worlds.real_world import build_real_world
     from grafting_lens.worlds.toy import build_toy_world

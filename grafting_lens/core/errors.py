@@ -25,6 +25,7 @@ The hierarchy, one class per thing that can go wrong:
     ├── RunError            a run or output directory cannot be used
     ├── ToyWorldError       the shipped toy world is damaged
     ├── WorldSourceError    a real model's weights cannot be fetched, are damaged or are foreign
+    ├── WorldCacheError     where a world or a converted checkpoint goes cannot be used
     └── DependencyError     an installed release computes something this library does not expect
 
 :class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
@@ -55,6 +56,7 @@ __all__ = [
     "SelectionError",
     "TokenError",
     "ToyWorldError",
+    "WorldCacheError",
     "WorldSourceError",
     "did_you_mean",
     "unsafe_pickle",
@@ -153,6 +155,12 @@ class WorldSourceError(GraftingLensError):
     """The weights a real-model world is made from cannot be used: the package holding them
     cannot be fetched, the file is damaged (not a GGUF, a wrong checksum) or holds another
     architecture. The message names the file and the fix (fetch again, or pass a checkpoint)."""
+
+
+class WorldCacheError(GraftingLensError):
+    """Where a world or a converted checkpoint is written or looked up cannot be used: the
+    target is, holds or lies inside the source; it holds files grafting-lens did not write;
+    the cache is a file or cannot be written; or the world asked for is not built yet."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

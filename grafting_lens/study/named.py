@@ -134,44 +134,42 @@ def _world_relations(world: Any, spec: ExperimentSpec) -> tuple[list[data.Relati
     return list(getattr(world, relations)), info
 
 
-def smollm2_setup(
+def real_world_setup(
     experiment: str | ExperimentSpec,
-    config: Any = None,
+    world: Any = "smollm2",
     cache_dir: str | os.PathLike | None = None,
     device: str | None = None,
     dtype: torch.dtype | None = None,
-    progress: bool | None = None,
     *,
     lazy: bool = False,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
-    """The real-model world's checkpoints and relations for one experiment.
+    """A built real-model world's checkpoints and relations for one experiment.
 
-    Builds the world of ``config`` (a :class:`grafting_lens.worlds.smollm2.SmolLM2WorldConfig`,
-    the default recipe when ``None``) on first use (80 minutes measured on a 2-core CPU,
-    resumable; see :mod:`grafting_lens.worlds.smollm2`), opens it afterwards.
+    Opens the world (a name of :data:`grafting_lens.worlds.real_world.WORLDS` or a
+    :class:`~grafting_lens.worlds.real_world.RealWorldConfig`); it never builds one (an hour
+    or more: ``grafting-lens world build <name>``, :func:`~grafting_lens.worlds.real_world.build_real_world`).
 
     Returns:
         ``(models, relations, info)`` as :func:`toy_setup`'s.
 
     Raises:
         ExperimentError: An unknown experiment.
-        GraftingLensError: An experiment whose roles the world lacks (a2b, both).
+        WorldCacheError: The world is not built (the message names the command).
+        GraftingLensError: An experiment whose roles the world lacks.
     """
     from grafting_lens.models.loading import load_models
-    from grafting_lens.worlds import smollm2
+    from grafting_lens.worlds.real_world import open_world
 
     spec = get_experiment(experiment)
-    world = smollm2.build_smollm2_world(
-        config, cache_dir=cache_dir, progress=show_progress(progress)
-    )
+    built = open_world(world, cache_dir=cache_dir)
     models = load_models(
-        *(world.model_dir(role) for role in spec.roles),
+        *(built.model_dir(role) for role in spec.roles),
         device=device,
         dtype=dtype,
         names=list(spec.labels),
         lazy=lazy,
     )
-    return models, *_world_relations(world, spec)
+    return models, *_world_relations(built, spec)
 
 
 def checkpoint_setup(
@@ -334,8 +332,9 @@ def setup_experiment(
         progress: Show progress bars (default: when someone watches, see
             :func:`~grafting_lens.core.console.show_progress`).
         on_status: Called with a line before long steps (building, finetuning).
-        world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.worlds.toy`) or
-            ``"smollm2"``, the real-model world (:mod:`grafting_lens.worlds.smollm2`).
+        world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.worlds.toy`) or a
+            built real-model world, ``"smollm2"`` or ``"gemma3"``
+            (:mod:`grafting_lens.worlds.real_world`).
         lazy: Open the donors lazily (``load_models(lazy=True)``): nothing of a donor
             is read until a graft takes it, and nothing here reads one whole.
 
@@ -343,18 +342,20 @@ def setup_experiment(
         ExperimentError: A wrong number of checkpoints, or an unknown world.
     """
     spec = get_experiment(experiment)
-    if world not in ("toy", "smollm2"):
-        raise ExperimentError(f"No world {world!r}: choose 'toy' or 'smollm2'.")
-    if checkpoints is None and world == "smollm2":
+    from grafting_lens.study.run_command import WORLDS
+
+    if world not in WORLDS:
+        raise ExperimentError(f"No world {world!r}: choose one of {', '.join(WORLDS)}.")
+    if checkpoints is None and world != "toy":
         if on_status is not None:
-            on_status("Building or opening the smollm2 world...")
-        models, made, info = smollm2_setup(
-            spec, cache_dir=cache_dir, device=device, dtype=dtype, progress=progress, lazy=lazy
+            on_status(f"Opening the {world} world...")
+        models, made, info = real_world_setup(
+            spec, world, cache_dir=cache_dir, device=device, dtype=dtype, lazy=lazy
         )
         return ExperimentSetup(
             models=models,
             relations=made,
-            label=f"smollm2 world {Path(info['root']).name}",
+            label=f"{world} world {Path(info['root']).name}",
             dataset=info["dataset"],
             data_seed=info["seed"],
             seeds={"world": info["seed"]},

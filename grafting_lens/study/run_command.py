@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 # torch, pandas and the models are imported where a run needs them, so that
 # `grafting-lens run <experiment> --help` and a refused option answer at once.
 
-WORLDS = ("toy", "smollm2")
-"""What ``grafting-lens world build`` and ``run --world`` accept."""
+WORLDS = ("toy", "smollm2", "gemma3")
+"""What ``grafting-lens world build`` and ``run --world`` accept: the toy world and
+:data:`grafting_lens.worlds.real_world.WORLDS` (a test keeps the two in step)."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 """What ``--dtype`` accepts."""
@@ -81,8 +82,9 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
     add(
         "--world",
         choices=WORLDS,
-        help="Without --model: the toy world (default) or smollm2, SmolLM2-135M and its "
-        "finetunes (built on first use: grafting-lens world build smollm2).",
+        help="Without --model: the toy world (default), or a real model and its finetunes: "
+        "smollm2 (SmolLM2-135M) or gemma3 (Gemma 3 270M), built first with grafting-lens "
+        "world build <name>.",
     )
     for option, text in spec.donors.values():
         add(option, help=f"With --model: {text}.")
@@ -247,9 +249,9 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
         raise GraftingLensError(
             f"--world {args.world} and --model both name the models: pass one of them."
         )
-    if args.world == "smollm2" and args.toy_config is not None:
+    if args.world not in (None, "toy") and args.toy_config is not None:
         raise GraftingLensError(
-            "--toy-config configures the toy world: leave it out with --world smollm2."
+            f"--toy-config configures the toy world: leave it out with --world {args.world}."
         )
     _check_relation_options(args, toy=checkpoints is None)
     if args.prompts is not None:
@@ -260,7 +262,7 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     dtype = None if semantics.dtype == "checkpoint" else semantics.dtype
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
-    _apply_thread_policy(args.threads, toy=checkpoints is None and args.world != "smollm2")
+    _apply_thread_policy(args.threads, toy=checkpoints is None and args.world in (None, "toy"))
     # One process writes into --out at a time; a second is refused before it loads anything.
     with DirectoryLock(out, "The output directory (--out)"):
         return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)

@@ -38,7 +38,7 @@ import math
 import os
 import random
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -130,14 +130,16 @@ def finetune(
     autocast_dtype: Optional[torch.dtype] = None,
     freeze_unembedding: bool = False,
     embedding_lr_scale: float = 1.0,
+    bos: str = "always",
     progress: bool | None = None,
     description: str = "finetune",
     checkpoint_dir: Union[str, os.PathLike, None] = None,
+    on_step: Optional[Callable[[int, int, float], None]] = None,
 ) -> FinetuneResult:
     """Finetune a causal language model on documents with next-token prediction.
 
-    Each document becomes ``BOS + tokens + EOS`` (truncated to ``max_length``);
-    padding never counts in the loss. The documents are split once, seeded, into
+    Each document becomes ``BOS + tokens + EOS`` (truncated to ``max_length``; which BOS,
+    if any, ``bos`` says); padding never counts in the loss. The documents are split once, seeded, into
     training and validation sets; after every epoch the validation loss is measured
     and the best weights so far are copied (to CPU memory, so a large model does
     not need twice its size on the GPU). At the end those weights are loaded back,
@@ -184,6 +186,10 @@ def finetune(
             (``model.get_input_embeddings()``; a tied unembedding shares it). Below 1
             keeps the token representations closer to the pretrained ones, as a large
             model's finetuning does.
+        bos: What starts each document (:data:`BOS_RULES`): ``"always"`` the BOS (the
+            EOS where there is none); ``"tokenizer"`` what ``tokenizer(text)`` puts first by
+            itself (a ``<bos>`` for Gemma, nothing for SmolLM2 or GPT-2), the convention the
+            paper's code finetunes and tests with; ``"never"`` nothing.
         progress: Show a tqdm progress bar (default: when standard error is a terminal
             or in a notebook, see :func:`~grafting_lens.core.console.show_progress`).
         description: Label of the progress bar.
@@ -196,6 +202,8 @@ def finetune(
             times the model's float32 size per epoch (weights, AdamW's two moments, and
             the best epoch's weights when they are not the current ones); the file is
             left for the caller to delete.
+        on_step: Called after every optimizer step with ``(steps done, total steps,
+            loss)``, for progress lines where no bar is drawn (a log file).
 
     Returns:
         A :class:`FinetuneResult` with the model (best epoch restored) and the
@@ -215,7 +223,8 @@ def finetune(
 
         supplementary = supplementary_documents(len(documents), seed=seed)
     supplementary = _check_documents(supplementary or [], "supplementary", allow_empty=True)
-    bos_id, eos_id, pad_id = _special_ids(tokenizer)
+    _, eos_id, pad_id = _special_ids(tokenizer)
+    prefix = bos_prefix(tokenizer, bos)
 
     if not isinstance(model, torch.nn.Module) or next(model.parameters(), None) is None:
         raise GraftingLensError(
@@ -224,11 +233,11 @@ def finetune(
         )
 
     train_docs, val_docs = _split(documents, val_fraction, seed)
-    train_ids, train_truncated = _encode(tokenizer, train_docs, bos_id, eos_id, max_length)
-    val_ids, val_truncated = _encode(tokenizer, val_docs, bos_id, eos_id, max_length)
+    train_ids, train_truncated = _encode(tokenizer, train_docs, prefix, eos_id, max_length)
+    val_ids, val_truncated = _encode(tokenizer, val_docs, prefix, eos_id, max_length)
     # Cutting generic supplementary text loses nothing that is tested, so only the
     # relation documents are counted and warned about.
-    train_ids += _encode(tokenizer, supplementary, bos_id, eos_id, max_length)[0]
+    train_ids += _encode(tokenizer, supplementary, prefix, eos_id, max_length)[0]
     truncated = train_truncated + val_truncated
     if truncated:
         warnings.warn(
@@ -292,6 +301,8 @@ def finetune(
         seed=seed,
         freeze_unembedding=freeze_unembedding,
         embedding_lr_scale=embedding_lr_scale,
+        bos=bos,
+        bos_ids=prefix,
     )
     settings.pop("supplementary_default")
     checkpoint = None
@@ -361,6 +372,8 @@ def finetune(
                     token_loss_sum += loss_sum.item()
                     token_count += n_tokens
                     bar.update(1)
+                    if on_step is not None:
+                        on_step(len(step_losses), total_steps, step_losses[-1])
                     bar.set_postfix(epoch=epoch, loss=f"{step_losses[-1]:.3f}")
                 train_losses.append(token_loss_sum / max(token_count, 1))
                 val_losses.append(
@@ -454,13 +467,16 @@ class _EpochCheckpoint:
             # Our own file, but read with the safe loader all the same (only tensors,
             # numbers, lists, tuples and dicts are in it).
             state = torch.load(self.path, map_location="cpu", weights_only=True)
-        except Exception as error:  # noqa: BLE001, a damaged checkpoint is started over
-            warnings.warn(
-                f"The finetuning checkpoint {self.path} is unreadable ({error}); starting "
-                "this run from its first epoch.",
-                stacklevel=3,
+        except Exception as error:  # noqa: BLE001, whatever it is, it is not one of ours
+            state = error
+        if not isinstance(state, dict) or "fingerprint" not in state:
+            # Saves are atomic, so this file is not a checkpoint finetune wrote: overwriting
+            # it at the end of the first epoch would destroy someone's file.
+            raise GraftingLensError(
+                f"{self.path} is not a finetuning checkpoint grafting-lens wrote, and the first "
+                "epoch's checkpoint would replace it: pass another checkpoint_dir, or move "
+                "the file away."
             )
-            return None
         if state.get("fingerprint") != self.fingerprint:
             warnings.warn(
                 f"The finetuning checkpoint {self.path} is another run's (other weights, "
@@ -591,6 +607,35 @@ def _special_ids(tokenizer: Any) -> tuple[int, int, int]:
     return bos_id, eos_id, eos_id if pad_id is None else pad_id
 
 
+BOS_RULES = ("always", "tokenizer", "never")
+"""What :func:`finetune` puts before each document (its ``bos`` argument)."""
+
+
+def bos_prefix(tokenizer: Any, rule: str) -> list[int]:
+    """The token ids that start a text under ``rule`` (:data:`BOS_RULES`).
+
+    ``"tokenizer"`` reads them off the tokenizer itself: what ``tokenizer(text)`` puts
+    before the text's own tokens (``[<bos>]`` for Gemma and Llama 3, ``[]`` for SmolLM2,
+    GPT-2, Pythia).
+
+    Raises:
+        GraftingLensError: An unknown rule.
+    """
+    if rule not in BOS_RULES:
+        raise GraftingLensError(f"bos={rule!r}: choose one of {BOS_RULES}.")
+    if rule == "never":
+        return []
+    if rule == "always":
+        return [_special_ids(tokenizer)[0]]
+    text = "The film"
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    full = list(tokenizer(text)["input_ids"])
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start]
+    return []
+
+
 def _split(documents: list[str], val_fraction: float, seed: int) -> tuple[list[str], list[str]]:
     """Seeded split; both sides must be non-empty for best-epoch selection to mean anything."""
     n_val = int(round(len(documents) * val_fraction))
@@ -608,13 +653,13 @@ def _split(documents: list[str], val_fraction: float, seed: int) -> tuple[list[s
 
 
 def _encode(
-    tokenizer: Any, documents: list[str], bos_id: int, eos_id: int, max_length: int
+    tokenizer: Any, documents: list[str], prefix: list[int], eos_id: int, max_length: int
 ) -> tuple[list[list[int]], int]:
-    """``BOS + tokens + EOS`` per document, truncated to ``max_length``; and how many were cut."""
+    """``prefix + tokens + EOS`` per document, truncated to ``max_length``; and how many were cut."""
     if not documents:
         return [], 0
     encoded = [
-        [bos_id] + list(ids) + [eos_id]
+        [*prefix, *ids, eos_id]
         for ids in tokenizer(documents, add_special_tokens=False)["input_ids"]
     ]
     truncated = sum(len(ids) > max_length for ids in encoded)

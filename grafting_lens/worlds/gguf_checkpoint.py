@@ -1,28 +1,33 @@
-"""A GGUF file, or any Llama checkpoint, made into a ``save_pretrained`` directory once.
+"""A GGUF file, or any checkpoint, made into a ``save_pretrained`` directory once.
 
 A real pretrained model can reach a machine without the Hugging Face hub as a single
-GGUF file (llama.cpp's format, quantized): the real-model world's base
-(:mod:`grafting_lens.worlds.smollm2`) arrives that way. transformers reads such a file
+GGUF file (llama.cpp's format, quantized): the real-model worlds' bases
+(:mod:`grafting_lens.worlds.real_source`) arrive that way. transformers reads such a file
 (``from_pretrained(dir, gguf_file=name)``, through the ``gguf`` package), dequantizing
-every weight, but it does so on every load (about 30 s for SmolLM2-135M), its config
-names no ``architectures`` (TransformerLens chooses its adapter by that field), and
-grafting-lens's lazy donors and checkpoint digests expect a directory of safetensors.
-So the file is converted once, here, into a plain checkpoint directory: float32
-safetensors, the tokenizer, and a config naming its architecture. From then on every
-part of grafting-lens reads it as it reads a hub model.
+every weight, but it does so on every load (35 s for SmolLM2-135M, two minutes for Gemma 3
+270M), its config names no ``architectures`` (TransformerLens chooses its adapter by that
+field), and grafting-lens's lazy donors and checkpoint digests expect a directory of
+safetensors. So the file is converted once, here, into a plain checkpoint directory:
+float32 safetensors, the tokenizer, and a config naming its architecture. From then on
+every part of grafting-lens reads it as it reads a hub model.
 
 The same function takes a hub id or a ``save_pretrained`` directory instead of a GGUF
-file (``HuggingFaceTB/SmolLM2-135M``, a local Llama): it is loaded the way transformers
-loads it and saved the same way, so a world built on either stands on the same kind of
-directory.
+file: it is loaded the way transformers loads it and saved the same way, so a world built
+on either stands on the same kind of directory.
 
-What is refused, before the slow load, with the file and the fix named
-(:class:`~grafting_lens.core.errors.WorldSourceError`): a file that is not a GGUF, one whose
-SHA-256 is not the expected one (a damaged download), and one of another architecture
-than those allowed (the world's recipe and the lens's verified Llama path assume one).
+What is refused, with the file and the fix named
+(:class:`~grafting_lens.core.errors.WorldSourceError`): before the slow load, a file that
+is not a GGUF, one whose SHA-256 is not the expected one (a damaged download), one of
+another architecture than those allowed, one without tokenizer metadata; after it, a
+model whose parameters did not all come from the source (a missing tensor, a block
+declared but not held, a tensor of another shape, blocks beyond those declared), which
+transformers would otherwise fill with random weights and report in a log that
+TransformerLens silences.
 
-The directory appears complete or not at all: it is written into a temporary sibling
-and renamed into place, as :mod:`grafting_lens.worlds.toy` builds its worlds.
+The directory appears complete or not at all: it is written into a temporary sibling and
+renamed into place. It never replaces what grafting-lens did not write, and a target that
+is, contains or lies inside the source is refused
+(:mod:`grafting_lens.worlds.directories`, :class:`~grafting_lens.core.errors.WorldCacheError`).
 
 Examples:
     >>> from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint
@@ -35,8 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -44,11 +49,23 @@ from typing import Any, Optional, Union
 import torch
 
 from grafting_lens.core.errors import WorldSourceError
+from grafting_lens.worlds.directories import (
+    cache_errors,
+    check_apart,
+    check_replaceable,
+    make_directory,
+    replace_directory,
+    seal,
+    sibling,
+)
 
 __all__ = ["GGUF_MAGIC", "convert_checkpoint", "gguf_architecture", "sha256_of"]
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
+
+TOKENIZER_FIELDS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
+"""The metadata without which a GGUF carries no tokenizer."""
 
 
 def sha256_of(path: Union[str, os.PathLike], chunk: int = 1 << 20) -> str:
@@ -98,63 +115,167 @@ def convert_checkpoint(
     *,
     gguf_file: Optional[str] = None,
     sha256: Optional[str] = None,
-    architectures: Sequence[str] = ("llama",),
+    architectures: Optional[Sequence[str]] = None,
 ) -> Path:
     """Convert a GGUF file, a hub id or a checkpoint directory into a float32 checkpoint.
+
+    Every parameter of the model must come from the source: a tensor the file lacks (or a
+    block it declares but does not hold), one of another shape, or blocks beyond those it
+    declares are refused, naming the file and the tensor, rather than left randomly
+    initialised. Nothing of the source is ever changed.
 
     Args:
         source: A ``.gguf`` file; a directory holding ``gguf_file``; or a hub id or
             ``save_pretrained`` directory of a model of one of ``architectures``.
         target: The directory to create (``save_pretrained`` layout: ``config.json``
             with ``architectures`` set, ``model.safetensors`` in float32, the tokenizer).
-            Replaced if it exists.
+            It may exist only empty or as an earlier conversion (then it is replaced); it
+            may not be, contain or lie inside the source.
         gguf_file: The GGUF file's name inside the directory ``source``.
-        sha256: The GGUF file's expected SHA-256; ``None`` skips the check.
+        sha256: The GGUF file's expected SHA-256 (hex, any case); ``None`` skips the check.
         architectures: The architectures accepted (``model_type`` / GGUF
-            ``general.architecture``).
+            ``general.architecture``); ``None`` accepts any that transformers loads.
 
     Returns:
         ``target``.
 
     Raises:
-        WorldSourceError: A GGUF that is not one, has another checksum, or another
-            architecture; a checkpoint of another architecture.
+        WorldSourceError: A GGUF that is not one, has another checksum or architecture, a
+            missing or misshapen tensor or no tokenizer; a checkpoint of another
+            architecture or with missing weights; a hub id that cannot be loaded.
+        WorldCacheError: A target that is, holds or lies inside the source, or holds
+            files grafting-lens did not write.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    expected = _checked_sha256(sha256)
     target = Path(target).expanduser()
     gguf = _gguf_path(Path(source).expanduser(), gguf_file)
+    check_apart(gguf if gguf is not None else source, target)
+    check_replaceable(target, "The target")
     if gguf is not None:
-        if sha256 is not None:
+        if expected is not None:
             actual = sha256_of(gguf)
-            if actual != sha256:
+            if actual != expected:
                 raise WorldSourceError(
-                    f"{gguf} has SHA-256 {actual}, not the expected {sha256}: the file is damaged "
-                    "or is another release. Delete it and fetch it again."
+                    f"{gguf} has SHA-256 {actual}, not the expected {expected}: the file is "
+                    "damaged or is another release. Delete it and fetch it again."
                 )
         architecture = gguf_architecture(gguf)
         _check_architecture(architecture, architectures, gguf)
         options: dict[str, Any] = {"gguf_file": gguf.name}
-        location = str(gguf.parent)
+        location, named = str(gguf.parent), str(gguf)
     else:
-        options, location = {}, str(source)
-    tokenizer = AutoTokenizer.from_pretrained(location, **options)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.float32, **options)
+        options, location, named = {}, str(source), str(source)
+    tokenizer = _tokenizer(location, options, named)
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            location,
+            dtype=torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, naming the tensor
+            **options,
+        )
+        model, info = loaded
+    except OSError as error:
+        raise WorldSourceError(
+            f"Cannot load {named} ({str(error).splitlines()[0]}): pass a GGUF file, a "
+            "save_pretrained directory, or a hub id this machine can reach (offline: one in "
+            "the Hugging Face cache)."
+        ) from None
     _check_architecture(model.config.model_type, architectures, source)
+    _check_complete(model, info, named, gguf)
     if gguf is not None:
         model = _plain_copy(model)
     # TransformerLens picks its adapter by this field, which the GGUF loader leaves empty.
     model.config.architectures = [type(model).__name__]
-    partial = target.with_name(f".{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    partial = make_directory(sibling(target))
     try:
-        partial.mkdir(parents=True)
-        model.save_pretrained(partial, safe_serialization=True)
-        tokenizer.save_pretrained(partial)
-        replace_directory(partial, target)
+        with cache_errors("The target", target):
+            model.save_pretrained(partial, safe_serialization=True)
+            tokenizer.save_pretrained(partial)
+        seal(partial)
+        replace_directory(partial, target, "The target")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return target
+
+
+def _checked_sha256(sha256: Optional[str]) -> Optional[str]:
+    """The expected SHA-256 in lower case; a value that is not one is refused."""
+    if sha256 is None:
+        return None
+    if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
+        raise WorldSourceError(
+            f"sha256={sha256!r} is not a SHA-256 (64 hexadecimal digits): pass the file's "
+            "checksum as sha256sum prints it, or None to skip the check."
+        )
+    return sha256.lower()
+
+
+def _tokenizer(location: str, options: dict[str, Any], named: str) -> Any:
+    """The source's tokenizer; a GGUF without one, or with one transformers cannot build, is
+    refused by name."""
+    from transformers import AutoTokenizer
+
+    if "gguf_file" in options:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(Path(location) / options["gguf_file"]).fields
+        lacking = [k for k in TOKENIZER_FIELDS if k not in fields]
+        if lacking:
+            raise WorldSourceError(
+                f"{named} holds no tokenizer (its metadata lacks {', '.join(lacking)}): the "
+                "file was written without one. Use a GGUF converted with its tokenizer."
+            )
+    try:
+        return AutoTokenizer.from_pretrained(location, **options)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise WorldSourceError(
+            f"Cannot load the tokenizer of {named} ({first}): pass a GGUF file with its "
+            "tokenizer, a save_pretrained directory with its tokenizer, or a hub id this "
+            "machine can reach."
+        ) from None
+
+
+def _check_complete(model: Any, info: dict[str, Any], named: str, gguf: Optional[Path]) -> None:
+    """Refuse a model whose parameters did not all come from the source, naming the tensors.
+
+    transformers fills a missing or misshapen weight with a random one and says so in a
+    report that TransformerLens's logging setting hides; the report is read here instead.
+    """
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        name, found, wanted = mismatched[0]
+        raise WorldSourceError(
+            f"{named}: the tensor for {name} has shape {tuple(found)}, the model's is "
+            f"{tuple(wanted)} ({len(mismatched)} such tensors): the file is damaged or its "
+            "header does not describe its tensors. Fetch it again."
+        )
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise WorldSourceError(
+            f"{named} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+            f"{more}): the file is truncated, or declares more layers than it holds. Fetch it "
+            "again."
+        )
+    if gguf is not None:
+        from gguf import GGUFReader
+
+        layers = model.config.num_hidden_layers
+        beyond = sorted(
+            tensor.name
+            for tensor in GGUFReader(gguf).tensors
+            if (block := re.match(r"blk\.(\d+)\.", tensor.name)) and int(block[1]) >= layers
+        )
+        if beyond:
+            raise WorldSourceError(
+                f"{gguf} holds {len(beyond)} tensors of blocks beyond the {layers} its header "
+                f"declares (e.g. {beyond[0]}): the header is damaged. Fetch the file again."
+            )
 
 
 def _plain_copy(model: Any) -> Any:
@@ -174,17 +295,6 @@ def _plain_copy(model: Any) -> Any:
     return plain.eval()
 
 
-def replace_directory(partial: Path, target: Path) -> None:
-    """Rename a finished directory into place, replacing (then deleting) an old one."""
-    stale = None
-    if target.exists():
-        stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
-        os.replace(target, stale)
-    os.replace(partial, target)
-    if stale is not None:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
 def _gguf_path(source: Path, gguf_file: Optional[str]) -> Optional[Path]:
     """The GGUF file ``source`` (and ``gguf_file``) name, or ``None`` for a checkpoint."""
     if gguf_file is not None:
@@ -194,10 +304,9 @@ def _gguf_path(source: Path, gguf_file: Optional[str]) -> Optional[Path]:
     return None
 
 
-def _check_architecture(found: str, allowed: Sequence[str], where: Any) -> None:
-    if found not in allowed:
+def _check_architecture(found: str, allowed: Optional[Sequence[str]], where: Any) -> None:
+    if allowed is not None and found not in allowed:
         raise WorldSourceError(
-            f"{where} holds a {found!r} model, not one of {tuple(allowed)}: the real-model "
-            "world's recipe is written for a Llama (SmolLM2). Pass a SmolLM2 or Llama checkpoint "
-            "(e.g. HuggingFaceTB/SmolLM2-135M), or leave the source out to use the pinned one."
+            f"{where} holds a {found!r} model, not one of {tuple(allowed)}: pass a checkpoint of "
+            "one of those, or widen architectures= to one the bridge supports."
         )

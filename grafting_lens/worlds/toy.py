@@ -84,7 +84,6 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +96,16 @@ from grafting_lens.core.console import threads_beyond_cores
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import cache_root
 from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import (
+    check_cache_dir,
+    check_replaceable,
+    make_directory,
+    remove_directory,
+    replace_directory,
+    seal,
+    sibling,
+    waiting_lock,
+)
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.toy_corpus import (
     prepare_for_transformer_lens,
@@ -257,42 +266,41 @@ def build_toy_world(
     key = _world_key(config, relations)
     root = cache_root / key
 
-    if root.exists() and not force:
-        problem = _check_world(root, key)
-        if problem is None:
-            return _open_world(root, config)
-        warnings.warn(
-            f"The cached toy world at {root} is unusable ({problem}); rebuilding it. "
-            "Nothing to do on your side, but if this repeats, delete the directory.",
-            stacklevel=2,
-        )
-
-    try:
-        cache_root.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise GraftingLensError(
-            f"Cannot create the toy-world cache {cache_root} ({error}): pass cache_dir=... or set "
-            "GRAFTING_LENS_CACHE to a writable directory."
-        ) from error
-    _remove_abandoned_builds(cache_root, key)
-    partial = cache_root / f".{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    # The package ships the default world: unpacking it takes seconds and gives every
-    # machine the same checkpoints; force=True runs the recipe instead.
-    from_package = not force and _ships(config, key)
-    previous_threads = torch.get_num_threads()
-    try:
-        if threads is not None:
-            torch.set_num_threads(threads)
-        if from_package:
-            materialize(partial)
-        else:
-            _build(partial, key, config, relations, progress)
-        _move_into_place(partial, root, key)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
-        torch.set_num_threads(previous_threads)
+    if root.exists() and not force and _check_world(root, key) is None:
+        return _open_world(root, config)
+    check_cache_dir(cache_root, "The toy-world cache")
+    # One process makes the entry; another asking for it meanwhile waits, then opens it.
+    with waiting_lock(cache_root / f".{key}.lock"):
+        if root.exists() and not force:
+            problem = _check_world(root, key)
+            if problem is None:
+                return _open_world(root, config)
+            warnings.warn(
+                f"The cached toy world at {root} is unusable ({problem}); rebuilding it. "
+                "Nothing to do on your side, but if this repeats, delete the directory.",
+                stacklevel=2,
+            )
+        check_replaceable(root, "The cached toy world")
+        _remove_abandoned_builds(cache_root, key)
+        # The package ships the default world: unpacking it takes seconds and gives every
+        # machine the same checkpoints; force=True runs the recipe instead.
+        from_package = not force and _ships(config, key)
+        partial = make_directory(sibling(root))
+        previous_threads = torch.get_num_threads()
+        try:
+            if threads is not None:
+                torch.set_num_threads(threads)
+            if from_package:
+                materialize(partial)
+            else:
+                _build(partial, key, config, relations, progress)
+            seal(partial)
+            replace_directory(partial, root, "The cached toy world")
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads(previous_threads)
     return _open_world(root, config)
 
 
@@ -383,25 +391,11 @@ def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
     )
 
 
-def _move_into_place(partial: Path, root: Path, key: str) -> None:
-    """Rename the finished build to its final name, replacing a corrupt predecessor."""
-    stale = None
-    if root.exists():
-        stale = root.with_name(f".{key}.stale-{uuid.uuid4().hex[:8]}")
-        os.replace(root, stale)
-    try:
-        os.replace(partial, root)
-    except OSError:
-        # Another process finished the same build first; keep theirs if it is intact.
-        if _check_world(root, key) is not None:
-            raise
-        shutil.rmtree(partial, ignore_errors=True)
-    if stale is not None:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
 def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
-    """Delete partial builds of ``key`` whose process no longer exists (POSIX only)."""
+    """Delete the working directories of ``key`` whose process no longer exists (POSIX only).
+
+    Only directories the library made go (:func:`~grafting_lens.worlds.directories.remove_directory`).
+    """
     if os.name != "posix":
         return
     for path in cache_root.glob(f".{key}.partial-*"):
@@ -409,8 +403,8 @@ def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
             pid = int(path.name.split("partial-")[1].split("-")[0])
             os.kill(pid, 0)
         except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_directory(path)
         except (ValueError, IndexError, PermissionError, OSError):
             continue
     for path in cache_root.glob(f".{key}.stale-*"):
-        shutil.rmtree(path, ignore_errors=True)
+        remove_directory(path)

@@ -236,7 +236,7 @@ def _build(
     timings: dict[str, float] = {}
     training: dict[str, Any] = {}
     start = time.perf_counter()
-    directory.mkdir(parents=True)
+    directory.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         task_relations, relation_relations = data.split_task_relation(relations, seed=config.seed)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from importlib import resources
@@ -39,6 +40,14 @@ from typing import Any
 import torch
 
 from grafting_lens.core.errors import ToyWorldError
+from grafting_lens.worlds.directories import (
+    MARKER,
+    check_replaceable,
+    make_directory,
+    replace_directory,
+    seal,
+    sibling,
+)
 
 __all__ = ["SHIPPED_MODELS", "check_shipped", "export_world", "materialize", "shipped_manifest"]
 
@@ -95,12 +104,12 @@ def check_shipped(root: Path | None = None) -> dict[str, Any]:
 def materialize(destination: Path, root: Path | None = None) -> dict[str, Any]:
     """Write the shipped world as a toy-world cache entry (float32 ``save_pretrained`` layout).
 
-    ``destination`` must not exist; the caller renames it into place. The manifest
-    written there is the shipped one with ``files`` (the checksums of what was written,
-    which the cache checks) and ``source: "shipped"``.
+    ``destination`` is new, or an empty directory the caller made; the caller renames it
+    into place. The manifest written there is the shipped one with ``files`` (the
+    checksums of what was written, which the cache checks) and ``source: "shipped"``.
 
     Args:
-        destination: A new directory.
+        destination: A new or empty directory.
         root: The shipped directory (default: the installed package's).
 
     Returns:
@@ -113,7 +122,7 @@ def materialize(destination: Path, root: Path | None = None) -> dict[str, Any]:
 
     root = shipped_root() if root is None else Path(root)
     manifest = check_shipped(root)
-    destination.mkdir(parents=True)
+    destination.mkdir(parents=True, exist_ok=True)
     shutil.copytree(root / "tokenizer", destination / "tokenizer")
     shutil.copy2(root / "relations.json", destination / "relations.json")
     for name in SHIPPED_MODELS:
@@ -151,15 +160,52 @@ def export_world(
 
     Raises:
         ToyWorldError: A weight is not exactly representable in float16.
+        WorldCacheError: ``destination`` holds files that are not an earlier export's.
     """
-    from safetensors.torch import load_file, save_file
-
     manifest = json.loads((world_root / "manifest.json").read_text())
     manifest.pop("files", None)
     manifest.pop("source", None)
-    if destination.exists():
-        shutil.rmtree(destination)
-    destination.mkdir(parents=True)
+    destination = Path(destination)
+    previous = _is_export(destination)
+    if not previous:
+        check_replaceable(destination, "The destination")
+    final, destination = destination, make_directory(sibling(destination))
+    try:
+        _export(world_root, destination, manifest, extra)
+        seal(destination)
+        if previous:  # an earlier export, every file of it listed in its manifest: ours
+            stale = sibling(final, "stale")
+            os.replace(final, stale)
+            os.replace(destination, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            replace_directory(destination, final, "The destination")
+    except BaseException:
+        shutil.rmtree(destination, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _is_export(directory: Path) -> bool:
+    """Whether ``directory`` is an earlier export: exactly the files its manifest lists."""
+    try:
+        listed = json.loads((directory / "manifest.json").read_text())["package_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    present = {
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
+        if path.is_file() and path.name not in ("manifest.json", MARKER)
+    }
+    return isinstance(listed, dict) and present == set(listed)
+
+
+def _export(
+    world_root: Path, destination: Path, manifest: dict[str, Any], extra: Mapping[str, Any] | None
+) -> None:
+    """Write the shipped layout of ``world_root`` into the empty ``destination``."""
+    from safetensors.torch import load_file, save_file
+
     shutil.copytree(world_root / "tokenizer", destination / "tokenizer")
     shutil.copy2(world_root / "relations.json", destination / "relations.json")
     for name in SHIPPED_MODELS:
@@ -179,15 +225,15 @@ def export_world(
     manifest["weights_dtype"] = "float16"
     manifest["package_files"] = file_digests(destination)
     (destination / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
 
 
 def file_digests(directory: Path) -> dict[str, str]:
-    """SHA-256 of every file under ``directory`` except ``manifest.json``, by relative path."""
+    """SHA-256 of every file under ``directory`` except ``manifest.json`` and the library's
+    marker, by relative path."""
     return {
         path.relative_to(directory).as_posix(): sha256_file(path)
         for path in sorted(directory.rglob("*"))
-        if path.is_file() and path.name != "manifest.json"
+        if path.is_file() and path.name not in ("manifest.json", MARKER)
     }
 
 

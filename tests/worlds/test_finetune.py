@@ -110,7 +110,7 @@ def test_padding_is_masked_out_of_the_loss(tokenizer):
     model = tiny_model(tokenizer).eval()
     bos, eos, pad = finetune_module._special_ids(tokenizer)
     (short, long), n_truncated = finetune_module._encode(
-        tokenizer, ["Ada Lovelace", DOCUMENTS[0]], bos, eos, 64
+        tokenizer, ["Ada Lovelace", DOCUMENTS[0]], [bos], eos, 64
     )
     assert n_truncated == 0
     assert short[0] == bos and short[-1] == eos
@@ -269,3 +269,21 @@ def test_another_runs_checkpoint_is_not_resumed(tokenizer, tmp_path):
         )
     fresh = finetune(tiny_model(tokenizer), tokenizer, DOCUMENTS, epochs=1, lr=1e-3)
     assert other.val_losses == fresh.val_losses
+
+
+@pytest.mark.parametrize("content", [b"my own notes", None])
+def test_a_file_in_the_checkpoint_dir_that_finetune_did_not_write_is_never_replaced(
+    tokenizer, tmp_path, content
+):
+    path = tmp_path / "epoch.pt"
+    if content is None:  # a readable torch file, but not a checkpoint of finetune's
+        torch.save({"weights": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(content)
+    before = path.read_bytes()
+
+    with pytest.raises(GraftingLensError, match=r"epoch\.pt is not a finetuning checkpoint"):
+        finetune(
+            tiny_model(tokenizer), tokenizer, DOCUMENTS, epochs=1, lr=1e-3, checkpoint_dir=tmp_path
+        )
+    assert path.read_bytes() == before

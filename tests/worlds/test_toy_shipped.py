@@ -159,13 +159,14 @@ def test_a_damaged_package_is_refused(tmp_path, monkeypatch, damage):
     with pytest.raises(ToyWorldError, match="(damaged|manifest).*Reinstall.*force=True"):
         build_toy_world(cache_dir=cache, progress=False)
 
-    assert not cache.exists() or not any(cache.iterdir())  # nothing half-unpacked left
+    # nothing half-unpacked left, only the lock file that kept unpackers apart
+    assert not cache.exists() or [p.suffix for p in cache.iterdir()] == [".lock"]
 
 
 def test_force_runs_the_recipe_instead_of_unpacking(tmp_path, monkeypatch):
     built = []
-    monkeypatch.setattr(toy, "_build", lambda *args: built.append(args) or args[0].mkdir())
-    monkeypatch.setattr(toy, "_move_into_place", lambda *args: None)
+    monkeypatch.setattr(toy, "_build", lambda *args: built.append(args))
+    monkeypatch.setattr(toy, "replace_directory", lambda *args: None)
     monkeypatch.setattr(toy, "_open_world", lambda root, config: root)
     build_toy_world(cache_dir=tmp_path, force=True, progress=False)
     assert len(built) == 1
@@ -200,3 +201,74 @@ def test_export_refuses_weights_float16_would_change(tmp_path):
     save_file(weights, str(path), metadata={"format": "pt"})
     with pytest.raises(ToyWorldError, match="float16"):
         toy_shipped.export_world(world.root, tmp_path / "package")
+
+
+_UNPACKER = """
+import sys, time
+import grafting_lens.worlds.toy as toy
+from grafting_lens.worlds import toy_shipped
+
+real = toy_shipped.materialize
+log = open(sys.argv[2], "a")
+
+def slow(destination, root=None):
+    log.write(f"unpacking {sys.argv[3]}\\n"); log.flush()
+    written = real(destination, root)
+    time.sleep(float(sys.argv[4]))  # the other process arrives while this one unpacks
+    return written
+
+toy.materialize = slow
+world = toy.build_toy_world(cache_dir=sys.argv[1], progress=False)
+models = [(world.root / name / "model.safetensors").read_bytes()[:8] for name in toy.MODEL_NAMES]
+print(world.root)
+"""
+
+
+def test_two_processes_unpacking_into_one_empty_cache_both_get_the_world(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    cache, log = tmp_path / "cache", tmp_path / "log.txt"
+    log.write_text("")
+
+    def start(name, pause):
+        return subprocess.Popen(
+            [sys.executable, "-c", _UNPACKER, str(cache), str(log), name, str(pause)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    first = start("first", 4)
+    deadline = time.time() + 60
+    while "unpacking first" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.1)
+    second = start("second", 0)
+    outputs = [process.communicate(timeout=120) for process in (first, second)]
+
+    assert [process.returncode for process in (first, second)] == [0, 0], outputs
+    assert outputs[0][0] == outputs[1][0]  # the same world
+    assert log.read_text() == "unpacking first\n"  # the second waited and opened it
+
+
+def test_an_export_never_replaces_a_folder_of_the_users(tmp_path):
+    from grafting_lens.core.errors import WorldCacheError
+
+    world = build_toy_world(TINY, cache_dir=tmp_path / "cache", progress=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+
+    with pytest.raises(WorldCacheError, match=r"mine holds files grafting-lens did not write"):
+        toy_shipped.export_world(world.root, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+    package = tmp_path / "package"
+    toy_shipped.export_world(world.root, package)
+    toy_shipped.export_world(world.root, package)  # an earlier export is replaced
+    toy_shipped.check_shipped(package)
+    (package / "notes.txt").write_text("added by hand")
+    with pytest.raises(WorldCacheError, match=r"did not write"):
+        toy_shipped.export_world(world.root, package)
+    assert (package / "notes.txt").exists()

