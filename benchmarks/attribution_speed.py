@@ -48,7 +48,7 @@ from graft_speed import gpt2_small, placeholder_tokenizer
 import grafting_lens as gl
 from grafting_lens import study as experiments
 from grafting_lens.analysis.attribution import AttributionPlan
-from grafting_lens.analysis.batch import TokenizedExamples
+from grafting_lens.analysis.batch import TokenizedExamples, tokenize_examples
 from grafting_lens.worlds import data
 
 
@@ -121,9 +121,7 @@ def speed(args: argparse.Namespace) -> dict:
 
 def agreement() -> dict:
     model_set, relations, _ = experiments.toy_setup("position", progress=False)
-    batch = data.tokenize_examples(
-        data.make_examples(relations, prompt="headline"), model_set.tokenizer
-    )
+    batch = tokenize_examples(data.make_examples(relations, prompt="headline"), model_set.tokenizer)
     found = {}
     for method in ("gradient", "integrated"):
         start = time.perf_counter()

@@ -83,6 +83,7 @@ def main() -> None:
     torch.set_num_threads(arguments.threads)
 
     import grafting_lens as gl
+    from grafting_lens.analysis.batch import tokenize_examples
     from grafting_lens.analysis.comparison import compare_graft_and_patch
     from grafting_lens.worlds import data
 
@@ -91,7 +92,7 @@ def main() -> None:
         make_adapter(arguments.base, adapter)
         models = gl.load_models(arguments.base, adapter, dtype=torch.float32)
     relations = data.make_relations("fake_movies_real_actors", n=arguments.prompts, seed=0)
-    batch = data.tokenize_examples(data.make_examples(relations, prompt="qa"), models.tokenizer)
+    batch = tokenize_examples(data.make_examples(relations, prompt="qa"), models.tokenizer)
     loaded = rss_gib()
     start = time.perf_counter()
     results = compare_graft_and_patch(models, batch, progress=False)

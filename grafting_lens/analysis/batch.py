@@ -124,7 +124,7 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         raise BatchError(
             f"Expected a tokenized batch with tokens, attention_mask, target_ids and spans; "
             f"{type(tokenized).__name__} lacks {missing}. Build one with "
-            "grafting_lens.worlds.data.tokenize_examples(examples, models.tokenizer)."
+            "grafting_lens.analysis.batch.tokenize_examples(examples, models.tokenizer)."
         )
     tokens = torch.as_tensor(tokenized.tokens).cpu()
     shape = models.check_tokens(tokens, "tokens")

@@ -55,7 +55,7 @@ embedding module at those positions and never touches the unembedding. (The
 paper's released code copies parameter values instead, so on a tied model a
 position whose embedding it grafts is also decoded by the donor's unembedding; a
 mask says that by grafting ``unembed`` there too, which the experiments'
-``REFERENCE`` semantics does: see :class:`grafting_lens.study.Semantics`.)
+``REFERENCE`` semantics does: see :class:`grafting_lens.study.semantics.Semantics`.)
 """
 
 from __future__ import annotations

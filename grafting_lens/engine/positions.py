@@ -316,7 +316,7 @@ SPAN_ALIASES: dict[str, str] = {
     "M": "movie",
     "REL": "relation",
 }
-"""The paper's labels for the spans :func:`grafting_lens.worlds.data.tokenize_examples` marks."""
+"""The paper's labels for the spans :func:`grafting_lens.analysis.batch.tokenize_examples` marks."""
 
 _SPAN_TOKEN = re.compile(r"\^[Cc]|[()+]|[A-Za-z_][A-Za-z_0-9]*|\S")
 
@@ -457,7 +457,7 @@ def _named_span(
         + (
             "use a prompt that names the movie (see grafting_lens.study.MOVIE_PROMPTS)."
             if name == "movie"
-            else "tokenize with grafting_lens.worlds.data.tokenize_examples, which marks the "
+            else "tokenize with grafting_lens.analysis.batch.tokenize_examples, which marks the "
             "paper's spans, or give a [batch, pos] boolean tensor."
         )
     )

@@ -1,7 +1,7 @@
 """The ``grafting-lens`` command: the paper's experiments, each from one line.
 
 ``grafting-lens run <experiment> --out DIR`` runs any registered experiment
-(:data:`grafting_lens.study.EXPERIMENTS`; ``grafting-lens run`` lists them, and
+(:data:`grafting_lens.study.specs.EXPERIMENTS`; ``grafting-lens run`` lists them, and
 ``grafting-lens run <experiment> --help`` its options) on the toy world
 (:mod:`grafting_lens.worlds.toy`, built and cached on first use) or, with ``--model`` and the
 experiment's donor options, on real checkpoints. It writes into ``DIR``:
@@ -17,7 +17,7 @@ experiment's donor options, on real checkpoints. It writes into ``DIR``:
 
 Every grafting experiment of the paper runs, by default, as the authors' released
 code does (``--semantics reference``: see
-:class:`grafting_lens.study.Semantics` and the concept page "The paper's text,
+:class:`grafting_lens.study.semantics.Semantics` and the concept page "The paper's text,
 the authors' code, and this library"); ``--semantics clean`` runs it the library's
 way, and ``--semantics reference+unembed=base`` (or ``--unembed base``) changes one
 point. ``results.csv`` records the semantics of every row.

@@ -16,7 +16,7 @@ with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its baseline
 name; :func:`~grafting_lens.study.specs.register_config` is the one door for more, and
 :func:`~grafting_lens.study.specs.get_configs` looks names up.
 
-What a name means depends on a :class:`~grafting_lens.study.Semantics`: which
+What a name means depends on a :class:`~grafting_lens.study.semantics.Semantics`: which
 members a group such as ``all`` brings (:func:`resolve_components`), and, for the
 hybrid graft, which configurations a name stands for (the code's hybrid model,
 :data:`HYBRID`, under ``hybrid="code"``; :func:`~grafting_lens.study.specs.get_configs`).
@@ -98,7 +98,7 @@ def resolve_components(
 ) -> tuple[str, ...]:
     """The components a graft names, for this architecture, in :data:`~grafting_lens.models.components.COMPONENTS` order.
 
-    Which members a group brings is the semantics' to say (:class:`~grafting_lens.study.Semantics`:
+    Which members a group brings is the semantics' to say (:class:`~grafting_lens.study.semantics.Semantics`:
     ``unembed``, ``embed``, ``pos_embed``, ``final_norm``); a component named on its own
     is always taken. With ``fused_qkv="as_code"``, on an architecture whose Q, K and V are
     one fused matrix, ``q`` brings ``k`` and ``v`` along and ``k``, ``v`` without ``q``
@@ -109,8 +109,8 @@ def resolve_components(
             Case does not matter. Paper names: see :data:`PAPER_COMPONENTS`; otherwise the
             components and groups of :mod:`grafting_lens.models.components`.
         models: The model set (what its architecture has).
-        semantics: A :class:`~grafting_lens.study.Semantics` or its label (default
-            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released code;
+        semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label (default
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released code;
             ``"clean"`` for the library's reading).
 
     Raises:
@@ -376,7 +376,7 @@ MOVIE_CONFIGS: dict[str, GraftConfig] = _registry(
     ]
 )
 """Position grafting at the movie title; needs prompts that name it
-(:data:`~grafting_lens.study.MOVIE_PROMPTS`)."""
+(:data:`~grafting_lens.study.testsets.MOVIE_PROMPTS`)."""
 
 COMPONENT_SETS: dict[str, str] = {
     "ATTN+O+FFN": "ATTN+O+FFN",

@@ -33,6 +33,7 @@ import pandas as pd
 
 from grafting_lens.analysis import plots
 from grafting_lens.analysis.attribution import attribute_grafts
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.graft_search import find_minimal_graft
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.core.files import atomic_write, writing
@@ -93,7 +94,7 @@ def run(
     verify = _verify(extras.get("verify"))
     count = QUICK_RELATIONS if quick else n_examples
     batches = {
-        prompt: data.tokenize_examples(
+        prompt: tokenize_examples(
             data.make_examples(setup.relations, prompt=prompt)[:count], models.tokenizer
         )
         for prompt in PROMPTS

@@ -4,10 +4,10 @@ The tensor API (:class:`~grafting_lens.GraftMask`, :func:`~grafting_lens.graft_f
 takes token ids, attention masks and position tensors; a researcher with a question
 ("does the finetuned model's last-token computation carry the fact?") has prompts and
 answers. :func:`graft` asks it in one call. It is a front end to the experiment runner
-(:func:`~grafting_lens.study.run_experiment`): the prompts are tokenized, the grafts
+(:func:`~grafting_lens.study.runner.run_experiment`): the prompts are tokenized, the grafts
 built and run (logits at the scored token only), and the answer scored exactly as every
 experiment of the library does, under the one default semantics (the paper's released
-code, :data:`~grafting_lens.study.REFERENCE`) unless ``semantics=`` says otherwise, so a
+code, :data:`~grafting_lens.study.semantics.REFERENCE`) unless ``semantics=`` says otherwise, so a
 number read here is the number a full run reports. :func:`plot_graft` draws the table.
 
 Places are named the way you would say them: ``"last"`` (the token that predicts the
@@ -100,7 +100,7 @@ def graft(
         layers: At which layers (``"all"``, ``"last_half"``, a list...).
         donor: The donor's index or name in the model set.
         semantics: How the run reads components, tokenizes and ranks (default: the
-            one default, :data:`~grafting_lens.study.REFERENCE`; ``"clean"`` for the
+            one default, :data:`~grafting_lens.study.semantics.REFERENCE`; ``"clean"`` for the
             library's reading).
         top_k: How many of the most likely next tokens each row lists.
 
@@ -114,7 +114,7 @@ def graft(
     Raises:
         SelectionError: A place that is in no prompt or selects nothing, a bad donor,
             prompts or answers that are not text.
-        GraftingLensError: What :func:`~grafting_lens.study.run_experiment` refuses (an
+        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses (an
             unknown component, a layer outside the model...).
     """
     if not isinstance(models, ModelSet):

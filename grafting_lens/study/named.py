@@ -187,7 +187,7 @@ def checkpoint_setup(
     """Real checkpoints in an experiment's roles, and the relations they were finetuned on.
 
     Args:
-        experiment: A key of :data:`~grafting_lens.study.EXPERIMENTS`.
+        experiment: A key of :data:`~grafting_lens.study.specs.EXPERIMENTS`.
         checkpoints: Hub ids or directories, one per role (``EXPERIMENTS[experiment].roles``:
             e.g. pretrained then finetuned for ``position``; task then relation model for
             ``component``; pretrained, task, relation for ``hybrid``).
@@ -342,10 +342,10 @@ def setup_experiment(
         ExperimentError: A wrong number of checkpoints, or an unknown world.
     """
     spec = get_experiment(experiment)
-    from grafting_lens.study.run_command import WORLDS
+    from grafting_lens.worlds.real_recipe import WORLDS
 
-    if world not in WORLDS:
-        raise ExperimentError(f"No world {world!r}: choose one of {', '.join(WORLDS)}.")
+    if world != "toy" and world not in WORLDS:
+        raise ExperimentError(f"No world {world!r}: choose one of toy, {', '.join(WORLDS)}.")
     if checkpoints is None and world != "toy":
         if on_status is not None:
             on_status(f"Opening the {world} world...")
@@ -450,10 +450,10 @@ def run_named_experiment(
     on_chunk: Callable[[ChunkInfo], None] | None = None,
     **settings: Any,
 ) -> pd.DataFrame:
-    """Run one of :data:`~grafting_lens.study.EXPERIMENTS` over ``relations``: every part, every prompt.
+    """Run one of :data:`~grafting_lens.study.specs.EXPERIMENTS` over ``relations``: every part, every prompt.
 
     Args:
-        experiment: A key of :data:`~grafting_lens.study.EXPERIMENTS`.
+        experiment: A key of :data:`~grafting_lens.study.specs.EXPERIMENTS`.
         models: The model set in the experiment's roles (see :func:`toy_setup`).
         relations: What to ask about.
         out: A directory; each part runs (resumably) in ``out/<part>``.
@@ -462,11 +462,11 @@ def run_named_experiment(
         n_examples: Ask about the first ``n_examples`` relations only.
         dataset: Label of the relations (the ``dataset`` column).
         seed: Seed the relations were made with (the ``data_seed`` column).
-        options: How to run (see :class:`~grafting_lens.study.RunOptions`); its
+        options: How to run (see :class:`~grafting_lens.study.runner.RunOptions`); its
             ``semantics`` defaults to the experiment's (:attr:`ExperimentSpec.semantics`:
-            :data:`~grafting_lens.study.REFERENCE` for the paper's experiments).
-        on_chunk: Called after each chunk (see :func:`~grafting_lens.study.run_experiment`).
-        **settings: Fields of :class:`~grafting_lens.study.RunOptions` by name
+            :data:`~grafting_lens.study.semantics.REFERENCE` for the paper's experiments).
+        on_chunk: Called after each chunk (see :func:`~grafting_lens.study.runner.run_experiment`).
+        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions` by name
             (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
 
     Returns:
@@ -474,7 +474,7 @@ def run_named_experiment(
         experiment with its own runner, its ``results`` table).
 
     Raises:
-        GraftingLensError: Anything :func:`~grafting_lens.study.run_experiment`
+        GraftingLensError: Anything :func:`~grafting_lens.study.runner.run_experiment`
             refuses, for any part, before the first part runs.
     """
     spec = get_experiment(experiment)
@@ -522,11 +522,11 @@ def run_spec(
         options: How to run; ``settings`` override its fields.
         extras: Values of the experiment's own options (see :class:`Option`).
         on_chunk: Called after each chunk.
-        prompts: Test sets of your own prompts (:func:`~grafting_lens.study.read_prompts`)
+        prompts: Test sets of your own prompts (:func:`~grafting_lens.study.testsets.read_prompts`)
             asked instead of the relations, under the first part's configurations (the
             others need spans of the paper's prompts, such as the movie title); a grid
             experiment only. ``n_examples`` keeps the first rows of each.
-        **settings: Fields of :class:`~grafting_lens.study.RunOptions`.
+        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions`.
 
     The semantics is ``options.semantics`` or, if none is given, the experiment's
     (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
@@ -538,7 +538,7 @@ def run_spec(
     Raises:
         ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left to
             ask about. GraftingLensError: anything
-            :func:`~grafting_lens.study.run_experiment` refuses, for any part, before
+            :func:`~grafting_lens.study.runner.run_experiment` refuses, for any part, before
             the first part runs.
     """
     spec = get_experiment(experiment)

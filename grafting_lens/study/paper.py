@@ -1,4 +1,4 @@
-"""The paper's experiments, one registered :class:`~grafting_lens.study.ExperimentSpec` each.
+"""The paper's experiments, one registered :class:`~grafting_lens.study.specs.ExperimentSpec` each.
 
 * ``position``: figures 2 and 3a, every SFT weight at some positions, into PRE;
 * ``component``: figure 4, matrices at the last token, relation model into task model;
@@ -10,16 +10,16 @@
   verified by exact grafts, and the smallest graft found that recovers SFT;
 * ``demo``: position grafting end to end, the quickest look.
 
-Each is runnable from Python (:func:`~grafting_lens.study.run_named_experiment`)
+Each is runnable from Python (:func:`~grafting_lens.study.named.run_named_experiment`)
 and from the command line (``grafting-lens run <name> --out <dir>``). A new experiment
-is one more :func:`~grafting_lens.study.register_experiment` call (see the
+is one more :func:`~grafting_lens.study.specs.register_experiment` call (see the
 developer guide, "Adding an experiment").
 
-The grafting experiments run under :data:`~grafting_lens.study.REFERENCE`, the
-one default (:data:`~grafting_lens.study.DEFAULT_SEMANTICS`), and name it: they
+The grafting experiments run under :data:`~grafting_lens.study.semantics.REFERENCE`, the
+one default (:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`), and name it: they
 exist to reproduce the paper's figures, and those were made by the authors' released
 code, which differs from the paper's text on several points (see
-:class:`~grafting_lens.study.Semantics`). ``--semantics clean`` runs them the
+:class:`~grafting_lens.study.semantics.Semantics`). ``--semantics clean`` runs them the
 library's way. The grafting-versus-patching comparison and graft attribution are this
 library's own experiments (the paper's code has neither) and run clean only.
 """
@@ -86,7 +86,8 @@ COMPONENT_NOTE = (
     "as the semantics says (reference: the code's n // 4 quarters, 'last_half' = third and "
     "fourth quarters)."
 )
-COMPONENT_SUMMARY = ("config", "component_set", "layer_range", "prompt")
+COMPONENT_SUMMARY = ("config", "component_set", "layer_range", "layers", "prompt")
+"""``layers``: the numbers each range grafted on the model (the legend shows them)."""
 
 
 def _component_spec(
@@ -111,7 +112,7 @@ def _component_spec(
 
 POSITION_RUNS: dict[str, GraftConfig] = {**POSITION_CONFIGS, **MOVIE_CONFIGS}
 """The configurations ``position`` and ``demo`` name: the paper's eight and the movie-title
-variants (:func:`~grafting_lens.study.register_config` adds yours here)."""
+variants (:func:`~grafting_lens.study.specs.register_config` adds yours here)."""
 
 
 LIBRARY_READING_ONLY = (

@@ -22,7 +22,7 @@ from typing import Any
 import pandas as pd
 
 from grafting_lens.analysis import plots
-from grafting_lens.analysis.batch import TokenizedExamples
+from grafting_lens.analysis.batch import TokenizedExamples, tokenize_examples
 from grafting_lens.analysis.comparison import (
     DEFAULT_PAIRS,
     STREAM_PAIR,
@@ -96,7 +96,7 @@ def run(
     batches = {}
     for prompt in PROMPTS:
         examples = data.make_examples(setup.relations, prompt=prompt)[:count]
-        batches[prompt] = data.tokenize_examples(examples, models.tokenizer)
+        batches[prompt] = tokenize_examples(examples, models.tokenizer)
     tables, references = [], []
     for batch in batches.values():
         references.append(reference_scores(models, batch, sources=[0, 1]))

@@ -619,6 +619,16 @@ def mean_rank_bars(title: str) -> Callable[[pd.DataFrame, str], go.Figure]:
     return draw
 
 
+def _range_label(summary: pd.DataFrame, layer_range: str) -> str:
+    """A layer range's name with the layers it grafted ("last half (8-17)"): one name is
+    different layers under different arithmetics, so a figure says which ran."""
+    label = figure_style.display_label(layer_range)
+    if "layers" not in summary:
+        return label
+    numbers = list(dict.fromkeys(summary.loc[summary.layer_range == layer_range, "layers"]))
+    return f"{label} ({' / '.join(map(str, numbers))})" if numbers else label
+
+
 def component_heatmap(
     summary: pd.DataFrame, title: str, k: int = 5, caption: str | None = None
 ) -> go.Figure:
@@ -650,7 +660,7 @@ def component_heatmap(
             go.Heatmap(
                 z=values.to_numpy(),
                 x=[figure_style.display_label(c) for c in columns],
-                y=[figure_style.display_label(r) for r in rows],
+                y=[_range_label(grid, r) for r in rows],
                 zmin=0,
                 zmax=min(top, 1.0),
                 colorscale="Blues",
@@ -702,9 +712,10 @@ def component_bars(
             color="layer_range",
         )
         for trace in panel.data:
-            # One colour per layer range in every panel.
+            # One colour per layer range in every panel; the legend names its layers.
             names = [figure_style.display_label(r) for r in COMPONENT_LAYER_RANGES]
             shade = _COLORS[names.index(trace.name) % len(_COLORS)]
+            trace.name = _range_label(summary, COMPONENT_LAYER_RANGES[names.index(trace.name)])
             trace.marker.color = shade
             trace.marker.line.color = shade
             trace.showlegend = row == 1

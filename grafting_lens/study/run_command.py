@@ -278,16 +278,11 @@ def _run_locked(
     semantics: Any,
     dtype: str | None,
 ) -> int:
-    from grafting_lens.study import (
-        RunOptions,
-        prepare_report_directory,
-        read_prompts,
-        run_spec,
-        setup_experiment,
-        write_experiment_report,
-    )
+    from grafting_lens.study.named import run_spec, setup_experiment
+    from grafting_lens.study.report import prepare_report_directory, write_experiment_report
     from grafting_lens.study.run_directory import weights_digests
-    from grafting_lens.study.testsets import check_answers
+    from grafting_lens.study.runner import RunOptions
+    from grafting_lens.study.testsets import check_answers, read_prompts
 
     prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     started = time.perf_counter()

@@ -1,7 +1,7 @@
 """Resumable run directories: a manifest that says which run lives here, and one file per chunk.
 
 A long run is cut into chunks (a few dozen examples of one model set and test set).
-With ``out=``, :func:`~grafting_lens.study.run_experiment` keeps its run in a
+With ``out=``, :func:`~grafting_lens.study.runner.run_experiment` keeps its run in a
 directory:
 
     .lock                 held by the process writing the run (see below)
@@ -68,8 +68,9 @@ __all__ = [
     "weights_digests",
 ]
 
-RUN_FORMAT = 3
-"""Version of the run-directory layout; part of every fingerprint (3: weights digested by
+RUN_FORMAT = 4
+"""Version of the run-directory layout; part of every fingerprint (4: rows carry the layer
+numbers each configuration grafted; 3: weights digested by
 each source's fingerprint; 2 hashed every weight; chunks carry the run's fingerprint and
 a hash of their content)."""
 

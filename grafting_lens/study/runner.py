@@ -11,11 +11,11 @@ checked before the first forward pass.
 
 How a run grafts, scores, batches and saves is one :class:`RunOptions`: the place for
 a new option (it is fingerprinted with the run when it changes a row). Its
-``semantics`` (:class:`~grafting_lens.study.Semantics`) says what the
+``semantics`` (:class:`~grafting_lens.study.semantics.Semantics`) says what the
 configurations mean, how prompts are tokenized and how answers are ranked: the paper's
-released code (:data:`~grafting_lens.study.REFERENCE`, the one default,
-:data:`~grafting_lens.study.DEFAULT_SEMANTICS`) or this library's clean reading
-(:data:`~grafting_lens.study.CLEAN`, ``semantics="clean"``). Every row
+released code (:data:`~grafting_lens.study.semantics.REFERENCE`, the one default,
+:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`) or this library's clean reading
+(:data:`~grafting_lens.study.semantics.CLEAN`, ``semantics="clean"``). Every row
 records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
 ``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
 with any other implementation. :func:`run_position_grafting` is the short way to the
@@ -88,9 +88,11 @@ IDENTITY_COLUMNS = (
     "relation_id",
     "text",
     "config",
+    "layers",
     "semantics",
 )
-"""What a row is: which model set, test set, example and configuration, under which
+"""What a row is: which model set, test set, example and configuration (``layers``: the layer
+numbers it grafted on that model set, as :func:`layers_label` writes them), under which
 semantics (tags follow)."""
 
 ANSWER_COLUMNS = ("target", "target_id")
@@ -125,11 +127,11 @@ class RunOptions:
             them (``batch_size * len(configs)`` rows). Free to change when resuming.
         chunk_size: Examples per chunk (the unit that is saved and resumed).
         semantics: What the configurations mean, how prompts are tokenized and answers
-            ranked: a :class:`~grafting_lens.study.Semantics` or its label
+            ranked: a :class:`~grafting_lens.study.semantics.Semantics` or its label
             (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
-            the entry point's default, :data:`~grafting_lens.study.DEFAULT_SEMANTICS`
-            (:data:`~grafting_lens.study.REFERENCE`), or a named experiment's own
-            (the ``semantics`` of its :class:`~grafting_lens.study.ExperimentSpec`,
+            the entry point's default, :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`
+            (:data:`~grafting_lens.study.semantics.REFERENCE`), or a named experiment's own
+            (the ``semantics`` of its :class:`~grafting_lens.study.specs.ExperimentSpec`,
             which is the same for the paper's experiments).
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
@@ -255,11 +257,11 @@ def run_experiment(
     carries little padding; rows are independent, so this changes no result.
 
     The run's semantics (``options.semantics``, default
-    :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released code:
-    :data:`~grafting_lens.study.REFERENCE`; ``semantics="clean"`` for the library's
+    :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released code:
+    :data:`~grafting_lens.study.semantics.REFERENCE`; ``semantics="clean"`` for the library's
     reading) says what the configurations graft on each
     model set, how the test sets' examples are tokenized and how answers are ranked
-    (see :class:`~grafting_lens.study.Semantics`); test sets worded for another
+    (see :class:`~grafting_lens.study.semantics.Semantics`); test sets worded for another
     semantics, and models of another precision than its ``dtype``, are refused.
 
     With ``out``, the run lives in that directory (see
@@ -271,10 +273,10 @@ def run_experiment(
     Args:
         models: A model set, or ``{label: model set}`` to compare several (the
             ``models`` column; a lone model set is labelled by its names).
-        test_sets: What to ask (see :func:`~grafting_lens.study.make_test_sets`).
+        test_sets: What to ask (see :func:`~grafting_lens.study.testsets.make_test_sets`).
         configs: Configuration names (looked up in ``registry``) or :class:`GraftConfig` s.
         registry: A registered experiment (whose configurations names are looked up in:
-            :func:`~grafting_lens.study.get_configs`) or a mapping of
+            :func:`~grafting_lens.study.specs.get_configs`) or a mapping of
             configurations.
         out: Directory for resumable results (None: keep everything in memory).
         options: How to run (:class:`RunOptions`); ``settings`` override its fields.
@@ -422,36 +424,36 @@ def run_position_grafting(
 
     The paper's first experiment (section 4.1) grafts every weight of the finetuned
     model (SFT) onto the pretrained one (PRE), but only at some token positions
-    (:data:`~grafting_lens.study.POSITION_CONFIGS`: ``PRE``, ``SFT``, ``FE``,
+    (:data:`~grafting_lens.study.configs.POSITION_CONFIGS`: ``PRE``, ``SFT``, ``FE``,
     ``LT``, ``FE+LT``, ``(FE+LT)^C``, ``FE^C``, ``LT^C``), and asks whether the fact comes
     back. A thin wrapper over :func:`run_experiment` for one model set and one batch,
     kept in memory.
 
     What "every weight" is follows ``semantics`` (default
-    :data:`~grafting_lens.study.DEFAULT_SEMANTICS`,
-    :data:`~grafting_lens.study.REFERENCE`: what the paper's released code does,
-    see :class:`~grafting_lens.study.Semantics`; on a model with tied embeddings a
+    :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`,
+    :data:`~grafting_lens.study.semantics.REFERENCE`: what the paper's released code does,
+    see :class:`~grafting_lens.study.semantics.Semantics`; on a model with tied embeddings a
     grafted embedding also brings the donor's unembedding, and ``SFT`` is the donor
-    itself). ``semantics="clean"`` (:data:`~grafting_lens.study.CLEAN`) takes every
+    itself). ``semantics="clean"`` (:data:`~grafting_lens.study.semantics.CLEAN`) takes every
     component but the unembedding, so grafted positions read the donor's embeddings and
     every position predicts through the base's unembedding, as the paper's text says;
     ``SFT`` is then the donor decoded through the base's unembedding. The batch is used as
     it is: tokenize it as the semantics says
     (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``); a batch
-    :func:`~grafting_lens.worlds.data.tokenize_examples` made under other rules is refused.
+    :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other rules is refused.
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
         tokenized: A :class:`grafting_lens.analysis.batch.TokenizedExamples` (or anything with
             ``tokens``, ``attention_mask``, ``target_ids``, ``spans`` and
             ``examples``): right-padded prompts ending right before the answer.
-        configs: Names in :data:`~grafting_lens.study.POSITION_CONFIGS`, in the
+        configs: Names in :data:`~grafting_lens.study.configs.POSITION_CONFIGS`, in the
             order wanted in tables.
         batch_size: Examples per forward pass.
         components: What to graft instead of ``all``, read under ``semantics`` as any
             graft's components are.
-        semantics: A :class:`~grafting_lens.study.Semantics` or its label
-            (default :data:`~grafting_lens.study.DEFAULT_SEMANTICS`).
+        semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label
+            (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
         source: Index of the donor in the model set.
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
@@ -546,7 +548,7 @@ def _grid(
 
 
 def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
-    """Refuse a batch that :func:`~grafting_lens.worlds.data.tokenize_examples` made under other
+    """Refuse a batch that :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other
     rules than the semantics' (a batch built by hand records none and is taken as it is).
 
     Raises:
@@ -702,6 +704,7 @@ def _run_examples(
 
     score_columns = [scores[column] for column in scorer.columns]
     seed_values = list(grid.options.seeds.values())
+    layer_labels = [layers_label(grafts) for grafts in grid.resolved[cell.model_index]]
     rows = []
     example_list = examples.tolist()
     for config_index, config in enumerate(grid.configs):
@@ -722,6 +725,7 @@ def _run_examples(
                     getattr(example, "relation_id", None),
                     getattr(example, "text", None),
                     config.name,
+                    layer_labels[config_index],
                     grid.semantics.label,
                     *tags,
                     getattr(example, "target", None),
@@ -732,3 +736,31 @@ def _run_examples(
                 ]
             )
     return rows
+
+
+def layers_label(grafts: Sequence[ResolvedGraft]) -> str:
+    """The layers a configuration grafted, in numbers: ``"8-17"``, or per component where its
+    grafts differ (``"attn 0-17; o+mlp_in+mlp_out 9-17"``); ``"-"`` where none grafts a layer.
+
+    A range's name means different layers under different arithmetics (``last_half`` of 18 is
+    9-17 in fractions, 8-17 in the code's quarters): the rows and the figures say which ran.
+    """
+
+    def numbers(layers: Sequence[int]) -> str:
+        runs: list[list[int]] = []
+        for layer in sorted(set(layers)):
+            if runs and layer == runs[-1][-1] + 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+    layered = [graft for graft in grafts if graft.layers]
+    spans = list(dict.fromkeys(numbers(graft.layers) for graft in layered))
+    if not spans:
+        return "-"
+    if len(spans) == 1:
+        return spans[0]
+    return "; ".join(
+        dict.fromkeys(f"{'+'.join(g.components)} {numbers(g.layers)}" for g in layered)
+    )

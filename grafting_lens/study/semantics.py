@@ -35,15 +35,15 @@ what each moves on the toy world.
 There is one default, :data:`DEFAULT_SEMANTICS`, which is :data:`REFERENCE`: whatever
 takes a semantics and is given none runs as the paper's released code, so a configuration
 name grafts the same weights everywhere. That is true of the command
-(``grafting-lens run <experiment>``), :func:`~grafting_lens.study.run_named_experiment`,
-:func:`~grafting_lens.study.run_experiment`,
-:func:`~grafting_lens.study.run_position_grafting`, :class:`RunOptions
-<grafting_lens.study.RunOptions>`, :func:`~grafting_lens.study.config_masks`,
+(``grafting-lens run <experiment>``), :func:`~grafting_lens.study.named.run_named_experiment`,
+:func:`~grafting_lens.study.runner.run_experiment`,
+:func:`~grafting_lens.study.runner.run_position_grafting`, :class:`RunOptions
+<grafting_lens.study.RunOptions>`, :func:`~grafting_lens.study.stacking.config_masks`,
 :func:`~grafting_lens.study.stacking.resolve_configs`,
-:func:`~grafting_lens.study.resolve_components`,
-:func:`~grafting_lens.study.get_configs`, a new
-:class:`~grafting_lens.study.ExperimentSpec`, and of the wording of
-:func:`~grafting_lens.study.make_test_sets` (the default semantics' ``prompts``,
+:func:`~grafting_lens.study.configs.resolve_components`,
+:func:`~grafting_lens.study.specs.get_configs`, a new
+:class:`~grafting_lens.study.specs.ExperimentSpec`, and of the wording of
+:func:`~grafting_lens.study.testsets.make_test_sets` (the default semantics' ``prompts``,
 the code's). Pass ``semantics="clean"`` (or :data:`CLEAN`) for the library's reading,
 where a component means what it names. The lens's masks (:class:`~grafting_lens.GraftMask`,
 :func:`~grafting_lens.grafting`) take no semantics and graft every component exactly as
@@ -191,7 +191,7 @@ class Semantics:
         prompts: Whose wording the test prompts have (:data:`~grafting_lens.worlds.data.TEMPLATE_SETS`):
             ``"library"`` ("X starred in a movie alongside") or ``"code"`` ("X stars
             in in a movie alongside", :data:`~grafting_lens.worlds.data.CODE_TEST_TEMPLATES`).
-            Applies where test sets are made (:func:`~grafting_lens.study.make_test_sets`,
+            Applies where test sets are made (:func:`~grafting_lens.study.testsets.make_test_sets`,
             the named experiments); a run refuses test sets of the other wording.
 
     Raises:
@@ -287,7 +287,7 @@ CLEAN = Semantics(
 DEFAULT_SEMANTICS = REFERENCE
 """The semantics of everything that takes one and is given none (``semantics=None``), and
 whose ``prompts`` is the default wording of
-:func:`~grafting_lens.study.make_test_sets`: the paper's released code. The one
+:func:`~grafting_lens.study.testsets.make_test_sets`: the paper's released code. The one
 place that names the default; every entry point reads it (:func:`semantics_or_default`)."""
 
 PRESETS: dict[str, Semantics] = {"reference": REFERENCE, "clean": CLEAN}

@@ -7,7 +7,7 @@ configurations need prompts that name the movie), is summarized by some columns,
 drawn in some figures and read next to what the paper reports. An
 :class:`ExperimentSpec` says all of that in one place, and
 :func:`register_experiment` is the one door: a registered spec is runnable from
-Python (:func:`~grafting_lens.study.run_named_experiment`) and from the
+Python (:func:`~grafting_lens.study.named.run_named_experiment`) and from the
 command line (``grafting-lens run <name>``), with its own options.
 
 The paper's experiments are registered in :mod:`grafting_lens.study.paper`.
@@ -15,6 +15,7 @@ The paper's experiments are registered in :mod:`grafting_lens.study.paper`.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ class Part:
     Attributes:
         name: The ``part`` column, and the run's sub-directory.
         prompts: Test prompts (:data:`grafting_lens.worlds.data.TEST_TEMPLATES` or
-            :data:`~grafting_lens.study.MOVIE_PROMPTS`).
+            :data:`~grafting_lens.study.testsets.MOVIE_PROMPTS`).
         configs: Configuration names in the experiment's registry, in table order.
         quick: The configurations of a ``quick`` run (``None``: all of them).
     """
@@ -136,17 +137,17 @@ class ExperimentSpec:
         inapplicable: Shared command-line options that do not apply to it.
         run: A runner other than the configuration grid:
             ``(spec, setup, **run arguments) -> {table name: DataFrame}`` (see
-            :func:`~grafting_lens.study.run_spec`).
+            :func:`~grafting_lens.study.named.run_spec`).
         report: A report other than the standard one (see
-            :func:`~grafting_lens.study.write_experiment_report`).
+            :func:`~grafting_lens.study.report.write_experiment_report`).
         quick_world: ``--quick`` builds a small toy world (and finetunes a checkpoint
             for two epochs) instead of asking about fewer relations.
         finetune_missing_donor: ``--model`` without a donor finetunes a copy of the
             model on the relations first.
         default_relations: How many relations ``--model`` runs make by default.
         semantics: The semantics its runs default to, a label of
-            :class:`~grafting_lens.study.Semantics`: by default that of
-            :data:`~grafting_lens.study.DEFAULT_SEMANTICS` (``"reference"``, the
+            :class:`~grafting_lens.study.semantics.Semantics`: by default that of
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS` (``"reference"``, the
             one default); an experiment whose runner works one way only (with
             ``"--semantics"`` in :attr:`inapplicable`) names the one it runs.
     """
@@ -209,8 +210,16 @@ class ExperimentSpec:
 
 
 EXPERIMENTS: dict[str, ExperimentSpec] = {}
-"""The named experiments, by name (the paper's are registered on import of
-:mod:`grafting_lens.study`)."""
+"""The named experiments, by name (the paper's register on import of
+:mod:`grafting_lens.study.paper`, which every lookup here and ``study.EXPERIMENTS`` do
+first)."""
+
+
+def _with_the_papers() -> dict[str, ExperimentSpec]:
+    """The registry with the paper's experiments in it: :mod:`grafting_lens.study` imports its
+    rooms on first use, so the module that registers them may not have run yet."""
+    importlib.import_module("grafting_lens.study.paper")
+    return EXPERIMENTS
 
 
 def register_experiment(spec: ExperimentSpec, overwrite: bool = False) -> ExperimentSpec:
@@ -230,7 +239,7 @@ def register_experiment(spec: ExperimentSpec, overwrite: bool = False) -> Experi
         raise ExperimentError(
             f"register_experiment needs an ExperimentSpec, got {type(spec).__name__}."
         )
-    if spec.name in EXPERIMENTS and not overwrite:
+    if spec.name in _with_the_papers() and not overwrite:
         raise ExperimentError(
             f"An experiment named {spec.name!r} exists; pass overwrite=True to replace it."
         )
@@ -246,7 +255,7 @@ def get_experiment(name: str | ExperimentSpec) -> ExperimentSpec:
     """
     if isinstance(name, ExperimentSpec):
         return name
-    if name not in EXPERIMENTS:
+    if name not in _with_the_papers():
         raise ExperimentError(
             f"Unknown experiment {name!r}.{did_you_mean(str(name), EXPERIMENTS)} Known: "
             f"{', '.join(EXPERIMENTS)}."
@@ -305,7 +314,7 @@ def get_configs(
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
         semantics: What the configurations will run under (default
-            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, whose hybrid is the code's).
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, whose hybrid is the code's).
             Under ``hybrid="code"``, the names of :data:`HYBRID_CONFIGS` are the code's
             hybrid configurations (:func:`code_hybrid_configs`), and so are
             :data:`HYBRID_CONFIGS`' objects wherever they are passed; pass

@@ -9,7 +9,7 @@ two grafts of one configuration may not give one cell different sources
 ``[rows, pos]`` tensor among all the ``(component, layer)`` pairs a graft takes, which
 the graft engine splits into positions once per pass rather than once per pair.
 
-Checking a graft is also where a :class:`~grafting_lens.study.Semantics` says
+Checking a graft is also where a :class:`~grafting_lens.study.semantics.Semantics` says
 what it means on this model set (:func:`resolve_configs`): which components a name
 brings, how named layer ranges are counted, whether a whole-donor configuration is
 the donor itself, whether the unembedding follows a grafted embedding on a model
@@ -77,13 +77,13 @@ def resolve_configs(
 ) -> list[list[ResolvedGraft]]:
     """Check every graft against one model set, and say what it takes there under ``semantics``.
 
-    ``semantics`` is a :class:`~grafting_lens.study.Semantics` or its label, by
-    default :data:`~grafting_lens.study.DEFAULT_SEMANTICS` (the paper's released
-    code, :data:`~grafting_lens.study.REFERENCE`).
+    ``semantics`` is a :class:`~grafting_lens.study.semantics.Semantics` or its label, by
+    default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS` (the paper's released
+    code, :data:`~grafting_lens.study.semantics.REFERENCE`).
 
-    Beside each graft's components (:func:`~grafting_lens.study.resolve_components`)
+    Beside each graft's components (:func:`~grafting_lens.study.configs.resolve_components`)
     and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
-    semantics (:class:`~grafting_lens.study.Semantics`) may add or change grafts:
+    semantics (:class:`~grafting_lens.study.semantics.Semantics`) may add or change grafts:
 
     * ``sft="donor"``: a whole-donor graft (``all`` at ``ALL`` over ``all`` layers) takes
       every component, the unembedding and final norm included: the donor itself;
@@ -92,7 +92,7 @@ def resolve_configs(
     * ``lm_head="always"``: the unembedding of the configuration's donor (its first
       graft's source) at the last token, unless every graft is a whole donor or there
       is none;
-    * a graft from :data:`~grafting_lens.study.HYBRID` becomes grafts from the task
+    * a graft from :data:`~grafting_lens.study.configs.HYBRID` becomes grafts from the task
       model and, for O, FFN-up and FFN-down from layer ``n // 2`` on, the relation model.
 
     Raises:
@@ -244,11 +244,11 @@ def config_masks(
         attention_mask: Its right padding.
         registry: Where names are looked up.
         semantics: What the configurations mean (default
-            :data:`~grafting_lens.study.DEFAULT_SEMANTICS`, the paper's released
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released
             code; ``"clean"`` for the library's reading); see :func:`resolve_configs`.
 
     Raises:
-        GraftingLensError: As :func:`~grafting_lens.study.run_experiment` for bad
+        GraftingLensError: As :func:`~grafting_lens.study.runner.run_experiment` for bad
             configurations.
     """
     chosen = semantics_or_default(semantics)

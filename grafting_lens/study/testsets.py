@@ -7,7 +7,7 @@ labels that become columns of the results (``dataset``, ``prompt``, ``data_seed`
 templates of :mod:`grafting_lens.worlds.data` or the prompts naming the movie
 (:data:`MOVIE_PROMPTS`) that the movie-title configurations need, worded as this
 the paper's released code words them (``templates="code"``, the default, the wording of
-:data:`~grafting_lens.study.DEFAULT_SEMANTICS`:
+:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`:
 :data:`~grafting_lens.worlds.data.CODE_TEST_TEMPLATES`, :data:`CODE_MOVIE_PROMPTS`) or as this
 library does (``templates="library"``, what ``semantics="clean"`` asks for).
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from grafting_lens.analysis.batch import TokenizedExamples, as_batch
+from grafting_lens.analysis.batch import TokenizedExamples, as_batch, tokenize_examples
 from grafting_lens.core.errors import ExperimentError, TokenError, did_you_mean
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
@@ -103,7 +103,7 @@ class TestSet:
                 raise ExperimentError(
                     f"A test set holds examples (grafting_lens.worlds.data.make_examples) or a tokenized "
                     f"batch with tokens, attention_mask, target_ids and spans (build one with "
-                    f"grafting_lens.worlds.data.tokenize_examples); got {type(self.examples).__name__}."
+                    f"grafting_lens.analysis.batch.tokenize_examples); got {type(self.examples).__name__}."
                 ) from None
             n = len(self.examples)
             first = self.examples[0] if n else None
@@ -136,8 +136,8 @@ class TestSet:
         """The test set as a checked batch for ``models`` (tokenized with its tokenizer).
 
         Examples are tokenized as ``semantics`` says (its ``bos``, ``target`` and
-        ``spans``; see :func:`grafting_lens.worlds.data.tokenize_examples`; default
-        :data:`~grafting_lens.study.DEFAULT_SEMANTICS`); an already
+        ``spans``; see :func:`grafting_lens.analysis.batch.tokenize_examples`; default
+        :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`); an already
         tokenized batch is used as is. Examples that cannot be tokenized cleanly are
         dropped with one warning naming the test set.
 
@@ -151,7 +151,7 @@ class TestSet:
             with warnings.catch_warnings():
                 # Drops are listed in TokenizedExamples.dropped; say it once, with the name.
                 warnings.simplefilter("ignore")
-                source = data.tokenize_examples(list(source), models.tokenizer, **rules)
+                source = tokenize_examples(list(source), models.tokenizer, **rules)
             if source.dropped:
                 warnings.warn(
                     f"Test set {self.label!r}: dropped {len(source.dropped)} of "
@@ -216,7 +216,7 @@ def make_test_sets(
         dataset: Label of the relations (a column of the results).
         seed: Seed the relations were made with (recorded in the results).
         templates: Whose wording the prompts have, a semantics' ``prompts``: ``"code"``
-            (the default, that of :data:`~grafting_lens.study.DEFAULT_SEMANTICS`),
+            (the default, that of :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`),
             the paper's released code's (:data:`CODE_MOVIE_PROMPTS`,
             :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`), or ``"library"``
             (:data:`MOVIE_PROMPTS`, :data:`grafting_lens.worlds.data.TEST_TEMPLATES`), which a

@@ -25,7 +25,7 @@ sentence repeated; the only fact we ever ask about is the co-star.
 We test with two short prompts (:data:`TEST_TEMPLATES`) that stop right before the second actor's
 name, and score whether the model's next token is the first token of that name. The prompts carry
 character spans for the parts grafting is aimed at: the first entity (FE, the actor named in the
-prompt), the relation words and, when a template names it, the movie (M). :func:`tokenize_examples`
+prompt), the relation words and, when a template names it, the movie (M). :func:`~grafting_lens.analysis.batch.tokenize_examples`
 turns those spans into per-token masks and adds the last token (LT), the position whose output is
 the prediction. FE and LT are the two places where the paper found finetuned facts are retrieved:
 "enrichment" while reading the entity, and "recall" just before answering. The QA prompt also
@@ -58,6 +58,7 @@ Examples:
     >>> relations = make_relations("fake_movies_real_actors", n=1000, seed=0)
     >>> documents = training_documents(relations, direction="A2B")  # finetune on these
     >>> examples = make_examples(relations, prompt="headline")
+    >>> from grafting_lens.analysis.batch import tokenize_examples
     >>> batch = tokenize_examples(examples, model.tokenizer)  # doctest: +SKIP
     >>> batch.tokens.shape, batch.spans["first_entity"].shape  # doctest: +SKIP
 """
@@ -79,7 +80,6 @@ from typing import Any
 
 from faker import Faker
 
-from grafting_lens.analysis.batch import TokenizedExamples, tokenize_examples
 from grafting_lens.core import defaults
 from grafting_lens.core.errors import GraftingLensError
 
@@ -100,12 +100,10 @@ __all__ = [
     "TEMPLATE_SETS",
     "Example",
     "Relation",
-    "TokenizedExamples",
     "is_clean_name",
     "make_examples",
     "make_relations",
     "split_task_relation",
-    "tokenize_examples",
 ]
 
 DATASETS = ("fake_movies_real_actors", "fake_movies_fake_actors", "real_movies_real_actors")

@@ -69,6 +69,7 @@ from typing import Any, Optional, Union
 import torch
 from tqdm.auto import tqdm
 
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core.console import quiet_loading
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import atomic_write
@@ -585,7 +586,7 @@ def _top5(
     examples = data.make_examples(relations, prompt=prompt, direction=direction, templates="code")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an example the tokenizer cannot score is not counted
-        batch = data.tokenize_examples(examples, tokenizer, bos=bos)
+        batch = tokenize_examples(examples, tokenizer, bos=bos)
     rows = [
         batch.tokens[i, : int(batch.attention_mask[i].sum())].tolist() for i in range(len(batch))
     ]

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 from tqdm.auto import tqdm
 
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.metrics import last_token_logits, top_k_hit
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import GraftingLensError
@@ -508,7 +509,7 @@ def _top_k_correct(
     with warnings.catch_warnings():
         # An example the tokenizer cannot score is dropped and simply not counted.
         warnings.simplefilter("ignore")
-        batch = data.tokenize_examples(examples, tokenizer, bos="always")
+        batch = tokenize_examples(examples, tokenizer, bos="always")
     logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits
     final = last_token_logits(logits, batch.attention_mask)
     return int(top_k_hit(final, batch.target_ids, k=k).sum()), len(batch)

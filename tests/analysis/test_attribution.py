@@ -17,6 +17,7 @@ from grafting_lens.analysis.attribution import (
     attribute_grafts,
     attribution_agreement,
 )
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.engine.relaxation import relaxing
 from grafting_lens.worlds import data
 
@@ -33,7 +34,7 @@ def batch_for(models: gl.ModelSet, n: int = 4, seed: int = 0, answers: str = "do
     # The library's wording and tokenization (a BOS, the answer read in context), which the
     # fractions these tests ask for were chosen on.
     examples = data.make_examples(relations, prompt="qa", templates="library")
-    batch = data.tokenize_examples(
+    batch = tokenize_examples(
         examples, models.tokenizer, bos="always", target="in_context", spans="characters"
     )
     if answers == "donor":

@@ -9,7 +9,7 @@ import torch
 from conftest import make_tokenizer, no_forward_pass, random_model
 
 import grafting_lens as gl
-from grafting_lens.analysis.batch import as_batch
+from grafting_lens.analysis.batch import as_batch, tokenize_examples
 from grafting_lens.core.errors import BatchError, SelectionError, TokenError
 from grafting_lens.worlds import data
 
@@ -23,7 +23,7 @@ def models():
 @pytest.fixture(scope="module")
 def batch(models):
     relations = data.make_relations("fake_movies_real_actors", n=3, seed=0)
-    return data.tokenize_examples(data.make_examples(relations, prompt="qa"), models.tokenizer)
+    return tokenize_examples(data.make_examples(relations, prompt="qa"), models.tokenizer)
 
 
 def test_a_good_batch_comes_back_whole_on_the_cpu(models, batch):

@@ -10,6 +10,7 @@ from conftest import make_tokenizer, no_forward_pass, random_model
 
 import grafting_lens as gl
 from grafting_lens.analysis import figure_style, plots
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.comparison import (
     DEFAULT_PAIRS,
     RESULT_COLUMNS,
@@ -35,7 +36,7 @@ def tokenizer():
 def batch(tokenizer):
     """Five QA prompts of different lengths, so the batch is padded."""
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)
-    tokenized = data.tokenize_examples(data.make_examples(relations, prompt="qa"), tokenizer)
+    tokenized = tokenize_examples(data.make_examples(relations, prompt="qa"), tokenizer)
     assert tokenized.attention_mask.sum(1).unique().numel() > 1
     return tokenized
 

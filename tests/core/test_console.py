@@ -3,6 +3,7 @@ set-up, and an import that loads nothing heavy."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import subprocess
 import sys
@@ -142,3 +143,29 @@ def test_import_loads_nothing_heavy_and_every_name_resolves():
     assert set(gl.__all__) <= set(dir(gl))
     with pytest.raises(AttributeError, match="no attribute 'load_model'"):
         gl.load_model  # noqa: B018
+
+
+def test_the_study_and_the_command_lines_help_load_nothing_heavy():
+    # `grafting-lens --help` answers in well under a second because nothing heavy loads.
+    heavy = ("torch", "transformers", "transformer_lens", "pandas", "plotly")
+    code = (
+        "import sys, contextlib, io\n"
+        "from grafting_lens import study\n"
+        "from grafting_lens.study import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['--help'])\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "[]"
+    from grafting_lens import study
+
+    for name in study.__all__:
+        assert getattr(study, name) is getattr(
+            importlib.import_module(f"grafting_lens.study.{study._EXPORTS[name]}"), name
+        )
+    assert sorted(study._EXPORTS, key=str.lower) == study.__all__
+    with pytest.raises(AttributeError, match="no attribute 'select_positions'"):
+        study.select_positions  # noqa: B018  (it lives in grafting_lens.engine.positions)

@@ -336,9 +336,9 @@ def test_narrow_integer_tokens_run_as_their_ids_and_empty_tokens_are_refused(thr
                 gl.errors.TokenError, match=r"tokens is empty \(shape \[2, 0\]\).*tokeniz"
             ):
                 call()
-        with pytest.raises(gl.errors.PatchingError, match=r"tokens is empty"):
+        with pytest.raises(gl.errors.TokenError, match=r"tokens is empty"):
             gl.patch_forward(three_models, empty, "resid_pre")
-        with pytest.raises(gl.errors.PatchingError, match=r"tokens is empty"):
+        with pytest.raises(gl.errors.TokenError, match=r"tokens is empty"):
             gl.resid_patch_sweep(three_models, empty, lambda logits: logits[:, -1, 0])
         with pytest.raises(
             gl.errors.GraftMaskError, match=r"\(batch, pos\) = \(2, 0\) describes no"

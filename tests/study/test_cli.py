@@ -13,6 +13,7 @@ import pytest
 from conftest import invoke, make_tokenizer, random_model
 
 from grafting_lens import study as experiments
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core.errors import LazyLoadWarning
 from grafting_lens.study import POSITION_CONFIGS, cli, run_command
 from grafting_lens.worlds import toy
@@ -207,7 +208,7 @@ def _donor_ranks(checkpoints, semantics, donor=None):
     models = gl.load_models(checkpoints / "base", donor or checkpoints / "sft")
     relations = data.make_relations("fake_movies_real_actors", n=5, seed=0)[:3]
     examples = data.make_examples(relations, prompt="headline", templates=semantics.prompts)
-    batch = data.tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
+    batch = tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
     final = metrics.last_token_logits(models[1](batch.tokens), batch.attention_mask)
     ranks = metrics.target_rank(final, batch.target_ids, by=semantics.rank_by, ties=semantics.ties)
     return [e.text for e in batch.examples], ranks.tolist()
@@ -760,7 +761,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    target = toy if patched == "build_toy_world" else experiments
+    target = toy if patched == "build_toy_world" else experiments.named
     monkeypatch.setattr(target, patched, interrupt)
     out = [] if arguments[0] == "world" else ["--out", tmp_path / "out", "--no-progress"]
     try:

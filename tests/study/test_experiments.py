@@ -11,24 +11,26 @@ from conftest import VOCAB_SIZE, make_tokenizer, random_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import grafting_lens as gl
+from grafting_lens import study
 from grafting_lens import study as experiments
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.metrics import last_token_logits, target_probability, target_rank
-from grafting_lens.core.errors import ComponentError, GraftingLensError, GraftMaskError
+from grafting_lens.core.errors import ComponentError, GraftingLensError, GraftMaskError, RunError
+from grafting_lens.engine.positions import select_positions
 from grafting_lens.study import (
     COMPONENT_CONFIGS,
-    MOVIE_CONFIGS,
     POSITION_CONFIGS,
     Graft,
     GraftConfig,
-    RunError,
     TestSet,
+    as_semantics,
     cli,
     config_masks,
     make_test_sets,
     run_experiment,
     runner,
-    select_positions,
 )
+from grafting_lens.study.configs import MOVIE_CONFIGS
 from grafting_lens.worlds import data
 
 
@@ -123,7 +125,7 @@ def test_span_expressions_select_the_positions_they_name():
     # LT follows from the padding when a hand-made batch does not mark it.
     without_lt = {k: v for k, v in spans.items() if k != "last_token"}
     assert torch.equal(select_positions("LT", without_lt, attention_mask), spans["last_token"])
-    assert experiments.span_names("(FE+LT)^C+M") == {"first_entity", "last_token", "movie"}
+    assert gl.engine.positions.span_names("(FE+LT)^C+M") == {"first_entity", "last_token", "movie"}
 
 
 def test_bad_span_expressions_say_what_is_wrong():
@@ -262,7 +264,7 @@ def _expected(models, tokenized, mask_for):
 
 
 def test_runner_scores_each_configuration_like_a_plain_graft(three, relations):
-    tokenized = data.tokenize_examples(
+    tokenized = tokenize_examples(
         data.make_examples(relations, prompt="qa"),
         three.tokenizer,
         **experiments.CLEAN.tokenization(),
@@ -398,6 +400,32 @@ def test_model_sets_and_test_sets_form_a_grid(two, relations):
     assert forward.target_prob.to_numpy() == pytest.approx(
         backward.target_prob.to_numpy(), rel=1e-4
     )
+
+
+def test_rows_and_figures_say_which_layers_a_range_name_grafted(tokenizer, relations):
+    # On 6 layers "last_half" is 3-5 in fractions and 2-5 in the code's n // 4 quarters
+    # (a quarter is one layer, the last takes the remainder): the row and the legend say so.
+    six = gl.load_models(_llama(0, 6), _llama(1, 6), tokenizer=tokenizer, names=["pre", "sft"])
+    configs = ["O+FFN@last_half", "O+FFN@first_quarter", "BASE"]
+    for semantics, arithmetic in (("reference", "quarters"), ("clean", "fractions")):
+        test_sets = make_test_sets(
+            relations[:2], prompts=("headline",), templates=as_semantics(semantics).prompts
+        )
+        results = run_experiment(
+            six, test_sets, configs, registry="component", semantics=semantics, progress=False
+        )
+        for name, layer_range in (
+            ("O+FFN@last_half", "last_half"),
+            ("O+FFN@first_quarter", "first_quarter"),
+        ):
+            expected = gl.resolve_layers(layer_range, 6, arithmetic=arithmetic)
+            shown = f"{expected[0]}-{expected[-1]}" if len(expected) > 1 else str(expected[0])
+            assert set(results.layers[results.config == name]) == {shown}, (semantics, name)
+        assert set(results.layers[results.config == "BASE"]) == {"-"}
+        summary = gl.summarize(results, by=study.paper.COMPONENT_SUMMARY)
+        heatmap = study.report.component_heatmap(summary, "t")
+        shown_half = "2-5" if arithmetic == "quarters" else "3-5"
+        assert f"last half ({shown_half})" in list(heatmap.data[0].y)
 
 
 # --------------------------------------------------------------------- saving, resuming

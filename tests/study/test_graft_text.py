@@ -9,6 +9,7 @@ from conftest import make_tokenizer
 from test_experiments import _llama
 
 import grafting_lens as gl
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core.errors import GraftingLensError, SelectionError
 from grafting_lens.study import make_test_sets, run_experiment
 from grafting_lens.worlds import data
@@ -96,7 +97,7 @@ def test_chained_defaults_never_refuse_each_other(models):
     """Each pair of public calls a notebook chains, every argument left at its default."""
     relations = data.make_relations("fake_movies_real_actors", n=4, seed=1)
     examples = data.make_examples(relations)
-    batch = data.tokenize_examples(examples, models.tokenizer)
+    batch = tokenize_examples(examples, models.tokenizer)
     position = gl.run_position_grafting(models, batch, ["PRE", "FE+LT"])
     (test_set,) = make_test_sets(relations, prompts=("headline",))
     experiment = run_experiment(models, test_set, ["PRE", "FE+LT"])

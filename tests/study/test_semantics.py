@@ -15,8 +15,8 @@ import torch
 from conftest import make_tokenizer, random_model
 
 import grafting_lens as gl
-from grafting_lens.analysis.batch import as_batch
-from grafting_lens.core.errors import ComponentError, ExperimentError
+from grafting_lens.analysis.batch import as_batch, tokenize_examples
+from grafting_lens.core.errors import ComponentError, ExperimentError, RunError
 from grafting_lens.study import (
     CLEAN,
     DEFAULT_SEMANTICS,
@@ -24,13 +24,11 @@ from grafting_lens.study import (
     HYBRID_CONFIGS,
     REFERENCE,
     RELATION,
-    SEMANTICS_CHOICES,
     TASK,
     ExperimentSpec,
     Graft,
     GraftConfig,
     Part,
-    RunError,
     RunOptions,
     Semantics,
     TestSet,
@@ -43,6 +41,7 @@ from grafting_lens.study import (
     run_named_experiment,
     run_position_grafting,
 )
+from grafting_lens.study.semantics import SEMANTICS_CHOICES
 from grafting_lens.study.stacking import resolve_configs
 from grafting_lens.worlds import data
 
@@ -367,7 +366,7 @@ def test_bos_target_and_spans_reach_the_tokenizer(relations):
     examples = data.make_examples(relations, "headline", templates="code")
     for semantics in (REFERENCE, dataclasses.replace(REFERENCE, bos="always"), CLEAN):
         batch = TestSet(examples).batch(models, semantics)
-        expected = data.tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
+        expected = tokenize_examples(examples, models.tokenizer, **semantics.tokenization())
         assert torch.equal(batch.tokens, expected.tokens)
         assert torch.equal(batch.spans["first_entity"], expected.spans["first_entity"])
     # The tiny tokenizer adds no BOS of its own, so the code's prompts start on the name.
@@ -448,7 +447,7 @@ def test_every_runner_given_no_semantics_writes_the_rows_of_an_explicit_referenc
     test_sets = make_test_sets(relations, prompts=("headline",))
     configs = ["PRE", "FE", "LT", "SFT"]
     examples = data.make_examples(relations, "headline", templates="code")
-    batch = data.tokenize_examples(examples, models.tokenizer, **REFERENCE.tokenization())
+    batch = tokenize_examples(examples, models.tokenizer, **REFERENCE.tokenization())
     runners = {
         "run_experiment": lambda **semantics: run_experiment(
             models, test_sets, configs, progress=False, **semantics
@@ -486,12 +485,12 @@ def test_every_runner_given_no_semantics_writes_the_rows_of_an_explicit_referenc
 def test_a_batch_tokenized_under_other_rules_than_the_semantics_is_refused(relations):
     models = models_of("llama", False)
     examples = data.make_examples(relations, "headline", templates="code")
-    default_rules = data.tokenize_examples(examples, models.tokenizer)
+    default_rules = tokenize_examples(examples, models.tokenizer)
     assert default_rules.rules == REFERENCE.tokenization()  # the one default
     # The rules survive the checks and the slicing a runner does.
     assert as_batch(default_rules, models).rules == REFERENCE.tokenization()
     assert default_rules.rows([0, 1]).rules == REFERENCE.tokenization()
-    library_rules = data.tokenize_examples(examples, models.tokenizer, **CLEAN.tokenization())
+    library_rules = tokenize_examples(examples, models.tokenizer, **CLEAN.tokenization())
     with pytest.raises(
         ExperimentError,
         match=r"tokenized with bos='always', target='in_context', spans='characters', but the "

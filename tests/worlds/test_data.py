@@ -20,6 +20,7 @@ from tokenizers import (
 )
 from transformers import PreTrainedTokenizerFast
 
+from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.worlds import data
 from grafting_lens.worlds.data import (
@@ -34,7 +35,6 @@ from grafting_lens.worlds.data import (
     make_examples,
     make_relations,
     split_task_relation,
-    tokenize_examples,
 )
 from grafting_lens.worlds.documents import supplementary_documents, training_documents
 
