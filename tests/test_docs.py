@@ -3,6 +3,7 @@ tutorial executed, and the getting-started code computes what the demo reports."
 
 from __future__ import annotations
 
+import html as htmllib
 import importlib.util
 import os
 import re
@@ -59,6 +60,10 @@ def test_tutorials_are_stored_without_outputs(notebook):
     for cell in cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
+            # 100 columns fit a code cell's column at 1280 px (docs/stylesheets/extra.css);
+            # a longer line wraps back to column 0 and reads as mis-indented.
+            long = [line for line in cell.source.splitlines() if len(line) > COLUMNS]
+            assert not long, f"{notebook.name}: lines over {COLUMNS} columns: {long}"
 
 
 def test_the_site_builds_strictly_and_runs_every_tutorial(tmp_path):
@@ -75,8 +80,28 @@ def test_the_site_builds_strictly_and_runs_every_tutorial(tmp_path):
         html = (site / "tutorials" / notebook.stem / "index.html").read_text()
         assert "jp-OutputArea" in html, f"{notebook.name} rendered without outputs"
         assert "Traceback" not in html
+        # Printed output the prose argues from stays in view: no line wider than the column.
+        wide = [line for line in _printed_lines(html) if len(line) > COLUMNS]
+        assert not wide, f"{notebook.name}: printed lines over {COLUMNS} columns: {wide}"
     api = (site / "api" / "graft" / "index.html").read_text()
     assert "graft_forward_reference" in api and ":func:" not in api
+
+
+COLUMNS = 100
+"""What a tutorial's code or printed output may be wide: the columns its cell shows at
+1280 px in the pages' code font (docs/stylesheets/extra.css; about 106 fit)."""
+
+
+def _printed_lines(html: str) -> list[str]:
+    """The lines of every text output of a rendered notebook page."""
+    outputs = re.findall(
+        r'<div class="[^"]*jp-OutputArea-output[^"]*"[^>]*>\s*<pre>(.*?)</pre>', html, re.S
+    )
+    return [
+        line
+        for text in outputs
+        for line in htmllib.unescape(re.sub(r"<[^>]+>", "", text)).splitlines()
+    ]
 
 
 def _first_graft_blocks() -> list[str]:
@@ -241,3 +266,28 @@ def test_a_link_to_a_missing_heading_fails_the_build(tmp_path):
     )
     assert built.returncode != 0
     assert "no-such-heading" in built.stderr + built.stdout
+
+
+def test_the_gallerys_figures_come_from_the_commands_their_captions_name():
+    """Each gallery figure's caption names the command that writes it; docs/scripts/gallery.py
+    must run exactly that command (never ``--quick``, whose few relations and layer ranges
+    the caption does not describe), and the image must fit a page column at scale 2."""
+    path = DOCS / "scripts" / "gallery.py"
+    spec = importlib.util.spec_from_file_location("gallery", path)
+    assert spec and spec.loader
+    gallery = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gallery)
+    text = (DOCS / "gallery.md").read_text()
+    figures = re.findall(
+        r"!\[[^\]]*\]\(assets/gallery/([a-z_]+)-([a-z_0-9]+)\.png\)(.*?)"
+        r"written by\s+`grafting-lens ([^`]+)`",
+        text,
+        re.S,
+    )
+    assert len(figures) >= 5
+    for run, name, _, command in figures:
+        ran = gallery.RUNS[run]
+        assert command == " ".join(ran if run == "demo" else ["run", *ran]), (run, command)
+        image = DOCS / "assets" / "gallery" / f"{run}-{name}.png"
+        width = int.from_bytes(image.read_bytes()[16:20], "big")  # the PNG header's width
+        assert width <= 2 * 960, f"{image.name} is {width} px wide"

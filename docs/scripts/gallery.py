@@ -1,7 +1,8 @@
 """Draw every figure the library makes, from toy-world runs, for docs/gallery.md.
 
-Runs ``grafting-lens`` on the toy world (the demo under its default semantics, the
-component experiment and the grafting-versus-patching comparison, both ``--quick``) and
+Runs ``grafting-lens`` on the toy world, each command as the gallery's captions name it
+(``demo``, ``run component``, ``run patching_vs_grafting``, with their defaults: never
+``--quick``, whose few relations and layer ranges the captions do not describe) and
 copies each report's PNG figures into ``docs/assets/gallery/``. The figures' subtitles
 carry their setting (models, semantics, unembedding, prompts, n), so the gallery's text
 quotes no number. After the toy world changes:
@@ -24,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GALLERY = ROOT / "docs" / "assets" / "gallery"
 RUNS = {
     "demo": ["demo"],
-    "component": ["component", "--quick"],
-    "patching_vs_grafting": ["patching_vs_grafting", "--quick"],
+    "component": ["component"],
+    "patching_vs_grafting": ["patching_vs_grafting"],
 }
 
 

@@ -96,7 +96,7 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
 
     Turns transformers' loading bars off, quiets tqdm's missing-widgets warning, makes plotly
     figures render in Jupyter and on a page made from the notebook without a network, lets
-    pandas print cells of 120 characters, and sets torch's threads and autograd.
+    pandas print cells of 120 characters (a printed table wraps at 100 columns), and sets torch's threads and autograd.
 
     Args:
         threads: torch CPU threads (1 suits the toy world's tiny models; ``None`` leaves
@@ -136,6 +136,8 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     pio.renderers.default = renderer or f"plotly_mimetype+{PLOTLY_RENDERER}"
     # Tables of configurations and prompts have long cells; pandas cuts them at 50 characters.
     pd.set_option("display.max_colwidth", 120)
+    # A printed table wraps at 100 columns, what a page's code column shows without scrolling.
+    pd.set_option("display.width", 100)
 
 
 def _offline_renderer() -> Any:

@@ -261,53 +261,11 @@ def _installed(
         handle.remove()
 
 
-def _check_placement(
-    models: ModelSet, key: Key, base: nn.Module, module: nn.Module, index: int
-) -> None:
-    """Refuse a source's module whose weights no longer share the base's dtype or device.
-
-    :func:`~grafting_lens.load_models` checks every source on load; a model cast or moved
-    afterwards (``models.base.half()``, ``models[1].to("cuda")``) would fail deep inside
-    torch on the first grafted matrix product, naming neither. The base's parameters of
-    the slot and the source's of the same name are compared; every tensor a source adds
-    (a LoRA adapter's factors, which it casts itself) must be on the base's device.
-    """
-    mine = dict(_named_tensors(base))
-    if not mine:
-        return
-    reference = next(iter(mine.values()))
-    for name, tensor in _named_tensors(module):
-        expected = mine.get(name, reference)
-        same_dtype = name not in mine or tensor.dtype == expected.dtype
-        if tensor.device == reference.device and same_dtype:
-            continue
-        component, layer = key
-        where = component if layer is None else f"{component} at layer {layer}"
-        raise GraftingError(
-            f"Source {index} ({models.names[index]})'s {where} is {tensor.dtype} on "
-            f"{tensor.device}, the base's is {expected.dtype} on {reference.device}: a graft "
-            "runs every source's modules inside the base's forward pass, so they must share a "
-            "dtype and a device. One model was cast or moved after load_models "
-            "(models.base.half(), models[1].to('cuda')...). Load the model set with "
-            "load_models(..., dtype=..., device=...) instead, which places every source alike, "
-            "or cast and move every source the same way."
-        )
-
-
 def _check_sources_placed(models: ModelSet, mask: GraftMask) -> None:
-    """:func:`_check_placement` for every module the mask takes from a donor."""
-    for key, sources in _used_sources(mask).items():
-        for slot in models.slots(*key):
-            original = slot.module(models.base)
-            for index in sources - {0}:
-                _check_placement(models, key, original, models.sources[index].module(slot), index)
-
-
-def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A module's floating parameters and buffers, by name."""
-    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-        if tensor.is_floating_point():
-            yield name, tensor
+    """The one placement check (:meth:`ModelSet.check_placement`) of every module the mask
+    takes from a donor: a model cast or moved after load_models fails here, named."""
+    for key, indices in _used_sources(mask).items():
+        models.check_placement(indices, "This graft", pairs=[key])
 
 
 def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:

@@ -640,11 +640,13 @@ def component_heatmap(
     """
     grid = summary[~summary.component_set.isin(_BASELINES)]
     prompts = list(dict.fromkeys(grid.prompt))
+    # Panels one above the other: the figure keeps a page column's width (760 px), where
+    # side by side panels would be shrunk until their cells' values are unreadable.
     figure = make_subplots(
-        rows=1,
-        cols=len(prompts),
+        rows=len(prompts),
+        cols=1,
         subplot_titles=[figure_style.display_label(p) for p in prompts],
-        horizontal_spacing=0.14,
+        vertical_spacing=0.18 if len(prompts) > 1 else 0.0,
     )
     top = figure_style.axis_range(grid[f"top{k}"])[1]
     for column, prompt in enumerate(prompts, start=1):
@@ -670,22 +672,22 @@ def component_heatmap(
                 colorbar=dict(title=f"top-{k}", tickformat=".0%"),
                 hovertemplate="%{y}, %{x}: %{z:.1%}<extra>" + str(prompt) + "</extra>",
             ),
-            row=1,
-            col=column,
+            row=column,
+            col=1,
         )
         figure.layout.annotations[
             column - 1
         ].text = f"{figure_style.display_label(prompt)} ({frame})"
-        figure.update_yaxes(autorange="reversed", row=1, col=column)
-        figure.update_xaxes(title_text="components grafted", tickangle=-30, row=1, col=column)
-    figure.update_yaxes(title_text="layers", col=1)
+        figure.update_yaxes(autorange="reversed", title_text="layers", row=column, col=1)
+        figure.update_xaxes(tickangle=-30, row=column, col=1)
+    figure.update_xaxes(title_text="components grafted", row=len(prompts), col=1)
     counts = grid["n"].tolist() if "n" in grid else []
     return figure_style.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
         figure_style.subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
-        width=560 * len(prompts) + 160,
-        height=520,
+        width=760,
+        height=420 * len(prompts) + 160,
     )
 
 
@@ -738,7 +740,7 @@ def component_bars(
         figure_style.subtitle(caption, counts),
         barmode="group",
         legend_title_text="layers",
-        width=1300,
+        width=960,
         height=420 * len(prompts) + 80,
     )
 

@@ -90,10 +90,11 @@ def restored_session():
         transformers_logging.is_progress_bar_enabled(),
         transformers_logging.get_verbosity(),
     )
-    colwidth = pd.get_option("display.max_colwidth")
+    colwidth, width = pd.get_option("display.max_colwidth"), pd.get_option("display.width")
     with warnings.catch_warnings():
         yield
     pd.set_option("display.max_colwidth", colwidth)
+    pd.set_option("display.width", width)
     torch.set_num_threads(threads)
     torch.set_grad_enabled(grad)
     pio.renderers.default = renderer
@@ -108,6 +109,7 @@ def test_notebook_sets_a_session_up_in_one_line(restored_session):
     assert torch.get_num_threads() == 1
     assert not torch.is_grad_enabled()
     assert pd.get_option("display.max_colwidth") == 120
+    assert pd.get_option("display.width") == 100
     assert not transformers_logging.is_progress_bar_enabled()
     assert pio.renderers.default == f"plotly_mimetype+{PLOTLY_RENDERER}"
     html = pio.renderers[PLOTLY_RENDERER].to_mimebundle(go.Figure(go.Bar(y=[1, 2])).to_dict())

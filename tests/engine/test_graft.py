@@ -655,17 +655,19 @@ def test_a_source_cast_or_moved_after_loading_is_refused_naming_it(tokenizer):
     mask = gl.GraftMask.build(models, tokens, positions="last", components="o")
     expected = gl.graft_forward(models, tokens, mask, logits="all")
     models.base.half()
-    cast = r"Source 1 \(source1\)'s o at layer 0 is torch.float32 on cpu, the base's is "
+    cast = r"source 1 \(source1\)'s o at layer 0's weight is torch.float32 on cpu, the base's "
     with no_forward_pass(models):
         for run in (gl.graft_forward, gl.graft_forward_reference, gl.graft_generate):
             with pytest.raises(
-                gl.errors.GraftingError, match=cast + r"torch.float16.*load_models\("
+                gl.errors.AlignmentError, match=cast + r"torch.float16.*load_models\("
             ):
                 run(models, tokens, mask)
     models.base.float()
     models[1].to("meta")  # another device, on a machine without a second one
     with no_forward_pass(models):
-        with pytest.raises(gl.errors.GraftingError, match=r"o at layer 0 is torch.float32 on meta"):
+        with pytest.raises(
+            gl.errors.AlignmentError, match=r"o at layer 0's weight is torch.float32 on meta"
+        ):
             gl.graft_forward(models, tokens, mask)
     # A graft that takes nothing from the moved source runs, and the base is intact.
     nothing = gl.GraftMask.build(models, tokens, positions="last", components="o", source=0)
