@@ -355,8 +355,10 @@ def plot_comparison(
         fig,
         title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
         subtitle(caption, counts).replace("per bar", "per point"),
-        height=280 * len(row_keys) + 160,
-        width=280 * len(col_keys) + 240,
+        # At most a page column's width at scale 2 (960 px): wider panels shrink until
+        # their labels are unreadable on the page.
+        height=260 * len(row_keys) + 160,
+        width=min(960, 280 * len(col_keys) + 240),
         legend_title_text="method",
     )
     return fig
@@ -506,7 +508,7 @@ def plot_recovery(
     fig.update_layout(
         xaxis=dict(title="cells grafted", dtick=max(1, math.ceil(cells / 12))),
         yaxis=dict(
-            title="recovery (0 = base, 1 = reference)",
+            title="recovery (0 = base, 1 = the donor)",
             tickformat=".0%",
             range=[low - room, high + room],
         ),

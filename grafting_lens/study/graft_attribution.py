@@ -94,8 +94,11 @@ def run(
     verify = _verify(extras.get("verify"))
     count = QUICK_RELATIONS if quick else n_examples
     batches = {
+        # The library's reading, the only one an attribution has (LIBRARY_READING_ONLY).
         prompt: tokenize_examples(
-            data.make_examples(setup.relations, prompt=prompt)[:count], models.tokenizer
+            data.make_examples(setup.relations, prompt=prompt, templates=CLEAN.prompts)[:count],
+            models.tokenizer,
+            **CLEAN.tokenization(),
         )
         for prompt in PROMPTS
     }

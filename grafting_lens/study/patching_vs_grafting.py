@@ -95,8 +95,11 @@ def run(
     rows_per_forward = extras.get("rows_per_forward") or 512
     batches = {}
     for prompt in PROMPTS:
-        examples = data.make_examples(setup.relations, prompt=prompt)[:count]
-        batches[prompt] = tokenize_examples(examples, models.tokenizer)
+        # The library's reading, the only one a comparison has (LIBRARY_READING_ONLY).
+        examples = data.make_examples(setup.relations, prompt=prompt, templates=CLEAN.prompts)
+        batches[prompt] = tokenize_examples(
+            examples[:count], models.tokenizer, **CLEAN.tokenization()
+        )
     tables, references = [], []
     for batch in batches.values():
         references.append(reference_scores(models, batch, sources=[0, 1]))

@@ -592,7 +592,7 @@ def figure_caption(label: str, results: pd.DataFrame | None = None) -> str:
     if results is not None and "semantics" in results.columns:
         for text in dict.fromkeys(results["semantics"].dropna().astype(str)):
             semantics = as_semantics(text)
-            prompts = "the code's prompts" if semantics.prompts == "code" else "the paper's prompts"
+            prompts = f"the {'code' if semantics.prompts == 'code' else 'library'}'s prompts"
             decoding = _UNEMBEDDINGS.get(semantics.unembed, semantics.unembed)
             parts.append(f"semantics {text}: {decoding}, {prompts}")
     return ", ".join(part for part in parts if part)

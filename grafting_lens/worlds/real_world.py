@@ -51,6 +51,7 @@ from grafting_lens.core.errors import GraftingLensError, WorldCacheError, did_yo
 from grafting_lens.core.files import DirectoryLock
 from grafting_lens.worlds import data
 from grafting_lens.worlds.directories import (
+    ModelDirectories,
     cache_errors,
     check_cache_dir,
     check_replaceable,
@@ -80,7 +81,7 @@ __all__ = [
 
 
 @dataclass
-class RealWorld:
+class RealWorld(ModelDirectories):
     """A built real-model world.
 
     Attributes:
@@ -107,22 +108,6 @@ class RealWorld:
                 f"{did_you_mean(name, self.config.model_names)}"
             )
         return self.root / name
-
-    @property
-    def base_dir(self) -> Path:
-        return self.root / "base"
-
-    @property
-    def sft_dir(self) -> Path:
-        return self.root / "sft"
-
-    @property
-    def task_dir(self) -> Path:
-        return self.root / "task"
-
-    @property
-    def relation_dir(self) -> Path:
-        return self.root / "relation"
 
 
 def world_config(world: Union[str, RealWorldConfig, None]) -> RealWorldConfig:
@@ -260,15 +245,4 @@ def _complete(root: Path) -> bool:
 
 
 def _open(root: Path, config: RealWorldConfig) -> RealWorld:
-    manifest = json.loads((root / "manifest.json").read_text())
-    stored = json.loads((root / "relations.json").read_text())
-    relations = [data.Relation(**fields) for fields in stored["relations"]]
-    by_id = {relation.id: relation for relation in relations}
-    return RealWorld(
-        root=root,
-        config=config,
-        relations=relations,
-        task_relations=[by_id[i] for i in stored["task_ids"]],
-        relation_relations=[by_id[i] for i in stored["relation_ids"]],
-        manifest=manifest,
-    )
+    return RealWorld.read(root, config)

@@ -97,6 +97,7 @@ from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import cache_root
 from grafting_lens.worlds import data
 from grafting_lens.worlds.directories import (
+    ModelDirectories,
     check_cache_dir,
     check_replaceable,
     make_directory,
@@ -125,7 +126,7 @@ from grafting_lens.worlds.toy_shipped import (
 
 
 @dataclass
-class ToyWorld:
+class ToyWorld(ModelDirectories):
     """A built toy world: where its checkpoints are, and what went into them.
 
     Attributes:
@@ -155,22 +156,6 @@ class ToyWorld:
     @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
-
-    @property
-    def base_dir(self) -> Path:
-        return self.root / "base"
-
-    @property
-    def sft_dir(self) -> Path:
-        return self.root / "sft"
-
-    @property
-    def task_dir(self) -> Path:
-        return self.root / "task"
-
-    @property
-    def relation_dir(self) -> Path:
-        return self.root / "relation"
 
     @property
     def a2b_dir(self) -> Path:
@@ -377,18 +362,7 @@ def _check_world(root: Path, key: str) -> Optional[str]:
 
 
 def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
-    manifest = json.loads((root / "manifest.json").read_text())
-    stored = json.loads((root / "relations.json").read_text())
-    relations = [data.Relation(**fields) for fields in stored["relations"]]
-    by_id = {relation.id: relation for relation in relations}
-    return ToyWorld(
-        root=root,
-        config=config,
-        relations=relations,
-        task_relations=[by_id[i] for i in stored["task_ids"]],
-        relation_relations=[by_id[i] for i in stored["relation_ids"]],
-        manifest=manifest,
-    )
+    return ToyWorld.read(root, config)
 
 
 def _remove_abandoned_builds(cache_root: Path, key: str) -> None:

@@ -130,16 +130,17 @@ def test_notebook_refuses_a_bad_thread_count(restored_session):
     assert torch.get_num_threads() == cores
 
 
-def test_import_loads_nothing_heavy_and_every_name_resolves():
+def _heavy_modules_after(code: str) -> str:
+    """Which heavy libraries a fresh interpreter has imported after running ``code``."""
     heavy = ("torch", "transformers", "transformer_lens", "pandas", "plotly")
-    code = (
-        "import sys, grafting_lens as gl\n"
-        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
-    )
-    loaded = subprocess.run(
+    code += f"\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
-    assert loaded == "[]"
+
+
+def test_import_loads_nothing_heavy_and_every_name_resolves():
+    assert _heavy_modules_after("import grafting_lens as gl") == "[]"
     for name in gl.__all__:
         assert getattr(gl, name) is not None
     assert set(gl.__all__) <= set(dir(gl))
@@ -149,19 +150,14 @@ def test_import_loads_nothing_heavy_and_every_name_resolves():
 
 def test_the_study_and_the_command_lines_help_load_nothing_heavy():
     # `grafting-lens --help` answers in well under a second because nothing heavy loads.
-    heavy = ("torch", "transformers", "transformer_lens", "pandas", "plotly")
     code = (
-        "import sys, contextlib, io\n"
+        "import contextlib, io\n"
         "from grafting_lens import study\n"
         "from grafting_lens.study import cli\n"
         "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
-        "    cli.main(['--help'])\n"
-        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+        "    cli.main(['--help'])"
     )
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert loaded == "[]"
+    assert _heavy_modules_after(code) == "[]"
     from grafting_lens import study
 
     for name in study.__all__:
