@@ -385,7 +385,7 @@ def plot_attribution(
         frame: The ``frame`` of a :class:`~grafting_lens.analysis.attribution.GraftAttribution`.
         value: ``"estimate"`` or ``"exact"`` (verified cells only; the others are blank).
         title: Figure title (default: what is shown, and the direction).
-        columns: Panels per row.
+        columns: Panels per row at most (fewer where the page column, 760 px, holds fewer).
 
     Raises:
         GraftingLensError: An unknown ``value``, an empty table or missing columns.
@@ -401,7 +401,10 @@ def plot_attribution(
     layers = sorted(int(layer) for layer in frame["layer"].dropna().unique())
     has_global = bool(frame["layer"].isna().any())
     row_labels = (["global"] if has_global else []) + [f"layer {layer}" for layer in layers]
-    columns = max(1, min(columns, len(groups)))
+    # Only as many panels side by side as a page column (760 px) holds at 26 px a
+    # component: a wider figure is squeezed by the page, and its labels run together.
+    fit = max(1, (760 - 120) // (26 * len(components) + 90))
+    columns = max(1, min(columns, len(groups), fit))
     panel_rows = -(-len(groups) // columns)
     fig = make_subplots(
         rows=panel_rows,
