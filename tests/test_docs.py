@@ -291,3 +291,45 @@ def test_the_gallerys_figures_come_from_the_commands_their_captions_name():
         image = DOCS / "assets" / "gallery" / f"{run}-{name}.png"
         width = int.from_bytes(image.read_bytes()[16:20], "big")  # the PNG header's width
         assert width <= 2 * 960, f"{image.name} is {width} px wide"
+
+
+def test_the_real_world_tables_give_every_cell_its_interval(tmp_path, capsys):
+    """docs/scripts/smollm2_tables.py prints the real-model tables of the results page: every
+    number of every column with its 95% interval, not only the first run's."""
+    path = DOCS / "scripts" / "smollm2_tables.py"
+    spec = importlib.util.spec_from_file_location("smollm2_tables", path)
+    assert spec and spec.loader
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    import json
+
+    def run(name: str, semantics: str, configs: list[str]) -> Path:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "report.json").write_text(
+            json.dumps({"description": {"semantics": semantics}})
+        )
+        rows = [
+            dict(config=c, prompt=p, top5=0.25, top5_low=0.125, top5_high=0.375)
+            for c in configs
+            for p in ("headline", "qa")
+        ]
+        pd.DataFrame(rows).to_csv(directory / "summary.csv", index=False)
+        return directory
+
+    cell = re.compile(r"\d+% \[\d+,&nbsp;\d+\]")
+    position = [
+        run(f"p{i}", s, list(tables.POSITION)) for i, s in enumerate(("reference", "clean"))
+    ]
+    grid = ["BASE", "DONOR"] + [
+        f"{name}@{key}" for name in tables.COMPONENT_SETS for key in tables.COMPONENT_RANGES
+    ]
+    component = run("c", "reference", grid)
+    for arguments in (["position", *map(str, position)], ["component", str(component)]):
+        assert tables.main(arguments) == 0
+        rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+        body = [line.strip("|").split("|")[1:] for line in rows[1:]]
+        values = [value.strip() for line in body for value in line if value.strip()]
+        assert values and all(cell.fullmatch(value) for value in values), values
+        assert len(rows[0].split("|")) - 2 == len(body[0]) + 1  # a header for every column
+    assert "25% [12,&nbsp;38]" in rows[-1]  # half-even rounding: 12.5 -> 12, 37.5 -> 38

@@ -1,11 +1,12 @@
 """Draw every figure the library makes, from toy-world runs, for docs/gallery.md.
 
 Runs ``grafting-lens`` on the toy world, each command as the gallery's captions name it
-(``demo``, ``run component``, ``run patching_vs_grafting``, with their defaults: never
-``--quick``, whose few relations and layer ranges the captions do not describe) and
-copies each report's PNG figures into ``docs/assets/gallery/``. The figures' subtitles
-carry their setting (models, semantics, unembedding, prompts, n), so the gallery's text
-quotes no number. After the toy world changes:
+(``demo``, which is the position experiment, ``run component``, ``run hybrid``, ``run
+patching_vs_grafting``, with their defaults: never ``--quick``, whose few relations and layer
+ranges the captions do not describe) and copies each report's PNG figures into
+``docs/assets/gallery/``; the results page shows the position, component and hybrid figures
+too. The figures' subtitles carry their setting (models, semantics, unembedding, prompts,
+n), so the gallery's text quotes no number. After the toy world changes:
 
     python docs/scripts/gallery.py
 
@@ -26,6 +27,7 @@ GALLERY = ROOT / "docs" / "assets" / "gallery"
 RUNS = {
     "demo": ["demo"],
     "component": ["component"],
+    "hybrid": ["hybrid"],
     "patching_vs_grafting": ["patching_vs_grafting"],
 }
 

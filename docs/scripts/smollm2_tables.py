@@ -14,8 +14,8 @@ bootstrap interval, as ``summary.csv`` holds it::
 read in the page's column: ``component_heatmap_<prompt>.png``.)
 
 Each run directory comes from ``grafting-lens run EXPERIMENT --world smollm2 --semantics
-SEMANTICS --out DIR``, labelled by the run's semantics: the first run's headline and QA
-cells with their intervals, each further run's as one "headline / QA" cell.
+SEMANTICS --out DIR``, labelled by the run's semantics: every run's headline and QA cells,
+each with its interval (a reader compares cells a few points apart).
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ COMPONENT_RANGES = {"all": "all layers", "last_half": "last half", "last_quarter
 HYBRID = ("PRE", "TASK", "RELATION", "LT", "LT+FE:ATTN", "LT+FE:ATTN+O", "LT+FE:O+FFN", "LT+FE:ALL")
 
 
-def cell(row: pd.Series, intervals: bool = True) -> str:
+def cell(row: pd.Series) -> str:
+    """Top-5 with its 95% interval: a table's every number carries one."""
     value = f"{round(100 * row['top5'])}%"
-    if not intervals:
-        return value
     return f"{value} [{round(100 * row['top5_low'])},{NBSP}{round(100 * row['top5_high'])}]"
 
 
@@ -52,46 +51,41 @@ def load(directory: Path) -> tuple[str, pd.DataFrame]:
 
 
 def rows_table(directories: list[Path], configs: tuple[str, ...]) -> str:
-    """One row per configuration: the first run's headline and QA cells with intervals, each
-    further run's as one "headline / QA" cell without (a table narrow enough for the page)."""
+    """One row per configuration; for each run, its headline and QA cells with intervals."""
     runs = [load(directory) for directory in directories]
-    first, *others = runs
-    header = (
-        f"| config | {first[0]}: headline | {first[0]}: QA | "
-        + "".join(f"{semantics}: headline / QA | " for semantics, _ in others)
-    ).rstrip()
-    lines = [header, "|---" * (3 + len(others)) + "|"]
+    header = "| config | " + " | ".join(
+        f"{semantics}: {label}" for semantics, _ in runs for label in ("headline", "QA")
+    )
+    lines = [header + " |", "|---" * (1 + 2 * len(runs)) + "|"]
     for config in configs:
         cells = []
-        for position, (_, summary) in enumerate(runs):
-            pair = []
+        for _, summary in runs:
             for prompt in PROMPTS:
                 selected = summary[(summary["config"] == config) & (summary["prompt"] == prompt)]
                 (index,) = selected.index  # one row, or the run is not this experiment's
-                pair.append(cell(selected.loc[index], intervals=position == 0))
-            cells.extend(pair) if position == 0 else cells.append(" / ".join(pair))
+                cells.append(cell(selected.loc[index]))
         lines.append(f"| {config} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def component_table(directory: Path) -> str:
+    """The grid of one run: a column per layer range and prompt, every cell with its interval."""
     semantics, summary = load(directory)
     indexed = summary.set_index(["config", "prompt"])
-
-    def pair(config: str) -> str:
-        return " / ".join(cell(indexed.loc[(config, p)], intervals=False) for p in PROMPTS)
-
-    lines = [
-        f"{semantics}: top-5, headline / QA",
-        "",
-        "| component set | " + " | ".join(COMPONENT_RANGES.values()) + " |",
-        "|---" * (1 + len(COMPONENT_RANGES)) + "|",
-        f"| `BASE` (task model) | {pair('BASE')} |" + " |" * (len(COMPONENT_RANGES) - 1),
-        f"| `DONOR` (relation model) | {pair('DONOR')} |" + " |" * (len(COMPONENT_RANGES) - 1),
-    ]
+    columns = [(key, label) for key, label in COMPONENT_RANGES.items()]
+    header = "| component set | " + " | ".join(
+        f"{label}: {prompt}" for _, label in columns for prompt in ("headline", "QA")
+    )
+    width = 2 * len(columns)
+    lines = [f"{semantics}: top-5", "", header + " |", "|---" * (1 + width) + "|"]
+    for name, label in (("BASE", "`BASE` (task model)"), ("DONOR", "`DONOR` (relation model)")):
+        values = [cell(indexed.loc[(name, p)]) for p in PROMPTS]
+        lines.append(f"| {label} | " + " | ".join(values) + " |" + " |" * (width - 2))
     for name in COMPONENT_SETS:
-        cells = [pair(f"{name}@{layer_range}") for layer_range in COMPONENT_RANGES]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        values = [
+            cell(indexed.loc[(f"{name}@{key}", prompt)]) for key, _ in columns for prompt in PROMPTS
+        ]
+        lines.append(f"| {name} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 

@@ -167,6 +167,12 @@ def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) 
         template="plotly_white",
         font=FONT,
         title=dict(
+            # Pinned to the top: plotly centres a title in the top margin by default, and a
+            # margin grown for a long subtitle then pushes it onto the panels' titles.
+            y=1.0,
+            yref="container",
+            yanchor="top",
+            pad=dict(t=24),
             text=wrap_text(title, max(30, int(width / 10.5))),
             subtitle=dict(
                 text=wrap_text(subtitle, max(40, int(width / 7.2))),
@@ -235,7 +241,8 @@ def add_reference_line(
         xshift=4,
     )
     width = 6.5 * len(re.sub(r"<[^>]+>", "", text)) + 16
-    if (fig.layout.margin.r or 80) < width:
+    # An unset margin is not plotly's default 80 px here: figure_style sets 40 where none is.
+    if (fig.layout.margin.r or 0) < width:
         fig.update_layout(margin_r=int(width))
 
 

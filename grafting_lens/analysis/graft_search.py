@@ -3,12 +3,16 @@
 :func:`find_minimal_graft` looks for a small set ``S`` of cells (a component at a layer at a
 group of positions) whose graft recovers at least ``fraction`` of the gap, averaged over
 prompts, ``recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) -
-metric(base))``. Each step attributes every remaining cell from the current graft and
-accepts, among the best ``proposals``, the one whose exact graft recovers most (a beam
-with ``beam > 1``); once ``fraction`` is reached it drops the cells the set can do
-without, so the result is 1-minimal. It is greedy: a pair of cells that helps only
-together can be missed. Every reported recovery is an exact graft. The concept page "What
-a graft attribution estimates" tells the story.
+metric(base))``. Each step attributes every remaining cell from the cells grafted so far
+(one backward pass) and grafts the best-estimated ones exactly: by default blocks of 1, 2,
+4... cells, so that a graft of a hundred cells takes a few dozen steps, the last block cut to
+its shortest prefix that reaches ``fraction``; ``search="greedy"`` accepts one cell a step,
+the best of ``proposals`` (a beam with ``beam > 1``). Once ``fraction`` is reached, cells
+are dropped while the rest still reaches it, until the graft without any one of its cells,
+measured exactly, falls short: the result is 1-minimal, not the smallest there is (a pair
+of cells that helps only together can be missed). Every reported recovery is an exact
+graft. With ``state=`` a file, a killed search goes on from its last step. The concept
+page "What a graft attribution estimates" tells the story.
 
 Examples:
     >>> found = find_minimal_graft(models, batch, fraction=0.8, held_out=other_batch)
@@ -19,9 +23,14 @@ Examples:
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -42,19 +51,35 @@ from grafting_lens.analysis.attribution import (
 from grafting_lens.analysis.batch import as_batch
 from grafting_lens.analysis.metrics import check_choice
 from grafting_lens.core.arguments import is_number
-from grafting_lens.core.console import show_progress
+from grafting_lens.core.console import progress_line, show_progress
 from grafting_lens.core.errors import AttributionError
+from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.masks import GraftMask
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
 
-__all__ = ["REFERENCES", "MinimalGraft", "find_minimal_graft"]
+__all__ = ["REFERENCES", "SEARCHES", "MinimalGraft", "find_minimal_graft"]
 
 REFERENCES: tuple[str, ...] = ("donor", "all_cells")
 """What a recovery of 1 means: the donor run whole, or the graft of every candidate cell."""
 
 _REFERENCE_NAMES = {"donor": "donor", "all_cells": "graft of every candidate cell"}
+
+SEARCHES: tuple[str, ...] = ("doubling", "greedy")
+"""How the search grows its set: blocks of 1, 2, 4... cells, or one cell per step."""
+
+SEARCH_COLUMNS: tuple[str, ...] = (
+    "step",
+    "phase",
+    "size",
+    "cells",
+    "cell",
+    "estimate",
+    "recovery",
+    "kept",
+)
+"""Columns of the ``search`` log of a :class:`MinimalGraft`."""
 
 CURVE_COLUMNS: tuple[str, ...] = ("prompts", "cells", "cell", "metric", "recovery")
 """Columns of the ``curve`` of a :class:`MinimalGraft`."""
@@ -67,12 +92,15 @@ class MinimalGraft:
     Attributes:
         cells: In the order added: ``order`` (1, 2...), ``cell`` (its label),
             ``component``, ``layer`` (``<NA>`` for global components), ``positions``.
-        curve: The exact recovery of the first ``k`` cells, ``k = 0..len(cells)``:
-            ``prompts`` (``"search"`` or ``"held_out"``), ``cells`` (``k``), ``cell`` (the
-            ``k``-th cell's label, empty for 0), ``metric`` (mean over prompts), ``recovery``.
-        search: One row per candidate set tried: ``step``, ``cells`` (labels joined with
-            " + "), the ``cell`` it added, its ``estimate``, the set's exact ``recovery``
-            and whether it was ``kept`` in the beam.
+        curve: The exact recovery of the first ``k`` cells, for every ``k`` from 0 to
+            ``len(cells)`` or ``curve_points`` of them evenly spread: ``prompts``
+            (``"search"`` or ``"held_out"``), ``cells`` (``k``), ``cell`` (the ``k``-th cell's
+            label, empty for 0), ``metric`` (mean over prompts), ``recovery``.
+        search: One row per set of cells measured: the ``step``, its ``phase`` (``"block"``:
+            a doubling step's block; ``"shortest prefix"``: the cut of the last block;
+            ``"single"``: one cell added), the set's ``size`` and ``cells`` (labels joined
+            with " + "), the ``cell`` added last, the ``estimate`` of what was added, the
+            set's exact ``recovery`` and whether it was ``kept``.
         fraction: The recovery asked for.
         recovery: The recovery of all the cells on the search prompts.
         held_out_recovery: The same on the held-out prompts (``None`` without them).
@@ -80,6 +108,8 @@ class MinimalGraft:
         reference: What a recovery of 1 is (:data:`REFERENCES`).
         groups: Each position group's label and specification (to select in other prompts).
         source: The donor's index in the model set.
+        seconds: Wall time of the ``search`` (growing the set), the ``prune`` (to
+            1-minimal, every step measured) and the ``curve`` (on both sets of prompts).
     """
 
     cells: pd.DataFrame
@@ -92,6 +122,7 @@ class MinimalGraft:
     reference: str
     groups: Mapping[str, Any]
     source: int
+    seconds: Mapping[str, float]
 
     def mask(self, models: ModelSet, tokenized: Any) -> GraftMask:
         """The graft of these cells for a batch of prompts (the search's or others), on the
@@ -128,12 +159,15 @@ def find_minimal_graft(
     positions: PositionGroups = ("FE", "LT"),
     source: int = 1,
     reference: str = "donor",
+    search: str = "doubling",
     proposals: int = 8,
-    beam: int = 1,
+    beam: int | None = None,
     method: str = "gradient",
     steps: int = 8,
     max_cells: int | None = None,
     prune: bool = True,
+    curve_points: int | None = 25,
+    state: str | os.PathLike | None = None,
     batch_size: int = 16,
     rows_per_forward: int = 64,
     progress: bool | None = None,
@@ -152,19 +186,32 @@ def find_minimal_graft(
             position groups are selected afresh, so no tensors over the search's rows).
         reference: ``"donor"`` (recovery 1 is the donor whole) or ``"all_cells"`` (the graft
             of every candidate cell, which may fall short of the donor).
-        proposals: Candidates per beam member and step, by attribution.
-        beam: Sets kept per step (1: greedy).
+        search: ``"doubling"`` (each step grafts the next 1, 2, 4... best-estimated cells at
+            once, then the shortest prefix of the last block that reaches ``fraction``) or
+            ``"greedy"`` (each step grafts the best of ``proposals`` single cells; slower,
+            one cell per step).
+        proposals: Candidates tried one by one, by attribution: every step of a greedy
+            search, and a doubling search's step when its single best cell does not help.
+        beam: Sets kept per step of a greedy search (default 1).
         method: The attribution proposing candidates: ``"gradient"`` or ``"integrated"``.
         max_cells: Stop after this many cells (default: every candidate).
-        prune: Drop cells the result can do without.
-        progress: Show a progress bar over the search's steps.
+        prune: Drop cells the result can do without, until it is 1-minimal (checked by an
+            exact graft without each cell).
+        curve_points: How many prefixes of the result the curve measures, evenly spread
+            (``None``: every prefix).
+        state: A JSON file to keep the search's progress in: a search killed and started
+            again with the same file goes on from its last step. The file's set of cells is
+            measured again before use and must recover what the file says.
+        progress: A progress bar (``True``), nothing (``False``), or by default a bar where
+            someone watches and one line per step on standard error elsewhere (a log file).
 
     Returns:
         A :class:`MinimalGraft`.
 
     Raises:
         AttributionError: A fraction outside (0, 1], a reference that does not beat the
-            base on the metric, or a bad option (and all ``attribute_grafts`` refuses).
+            base on the metric, a bad option, a ``state`` file of another search (and all
+            ``attribute_grafts`` refuses).
     """
     if not is_number(fraction) or not 0 < fraction <= 1:
         raise AttributionError(
@@ -173,11 +220,24 @@ def find_minimal_graft(
         )
     fraction = float(fraction)  # a numpy float too; kept in the result as Python's
     check_choice("reference", reference, REFERENCES, AttributionError)
+    check_choice("search", search, SEARCHES, AttributionError)
     check_choice("method", method, METHODS, AttributionError)
+    if beam is not None and search != "greedy":
+        raise AttributionError("beam is a setting of search='greedy'; leave it out.")
+    beam = 1 if beam is None else beam
     for name, value in (("proposals", proposals), ("beam", beam), ("steps", steps)):
         _check_count(name, value)
     if max_cells is not None:
         _check_count("max_cells", max_cells)
+    if curve_points is not None:
+        _check_count("curve_points", curve_points)
+        if curve_points < 2:
+            raise AttributionError(
+                f"curve_points must be at least 2 (no cells and all of them), got {curve_points}."
+            )
+    journal = _Journal.open(
+        state, search=search, fraction=fraction, reference=reference, method=method
+    )
     settings: dict[str, Any] = dict(
         metric=metric,
         components=components,
@@ -196,62 +256,36 @@ def find_minimal_graft(
         held_batch = as_batch(held_out, models)
         selections = resolve_groups(plan.groups, held_batch)
         held = AttributionPlan(models, held_batch, positions=selections, **settings)
-    search_scale = _Scale.of(plan, reference)
-    if search_scale.gap <= 0:
+    saved = journal.load(plan)
+    report = _Progress(progress)
+    report.say(f"{len(plan.cells)} cells, {len(plan.batch)} prompts: measuring the references")
+    scale = _Scale.of(plan, reference)
+    if scale.gap <= 0:
         raise AttributionError(
             f"The {_REFERENCE_NAMES[reference]} does not beat the base on this metric "
-            f"(mean {search_scale.top:.4g} vs the base's {search_scale.bottom:.4g}), so there "
+            f"(mean {scale.top:.4g} vs the base's {scale.bottom:.4g}), so there "
             "is nothing to recover. Check the metric's sign (higher must be better) and the "
             "donor's index."
         )
-    limit = max_cells or len(plan.cells)
-
-    # Beam search: each beam member is (cells in order, exact recovery).
-    beams: list[tuple[tuple[Cell, ...], float]] = [((), 0.0)]
-    log: list[dict[str, Any]] = []
-    step = 0
-    bar = tqdm(desc="graft search", disable=not show_progress(progress), unit="step")
-    while beams[0][1] < fraction and len(beams[0][0]) < limit:
-        step += 1
-        bar.update()
-        candidates: dict[frozenset, tuple[tuple[Cell, ...], float]] = {}
-        for cells, _ in beams:
-            estimates = plan.estimates(method=method, steps=steps, start_cells=cells)[0].mean(1)
-            taken = set(cells)
-            ranked = [
-                i for i in estimates.argsort(descending=True).tolist() if plan.cells[i] not in taken
-            ][:proposals]
-            for i in ranked:
-                grown = (*cells, plan.cells[i])
-                candidates.setdefault(frozenset(grown), (grown, float(estimates[i])))
-        if not candidates:
-            break
-        tried = list(candidates.values())
-        recoveries = search_scale.recovery(plan.exact([cells for cells, _ in tried]))
-        order = sorted(range(len(tried)), key=lambda i: -recoveries[i])
-        kept = set(order[:beam])
-        for i, (cells, estimate) in enumerate(tried):
-            log.append(
-                {
-                    "step": step,
-                    "cells": " + ".join(cell_label(*cell) for cell in cells),
-                    "cell": cell_label(*cells[-1]),
-                    "estimate": estimate,
-                    "recovery": recoveries[i],
-                    "kept": i in kept,
-                }
-            )
-        if recoveries[order[0]] <= beams[0][1]:
-            break  # no candidate improves on the best set
-        beams = [(tried[i][0], recoveries[i]) for i in order[:beam]]
-        bar.set_postfix(cells=len(beams[0][0]), recovery=f"{beams[0][1]:.3f}")
-    bar.close()
-
-    chosen = list(beams[0][0])
-    if prune and beams[0][1] >= fraction:
-        chosen = _prune(plan, search_scale, chosen, fraction)
-    prefixes = [tuple(chosen[:k]) for k in range(len(chosen) + 1)]
-    curve = _curve(plan, search_scale, prefixes, "search")
+    searcher = _Search(
+        plan, scale, fraction, max_cells or len(plan.cells), method, steps, proposals, report
+    )
+    started = time.perf_counter()
+    journal.resume(searcher, saved)
+    if search == "greedy":
+        searcher.greedy(beam, journal)
+    else:
+        searcher.doubling(journal)
+    chosen, recovery = searcher.best()
+    seconds = {"search": time.perf_counter() - started}
+    started = time.perf_counter()
+    if prune and recovery >= fraction:
+        chosen = searcher.prune(chosen, journal)
+    seconds["prune"] = time.perf_counter() - started
+    started = time.perf_counter()
+    report.say(f"{len(chosen)} cells: measuring the recovery curve")
+    prefixes = [tuple(chosen[:k]) for k in _curve_lengths(len(chosen), curve_points)]
+    curve = _curve(plan, scale, prefixes, "search")
     held_out_recovery = None
     if held is not None:
         held_curve = _curve(held, _Scale.of(held, reference), prefixes, "held_out")
@@ -259,6 +293,8 @@ def find_minimal_graft(
         held_out_recovery = float(held_curve["recovery"].iloc[-1])
     recovery = float(curve[curve.prompts == "search"]["recovery"].iloc[-1])
     reached = recovery >= fraction
+    seconds["curve"] = time.perf_counter() - started
+    report.close(f"done: {len(chosen)} cells recover {recovery:.3f}")
     if not reached:
         warnings.warn(
             f"The search stopped at a recovery of {recovery:.3f}, short of {fraction}: no "
@@ -273,7 +309,7 @@ def find_minimal_graft(
     return MinimalGraft(
         cells=cells_frame,
         curve=curve,
-        search=pd.DataFrame(log, columns=["step", "cells", "cell", "estimate", "recovery", "kept"]),
+        search=pd.DataFrame(searcher.log, columns=list(SEARCH_COLUMNS)),
         fraction=float(fraction),
         recovery=recovery,
         held_out_recovery=held_out_recovery,
@@ -281,7 +317,309 @@ def find_minimal_graft(
         reference=reference,
         groups=dict(plan.groups),
         source=source,
+        seconds={name: round(value, 3) for name, value in seconds.items()},
     )
+
+
+class _Progress:
+    """A bar where someone watches, a line per step on standard error elsewhere, or nothing."""
+
+    def __init__(self, progress: bool | None) -> None:
+        self.progress = progress
+        self.started = time.perf_counter()
+        self.bar = tqdm(desc="graft search", disable=not show_progress(progress), unit="step")
+
+    def say(self, text: str) -> None:
+        self.bar.update()
+        self.bar.set_postfix_str(text[:60], refresh=False)
+        seconds = time.perf_counter() - self.started
+        progress_line(self.progress, "graft search", f"{text} ({seconds:.0f} s)")
+
+    def close(self, text: str) -> None:
+        self.say(text)
+        self.bar.close()
+
+
+class _Search:
+    """The search's state: the cells accepted so far, their exact recovery, every set tried."""
+
+    def __init__(
+        self,
+        plan: AttributionPlan,
+        scale: _Scale,
+        fraction: float,
+        limit: int,
+        method: str,
+        steps: int,
+        proposals: int,
+        report: _Progress,
+    ) -> None:
+        self.plan, self.scale, self.fraction, self.limit = plan, scale, fraction, limit
+        self.method, self.steps, self.proposals, self.report = method, steps, proposals, report
+        self.beams: list[tuple[tuple[Cell, ...], float]] = [((), 0.0)]
+        self.size = 1  # the doubling search's next block
+        self.step = 0
+        self.log: list[dict[str, Any]] = []
+        self.pruned: tuple[Cell, ...] | None = None
+        self.last_ranking: tuple[tuple[Cell, ...] | None, list[tuple[Cell, float]]] = (None, [])
+
+    def best(self) -> tuple[list[Cell], float]:
+        cells, recovery = self.beams[0]
+        return list(cells), recovery
+
+    def measure(self, sets: Sequence[Sequence[Cell]]) -> list[float]:
+        """The exact recovery of each set of cells."""
+        return self.scale.recovery(self.plan.exact([tuple(cells) for cells in sets]))
+
+    def ranked(self, cells: Sequence[Cell]) -> list[tuple[Cell, float]]:
+        """The cells not in ``cells``, best estimate first, attributed from their graft."""
+        if self.last_ranking[0] == tuple(cells):  # a smaller block after one that failed
+            return self.last_ranking[1]
+        estimates = self.plan.estimates(method=self.method, steps=self.steps, start_cells=cells)
+        means = estimates[0].mean(1)
+        taken = set(cells)
+        ranking = [
+            (self.plan.cells[i], float(means[i]))
+            for i in means.argsort(descending=True).tolist()
+            if self.plan.cells[i] not in taken
+        ]
+        self.last_ranking = (tuple(cells), ranking)
+        return ranking
+
+    def record(
+        self,
+        cells: Sequence[Cell],
+        added: Cell,
+        estimate: float,
+        recovery: float,
+        kept: bool,
+        phase: str,
+    ) -> None:
+        self.log.append(
+            {
+                "step": self.step,
+                "phase": phase,
+                "size": len(cells),
+                "cells": " + ".join(cell_label(*cell) for cell in cells),
+                "cell": cell_label(*added),
+                "estimate": estimate,
+                "recovery": recovery,
+                "kept": kept,
+            }
+        )
+
+    def done(self) -> bool:
+        cells, recovery = self.beams[0]
+        return recovery >= self.fraction or len(cells) >= self.limit
+
+    def doubling(self, journal: _Journal) -> None:
+        """Blocks of 2, 4, 8... cells in the order of their estimates, re-attributed from the
+        cells accepted so far, the last block cut to its shortest prefix that reaches; where
+        a block does not help, half of it; at one cell, the best of ``proposals``."""
+        while not self.done():
+            self.step += 1
+            cells, recovery = self.beams[0]
+            ranked = self.ranked(cells)
+            if not ranked:
+                break
+            block = ranked[: min(self.size, self.limit - len(cells))]
+            if len(block) == 1:
+                # One cell: the best of the first few, each measured (estimates misjudge).
+                trials = [(*cells, cell) for cell, _ in ranked[: self.proposals]]
+                values = self.measure(trials)
+                best = max(range(len(trials)), key=lambda i: values[i])
+                for i, trial in enumerate(trials):
+                    self.record(trial, trial[-1], ranked[i][1], values[i], i == best, "single")
+                if values[best] <= recovery:
+                    break  # nothing improves on the set
+                self.beams = [(trials[best], values[best])]
+                self.size = 2
+            else:
+                grown = (*cells, *(cell for cell, _ in block))
+                (value,) = self.measure([grown])
+                estimate = sum(e for _, e in block)
+                self.record(grown, block[-1][0], estimate, value, value > recovery, "block")
+                if value >= self.fraction:
+                    self.beams = [self.shortest_prefix(cells, block, value)]
+                elif value > recovery:
+                    self.beams = [(grown, value)]
+                    self.size *= 2
+                else:
+                    self.size = len(block) // 2  # too coarse a step: a smaller one
+                    continue
+            journal.save(self)
+            self.report.say(
+                f"step {self.step}: {len(self.beams[0][0])} cells recover {self.beams[0][1]:.3f}"
+            )
+
+    def shortest_prefix(
+        self, cells: tuple[Cell, ...], block: list[tuple[Cell, float]], value: float
+    ) -> tuple[tuple[Cell, ...], float]:
+        """``cells`` and the shortest prefix of ``block`` found to reach the fraction, by
+        bisection (all of ``block`` reaches it, with recovery ``value``)."""
+        low, high = 0, len(block)  # the prefix of `low` cells falls short, `high`'s reaches
+        while high - low > 1:
+            middle = (low + high) // 2
+            trial = (*cells, *(cell for cell, _ in block[:middle]))
+            (reached,) = self.measure([trial])
+            kept = reached >= self.fraction
+            self.record(
+                trial, block[middle - 1][0], block[middle - 1][1], reached, kept, "shortest prefix"
+            )
+            if kept:
+                high, value = middle, reached
+            else:
+                low = middle
+        return (*cells, *(cell for cell, _ in block[:high])), value
+
+    def greedy(self, beam: int, journal: _Journal) -> None:
+        """Each step: the ``proposals`` best-estimated single cells added to each set kept."""
+        while not self.done():
+            self.step += 1
+            candidates: dict[frozenset, tuple[tuple[Cell, ...], float]] = {}
+            for cells, _ in self.beams:
+                for cell, estimate in self.ranked(cells)[: self.proposals]:
+                    grown = (*cells, cell)
+                    candidates.setdefault(frozenset(grown), (grown, estimate))
+            if not candidates:
+                break
+            tried = list(candidates.values())
+            recoveries = self.measure([cells for cells, _ in tried])
+            order = sorted(range(len(tried)), key=lambda i: -recoveries[i])
+            kept = set(order[:beam])
+            for i, (cells, estimate) in enumerate(tried):
+                self.record(cells, cells[-1], estimate, recoveries[i], i in kept, "single")
+            if recoveries[order[0]] <= self.beams[0][1]:
+                break  # no candidate improves on the best set
+            self.beams = [(tried[i][0], recoveries[i]) for i in order[:beam]]
+            journal.save(self)
+            self.report.say(
+                f"step {self.step}: {len(self.beams[0][0])} cells recover {self.beams[0][1]:.3f}"
+            )
+
+    def prune(self, cells: list[Cell], journal: _Journal) -> list[Cell]:
+        """Drop cells while the rest reaches the fraction, until no single one can go: each
+        round measures the set without each of its cells, exactly."""
+        if self.pruned is not None:
+            return list(self.pruned)
+        while len(cells) > 1:
+            self.report.say(f"pruning: {len(cells)} cells, measuring each one's absence")
+            without = [[c for c in cells if c != dropped] for dropped in cells]
+            recoveries = self.measure(without)
+            order = sorted(range(len(cells)), key=lambda i: -recoveries[i])
+            removable = [i for i in order if recoveries[i] >= self.fraction]
+            if not removable:
+                break  # 1-minimal: measured on exactly this set
+            kept = [c for c in cells if c != cells[removable[0]]]
+            for i in removable[1:]:  # more drops, each measured before it is taken
+                trial = [c for c in kept if c != cells[i]]
+                (value,) = self.measure([trial])
+                if value >= self.fraction:
+                    kept = trial
+            cells = kept
+        self.pruned = tuple(cells)
+        journal.save(self)
+        return cells
+
+
+class _Journal:
+    """The search's progress in a JSON file, so that a search killed and started again with
+    the same file goes on from its last step (no file: nothing is kept)."""
+
+    def __init__(self, path: Path | None, settings: dict[str, Any]) -> None:
+        self.path, self.settings = path, settings
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | None, **settings: Any) -> _Journal:
+        if path is None:
+            return cls(None, settings)
+        if not isinstance(path, (str, os.PathLike)):
+            raise AttributionError(f"state must be a file path, got {type(path).__name__}.")
+        path = Path(path)
+        if path.is_dir():
+            raise AttributionError(f"state must be a file, and {path} is a directory.")
+        return cls(path, settings)
+
+    def load(self, plan: AttributionPlan) -> dict[str, Any] | None:
+        """The saved state, checked against this search's settings (no forward pass)."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            settings = saved["settings"]
+            saved["cells"] = [_cell(cell) for cell in saved["cells"]]
+            if saved["pruned"] is not None:
+                saved["pruned"] = tuple(_cell(cell) for cell in saved["pruned"])
+            saved["recovery"] = float(saved["recovery"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise AttributionError(
+                f"The search's state file {self.path} cannot be read ({error}); give another "
+                "path, or move this one away to start afresh."
+            ) from None
+        expected = {**self.settings, "candidates": _candidates_key(plan)}
+        if settings != expected:
+            differences = ", ".join(
+                f"{key} {settings.get(key)!r} there, {value!r} here"
+                for key, value in expected.items()
+                if settings.get(key) != value
+            )
+            raise AttributionError(
+                f"The state file {self.path} belongs to another search ({differences}); give "
+                "another path, or move this one away to start afresh."
+            )
+        return saved
+
+    def resume(self, search: _Search, saved: dict[str, Any] | None) -> None:
+        """Carry on from ``saved``, once its cells are measured to recover what it says."""
+        if saved is None:
+            return
+        recovery = saved["recovery"]
+        chosen = saved["cells"]
+        (measured,) = search.measure([chosen])
+        if abs(measured - recovery) > 1e-4:
+            raise AttributionError(
+                f"The state file {self.path} says its {len(chosen)} cells recover "
+                f"{recovery:.4f}; here they recover {measured:.4f}, so it was written for other "
+                "models, prompts or metric. Give another path, or move it away to start afresh."
+            )
+        search.beams = [(tuple(chosen), measured)]
+        search.size, search.step, search.log = saved["size"], saved["step"], saved["log"]
+        search.pruned = saved["pruned"]
+        search.report.say(f"resumed at step {search.step}: {len(chosen)} cells, {measured:.3f}")
+
+    def save(self, search: _Search) -> None:
+        if self.path is None:
+            return
+        cells, recovery = search.beams[0]
+        state = {
+            "settings": {**self.settings, "candidates": _candidates_key(search.plan)},
+            "cells": [list(cell) for cell in cells],
+            "recovery": recovery,
+            "size": search.size,
+            "step": search.step,
+            "pruned": None if search.pruned is None else [list(c) for c in search.pruned],
+            "log": search.log,
+        }
+        with writing("The graft search's state", self.path):
+            atomic_write(self.path, json.dumps(state, indent=1).encode("utf-8"))
+
+
+def _cell(stored: Any) -> Cell:
+    component, layer, label = stored
+    return str(component), None if layer is None else int(layer), str(label)
+
+
+def _candidates_key(plan: AttributionPlan) -> str:
+    """A short hash of the candidate cells, in order (a state file's cells index into them)."""
+    labels = "\n".join(cell_label(*cell) for cell in plan.cells)
+    return hashlib.sha256(labels.encode("utf-8")).hexdigest()[:16]
+
+
+def _curve_lengths(count: int, points: int | None) -> list[int]:
+    """The prefix lengths the curve measures: every one, or ``points`` evenly spread."""
+    if points is None or count + 1 <= points:
+        return list(range(count + 1))
+    return sorted({round(i * count / (points - 1)) for i in range(points)})
 
 
 @dataclass(frozen=True)
@@ -326,18 +664,6 @@ def _donor_metric(plan: AttributionPlan) -> float:
         )
         values.append(plan.metric(logits, rows).float().cpu())
     return float(torch.cat(values).mean())
-
-
-def _prune(plan: AttributionPlan, scale: _Scale, cells: list[Cell], fraction: float) -> list[Cell]:
-    """Drop cells while the rest still reaches ``fraction``, the least costly first."""
-    while len(cells) > 1:
-        without = [tuple(c for c in cells if c != dropped) for dropped in cells]
-        recoveries = scale.recovery(plan.exact(without))
-        best = max(range(len(without)), key=lambda i: recoveries[i])
-        if recoveries[best] < fraction:
-            break
-        cells = list(without[best])
-    return cells
 
 
 def _curve(

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PLOTLY_RENDERER", "notebook", "quiet_loading", "show_progress"]
+__all__ = ["PLOTLY_RENDERER", "notebook", "progress_line", "quiet_loading", "show_progress"]
 
 PLOTLY_RENDERER = "grafting_lens"
 """The plotly renderer :func:`notebook` registers: plotly.js embedded once, no CDN."""
@@ -47,6 +48,13 @@ def show_progress(progress: bool | None) -> bool:
     except (AttributeError, ValueError):  # a closed or replaced stream
         interactive = False
     return interactive or in_notebook()
+
+
+def progress_line(progress: bool | None, what: str, text: str) -> None:
+    """One timestamped line on standard error where ``progress`` is None and nobody watches
+    (a log file, where a bar would print a line per redraw); nothing otherwise."""
+    if progress is None and not show_progress(None):
+        print(f"[{time.strftime('%H:%M:%S')}] {what}: {text}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

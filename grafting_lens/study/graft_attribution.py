@@ -35,6 +35,7 @@ from grafting_lens.analysis import plots
 from grafting_lens.analysis.attribution import attribute_grafts
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.graft_search import find_minimal_graft
+from grafting_lens.core.console import progress_line
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.study import markdown
@@ -77,7 +78,9 @@ def run(
     ``extras``: ``method`` (``"gradient"``, the default, or ``"integrated"``),
     ``steps`` (of the integrated path, default 8), ``fraction`` (for the search,
     default 0.8) and ``verify`` (``"all"``, the default, or how many cells to verify).
-    ``out`` and ``on_chunk`` are not used: the run is held in memory.
+    With ``out`` (a run directory), each prompt's attribution is written there before
+    the search starts and read back by a later run of the same command, and the search
+    keeps its steps there (``search.json``): a killed run goes on where it stopped.
 
     Returns:
         ``{"results", "references", "agreement", "minimal_graft", "recovery", "search",
@@ -86,7 +89,13 @@ def run(
     Raises:
         ExperimentError: A ``verify`` that is neither ``"all"`` nor a positive number.
     """
-    del spec, out, on_chunk  # an attribution runs in memory
+    del spec, on_chunk
+    # With a run directory, each prompt's attribution is written there before the search
+    # starts, and read back by a run of the same command; the search keeps its steps there.
+    keep = None if out is None else Path(out) / "graft_attribution"
+    if keep is not None:
+        with writing("The run directory", keep):
+            keep.mkdir(parents=True, exist_ok=True)
     models = setup.models
     method = extras.get("method") or "gradient"
     steps = extras.get("steps") or 8
@@ -105,29 +114,44 @@ def run(
     frames, agreements, references = [], [], []
     seconds = {}
     for prompt, batch in batches.items():
-        started = time.perf_counter()
-        result = attribute_grafts(
-            models,
-            batch,
-            positions=POSITIONS,
-            method=method,
-            steps=steps,
-            verify=verify,
-            batch_size=options.batch_size,
-            progress=options.progress,
-        )
-        seconds[prompt] = round(time.perf_counter() - started, 1)
-        frames.append(result.frame.assign(prompt=prompt))
-        if result.agreement is not None:
-            agreements.append(result.agreement.assign(prompt=prompt))
-        references.append(
-            {
+        stored = None if keep is None else keep / f"attribution_{prompt}.json"
+        if stored is not None and stored.exists():
+            frame, agreement, reference = _read_attribution(stored)
+            progress_line(options.progress, "graft attribution", f"{prompt}: read from {stored}")
+        else:
+            progress_line(
+                options.progress,
+                "graft attribution",
+                f"{prompt}: attributing {len(batch)} prompts"
+                + ("" if verify is None else f", verifying {verify} cells"),
+            )
+            started = time.perf_counter()
+            result = attribute_grafts(
+                models,
+                batch,
+                positions=POSITIONS,
+                method=method,
+                steps=steps,
+                verify=verify,
+                batch_size=options.batch_size,
+                progress=options.progress,
+            )
+            frame = result.frame.assign(prompt=prompt)
+            agreement = None if result.agreement is None else result.agreement.assign(prompt=prompt)
+            reference = {
                 "prompt": prompt,
                 "n": len(batch),
                 "start_metric": result.start_metric,
                 "all_cells_metric": result.all_cells_metric,
+                "seconds": round(time.perf_counter() - started, 1),
             }
-        )
+            if stored is not None:
+                _write_attribution(stored, frame, agreement, reference)
+        seconds[prompt] = reference.pop("seconds")
+        frames.append(frame)
+        if agreement is not None:
+            agreements.append(agreement)
+        references.append(reference)
     first, second = PROMPTS
     started = time.perf_counter()
     found = find_minimal_graft(
@@ -138,6 +162,7 @@ def run(
         positions=POSITIONS,
         method=method,
         steps=steps,
+        state=None if keep is None else keep / "search.json",
         batch_size=options.batch_size,
         progress=options.progress,
     )
@@ -166,6 +191,40 @@ def run(
         "search": found.search,
         "settings": settings,
     }
+
+
+def _write_attribution(
+    path: Path, frame: pd.DataFrame, agreement: pd.DataFrame | None, reference: dict
+) -> None:
+    """One prompt's attribution as JSON (Python's floats, read back bit for bit)."""
+
+    def table(value: pd.DataFrame | None) -> dict | None:
+        if value is None:
+            return None
+        split = value.astype(object).where(value.notna(), None).to_dict("split")
+        return {**split, "dtypes": {c: str(t) for c, t in value.dtypes.items()}}
+
+    content = {"frame": table(frame), "agreement": table(agreement), "reference": reference}
+    with writing("The attribution", path):
+        atomic_write(path, json.dumps(content).encode("utf-8"))
+
+
+def _read_attribution(path: Path) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
+    def table(value: dict | None) -> pd.DataFrame | None:
+        if value is None:
+            return None
+        frame = pd.DataFrame(value["data"], index=value["index"], columns=value["columns"])
+        return frame.astype(value["dtypes"])
+
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+        frame = table(content["frame"])
+        assert frame is not None
+        return frame, table(content["agreement"]), dict(content["reference"])
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as error:
+        raise ExperimentError(
+            f"{path} cannot be read back ({error}); move it away and run again to compute it."
+        ) from None
 
 
 def _verify(value: Any) -> int | str | None:
@@ -293,9 +352,10 @@ def _markdown(tables: Mapping[str, Any], settings: dict, figures: dict) -> str:
     lines += ["", "## The minimal graft", ""]
     lines += [
         markdown.escape(
-            f"Cells added greedily until the graft recovers {settings.get('fraction')} of the "
-            f"gap between PRE and SFT on the {PROMPTS[0]} prompts (reached: "
-            f"{settings.get('reached')}); recovery on the {PROMPTS[1]} prompts held out."
+            f"Cells added in blocks of the best-estimated until the graft recovers "
+            f"{settings.get('fraction')} of the gap between PRE and SFT on the {PROMPTS[0]} "
+            f"prompts (reached: {settings.get('reached')}), then dropped while it still does, "
+            f"until none can be (1-minimal); recovery on the {PROMPTS[1]} prompts held out."
         ),
         "",
     ]

@@ -261,6 +261,7 @@ register_experiment(
         inapplicable=LIBRARY_READING_ONLY,
         semantics="clean",  # its runner works the library's way only
         run=graft_attribution.run,
+        run_resumes=True,  # its attribution and search steps are kept in out/runs
         report=graft_attribution.report,
     )
 )

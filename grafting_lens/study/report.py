@@ -656,6 +656,24 @@ def component_heatmap(
         rows = [r for r in COMPONENT_LAYER_RANGES if r in values.index]
         columns = [c for c in COMPONENT_SETS if c in values.columns]
         values = values.loc[rows, columns]
+        text = [[f"{v:.0%}" for v in row] for row in values.to_numpy()]
+        if {f"top{k}_low", f"top{k}_high"} <= set(grid.columns):
+            # Each cell's 95% interval under its value: a heatmap has no whiskers, and a
+            # reader compares cells a few points apart (NaN where too few rows for one).
+            bounds = {
+                side: grid[grid.prompt == prompt]
+                .pivot(index="layer_range", columns="component_set", values=f"top{k}_{side}")
+                .loc[rows, columns]
+                .to_numpy()
+                for side in ("low", "high")
+            }
+            text = [
+                [
+                    cell if pd.isna(low) else f"{cell}<br>[{low:.0%}, {high:.0%}]"
+                    for cell, low, high in zip(*line)
+                ]
+                for line in zip(text, bounds["low"], bounds["high"])
+            ]
         baselines = summary[(summary.prompt == prompt) & summary.component_set.isin(_BASELINES)]
         frame = ", ".join(f"{r.component_set} {r[f'top{k}']:.0%}" for _, r in baselines.iterrows())
         figure.add_trace(
@@ -666,7 +684,7 @@ def component_heatmap(
                 zmin=0,
                 zmax=min(top, 1.0),
                 colorscale="Blues",
-                text=[[f"{v:.0%}" for v in row] for row in values.to_numpy()],
+                text=text,
                 texttemplate="%{text}",
                 showscale=column == len(prompts),
                 colorbar=dict(title=f"top-{k}", tickformat=".0%"),
@@ -685,7 +703,8 @@ def component_heatmap(
     return figure_style.figure_style(
         figure,
         f"{title}: top-{k} accuracy",
-        figure_style.subtitle(caption, counts, interval=False).replace("per bar", "per cell"),
+        figure_style.subtitle(caption, counts, interval=False).replace("per bar", "per cell")
+        + ("; under each value its 95% bootstrap interval" if f"top{k}_low" in grid else ""),
         width=760,
         height=420 * len(prompts) + 160,
     )

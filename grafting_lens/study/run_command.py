@@ -223,7 +223,7 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
                 for option, _ in spec.donors.values()
             )
         )
-        if spec.run is None and not finetunes:
+        if (spec.run is None or spec.run_resumes) and not finetunes:
             return interrupted("run the same command to resume")
         return interrupted("run the same command to start again (this run does not resume)")
 
@@ -305,8 +305,10 @@ def _run_locked(
     )
     # Answers the tokenizer cannot score are refused before the report directory is touched.
     shared = [] if prompts is None else check_answers(prompts, setup.models, semantics)
-    # Only a grid of configurations saves chunks and reads them back.
+    # A grid of configurations saves chunks and reads them back; a runner of its own that
+    # resumes (the graft attribution) keeps its progress in out/runs too.
     resumed = setup.resumable and spec.run is None
+    keeps = resumed or spec.run_resumes
     description = _describe_command_run(spec, args, setup, weights_digests(setup.models))
     if prompts is not None:  # the file's content, not its name, makes the run
         content = Path(args.prompts).expanduser().read_bytes()
@@ -320,13 +322,13 @@ def _run_locked(
         description=description,
         command=command,
         overwrite=args.overwrite,
-        runs=resumed,
+        runs=keeps,
     )
     computed: list[int] = []
     tables = run_spec(
         spec,
         setup,
-        out=out / "runs" if resumed else None,
+        out=out / "runs" if keeps else None,
         quick=args.quick,
         n_examples=args.n_examples,
         options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),

@@ -138,6 +138,8 @@ class ExperimentSpec:
         run: A runner other than the configuration grid:
             ``(spec, setup, **run arguments) -> {table name: DataFrame}`` (see
             :func:`~grafting_lens.study.named.run_spec`).
+        run_resumes: That runner keeps its progress in the run directory it is given
+            (``out/runs`` on the command line), and a run of the same command goes on from it.
         report: A report other than the standard one (see
             :func:`~grafting_lens.study.report.write_experiment_report`).
         quick_world: ``--quick`` builds a small toy world (and finetunes a checkpoint
@@ -168,6 +170,7 @@ class ExperimentSpec:
     options: tuple[Option, ...] = ()
     inapplicable: tuple[str, ...] = ()
     run: Callable[..., Mapping[str, Any]] | None = None
+    run_resumes: bool = False
     report: Callable[..., Any] | None = None
     quick_world: bool = False
     finetune_missing_donor: bool = False

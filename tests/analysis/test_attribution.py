@@ -4,6 +4,7 @@ its ends against the base and the graft, and the estimates against measured effe
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pandas as pd
@@ -454,6 +455,7 @@ def test_a_beam_search_keeps_several_sets_and_reports_exact_recoveries(llama):
         fraction=0.5,
         components="o+mlp_out",
         positions=("FE", "LT"),
+        search="greedy",
         proposals=3,
         beam=2,
         prune=False,
@@ -466,6 +468,62 @@ def test_a_beam_search_keeps_several_sets_and_reports_exact_recoveries(llama):
     # Each logged recovery is that of the candidate set, measured: the kept ones rank first.
     for _, step in found.search.groupby("step"):
         assert step[step.kept].recovery.min() >= step[~step.kept].recovery.max() - 1e-9
+
+
+SEARCH = dict(fraction=0.6, components="attn+o+ffn", positions=("FE", "LT", "(FE+LT)^C"))
+
+
+def test_a_search_killed_and_started_again_goes_on_from_its_state_file(llama, tmp_path):
+    batch = batch_for(llama, n=4, seed=0)
+    state = tmp_path / "search.json"
+    # Stopped after two cells, as a kill between steps leaves it: its file holds two cells.
+    with pytest.warns(UserWarning, match="short of"):
+        gl.find_minimal_graft(llama, batch, max_cells=2, prune=False, state=state, **SEARCH)
+    saved = json.loads(state.read_text())
+    assert len(saved["cells"]) == 2 and saved["pruned"] is None
+    resumed = gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
+    # It went on from the saved steps (their log kept), and its result is measured afresh.
+    assert resumed.search.iloc[: len(saved["log"])].to_dict("records") == saved["log"]
+    assert resumed.search.step.max() > saved["step"]
+    assert resumed.reached
+    assert graft_recovery(llama, resumed, batch) == pytest.approx(resumed.recovery, abs=1e-4)
+    for dropped in range(len(resumed.cells)):  # 1-minimal
+        smaller = dataclasses.replace(resumed, cells=resumed.cells.drop(index=dropped))
+        assert graft_recovery(llama, smaller, batch) < 0.6
+    # A finished search's file gives its result again without searching.
+    again = gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
+    assert again.cells.equals(resumed.cells) and len(again.search) == len(resumed.search)
+
+
+def test_a_state_file_of_another_search_is_refused(llama, tmp_path):
+    batch = batch_for(llama, n=4, seed=0)
+    state = tmp_path / "search.json"
+    gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
+    written = state.read_bytes()
+    with no_forward_pass(llama), pytest.raises(gl.errors.AttributionError, match="fraction 0.6"):
+        gl.find_minimal_graft(
+            llama, batch, state=state, progress=False, **{**SEARCH, "fraction": 0.5}
+        )
+    other = batch_for(llama, n=4, seed=3)  # other prompts: the saved cells recover otherwise
+    with pytest.raises(gl.errors.AttributionError, match="here they recover"):
+        gl.find_minimal_graft(llama, other, state=state, progress=False, **SEARCH)
+    state.write_text("{not json")
+    with pytest.raises(gl.errors.AttributionError, match="cannot be read"):
+        gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
+    assert written  # the file is the user's: refused, never rewritten or deleted
+    assert state.read_text() == "{not json"
+
+
+def test_the_search_prints_a_line_per_step_where_nobody_watches(llama, capsys):
+    batch = batch_for(llama, n=4, seed=0)
+    found = gl.find_minimal_graft(llama, batch, curve_points=2, **SEARCH)  # stderr: not a tty
+    lines = capsys.readouterr().err.splitlines()
+    assert any("step 1:" in line for line in lines) and "done:" in lines[-1]
+    assert all(line.startswith("[") and "] graft search: " in line for line in lines)
+    # Two points of the curve: no cells and all of them.
+    assert list(found.curve[found.curve.prompts == "search"].cells) == [0, len(found.cells)]
+    gl.find_minimal_graft(llama, batch, progress=False, **SEARCH)
+    assert capsys.readouterr().err == ""
 
 
 def test_a_search_for_a_metric_the_donor_does_not_raise_is_refused(llama):
@@ -533,7 +591,11 @@ def test_attribute_grafts_refuses_before_any_forward_pass(llama, options, error,
             for fraction in (0, 1.5, -0.1, True, "0.5")
         ),
         (dict(reference="sft"), "Unknown reference 'sft'"),
-        (dict(beam=0), "beam must be"),
+        (dict(beam=0, search="greedy"), "beam must be"),
+        (dict(beam=2), "beam is a setting of search='greedy'"),
+        (dict(search="beam"), "Unknown search 'beam'"),
+        (dict(curve_points=1), "curve_points must be at least 2"),
+        (dict(state=3), "state must be a file path"),
         (dict(max_cells=0), "max_cells must be"),
     ],
 )

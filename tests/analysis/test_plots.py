@@ -257,6 +257,12 @@ def test_the_heatmap_colour_scale_fits_the_cells_and_references_sit_in_the_margi
     heatmap = report.component_heatmap(summary, "Component grafting", caption="setting")
     assert heatmap.data[0].zmax == pytest.approx(0.5)  # cells at 25%, not a 0-100% scale
     assert "DONOR 100%" in heatmap.layout.annotations[0].text
+    cell = summary[(summary.component_set == "O+FFN") & (summary.layer_range == "all")].iloc[0]
+    columns, rows = list(heatmap.data[0].x), list(heatmap.data[0].y)
+    text = heatmap.data[0].text[rows.index("all layers")][columns.index("O+FFN")]
+    # Every cell carries its own interval, not only the value (a heatmap has no whiskers).
+    assert text == f"25%<br>[{cell.top5_low:.0%}, {cell.top5_high:.0%}]"
+    assert "95% bootstrap interval" in heatmap.layout.title.subtitle.text
     bars = report.component_bars(summary, "Component grafting")
     labels = [a for a in bars.layout.annotations if a.text and "BASE" in a.text]
     assert labels and all(a.x == 1.0 and a.xanchor == "left" for a in labels)  # right of the bars
@@ -427,3 +433,16 @@ def test_a_long_title_wraps_at_words():
         figure_style.wrap_text("(FE+LT)<sup>C</sup> is short", 12)
         == "(FE+LT)<sup>C</sup> is<br>short"
     )
+
+
+def test_a_reference_label_gets_a_right_margin_wide_enough_for_it():
+    import plotly.graph_objects as go
+
+    from grafting_lens.analysis import figure_style
+
+    # A short label on a figure with no margin set yet: the margin must still hold it, not
+    # count on plotly's default 80 px, which figure_style replaces with 40.
+    figure = go.Figure(go.Bar(x=["a"], y=[0.5]))
+    figure_style.add_reference_line(figure, 0.3, "DONOR 94%")
+    styled = figure_style.figure_style(figure, "t")
+    assert styled.layout.margin.r >= 6.5 * len("DONOR 94%") + 4

@@ -750,7 +750,7 @@ def test_a_csv_with_a_byte_order_mark_reads_and_shared_first_tokens_are_noted(
     ("arguments", "patched", "line"),
     [
         (["demo"], "run_spec", "Interrupted; run the same command to resume."),
-        (["run", "graft_attribution", "--quick"], "run_spec", "this run does not resume"),
+        (["run", "patching_vs_grafting", "--quick"], "run_spec", "this run does not resume"),
         (["world", "build", "toy"], "build_toy_world", "Interrupted; run the same command"),
     ],
     ids=["a resumable run", "a run that does not resume", "a world build"],

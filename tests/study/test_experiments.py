@@ -759,6 +759,44 @@ def test_graft_attribution_writes_every_cell_verified_and_the_minimal_graft(
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")
+@pytest.mark.filterwarnings("ignore:The search stopped")
+def test_graft_attribution_writes_the_attribution_first_and_resumes_after_a_kill(
+    tiny_world_args, tmp_path, monkeypatch
+):
+    from grafting_lens.study import graft_attribution
+
+    out = tmp_path / "attribution"
+    arguments = ["--out", str(out), "--verify", "4", *tiny_world_args]
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(graft_attribution, "find_minimal_graft", killed)
+        assert _script("graft_attribution").main(arguments) == 130
+    kept = out / "runs" / "graft_attribution"
+    # Killed as the search started: both prompts' attributions are on disk already.
+    assert {p.name for p in kept.iterdir()} == {"attribution_headline.json", "attribution_qa.json"}
+    stored = kept.joinpath("attribution_qa.json").read_bytes()
+
+    def not_again(*args, **kwargs):
+        pytest.fail("attributed again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(graft_attribution, "attribute_grafts", not_again)
+        assert _script("graft_attribution").main(arguments) == 0
+    assert kept.joinpath("attribution_qa.json").read_bytes() == stored
+    assert (kept / "search.json").exists()
+    resumed = pd.read_csv(out / "results.csv")
+    # The same as a run never killed, cell for cell and bit for bit.
+    fresh = tmp_path / "fresh"
+    assert _script("graft_attribution").main(["--out", str(fresh), *arguments[2:]]) == 0
+    pd.testing.assert_frame_equal(resumed, pd.read_csv(fresh / "results.csv"))
+    for name in ("minimal_graft.csv", "recovery.csv", "agreement.csv", "references.csv"):
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+
+
+@pytest.mark.filterwarnings("ignore:.*longer than max_length")
 def test_scripts_refuse_bad_arguments_before_running(
     tiny_world_args, tmp_path, capsys, count_forwards
 ):
