@@ -333,3 +333,43 @@ def test_the_real_world_tables_give_every_cell_its_interval(tmp_path, capsys):
         assert values and all(cell.fullmatch(value) for value in values), values
         assert len(rows[0].split("|")) - 2 == len(body[0]) + 1  # a header for every column
     assert "25% [12,&nbsp;38]" in rows[-1]  # half-even rounding: 12.5 -> 12, 37.5 -> 38
+
+
+def test_the_targets_across_worlds_table_gives_each_world_its_interval_and_verdict(
+    tmp_path, capsys
+):
+    import json
+
+    path = DOCS / "scripts" / "targets_across_worlds.py"
+    spec = importlib.util.spec_from_file_location("targets_across_worlds", path)
+    assert spec and spec.loader
+    across = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(across)
+
+    def target(name, kind, estimate, low, high, verdict, threshold=">= 0.3"):
+        pooled = {"estimate": estimate, "ci95": [low, high], "n": 128}
+        return dict(
+            target=name, kind=kind, threshold=threshold, pooled=pooled, verdict=verdict, paper="p"
+        )
+
+    toy = {"targets": [target("LT top-5", "rate", 0.39, 0.32, 0.46, "met")]}
+    gemma = {
+        "targets": [
+            target("LT top-5", "rate", 0.17, 0.11, 0.24, "not met"),
+            target("O+FFN - FFN", "difference", 0.01, -0.02, 0.04, "not met", "<= 0.15"),
+        ]
+    }
+    files = {}
+    for name, content in (("toy", toy), ("gemma3", gemma)):
+        files[name] = tmp_path / f"{name}.json"
+        files[name].write_text(json.dumps(content))
+    assert across.main([f"{name}={file}" for name, file in files.items()]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| target | threshold | toy world | Gemma 3 270M | paper |"
+    assert (
+        lines[2] == "| LT top-5 | ≥ 30% | 39% [32,&nbsp;46], met | 17% [11,&nbsp;24], not met | p |"
+    )
+    # A target the toy's runs did not measure: an empty cell, not a guess.
+    assert (
+        lines[3] == "| O+FFN - FFN | ≤ +15&nbsp;pts |  | +1&nbsp;pts [−2,&nbsp;+4], not met | p |"
+    )
