@@ -53,8 +53,10 @@ Place = Union[str, int, Sequence[Union[str, int]]]
 """Where a graft takes the donor's weights: ``"last"``, ``"all"``, a piece of the prompt,
 a token index, a span expression, or a list of these (their union)."""
 
-COLUMNS = ("config", "text", "target", "grafted", "target_rank", "target_prob", "top1", "top5")
-"""The columns :func:`graft` shows first (the runner's names), then the top tokens."""
+COLUMNS = ("config", "target_rank", "target_prob", "top1", "top5", "grafted", "target", "text")
+"""The columns :func:`graft` shows first (the runner's names), then the top tokens: the
+answer's rank and probability before the prompt's text, which is the widest column and would
+push them out of a notebook's view."""
 
 
 @dataclasses.dataclass(frozen=True)
