@@ -294,10 +294,10 @@ def test_the_gallerys_figures_come_from_the_commands_their_captions_name():
 
 
 def test_the_real_world_tables_give_every_cell_its_interval(tmp_path, capsys):
-    """docs/scripts/smollm2_tables.py prints the real-model tables of the results page: every
+    """docs/scripts/real_world_tables.py prints the real-model tables of the results page: every
     number of every column with its 95% interval, not only the first run's."""
-    path = DOCS / "scripts" / "smollm2_tables.py"
-    spec = importlib.util.spec_from_file_location("smollm2_tables", path)
+    path = DOCS / "scripts" / "real_world_tables.py"
+    spec = importlib.util.spec_from_file_location("real_world_tables", path)
     assert spec and spec.loader
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)

@@ -1,19 +1,19 @@
-"""Print the real-model section's tables of docs/results.md from finished SmolLM2 runs.
+"""Print the real-model sections' tables of docs/results.md from finished runs of a real world.
 
-The smollm2 world takes an hour to build, so the docs cannot compute its numbers on every
-build as ``prose_numbers.py`` does for the toy world; the section's tables are printed by
-this script from the runs it names, and pasted. Each cell is top-5 accuracy with its 95%
+A real-model world (smollm2, gemma3) takes hours to build, so the docs cannot compute its
+numbers on every build as ``prose_numbers.py`` does for the toy world; the sections' tables
+are printed by this script from the runs it names, and pasted. Each cell is top-5 accuracy with its 95%
 bootstrap interval, as ``summary.csv`` holds it::
 
-    python docs/scripts/smollm2_tables.py position out/smollm2_position_reference out/smollm2_position_clean
-    python docs/scripts/smollm2_tables.py component out/smollm2_component_reference out/smollm2_component_clean
-    python docs/scripts/smollm2_tables.py hybrid out/smollm2_hybrid_reference out/smollm2_hybrid_clean
-    python docs/scripts/smollm2_tables.py heatmaps out/smollm2_component_reference docs/assets/smollm2
+    python docs/scripts/real_world_tables.py position out/smollm2_position_reference out/smollm2_position_clean
+    python docs/scripts/real_world_tables.py component out/smollm2_component_reference out/smollm2_component_clean
+    python docs/scripts/real_world_tables.py hybrid out/smollm2_hybrid_reference out/smollm2_hybrid_clean
+    python docs/scripts/real_world_tables.py heatmaps out/smollm2_component_reference docs/assets/smollm2
 
 (``heatmaps`` writes the component run's heatmap one prompt per figure, narrow enough to
 read in the page's column: ``component_heatmap_<prompt>.png``.)
 
-Each run directory comes from ``grafting-lens run EXPERIMENT --world smollm2 --semantics
+Each run directory comes from ``grafting-lens run EXPERIMENT --world WORLD --semantics
 SEMANTICS --out DIR``, labelled by the run's semantics: every run's headline and QA cells,
 each with its interval (a reader compares cells a few points apart).
 """
