@@ -37,6 +37,7 @@ import torch
 
 import grafting_lens as gl
 from grafting_lens import study
+from grafting_lens.study.named import real_world_setup
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.study.graft_attribution import POSITIONS
 from grafting_lens.study.semantics import CLEAN
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.world == "toy":
         models, relations, _ = study.toy_setup("graft_attribution", progress=False)
     else:
-        models, relations, _ = study.real_world_setup("graft_attribution", world=args.world)
+        models, relations, _ = real_world_setup("graft_attribution", world=args.world)
     batches = {
         prompt: tokenize_examples(
             data.make_examples(relations, prompt=prompt, templates=CLEAN.prompts)[: args.relations],

@@ -373,3 +373,40 @@ def test_the_targets_across_worlds_table_gives_each_world_its_interval_and_verdi
     assert (
         lines[3] == "| O+FFN - FFN | ≤ +15&nbsp;pts |  | +1&nbsp;pts [−2,&nbsp;+4], not met | p |"
     )
+
+
+def test_the_real_world_heatmaps_are_drawn_one_prompt_per_figure(tmp_path, monkeypatch, capsys):
+    import json
+
+    from grafting_lens.analysis import figure_style
+
+    path = DOCS / "scripts" / "real_world_tables.py"
+    spec = importlib.util.spec_from_file_location("real_world_tables", path)
+    assert spec and spec.loader
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    run = tmp_path / "component"
+    run.mkdir()
+    description = {"semantics": "reference", "options": {"world": "gemma3"}}
+    (run / "report.json").write_text(json.dumps({"description": description}))
+    pd.DataFrame({"semantics": ["reference"]}).to_csv(run / "results.csv", index=False)
+    rows = [
+        dict(config=f"{s}@{r}", component_set=s, layer_range=r, prompt=p, n=24, top5=0.25)
+        for s in tables.COMPONENT_SETS
+        for r in tables.COMPONENT_RANGES
+        for p in ("headline", "qa")
+    ]
+    summary = pd.DataFrame(rows).assign(top5_low=0.125, top5_high=0.375)
+    summary.to_csv(run / "summary.csv", index=False)
+    drawn = {}
+
+    def save(figure, target, warn=True):
+        drawn[Path(target).name] = figure
+        return {"html": None, "png": None, "png_error": None}
+
+    monkeypatch.setattr(figure_style, "save_figure", save)
+    assert tables.main(["heatmaps", str(run), str(tmp_path)]) == 0
+    assert sorted(drawn) == ["component_heatmap_headline", "component_heatmap_qa"]
+    figure = drawn["component_heatmap_qa"]
+    assert "gemma3 world" in figure.layout.title.subtitle.text
+    assert figure.data[0].text[0][0] == "25%<br>[12%, 38%]"  # the cell and its interval

@@ -78,7 +78,10 @@ def component_table(directory: Path) -> str:
     )
     width = 2 * len(columns)
     lines = [f"{semantics}: top-5", "", header + " |", "|---" * (1 + width) + "|"]
-    for name, label in (("BASE", "`BASE` (task model)"), ("DONOR", "`DONOR` (relation model)")):
+    for name, label in (
+        ("BASE", "`BASE` (nothing grafted)"),
+        ("DONOR", "`DONOR` (the donor whole)"),
+    ):
         values = [cell(indexed.loc[(name, p)]) for p in PROMPTS]
         lines.append(f"| {label} | " + " | ".join(values) + " |" + " |" * (width - 2))
     for name in COMPONENT_SETS:
@@ -91,11 +94,12 @@ def component_table(directory: Path) -> str:
 
 def write_heatmaps(directory: Path, target: Path) -> int:
     """The component run's heatmap, one figure per prompt, as PNG files in ``target``."""
-    from grafting_lens.analysis.plots import save_figure
+    from grafting_lens.analysis.figure_style import save_figure
     from grafting_lens.study.report import component_heatmap, figure_caption
 
     results = pd.read_csv(directory / "results.csv", usecols=["semantics"], encoding="utf-8-sig")
-    caption = figure_caption("smollm2 world", results)
+    report = json.loads((directory / "report.json").read_text(encoding="utf-8"))
+    caption = figure_caption(f"{report['description']['options']['world']} world", results)
     _, summary = load(directory)
     for prompt in PROMPTS:
         figure = component_heatmap(
