@@ -37,9 +37,9 @@ import torch
 
 import grafting_lens as gl
 from grafting_lens import study
-from grafting_lens.study.named import real_world_setup
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.study.graft_attribution import POSITIONS
+from grafting_lens.study.named import real_world_setup
 from grafting_lens.study.semantics import CLEAN
 from grafting_lens.worlds import data
 
