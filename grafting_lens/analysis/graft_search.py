@@ -298,8 +298,8 @@ def find_minimal_graft(
     if not reached:
         warnings.warn(
             f"The search stopped at a recovery of {recovery:.3f}, short of {fraction}: no "
-            "candidate improved further. Allow more proposals or a wider beam, more "
-            "components or positions, or reference='all_cells'.",
+            "candidate improved further. Allow more proposals (or search='greedy' with a "
+            "wider beam), more components or positions, or reference='all_cells'.",
             stacklevel=2,
         )
     cells_frame = pd.DataFrame(chosen, columns=["component", "layer", "positions"])
