@@ -17,7 +17,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["PLOTLY_RENDERER", "notebook", "progress_line", "quiet_loading", "show_progress"]
+__all__ = [
+    "PLOTLY_RENDERER",
+    "notebook",
+    "progress_line",
+    "quiet_loading",
+    "say_line",
+    "show_progress",
+]
 
 PLOTLY_RENDERER = "grafting_lens"
 """The plotly renderer :func:`notebook` registers: plotly.js embedded once, no CDN."""
@@ -50,11 +57,16 @@ def show_progress(progress: bool | None) -> bool:
     return interactive or in_notebook()
 
 
+def say_line(what: str, text: str) -> None:
+    """One progress line on standard error: ``[HH:MM:SS] what: text`` (a log file's form)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}: {text}", file=sys.stderr, flush=True)
+
+
 def progress_line(progress: bool | None, what: str, text: str) -> None:
-    """One timestamped line on standard error where ``progress`` is None and nobody watches
-    (a log file, where a bar would print a line per redraw); nothing otherwise."""
+    """:func:`say_line` where ``progress`` is None and nobody watches (a log file, where a
+    bar would print a line per redraw); nothing otherwise."""
     if progress is None and not show_progress(None):
-        print(f"[{time.strftime('%H:%M:%S')}] {what}: {text}", file=sys.stderr, flush=True)
+        say_line(what, text)
 
 
 @contextlib.contextmanager

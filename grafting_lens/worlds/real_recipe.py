@@ -59,7 +59,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grafting_lens.analysis.batch import tokenize_examples
-from grafting_lens.core.console import quiet_loading
+from grafting_lens.core.console import quiet_loading, say_line
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import atomic_write
 from grafting_lens.worlds import data
@@ -279,11 +278,7 @@ class _Report:
 
     def say(self, text: str) -> None:
         if self.lines:
-            print(
-                f"[{time.strftime('%H:%M:%S')}] {self.name} world: {text}",
-                file=sys.stderr,
-                flush=True,
-            )
+            say_line(f"{self.name} world", text)
 
     def finished(self, steps: int) -> None:
         self.done += steps
