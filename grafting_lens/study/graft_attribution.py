@@ -122,8 +122,7 @@ def run(
             progress_line(
                 options.progress,
                 "graft attribution",
-                f"{prompt}: attributing {len(batch)} prompts"
-                + ("" if verify is None else f", verifying {verify} cells"),
+                f"{prompt}: attributing {len(batch)} prompts, verifying {verify} cells",
             )
             started = time.perf_counter()
             result = attribute_grafts(
@@ -210,7 +209,7 @@ def _write_attribution(
 
 
 def _read_attribution(path: Path) -> tuple[pd.DataFrame, pd.DataFrame | None, dict]:
-    def table(value: dict | None) -> pd.DataFrame | None:
+    def table(value: dict | None) -> Any:
         if value is None:
             return None
         frame = pd.DataFrame(value["data"], index=value["index"], columns=value["columns"])
@@ -218,10 +217,9 @@ def _read_attribution(path: Path) -> tuple[pd.DataFrame, pd.DataFrame | None, di
 
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
-        frame = table(content["frame"])
-        assert frame is not None
+        frame = table(content["frame"] or {})  # {}: a file without a frame is refused
         return frame, table(content["agreement"]), dict(content["reference"])
-    except (OSError, ValueError, KeyError, TypeError, AssertionError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise ExperimentError(
             f"{path} cannot be read back ({error}); move it away and run again to compute it."
         ) from None
