@@ -142,6 +142,7 @@ def real_world_setup(
     dtype: torch.dtype | None = None,
     *,
     lazy: bool = False,
+    sft_seed: int | None = None,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
     """A built real-model world's checkpoints and relations for one experiment.
 
@@ -149,21 +150,29 @@ def real_world_setup(
     :class:`~grafting_lens.worlds.real_world.RealWorldConfig`); it never builds one (an hour
     or more: ``grafting-lens world build <name>``, :func:`~grafting_lens.worlds.real_world.build_real_world`).
 
+    With ``sft_seed``, the ``sft`` role is the world's ``sft`` finetuned with that seed
+    (``sft_seed<S>``, built with ``RealWorldConfig.extra_sft_seeds``; the world's own seed
+    is ``sft`` itself).
+
     Returns:
         ``(models, relations, info)`` as :func:`toy_setup`'s.
 
     Raises:
         ExperimentError: An unknown experiment.
         WorldCacheError: The world is not built (the message names the command).
-        GraftingLensError: An experiment whose roles the world lacks.
+        GraftingLensError: An experiment whose roles the world lacks, or a seed it was not
+            built with.
     """
     from grafting_lens.models.loading import load_models
     from grafting_lens.worlds.real_world import open_world
 
     spec = get_experiment(experiment)
     built = open_world(world, cache_dir=cache_dir)
+    checkpoints = list(spec.roles)
+    if sft_seed is not None and sft_seed != built.config.seed:
+        checkpoints = [f"sft_seed{sft_seed}" if role == "sft" else role for role in checkpoints]
     models = load_models(
-        *(built.model_dir(role) for role in spec.roles),
+        *(built.model_dir(name) for name in checkpoints),
         device=device,
         dtype=dtype,
         names=list(spec.labels),
@@ -310,6 +319,7 @@ def setup_experiment(
     on_status: Callable[[str], None] | None = None,
     world: str = "toy",
     lazy: bool = False,
+    sft_seed: int | None = None,
 ) -> ExperimentSetup:
     """Load what an experiment runs on: a world, your checkpoints, or a finetuned copy.
 
@@ -337,6 +347,8 @@ def setup_experiment(
             (:mod:`grafting_lens.worlds.real_world`).
         lazy: Open the donors lazily (``load_models(lazy=True)``): nothing of a donor
             is read until a graft takes it, and nothing here reads one whole.
+        sft_seed: With a real world: the ``sft`` finetuned with this seed in the ``sft``
+            role (see :func:`real_world_setup`).
 
     Raises:
         ExperimentError: A wrong number of checkpoints, or an unknown world.
@@ -346,16 +358,28 @@ def setup_experiment(
 
     if world != "toy" and world not in WORLDS:
         raise ExperimentError(f"No world {world!r}: choose one of toy, {', '.join(WORLDS)}.")
+    if sft_seed is not None and (checkpoints is not None or world == "toy"):
+        raise ExperimentError(
+            "sft_seed (--sft-seed) chooses among a real world's sft checkpoints: name the "
+            "world (--world smollm2) instead of checkpoints or the toy world."
+        )
+    if sft_seed is not None and "sft" not in spec.roles:
+        raise ExperimentError(
+            f"sft_seed (--sft-seed) does not apply to the {spec.name} experiment: it grafts "
+            f"{', '.join(spec.roles[1:])} into {spec.roles[0]}, not sft."
+        )
     if checkpoints is None and world != "toy":
         if on_status is not None:
             on_status(f"Opening the {world} world...")
         models, made, info = real_world_setup(
-            spec, world, cache_dir=cache_dir, device=device, dtype=dtype, lazy=lazy
+            spec, world, cache_dir=cache_dir, device=device, dtype=dtype, lazy=lazy,
+            sft_seed=sft_seed,
         )
+        seeded = "" if sft_seed is None else f", sft seed {sft_seed}"
         return ExperimentSetup(
             models=models,
             relations=made,
-            label=f"{world} world {Path(info['root']).name}",
+            label=f"{world} world {Path(info['root']).name}{seeded}",
             dataset=info["dataset"],
             data_seed=info["seed"],
             seeds={"world": info["seed"]},

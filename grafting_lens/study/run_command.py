@@ -86,6 +86,14 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
         "smollm2 (SmolLM2-135M) or gemma3 (Gemma 3 270M), built first with grafting-lens "
         "world build <name>.",
     )
+    add(
+        "--sft-seed",
+        type=int,
+        metavar="SEED",
+        help="With a real --world built with more sft seeds (smollm2: 1): the sft finetuned "
+        "with this seed in the sft role (the checkpoint sft_seed<SEED>), for the spread "
+        "across training seeds.",
+    )
     for option, text in spec.donors.values():
         add(option, help=f"With --model: {text}.")
     add(
@@ -302,6 +310,7 @@ def _run_locked(
         on_status=lambda line: print(line, file=sys.stderr),
         world=args.world or "toy",
         lazy=args.lazy,
+        sft_seed=args.sft_seed,
     )
     # Answers the tokenizer cannot score are refused before the report directory is touched.
     shared = [] if prompts is None else check_answers(prompts, setup.models, semantics)
@@ -390,6 +399,7 @@ _FREE_OPTIONS = frozenset(
         "overwrite",
         "no_png",
         "progress",
+        "sft_seed",  # the checkpoint it names counts by its weights
     }
 )
 """Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""

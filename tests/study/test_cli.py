@@ -371,6 +371,8 @@ def test_a_bad_device_fails_before_anything_is_built(tmp_path, monkeypatch):
         (["--semantics", "clean+colour=red"], "Cannot read 'colour=red'"),
         # json keeps the last of a key set twice, without a word.
         (["--toy-config", '{"seed": 1, "seed": 2}'], "--toy-config sets 'seed' twice"),
+        # The toy world has one sft: a second seed's belongs to a real world.
+        (["--sft-seed", "1"], "sft_seed (--sft-seed) chooses among a real world's sft"),
     ],
 )
 def test_script_options_are_checked_before_loading(

@@ -23,7 +23,7 @@ from tiny_gguf import tiny_gemma3, tiny_llama, write_gguf
 
 import grafting_lens as gl
 import grafting_lens.worlds.finetune as finetune_module
-from grafting_lens.core.errors import GraftingLensError, RunError, WorldCacheError
+from grafting_lens.core.errors import ExperimentError, GraftingLensError, RunError, WorldCacheError
 from grafting_lens.worlds import directories, real_recipe, real_source, real_world
 from grafting_lens.worlds.gguf_checkpoint import sha256_of
 from grafting_lens.worlds.real_recipe import known_actors
@@ -505,3 +505,30 @@ def test_the_manifest_is_json_with_the_recipe(world):
     assert manifest["config"]["extra_sft_seeds"] == [1]
     assert manifest["models"] == list(world.config.model_names)
     assert len(manifest["base_key"]) == 16
+
+
+def test_sft_seed_puts_the_other_seeds_sft_in_the_sft_role(world, config):
+    from grafting_lens import load_models
+    from grafting_lens.study.named import real_world_setup
+    from grafting_lens.study.run_directory import weights_digests
+
+    cache = world.root.parent
+    seeded, _, _ = real_world_setup("position", config, cache_dir=cache, sft_seed=1)
+    default, _, _ = real_world_setup("position", config, cache_dir=cache)
+    own_seed, _, _ = real_world_setup("position", config, cache_dir=cache, sft_seed=config.seed)
+    direct = load_models(world.model_dir("base"), world.model_dir("sft_seed1"))
+
+    assert weights_digests(seeded) == weights_digests(direct)
+    assert weights_digests(seeded)[1] != weights_digests(default)[1]
+    assert weights_digests(own_seed) == weights_digests(default)
+
+
+def test_sft_seed_is_refused_where_there_is_no_such_sft(world, config):
+    from grafting_lens.study.named import real_world_setup, setup_experiment
+
+    with pytest.raises(GraftingLensError, match=r"no model 'sft_seed7'.*sft_seed1"):
+        real_world_setup("position", config, cache_dir=world.root.parent, sft_seed=7)
+    with pytest.raises(ExperimentError, match=r"--sft-seed.*--world smollm2"):
+        setup_experiment("position", world="toy", sft_seed=1)
+    with pytest.raises(ExperimentError, match=r"component experiment: it grafts relation"):
+        setup_experiment("component", world="smollm2", sft_seed=1)
