@@ -19,8 +19,9 @@ The target (issue 34): all three within 10 minutes on 2 CPU cores for the SmolLM
 per position group), the recovery on the search and held-out prompts, the machine.
 
 Run: ``python benchmarks/minimal_graft.py [--world smollm2] [--relations 64]
-[--fraction 0.8] [--verify 20] [--threads 2]`` (the world must be built: ``grafting-lens
-world build smollm2``; ``--world toy`` runs on the shipped toy world).
+[--fraction 0.8] [--verify 20] [--threads 2] [--cells FILE.csv]`` (the world must be built:
+``grafting-lens world build smollm2``; ``--world toy`` runs on the shipped toy world;
+``--cells`` also writes the cells found, one row each: layer, component, positions).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", type=int, default=20, help="cells the attribution grafts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--cells", metavar="FILE", help="write the cells found here (CSV)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gl.notebook(threads=args.threads, grad=True)  # attribution differentiates
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "verification_s": round(found.seconds["prune"] + found.seconds["curve"], 1),
     }
     total = sum(seconds.values())
+    if args.cells:
+        found.cells.to_csv(args.cells, index=False)
     print(
         json.dumps(
             {

@@ -372,7 +372,12 @@ def setup_experiment(
         if on_status is not None:
             on_status(f"Opening the {world} world...")
         models, made, info = real_world_setup(
-            spec, world, cache_dir=cache_dir, device=device, dtype=dtype, lazy=lazy,
+            spec,
+            world,
+            cache_dir=cache_dir,
+            device=device,
+            dtype=dtype,
+            lazy=lazy,
             sft_seed=sft_seed,
         )
         seeded = "" if sft_seed is None else f", sft seed {sft_seed}"
