@@ -374,6 +374,36 @@ def test_the_targets_across_worlds_table_gives_each_world_its_interval_and_verdi
         lines[3] == "| O+FFN - FFN | ≤ +15&nbsp;pts |  | +1&nbsp;pts [−2,&nbsp;+4], not met | p |"
     )
 
+    # A second seed of the world's sft: its cell and the spread between the two estimates;
+    # targets its runs did not measure (the task and relation models') stay empty.
+    run = tmp_path / "seed1_position"
+    run.mkdir()
+    command = "grafting-lens run position --world gemma3 --sft-seed 1 --out x"
+    (run / "report.json").write_text(json.dumps({"command": command}))
+    seed = {
+        "runs": [str(run)],
+        "targets": [target("LT top-5", "rate", 0.25, 0.18, 0.32, "undecided")],
+    }
+    files["seed"] = tmp_path / "seed.json"
+    files["seed"].write_text(json.dumps(seed))
+    arguments = [
+        f"toy={files['toy']}",
+        f"gemma3={files['gemma3']}",
+        f"--seed=gemma3={files['seed']}",
+    ]
+    assert across.main(arguments) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "| target | threshold | toy world | Gemma 3 270M | Gemma 3 270M, sft seed 1 "
+        "| seed spread | paper |"
+    )
+    assert lines[2].endswith(
+        "| 17% [11,&nbsp;24], not met | 25% [18,&nbsp;32], undecided | 8&nbsp;pts | p |"
+    )
+    assert lines[3].endswith("| +1&nbsp;pts [−2,&nbsp;+4], not met |  |  | p |")
+    with pytest.raises(SystemExit):  # a seed of a world whose own targets are not given
+        across.main([f"toy={files['toy']}", f"--seed=gemma3={files['seed']}"])
+
 
 def test_the_real_world_heatmaps_are_drawn_one_prompt_per_figure(tmp_path, monkeypatch, capsys):
     import json
