@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 "load_s": round(loaded, 1),
                 "cells": len(found.cells),
                 "cells_by_positions": found.cells["positions"].value_counts().to_dict(),
+                "cells_file": args.cells,
                 "fraction": args.fraction,
                 "recovery": round(found.recovery, 4),
                 "held_out_recovery": round(found.held_out_recovery or float("nan"), 4),

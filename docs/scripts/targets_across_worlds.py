@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = sorted(set(seeds) - set(worlds))
     if alone:
         parser.error(f"--seed {', '.join(alone)}: name the world's own targets file too")
-    for name, measured in seeds.items():
+    for measured in seeds.values():
         measured["seed"] = sft_seed(measured, parser)
     print(table(worlds, seeds))
     return 0
