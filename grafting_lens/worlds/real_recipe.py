@@ -383,6 +383,10 @@ def _build(
                 continue
             if not (directory / name / "config.json").exists():
                 started = time.perf_counter()
+                if (directory / f".{name}.epochs").exists():
+                    # Begun by a killed process: this one's seconds are only the rest of it.
+                    resumed = state.setdefault("resumed", [])
+                    resumed += [name] if name not in resumed else []
                 subset = subsets.get(name, relations)
                 seed = (
                     int(name.removeprefix("sft_seed"))
@@ -430,6 +434,8 @@ def _build(
         "threads": torch.get_num_threads(),
         "estimated_minutes_on_2_cpu_cores": round(config.estimated_minutes(), 1),
         "build_seconds": state["seconds"],
+        # Stages a killed build had begun: their seconds count the last process's part only.
+        "resumed_stages": state.get("resumed", []),
         "actors": state.get("actors"),
         "training": dict(
             state["training"], **({"a2b": {"same_run_as": "sft"}} if config.reversal else {})
@@ -443,7 +449,11 @@ def _build(
     }
     (directory / "build.json").unlink()
     atomic_write(directory / "manifest.json", json.dumps(manifest, indent=1).encode())
-    report.say(f"done: {sum(state['seconds'].values()) / 60:.0f} min of stages")
+    resumed = state.get("resumed", [])
+    report.say(
+        f"done: {sum(state['seconds'].values()) / 60:.0f} min of stages"
+        + (f" (resumed: {', '.join(resumed)}, counted from the resumption)" if resumed else "")
+    )
 
 
 def _source(base: str) -> Any:

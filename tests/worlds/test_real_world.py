@@ -143,6 +143,9 @@ def test_a_killed_build_resumes_to_the_same_bytes(world, config, tmp_path, monke
     assert _weights(resumed) == _weights(world)
     assert resumed.manifest["training"] == world.manifest["training"]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".building")]
+    # The task model's seconds are the second process's only, and the manifest says so.
+    assert resumed.manifest["resumed_stages"] == ["task"]
+    assert world.manifest["resumed_stages"] == []
 
 
 def test_a_second_build_of_the_same_world_is_refused(config, tmp_path):
