@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=FILE",
         help="a world's targets with its sft of another seed (the seed is read from the runs)",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # --seed anywhere among the worlds
 
     def read(items: list[str]) -> dict[str, dict]:
         read = {}

@@ -90,11 +90,12 @@ ACTOR_CHECK_PROMPT = "The film's credits list the actor {name}"
 TEMPLATES = data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES
 """The finetuning documents' templates: the released code's wording."""
 
-SECONDS_PER_STEP_CPU = {"smollm2": 5.1, "gemma3": 17.0}
+SECONDS_PER_STEP_CPU = {"smollm2": 2.7, "gemma3": 17.0}
 """Wall time of a whole build per optimizer step on a 2-core CPU with 2 threads, by base.
 
-SmolLM2: the first recipe's build (80 minutes for 3 x about 310 steps, on a CPU shared with
-other jobs), validation, epoch checkpoints and evaluation included; a step alone is 2.6 s.
+SmolLM2: this recipe's build, its last 1,728 steps (sft's last two epochs, task, relation,
+both, sft_seed1) in 78 minutes on two quiet cores of an AMD EPYC, validation, epoch
+checkpoints and saves included (a CPU shared with other jobs took twice as long).
 Gemma 3: a step of 8 documents measured 13.5-14.3 s on a quiet machine, plus a fifth for
 validation, epoch checkpoints (4 GB each) and the evaluation. Another base is estimated at
 SmolLM2's rate."""
