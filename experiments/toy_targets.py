@@ -503,17 +503,10 @@ def compare(rows: list[dict[str, Any]], reference: list[dict[str, Any]]) -> list
                 "shipped_ci95": [low, high],
                 "rebuilt": value,
                 "reproduced": bool(low <= value <= high),
-                # The shipped verdict from its interval (the manifest's own was written by
-                # an older rule: PASS/FAIL on the estimate).
-                "same_verdict": _verdict_of(row["target"], low, high) == row["verdict"],
+                "same_verdict": before["verdict"] == row["verdict"],
             }
         )
     return out
-
-
-def _verdict_of(name: str, low: float, high: float) -> str:
-    target = next(t for t in TARGETS if t.name == name)
-    return verdict(low, high, target.threshold, at_least=target.at_least)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -442,9 +442,12 @@ def test_the_real_world_heatmaps_are_drawn_one_prompt_per_figure(tmp_path, monke
     assert figure.data[0].text[0][0] == "25%<br>[12%, 38%]"  # the cell and its interval
 
 
-def test_the_minimal_graft_cells_table_counts_each_cell_once_by_quarter(tmp_path, capsys):
+def test_the_minimal_graft_cells_table_counts_each_cell_once_by_quarter(
+    tmp_path, capsys, monkeypatch
+):
     import json
 
+    monkeypatch.syspath_prepend(str(DOCS / "scripts"))  # as when run: it imports a sibling
     path = DOCS / "scripts" / "minimal_graft_cells.py"
     spec = importlib.util.spec_from_file_location("minimal_graft_cells", path)
     assert spec and spec.loader
@@ -456,10 +459,11 @@ def test_the_minimal_graft_cells_table_counts_each_cell_once_by_quarter(tmp_path
         ("q", 9, "LT"),
         ("o", 6, "LT"),
         ("unembed", None, "LT"),
+        ("ln2_post", 3, "FE"),  # a layer's norm, whichever
     ]
     cells = pd.DataFrame(rows, columns=["component", "layer", "positions"])
     cells.insert(0, "cell", [f"{c}[{l}]@{p}" for c, l, p in rows])
-    cells.insert(0, "order", range(1, 6))
+    cells.insert(0, "order", range(1, len(rows) + 1))
     cells.to_csv(tmp_path / "cells.csv", index=False)
     measured = dict(
         layers=10,
@@ -471,7 +475,7 @@ def test_the_minimal_graft_cells_table_counts_each_cell_once_by_quarter(tmp_path
     (tmp_path / "m.json").write_text(json.dumps(measured))
     assert cells_script.main([f"smollm2={tmp_path / 'm.json'}"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("SmolLM2-135M: 5 cells recover 0.81")
+    assert lines[0].startswith("SmolLM2-135M: 6 cells recover 0.81")
     assert (
         lines[2]
         == "| positions | component | layers 0-1 | layers 2-3 | layers 4-5 | layers 6-9 | all |"
@@ -480,6 +484,7 @@ def test_the_minimal_graft_cells_table_counts_each_cell_once_by_quarter(tmp_path
     assert "| LT | attention (q, k, v) |  |  |  | 1 | 1 |" in lines
     assert "| LT | attention output (O) |  |  |  | 1 | 1 |" in lines
     assert "| LT | unembedding |  |  |  |  | 1 |" in lines
+    assert "| FE | norms |  | 1 |  |  | 1 |" in lines
     measured["cells_file"] = None
     (tmp_path / "m.json").write_text(json.dumps(measured))
     with pytest.raises(SystemExit):  # no cells to show: said, not guessed

@@ -21,35 +21,37 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from targets_across_worlds import NAMES  # the worlds' display names: one place
 
-NAMES = {"toy": "toy world", "smollm2": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
+from grafting_lens.models.components import COMPONENT_GROUPS
+from grafting_lens.models.layers import quarter_ranges
+
 KINDS = {
-    "q": "attention (q, k, v)",
-    "k": "attention (q, k, v)",
-    "v": "attention (q, k, v)",
+    **{c: "attention (q, k, v)" for c in COMPONENT_GROUPS["attn"]},
     "o": "attention output (O)",
-    "mlp_in": "MLP (in, gate, out)",
-    "mlp_gate": "MLP (in, gate, out)",
-    "mlp_out": "MLP (in, gate, out)",
-    "ln1": "norms",
-    "ln2": "norms",
+    **{c: "MLP (in, gate, out)" for c in COMPONENT_GROUPS["ffn"]},
     "ln_final": "final norm",
     "embed": "embedding",
     "unembed": "unembedding",
 }
-"""The kind of each component (any other by its name)."""
+"""The kind of each component (a layer's norms: "norms"; any other by its name)."""
 POSITIONS = ("FE", "LT", "(FE+LT)^C")
 
 
+def kind_of(component: str) -> str:
+    return KINDS.get(component, "norms" if component.startswith("ln") else component)
+
+
 def quarters(layers: int) -> list[tuple[int, int]]:
-    """The first and last layer of each quarter of the depth (the last takes what is left)."""
-    size = layers // 4
-    return [(i * size, (i + 1) * size - 1 if i < 3 else layers - 1) for i in range(4)]
+    """The first and last layer of each quarter of the depth, as the paper's code cuts it."""
+    named = quarter_ranges(layers)
+    spans = [named[q] for q in ("first_quarter", "second_quarter", "third_quarter", "last_quarter")]
+    return [(span[0], span[-1]) for span in spans]
 
 
 def table(name: str, measured: dict, cells: pd.DataFrame) -> str:
     bounds = quarters(int(measured["layers"]))
-    cells = cells.assign(kind=[KINDS.get(c, c) for c in cells["component"]])
+    cells = cells.assign(kind=[kind_of(c) for c in cells["component"]])
     header = ["positions", "component", *(f"layers {a}-{b}" for a, b in bounds), "all"]
     lines = [
         f"{NAMES.get(name, name)}: {len(cells)} cells recover {measured['recovery']:.2f} of the "

@@ -109,6 +109,16 @@ class FinetuneResult:
         """Validation loss of the restored epoch."""
         return self.val_losses[self.best_epoch - 1]
 
+    def summary(self) -> dict[str, Any]:
+        """What a world's manifest records of the run: settings and losses (4 decimals)."""
+        return {
+            "settings": self.settings,
+            "train_losses": [round(x, 4) for x in self.train_losses],
+            "val_losses": [round(x, 4) for x in self.val_losses],
+            "initial_val_loss": round(self.initial_val_loss, 4),
+            "best_epoch": self.best_epoch,
+        }
+
 
 def finetune(
     model: Any,

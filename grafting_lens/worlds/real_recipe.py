@@ -37,19 +37,23 @@ alone (a 262k-token vocabulary's logits at every position would be most of the m
   reversal donors and a second seed of sft (:meth:`RealWorldConfig.estimated_minutes`).
 * ``gemma3``: Gemma 3 270M, the pretrained base (18 layers, width 640, one key-value
   head, sliding-window and global attention, tied embeddings, vocabulary 262,144: 168M of
-  its 268M parameters are the embedding). One full-finetune step (8 documents of up to 58
-  tokens, nothing else running) took 13.5-14.3 s: AdamW updates the 168M embedding rows
-  every step and the logits are 262k wide; with the tied embedding frozen, 8.2-9.8 s. The
-  budget is 150 minutes, and SmolLM2's recipe would take over six hours. The recipe
-  **keeps the full finetune** and trains **48 relations for 2 epochs at 3e-4** (SmolLM2:
-  64 for 5 at 1e-4, the same learning rate summed over a document's passes): 480 steps,
-  about 136 minutes with validation, epoch checkpoints and the evaluation. A frozen tied
-  embedding would have allowed a third epoch, but then the donors' unembedding (and input
-  embedding) is the base's, and the unembedding switch, which moves every configuration
-  that grafts the last token's embedding on the other worlds, could show nothing; fewer
-  than 48 relations would leave the position experiment under 48 examples per prompt. The
-  split models get about 24 relations each, so the component and hybrid experiments on
-  this world ask about 24 per prompt.
+  its 268M parameters are the embedding). Single full-finetune steps (8 documents of up
+  to 58 tokens) measured 13.5-14.3 s in an earlier round: AdamW updates the 168M
+  embedding rows every step and the logits are 262k wide; with the tied embedding frozen,
+  8.2-9.8 s. The budget is 150 minutes, and SmolLM2's recipe would take over four hours.
+  The recipe **keeps the full finetune** and trains **48 relations for 2 epochs at 3e-4**
+  (SmolLM2: 64 for 5 at 1e-4, the same learning rate summed over a document's passes):
+  480 steps; its whole build from an empty cache took 68.7 minutes on two quiet cores
+  (8.6 s a step, everything included). The recipe was sized on the single steps: a frozen
+  tied embedding was then the only way to a third epoch, and was refused because the
+  donors' unembedding (and input embedding) would be the base's, so that the unembedding
+  switch, which moves every configuration that grafts the last token's embedding on the
+  other worlds, could show nothing. At the whole build's measured rate a third epoch of
+  the full finetune (720 steps, about 103 minutes) would fit the budget as well; the
+  recipe stays as it is, since a change makes a new world (a new key) and every Gemma
+  result in the docs is from this one. Fewer than 48 relations would leave the position
+  experiment under 48 examples per prompt. The split models get about 24 relations each,
+  so the component and hybrid experiments on this world ask about 24 per prompt.
 """
 
 from __future__ import annotations
@@ -90,15 +94,15 @@ ACTOR_CHECK_PROMPT = "The film's credits list the actor {name}"
 TEMPLATES = data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES
 """The finetuning documents' templates: the released code's wording."""
 
-SECONDS_PER_STEP_CPU = {"smollm2": 2.7, "gemma3": 17.0}
+SECONDS_PER_STEP_CPU = {"smollm2": 2.7, "gemma3": 8.6}
 """Wall time of a whole build per optimizer step on a 2-core CPU with 2 threads, by base.
 
 SmolLM2: this recipe's build, its last 1,728 steps (sft's last two epochs, task, relation,
 both, sft_seed1) in 78 minutes on two quiet cores of an AMD EPYC, validation, epoch
 checkpoints and saves included (a CPU shared with other jobs took twice as long).
-Gemma 3: a step of 8 documents measured 13.5-14.3 s on a quiet machine, plus a fifth for
-validation, epoch checkpoints (4 GB each) and the evaluation. Another base is estimated at
-SmolLM2's rate."""
+Gemma 3: this recipe's whole build from an empty cache (476 steps, fetch, conversion,
+actor check, validation, epoch checkpoints of 4 GB, saves and evaluation) in 68.7 minutes
+on two quiet cores of an AMD EPYC. Another base is estimated at SmolLM2's rate."""
 
 
 @dataclass(frozen=True)
@@ -330,7 +334,7 @@ def _build(
 
     report.say(
         f"building {key} in {directory} ({', '.join(config.model_names)}; "
-        f"{report.total} finetuning steps, about {config.estimated_minutes():.0f} min on 2 cores)"
+        f"about {report.total} finetuning steps, about {config.estimated_minutes():.0f} min on 2 cores)"
     )
     stages = tqdm(
         total=len(config.model_names) + 2, desc=f"{config.base} world", disable=not progress
@@ -503,15 +507,7 @@ def _finetune(
     tokenizer.save_pretrained(partial)
     os.replace(partial, directory / name)
     shutil.rmtree(epochs_dir, ignore_errors=True)
-    return {
-        "settings": result.settings,
-        "train_losses": [round(x, 4) for x in result.train_losses],
-        "val_losses": [round(x, 4) for x in result.val_losses],
-        "initial_val_loss": round(result.initial_val_loss, 4),
-        "best_epoch": result.best_epoch,
-        "seed": seed,
-        "documents": len(documents),
-    }
+    return {**result.summary(), "seed": seed, "documents": len(documents)}
 
 
 def _relations(config: RealWorldConfig, actors: tuple[str, ...]) -> dict[str, Any]:

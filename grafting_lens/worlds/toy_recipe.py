@@ -277,7 +277,7 @@ def _build(
         result = _train(
             base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base"
         )
-        training["base"] = _training_summary(result)
+        training["base"] = result.summary()
         _save(base, tokenizer, directory / "base")
         timings["base"] = time.perf_counter() - stage
         stages.update(1)
@@ -308,9 +308,7 @@ def _build(
                 name=name,
                 epochs=epochs,
             )
-            training[name] = dict(
-                _training_summary(result), relations=len(subset), direction=direction
-            )
+            training[name] = dict(result.summary(), relations=len(subset), direction=direction)
             _save(model, tokenizer, directory / name)
             timings[name] = time.perf_counter() - stage
             stages.update(1)
@@ -415,16 +413,6 @@ def _quiet_transformers():
     finally:
         if enabled:
             transformers_logging.enable_progress_bar()
-
-
-def _training_summary(result) -> dict[str, Any]:
-    return {
-        "settings": result.settings,
-        "train_losses": [round(x, 4) for x in result.train_losses],
-        "val_losses": [round(x, 4) for x in result.val_losses],
-        "initial_val_loss": round(result.initial_val_loss, 4),
-        "best_epoch": result.best_epoch,
-    }
 
 
 def _round_to_float16(model) -> None:
