@@ -773,3 +773,28 @@ def test_ctrl_c_prints_one_line_and_exits_130(
     assert result.exit_code == 130
     assert result.output.strip().splitlines()[-1].startswith("Interrupted;")
     assert line in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("given, expected", [(None, "1"), ("0", "0")])
+def test_a_real_world_build_asks_torch_for_huge_pages_unless_told_otherwise(
+    tmp_path, given, expected
+):
+    """`world build` sets THP_MEM_ALLOC_ENABLE before torch is imported (torch reads it once):
+    a build's large tensors then sit in huge pages. A value the user set is kept."""
+    import subprocess
+    import sys
+
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "GRAFTING_LENS_CACHE": str(tmp_path)}
+    environment.pop("THP_MEM_ALLOC_ENABLE", None)
+    if given is not None:
+        environment["THP_MEM_ALLOC_ENABLE"] = given
+    script = (
+        "import os, sys\n"
+        "from grafting_lens.study import cli\n"
+        f"status = cli.main(['world', 'build', '--base', {str(tmp_path / 'missing.gguf')!r}])\n"
+        "print(status, 'torch' in sys.modules, os.environ.get('THP_MEM_ALLOC_ENABLE'))\n"
+    )
+    shown = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environment
+    )
+    assert shown.stdout.split() == ["1", "True", expected], shown.stderr[-2000:]
