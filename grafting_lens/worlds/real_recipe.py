@@ -29,31 +29,18 @@ semantics ask each world's models exactly as the authors' setup does; the evalua
 the actor check ask the same way, and run the unembedding on each prompt's last position
 alone (a 262k-token vocabulary's logits at every position would be most of the memory).
 
-**The named worlds**, measured on this project's shared 2-core CPUs with 2 torch threads:
+**The named worlds** (why each recipe is as it is, and what its build measured:
+docs/how-to/real-model-world.md, one place):
 
 * ``smollm2``: SmolLM2-135M-Instruct (a Llama: 30 layers, width 576, tied embeddings,
-  vocabulary 49,152). One optimizer step (8 documents of about 60 tokens) takes 2.6 s;
-  the first recipe's whole build (sft, task, relation) took 80 minutes; this one adds the
-  reversal donors and a second seed of sft (:meth:`RealWorldConfig.estimated_minutes`).
+  vocabulary 49,152); 64 relations, 5 epochs at 1e-4, with the reversal donors and a
+  second seed of sft.
 * ``gemma3``: Gemma 3 270M, the pretrained base (18 layers, width 640, one key-value
   head, sliding-window and global attention, tied embeddings, vocabulary 262,144: 168M of
-  its 268M parameters are the embedding). Single full-finetune steps (8 documents of up
-  to 58 tokens) measured 13.5-14.3 s in an earlier round: AdamW updates the 168M
-  embedding rows every step and the logits are 262k wide; with the tied embedding frozen,
-  8.2-9.8 s. The budget is 150 minutes, and SmolLM2's recipe would take over four hours.
-  The recipe **keeps the full finetune** and trains **48 relations for 2 epochs at 3e-4**
-  (SmolLM2: 64 for 5 at 1e-4, the same learning rate summed over a document's passes):
-  480 steps; its whole build from an empty cache took 68.7 minutes on two quiet cores
-  (8.6 s a step, everything included). The recipe was sized on the single steps: a frozen
-  tied embedding was then the only way to a third epoch, and was refused because the
-  donors' unembedding (and input embedding) would be the base's, so that the unembedding
-  switch, which moves every configuration that grafts the last token's embedding on the
-  other worlds, could show nothing. At the whole build's measured rate a third epoch of
-  the full finetune (720 steps, about 103 minutes) would fit the budget as well; the
-  recipe stays as it is, since a change makes a new world (a new key) and every Gemma
-  result in the docs is from this one. Fewer than 48 relations would leave the position
-  experiment under 48 examples per prompt. The split models get about 24 relations each,
-  so the component and hybrid experiments on this world ask about 24 per prompt.
+  its 268M parameters are the embedding). A step costs about three of SmolLM2's, so within
+  its 150-minute budget the recipe keeps the full finetune (the tied embedding included,
+  so that the unembedding switch can show something) and trains 48 relations for 2 epochs
+  at 3e-4, the same learning rate summed over a document's passes.
 """
 
 from __future__ import annotations
