@@ -7,20 +7,32 @@ d_model 768, vocabulary 50,257; nothing is downloaded), grafts ``--batch`` promp
 * ``speedup``: reference time / single-pass time, a random mask over every component;
 * ``max_abs_diff``: the largest logit difference between single pass and reference;
 * ``overhead``: a pass with half of the positions grafted in every component, over a
-  plain forward of the base, both with every position's logits (``logits="all"``);
-* ``overhead_last``: the same with the last token's logits alone on both sides
+  plain forward of the base, both with every position's logits (``logits="all"``). The
+  grafted half is one span in the middle of every prompt, shaped as the paper's positions
+  are (an entity, the last token, their complements: runs), so the dispatchers take and put
+  back rows by slices;
+* ``overhead_scattered``: the same with every other position grafted, which forms no runs:
+  rows are gathered and put back by index;
+* ``overhead_last``: ``overhead``'s pass with the last token's logits alone on both sides
   (``graft_forward``'s default ``logits="last"``; the base with ``logits_to_keep=1``);
 * ``routing_overhead``: a pass taking every component from the donor at every position,
   over the donor's own plain forward: what routing costs when no product is split
   (checks, installing the dispatchers, Python per module);
-* ``gather_scatter``: the share of the half-grafted pass spent in the dispatcher's
-  gathers and scatters (``index_select``/``index_copy_``), from ``torch.profiler``.
+* ``split_products``: the time ``overhead``'s pass spends in matrix products beyond the
+  plain forward's, as a share of the plain forward, from ``torch.profiler``: each grafted
+  product runs twice, once per checkpoint on its own rows;
+* ``gather_scatter``: the share of ``overhead``'s pass (and of ``overhead_scattered``'s)
+  spent in the dispatchers' copies (``index_select``, ``cat``; ``index_copy_`` before), from ``torch.profiler``.
 
 What a half graft cannot avoid: every grafted linear layer reads both checkpoints'
 weights, once for the base's positions and once for the donor's. At batch 1 a pass is
 bound by reading weights (a GPT-2 768x3072 product on 12 rows takes about as long as on
-6), so ``overhead`` tends to the share of the pass that is grafted products plus one;
-``routing_overhead`` is what the engine adds on top, and tends to 1.
+6), so ``overhead`` tends to the share of the pass that is grafted products plus one.
+At batch 8 a product is mostly arithmetic, but each call of a CPU's matrix product also
+reads (packs) its whole weight matrix once: on the AMD EPYC of the development machine a
+768x3072 product takes about 1.2 ms plus 0.048 ms a row, so two calls on 64 rows cost 16%
+more than one on 128 (``split_products``). ``overhead`` is about one plus
+``split_products``, ``gather_scatter`` and what ``routing_overhead`` adds over one.
 
 Timings are taken in rounds: each round runs every variant once, in turn, so a slow
 spell on a shared machine slows all of them. ``times`` gives each variant's best,
@@ -95,18 +107,47 @@ def spread(times: list[float]) -> dict[str, float]:
     }
 
 
-def gather_scatter_share(function: Callable[[], object]) -> dict[str, float]:
-    """Seconds of one run inside the dispatcher's gathers and scatters, and their share of it."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-        start = time.perf_counter()
-        function()
-        total = time.perf_counter() - start
-    copies = sum(
-        event.self_cpu_time_total
-        for event in profile.key_averages()
-        if event.key in ("aten::index_select", "aten::index_copy_")
-    )
-    return {"seconds": round(copies / 1e6, 4), "share": round(copies / 1e6 / total, 4)}
+# The operations the dispatchers copy rows with (index_copy_ until 0.1.x), and the matrix
+# products a graft splits.
+COPIES = ("aten::index_select", "aten::cat", "aten::index_copy_")
+PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm")
+
+
+def profiled(function: Callable[[], object], repeats: int = 3) -> dict[str, float]:
+    """Seconds of one run (the fastest of ``repeats``) in all, in copies and in products."""
+    runs = []
+    for _ in range(repeats):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            start = time.perf_counter()
+            function()
+            total = time.perf_counter() - start
+        events = profile.key_averages()
+        runs.append(
+            {
+                "total": total,
+                **{
+                    name: sum(e.self_cpu_time_total for e in events if e.key in keys) / 1e6
+                    for name, keys in (("copies", COPIES), ("products", PRODUCTS))
+                },
+            }
+        )
+    return min(runs, key=lambda run: run["total"])
+
+
+def share(seconds: float, total: float) -> dict[str, float]:
+    return {"seconds": round(seconds, 4), "share": round(seconds / total, 4)}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux), which the matrix products' costs depend on."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            ]
+    except OSError:
+        return None
+    return names[0] if names else None
 
 
 def main() -> None:
@@ -134,8 +175,11 @@ def main() -> None:
         model_set, {pair: torch.randint(0, 2, shape, generator=generator) for pair in pairs}
     )
     half = torch.zeros(shape, dtype=torch.long)
-    half[:, ::2] = 1
+    half[:, args.pos // 4 : args.pos // 4 + args.pos // 2] = 1
     half_mask = gl.GraftMask.from_dict(model_set, {pair: half for pair in pairs})
+    scattered = torch.zeros(shape, dtype=torch.long)
+    scattered[:, ::2] = 1
+    scattered_mask = gl.GraftMask.from_dict(model_set, {pair: scattered for pair in pairs})
     donor_mask = gl.GraftMask.from_dict(model_set, {pair: torch.ones_like(half) for pair in pairs})
 
     def graft(mask: gl.GraftMask, logits: str = "all") -> Callable[[], object]:
@@ -153,6 +197,7 @@ def main() -> None:
             {
                 "single": graft(random_mask),
                 "half": graft(half_mask),
+                "half_scattered": graft(scattered_mask),
                 "half_last": graft(half_mask, "last"),
                 "donor_graft": graft(donor_mask),
                 "plain": lambda: model_set.base(tokens),
@@ -162,7 +207,9 @@ def main() -> None:
             args.repeats,
             device,
         )
-        copies = gather_scatter_share(graft(half_mask))
+        plain_run = profiled(lambda: model_set.base(tokens))
+        half_run = profiled(graft(half_mask))
+        scattered_run = profiled(graft(scattered_mask))
 
     best = {name: min(values) for name, values in times.items()}
     print(
@@ -171,9 +218,14 @@ def main() -> None:
                 "speedup": round(min(reference_s) / best["single"], 2),
                 "max_abs_diff": float((single - reference).abs().max()),
                 "overhead": round(best["half"] / best["plain"], 3),
+                "overhead_scattered": round(best["half_scattered"] / best["plain"], 3),
                 "overhead_last": round(best["half_last"] / best["plain_last"], 3),
                 "routing_overhead": round(best["donor_graft"] / best["donor_plain"], 3),
-                "gather_scatter": copies,
+                "split_products": share(
+                    half_run["products"] - plain_run["products"], plain_run["total"]
+                ),
+                "gather_scatter": share(half_run["copies"], half_run["total"]),
+                "gather_scatter_scattered": share(scattered_run["copies"], scattered_run["total"]),
                 "times": {
                     "reference": spread(reference_s),
                     **{name: spread(values) for name, values in times.items()},
@@ -182,6 +234,7 @@ def main() -> None:
                 "pos": args.pos,
                 "repeats": args.repeats,
                 "model": "gpt2-small-shaped, random weights",
+                "cpu_model": cpu_model(),
                 **describe(device),
             }
         )

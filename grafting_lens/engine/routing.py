@@ -31,6 +31,11 @@ from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.models.components import Slot
 from grafting_lens.models.model_set import ModelSet
 
+# Taking and putting back rows by slices costs Python per run, by index a second copy of
+# every row: slices measured as fast or faster down to runs of 4 rows on average (GPT-2-small
+# shapes at batch 8 and 32, one thread), so shorter runs go by index.
+MIN_RUN_ROWS = 4
+
 
 @dataclass
 class Plan:
@@ -40,15 +45,58 @@ class Plan:
     an accelerator. A layer-split model (accelerate's ``device_map``) runs each layer
     on its own device; every index is asked for on the device of the activation it
     indexes (:meth:`parts_on`, :meth:`window_on`), copied there once and kept.
+
+    Each source's rows are taken out of a ``[batch * pos, ...]`` tensor and its results
+    put back (:meth:`take`, :meth:`put`) one of two ways, named by :attr:`path`:
+
+    * ``"slices"``: the window's sources form runs of consecutive positions (the paper's
+      spans: the entity, the last token, their complements) of :data:`MIN_RUN_ROWS` rows
+      or more on average, either the same runs in every row of the batch (``grid`` is
+      ``(batch, pos)``, a run spans its positions in every row) or along the flattened
+      rows (``grid`` is ``(1, batch * pos)``). A source's rows are a view where they are
+      one run, and the results are put back by one concatenation of slices;
+    * ``"gather"``: any other mask, by index (``index_select``, then the sources'
+      results concatenated and reordered by one more ``index_select``).
+
+    Both copy the same values, so the two give identical results.
     """
 
     window: Int[torch.Tensor, "batch pos"]
     single: int | None
     parts: list[tuple[int, Int[torch.Tensor, " n"]]] = field(default_factory=list)
+    # (part, start, stop) over the positions of a row of ``grid``, in order; None: gather.
+    runs: list[tuple[int, int, int]] | None = None
+    grid: tuple[int, int] = (1, 0)
     _placed: dict[torch.device, list[tuple[int, torch.Tensor]]] = field(
         default_factory=dict, repr=False
     )
     _windows: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _orders: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, window: Int[torch.Tensor, "batch pos"], n_sources: int) -> Plan:
+        """The plan of a window of source indices (on the host)."""
+        flat = window.reshape(-1)
+        counts = torch.bincount(flat, minlength=n_sources).tolist()
+        used = [source for source, count in enumerate(counts) if count]
+        if len(used) == 1:
+            return cls(window, used[0])
+        parts = [(source, (flat == source).nonzero().squeeze(1)) for source in used]
+        batch, length = window.shape
+        shared = batch > 1 and bool((window == window[:1]).all())
+        grid = (batch, length) if shared else (1, batch * length)
+        runs = _runs(window[0] if shared else flat, batch * length // MIN_RUN_ROWS)
+        if runs is not None:
+            part = {source: at for at, source in enumerate(used)}
+            runs = [(part[source], start, stop) for source, start, stop in runs]
+        return cls(window, None, parts, runs, grid)
+
+    @property
+    def path(self) -> str:
+        """``"single"`` (one source computes the whole window), ``"slices"`` or ``"gather"``."""
+        if self.single is not None:
+            return "single"
+        return "gather" if self.runs is None else "slices"
 
     def parts_on(self, device: torch.device) -> list[tuple[int, Int[torch.Tensor, " n"]]]:
         """``parts`` with each source's flat row indices on ``device``."""
@@ -69,6 +117,42 @@ class Plan:
     def sources(self) -> frozenset[int]:
         """The sources some position of the window takes."""
         return frozenset([self.single] if self.single is not None else [s for s, _ in self.parts])
+
+    def take(self, rows: torch.Tensor, part: int) -> torch.Tensor:
+        """The rows of ``parts[part]``'s source out of ``rows`` (``[batch * pos, ...]``)."""
+        if self.runs is not None and self.grid[0] == 1:
+            spans = [(start, stop) for at, start, stop in self.runs if at == part]
+            if len(spans) == 1:  # one stretch of rows: a view, nothing copied
+                start, stop = spans[0]
+                return rows.narrow(0, start, stop - start)
+        return rows.index_select(0, self.parts_on(rows.device)[part][1])
+
+    def put(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """``[batch * pos, ...]`` rows made of each part's ``[count, ...]`` rows, each in its place."""
+        if self.runs is None:
+            order = self._orders.get(pieces[0].device)
+            if order is None:
+                index = torch.cat([index for _, index in self.parts])
+                order = self._orders[pieces[0].device] = index.argsort().to(pieces[0].device)
+            return torch.cat(pieces).index_select(0, order)
+        rows, length = self.grid
+        grids = [piece.reshape(rows, -1, *piece.shape[1:]) for piece in pieces]
+        taken = [0] * len(pieces)
+        slices = []
+        for part, start, stop in self.runs:
+            slices.append(grids[part][:, taken[part] : taken[part] + stop - start])
+            taken[part] += stop - start
+        return torch.cat(slices, dim=1).reshape(rows * length, *pieces[0].shape[1:])
+
+
+def _runs(values: Int[torch.Tensor, " n"], most: int) -> list[tuple[int, int, int]] | None:
+    """``values`` as runs ``(value, start, stop)`` of equal values, or None past ``most`` runs."""
+    starts = (values[1:] != values[:-1]).nonzero().squeeze(1) + 1
+    if len(starts) >= most:
+        return None
+    bounds = [0, *starts.tolist(), len(values)]
+    firsts = values[bounds[:-1]].tolist()
+    return [(value, start, stop) for value, start, stop in zip(firsts, bounds[:-1], bounds[1:])]
 
 
 class GraftState:
@@ -107,15 +191,7 @@ class GraftState:
             window = values[:, offset : offset + length]
             if last is not None:
                 window = window.gather(1, last[:, None])
-            flat = window.reshape(-1)
-            counts = torch.bincount(flat, minlength=self.n_sources).tolist()
-            used = [source for source, count in enumerate(counts) if count]
-            if len(used) == 1:
-                plan = Plan(window, used[0])
-            else:
-                parts = [(source, (flat == source).nonzero().squeeze(1)) for source in used]
-                plan = Plan(window, None, parts)
-            self._plans[cache_key] = plan
+            plan = self._plans[cache_key] = Plan.of(window, self.n_sources)
         return plan
 
 
@@ -166,12 +242,12 @@ class Layout:
         x = x.expand(self.batch, *x.shape[1:]).movedim(self.pos_dim, 1)
         return x.reshape(self.batch * self.length, *x.shape[2:])
 
-    def take(self, x: object, index: torch.Tensor) -> object:
-        """The rows ``index`` of a tensor ``x``, laid out as the module expects (a batch of
-        one on a grid); anything else as it is."""
+    def take(self, x: object, plan: Plan, part: int) -> object:
+        """The rows of ``plan.parts[part]`` in a tensor ``x``, laid out as the module expects
+        (a batch of one on a grid); anything else as it is."""
         if not isinstance(x, torch.Tensor) or not x.dim():
             return x
-        picked = self.rows(x).index_select(0, index)
+        picked = plan.take(self.rows(x), part)
         if self.pos_dim is None:
             return picked
         return picked.unsqueeze(0).movedim(1, self.pos_dim)
