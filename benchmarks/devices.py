@@ -9,8 +9,12 @@ where it ran (:func:`describe`): CPU threads on a CPU, the GPU's name on CUDA.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import socket
+import subprocess
+import sys
 import time
 
 import torch
@@ -62,3 +66,27 @@ def describe(device: torch.device) -> dict:
         "torch": torch.__version__,
         "load_average": [round(load, 2) for load in os.getloadavg()],
     }
+
+
+def compare_ranks(script: str, argv: list[str]) -> None:
+    """Run ``script`` three ways, one after another, and print one JSON line: one process with
+    one thread, one with two, two ranks of one thread each (torchrun, gloo on the CPU), with
+    the speed-ups over the first. Each run prints its JSON (rank 0's) with ``seconds``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    torchrun += ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    settings = {
+        "one_process_1_thread": [sys.executable, script, *argv, "--threads", "1"],
+        "one_process_2_threads": [sys.executable, script, *argv, "--threads", "2"],
+        "two_ranks_1_thread": [*torchrun, script, *argv, "--threads", "1"],
+    }
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    found = {}
+    for name, command in settings.items():
+        done = subprocess.run(command, capture_output=True, text=True, env=environment, check=True)
+        found[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    first = found["one_process_1_thread"]["seconds"]
+    speedups = {f"speedup_{name}": round(first / run["seconds"], 2) for name, run in found.items()}
+    print(json.dumps({**found, **speedups}))

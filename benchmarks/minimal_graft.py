@@ -21,7 +21,10 @@ per position group), the recovery on the search and held-out prompts, the machin
 Run: ``python benchmarks/minimal_graft.py [--world smollm2] [--relations 64]
 [--fraction 0.8] [--verify 20] [--threads 2] [--cells FILE.csv]`` (the world must be built:
 ``grafting-lens world build smollm2``; ``--world toy`` runs on the shipped toy world;
-``--cells`` also writes the cells found, one row each: layer, component, positions).
+``--cells`` also writes the cells found, one row each: layer, component, positions). Under
+``torchrun`` the ranks share the exact grafts and the attribution's chunks; ``--compare-ranks``
+runs one process with one thread, one with two and two ranks of one thread each, one after
+another, and prints the three with the speed-ups over the first.
 """
 
 from __future__ import annotations
@@ -30,31 +33,82 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a benchmark never downloads
 
 import torch
+from devices import compare_ranks
 
 import grafting_lens as gl
 from grafting_lens import study
 from grafting_lens.analysis.batch import tokenize_examples
+from grafting_lens.core import ranks
+from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.files import check_writable
 from grafting_lens.study.graft_attribution import POSITIONS
 from grafting_lens.study.named import real_world_setup
 from grafting_lens.study.semantics import CLEAN
 from grafting_lens.worlds import data
+from grafting_lens.worlds.real_recipe import WORLDS as REAL_WORLDS
+
+WORLDS = ("toy", *REAL_WORLDS)
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {least}")
+        return value
+
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a recovery to reach, in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1]")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", default="smollm2", help="toy, smollm2 or gemma3")
-    parser.add_argument("--relations", type=int, default=64, help="relations per prompt")
-    parser.add_argument("--fraction", type=float, default=0.8)
-    parser.add_argument("--verify", type=int, default=20, help="cells the attribution grafts")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--world", default="smollm2", choices=WORLDS)
+    parser.add_argument("--relations", type=at_least(1), default=64, help="relations per prompt")
+    parser.add_argument("--fraction", type=fraction, default=0.8, help="in (0, 1]")
+    parser.add_argument("--verify", type=at_least(0), default=20, help="cells grafted exactly")
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--batch-size", type=at_least(1), default=16)
     parser.add_argument("--cells", metavar="FILE", help="write the cells found here (CSV)")
+    parser.add_argument(
+        "--compare-ranks", action="store_true", help="1x1 thread, 1x2 threads, 2 ranks x 1"
+    )
     args = parser.parse_args(argv)
+    if args.compare_ranks:
+        compare_ranks(__file__, [a for a in (argv or sys.argv[1:]) if a != "--compare-ranks"])
+        return 0
+    if args.cells is not None:  # checked now: the search takes minutes, then the write failed
+        cells = Path(args.cells).expanduser()
+        try:
+            check_writable(cells.parent, "The directory of --cells")
+        except GraftingLensError as error:
+            parser.error(str(error))
+        if cells.is_dir() or (cells.exists() and not os.access(cells, os.W_OK)):
+            parser.error(f"--cells {args.cells!r} is a directory or a file that cannot be written.")
+    share = ranks.current()  # under torchrun: join the job first
     torch.set_num_threads(args.threads)
     gl.notebook(threads=args.threads, grad=True)  # attribution differentiates
 
@@ -97,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         "verification_s": round(found.seconds["prune"] + found.seconds["curve"], 1),
     }
     total = sum(seconds.values())
+    if not ranks.first():
+        return 0
     if args.cells:
-        found.cells.to_csv(args.cells, index=False)
+        cells.parent.mkdir(parents=True, exist_ok=True)
+        found.cells.to_csv(cells, index=False)
     print(
         json.dumps(
             {
@@ -109,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 "candidate_cells": len(attribution.frame),
                 **seconds,
                 "total_s": round(total, 1),
+                "seconds": round(total, 1),
                 "target_s": 600,
                 "met": total <= 600,
                 "load_s": round(loaded, 1),
@@ -126,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 if attribution.agreement is not None
                 else None,
                 "threads": args.threads,
+                "ranks": 1 if share is None else share.world,
                 "torch": torch.__version__,
                 "machine": platform.processor() or platform.machine(),
             }

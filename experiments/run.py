@@ -13,7 +13,10 @@ Run::
     python experiments/run.py experiments/*.toml --dry-run          # the commands, not run
     python experiments/run.py --all                                 # every run of the folder
 
-Extra arguments after ``--`` go to every command (e.g. ``-- --quick --no-png``).
+Extra arguments after ``--`` go to every command (e.g. ``-- --quick --no-png``). Under
+``torchrun`` or ``srun`` the ranks share each run (docs/how-to/many-gpus.md)::
+
+    torchrun --standalone --nproc-per-node 2 experiments/run.py experiments/figure2_position.toml
 """
 
 from __future__ import annotations
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     files = runs() if options.all else options.files
     if not files:
         parser.error("name run files, or pass --all")
+    from grafting_lens.core import ranks
     from grafting_lens.study import cli
     from grafting_lens.study.run_command import interrupted
 
@@ -285,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE
     try:
         for path, arguments in commands:
-            print(f"# {path.name}: grafting-lens {shlex.join(arguments)}", flush=True)
+            if ranks.first():  # once, not once per rank
+                print(f"# {path.name}: grafting-lens {shlex.join(arguments)}", flush=True)
             if not options.dry_run:
                 status = cli.main(arguments)
                 if status:

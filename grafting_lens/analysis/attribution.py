@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens.analysis import metrics
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
+from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import AttributionError, did_you_mean
@@ -41,7 +42,11 @@ from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.engine.relaxation import check_source, relaxing
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.patching.patch import check_direction, check_model_set
+from grafting_lens.patching.patch import (
+    check_direction,
+    check_model_set,
+    reads_other_positions,
+)
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -198,7 +203,9 @@ def attribute_grafts(
         A :class:`GraftAttribution`.
 
     Raises:
-        AttributionError: A bad metric (not one finite, differentiable value per prompt),
+        AttributionError: A bad metric (not one finite, differentiable value per prompt;
+            under ``logits="last"`` one raising on the last token's logits or reading
+            other positions, probed on the first prompt: it needs ``logits="all"``),
             method, steps, verify, source, start, logits or batch size.
         ComponentError: A component the model lacks (at a layer asked for).
         SelectionError: A layer outside the model, an unknown span, a bad position group.
@@ -372,6 +379,53 @@ class AttributionPlan:
             start.check_rows(self.batch.attention_mask)
             GraftMask.from_dict(models, {key: start[key] for key in start.keys()}, shape)
         self.start = start
+        if self.last_only and self.metric not in METRICS.values():
+            self._probe_metric()
+
+    @torch.no_grad()
+    def _probe_metric(self) -> None:
+        """Refuse a metric that ``logits="last"`` would break or silently mislead: one raising
+        on ``[batch, 1, d_vocab]``, or one whose value on every position differs from its
+        value on the last. One extra forward pass, of the first prompt alone (a 262k-token
+        vocabulary's logits take 1 MiB per position)."""
+        index = torch.tensor([0])
+        rows = self.batch.rows(index)  # cut to its own length: it ends at the last position
+        full = graft_forward(
+            self.models,
+            rows.tokens,
+            self.start_mask(index, rows),
+            attention_mask=rows.attention_mask,
+            logits="all",
+        )
+        # Shapes and finiteness are checked on the whole batch, by the passes.
+        try:
+            returned = self.metric(full[:, -1:], rows)
+        except AttributionError:
+            raise
+        except Exception as error:
+            raise _metric_raised(error, full[:, -1:]) from error
+        try:
+            at_last = torch.as_tensor(returned).float()
+            everywhere = torch.as_tensor(self.metric(full, rows)).float()
+        except Exception:
+            return  # not numbers (named by the passes), or made for [batch, 1, d_vocab] alone
+        if reads_other_positions(at_last, everywhere):
+            raise AttributionError(
+                f"The metric reads positions other than the last: on the start's run of the "
+                f"first prompt it gives {at_last[0].item():.4g} from its last token ([batch, 1, "
+                f"d_vocab], what logits='last', the default, passes) but "
+                f"{everywhere.flatten()[0].item():.4g} from every position. Pass logits='all'."
+            )
+
+    def grafted(self, rows: TokenizedExamples, mask: GraftMask) -> torch.Tensor:
+        """The logits the metric reads of ``rows`` grafted by ``mask`` (exactly)."""
+        return graft_forward(
+            self.models,
+            rows.tokens,
+            mask,
+            attention_mask=rows.attention_mask,
+            logits="last" if self.last_only else "all",
+        )
 
     def chunks(self) -> Iterator[tuple[torch.Tensor, TokenizedExamples]]:
         """Row indices and rows of each chunk of ``batch_size`` prompts (cut to their longest)."""
@@ -421,7 +475,9 @@ class AttributionPlan:
         labels = list(self.groups)
         estimates = torch.zeros(len(self.keys), len(labels), len(self.batch))
         start = torch.zeros(len(self.batch)) if method == "gradient" else None
-        for index, rows in self.chunks():
+
+        def chunk(index: torch.Tensor, rows: TokenizedExamples) -> tuple[torch.Tensor, ...]:
+            """One chunk's estimates ``[keys, groups, rows]`` and its metric at the start."""
             shape = tuple(rows.tokens.shape)
             length = shape[1]
             groups = torch.stack([self.selections[label][index, :length] for label in labels])
@@ -430,14 +486,14 @@ class AttributionPlan:
             tokens = rows.tokens.to(device)
             attention_mask = rows.attention_mask.to(device)
             total = torch.zeros(len(self.keys), *shape)
+            at_start = torch.zeros(len(index))
             for point in points:
                 weights = {key: (moving * point).requires_grad_() for key in self.keys}
                 with grafting(self.models, mask) as model:
                     with relaxing(self.models, weights, source=self.switch):
                         logits = self._logits(model, tokens, attention_mask, mask)
                 values = _metric_values(self.metric, logits, rows)
-                if start is not None:
-                    start[index] = values.detach().float().cpu()
+                at_start = values.detach().float().cpu()
                 # A metric detached from the run (.detach(), .item(), a tensor rebuilt from
                 # .tolist(), a rank) would give every cell an estimate of exactly 0.
                 gradients = (
@@ -458,8 +514,15 @@ class AttributionPlan:
             total /= len(points)
             # A cell's estimate: the gradient summed over its positions (times the
             # switch, 1), per prompt.
-            per_cell = torch.einsum("kbp,lbp->klb", total, groups.float())
+            return torch.einsum("kbp,lbp->klb", total, groups.float()), at_start
+
+        chunks = list(self.chunks())
+        # Under torch.distributed ranks each computes every world-th chunk (core/ranks.py).
+        computed = ranks.spread(len(chunks), lambda number: chunk(*chunks[number]))
+        for (index, _), (per_cell, at_start) in zip(chunks, computed):
             estimates[:, :, index] = per_cell
+            if start is not None:
+                start[index] = at_start
         # Table order: position group, then the keys in residual order.
         return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch)), start
 
@@ -486,21 +549,26 @@ class AttributionPlan:
         (exact grafts, as blocks of rows of ``rows_per_forward``-row passes)."""
         configs = [tuple(config) for config in configs]
         values = torch.zeros(len(configs), len(self.batch))
-        for index, rows in self.chunks():
-            per_pass = max(1, self.rows_per_forward // len(index))
-            for first in range(0, len(configs), per_pass):
-                block = configs[first : first + per_pass]
-                mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
-                repeated = self.batch.rows(index.repeat(len(block)))
-                logits = graft_forward(
-                    self.models,
-                    repeated.tokens,
-                    mask,
-                    attention_mask=repeated.attention_mask,
-                    logits="last" if self.last_only else "all",
-                )
-                scores = _metric_values(self.metric, logits, repeated).float().cpu()
-                values[first : first + len(block), index] = scores.reshape(len(block), -1)
+        blocks = [
+            (index, rows, first, max(1, self.rows_per_forward // len(index)))
+            for index, rows in self.chunks()
+            for first in range(0, len(configs), max(1, self.rows_per_forward // len(index)))
+        ]
+
+        def compute(number: int) -> torch.Tensor:
+            index, rows, first, per_pass = blocks[number]
+            block = configs[first : first + per_pass]
+            mask = GraftMask.cat([self.start_mask(index, rows, cells) for cells in block])
+            repeated = self.batch.rows(index.repeat(len(block)))
+            scores = _metric_values(self.metric, self.grafted(repeated, mask), repeated)
+            scores = scores.float().cpu()
+            return scores.reshape(len(block), -1)
+
+        # Under torch.distributed ranks, each computes every world-th block and all gather
+        # them: the same passes as one process, so the same values (core/ranks.py).
+        computed = ranks.spread(len(blocks), compute)
+        for (index, _, first, per_pass), scores in zip(blocks, computed):
+            values[first : first + per_pass, index] = scores
         return values
 
     def frame(
@@ -571,11 +639,31 @@ def resolve_groups(
     return selections
 
 
+def _metric_raised(error: Exception, logits: torch.Tensor) -> AttributionError:
+    """The error of a metric raising on ``logits``, in one line."""
+    lines = str(error).strip().splitlines()
+    raised = type(error).__name__ + (f": {lines[0]}" if lines else "")
+    return AttributionError(
+        f"The metric raised {raised} on logits of shape {list(logits.shape)}."
+        + (
+            " Under logits='last' (the default) it gets each row's last real token, "
+            "[batch, 1, d_vocab]; a metric that reads other positions needs logits='all'."
+            if logits.shape[1] == 1
+            else ""
+        )
+    )
+
+
 def _metric_values(
     metric: BatchMetric, logits: torch.Tensor, rows: TokenizedExamples
 ) -> torch.Tensor:
     """The metric of each row, checked: one finite number per prompt."""
-    returned = metric(logits, rows)
+    try:
+        returned = metric(logits, rows)
+    except AttributionError:
+        raise
+    except Exception as error:
+        raise _metric_raised(error, logits) from error
     batch = len(rows)
     if (
         not isinstance(returned, torch.Tensor)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import warnings
@@ -50,11 +51,11 @@ from grafting_lens.analysis.attribution import (
 )
 from grafting_lens.analysis.batch import as_batch
 from grafting_lens.analysis.metrics import check_choice
+from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import progress_line, show_progress
 from grafting_lens.core.errors import AttributionError
 from grafting_lens.core.files import atomic_write, writing
-from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.masks import GraftMask
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
@@ -546,16 +547,18 @@ class _Journal:
             return None
         try:
             saved = json.loads(self.path.read_text(encoding="utf-8"))
-            settings = saved["settings"]
-            saved["cells"] = [_cell(cell) for cell in saved["cells"]]
-            if saved["pruned"] is not None:
-                saved["pruned"] = tuple(_cell(cell) for cell in saved["pruned"])
-            saved["recovery"] = float(saved["recovery"])
-        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = _state_problem(saved, plan)
+        except (OSError, ValueError) as error:
+            problem = str(error)
+        if problem is not None:
             raise AttributionError(
-                f"The search's state file {self.path} cannot be read ({error}); give another "
+                f"The search's state file {self.path} cannot be used ({problem}); give another "
                 "path, or move this one away to start afresh."
-            ) from None
+            )
+        settings = saved["settings"]
+        saved["cells"] = [_cell(cell) for cell in saved["cells"]]
+        if saved["pruned"] is not None:
+            saved["pruned"] = tuple(_cell(cell) for cell in saved["pruned"])
         expected = {**self.settings, "candidates": _candidates_key(plan)}
         if settings != expected:
             differences = ", ".join(
@@ -576,7 +579,7 @@ class _Journal:
         recovery = saved["recovery"]
         chosen = saved["cells"]
         (measured,) = search.measure([chosen])
-        if abs(measured - recovery) > 1e-4:
+        if not abs(measured - recovery) <= 1e-4:  # NaN measured fails too
             raise AttributionError(
                 f"The state file {self.path} says its {len(chosen)} cells recover "
                 f"{recovery:.4f}; here they recover {measured:.4f}, so it was written for other "
@@ -588,7 +591,7 @@ class _Journal:
         search.report.say(f"resumed at step {search.step}: {len(chosen)} cells, {measured:.3f}")
 
     def save(self, search: _Search) -> None:
-        if self.path is None:
+        if self.path is None or not ranks.first():  # under ranks, one file, rank 0's
             return
         cells, recovery = search.beams[0]
         state = {
@@ -607,6 +610,49 @@ class _Journal:
 def _cell(stored: Any) -> Cell:
     component, layer, label = stored
     return str(component), None if layer is None else int(layer), str(label)
+
+
+_STATE_FIELDS = ("settings", "cells", "recovery", "size", "step", "pruned", "log")
+
+
+def _state_problem(saved: Any, plan: AttributionPlan) -> str | None:
+    """What makes a state file unusable, read whole before anything resumes from it (None if
+    nothing): a field missing or of the wrong kind, a recovery that is not a finite number
+    (NaN compares false with everything, so it would pass any check), a cell that is not one
+    of this search's candidates."""
+    if not isinstance(saved, dict):
+        return f"it holds a {type(saved).__name__}, not the search's fields"
+    missing = [field for field in _STATE_FIELDS if field not in saved]
+    if missing:
+        return f"it has no {', '.join(map(repr, missing))}"
+    recovery, size, step = saved["recovery"], saved["size"], saved["step"]
+    if not isinstance(saved["settings"], dict):
+        return "'settings' is not a mapping"
+    if isinstance(recovery, bool) or not isinstance(recovery, (int, float)):
+        return f"'recovery' is {recovery!r}, not a number"
+    if not math.isfinite(recovery):
+        return f"'recovery' is {recovery!r}, not a finite number"
+    for name, value, least in (("size", size, 1), ("step", step, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            return f"{name!r} is {value!r}, not a whole number >= {least}"
+    if not isinstance(saved["log"], list) or not all(isinstance(e, dict) for e in saved["log"]):
+        return "'log' is not a list of steps"
+    candidates = {tuple(cell) for cell in plan.cells}
+    plain = (str, int, type(None))
+    for field in ("cells", "pruned"):
+        stored = saved[field]
+        if stored is None and field == "pruned":
+            continue
+        if not isinstance(stored, list):
+            return f"{field!r} is not a list of cells"
+        for cell in stored:
+            known = isinstance(cell, list) and all(isinstance(part, plain) for part in cell)
+            if not (known and tuple(cell) in candidates):
+                return (
+                    f"{field!r} holds {cell!r}, not one of this search's candidate cells "
+                    "(component, layer, label)"
+                )
+    return None
 
 
 def _candidates_key(plan: AttributionPlan) -> str:
@@ -655,14 +701,7 @@ def _donor_metric(plan: AttributionPlan) -> float:
         mask = GraftMask.build(
             plan.models, rows.tokens, source=plan.source, attention_mask=rows.attention_mask
         )
-        logits = graft_forward(
-            plan.models,
-            rows.tokens,
-            mask,
-            attention_mask=rows.attention_mask,
-            logits="last" if plan.last_only else "all",
-        )
-        values.append(plan.metric(logits, rows).float().cpu())
+        values.append(plan.metric(plan.grafted(rows, mask), rows).float().cpu())
     return float(torch.cat(values).mean())
 
 

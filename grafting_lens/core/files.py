@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Literal
 
 from grafting_lens.core.errors import GraftingLensError, RunError
 
@@ -40,8 +41,9 @@ __all__ = [
 LOCK_NAME = ".lock"
 """The file inside a locked directory that holds the lock and names its holder."""
 
-_HELD: dict[Path, list[int]] = {}
-"""The directories this process holds: ``[open lock file, how many holders]`` each."""
+_HELD: dict[Path, list[Any]] = {}
+"""The directories this process holds: ``[open lock file, how many holders, the directories
+the lock made]`` each."""
 
 
 def cache_root() -> Path:
@@ -59,20 +61,44 @@ def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = Fal
     return path
 
 
+_NO_ROOM = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+"""A full disk, a used-up quota, a file-size limit (``ulimit -f``: Python ignores SIGXFSZ, so
+the write fails with EFBIG): the one failure that comes in the middle of a long run's
+writing, after everything before it was kept."""
+
+RESUMES = "Nothing written before it is lost: run the same command again to carry on."
+
+
 @contextlib.contextmanager
 def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> Iterator[str]:
     """A temporary file beside ``path`` holding all of ``content``; removed afterwards
-    unless the block moved it into place."""
-    handle, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
-    )
+    unless the block moved it into place.
+
+    Raises:
+        RunError: No room for it (:data:`_NO_ROOM`), naming ``path``, the cause and the fix.
+    """
+    handle: int | None = None
+    temporary = ""
     try:
+        handle, temporary = tempfile.mkstemp(
+            dir=path.parent, prefix=f".{path.name}.", suffix=".partial"
+        )
         with os.fdopen(handle, "wb") as file:
+            handle = None  # the file object closes it
             file.write(content)
             if durable:
                 file.flush()
                 os.fsync(file.fileno())
         os.chmod(temporary, 0o644)  # mkstemp makes it private; results are meant to be shared
+    except OSError as error:
+        if handle is not None:
+            os.close(handle)
+        if temporary and os.path.exists(temporary):
+            os.unlink(temporary)
+        if error.errno in _NO_ROOM:
+            raise cannot_write("The file", path, error, RESUMES) from None
+        raise
+    try:
         yield temporary
     finally:
         if os.path.exists(temporary):
@@ -119,6 +145,9 @@ def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str =
     if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         fix = "its disk is full (or your quota is used up): free some space there, or choose a "
         fix += "directory on another disk"
+    elif code == errno.EFBIG:
+        fix = "it is larger than this process may write (a file-size limit, `ulimit -f`): "
+        fix += "raise the limit (`ulimit -f unlimited`)"
     elif code == errno.EROFS:
         fix = "its filesystem is read-only: choose a directory on a writable one"
     elif code == errno.EISDIR:
@@ -143,19 +172,29 @@ def writing(what: str, path: str | os.PathLike, note: str = "") -> Iterator[None
 
 
 class DirectoryLock:
-    """One writing process at a time in a directory: an advisory lock on ``<dir>/.lock``.
+    """One writer at a time in a directory: an advisory lock on ``<dir>/.lock``.
 
     The holder (process, host, command, time) is written into the lock file, so that a
     second process is refused with a message naming it; the operating system releases the
-    lock when the holder ends, killed or not. The lock file stays (deleting it while held
-    would let two processes hold it). Re-entrant within a process: it keeps processes apart,
-    not threads. A context manager, or :meth:`acquire` and :meth:`release`; ``what`` names
-    the directory in messages.
+    lock when the holder ends, killed or not. The last holder removes the lock file, and the
+    directory too if the lock made it and it is still empty, so a refused run leaves nothing
+    behind (a process that opened the old file sees it is gone and takes the new one).
+    Re-entrant within a process: it keeps processes apart, not threads. A context manager,
+    or :meth:`acquire` and :meth:`release`; ``what`` names the directory in messages.
+
+    ``shared``: the ranks of one job (:mod:`grafting_lens.core.ranks`) hold it together,
+    each writing its own files, and any other process is refused. On a network filesystem
+    (NFS, Lustre...) locks may not reach across machines: a job's ranks still never write
+    one file twice (each writes its own chunks, renamed into place), and the manifest's
+    fingerprint refuses another run, but a second job on another machine is not refused.
     """
 
-    def __init__(self, directory: str | os.PathLike, what: str = "The directory") -> None:
+    def __init__(
+        self, directory: str | os.PathLike, what: str = "The directory", *, shared: bool = False
+    ) -> None:
         self.directory = Path(directory)
         self.what = what
+        self.shared = shared
         self._key: Path | None = None
 
     @property
@@ -167,43 +206,80 @@ class DirectoryLock:
         """Take the lock (again, if this process holds it), creating the directory if needed.
 
         Raises:
-            RunError: Another process holds it, or the directory cannot be written.
+            RunError: Another process (or another job's rank) holds it, or the directory
+                cannot be written.
         """
         if self._key is not None:
             return self
-        handle = None
+        from grafting_lens.core.ranks import current
+
+        ranks = current() if self.shared else None
         try:
+            whole = self.directory.absolute()
+            made = [d for d in (whole, *whole.parents) if not d.exists()]
             self.directory.mkdir(parents=True, exist_ok=True)
             key = self.directory.resolve()
-            if key in _HELD:
-                _HELD[key][1] += 1
-                self._key = key
-                return self
-            handle = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-            if _try_lock(handle, self.directory):
-                me = {
-                    "pid": os.getpid(),
-                    "host": socket.gethostname(),
-                    "command": " ".join(sys.argv) or sys.executable,
-                    "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                }
-                os.ftruncate(handle, 0)
-                os.lseek(handle, 0, os.SEEK_SET)
-                os.write(handle, json.dumps(me).encode())  # a full disk fails here
-                _HELD[key] = [handle, 1]
-                self._key = key
-                return self
-            holder = _read_holder(handle)
+            if key not in _HELD:
+                _HELD[key] = [self._take(ranks), 0, made]
         except OSError as error:
-            if handle is not None:
-                os.close(handle)
             raise cannot_write(self.what, self.directory, error) from None
-        os.close(handle)
-        raise RunError(
-            f"{self.what} {self.directory} is in use by another process ({holder}): two runs "
-            "writing into one directory would delete each other's files. Wait for it to finish "
-            "or stop it, or choose another directory."
-        )
+        _HELD[key][1] += 1
+        self._key = key
+        return self
+
+    def _take(self, ranks: Any) -> int:
+        """The open lock file, locked: exclusively, or shared with the ranks of this job."""
+        path = self.directory / LOCK_NAME
+        deadline = time.monotonic() + 2
+        while True:
+            handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                taken = self._lock_file(handle, ranks)
+            except BaseException:
+                os.close(handle)
+                raise
+            if taken is True:
+                return handle
+            os.close(handle)
+            # A rank of this job may be between taking the lock and opening it to the others.
+            if taken is None or (ranks is not None and time.monotonic() < deadline):
+                time.sleep(0 if taken is None else 0.02)
+                continue
+            raise RunError(
+                f"{self.what} {self.directory} is in use by another process "
+                f"({_describe_holder(taken)}): two runs writing into one directory would "
+                "delete each other's files. Wait for it to finish or stop it, or choose "
+                "another directory."
+            )
+
+    def _lock_file(self, handle: int, ranks: Any) -> Literal[True] | dict[str, Any] | None:
+        """Lock the open file ``handle``: True if taken; None if its last holder removed it
+        meanwhile (open the new one); else what its holder wrote."""
+        exclusive = _try_lock(handle, self.directory)
+        shared = not exclusive and ranks is not None
+        shared = shared and _try_lock(handle, self.directory, shared=True)
+        holder = _read_holder(handle)
+        if (exclusive or shared) and not _same_file(handle, self.directory / LOCK_NAME):
+            return None
+        if shared:  # beside the ranks of this job only
+            return True if holder.get("job") == ranks.job else holder
+        if not exclusive:
+            return holder
+        me = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": " ".join(sys.argv) or sys.executable,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if ranks is not None:
+            me |= {"job": ranks.job, "rank": ranks.rank, "world": ranks.world}
+        os.ftruncate(handle, 0)
+        os.lseek(handle, 0, os.SEEK_SET)
+        os.write(handle, json.dumps(me).encode())  # a full disk fails here
+        if ranks is not None:
+            _try_lock(handle, self.directory, shared=True)  # let the job's ranks in
+            _warn_if_networked(self.directory, ranks)
+        return True
 
     def release(self) -> None:
         """Release the lock (nothing happens if this object does not hold it)."""
@@ -212,9 +288,18 @@ class DirectoryLock:
         key, self._key = self._key, None
         held = _HELD[key]
         held[1] -= 1
-        if held[1] == 0:
-            del _HELD[key]
-            os.close(held[0])  # closing the file releases the lock
+        if held[1] > 0:
+            return
+        del _HELD[key]
+        handle, made = held[0], held[2]  # made: the directories the lock created, deepest first
+        # The last holder (of the job, too) removes the file while holding it exclusively.
+        if sys.platform != "win32" and _try_lock(handle, key):
+            with contextlib.suppress(OSError):
+                if _same_file(handle, key / LOCK_NAME):
+                    os.unlink(key / LOCK_NAME)
+                for directory in made:
+                    directory.rmdir()  # only if empty: nothing was written into it
+        os.close(handle)  # closing the file releases the lock
 
     def __enter__(self) -> DirectoryLock:
         return self.acquire()
@@ -226,10 +311,43 @@ class DirectoryLock:
         self.release()
 
 
-def _try_lock(handle: int, directory: Path) -> bool:
-    """Take an exclusive lock on an open file without waiting; False if another holds it."""
+def _same_file(handle: int, path: Path) -> bool:
+    """Whether ``path`` still names the open file ``handle`` (its holder may have removed it)."""
     try:
-        if sys.platform == "win32":
+        return os.path.samestat(os.fstat(handle), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs", "ceph", "fuse")
+"""Filesystem types (``/proc/mounts``) whose locks may not reach from one machine to another."""
+
+
+def _warn_if_networked(directory: Path, ranks: Any) -> None:
+    """Say once, for a job whose ranks span machines, that a network filesystem's locks may not
+    refuse a second job on another machine (this job's ranks never write one file twice)."""
+    if ranks.local_world >= ranks.world or not ranks.first:
+        return
+    kind, longest = None, ""
+    with contextlib.suppress(OSError):
+        where = str(directory.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and where.startswith(fields[1]) and len(fields[1]) > len(longest):
+                kind, longest = fields[2], fields[1]
+    if kind is not None and kind.split(".")[0] in NETWORK_FILESYSTEMS:
+        warnings.warn(
+            f"{directory} is on {kind} ({longest}), whose locks may not reach other machines: "
+            "this job's ranks share it safely, but start no second job into it until this one ends.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _try_lock(handle: int, directory: Path, *, shared: bool = False) -> bool:
+    """Lock an open file without waiting, exclusively or ``shared``; False if another holds it."""
+    try:
+        if sys.platform == "win32":  # no shared locks there: one process at a time
             import msvcrt
 
             os.lseek(handle, 0, os.SEEK_SET)
@@ -237,7 +355,7 @@ def _try_lock(handle: int, directory: Path) -> bool:
         else:
             import fcntl
 
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except OSError as error:  # BlockingIOError (EAGAIN) included
         if error.errno in (errno.EACCES, errno.EAGAIN, errno.EDEADLK):
             return False
@@ -251,17 +369,26 @@ def _try_lock(handle: int, directory: Path) -> bool:
     return True
 
 
-def _read_holder(handle: int) -> str:
-    """Who holds a lock, from what it wrote into the lock file."""
+def _read_holder(handle: int) -> dict[str, Any]:
+    """What the holder of a lock wrote into its file (``{}`` if nothing readable yet)."""
     try:
         os.lseek(handle, 0, os.SEEK_SET)
         holder = json.loads(os.read(handle, 4096).decode() or "{}")
-        return (
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe_holder(holder: dict[str, Any]) -> str:
+    """Who holds a lock, in words."""
+    try:
+        said = (
             f"pid {holder['pid']} on {holder['host']}, running `{holder['command']}` since "
             f"{holder['since']}"
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except KeyError:
         return "a process that has not said who it is yet"
+    return said + (f", rank {holder['rank']} of {holder['world']}" if "world" in holder else "")
 
 
 def write_once(path: str | os.PathLike, content: bytes) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from grafting_lens.core import ranks
 from grafting_lens.core.errors import AlignmentError, GraftingLensError
 
 Device = Union[str, int, torch.device]
@@ -101,6 +102,32 @@ def resolve_device_map(
     for target in {str(target): target for target in device_map.values()}.values():
         usable_device(target, "device_map")
     return None, dict(device_map)
+
+
+def for_this_rank(
+    device: torch.device | None, device_map: str | dict[str, Device] | None
+) -> tuple[torch.device | None, str | dict[str, Device] | None]:
+    """Under ranks (:mod:`grafting_lens.core.ranks`), where this rank's pair goes: its own GPU
+    (``cuda:<local rank>``) unless ``device=`` names one with an index; the same otherwise.
+
+    Raises:
+        GraftingLensError: A ``device_map=`` that splits the pair over several devices:
+            every rank would spread its pair over the GPUs the other ranks use.
+    """
+    share = ranks.current()
+    if share is None:
+        return device, device_map
+    if device_map is not None:
+        raise GraftingLensError(
+            f"device_map={device_map!r:.60} splits one pair over several devices, but this "
+            f"process is rank {share.rank} of {share.world}, each holding its own pair on its "
+            "own GPU: leave device_map out (each rank takes cuda:LOCAL_RANK), or split a pair "
+            "too large for one GPU in a single process, without torchrun."
+        )
+    gpu = share.device.type == "cuda"
+    if (device is None and gpu) or (device is not None and device == torch.device("cuda")):
+        return share.device, None
+    return device, None
 
 
 def check_offload(targets: Iterable[Any], where: str) -> None:

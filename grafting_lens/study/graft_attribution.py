@@ -23,24 +23,26 @@ candidate the search tried), ``summary.md``, and the figures ``attribution_<prom
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from grafting_lens.analysis import plots
 from grafting_lens.analysis.attribution import attribute_grafts
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.graft_search import find_minimal_graft
+from grafting_lens.core import ranks
 from grafting_lens.core.console import progress_line
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.study import markdown
 from grafting_lens.study.markdown import Markup
-from grafting_lens.study.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.study.report import (
     ExperimentReport,
     figure_caption,
@@ -50,7 +52,7 @@ from grafting_lens.study.report import (
 )
 from grafting_lens.study.runner import ChunkInfo, RunOptions
 from grafting_lens.study.semantics import CLEAN
-from grafting_lens.study.specs import ExperimentSpec
+from grafting_lens.study.specs import QUICK_RELATIONS, ExperimentSetup, ExperimentSpec
 from grafting_lens.worlds import data
 
 __all__ = ["POSITIONS", "PROMPTS", "report", "run"]
@@ -115,7 +117,8 @@ def run(
     seconds = {}
     for prompt, batch in batches.items():
         stored = None if keep is None else keep / f"attribution_{prompt}.json"
-        if stored is not None and stored.exists():
+        # Under ranks, rank 0's view decides, and rank 0 alone writes (core/ranks.py).
+        if stored is not None and ranks.gather(stored.exists())[0]:
             frame, agreement, reference = _read_attribution(stored)
             progress_line(options.progress, "graft attribution", f"{prompt}: read from {stored}")
         else:
@@ -144,7 +147,7 @@ def run(
                 "all_cells_metric": result.all_cells_metric,
                 "seconds": round(time.perf_counter() - started, 1),
             }
-            if stored is not None:
+            if stored is not None and ranks.first():
                 _write_attribution(stored, frame, agreement, reference)
         seconds[prompt] = reference.pop("seconds")
         frames.append(frame)
@@ -218,11 +221,29 @@ def _read_attribution(path: Path) -> tuple[pd.DataFrame, pd.DataFrame | None, di
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
         frame = table(content["frame"] or {})  # {}: a file without a frame is refused
-        return frame, table(content["agreement"]), dict(content["reference"])
+        agreement, reference = table(content["agreement"]), dict(content["reference"])
+        problem = _attribution_problem(frame, reference)
     except (OSError, ValueError, KeyError, TypeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    if problem is not None:
         raise ExperimentError(
-            f"{path} cannot be read back ({error}); move it away and run again to compute it."
-        ) from None
+            f"{path} cannot be read back ({problem}); move it away and run again to compute it."
+        )
+    return frame, agreement, reference
+
+
+def _attribution_problem(frame: pd.DataFrame, reference: dict) -> str | None:
+    """What is wrong with an attribution read back, checked whole (None if nothing)."""
+    numbers = [reference.get(key) for key in ("n", "start_metric", "all_cells_metric", "seconds")]
+    if "prompt" not in reference or not all(
+        isinstance(x, (int, float)) and math.isfinite(x) for x in numbers
+    ):
+        return f"its reference holds a value that is not a finite number: {numbers}"
+    needed = {"cell", "component", "layer", "positions", "estimate", "exact", "prompt"}
+    if not needed <= set(frame.columns) or frame.empty:
+        return f"its table lacks {sorted(needed - set(frame.columns)) or 'rows'}"
+    finite = np.isfinite(frame["estimate"].to_numpy(dtype=float)).all()
+    return None if finite else "its estimates hold a value that is not a finite number"
 
 
 def _verify(value: Any) -> int | str | None:

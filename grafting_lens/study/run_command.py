@@ -1,11 +1,9 @@
 """``grafting-lens run <experiment>``: its options, their checks, the set-up, the run, the report.
 
-Every experiment shares one declaration of the options a run takes (:func:`experiment_parser`:
-where the models come from, the relations asked about, the semantics, the output), adds its
-donor options and its own from its spec, and runs through :func:`run_experiment_command`:
-options parsed and checked before anything is loaded, the models set up, the run resumed from
-``--out`` when it is the same run, and the tables and figures written. ``grafting-lens demo``
-is ``grafting-lens run demo``: the same parser, the same run.
+Every experiment shares one declaration of its options (:func:`experiment_parser`), adds its
+own from its spec, and runs through :func:`run_experiment_command`: options checked before
+anything loads, the run resumed from ``--out`` when it is the same run, the report written
+(under ranks, by rank 0). ``grafting-lens demo`` is ``grafting-lens run demo``.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grafting_lens.core import ranks
 from grafting_lens.core.console import threads_beyond_cores
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import DirectoryLock, check_writable
@@ -78,7 +77,9 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
     )
     add = parser.add_argument
     add("--out", required=True, help="Directory for tables, figures and the resumable runs.")
-    add("--model", help=f"A real checkpoint (hub id or directory) as {spec.roles[0]!r}.")
+    add(
+        "--model", help=f"A real checkpoint (hub id, directory or .gguf file) as {spec.roles[0]!r}."
+    )
     add(
         "--world",
         choices=WORLDS,
@@ -271,8 +272,8 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
     _apply_thread_policy(args.threads, toy=checkpoints is None and args.world in (None, "toy"))
-    # One process writes into --out at a time; a second is refused before it loads anything.
-    with DirectoryLock(out, "The output directory (--out)"):
+    # One process (or one job's ranks) writes into --out; another is refused before loading.
+    with DirectoryLock(out, "The output directory (--out)", shared=True):
         return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)
 
 
@@ -324,20 +325,27 @@ def _run_locked(
         description["prompts"] = hashlib.sha256(content).hexdigest()[:16]
     description["semantics"] = semantics.label
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
-    prepare_report_directory(
-        out,
-        spec.name,
-        fingerprint,
-        description=description,
-        command=command,
-        overwrite=args.overwrite,
-        runs=keeps,
+    # Under ranks (torchrun, srun), rank 0 prepares and writes the report; all compute.
+    ranks.agree(
+        lambda: (
+            ranks.first()
+            and prepare_report_directory(
+                out,
+                spec.name,
+                fingerprint,
+                description=description,
+                command=command,
+                overwrite=args.overwrite,
+                runs=keeps,
+            )
+        )
     )
     computed: list[int] = []
     tables = run_spec(
         spec,
         setup,
-        out=out / "runs" if keeps else None,
+        # A runner of its own keeps its progress on rank 0 only (the others compute in memory).
+        out=out / "runs" if keeps and (resumed or ranks.first()) else None,
         quick=args.quick,
         n_examples=args.n_examples,
         options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
@@ -347,7 +355,9 @@ def _run_locked(
     )
     elapsed = time.perf_counter() - started
     results = tables["results"]
-    rows_computed = sum(computed) if resumed else len(results)
+    rows_computed = sum(ranks.gather(sum(computed))) if resumed else len(results)
+    if not ranks.first():
+        return 0
     notes = [
         f"Models: {setup.label} ("
         + ", ".join(f"{role}={name}" for role, name in zip(spec.roles, setup.models.names))
@@ -408,12 +418,15 @@ _FREE_OPTIONS = frozenset(
 def _where(device: Any) -> str:
     """Where a run computed, for its summary: the CPU's threads, or the accelerator."""
     torch = _torch()
+    share = ranks.current()
+    each = "" if share is None else f"{share.world} ranks, each on "
     if device.type == "cpu":
         threads = torch.get_num_threads()
-        return f"{threads} CPU thread{'s' if threads > 1 else ''}"
+        return f"{each}{threads} CPU thread{'s' if threads > 1 else ''}"
     if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return str(device)
+        name = torch.cuda.get_device_name(device)
+        return f"{each}an {name}" if share else f"{device} ({name})"
+    return f"{each}{device.type if share else device}"
 
 
 def _describe_command_run(
@@ -520,11 +533,15 @@ def _toy_config(text: str | None) -> Any:
 
 
 def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
-    """The command's one policy for CPU threads (see the module docstring)."""
+    """The command's one policy for CPU threads (see the module docstring); under ranks, a
+    rank's share of its machine's cores unless ``--threads`` says otherwise."""
+    share = ranks.current()
     if threads is not None:
         _torch().set_num_threads(threads)
     elif toy:
         _torch().set_num_threads(1)
+    elif share is not None and share.device.type == "cpu":
+        _torch().set_num_threads(share.threads)
 
 
 def _semantics(spec: Any, args: argparse.Namespace) -> Any:
@@ -593,13 +610,14 @@ def _check_checkpoint(name: str, option: str) -> None:
                     "the adapter as a donor (--donor, or the experiment's donor options)."
                 )
             return
-        if not (path.is_dir() and (path / "config.json").is_file()):
-            raise GraftingLensError(
-                f"{option} {name!r} is not a checkpoint: expected a directory with config.json "
-                "(written by save_pretrained)"
-                + ("" if option == "--model" else ", a LoRA adapter directory")
-                + " or a Hugging Face hub id."
+        from grafting_lens.models.gguf_checkpoint import CHECKPOINT_FIX, checkpoint_problem
+
+        problem = checkpoint_problem(path)  # a GGUF file passes: load_models converts it
+        if problem is not None:
+            adapter = (
+                "" if option == "--model" else " A donor may also be a LoRA adapter directory."
             )
+            raise GraftingLensError(f"{option} {name!r} is {problem}. {CHECKPOINT_FIX}{adapter}")
         return
     from transformers import AutoConfig
 
@@ -614,7 +632,7 @@ def _check_checkpoint(name: str, option: str) -> None:
         )
         raise GraftingLensError(
             f"Unknown model {name!r} for {option}: it is not a local directory and was not found "
-            f"{where}. Pass a hub id such as 'gpt2' or a directory written by save_pretrained. "
+            f"{where}. Pass a hub id such as 'gpt2', a directory written by save_pretrained or a .gguf file. "
             f"({type(error).__name__}: {' '.join(str(error).split())[:200]})"
         ) from None
 

@@ -4,7 +4,7 @@ A long run is cut into chunks (a few dozen examples of one model set and test se
 With ``out=``, :func:`~grafting_lens.study.runner.run_experiment` keeps its run in a
 directory:
 
-    .lock                 held by the process writing the run (see below)
+    .lock                 held by the process (or the ranks) writing the run
     manifest.json         {"fingerprint": ..., "created": ..., "spec": <describe_run>}
     chunks/<id>.json      {"format", "run": <fingerprint>, "chunk": <id>, "columns": [...],
                            "rows": [[...], ...], "sha256": <hash of all of the above>}
@@ -26,17 +26,14 @@ resumed table must be the table an uninterrupted run gives:
 * **Writes are atomic** (``grafting_lens.core.files.atomic_write``): a chunk or the
   manifest is complete or absent. A run killed while creating its directory leaves
   at most an empty ``chunks/`` and temporary files, which the next run clears.
-* **One writer**: the process running holds a lock on the directory
-  (``grafting_lens.core.files.DirectoryLock``); a second process is refused with a
-  message naming the first, before it touches a file. The system releases the lock
-  of a process that dies, so there are no stale locks to clean.
-
-A source's weights enter as its :meth:`~grafting_lens.models.sources.Source.fingerprint`:
-64 values of every tensor with its name, shape and dtype, read from the files for a
-lazily loaded donor, so a run with a 70B donor never reads it whole to name it. It
-tells checkpoints apart (a finetune moves every sampled value of what it trains); a
-hand edit of one weight between the samples is not seen: give such a run another
-directory.
+* **One writer**, or the ranks of one job: the process running holds a lock on the
+  directory (``grafting_lens.core.files.DirectoryLock``); a second process is refused with
+  a message naming the first, before it touches a file. The system releases the lock of a
+  process that dies, so there are no stale locks to clean. The ranks of one ``torchrun``
+  or ``srun`` job (:mod:`grafting_lens.core.ranks`) hold it together: rank 0 writes or
+  checks the manifest while the others wait, then each writes only its own chunks (chunk
+  ``i`` is rank ``i % world``'s), so no file has two writers, even on a network filesystem
+  whose locks do not reach across machines.
 """
 
 from __future__ import annotations
@@ -54,6 +51,7 @@ import numpy as np
 import torch
 
 from grafting_lens.analysis.batch import TokenizedExamples
+from grafting_lens.core import ranks
 from grafting_lens.core.errors import RunError
 from grafting_lens.core.files import DirectoryLock, atomic_write, writing
 from grafting_lens.models.model_set import ModelSet
@@ -193,7 +191,8 @@ def batch_digest(batch: TokenizedExamples, positions: Sequence[Sequence[torch.Te
 
 
 class RunDirectory:
-    """A directory holding one run: its manifest and its finished chunks, held by one process.
+    """A directory holding one run: its manifest and its finished chunks, held by one process
+    (or the ranks of one job).
 
     Open one with :meth:`open`, which creates it or checks that it holds this very run,
     and takes its lock; :meth:`close` (or leaving a ``with`` block) releases it.
@@ -214,25 +213,37 @@ class RunDirectory:
 
         Raises:
             RunError: An empty path; the path is a file; another process is writing
-                into the directory (the message names it); the directory holds
+                into the directory (the message names it); the ranks of a job describe
+                different runs; the directory holds
                 another run (the message says what differs), files that are not a
                 run's, or a manifest that cannot be read alongside chunks; it cannot be
                 written.
         """
         if not str(path).strip():
             raise RunError(
-                "The run directory is an empty path (it would be the working directory); "
-                "name a directory."
+                "The run directory (out=) is an empty path (it would be the working "
+                "directory); name a directory."
             )
         run_dir = Path(path).expanduser()
         fingerprint = _fingerprint(spec)
+        if len(set(ranks.gather(fingerprint))) > 1:
+            raise RunError(
+                f"The ranks writing into {run_dir} describe different runs (their models, test "
+                "sets or options differ): start every rank with the same command and inputs."
+            )
         if run_dir.exists() and not run_dir.is_dir():
             raise RunError(f"{run_dir} is a file; a run needs a directory.")
-        _check_is_run_directory(run_dir)  # before the lock: no lock file in a stranger's folder
-        lock = DirectoryLock(run_dir, "The run directory").acquire()
+        lock = DirectoryLock(run_dir, "The run directory", shared=True)
+
+        def claim() -> None:
+            _check_is_run_directory(run_dir)  # before the lock: no lock file in a stranger's folder
+            lock.acquire()
+            if ranks.first():  # the others wait until the manifest is there
+                _check_is_run_directory(run_dir)
+                _claim(run_dir, fingerprint, spec)
+
         try:
-            _check_is_run_directory(run_dir)
-            _claim(run_dir, fingerprint, spec)
+            ranks.agree(claim)
         except BaseException:
             lock.release()
             raise

@@ -396,12 +396,17 @@ def test_a_second_process_is_refused_and_a_dead_ones_lock_is_no_obstacle(
     pd.testing.assert_frame_equal(resumed, whole)
 
 
-def test_the_lock_is_reentrant_within_a_process(tmp_path):
-    with files.DirectoryLock(tmp_path / "d") as first, files.DirectoryLock(tmp_path / "d"):
+def test_the_lock_is_reentrant_within_a_process_and_leaves_nothing_it_made(tmp_path):
+    with files.DirectoryLock(tmp_path / "a" / "d") as first, files.DirectoryLock(tmp_path / "a/d"):
         assert first.held
+        held = json.loads((tmp_path / "a" / "d" / files.LOCK_NAME).read_text())
+        assert held["pid"] == os.getpid()
     assert not first.held
-    held = json.loads((tmp_path / "d" / files.LOCK_NAME).read_text())
-    assert held["pid"] == os.getpid()
+    assert list(tmp_path.iterdir()) == []  # the directories it made, and its file, are gone
+    (tmp_path / "kept").mkdir()
+    with files.DirectoryLock(tmp_path / "kept"):
+        (tmp_path / "kept" / "results.csv").write_text("x")
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["results.csv"]
 
 
 # ------------------------------------------------------------------ paths
