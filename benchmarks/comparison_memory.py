@@ -74,7 +74,7 @@ def main() -> None:
         "--base",
         type=Path,
         required=True,
-        help="Gemma 3 270M in float32 (grafting_lens.worlds.gguf_checkpoint.convert_checkpoint("
+        help="Gemma 3 270M in float32 (grafting_lens.models.gguf_checkpoint.convert_checkpoint("
         "gguf, dir, architectures=('gemma3', 'gemma3_text')) of the joined GGUF parts)",
     )
     parser.add_argument("--threads", type=int, default=2)

@@ -101,6 +101,8 @@ def __getattr__(name: str) -> Any:
     if name == "errors":
         return importlib.import_module(f"{__name__}.core.errors")
     if name in _EXPORTS:
+        if _EXPORTS[name].startswith("study."):  # looked up by name: the paper's registered
+            importlib.import_module(f"{__name__}.study.paper")
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
         globals()[name] = value  # later lookups skip this function
         return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import collections
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,10 @@ LONGEST_ROOM = 900
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
+FLOOR_BUDGETS: dict[str, tuple[int, float]] = {"study": (7400, 15.0)}
+"""Lines a floor may hold, and ``raise`` statements per 1,000 of them (the lens floors hold
+about 13, as TransformerLens's bridge and SAELens do: checks at the door, trust inside)."""
+
 
 def _room(path: Path) -> str:
     """A module's dotted name inside the package: ``analysis.metrics``, ``__init__``."""
@@ -56,11 +61,20 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     """``(line, room)`` of every grafting_lens module a file imports, at any depth.
 
     ``from grafting_lens.analysis import metrics`` imports ``analysis.metrics``;
-    ``from grafting_lens.analysis.metrics import x`` imports ``analysis.metrics``.
+    ``from grafting_lens.analysis.metrics import x`` imports ``analysis.metrics``;
+    ``importlib.import_module("grafting_lens.study.paper")`` imports ``study.paper``.
     """
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("grafting_lens.")
+        ):
+            found.append((node.lineno, node.args[0].value.removeprefix("grafting_lens.")))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             parts = node.module.split(".")
             if parts[0] != "grafting_lens":
                 continue
@@ -116,7 +130,39 @@ def test_the_lens_never_imports_the_study():
     assert not crossings
 
 
+def _circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one room (Tarjan): rooms each of which
+    imports, at some remove, every other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(room: str) -> None:
+        index[room] = low[room] = len(index)
+        stack.append(room)
+        for target in sorted(graph.get(room, ())):
+            if target not in index:
+                visit(target)
+                low[room] = min(low[room], low[target])
+            elif target in stack:
+                low[room] = min(low[room], index[target])
+        if low[room] == index[room]:
+            component = []
+            while not component or component[-1] != room:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for room in sorted(graph):
+        if room not in index:
+            visit(room)
+    return circles
+
+
 def test_no_room_imports_itself_in_a_circle():
+    # Imports at any depth, in functions and through importlib.import_module("grafting_lens...")
+    # alike: a room that imports another on first use still needs it.
     graph = collections.defaultdict(set)
     for path in MODULES:
         room = _room(path)
@@ -124,22 +170,35 @@ def test_no_room_imports_itself_in_a_circle():
             if target != room and not target.endswith("__init__"):
                 graph[room].add(target)
     # A folder's __init__ reached by ``from grafting_lens.study import x`` is the folder.
-    cycles = []
-    state: dict[str, int] = {}
+    circles = _circles(graph)
+    assert not circles, f"rooms that import each other in a circle: {circles}"
 
-    def visit(room: str, trail: list[str]) -> None:
-        state[room] = 1
-        for target in sorted(graph.get(room, ())):
-            if state.get(target) == 1:
-                cycles.append(" -> ".join([*trail[trail.index(target) :], target]))
-            elif target not in state:
-                visit(target, [*trail, target])
-        state[room] = 2
 
-    for room in sorted(graph):
-        if room not in state:
-            visit(room, [room])
-    assert not cycles
+def test_a_circle_is_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def floor_size(folder: str) -> tuple[int, int]:
+    """``(lines, raise statements)`` of a floor's modules: every line as ``wc -l`` counts it,
+    every ``raise`` the parser finds."""
+    lines = raises = 0
+    for path in sorted((PACKAGE / folder).glob("*.py")):
+        text = path.read_text()
+        lines += len(text.splitlines())
+        raises += sum(isinstance(node, ast.Raise) for node in ast.walk(ast.parse(text)))
+    return lines, raises
+
+
+@pytest.mark.parametrize("folder", sorted(FLOOR_BUDGETS))
+def test_no_floor_outgrows_its_budget(folder):
+    most, density = FLOOR_BUDGETS[folder]
+    lines, raises = floor_size(folder)
+    assert lines <= most, f"{folder}/ has {lines} lines, past {most}: move an idea out or simplify"
+    assert 1000 * raises / lines <= density, (
+        f"{folder}/ has {raises} raise statements in {lines} lines, past {density} per 1,000: "
+        "check at the door and trust inside"
+    )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))

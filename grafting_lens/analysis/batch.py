@@ -23,7 +23,8 @@ import torch
 from jaxtyping import Bool, Int
 
 from grafting_lens.core import defaults
-from grafting_lens.core.errors import BatchError
+from grafting_lens.core.arguments import shown
+from grafting_lens.core.errors import ArgumentTypeError, BatchError
 from grafting_lens.engine.positions import row_lengths
 
 if TYPE_CHECKING:
@@ -294,8 +295,14 @@ def tokenize_examples(
                 f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
             )
     examples = list(examples)
+    stray = next((i for i, e in enumerate(examples) if not hasattr(e, "spans")), None)
+    if stray is not None:
+        raise ArgumentTypeError(
+            f"examples[{stray}] is {shown(examples[stray])}: tokenize_examples takes Example "
+            "objects (make_examples, read_prompts); for prompts as text, use gl.graft."
+        )
     if not getattr(tokenizer, "is_fast", False):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"tokenize_examples needs a fast tokenizer for character offsets, got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
         )

@@ -20,7 +20,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -33,9 +33,9 @@ from tqdm.auto import tqdm
 from grafting_lens.analysis import metrics
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
 from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_TOKEN_COLUMNS, LastTokenScorer
-from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.arguments import is_integer, shown
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, refuse_first
 from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.engine.positions import PositionSets, position_sets
@@ -44,6 +44,7 @@ from grafting_lens.models.layers import LayerSpec, resolve_layers
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.patching.patch import (
     LAYER_POSITION_SITES,
+    LastTokenMetric,
     check_direction,
     check_model_set,
     check_site,
@@ -163,6 +164,8 @@ def compare_graft_and_patch(
         position set, pair, layer and example, in that nesting order, scored at the last token.
 
     Raises:
+        ArgumentTypeError: An argument of the wrong type (``methods=None``, ``source="1"``),
+            naming it.
         GraftingLensError: (or a subclass) an unknown position set, component, site, method
             or direction; a layer outside the model; a site the architecture lacks; a span
             the batch lacks; a bad source, target or size; a malformed batch. All before
@@ -231,25 +234,14 @@ class _ComparisonPlan:
     ) -> None:
         check_model_set(models)
         self.models = models
-        methods = (methods,) if isinstance(methods, str) else tuple(methods)
-        for method in methods:
-            metrics.check_choice("method", method, METHODS)
-        self.direction = check_direction(direction)
-        indices = (source, target, batch_size, rows_per_forward)
-        if (
-            not methods
-            or len(set(methods)) != len(methods)
-            or not all(map(is_integer, indices))
-            or not (0 <= min(source, target) and max(source, target) < len(models))
-            or source == target
-            or min(batch_size, rows_per_forward) < 1
-        ):
-            raise GraftingLensError(
-                f"compare_graft_and_patch needs distinct methods of {METHODS} (got {methods}), "
-                f"a source and a target that are two checkpoints of the {len(models)} "
-                f"(got {source!r}, {target!r}), and batch_size and rows_per_forward "
-                f">= 1 (got {batch_size!r}, {rows_per_forward!r})."
+        methods = _check_methods(methods)
+        if not isinstance(direction, str):
+            raise ArgumentTypeError(
+                f"direction= must be 'sufficiency' or 'necessity', got {shown(direction)}."
             )
+        self.direction = check_direction(direction)
+        _check_options(len(models), source, target, batch_size, rows_per_forward)
+        _check_shapes(positions, pairs)
         self.methods = tuple(method for method in METHODS if method in methods)
         self.source, self.target = source, target = int(source), int(target)
         # Which checkpoint runs, and which one the grafted weights come from.
@@ -318,6 +310,81 @@ class _ComparisonPlan:
                         }
                     )
         return pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
+
+
+def _check_methods(methods: object) -> tuple[str, ...]:
+    """``methods`` as distinct names of :data:`METHODS`: one, or a list of them."""
+    if isinstance(methods, str):
+        methods = (methods,)
+    if isinstance(methods, (Mapping, bytes, torch.Tensor)) or not isinstance(methods, Iterable):
+        raise ArgumentTypeError(
+            f"methods= must be 'graft', 'patch' or both, e.g. {METHODS}; got {shown(methods)}."
+        )
+    given = tuple(methods)
+    for method in given:
+        metrics.check_choice("method in methods", method, METHODS)
+    refuse_first(
+        GraftingLensError,
+        [
+            (not given, f"methods= holds nothing; give 'graft', 'patch' or both, e.g. {METHODS}."),
+            (len(set(given)) != len(given), f"methods= lists a method twice: {given}."),
+        ],
+    )
+    return given
+
+
+def _check_options(
+    n_models: int, source: object, target: object, batch_size: object, rows_per_forward: object
+) -> None:
+    """Refuse a source or target that is not a checkpoint of the ``n_models``, or a size < 1."""
+    checkpoint = f"the index of a checkpoint, 0..{n_models - 1}"
+    named = [
+        ("source", source, checkpoint),
+        ("target", target, checkpoint),
+        ("batch_size", batch_size, "an integer >= 1"),
+        ("rows_per_forward", rows_per_forward, "an integer >= 1"),
+    ]
+    for name, value, what in named:
+        if not is_integer(value):
+            raise ArgumentTypeError(f"{name}= must be {what}, got {shown(value)}.")
+    index = {name: int(value) for name, value, _ in named}  # type: ignore[call-overload]
+    refuse_first(
+        GraftingLensError,
+        [
+            *(
+                (
+                    not 0 <= index[name] < n_models,
+                    f"{name}={index[name]}, but the model set has {n_models} sources "
+                    f"(0..{n_models - 1}).",
+                )
+                for name in ("source", "target")
+            ),
+            (
+                index["source"] == index["target"],
+                f"source and target are both {index['source']}: importing a checkpoint into "
+                "itself changes nothing.",
+            ),
+            *(
+                (index[name] < 1, f"{name}= must be an integer >= 1, got {index[name]}.")
+                for name in ("batch_size", "rows_per_forward")
+            ),
+        ],
+    )
+
+
+def _check_shapes(positions: object, pairs: object) -> None:
+    """Refuse ``positions`` or ``pairs`` that are not lists (nor one given bare) before they
+    are read."""
+    for name, value, forms in (
+        ("positions", positions, "span expressions such as ('LT', 'FE'), or {label: span}"),
+        ("pairs", pairs, "ComparisonPairs or (name, components, site) tuples, e.g. DEFAULT_PAIRS"),
+    ):
+        # One position set, or one pair, may be given bare.
+        bare = isinstance(value, ComparisonPair if name == "pairs" else str)
+        if not bare and (
+            isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable)
+        ):
+            raise ArgumentTypeError(f"{name}= must be {forms}; got {shown(value)}.")
 
 
 @dataclass(frozen=True)
@@ -393,7 +460,7 @@ def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
         values, _ = resid_patch_sweep(  # logits="last" by default: the scored token only
             plan.models,
             chunk.batch.tokens,
-            record,
+            LastTokenMetric(record),  # reads the last token: no probe (it counts calls)
             site=site,
             layers=list(plan.layers),
             positions=dict(chunk.selections),
@@ -432,9 +499,9 @@ def _check_pairs(
                 ComparisonPair(*pair) if len(pair) == 3 else ComparisonPair("/".join(pair), *pair)
             )
         if not isinstance(pair, ComparisonPair):
-            raise GraftingLensError(
+            raise ArgumentTypeError(
                 f"A pair is a ComparisonPair, (components, site) or (name, components, site); "
-                f"got {pair!r}."
+                f"got {shown(pair)} in pairs=."
             )
         # A graft needs no site: its availability matters only where a patch runs.
         check_site(pair.site, models if patched else None, LAYER_POSITION_SITES)
@@ -466,7 +533,7 @@ def reference_scores(
     Args:
         models: The model set.
         tokenized: As for :func:`compare_graft_and_patch`.
-        sources: Which checkpoints (default all of them).
+        sources: Which checkpoints (default all of them), or one.
         batch_size: Examples per forward pass.
 
     Returns:
@@ -479,10 +546,21 @@ def reference_scores(
             or a bad ``batch_size``.
     """
     check_model_set(models)
-    sources = list(range(len(models))) if sources is None else list(sources)
+    if is_integer(sources):
+        sources = [sources]
+    elif sources is None:
+        sources = list(range(len(models)))
+    elif isinstance(sources, (str, bytes, Mapping, torch.Tensor)) or not isinstance(
+        sources, Iterable
+    ):
+        raise ArgumentTypeError(
+            f"sources= must be checkpoint indices, e.g. [0, 1]; got {shown(sources)}."
+        )
+    sources = list(sources)
     if (
         not all(is_integer(index) and 0 <= index < len(models) for index in sources)
-        or len(set(sources)) != len(sources)  # each example would count twice in a summary
+        # A source twice counts each example twice (int(): torch scalars hash by identity).
+        or len({int(index) for index in sources}) != len(sources)
         or not is_integer(batch_size)
         or batch_size < 1
     ):
@@ -547,7 +625,7 @@ def summarize_comparison(
         GraftingLensError: What :func:`~grafting_lens.analysis.metrics.summarize`
             refuses, or a table without ``target_prob``.
     """
-    by = [by] if isinstance(by, str) else list(by)
+    by = metrics.column_names(by, "by", "('positions', 'pair', 'method', 'layer')")
     summary = metrics.summarize(
         results, by=by, ks=(1, 5), n_resamples=n_resamples, confidence=confidence, seed=seed
     )

@@ -22,7 +22,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.arguments import shown
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 from grafting_lens.core.files import atomic_write
 
 __all__ = [
@@ -118,7 +119,12 @@ def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]
 
 
 def subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) -> str:
-    """The caption, then ``n`` per bar and what the whiskers are (none under too few rows)."""
+    """The caption, then ``n`` per bar and what the whiskers are (none under too few rows).
+
+    Raises:
+        ArgumentTypeError: A ``caption`` that is not a string or ``None``.
+    """
+    _check_text("caption", caption)
     parts = [caption] if caption else []
     distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
     if len(distinct) == 1:
@@ -155,13 +161,27 @@ def wrap_text(text: str, width: int) -> str:
     return "<br>".join(lines)
 
 
+def _check_text(name: str, text: object, optional: bool = True) -> None:
+    """Refuse a title, subtitle or caption that is not a string (nor ``None`` where optional):
+    a number would fail far from the call, in :func:`wrap_text`."""
+    if not (isinstance(text, str) or (optional and text is None)):
+        allowed = "a string or None" if optional else "a string"
+        raise ArgumentTypeError(f"{name}= must be {allowed}, got {shown(text)}.")
+
+
 NOTEBOOK_WIDTH = 760
 """The width a figure gets when none is set: about the docs' column at 1280 px."""
 
 
 def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) -> go.Figure:
     """The house style: the title and subtitle wrapped to the figure's width, the legend
-    under the plot; ``layout`` overrides any of it (``width``, ``height``...). Returns ``fig``."""
+    under the plot; ``layout`` overrides any of it (``width``, ``height``...). Returns ``fig``.
+
+    Raises:
+        ArgumentTypeError: A ``title`` or ``subtitle`` that is not a string.
+    """
+    _check_text("title", title, optional=False)
+    _check_text("subtitle", subtitle, optional=False)
     width = layout.get("width") or fig.layout.width or NOTEBOOK_WIDTH
     fig.update_layout(
         template="plotly_white",

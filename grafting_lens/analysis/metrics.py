@@ -14,7 +14,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -23,17 +23,25 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from grafting_lens.core import defaults
-from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError, did_you_mean
+from grafting_lens.core.arguments import as_texts, is_integer, is_number, shown
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    NonFiniteLogitsError,
+    did_you_mean,
+    refuse_first,
+)
 from grafting_lens.engine.positions import row_lengths
 
 __all__ = [
+    "MAX_RESAMPLES",
     "MIN_INTERVAL_ROWS",
     "RANK_BY",
     "TIE_RULES",
     "TopTokens",
     "bootstrap_ci",
     "check_choice",
+    "column_names",
     "last_token_logits",
     "summarize",
     "target_probability",
@@ -49,6 +57,10 @@ and tables say "no interval" (two hits in two rows resample to [100%, 100%])."""
 TIE_RULES: tuple[str, ...] = ("pessimistic", "optimistic")
 """How :func:`target_rank` counts a tie with the target: as above it, or (the code's and the
 default) not."""
+
+MAX_RESAMPLES = 1_000_000
+"""The most resamples :func:`bootstrap_ci` draws: they are held at once, ``n_resamples`` rows
+of the sample's length (a million of a thousand values is 8 GB); 1000 is usual."""
 
 RANK_BY: tuple[str, ...] = ("logit", "probability")
 """What :func:`target_rank` compares: logits, or (the code's and the default) float32
@@ -79,6 +91,65 @@ def check_choice(
             f"Choose one of {', '.join(map(repr, choices))}."
         )
     return str(value)
+
+
+def column_names(value: object, name: str, example: str) -> list[str]:
+    """``value`` as a list of distinct column names: one name, or a list of them.
+
+    Raises:
+        ArgumentTypeError: Neither a string nor a list of them (a number, a tensor, a mapping).
+        GraftingLensError: No name, a blank one, or one named twice; each naming ``name=``.
+    """
+    forms = f"a column name or a list of them, e.g. {example}"
+    if not isinstance(value, str) and (
+        isinstance(value, (Mapping, bytes, torch.Tensor)) or not isinstance(value, Iterable)
+    ):
+        raise ArgumentTypeError(f"{name}={shown(value)} cannot be read; give {forms}.")
+    names = as_texts(value, name, forms, GraftingLensError)
+    twice = [column for column in dict.fromkeys(names) if names.count(column) > 1]
+    if twice:
+        raise GraftingLensError(f"{name}= names {twice[0]!r} twice; give each column once.")
+    return names
+
+
+def _check_bootstrap(n_resamples: object, confidence: object, seed: object) -> None:
+    """Refuse what :func:`bootstrap_ci` cannot resample with, naming the argument.
+
+    Raises:
+        ArgumentTypeError: ``n_resamples`` or ``seed`` not an integer, ``confidence`` not a
+            number.
+        GraftingLensError: ``n_resamples`` outside ``1..MAX_RESAMPLES``, ``confidence``
+            outside (0, 1) or a negative ``seed``.
+    """
+    refuse_first(
+        ArgumentTypeError,
+        [
+            (
+                not is_integer(n_resamples),
+                f"n_resamples= must be an integer, got {shown(n_resamples)}.",
+            ),
+            (
+                not is_number(confidence),
+                f"confidence= must be a number in (0, 1), e.g. 0.95; got {shown(confidence)}.",
+            ),
+            (not is_integer(seed), f"seed= must be an integer >= 0, got {shown(seed)}."),
+        ],
+    )
+    refuse_first(
+        GraftingLensError,
+        [
+            (
+                not 1 <= n_resamples <= MAX_RESAMPLES,  # type: ignore[operator]
+                f"n_resamples= must be in 1..{MAX_RESAMPLES:,} (1000 is usual), got "
+                f"{shown(n_resamples)}.",
+            ),
+            (
+                not 0.0 < float(confidence) < 1.0,  # type: ignore[arg-type]  # NaN too
+                f"confidence= must lie in (0, 1), e.g. 0.95; got {shown(confidence)}.",
+            ),
+            (seed < 0, f"seed= must be an integer >= 0, got {shown(seed)}."),  # type: ignore[operator]
+        ],
+    )
 
 
 # ------------------------------------------------------------------- per example
@@ -224,24 +295,34 @@ def bootstrap_ci(
         ``(low, high)``.
 
     Raises:
-        GraftingLensError: No values, a NaN or infinite value, ``n_resamples < 1``
-            or ``confidence`` outside (0, 1).
+        ArgumentTypeError: ``values`` that are not numbers, ``n_resamples`` or ``seed`` not
+            an integer, ``confidence`` not a number.
+        GraftingLensError: No values, a NaN or infinite value, ``n_resamples`` outside
+            ``1..MAX_RESAMPLES``, ``confidence`` outside (0, 1) or a negative ``seed``.
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().numpy()
-    array = np.asarray(values, dtype=np.float64).ravel()
-    if (
-        array.size == 0
-        or not np.isfinite(array).all()
-        or not is_integer(n_resamples)
-        or n_resamples < 1
-        or not 0.0 < confidence < 1.0
-    ):
-        raise GraftingLensError(
-            f"bootstrap_ci needs finite values (got {array.size}, "
-            f"{int((~np.isfinite(array)).sum())} not finite), n_resamples >= 1 (got "
-            f"{n_resamples!r}) and a confidence in (0, 1) (got {confidence!r})."
-        )
+    try:
+        if isinstance(values, (str, bytes, Mapping)):
+            raise TypeError
+        array = np.asarray(values, dtype=np.float64).ravel()
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"bootstrap_ci needs numbers (values=), got {shown(values)}."
+        ) from None
+    not_finite = int((~np.isfinite(array)).sum())
+    refuse_first(
+        GraftingLensError,
+        [
+            (array.size == 0, "bootstrap_ci needs at least one value (values=), got none."),
+            (
+                not_finite,
+                f"bootstrap_ci got {not_finite} NaN or infinite values of {array.size} "
+                "(values=); drop or fill them first.",
+            ),
+        ],
+    )
+    _check_bootstrap(n_resamples, confidence, seed)
     if array.size == 1:  # scipy refuses one observation; its every resample is itself
         return float(array[0]), float(array[0])
     from scipy import stats  # imported when needed: it takes a second to import
@@ -250,9 +331,9 @@ def bootstrap_ci(
         (array,),
         np.mean,
         n_resamples=int(n_resamples),
-        confidence_level=confidence,
+        confidence_level=float(confidence),
         method="percentile",
-        rng=np.random.default_rng(seed),
+        rng=np.random.default_rng(int(seed)),
     ).confidence_interval
     return float(interval.low), float(interval.high)
 
@@ -273,7 +354,7 @@ def summarize(
         results: One row per example and configuration, with ``target_rank`` (0 = top-1)
             and the ``by`` columns.
         by: Columns that define a group (groups keep their order of first appearance).
-        ks: The k of each top-k accuracy column (``rank < k``).
+        ks: The k of each top-k accuracy column (``rank < k``), or one k.
 
     Returns:
         One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,
@@ -281,13 +362,14 @@ def summarize(
         ``mean_rank_high``.
 
     Raises:
+        ArgumentTypeError: ``by`` or ``ks`` of the wrong type, and what :func:`bootstrap_ci`
+            refuses of its arguments.
         GraftingLensError: Not a non-empty table with the columns, ranks that are not
-            non-negative numbers, or a bad ``k``.
+            non-negative numbers, no ``by`` column or one twice, a bad or repeated ``k``.
     """
-    by = [by] if isinstance(by, str) else list(by)
-    ks = [ks] if is_integer(ks) else list(ks)
-    for k in ks:
-        _check_k(k)
+    by = column_names(by, "by", "('config', 'prompt')")
+    ks = _check_ks(ks)
+    _check_bootstrap(n_resamples, confidence, seed)
     columns = getattr(results, "columns", ())
     missing = [column for column in [*by, "target_rank"] if column not in columns]
     if not isinstance(results, pd.DataFrame) or results.empty or missing:
@@ -296,10 +378,9 @@ def summarize(
             f"got {type(results).__name__} lacking {missing}. Pass by=... naming its columns."
         )
     ranks = pd.to_numeric(results["target_rank"], errors="coerce")
-    if ranks.isna().any() or (ranks < 0).any() or len(set(ks)) != len(ks):
+    if ranks.isna().any() or (ranks < 0).any():
         raise GraftingLensError(
-            f"summarize needs target_rank to hold numbers >= 0 (0 = top-1) and distinct ks "
-            f"(got {ks})."
+            "summarize needs results' target_rank to hold numbers >= 0 (0 = top-1), without NaN."
         )
     rows = []
     groups = results.assign(_rank=ranks).groupby(by, sort=False, observed=True, dropna=False)
@@ -357,7 +438,29 @@ def _check(logits: Any, target_ids: Any = None) -> tuple[torch.Tensor, torch.Ten
 
 def _check_k(k: object) -> None:
     if not is_integer(k) or k < 1:
-        raise GraftingLensError(f"k must be an integer >= 1, got {k!r}.")
+        error = GraftingLensError if is_integer(k) else ArgumentTypeError
+        raise error(f"k (ks=, k=) must be an integer >= 1, got {shown(k)}.")
+
+
+def _check_ks(ks: object) -> list[int]:
+    """``ks`` as distinct Python ints: one k, or a list of them (a torch k would name its
+    columns 'toptensor(5)')."""
+    if is_integer(ks):
+        ks = [ks]
+    scalar = isinstance(ks, torch.Tensor) and ks.dim() == 0  # a float one: no k, no list
+    if scalar or isinstance(ks, (str, bytes, Mapping)) or not isinstance(ks, Iterable):
+        raise ArgumentTypeError(
+            f"ks= must be an integer or a list of them, e.g. (1, 5); got {shown(ks)}."
+        )
+    given = list(ks)
+    if not given:
+        raise GraftingLensError("ks= holds nothing; give the k of each top-k column, e.g. (1, 5).")
+    for k in given:
+        _check_k(k)
+    plain = [int(k) for k in given]
+    if len(set(plain)) != len(plain):
+        raise GraftingLensError(f"ks= has repeated values: {plain}; give each k once.")
+    return plain
 
 
 def _describe(value: Any) -> str:

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -32,8 +33,9 @@ from grafting_lens.analysis.figure_style import (
     figure_style,
     subtitle,
 )
-from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, check_choice
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, check_choice, column_names
+from grafting_lens.core.arguments import is_integer, is_number, shown
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 
 __all__ = [
     "plot_accuracy",
@@ -44,13 +46,31 @@ __all__ = [
 ]
 
 
-def _check_table(table: Any, columns: Iterable[str], what: str) -> None:
-    """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits."""
+def _check_table(table: Any, columns: Iterable[str], what: str, name: str = "summary") -> None:
+    """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits,
+    ``name`` is the argument's."""
     missing = [column for column in columns if column not in getattr(table, "columns", ())]
     if not isinstance(table, pd.DataFrame) or table.empty or missing:
         raise GraftingLensError(
-            f"Expected a non-empty {what}; got {type(table).__name__} lacking the columns {missing}."
+            f"Expected {name}= a non-empty {what}; got {type(table).__name__} lacking the "
+            f"columns {missing}."
         )
+
+
+def _check_texts(**texts: Any) -> None:
+    """Refuse a title or caption that is not a string (``None`` stands for the default)."""
+    for name, text in texts.items():
+        if text is not None and not isinstance(text, str):
+            raise ArgumentTypeError(f"{name}= must be a string or None, got {shown(text)}.")
+
+
+def _check_columns(**columns: Any) -> None:
+    """Refuse a column argument (``x=``, ``color=``...) that is not a column's name."""
+    for name, column in columns.items():
+        if not isinstance(column, str):
+            raise ArgumentTypeError(
+                f"{name}= must be the name of a column of the summary, got {shown(column)}."
+            )
 
 
 def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
@@ -135,8 +155,15 @@ def plot_accuracy(
         caption: The setting, shown under the title before ``n``.
 
     Raises:
+        ArgumentTypeError: ``k`` not an integer; ``x``, ``color``, ``title`` or ``caption``
+            not a string.
         GraftingLensError: An empty table or missing columns (naming the table's ks).
     """
+    if not is_integer(k):
+        raise ArgumentTypeError(f"k= must be an integer (a top-k of the summary), got {shown(k)}.")
+    k = int(k)  # a torch k would read 'toptensor(5)'
+    _check_columns(x=x, color=color)
+    _check_texts(title=title, caption=caption)
     value = f"top{k}"
     columns = getattr(summary, "columns", ())
     available = sorted(c for c in columns if c.startswith("top") and c[3:].isdigit())
@@ -179,23 +206,29 @@ def plot_mean_rank(
             ticks labelled with the rank (0, 10, 100...).
 
     Raises:
+        ArgumentTypeError: ``x``, ``color``, ``title`` or ``caption`` not a string, ``log``
+            not a bool.
         GraftingLensError: An empty table or missing columns.
     """
+    _check_columns(x=x, color=color)
+    _check_texts(title=title, caption=caption)
+    if not isinstance(log, (bool, np.bool_)):
+        raise ArgumentTypeError(f"log= must be True or False, got {shown(log)}.")
     _check_table(
         summary,
         (x, color, "mean_rank", "mean_rank_low", "mean_rank_high"),
         "table from summarize(results)",
     )
-    shown = summary.copy()
+    drawn = summary.copy()
     ranks = ("mean_rank", "mean_rank_low", "mean_rank_high")
     # The hover text quotes the ranks themselves, as the ticks and the tables do, not the
     # rank + 1 a log axis draws.
     for column in ranks:
-        shown[f"{column}_as_ranked"] = summary[column]
+        drawn[f"{column}_as_ranked"] = summary[column]
         if log:
-            shown[column] = summary[column] + 1
+            drawn[column] = summary[column] + 1
     fig, ends = _bars(
-        shown,
+        drawn,
         x,
         color,
         "mean_rank",
@@ -262,14 +295,20 @@ def plot_comparison(
         caption: The setting, shown under the title before ``n``.
 
     Raises:
+        ArgumentTypeError: ``row``, ``col``, ``title`` or ``caption`` of the wrong type.
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
     """
     check_choice("value", value, list(_VALUE_TITLES))
+    rows = column_names(row, "row", "'positions'")
+    _check_columns(col=col)
+    _check_texts(title=title, caption=caption)
     if references is not None:
         _check_table(
-            references, ("model", value), "references: summarize_comparison(reference_scores(...))"
+            references,
+            ("model", value),
+            "table: summarize_comparison(reference_scores(...))",
+            "references",
         )
-    rows = [row] if isinstance(row, str) else list(row)
     by = [*rows, col, "method", "layer"]
     _check_table(
         summary,
@@ -388,13 +427,21 @@ def plot_attribution(
         columns: Panels per row at most (fewer where the page column, 760 px, holds fewer).
 
     Raises:
-        GraftingLensError: An unknown ``value``, an empty table or missing columns.
+        ArgumentTypeError: ``title`` not a string or ``columns`` not an integer.
+        GraftingLensError: An unknown ``value``, ``columns < 1``, an empty table or missing
+            columns.
     """
     check_choice("value", value, list(_ATTRIBUTION_VALUES))
+    _check_texts(title=title)
+    if not is_integer(columns) or columns < 1:
+        error = GraftingLensError if is_integer(columns) else ArgumentTypeError
+        raise error(f"columns= must be an integer >= 1 (panels per row), got {shown(columns)}.")
+    columns = int(columns)
     _check_table(
         frame,
         ("component", "layer", "positions", "cell", value, f"{value}_se"),
         "GraftAttribution.frame",
+        "frame",
     )
     groups = list(dict.fromkeys(frame["positions"]))
     components = list(dict.fromkeys(frame["component"]))
@@ -486,9 +533,21 @@ def plot_recovery(
         title: Figure title.
 
     Raises:
-        GraftingLensError: An empty table or missing columns.
+        ArgumentTypeError: ``fraction`` not a number or ``title`` not a string.
+        GraftingLensError: A ``fraction`` that is not finite, an empty table or missing
+            columns.
     """
-    _check_table(curve, ("prompts", "cells", "cell", "recovery"), "MinimalGraft.curve")
+    if fraction is not None:
+        if not is_number(fraction):
+            raise ArgumentTypeError(
+                f"fraction= must be a number (the recovery asked for) or None, got "
+                f"{shown(fraction)}."
+            )
+        if not math.isfinite(float(fraction)):
+            raise GraftingLensError(f"fraction= must be finite, got {shown(fraction)}.")
+        fraction = float(fraction)
+    _check_texts(title=title)
+    _check_table(curve, ("prompts", "cells", "cell", "recovery"), "MinimalGraft.curve", "curve")
     fig = go.Figure()
     for prompts, group in curve.groupby("prompts", sort=False):
         fig.add_trace(

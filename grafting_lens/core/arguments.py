@@ -1,32 +1,98 @@
-"""What counts as a number where a user passes one: Python's, and numpy's scalars too.
+"""What counts as a number, or a list, where a user passes one.
 
-A count or a fraction often comes out of numpy or pandas, and ``isinstance(np.float32(0.9),
+A count or a fraction often comes out of numpy, pandas or torch, and ``isinstance(np.float32(0.9),
 float)`` is false: a check written with ``isinstance`` would refuse it, naming its range.
-Every check of a user's number asks these functions instead. ``bool`` is refused by both:
+Every check of a user's number asks these functions instead. A torch scalar is a 0-d tensor
+(``tensor.argmax()``); a tensor with elements is not a number. ``bool`` is refused by all:
 ``True`` where a count belongs is a mistake, not a 1.
+
+A list of texts (prompts, answers, names) comes as a list, a tuple, a numpy array, a pandas
+Series or a generator: :func:`as_list` takes each, and refuses a mapping, whose iteration
+gives its keys, by the argument's name.
 """
 
 from __future__ import annotations
 
 import numbers
+import sys
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 import numpy as np
 
-__all__ = ["is_integer", "is_number", "plain"]
+from grafting_lens.core.errors import GraftingLensError, SelectionError
+
+__all__ = ["as_list", "as_texts", "is_integer", "is_number", "plain", "shown"]
 
 
 def is_integer(value: object) -> TypeGuard[int]:
-    """An ``int`` or a numpy integer, but not a ``bool`` (``numpy.bool_`` included)."""
+    """An ``int``, a numpy integer or a 0-d torch integer tensor, but not a ``bool``
+    (``numpy.bool_`` and torch's ``bool`` included)."""
+    if _torch_scalar(value):
+        return not (value.dtype.is_floating_point or value.dtype.is_complex)  # type: ignore[attr-defined]
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def is_number(value: object) -> TypeGuard[float]:
-    """A real number (``int``, ``float``, numpy's integers and floats), but not a ``bool``."""
+    """A real number (``int``, ``float``, numpy's integers and floats, a 0-d torch tensor of
+    them), but not a ``bool``."""
+    if _torch_scalar(value):
+        return not value.dtype.is_complex  # type: ignore[attr-defined]
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def plain(value: Any) -> Any:
-    """A numpy scalar as the Python number it holds (to keep in JSON or a table); anything else
-    as it is."""
-    return value.item() if isinstance(value, np.generic) else value
+    """A numpy or torch scalar as the Python number it holds (to keep in JSON or a table);
+    anything else as it is."""
+    return value.item() if isinstance(value, np.generic) or _torch_scalar(value) else value
+
+
+def _torch_scalar(value: object) -> bool:
+    """A 0-d torch tensor that is not a ``bool``. Asked without importing torch: a value can
+    only be a tensor once torch is imported, and the command line starts faster without it."""
+    torch = sys.modules.get("torch")
+    return (
+        torch is not None
+        and isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and value.dtype != torch.bool
+    )
+
+
+def shown(value: Any) -> str:
+    """A user's value as a message quotes it: its ``repr``, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def as_list(
+    value: Any, name: str, forms: str, error: type[GraftingLensError] = SelectionError
+) -> list[Any]:
+    """``value`` as a non-empty list: a str is one item; a list, tuple, numpy array, pandas
+    Series or generator its items.
+
+    Raises:
+        error: A mapping, bytes, something not iterable or nothing, naming ``name=`` and
+            the ``forms`` it takes.
+    """
+    if isinstance(value, str):
+        return [value]
+    scalar = getattr(value, "ndim", 1) == 0  # a 0-d tensor or array: Iterable, but no items
+    if isinstance(value, (Mapping, bytes)) or not isinstance(value, Iterable) or scalar:
+        raise error(f"{name}={shown(value)} cannot be read; give {forms}.")
+    items = list(value)
+    if not items:
+        raise error(f"{name}={shown(value)} holds nothing; give {forms}.")
+    return items
+
+
+def as_texts(
+    value: Any, name: str, forms: str, error: type[GraftingLensError] = SelectionError
+) -> list[str]:
+    """``value`` as a list of non-empty strings (see :func:`as_list`); the first bad item is
+    named by its index, since the bad item may be ``None``."""
+    items = as_list(value, name, forms, error)
+    bad = [i for i, item in enumerate(items) if not (isinstance(item, str) and item.strip())]
+    if bad:
+        raise error(f"{name}[{bad[0]}] is {shown(items[bad[0]])}: each is a non-empty string.")
+    return [str(item) for item in items]

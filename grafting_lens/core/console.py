@@ -17,6 +17,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from grafting_lens.core.errors import ArgumentTypeError
+
 __all__ = [
     "PLOTLY_RENDERER",
     "notebook",
@@ -46,7 +48,7 @@ def show_progress(progress: bool | None) -> bool:
         TypeError: ``progress`` is neither a bool nor None.
     """
     if progress is not None and not isinstance(progress, bool):
-        raise TypeError(f"progress must be True, False or None, got {progress!r}.")
+        raise ArgumentTypeError(f"progress must be True, False or None, got {progress!r}.")
     if progress is not None:
         return progress
     stream = sys.stderr

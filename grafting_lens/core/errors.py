@@ -5,11 +5,13 @@ usable type but an unusable value raises a subclass of :class:`GraftingLensError
 which is also a :class:`ValueError`, so ``except ValueError`` keeps working for code
 that does not care which. An argument of the wrong type altogether (a number where
 a checkpoint is expected, a slow tokenizer where offsets are needed) raises
-:class:`TypeError`, as Python's own functions do.
+:class:`ArgumentTypeError`, a :class:`TypeError` as Python's own functions raise, and a
+:class:`GraftingLensError` too.
 
 The hierarchy, one class per thing that can go wrong:
 
     GraftingLensError
+    ├── ArgumentTypeError   an argument of the wrong type (also a TypeError)
     ├── AlignmentError      the checkpoints cannot be grafted together
     │   └── AdapterError    an adapter grafting-lens cannot compute, or made for another base
     ├── ComponentError      an unknown component, or one the architecture lacks
@@ -41,6 +43,7 @@ from collections.abc import Iterable
 __all__ = [
     "AdapterError",
     "AlignmentError",
+    "ArgumentTypeError",
     "AttributionError",
     "BatchError",
     "ComponentError",
@@ -58,13 +61,21 @@ __all__ = [
     "ToyWorldError",
     "WorldCacheError",
     "WorldSourceError",
+    "check_known",
     "did_you_mean",
+    "refuse_first",
     "unsafe_pickle",
 ]
 
 
 class GraftingLensError(ValueError):
     """Base class of every error raised on purpose by grafting-lens."""
+
+
+class ArgumentTypeError(GraftingLensError, TypeError):
+    """An argument of the wrong type altogether: a :class:`TypeError`, as Python's own
+    functions raise, and a :class:`GraftingLensError`, so one ``except`` catches every
+    refusal."""
 
 
 class AlignmentError(GraftingLensError):
@@ -167,6 +178,39 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A " Did you mean 'x'?" suffix naming the closest choice, or an empty string."""
     close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def check_known(
+    name: object,
+    choices: Iterable[str],
+    what: str,
+    error: type[GraftingLensError] = GraftingLensError,
+    known: str = "",
+) -> None:
+    """Refuse a name that is not one of ``choices``, in the one wording of unknown names:
+    ``Unknown <what> 'x'. Did you mean 'y'? Known: a, b<known>.``
+
+    Raises:
+        GraftingLensError: ``error``, naming the choices.
+    """
+    choices = list(choices)
+    if not isinstance(name, str) or name not in choices:
+        raise error(
+            f"Unknown {what} {name!r}.{did_you_mean(str(name), choices)} Known: "
+            f"{', '.join(choices) or 'none'}{known}."
+        )
+
+
+def refuse_first(error: type[GraftingLensError], checks: Iterable[tuple[object, str]]) -> None:
+    """Refuse with the message of the first ``(found, message)`` whose ``found`` holds: a door's
+    refusals as one table, in the order they are said.
+
+    Raises:
+        GraftingLensError: ``error``, with that message.
+    """
+    message = next((message for found, message in checks if found), None)
+    if message is not None:
+        raise error(message)
 
 
 def unsafe_pickle(what: str) -> str:

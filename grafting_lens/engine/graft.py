@@ -32,10 +32,11 @@ component, or a plain module inside one such as a mixture-of-experts block's
 ``experts``) is given a dispatcher through the bridge's public
 ``set_original_component``. The dispatcher finds the window's positions in what
 it receives (``[batch, pos, ...]``, ``[batch, heads, pos, d_head]`` where the
-bridge declares it, or flattened ``[batch * pos, ...]``), gathers the positions
-assigned to each source from the input and every argument laid out the same way,
-runs that source's module on them, and scatters the results back; anything it
-cannot route is refused with the module named. The
+bridge declares it, or flattened ``[batch * pos, ...]``), takes out the positions
+assigned to each source from the input and every argument laid out the same way
+(by slices where they form runs, as the paper's spans do, else by index: see
+:class:`~grafting_lens.engine.routing.Plan`), runs that source's module on them, and
+puts the results back; anything it cannot route is refused with the module named. The
 bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
 TransformerLens tool see the grafted run. On exit (also after an exception) the
 base is restored.
@@ -138,62 +139,55 @@ class SourceDispatch(Dispatch):
         for other in tensors[1:]:  # routed with the input's rows: laid out as the input
             self.layout(other, like=layout)
         assert layout is not None  # required: refused otherwise
-        pieces = []
-        # Indices on the device of the activation they index: on a layer-split model
-        # (accelerate's device_map) each layer's activations are on its own device.
-        for source, index in plan.parts_on(tensors[0].device):
-            taken_args = [layout.take(x, index) for x in args]
-            taken_kwargs = {name: layout.take(x, index) for name, x in kwargs.items()}
-            pieces.append((index, self.sources[source](*taken_args, **taken_kwargs)))
-        return self._merge(layout, pieces)
+        # Each source computes its rows (slices where the mask's positions form runs, else
+        # gathered by index on the activation's device: on a layer-split model each
+        # layer's activations are on its own device).
+        outputs = []
+        for part, (source, _) in enumerate(plan.parts):
+            taken_args = [layout.take(x, plan, part) for x in args]
+            taken_kwargs = {name: layout.take(x, plan, part) for name, x in kwargs.items()}
+            outputs.append(self.sources[source](*taken_args, **taken_kwargs))
+        return self._merge(plan, layout, outputs)
 
-    def _merge(self, layout: Layout, pieces: list[tuple[torch.Tensor, Any]]):
-        """Scatter each source's outputs (a tensor, or a tuple of them) back into place."""
-        single = not isinstance(pieces[0][1], tuple)
-        parts = [(index, (output,) if single else output) for index, output in pieces]
+    def _merge(self, plan: Plan, layout: Layout, outputs: list[Any]):
+        """Put each source's outputs (a tensor, or a tuple of them) back into place."""
+        single = not isinstance(outputs[0], tuple)
+        parts = [(output,) if single else output for output in outputs]
         merged = [
-            self._merge_one(layout, [(index, output[at]) for index, output in parts])
-            for at in range(len(parts[0][1]))
+            self._merge_one(plan, layout, [output[at] for output in parts])
+            for at in range(len(parts[0]))
         ]
         return merged[0] if single else tuple(merged)
 
-    def _merge_one(self, layout: Layout, values: list[tuple[torch.Tensor, Any]]) -> Any:
+    def _merge_one(self, plan: Plan, layout: Layout, values: list[Any]) -> Any:
         """One element of the sources' outputs, each source's rows put back in place."""
-        first = values[0][1]
+        first = values[0]
         if not isinstance(first, torch.Tensor):
-            if all(value is first for _, value in values):
+            if all(value is first for value in values):
                 return first  # the same non-tensor (None, a cache) from every source
         else:
             found = [
                 layout.untake(value, len(index))
-                for index, value in values
+                for (_, index), value in zip(plan.parts, values)
                 if isinstance(value, torch.Tensor)
             ]
             pieces = [piece for piece in found if piece is not None]
             if len(pieces) == len(values) and len({grid for _, grid in pieces}) == 1:
-                rows = first.new_empty((layout.batch * layout.length, *pieces[0][0].shape[1:]))
-                for (index, _), (piece, _) in zip(values, pieces):
-                    rows.index_copy_(0, index, piece)
+                rows = plan.put([piece for piece, _ in pieces])
                 return layout.restore(rows, pieces[0][1])
-        shown = [
-            list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for _, v in values
-        ]
+        shown = [list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
         raise self.refusal(f"outputs {shown} that cannot be put back one row per position")
 
     def _pick(self, plan: Plan, args: tuple, kwargs: dict) -> torch.Tensor:
         """Every used source computes every position; each position takes its source's row."""
-        rows: torch.Tensor | None = None
-        for source, _ in plan.parts:
+        pieces, layout = [], None
+        for part, (source, _) in enumerate(plan.parts):
             output = self.sources[source](*args, **kwargs)
             layout = self.layout(output)
             assert layout is not None  # required: refused otherwise
-            index = dict(plan.parts_on(output.device))[source]
-            every = layout.rows(output)
-            if rows is None:
-                rows = every.new_empty(every.shape)
-            rows.index_copy_(0, index, every.index_select(0, index))
-        assert rows is not None and layout is not None  # plan.parts is never empty
-        return layout.restore(rows, grid=True)
+            pieces.append(plan.take(layout.rows(output), part))
+        assert layout is not None  # plan.parts is never empty
+        return layout.restore(plan.put(pieces), grid=True)
 
     def per_position(self, name: str, value: torch.Tensor) -> torch.Tensor:
         plan = self._state.plan(self.key)
@@ -208,7 +202,7 @@ class SourceDispatch(Dispatch):
             return self._vectors[cache_key]
         batch, length = plan.window.shape
         stacked = torch.stack([getattr(source, name) for source in self.sources])
-        rows = stacked[plan.window_on(stacked.device).reshape(-1)]
+        rows = stacked.index_select(0, plan.window_on(stacked.device).reshape(-1))
         layout = None if self._reading is None else self.layout(self._reading, required=False)
         per_position = rows.reshape(
             position_shape(layout, self._reading, value.shape, batch, length)
@@ -285,7 +279,7 @@ def _check_mask(models: ModelSet, mask: object) -> None:
     if not isinstance(mask, GraftMask) or mask.n_sources != len(models):
         got = mask.n_sources if isinstance(mask, GraftMask) else type(mask).__name__
         raise GraftMaskError(
-            f"Expected a GraftMask for the model set's {len(models)} sources, got "
+            f"mask must be a GraftMask for the model set's {len(models)} sources, got "
             + (f"one built for {got}" if isinstance(got, int) else f"a {got}")
             + ".\nBuild one with GraftMask.build(models, ...) or GraftMask.from_dict(models, {...})."
         )

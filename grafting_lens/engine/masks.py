@@ -262,7 +262,7 @@ class GraftMask:
                 "tuple of two ints >= 1."
             )
         check_source(models, source, allow_base=True, error=GraftMaskError)
-        if not isinstance(components, str) and isinstance(components, Iterable):
+        if not isinstance(components, (str, torch.Tensor)) and isinstance(components, Iterable):
             components = list(components)  # read twice below: an iterator only once
         lengths = row_lengths(shape, attention_mask)
         value = selected_positions(positions, lengths, shape[1]).long() * int(source)

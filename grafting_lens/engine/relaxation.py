@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import AttributionError
+from grafting_lens.core.errors import ArgumentTypeError, AttributionError
 from grafting_lens.engine import masks
 from grafting_lens.engine.graft import check_declared
 from grafting_lens.engine.masks import GraftMask, Key, checked_key
@@ -224,8 +224,8 @@ def relaxing(
         >>> logits[:, -1, answer].sum().backward()  # alpha.grad: [batch, pos]
     """
     if not isinstance(models, ModelSet):
-        raise TypeError(
-            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+        raise ArgumentTypeError(
+            f"models must be a ModelSet, got {type(models).__name__}. Load the checkpoints with "
             "grafting_lens.load_models(base, donor, ...)."
         )
     check_source(models, source, allow_base=True)

@@ -37,7 +37,7 @@ from transformer_lens.model_bridge.generalized_components import (
 )
 from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
-from grafting_lens.core.errors import ComponentError
+from grafting_lens.core.errors import ArgumentTypeError, ComponentError
 
 _ATTENTION = ("q", "k", "v", "q_norm", "k_norm", "attn_gate")
 _FEED_FORWARD = (
@@ -103,7 +103,9 @@ def canonical_component_name(name: str) -> str:
         TypeError: ``name`` is not a string.
     """
     if not isinstance(name, str):
-        raise TypeError(f"A component name is a string, got {type(name).__name__}: {name!r}.")
+        raise ArgumentTypeError(
+            f"A component name is a string, got {type(name).__name__}: {name!r}."
+        )
     return name.strip().lower().replace("-", "_")
 
 
@@ -617,10 +619,11 @@ def expand_components(
     """
     if isinstance(names, str):
         names = [part.strip() for part in names.split("+")]
+    # A 0-d tensor is Iterable to Python but has no items.
     if isinstance(names, Iterable) and not isinstance(names, (bytes, Mapping)):
-        names = list(names)
+        names = list(names) if getattr(names, "ndim", 1) != 0 else names
     if not isinstance(names, list) or not all(isinstance(given, str) for given in names):
-        raise TypeError(
+        raise ArgumentTypeError(
             "components must be a component name, a '+'-joined string such as 'o+ffn' or a "
             f"list of names, got {names!r:.80}."
         )

@@ -79,6 +79,9 @@ def resolve_layers(
         SelectionError: An unknown name or arithmetic, a layer outside the model, or a
             specification that selects no layer of this model.
     """
+    if not is_integer(n_layers) or n_layers < 1:
+        raise SelectionError(f"n_layers must be a whole number >= 1, got {n_layers!r}.")
+    n_layers = int(n_layers)
     if arithmetic not in LAYER_ARITHMETICS or (
         isinstance(spec, str) and spec not in LAYER_FRACTIONS
     ):
@@ -122,7 +125,7 @@ def resolve_layers(
                     range(_round_half_up(start * n_layers), _round_half_up(end * n_layers))
                 )
         elif isinstance(spec, (slice, Iterable)) or is_integer(spec):
-            problem = "The layer specification selects no layer"
+            problem = f"The layer specification {spec!r} selects no layer"
             chosen = list(
                 range(n_layers)[spec]
                 if isinstance(spec, slice)
@@ -130,14 +133,20 @@ def resolve_layers(
                 if is_integer(spec)
                 else cast(Iterable, spec)
             )
-    bad = next((x for x in chosen if not is_integer(x) or not -n_layers <= x < n_layers), None)
-    if bad is not None:
+    # An index, not the item: the bad item may be None.
+    at = next(
+        (i for i, x in enumerate(chosen) if not is_integer(x) or not -n_layers <= x < n_layers),
+        None,
+    )
+    bad = None if at is None else chosen[at]
+    if at is not None:
         problem = (
             f"Layers must be ints, got {bad!r}"
             if not is_integer(bad)
-            else f"Layer {bad} is outside the model, which has {n_layers} layers (0..{n_layers - 1})"
+            else f"Layer {bad} is outside the model, which has {n_layers} layers (0..{n_layers - 1}, "
+            f"n_layers={n_layers})"
         )
-    if not chosen or bad is not None:
+    if not chosen or at is not None:
         raise SelectionError(problem + ".")
     return tuple(sorted({int(layer) % n_layers for layer in chosen}))
 

@@ -36,6 +36,7 @@ from grafting_lens.core.compat import adapt_bridge
 from grafting_lens.core.console import quiet_loading
 from grafting_lens.core.errors import (
     AlignmentError,
+    ArgumentTypeError,
     GraftingLensError,
     SelectionError,
     unsafe_pickle,
@@ -56,13 +57,20 @@ from grafting_lens.models.components import (
     component_layout,
     expand_components,
 )
+from grafting_lens.models.gguf_checkpoint import (
+    CHECKPOINT_FIX,
+    checkpoint_problem,
+    converted_checkpoint,
+    is_gguf,
+)
 from grafting_lens.models.layers import LayerSpec, resolve_layers
 from grafting_lens.models.lora_source import LoraSource
-from grafting_lens.models.model_set import ModelSet
+from grafting_lens.models.model_set import ModelSet, check_names
 from grafting_lens.models.placement import (
     DeviceMap,
     check_placed,
     embedding_device,
+    for_this_rank,
     realised_map,
     resolve_device_map,
     usable_device,
@@ -70,7 +78,8 @@ from grafting_lens.models.placement import (
 from grafting_lens.models.sources import CheckpointSource, LazySource, Source
 
 SourceSpec = Union[str, os.PathLike, PreTrainedModel, TransformerBridge, Any]
-"""A hub id, a ``save_pretrained`` directory (or a PEFT adapter's), an HF, bridge or PEFT model."""
+"""A hub id, a ``save_pretrained`` directory (or a PEFT adapter's), a GGUF file, an HF, bridge or
+PEFT model."""
 
 
 def load_models(
@@ -93,9 +102,11 @@ def load_models(
     model's weights shows in the set). See the how-to "Load your own checkpoints".
 
     Args:
-        *sources: Base first, then donors: hub ids, ``save_pretrained`` directories, HF
-            models or TransformerBridges (weights unprocessed). A donor may be a LoRA
-            adapter of the base (a PEFT directory or model), grafted unmerged.
+        *sources: Base first, then donors: hub ids, ``save_pretrained`` directories, GGUF
+            files (converted once to float32 and cached by content:
+            :func:`~grafting_lens.models.gguf_checkpoint.converted_checkpoint`), HF models
+            or TransformerBridges (weights unprocessed). A donor may be a LoRA adapter of
+            the base (a PEFT directory or model), grafted unmerged.
         tokenizer: A tokenizer, or where to load one. Default: each directory's own, the
             base's for in-memory donors.
         device: One device for every source. Default: where models are, the CPU for paths.
@@ -127,22 +138,29 @@ def load_models(
     """
     if len(sources) < 2:
         raise AlignmentError(
-            f"Grafting needs at least two checkpoints (a base and a donor), got {len(sources)}."
+            f"load_models needs at least two sources (a base and a donor), got {len(sources)}."
         )
-    if names is not None and len(names) != len(sources):
-        raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
+    if names is not None:
+        names = check_names(names, len(sources))
     if not (isinstance(lazy, bool) or (isinstance(lazy, str) and lazy == "verify")):
         raise GraftingLensError(f"lazy must be True, False or 'verify', got {lazy!r}.")
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not hasattr(tokenizer, "get_vocab"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 "tokenizer must be a Hugging Face tokenizer or a path/hub id to load one from, "
                 f"got {type(tokenizer).__name__}."
             )
-    device, device_map = resolve_device_map(device, device_map, max_memory)
+    device, device_map = for_this_rank(*resolve_device_map(device, device_map, max_memory))
     dtype = resolve_placement(None, dtype)[1]
-    _check_sources(sources, device_map)
-    labels = [names[i] if names is not None else _label(s, i) for i, s in enumerate(sources)]
+    _check_sources(sources, device_map, lazy)
+    labels = list(names) if names is not None else [_label(s, i) for i, s in enumerate(sources)]
+    # Two default labels alike (two directories named "model"): each its index too.
+    labels = [
+        label if names is not None or labels.count(label) == 1 else f"{label}#{i}"
+        for i, label in enumerate(labels)
+    ]
+    # transformers would dequantize a GGUF on every load; it is converted once, and cached.
+    sources = tuple(converted_checkpoint(s) if _is_gguf_path(s) else s for s in sources)
     # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
     with quiet_loading():
         given = tokenizer
@@ -211,15 +229,18 @@ def resolve_placement(
     return (None if device is None else usable_device(device)), dtype
 
 
-def _check_sources(sources: Sequence[SourceSpec], device_map: object) -> None:
+def _check_sources(sources: Sequence[SourceSpec], device_map: object, lazy: object) -> None:
     """Refuse, before anything loads, a source :func:`load_models` cannot take."""
     for index, source in enumerate(sources):
         path = isinstance(source, (str, os.PathLike))
         adapter = is_peft_model(source) or (
             isinstance(source, (str, os.PathLike)) and is_adapter_directory(source)
         )
+        if path and not adapter and not _is_gguf_path(source):
+            place = Path(source).expanduser()  # type: ignore[arg-type]  # a path here
+            _checkpoint_target(str(source), place, index, lazy=bool(lazy) and index > 0)
         if not (path or adapter or isinstance(source, (PreTrainedModel, TransformerBridge))):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, "
                 "a transformers PreTrainedModel, a TransformerBridge or (a donor) a PEFT model."
             )
@@ -247,11 +268,15 @@ def _check_sources(sources: Sequence[SourceSpec], device_map: object) -> None:
 
 
 def _label(source: SourceSpec, index: int) -> str:
-    """A source's default label: a directory's name, a hub id, or ``source{index}``."""
+    """A source's default label: a directory's or file's name, a hub id, or ``source{index}``."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
-        return path.name if path.is_dir() else str(source)
+        return path.name if path.exists() else str(source)
     return f"source{index}"
+
+
+def _is_gguf_path(source: SourceSpec) -> bool:
+    return isinstance(source, (str, os.PathLike)) and is_gguf(source)
 
 
 def _disk_bytes(source: SourceSpec) -> int | None:
@@ -410,12 +435,9 @@ def _checkpoint_target(label: str, path: Path, index: int, lazy: bool = False) -
     if hub_id:
         problem = "a hub id, and lazy=True reads checkpoint directories: download it first "
         problem += "(huggingface_hub.snapshot_download), or load it whole (lazy=False)"
-    elif path.is_dir():
-        contents = sorted(child.name for child in path.iterdir())[:8]
-        problem = f"a directory without a config.json (it holds {contents or 'nothing'})"
     else:
-        problem = "not a directory " + ("(it is a file)" if path.exists() else "(no such path)")
-    fix = "" if hub_id else " Give the directory save_pretrained wrote, or a hub id."
+        problem = checkpoint_problem(path) or "not a directory (no such path)"
+    fix = "" if hub_id else f" {CHECKPOINT_FIX}"
     raise GraftingLensError(f"Source {index} ({label!r}) is {problem}.{fix}")
 
 

@@ -14,7 +14,13 @@ import pandas as pd
 import torch
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import AlignmentError, GraftingLensError, TokenError
+from grafting_lens.core.arguments import as_texts
+from grafting_lens.core.errors import (
+    AlignmentError,
+    ArgumentTypeError,
+    GraftingLensError,
+    TokenError,
+)
 from grafting_lens.models.alignment import check_placement
 from grafting_lens.models.components import ComponentLayout, Key, Slot, component_layout
 from grafting_lens.models.sources import CheckpointSource, LazySource, Source, tensor_bytes
@@ -46,14 +52,13 @@ class ModelSet(Sequence[TransformerBridge]):
         allow_uncovered: bool = False,
         graftable: Iterable[Key] | None = None,
     ) -> None:
-        if len(names) != len(sources):
-            raise GraftingLensError(f"Got {len(names)} names for {len(sources)} sources.")
+        names = check_names(names, len(sources))
         wrapped: list[Source] = []
         for index, source in enumerate(sources):
             if isinstance(source, TransformerBridge):
                 source = CheckpointSource(source, str(names[index]))
             if not isinstance(source, Source):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"Source {index} is a {type(source).__name__}; a ModelSet holds "
                     "TransformerBridges or grafting_lens.models.sources.Source objects (use "
                     "load_models to load checkpoints)."
@@ -342,3 +347,21 @@ def token_ids(tokens: torch.Tensor) -> torch.Tensor:
 def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:
     params = [p.flatten().float() for slot in slots for p in source.weights(slot)]
     return torch.cat(params) if params else torch.zeros(0)
+
+
+def check_names(names: object, count: int) -> tuple[str, ...]:
+    """``names`` as ``count`` distinct labels, one per source (tables and figures tell the
+    sources apart by them).
+
+    Raises:
+        GraftingLensError: Not a list of non-empty strings, another count, or a label twice.
+    """
+    labels = as_texts(names, "names", "one label per source", GraftingLensError)
+    if len(labels) != count:
+        raise GraftingLensError(f"Got {len(labels)} names for {count} sources.")
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise GraftingLensError(
+            f"names={labels!r} gives {twice[0]!r} twice: each source needs its own label."
+        )
+    return tuple(labels)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import PatchingError, did_you_mean
+from grafting_lens.core.errors import ArgumentTypeError, PatchingError, did_you_mean
 from grafting_lens.engine.positions import (
     PositionSpec,
     check_padding,
@@ -115,8 +115,8 @@ def available_sites(models: ModelSet) -> tuple[str, ...]:
 def check_model_set(models: object) -> None:
     """Refuse anything but a :class:`~grafting_lens.ModelSet` (a ``TypeError``)."""
     if not isinstance(models, ModelSet):
-        raise TypeError(
-            f"Expected a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+        raise ArgumentTypeError(
+            f"models must be a ModelSet, got {type(models).__name__}. Load the checkpoints with "
             "grafting_lens.load_models(base, donor, ...)."
         )
 
@@ -283,15 +283,19 @@ def resid_patch_sweep(
             (``False`` for models that take no ``DynamicCache``).
         progress: Show a progress bar over passes (default: where someone watches).
         logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
-            unembedding run there only) or ``"all"`` (every position).
+            unembedding run there only; the metric is probed on the unpatched run first)
+            or ``"all"`` (every position, as TransformerLens).
 
     Returns:
         A :class:`PatchSweep`: ``values`` ``[layer, pos]`` (``[layer]`` for a single
         selection) and the tidy ``frame``.
 
     Raises:
-        PatchingError: As :func:`patch_forward`, bad sweep options, or a metric
-            returning another shape than ``[batch]`` or a scalar.
+        PatchingError: As :func:`patch_forward`, bad sweep options, a metric returning
+            another shape than ``[batch]`` or a scalar, or raising (naming the cell); under
+            ``logits="last"``, before any patched pass, a metric raising on the last
+            token's logits or (rows unpadded) reading other positions: it needs
+            ``logits="all"``.
     """
     site = check_site(site, None, LAYER_POSITION_SITES)
     options = _SweepOptions(reduce, chunk_size, reuse_prefix, progress, logits)
@@ -378,6 +382,11 @@ def _sweep(
         (first[position] if prefix is not None else 0, layer if skip_layers else 0)
         for layer, position, _ in cells
     ]
+    if last_only and not isinstance(metric, LastTokenMetric):
+        # The unpatched run's logits at every position: the prefix's when the sweep resumes
+        # from it (no extra forward pass), else one unpatched pass.
+        unpatched = prefix.logits if prefix is not None else run.run(1, {}, given)
+        _probe_metric(metric, unpatched, run, options.reduce)
     per_pass = max(1, options.chunk_size // batch)
     chunks = plan_passes(starts, per_pass, batch, length, run.pass_costs(last_only))
     nonzero = [selection.nonzero(as_tuple=True) for selection in selections]
@@ -409,7 +418,21 @@ def _sweep(
         )
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
-            results[cell] = _evaluate(metric, cell_logits, batch, options.reduce)
+            try:
+                results[cell] = _evaluate(metric, cell_logits, batch, options.reduce)
+            except PatchingError:
+                raise
+            except Exception as error:
+                layer, position, head = cells[cell]
+                named = [f"layer={layer}"]
+                if position_labels is not None:
+                    named.append(f"pos={position_labels[position]!r}")
+                if head is not None:
+                    named.append(f"head={head}")
+                raise PatchingError(
+                    f"The metric raised {_raised(error)} on the cell {', '.join(named)} "
+                    f"(logits of shape {list(cell_logits.shape)})."
+                ) from error
 
     shape = [len(values) for _, values in axes]
     values = torch.stack(results).float().cpu()
@@ -478,8 +501,9 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
     head_list = [heads] if is_integer(heads) else list(heads)  # type: ignore[arg-type]
     if (
         not head_list
-        or len(set(head_list)) != len(head_list)
         or not all(is_integer(head) and 0 <= head < n_heads for head in head_list)
+        # int(): torch scalars hash by identity, so a set would keep a head given twice.
+        or len({int(head) for head in head_list}) != len(head_list)
     ):
         raise PatchingError(
             f"heads must be distinct head indices in 0..{n_heads - 1} ({models.architecture} "
@@ -511,17 +535,82 @@ def _position_axis(
     return None, [resolve_positions(spec, shape, attention_mask)]
 
 
-def _evaluate(metric: Metric, logits: torch.Tensor, batch: int, reduce: str) -> torch.Tensor:
-    """One cell's value: the per-prompt values (``reduce="none"``) or their mean."""
+class LastTokenMetric:
+    """A metric known to read each row's last token only: a sweep calls it without probing
+    it first (for metrics with side effects, such as the comparison's scorer)."""
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.metric(logits)
+
+
+def _raised(error: BaseException) -> str:
+    """An exception in one line: ``"IndexError: index -2 is out of bounds ..."``."""
+    lines = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {lines[0]}" if lines else "")
+
+
+def _probe_metric(metric: Metric, unpatched: torch.Tensor, run: PatchRun, reduce: str) -> None:
+    """Refuse, before any patched pass, a metric that ``logits="last"`` would break or
+    silently mislead: one raising on ``[batch, 1, d_vocab]``, or (where every row ends at
+    the last position) one whose value on every position differs from its value on the last.
+
+    ``unpatched`` holds the unpatched run's logits at every position.
+    """
+    batch, length = run.shape
+    last_positions = run.last_positions.to(unpatched.device)
+    last = unpatched[torch.arange(batch, device=unpatched.device), last_positions][:, None]
+    try:
+        at_last = _evaluate(metric, last, batch, reduce, per_prompt=True)
+    except PatchingError:
+        raise
+    except Exception as error:
+        raise PatchingError(
+            f"The metric raised {_raised(error)} on the unpatched run's logits. Under "
+            f"logits='last' (the default) it gets each row's last real token, [batch, 1, "
+            f"d_vocab] = {list(last.shape)}; a metric written for TransformerLens, which "
+            "reads every position, needs logits='all'."
+        ) from error
+    if not bool((last_positions == length - 1).all()):
+        return  # right padding: every position's logits are not TransformerLens's input
+    try:
+        everywhere = _evaluate(metric, unpatched, batch, reduce, per_prompt=True)
+    except Exception:
+        return  # a metric made for [batch, 1, d_vocab] alone
+    if reads_other_positions(at_last, everywhere):
+        raise PatchingError(
+            f"The metric reads positions other than the last: on the unpatched run it gives "
+            f"{at_last.flatten()[0].item():.4g} from each row's last token ([batch, 1, d_vocab], "
+            f"what logits='last', the default, passes) but {everywhere.flatten()[0].item():.4g} "
+            "from every position. Pass logits='all' (every position, as TransformerLens)."
+        )
+
+
+def reads_other_positions(at_last: torch.Tensor, everywhere: torch.Tensor) -> bool:
+    """Whether a metric read other positions than the last: its values from every position's
+    logits differ (beyond float rounding) from those from the last token's."""
+    scale = 1e-5 * (1.0 + float(at_last.abs().nan_to_num().max()))
+    return everywhere.shape == at_last.shape and not torch.allclose(
+        at_last, everywhere, rtol=1e-4, atol=scale, equal_nan=True
+    )
+
+
+def _evaluate(
+    metric: Metric, logits: torch.Tensor, batch: int, reduce: str, *, per_prompt: bool = False
+) -> torch.Tensor:
+    """One cell's value: the per-prompt values (``reduce="none"``) or their mean
+    (``per_prompt``: the metric's values as returned, ``[batch]`` or a scalar)."""
     returned = metric(logits)
     try:
         value = torch.as_tensor(returned).detach().float()
     except (TypeError, ValueError, RuntimeError):
         value = None
     if value is not None and value.dim() == 1 and value.shape[0] == batch:
-        return value if reduce == "none" else value.mean()
+        return value if reduce == "none" or per_prompt else value.mean()
     if value is not None and value.dim() == 0 and (reduce == "mean" or batch == 1):
-        return value if reduce == "mean" else value.reshape(1)
+        return value if reduce == "mean" or per_prompt else value.reshape(1)
     described = f"shape {list(value.shape)}" if value is not None else type(returned).__name__
     raise PatchingError(
         f"The metric returned {described} from logits of shape {list(logits.shape)}; it must "

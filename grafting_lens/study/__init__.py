@@ -3,73 +3,22 @@
 Every experiment in the paper asks the same question of many prompts: *if these weights, at
 these token positions, came from that checkpoint, would the model still name the right actor?*
 Only the "these weights, these positions, that checkpoint" part changes between figures:
+**position grafting** (figures 2 and 3a: every weight of the finetuned model at some
+positions), **component grafting** (figure 4: some matrices at the last token, over a range
+of layers), its **reversal** variant, and the **hybrid** graft (figure 5: three checkpoints
+mixed); :mod:`~grafting_lens.study.paper` registers each.
 
-* **position grafting** (figures 2 and 3a) takes every weight of the finetuned model (SFT) at
-  some positions (the first entity FE, the last token LT, both, their complements) and the
-  pretrained model (PRE) elsewhere;
-* **component grafting** (figure 4 and its baselines) takes only some matrices (ATTN, O, FFN,
-  the FFN's up or down projection) at the last token, over a range of layers, from a model
-  that knows the tested relations into one that knows only the task;
-* the **reversal** variant grafts from a model finetuned on both directions of each relation
-  into one finetuned on one direction, and asks the reversed question;
-* the **hybrid** graft (figure 5) mixes three checkpoints: the task model's attention at FE
-  and LT, the relation model's O and FFN at LT over the last half of the layers, plus several
-  choices of task weights at FE (the authors' code grafts its *hybrid model*, the task model
-  with the relation model's O, FFN-up and FFN-down from layer ``n // 2`` on: :data:`HYBRID`).
-
-The package has one room per idea:
-
-* :mod:`~grafting_lens.study.semantics`: :class:`Semantics`, what configurations mean
-  (the authors' code, :data:`REFERENCE`, or the library's, :data:`CLEAN`);
-* :mod:`~grafting_lens.study.configs`: :class:`Graft`, :class:`GraftConfig`, the
-  paper's component names and the paper's configurations as data;
-* :mod:`~grafting_lens.study.testsets`: :class:`TestSet`, one dataset under one prompt;
-* :mod:`~grafting_lens.study.stacking`: configurations checked against a model set and
-  stacked into one graft mask;
-* :mod:`~grafting_lens.study.runner`: :func:`run_experiment` and its :class:`RunOptions`;
-* :mod:`~grafting_lens.study.run_directory`: resumable run directories (manifest,
-  fingerprint, chunks);
-* :mod:`~grafting_lens.study.specs`: :class:`ExperimentSpec` and the one registry, of named
-  experiments (:func:`register_experiment`), each holding the configurations its runs name
-  (:func:`register_config`, :func:`get_configs`);
-* :mod:`~grafting_lens.study.named`: setting up and running a named experiment;
-* :mod:`~grafting_lens.study.report`: tables, markdown and the paper's figures;
-* :mod:`~grafting_lens.study.paper`: the paper's experiments, one registered spec each;
-* :mod:`~grafting_lens.study.patching_vs_grafting`: the comparison of both methods as
-  a named experiment;
-* :mod:`~grafting_lens.study.graft_attribution`: every cell's effect by attribution,
-  verified, and the minimal graft, as a named experiment.
-
-A configuration is data, a :class:`GraftConfig`: a name as in the paper's figures and a tuple
-of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions`` from
-``source``". Positions are *span expressions* over the spans every tokenized batch carries
-(:func:`grafting_lens.engine.positions.select_positions`): ``FE``, ``LT``, ``M`` (movie title),
-``REL`` (relation words), ``ALL``, joined with ``+`` and complemented with ``^C``, as in
-``(FE+LT)^C``. Components use the paper's names (``ATTN``, ``O``, ``FFN``, ``FFN-up``,
-``FFN-down``) or any component or group of :mod:`grafting_lens.models.components`.
-
-:func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns a tidy
-DataFrame with one row per example and configuration; with ``out=`` it saves chunks as they
-come and resumes a killed run.
+Each idea has its own module (the developer guide's table of floors lists them):
+:mod:`~grafting_lens.study.configs` holds the configurations as data (:class:`GraftConfig`,
+:class:`Graft`), :mod:`~grafting_lens.study.runner` runs a grid of model sets x test sets x
+configurations into one tidy DataFrame (resumable with ``out=``), and
+:mod:`~grafting_lens.study.specs` registers the named experiments (:data:`EXPERIMENTS`),
+each runnable from Python and as ``grafting-lens run <name>``.
 
 What a configuration means is a :class:`Semantics`, because the paper's text, the authors'
-released code and this library do not always agree. The paper says it uses "the finetuned
-embeddings for all grafted token positions and ... the original model's unembeddings"; its code
-copies weights by value, so on a model with tied embeddings (GPT-2, Llama 3.2 1B, Gemma) a
-grafted embedding also decodes its position through the donor's unembedding, and it differs
-on a dozen smaller points (final norm, fused QKV, layer quarters, BOS, the SFT baseline, the
-hybrid model, target and rank). :data:`REFERENCE` does what the code does, :data:`CLEAN` what
-this library does with components named as they are; every switch can be flipped alone
-(``dataclasses.replace(REFERENCE, unembed="base")``). Everything here that takes a semantics
-defaults to the one :data:`DEFAULT_SEMANTICS`, :data:`REFERENCE` (pass ``semantics="clean"``
-for the library's reading); the lens, which takes none, grafts the library's way. Every row
-records its semantics. A component named on its own is always grafted.
-
-The named experiments (:data:`EXPERIMENTS`: ``position``, ``component``,
-``component_baseline``, ``reversal``, ``hybrid``, ``patching_vs_grafting``,
-``graft_attribution``, ``demo``) bundle
-model roles, tested relations, prompts, configurations, summaries and figures; each runs from
-Python and as ``grafting-lens run <name>``.
+released code and this library do not always agree: :data:`REFERENCE` (the code, the one
+default) or :data:`CLEAN` (the library's reading); see :mod:`~grafting_lens.study.semantics`
+and docs/concepts/paper-code-library.md. Every row records its semantics.
 
 Examples:
     >>> from grafting_lens import study
@@ -186,8 +135,9 @@ _submodule = submodules(__name__)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        if name == "EXPERIMENTS":  # the paper's experiments register on import of paper
-            importlib.import_module(f"{__name__}.paper")
+        # The package's names come with the paper's experiments registered, as their
+        # lookups by name (get_experiment("position"), registry="component") expect.
+        importlib.import_module("grafting_lens.study.paper")
         value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
         globals()[name] = value  # later lookups skip this function
         return value

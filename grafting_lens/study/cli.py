@@ -2,39 +2,18 @@
 
 ``grafting-lens run <experiment> --out DIR`` runs any registered experiment
 (:data:`grafting_lens.study.specs.EXPERIMENTS`; ``grafting-lens run`` lists them, and
-``grafting-lens run <experiment> --help`` its options) on the toy world
-(:mod:`grafting_lens.worlds.toy`, built and cached on first use) or, with ``--model`` and the
-experiment's donor options, on real checkpoints. It writes into ``DIR``:
-
-* ``results.csv``: one row per example and configuration (rank, probability and
-  top-10 tokens of the answer);
-* ``summary.csv`` and ``summary.md``: top-1 and top-5 accuracy with bootstrap
-  confidence intervals and the mean rank, next to what the paper reports;
-* the experiment's figures as HTML, and PNG when a Chrome is available (unless
-  ``--no-png``);
-* ``runs/``: the resumable runs. Run the same command again after an interruption
-  and it carries on where it stopped.
-
-Every grafting experiment of the paper runs, by default, as the authors' released
-code does (``--semantics reference``: see
-:class:`grafting_lens.study.semantics.Semantics` and the concept page "The paper's text,
-the authors' code, and this library"); ``--semantics clean`` runs it the library's
-way, and ``--semantics reference+unembed=base`` (or ``--unembed base``) changes one
-point. ``results.csv`` records the semantics of every row.
-
-``grafting-lens demo --out DIR`` is ``grafting-lens run demo``: position grafting
-(figure 2) end to end. With ``--model`` and no ``--donor``, the model is first
-finetuned on the relations with :func:`grafting_lens.worlds.finetune.finetune` (the paper's
-"aggressive" preset, two epochs with ``--quick``), which wants a GPU for anything but
-small models.
+``grafting-lens run <experiment> --help`` its options) on the toy world or, with ``--model``
+and the experiment's donor options, on real checkpoints, and writes its report into ``DIR``
+(:func:`~grafting_lens.study.report.write_experiment_report`) beside its resumable runs
+(``runs/``: the same command again carries on). ``grafting-lens demo`` is
+``grafting-lens run demo``; ``grafting-lens world build <name>`` builds a world.
 
 The command's policy for the machine lives here, not in the library, which sets
 neither: the toy world runs on one CPU thread unless ``--threads`` says otherwise (its
 matrices are too small to gain from more, and on a busy machine more threads can be
 many times slower), real checkpoints on torch's default; the network is the
 environment's to allow (``HF_HUB_OFFLINE=1`` forbids downloads; the toy world needs
-none). Bad options and inputs fail before any forward pass, with ``Error: <message>``
-and exit status 1; options that do not parse print the usage and exit 2.
+none). Bad options and inputs fail before any forward pass (see :func:`main`).
 
 One framework parses every command: :mod:`argparse`, with one declaration of each option
 (:func:`grafting_lens.study.run_command.experiment_parser`) shared by ``run`` and ``demo``.
@@ -50,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from grafting_lens.core.console import threads_beyond_cores
-from grafting_lens.core.errors import GraftingLensError, did_you_mean
+from grafting_lens.core.errors import GraftingLensError, did_you_mean, refuse_first
 from grafting_lens.study.run_command import WORLDS, interrupted, run_experiment_command
 
 COMMANDS = {
@@ -159,7 +138,30 @@ def world_parser() -> argparse.ArgumentParser:
         "for a real model, 1 for toy).",
     )
     build.add_argument("--cache-dir", type=Path, help="Where the world is cached.")
+    build.add_argument(
+        "--n-relations",
+        type=int,
+        help="Relations finetuned into the SFT model, at least 4 (a real world; default the "
+        "recipe's).",
+    )
+    build.add_argument(
+        "--known-actor-top-k",
+        type=_top_k,
+        metavar="K",
+        default=argparse.SUPPRESS,  # "all" gives None, so absent is told apart by its absence
+        help="Keep the actors whose last name the base ranks in its top K, or all (a real "
+        "world; default the recipe's).",
+    )
     return parser
+
+
+def _top_k(value: str) -> int | None:
+    """``--known-actor-top-k``: a count of at least 1, or ``all`` (every actor is kept)."""
+    if value.strip().lower() == "all":
+        return None
+    if not value.strip().isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 or all, got {value!r}")
+    return int(value)
 
 
 def _world_command(rest: list[str]) -> int:
@@ -187,24 +189,41 @@ _HUGE_PAGES = frozenset({"gemma3"})
 
 def _world_build(args: argparse.Namespace) -> None:
     started = time.perf_counter()
-    if args.threads is not None:
-        too_many = threads_beyond_cores(args.threads, "--threads")
-        if args.threads < 1 or too_many:
-            raise GraftingLensError(too_many or f"--threads must be >= 1, got {args.threads}.")
-    if args.name is not None and args.name not in WORLDS:
-        raise GraftingLensError(
-            f"No world {args.name!r}: choose one of {', '.join(WORLDS)}."
-            f"{did_you_mean(args.name, WORLDS)}"
-        )
+    too_many = None if args.threads is None else threads_beyond_cores(args.threads, "--threads")
+    real_only = [  # known_actor_top_k is absent unless given, and None when given as "all"
+        option.replace("_", "-")
+        for option in ("base", "find_links", "n_relations", "known_actor_top_k")
+        if args.name == "toy"
+        and option in vars(args)
+        and (getattr(args, option) is not None or option == "known_actor_top_k")
+    ]
+    refuse_first(
+        GraftingLensError,
+        (
+            (
+                args.threads is not None and (args.threads < 1 or too_many),
+                too_many or f"--threads must be >= 1, got {args.threads}.",
+            ),
+            (
+                args.name is not None and args.name not in WORLDS,
+                f"No world {args.name!r}: choose one of {', '.join(WORLDS)}."
+                f"{did_you_mean(str(args.name), WORLDS)}",
+            ),
+            (
+                real_only,
+                f"--{''.join(real_only[:1])} applies to a real-model world; the toy world ships "
+                "with the package. Leave it out.",
+            ),
+            (
+                args.n_relations is not None and args.n_relations < 4,
+                f"--n-relations must be >= 4 (the task and relation splits take two or more "
+                f"each), got {args.n_relations}.",
+            ),
+        ),
+    )
     if args.name == "toy":
         from grafting_lens.worlds.toy import build_toy_world
 
-        for option in ("base", "find_links"):
-            if getattr(args, option) is not None:
-                raise GraftingLensError(
-                    f"--{option.replace('_', '-')} applies to a real-model world; the toy world "
-                    "ships with the package. Leave it out."
-                )
         root = build_toy_world(cache_dir=args.cache_dir, threads=args.threads or 1).root
         print(f"The toy world is at {root} ({time.perf_counter() - started:.0f} s).")
         return
@@ -217,8 +236,10 @@ def _world_build(args: argparse.Namespace) -> None:
     from grafting_lens.worlds.real_world import RealWorldConfig, build_real_world, world_config
 
     config = world_config(args.name) if args.name is not None else RealWorldConfig()
-    if args.base is not None:
-        config = dataclasses.replace(config, base=args.base)
+    recipe = {k: getattr(args, k) for k in ("base", "n_relations") if getattr(args, k) is not None}
+    if "known_actor_top_k" in vars(args):
+        recipe["known_actor_top_k"] = args.known_actor_top_k
+    config = dataclasses.replace(config, **recipe)
     name = args.name or f"--base {args.base}"
     print(
         f"Building or opening the {name} world (about {config.estimated_minutes():.0f} minutes "

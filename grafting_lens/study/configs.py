@@ -11,28 +11,22 @@ of :mod:`grafting_lens.models.components`; layers are layer ranges
 
 The paper's configurations are data here: :data:`POSITION_CONFIGS` (figures 2 and 3a)
 with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its baselines) and
-:data:`HYBRID_CONFIGS` (figure 5). Each registered experiment
-(:mod:`grafting_lens.study.specs`, the one registry) holds the configurations its runs
-name; :func:`~grafting_lens.study.specs.register_config` is the one door for more, and
-:func:`~grafting_lens.study.specs.get_configs` looks names up.
-
-What a name means depends on a :class:`~grafting_lens.study.semantics.Semantics`: which
-members a group such as ``all`` brings (:func:`resolve_components`), and, for the
-hybrid graft, which configurations a name stands for (the code's hybrid model,
-:data:`HYBRID`, under ``hybrid="code"``; :func:`~grafting_lens.study.specs.get_configs`).
+:data:`HYBRID_CONFIGS` (figure 5). The registered experiments hold them
+(:func:`~grafting_lens.study.specs.register_config` adds more), and what a name means
+depends on a :class:`~grafting_lens.study.semantics.Semantics`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.core.arguments import is_integer, plain
-from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError
+from grafting_lens.core.arguments import as_list, is_integer, plain
+from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError, check_known
 from grafting_lens.engine.positions import (
     PositionFunction,
     Spans,
@@ -98,11 +92,9 @@ def resolve_components(
 ) -> tuple[str, ...]:
     """The components a graft names, for this architecture, in :data:`~grafting_lens.models.components.COMPONENTS` order.
 
-    Which members a group brings is the semantics' to say (:class:`~grafting_lens.study.semantics.Semantics`:
-    ``unembed``, ``embed``, ``pos_embed``, ``final_norm``); a component named on its own
-    is always taken. With ``fused_qkv="as_code"``, on an architecture whose Q, K and V are
-    one fused matrix, ``q`` brings ``k`` and ``v`` along and ``k``, ``v`` without ``q``
-    are dropped, as the paper's code reads them.
+    Which members a group brings is the semantics' to say (its ``unembed``, ``embed``,
+    ``pos_embed`` and ``final_norm``; ``fused_qkv`` for ``q``, ``k`` and ``v``); a component
+    named on its own is always taken.
 
     Args:
         spec: A ``+``-joined string (``"O+FFN"``, ``"ATTN+O+FFN-up"``, ``"all"``) or names.
@@ -110,8 +102,7 @@ def resolve_components(
             components and groups of :mod:`grafting_lens.models.components`.
         models: The model set (what its architecture has).
         semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label (default
-            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released code;
-            ``"clean"`` for the library's reading).
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
 
     Raises:
         ComponentError: An unknown name, a single component the architecture lacks, or
@@ -232,10 +223,8 @@ class Graft:
             else f"<function {callable_name(self.positions)}>"
         )
         layers: Any = self.layers
-        if isinstance(layers, range):
-            layers = f"range({layers.start}, {layers.stop}, {layers.step})"
-        elif isinstance(layers, slice):
-            layers = f"slice({layers.start}, {layers.stop}, {layers.step})"
+        if isinstance(layers, (range, slice)):
+            layers = f"{type(layers).__name__}({layers.start}, {layers.stop}, {layers.step})"
         elif isinstance(layers, tuple):
             layers = list(layers)
         components = self.components if isinstance(self.components, str) else list(self.components)
@@ -271,14 +260,14 @@ class GraftConfig:
     description: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ExperimentError(f"A configuration needs a non-empty name, got {self.name!r}.")
         grafts = (self.grafts,) if isinstance(self.grafts, Graft) else tuple(self.grafts)
-        for graft in grafts:
-            if not isinstance(graft, Graft):
-                raise ExperimentError(
-                    f"Configuration {self.name!r}: grafts must be Graft objects, got {graft!r}."
-                )
+        bad = [graft for graft in grafts if not isinstance(graft, Graft)]
+        if not isinstance(self.name, str) or not self.name or bad:
+            raise ExperimentError(
+                f"Configuration {self.name!r}: grafts must be Graft objects, got {bad[0]!r}."
+                if bad
+                else f"A configuration needs a non-empty name, got {self.name!r}."
+            )
         object.__setattr__(self, "grafts", grafts)
         object.__setattr__(self, "tags", dict(self.tags))
 
@@ -318,21 +307,21 @@ def retarget(
     configs = list(configs)
     if components is None and source == 1:
         return configs
-    chosen = components if components is None or isinstance(components, str) else tuple(components)
+    forms = "a component's name, an 'o+ffn' string or a list of names"
+    chosen = (
+        components
+        if components is None or isinstance(components, str)
+        else tuple(as_list(components, "components", forms, ExperimentError))
+    )
     return [
-        GraftConfig(
-            config.name,
-            tuple(
-                Graft(
-                    graft.positions,
-                    graft.components if chosen is None else chosen,
-                    graft.layers,
-                    source,
+        replace(
+            config,
+            grafts=tuple(
+                replace(
+                    graft, components=graft.components if chosen is None else chosen, source=source
                 )
                 for graft in config.grafts
             ),
-            config.tags,
-            config.description,
         )
         for config in configs
     ]
@@ -431,10 +420,6 @@ COMPONENT_CONFIGS: dict[str, GraftConfig] = _component_configs()
 :data:`COMPONENT_LAYER_RANGES`, plus ``BASE`` (nothing grafted) and ``DONOR`` (the donor
 everywhere). Source 1 is the donor."""
 
-_HYBRID_LAST_TOKEN = (
-    Graft("LT", "ATTN", "all", TASK),
-    Graft("LT", "O+FFN", "last_half", RELATION),
-)
 HYBRID_FIRST_ENTITY: dict[str, str | None] = {
     "none": None,
     "ATTN": "ATTN",
@@ -444,6 +429,23 @@ HYBRID_FIRST_ENTITY: dict[str, str | None] = {
     "ALL": "all",
 }
 """Figure 5's choices of task-model weights at the first entity (all layers)."""
+
+
+def _last_token_configs(last_token: tuple[Graft, ...], description: str) -> list[GraftConfig]:
+    """``LT``, the hybrid's ``last_token`` grafts, and ``LT+FE:<x>`` for each choice of
+    :data:`HYBRID_FIRST_ENTITY`."""
+    configs = []
+    for label, components in HYBRID_FIRST_ENTITY.items():
+        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
+        configs.append(
+            GraftConfig(
+                "LT" if components is None else f"LT+FE:{label}",
+                last_token + first_entity,
+                {"first_entity": label},
+                description + ("" if components is None else f", task {label} at FE"),
+            )
+        )
+    return configs
 
 
 def _hybrid_configs() -> dict[str, GraftConfig]:
@@ -459,28 +461,20 @@ def _hybrid_configs() -> dict[str, GraftConfig]:
             everywhere,
             "the relation model everywhere",
         ),
+        *_last_token_configs(
+            (Graft("LT", "ATTN", "all", TASK), Graft("LT", "O+FFN", "last_half", RELATION)),
+            "task ATTN at LT, relation O+FFN at LT over the last half",
+        ),
     ]
-    for label, components in HYBRID_FIRST_ENTITY.items():
-        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
-        configs.append(
-            GraftConfig(
-                "LT" if components is None else f"LT+FE:{label}",
-                _HYBRID_LAST_TOKEN + first_entity,
-                {"first_entity": label},
-                "task ATTN at LT, relation O+FFN at LT over the last half"
-                + ("" if components is None else f", task {label} at FE"),
-            )
-        )
     return _registry(configs)
 
 
 HYBRID_CONFIGS: dict[str, GraftConfig] = _hybrid_configs()
-"""The hybrid graft (figure 5) over a pretrained (0), task (1) and relation (2) model set:
+"""The hybrid graft (figure 5) over a pretrained (0), task (1) and relation (2) model set,
+as the library reads it (``hybrid="clean"``; :func:`code_hybrid_configs` is the code's):
 ``LT`` is the task model's ATTN at the last token (all layers) with the relation model's
 O+FFN there over the last half of the layers; ``LT+FE:<x>`` adds the task model's ``x`` at
-the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines.
-This is the library's reading (``hybrid="clean"``); :func:`code_hybrid_configs` is the
-paper's code's."""
+the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines."""
 
 
 def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, GraftConfig]:
@@ -488,10 +482,8 @@ def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, Graft
     :data:`HYBRID_CONFIGS` (what a semantics with ``hybrid="code"`` looks names up in).
 
     ``LT`` takes every ATTN, O and FFN weight of the code's hybrid model (:data:`HYBRID`)
-    at the last token over ``last_token_layers``: so the relation model's O, FFN-up and
-    FFN-down in the layers from ``n // 2`` on, the task model's elsewhere, and the task
-    model's attention and gate. ``LT+FE:<x>`` adds the task model's ``x`` at the first
-    entity over all layers; the baselines are :data:`HYBRID_CONFIGS`'.
+    at the last token over ``last_token_layers``; ``LT+FE:<x>`` and the baselines are as
+    in :data:`HYBRID_CONFIGS`.
 
     Args:
         last_token_layers: ``"last_half"`` (the third and fourth quarters, as the
@@ -501,21 +493,10 @@ def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, Graft
     Raises:
         ExperimentError: Another value of ``last_token_layers``.
     """
-    if last_token_layers not in ("last_half", "all"):
-        raise ExperimentError(
-            f"last_token_layers must be 'last_half' or 'all', got {last_token_layers!r}."
-        )
+    check_known(last_token_layers, ("last_half", "all"), "last_token_layers", ExperimentError)
     configs = [HYBRID_CONFIGS[name] for name in ("PRE", "TASK", "RELATION")]
-    last_token = Graft("LT", "ATTN+O+FFN", last_token_layers, HYBRID)
-    for label, components in HYBRID_FIRST_ENTITY.items():
-        first_entity = () if components is None else (Graft("FE", components, "all", TASK),)
-        configs.append(
-            GraftConfig(
-                "LT" if components is None else f"LT+FE:{label}",
-                (last_token, *first_entity),
-                {"first_entity": label},
-                f"the code's hybrid model's ATTN+O+FFN at LT ({last_token_layers} layers)"
-                + ("" if components is None else f", task {label} at FE"),
-            )
-        )
+    configs += _last_token_configs(
+        (Graft("LT", "ATTN+O+FFN", last_token_layers, HYBRID),),
+        f"the code's hybrid model's ATTN+O+FFN at LT ({last_token_layers} layers)",
+    )
     return _registry(configs)

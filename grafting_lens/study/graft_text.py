@@ -1,21 +1,19 @@
 """Grafting from text: prompts and answers in, a table of how each graft answers out.
 
 The tensor API (:class:`~grafting_lens.GraftMask`, :func:`~grafting_lens.graft_forward`)
-takes token ids, attention masks and position tensors; a researcher with a question
-("does the finetuned model's last-token computation carry the fact?") has prompts and
-answers. :func:`graft` asks it in one call. It is a front end to the experiment runner
-(:func:`~grafting_lens.study.runner.run_experiment`): the prompts are tokenized, the grafts
-built and run (logits at the scored token only), and the answer scored exactly as every
-experiment of the library does, under the one default semantics (the paper's released
-code, :data:`~grafting_lens.study.semantics.REFERENCE`) unless ``semantics=`` says otherwise, so a
-number read here is the number a full run reports. :func:`plot_graft` draws the table.
+takes token ids and position tensors; a researcher has prompts and answers. :func:`graft`
+asks the question in one call, as a front end to the experiment runner
+(:func:`~grafting_lens.study.runner.run_experiment`), so a number read here is the number a
+full run reports under the same semantics. :func:`plot_graft` draws the table.
 
 Places are named the way you would say them: ``"last"`` (the token that predicts the
 answer), a piece of the prompt's text (``"Keanu Reeves"``: its tokens), a token index
-(``0``, ``-2``; a BOS the tokenizer adds counts), ``"all"``, a list of these (their
-union), or, for examples that carry named spans
+(``0``, ``-2``, a numpy or torch integer too; a BOS the tokenizer adds counts), ``"all"``,
+a list of these (their union), or, for examples that carry named spans
 (:func:`grafting_lens.worlds.data.make_examples`), a span expression in the paper's
 notation (``"FE+LT"``, ``"(FE+LT)^C"``). A dict of them runs several grafts side by side.
+A piece of text must occur once in each prompt, as written (in the same Unicode form), and
+start and end where tokens do.
 
 Examples:
     >>> table = gl.graft(models, "Keanu Reeves starred in a movie alongside",
@@ -26,7 +24,9 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import unicodedata
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import pandas as pd
@@ -37,15 +37,15 @@ from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.figure_style import axis_range, figure_style, subtitle
 from grafting_lens.analysis.metrics import summarize
 from grafting_lens.analysis.plots import plot_accuracy
-from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import SelectionError
+from grafting_lens.core.arguments import as_list, as_texts, is_integer, shown
+from grafting_lens.core.errors import SelectionError, refuse_first
 from grafting_lens.engine.positions import parse_span_expression, select_positions, span_names
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import Graft, GraftConfig
 from grafting_lens.study.runner import run_experiment
 from grafting_lens.study.semantics import Semantics, semantics_or_default
-from grafting_lens.study.testsets import TestSet
+from grafting_lens.study.testsets import TestSet, check_answers
 
 __all__ = ["graft", "plot_graft"]
 
@@ -72,8 +72,8 @@ class _Prompt:
 
 def graft(
     models: ModelSet,
-    prompts: str | Sequence[Any],
-    answer: str | Sequence[str] | None = None,
+    prompts: str | Iterable[Any] | pd.DataFrame,
+    answer: str | Iterable[str] | None = None,
     *,
     at: Place | Mapping[str, Place] = "last",
     components: str | Sequence[str] = "all",
@@ -90,32 +90,35 @@ def graft(
 
     Args:
         models: The checkpoints, from :func:`~grafting_lens.load_models`.
-        prompts: A prompt, a list of prompts, or examples with ``text``, ``target`` and
-            named ``spans`` (:func:`grafting_lens.worlds.data.make_examples`), which
-            carry their answers.
-        answer: What should follow each prompt (one for all, or one per prompt), e.g.
-            ``"Laurence Fishburne"``; a space joins it to the prompt unless it starts
-            with one. Its first token is scored.
+        prompts: A prompt; prompts (a list, tuple, numpy array, pandas Series or any
+            iterable of strings); a DataFrame with a ``text`` column and the answers in a
+            ``target`` or ``answer`` column (or in ``answer=``); or examples with ``text``,
+            ``target`` and named ``spans`` (:func:`grafting_lens.worlds.data.make_examples`),
+            which carry their answers.
+        answer: What should follow each prompt (one for all, or one per prompt, as a list,
+            array, Series...), e.g. ``"Laurence Fishburne"``; a space joins it to the
+            prompt unless it starts with one. Its first token is scored, checked by
+            :func:`~grafting_lens.study.testsets.check_answers` (warnings for shared ones).
         at: Where to graft (see the module's documentation), or ``{label: place}``.
         components: What the donor computes there (``"all"``, ``"o+ffn"``,
             ``"attn"``..., read under ``semantics`` as every experiment reads them).
         layers: At which layers (``"all"``, ``"last_half"``, a list...).
         donor: The donor's index or name in the model set.
-        semantics: How the run reads components, tokenizes and ranks (default: the
-            one default, :data:`~grafting_lens.study.semantics.REFERENCE`; ``"clean"`` for the
-            library's reading).
+        semantics: How the run reads components, tokenizes and ranks (default
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
         top_k: How many of the most likely next tokens each row lists.
 
     Returns:
         One row per prompt and run (the base, the donor, then each graft): ``config``,
         ``text`` (the prompt), ``target`` (the answer), ``grafted`` (the tokens the
-        donor computed), ``target_rank`` (0 = top-1), ``target_prob``, ``top1``,
-        ``top5``, ``topk_tokens``, ``topk_probs``, ``semantics``, and for examples
-        ``relation_id`` and ``prompt``.
+        donor computed, each with its index: ``" Keanu@1| Reeves@2"``), ``target_rank``
+        (0 = top-1), ``target_prob``, ``top1``, ``top5``, ``topk_tokens``,
+        ``topk_probs``, ``semantics``, and for examples ``relation_id`` and ``prompt``.
 
     Raises:
-        SelectionError: A place that is in no prompt or selects nothing, a bad donor,
-            prompts or answers that are not text.
+        SelectionError: Prompts, answers, places or arguments it cannot read, a place in
+            no prompt, twice in one, or cutting a token, a bad donor.
+        ExperimentError: An answer scored by a bare-whitespace token.
         GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses (an
             unknown component, a layer outside the model...).
     """
@@ -125,21 +128,31 @@ def graft(
         )
     donor_index = _donor_index(models, donor)
     examples = _prompts(prompts, answer)
-    grafts = dict(at) if isinstance(at, Mapping) else {_label(at): at}
-    if not grafts:
-        raise SelectionError("at={} names no graft: give a place, e.g. at='last'.")
+    grafts = _places(at)
+    wanted = (
+        components
+        if isinstance(components, str)
+        else tuple(as_texts(components, "components", "a component name or a list of them"))
+    )
     pieces = _text_pieces(grafts.values(), examples)
     examples = [
-        dataclasses.replace(e, spans={**e.spans, **_piece_spans(e, pieces)}) for e in examples
+        dataclasses.replace(e, spans={**e.spans, **_piece_spans(e, pieces, models.tokenizer)})
+        for e in examples
     ]
+    named = examples[0].prompt_name != "text"
+    test_set = (
+        TestSet(examples) if named else TestSet(examples, dataset="gl.graft", prompt="answer")
+    )
+    if not named:  # one token check for own answers, the one `run --prompts` makes
+        for line in check_answers([test_set], models, semantics):
+            warnings.warn(line, stacklevel=2)
     base, donor_name = models.names[0], models.names[donor_index]
-    wanted = components if isinstance(components, str) else tuple(components)
     configs = [
         GraftConfig(base),
         GraftConfig(donor_name, (Graft("ALL", "all", "all", source=donor_index),)),
         *(
-            GraftConfig(label, (Graft(_selector(place, pieces), wanted, layers, donor_index),))
-            for label, place in grafts.items()
+            GraftConfig(label, (Graft(_selector(parts, pieces), wanted, layers, donor_index),))
+            for label, parts in grafts.items()
         ),
     ]
     if len({config.name for config in configs}) < len(configs):
@@ -149,7 +162,7 @@ def graft(
         )
     rows = run_experiment(
         models,
-        TestSet(examples),
+        test_set,
         configs,
         registry={config.name: config for config in configs},
         semantics=semantics,
@@ -160,18 +173,18 @@ def graft(
     order = rows["example"] * len(configs) + rows["config"].map(
         {config.name: index for index, config in enumerate(configs)}
     )
-    named = examples[0].prompt_name != "text"
     shown = [*COLUMNS, "topk_tokens", "topk_probs", "semantics"]
     shown += ["relation_id", "prompt"] if named else []
     return rows.iloc[order.argsort(kind="stable")][shown].reset_index(drop=True)
 
 
 def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.Figure:
-    """Draw a table from :func:`graft`: the answer's probability, or top-k accuracy.
+    """Draw a table from :func:`graft`: the answers' probabilities, or top-k accuracy.
 
-    One prompt: the answer's probability under each run, its rank on the bar. Several:
-    the top-``k`` accuracy of each run with its 95% bootstrap interval (one bar per
-    test prompt wording where the examples name one).
+    One prompt: each answer's probability under each run (one bar per run, grouped by
+    answer where the prompt was asked with several), its rank on the bar. Several
+    prompts: the top-``k`` accuracy of each run with its 95% bootstrap interval (one bar
+    per test prompt wording where the examples name one).
 
     Args:
         table: What :func:`graft` returned (rows may be filtered).
@@ -179,42 +192,76 @@ def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.
         title: The figure's title.
 
     Raises:
-        SelectionError: A table that is not :func:`graft`'s.
+        SelectionError: A table that is not :func:`graft`'s, or holds NaN scores; a ``k``
+            that is not an integer >= 1, a ``title`` that is not text.
     """
     missing = {"config", "text", "target", "target_rank", "target_prob"} - set(
         getattr(table, "columns", ())
     )
-    if not isinstance(table, pd.DataFrame) or table.empty or missing:
+    refuse_first(
+        SelectionError,
+        (
+            (
+                not isinstance(table, pd.DataFrame) or table.empty or missing,
+                "plot_graft draws the table gl.graft returns"
+                + (f"; this one lacks {sorted(missing)}." if missing else ", non-empty."),
+            ),
+            (
+                not is_integer(k) or k < 1,
+                f"k={shown(k)}: give the top-k as an integer >= 1, e.g. k=5.",
+            ),
+            (
+                title is not None and not isinstance(title, str),
+                f"title={shown(title)}: give the title as a str, or None.",
+            ),
+        ),
+    )
+    unscored = table[["target_rank", "target_prob"]].isna().any(axis=1)
+    if unscored.any():
         raise SelectionError(
-            "plot_graft draws the table gl.graft returns"
-            + (f"; this one lacks {sorted(missing)}." if missing else ", non-empty.")
+            f"{int(unscored.sum())} rows of the table have no score (NaN target_rank or "
+            f"target_prob; first: run {table['config'][unscored].iloc[0]!r}): drop them, "
+            "e.g. table.dropna(subset=['target_rank', 'target_prob'])."
         )
     if table["text"].nunique() == 1:
-        fig = go.Figure(
-            go.Bar(
-                x=table["config"],
-                y=table["target_prob"],
-                text=[f"rank {rank}" for rank in table["target_rank"]],
-                textposition="outside",
-                marker_color="#4C72B0",
-            )
-        )
-        fig.update_yaxes(
-            title_text=f"P({table['target'].iloc[0].strip()})",
-            range=axis_range(table["target_prob"]),
-            tickformat=".0%",
-        )
-        fig.update_xaxes(title_text="run")
-        return figure_style(
-            fig,
-            title or "The answer's probability under each graft",
-            subtitle(repr(table["text"].iloc[0]), [1], interval=False),
-        )
+        return _plot_one_prompt(table, title)
     color = "prompt" if "prompt" in table else "prompts"
     if color == "prompts":
         table = table.assign(prompts=f"{table['text'].nunique()} prompts")
-    summary = summarize(table, by=("config", color), ks=(k,))
-    return plot_accuracy(summary, k=k, x="config", color=color, title=title)
+    summary = summarize(table, by=("config", color), ks=(int(k),))
+    return plot_accuracy(summary, k=int(k), x="config", color=color, title=title)
+
+
+def _plot_one_prompt(table: pd.DataFrame, title: str | None) -> go.Figure:
+    """One prompt's answers: a group of bars per answer, one bar per run."""
+    # The same prompt and answer twice is the same example scored twice (equal numbers).
+    table = table.drop_duplicates(["config", "target"])
+    answers = list(table["target"].unique())
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=rows["config"],
+                y=rows["target_prob"],
+                name=target.strip(),
+                text=[f"rank {rank}" for rank in rows["target_rank"]],
+                textposition="outside",
+                marker_color="#4C72B0" if len(answers) == 1 else None,
+            )
+            for target, rows in table.groupby("target", sort=False)
+        ]
+    )
+    fig.update_yaxes(
+        title_text=f"P({answers[0].strip()})" if len(answers) == 1 else "P(answer)",
+        range=axis_range(table["target_prob"]),
+        tickformat=".0%",
+    )
+    fig.update_xaxes(title_text="run")
+    fig.update_layout(barmode="group", showlegend=len(answers) > 1)
+    return figure_style(
+        fig,
+        title or "The answer's probability under each graft",
+        subtitle(repr(table["text"].iloc[0]), [1], interval=False),
+    )
 
 
 def _donor_index(models: ModelSet, donor: int | str) -> int:
@@ -223,46 +270,84 @@ def _donor_index(models: ModelSet, donor: int | str) -> int:
     if is_integer(donor) and 1 <= int(donor) < len(models):
         return int(donor)
     raise SelectionError(
-        f"donor={donor!r} is not a donor of this model set: give an index 1..{len(models) - 1} "
-        f"or a name of {list(models.names[1:])}."
+        f"donor={shown(donor)} is not a donor of this model set: give an index "
+        f"1..{len(models) - 1} or a name of {list(models.names[1:])}."
     )
 
 
-def _prompts(prompts: str | Sequence[Any], answer: str | Sequence[str] | None) -> list[_Prompt]:
+def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
     """The prompts as the runner reads them, each with its answer."""
-    items = [prompts] if isinstance(prompts, str) else list(prompts)
-    if not items:
-        raise SelectionError("No prompts: give a prompt or a list of them.")
-    examples: list[Any] = items
-    if all(hasattr(item, "text") and hasattr(item, "spans") for item in examples):
-        if answer is not None:
-            raise SelectionError("These examples carry their answers (target): drop answer=.")
+    if isinstance(prompts, pd.DataFrame):
+        # Iterating a DataFrame gives its column names, never its rows.
+        given = [column for column in ("target", "answer") if column in prompts]
+        if "text" not in prompts or len(given) > 1 or (given and answer is not None):
+            raise SelectionError(
+                f"A DataFrame of prompts has a 'text' column and the answers in a 'target' or "
+                f"'answer' column, or in answer=; this one has {list(prompts.columns)}"
+                + (f" and answer={shown(answer)}" if answer is not None else "")
+                + ": rename or drop columns, or drop answer=."
+            )
+        prompts, answer = prompts["text"], prompts[given[0]] if given else answer
+    forms = "a prompt, a list of them, a DataFrame with a 'text' column, or examples"
+    items = as_list(prompts, "prompts", forms)
+    examples = [hasattr(item, "text") and hasattr(item, "spans") for item in items]
+    if any(examples):
+        if not all(examples) or answer is not None:
+            bad = examples.index(False) if not all(examples) else None
+            raise SelectionError(
+                "These examples carry their answers (target): drop answer=."
+                if bad is None
+                else f"prompts[{bad}] is {shown(items[bad])}, among examples."
+            )
         return [
-            _Prompt(e.text, e.target, dict(e.spans), e.relation_id, e.prompt_name) for e in examples
+            _Prompt(e.text, e.target, dict(e.spans), e.relation_id, e.prompt_name) for e in items
         ]
-    answers: list[Any] = (
-        [answer] * len(items) if isinstance(answer, str) or answer is None else list(answer)
+    texts = as_texts(items, "prompts", forms)
+    answers = (
+        []
+        if answer is None
+        else as_texts(answer, "answer", "an answer for all prompts, or a list of one per prompt")
     )
-    if len(answers) != len(items) or not all(isinstance(a, str) and a.strip() for a in answers):
+    answers = answers * len(texts) if isinstance(answer, str) else answers
+    if len(answers) != len(texts):
+        counted = f"; answer= gives {len(answers)} answers for {len(texts)} prompts"
         raise SelectionError(
-            f"Each prompt needs an answer to score: answer='...' for all, or one per prompt "
-            f"({len(items)} prompts, got {answer!r})."
+            "Each prompt needs an answer to score: answer='...' for all, or one per prompt"
+            + (f"{counted}." if answers else ".")
         )
-    bad = next((item for item in items if not isinstance(item, str) or not item.strip()), None)
-    if bad is not None:
-        raise SelectionError(f"Prompts are non-empty strings; got {bad!r}.")
     return [
-        _Prompt(str(text).rstrip(), reply if reply[:1].isspace() else " " + reply, {}, index)
-        for index, (text, reply) in enumerate(zip(items, answers))
+        _Prompt(text.rstrip(), reply if reply[:1].isspace() else " " + reply, {}, index)
+        for index, (text, reply) in enumerate(zip(texts, answers))
     ]
 
 
-def _label(place: Place) -> str:
-    return str(place) if isinstance(place, (str, int)) else "+".join(map(str, place))
+def _places(at: Any) -> dict[str, list[str | int]]:
+    """``at`` as ``{label: parts}``, each part a string or an ``int``."""
+    if not isinstance(at, Mapping):
+        parts = _parts(at)
+        return {"+".join(map(str, parts)): parts}
+    bad = [label for label in at if not (isinstance(label, str) and label.strip())]
+    if bad or not at:
+        raise SelectionError(
+            f"at={{{shown(bad[0])}: ...}}: a graft's label names its rows, a non-empty string."
+            if bad
+            else "at={} names no graft: give a place, e.g. at='last'."
+        )
+    return {label: _parts(place) for label, place in at.items()}
 
 
-def _parts(place: Place) -> list[str | int]:
-    return [place] if isinstance(place, (str, int)) else list(place)
+def _parts(place: Any) -> list[str | int]:
+    """The places a place is the union of (numpy's and torch's integers as ``int``)."""
+    forms = (
+        "'last', 'all', a piece of the prompt's text, a token index, a span expression, "
+        "a list of these, or {label: place}"
+    )
+    parts = [place] if is_integer(place) else as_list(place, "at", forms)
+    bad = [p for p in parts if not (isinstance(p, str) and p.strip() or is_integer(p))]
+    if bad:
+        what = "an empty string" if isinstance(bad[0], str) else shown(bad[0])
+        raise SelectionError(f"at={shown(place)}: {what} is not a place; give {forms}.")
+    return [part if isinstance(part, str) else int(part) for part in parts]
 
 
 def _is_expression(text: str, names: set[str]) -> bool:
@@ -275,52 +360,78 @@ def _is_expression(text: str, names: set[str]) -> bool:
     return wanted <= names | {"last_token"}
 
 
-def _text_pieces(places: Any, examples: list[_Prompt]) -> dict[str, str]:
+def _text_pieces(places: Iterable[list[str | int]], examples: list[_Prompt]) -> dict[str, str]:
     """Every place that is a piece of the prompts' text, with the span name it gets."""
     names = set(examples[0].spans)
     pieces: dict[str, str] = {}
-    for place in places:
-        for part in _parts(place):
-            if is_integer(part) or part in ("last", "all") or part in pieces:
-                continue
-            if not isinstance(part, str):
-                raise SelectionError(
-                    f"Cannot read the place {part!r}: give 'last', 'all', a piece of the "
-                    "prompt's text, a token index or a list of these."
-                )
-            if all(part in e.text for e in examples):
-                pieces[part] = f"text{len(pieces)}"
-            elif not _is_expression(part, names):
-                missing = next(e.text for e in examples if part not in e.text)
-                raise SelectionError(
-                    f"{part!r} is not in the prompt {missing!r}: give a piece of every prompt's "
-                    "text, 'last', 'all', a token index"
-                    + (f", or a span expression over {sorted(names)}." if names else ".")
-                )
+    for part in (part for parts in places for part in parts):
+        if not isinstance(part, str) or part in ("last", "all") or part in pieces:
+            continue
+        if all(part in e.text for e in examples):
+            pieces[part] = f"text{len(pieces)}"
+        elif not _is_expression(part, names):
+            text = next(e.text for e in examples if part not in e.text)
+            raise SelectionError(
+                f"{part!r} is in the prompt {shown(text)} only in another Unicode normal "
+                "form (the same letters, composed otherwise): normalize both, e.g. "
+                "unicodedata.normalize('NFC', text)."
+                if unicodedata.normalize("NFC", part) in unicodedata.normalize("NFC", text)
+                else f"{part!r} is not in the prompt {shown(text)}: give a piece of every "
+                "prompt's text, 'last', 'all', a token index"
+                + (f", or a span expression over {sorted(names)}." if names else ".")
+            )
     return pieces
 
 
-def _piece_spans(example: _Prompt, pieces: dict[str, str]) -> dict[str, tuple[int, int]]:
+def _piece_spans(
+    example: _Prompt, pieces: dict[str, str], tokenizer: Any
+) -> dict[str, tuple[int, int]]:
+    """The characters of each piece in a prompt, refused if it occurs twice or cuts a token."""
+    offsets = tokenizer(example.text, add_special_tokens=False, return_offsets_mapping=True)[
+        "offset_mapping"
+    ]
     spans = {}
-    for text, name in pieces.items():
-        start = example.text.index(text)
-        spans[name] = (start, start + len(text))
+    for piece, name in pieces.items():
+        start = example.text.index(piece)
+        end = start + len(piece)
+        if example.text.find(piece, start + 1) >= 0:
+            longer = next(
+                example.text[start:stop]
+                for stop in [*(i for i, c in enumerate(example.text) if c == " " and i > end), None]
+                if example.text.count(example.text[start:stop]) == 1
+            )
+            raise SelectionError(
+                f"{piece!r} occurs more than once in the prompt {shown(example.text)}: give a "
+                f"piece that occurs once, e.g. at={longer!r}, or token indices."
+            )
+        for a, b in offsets:
+            # A token's offsets may hold the space before its word: the word starts after it.
+            a += len(example.text[a:b]) - len(example.text[a:b].lstrip())
+            cut = "starts" if a < start < b else "ends" if a < end < b else ""
+            if cut:
+                raise SelectionError(
+                    f"{piece!r} {cut} inside the token {example.text[a:b]!r} of the prompt "
+                    f"{shown(example.text)}: give whole tokens, e.g. "
+                    f"at={example.text[min(a, start) : max(b, end)]!r}."
+                )
+        spans[name] = (start, end)
     return spans
 
 
-def _selector(place: Place, pieces: dict[str, str]) -> Any:
+def _selector(parts: list[str | int], pieces: dict[str, str]) -> Any:
     """The positions function of a place: ``(spans, attention_mask) -> [batch, pos]``."""
 
     def positions(spans: dict[str, torch.Tensor], attention_mask: torch.Tensor) -> torch.Tensor:
         chosen = torch.zeros(tuple(attention_mask.shape), dtype=torch.bool)
         lengths = attention_mask.sum(dim=1)
-        for part in _parts(place):
-            if is_integer(part):
-                index = torch.full_like(lengths, int(part))
+        for part in parts:
+            if isinstance(part, int):
+                index = torch.full_like(lengths, part)
                 index = torch.where(index < 0, lengths + index, index)
                 if bool(((index < 0) | (index >= lengths)).any()):
                     raise SelectionError(
-                        f"Token index {part} is outside a prompt of {int(lengths.min())} tokens."
+                        f"at={part}: the token index is outside a prompt of "
+                        f"{int(lengths.min())} tokens (a BOS counts)."
                     )
                 chosen[torch.arange(len(lengths)), index] = True
             elif part == "last":
@@ -328,13 +439,10 @@ def _selector(place: Place, pieces: dict[str, str]) -> Any:
             elif part == "all":
                 chosen |= attention_mask.bool()
             else:
-                expression = str(part)
-                chosen |= select_positions(
-                    pieces.get(expression, expression), spans, attention_mask
-                )
+                chosen |= select_positions(pieces.get(part, part), spans, attention_mask)
         return chosen
 
-    positions.__name__ = f"at_{_label(place)}"
+    positions.__name__ = f"at_{'+'.join(map(str, parts))}"
     return positions
 
 
@@ -345,20 +453,21 @@ def _grafted(
     examples: list[_Prompt],
     semantics: Semantics | str | None,
 ) -> list[str]:
-    """The tokens each row's donor computed, as text (``"all"`` for the whole donor)."""
+    """The tokens each row's donor computed, each as ``text@index`` (``"all"`` for the whole
+    donor), so a reader sees which of two equal tokens it was."""
     rules = semantics_or_default(semantics).tokenization()
     batch = tokenize_examples(examples, models.tokenizer, **rules)
     by_name = {config.name: config for config in configs}
     shown = []
     for name, example in zip(rows["config"], rows["example"]):
         config = by_name[name]
-        if not config.grafts:
-            shown.append("")
-            continue
-        if config is configs[1]:
-            shown.append("all")
+        if not config.grafts or config is configs[1]:  # the base, or the whole donor
+            shown.append("all" if config.grafts else "")
             continue
         row = batch.rows([int(example)])
-        picked = config.grafted_positions(row.spans, row.attention_mask)[0]
-        shown.append("|".join(models.tokenizer.decode([int(t)]) for t in row.tokens[0][picked]))
+        picked = config.grafted_positions(row.spans, row.attention_mask)[0].nonzero()[:, 0]
+        tokens = row.tokens[0].tolist()
+        shown.append(
+            "|".join(f"{models.tokenizer.decode([tokens[i]])}@{i}" for i in picked.tolist())
+        )
     return shown

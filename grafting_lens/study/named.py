@@ -1,11 +1,9 @@
 """Running a named experiment: its checkpoints in their roles, its relations, its parts.
 
-:func:`toy_setup` loads the toy world's checkpoints in an experiment's roles (building
-the world on first use); :func:`checkpoint_setup` does the same for your checkpoints,
-with the relations they were finetuned on; :func:`finetuned_setup` finetunes a copy of a
-pretrained checkpoint first. :func:`setup_experiment` chooses among them, and
-:func:`run_spec` runs the experiment on what it set up: every part of a configuration
-grid through :func:`run_named_experiment`, or the experiment's own runner.
+:func:`setup_experiment` loads what an experiment runs on (:func:`toy_setup`,
+:func:`real_world_setup`, :func:`checkpoint_setup` or :func:`finetuned_setup`), and
+:func:`run_spec` runs the experiment on it: every part of its configuration grid, or its
+own runner.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +20,25 @@ import torch
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import ExperimentError
+from grafting_lens.core.errors import ExperimentError, check_known, refuse_first
 from grafting_lens.models.model_set import ModelSet
+from grafting_lens.study import paper  # noqa: F401  (the paper's experiments, registered on import)
 from grafting_lens.study.runner import ChunkInfo, RunOptions, run_experiment
 from grafting_lens.study.semantics import Semantics, as_semantics
-from grafting_lens.study.specs import EXPERIMENTS, ExperimentSpec, get_configs, get_experiment
+from grafting_lens.study.specs import (
+    EXPERIMENTS,
+    QUICK_RELATIONS,
+    RELATION_SETS,
+    ExperimentSetup,
+    ExperimentSpec,
+    get_configs,
+    get_experiment,
+)
 from grafting_lens.study.testsets import TestSet, make_test_sets
 from grafting_lens.worlds import data
 from grafting_lens.worlds.documents import training_documents
 
 __all__ = [
-    "QUICK_RELATIONS",
-    "ExperimentSetup",
     "checkpoint_setup",
     "finetuned_setup",
     "run_named_experiment",
@@ -42,38 +46,6 @@ __all__ = [
     "setup_experiment",
     "toy_setup",
 ]
-
-QUICK_RELATIONS = 16
-"""How many relations a ``quick`` run asks about."""
-
-
-@dataclass(frozen=True)
-class ExperimentSetup:
-    """What a named experiment runs on.
-
-    Attributes:
-        models: The model set, in the experiment's roles.
-        relations: The relations to ask about.
-        label: The models in a few words, for reports (``"toy world 3f2a..."``,
-            ``"gpt2 <- gpt2-sft"``).
-        dataset: The dataset the relations come from (the ``dataset`` column).
-        data_seed: The seed they were made with (the ``data_seed`` column).
-        seeds: Further seeds to record with every row (the toy world's).
-        world: The toy world's ``root``, ``seed``, ``dataset`` and ``evaluation``, or
-            ``None`` for your own checkpoints.
-        resumable: Whether a run on these models can resume from a run directory (not
-            when a donor was finetuned in this process: another process finetunes
-            another donor).
-    """
-
-    models: ModelSet
-    relations: list[data.Relation]
-    label: str
-    dataset: str
-    data_seed: int | None = None
-    seeds: dict[str, int] = field(default_factory=dict)
-    world: dict[str, Any] | None = None
-    resumable: bool = True
 
 
 def toy_setup(
@@ -99,27 +71,36 @@ def toy_setup(
     Raises:
         ExperimentError: An unknown experiment.
     """
-    from grafting_lens.models.loading import load_models
     from grafting_lens.worlds import toy
 
     spec = get_experiment(experiment)
     world = toy.build_toy_world(
         config=config, cache_dir=cache_dir, progress=show_progress(progress)
     )
+    return _world_setup(spec, world, spec.roles, device, dtype, lazy, world.load_tokenizer())
+
+
+def _world_setup(
+    spec: ExperimentSpec,
+    world: Any,
+    checkpoints: Sequence[str],
+    device: str | None,
+    dtype: torch.dtype | None,
+    lazy: bool,
+    tokenizer: Any = None,
+) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
+    """A built world's (toy or real) ``checkpoints`` in the experiment's roles, the relations
+    it asks about, and what to record of the world: one reading for every world."""
+    from grafting_lens.models.loading import load_models
+
     models = load_models(
-        *(world.model_dir(role) for role in spec.roles),
-        tokenizer=world.load_tokenizer(),
+        *(world.model_dir(name) for name in checkpoints),
+        tokenizer=tokenizer,
         device=device,
         dtype=dtype,
         names=list(spec.labels),
         lazy=lazy,
     )
-    return models, *_world_relations(world, spec)
-
-
-def _world_relations(world: Any, spec: ExperimentSpec) -> tuple[list[data.Relation], dict]:
-    """The relations an experiment asks about in a built world (toy or real), and what to
-    record of the world: one reading for every world."""
     relations = {
         "all": "relations",
         "task": "task_relations",
@@ -131,7 +112,7 @@ def _world_relations(world: Any, spec: ExperimentSpec) -> tuple[list[data.Relati
         "dataset": world.config.dataset,
         "evaluation": world.manifest.get("evaluation", {}),
     }
-    return list(getattr(world, relations)), info
+    return models, list(getattr(world, relations)), info
 
 
 def real_world_setup(
@@ -163,7 +144,6 @@ def real_world_setup(
         GraftingLensError: An experiment whose roles the world lacks, or a seed it was not
             built with.
     """
-    from grafting_lens.models.loading import load_models
     from grafting_lens.worlds.real_world import open_world
 
     spec = get_experiment(experiment)
@@ -171,14 +151,7 @@ def real_world_setup(
     checkpoints = list(spec.roles)
     if sft_seed is not None and sft_seed != built.config.seed:
         checkpoints = [f"sft_seed{sft_seed}" if role == "sft" else role for role in checkpoints]
-    models = load_models(
-        *(built.model_dir(name) for name in checkpoints),
-        device=device,
-        dtype=dtype,
-        names=list(spec.labels),
-        lazy=lazy,
-    )
-    return models, *_world_relations(built, spec)
+    return _world_setup(spec, built, checkpoints, device, dtype, lazy)
 
 
 def checkpoint_setup(
@@ -197,9 +170,8 @@ def checkpoint_setup(
 
     Args:
         experiment: A key of :data:`~grafting_lens.study.specs.EXPERIMENTS`.
-        checkpoints: Hub ids or directories, one per role (``EXPERIMENTS[experiment].roles``:
-            e.g. pretrained then finetuned for ``position``; task then relation model for
-            ``component``; pretrained, task, relation for ``hybrid``).
+        checkpoints: Hub ids or directories, one per role, in the order of
+            ``EXPERIMENTS[experiment].roles`` (base first).
         dataset: The dataset the donors were finetuned on: the relations are
             ``make_relations(dataset, n_relations, seed)``.
         n_relations: How many relations, as in ``make_relations``.
@@ -280,9 +252,9 @@ def finetuned_setup(
     finetuned = copy.deepcopy(base)
     documents = training_documents(relations, direction="A2B", seed=seed)
     if on_status is not None:
-        name = Path(checkpoint).name if Path(checkpoint).is_dir() else checkpoint
         on_status(
-            f"Finetuning {name} on {len(relations)} relations ({len(documents)} documents)..."
+            f"Finetuning {_short(checkpoint)} on {len(relations)} relations "
+            f"({len(documents)} documents)..."
         )
     finetune(
         finetuned,
@@ -356,31 +328,48 @@ def setup_experiment(
     spec = get_experiment(experiment)
     from grafting_lens.worlds.real_recipe import WORLDS
 
-    if world != "toy" and world not in WORLDS:
-        raise ExperimentError(f"No world {world!r}: choose one of toy, {', '.join(WORLDS)}.")
-    if sft_seed is not None and (checkpoints is not None or world == "toy"):
-        raise ExperimentError(
-            "sft_seed (--sft-seed) chooses among a real world's sft checkpoints: name the "
-            "world (--world smollm2) instead of checkpoints or the toy world."
-        )
-    if sft_seed is not None and "sft" not in spec.roles:
-        raise ExperimentError(
-            f"sft_seed (--sft-seed) does not apply to the {spec.name} experiment: it grafts "
-            f"{', '.join(spec.roles[1:])} into {spec.roles[0]}, not sft."
-        )
-    if checkpoints is None and world != "toy":
-        if on_status is not None:
-            on_status(f"Opening the {world} world...")
-        models, made, info = real_world_setup(
-            spec,
-            world,
-            cache_dir=cache_dir,
-            device=device,
-            dtype=dtype,
-            lazy=lazy,
-            sft_seed=sft_seed,
-        )
-        seeded = "" if sft_seed is None else f", sft seed {sft_seed}"
+    check_known(world, ("toy", *WORLDS), "world", ExperimentError)
+    finetunes = checkpoints is not None and len(checkpoints) == 1 and spec.finetune_missing_donor
+    refuse_first(
+        ExperimentError,
+        (
+            (
+                sft_seed is not None and (checkpoints is not None or world == "toy"),
+                "sft_seed (--sft-seed) chooses among a real world's sft checkpoints: name the "
+                "world (--world smollm2) instead of checkpoints or the toy world.",
+            ),
+            (
+                sft_seed is not None and "sft" not in spec.roles,
+                f"sft_seed (--sft-seed) does not apply to the {spec.name} experiment: it grafts "
+                f"{', '.join(spec.roles[1:])} into {spec.roles[0]}, not sft.",
+            ),
+            (
+                lazy and finetunes,
+                "lazy=True (--lazy) reads donors from checkpoint directories, but the donor "
+                "of this run is finetuned here, in memory. Save it (save_pretrained) and pass "
+                "both checkpoints, or run without lazy.",
+            ),
+        ),
+    )
+    if checkpoints is None:
+        if world != "toy":
+            if on_status is not None:
+                on_status(f"Opening the {world} world...")
+            models, made, info = real_world_setup(
+                spec, world, cache_dir, device, dtype, lazy=lazy, sft_seed=sft_seed
+            )
+            seeded = "" if sft_seed is None else f", sft seed {sft_seed}"
+        else:
+            small = toy_config is None and quick and spec.quick_world
+            if on_status is not None:
+                on_status(f"Building or loading the toy world{' (quick)' if small else ''}...")
+            # Cast as loaded: casting afterwards would go through every source's model
+            # (reading a lazily loaded donor whole).
+            config = quick_toy_config() if small else toy_config
+            models, made, info = toy_setup(
+                spec, config, cache_dir, device, progress, dtype=dtype, lazy=lazy
+            )
+            seeded = ""
         return ExperimentSetup(
             models=models,
             relations=made,
@@ -390,41 +379,8 @@ def setup_experiment(
             seeds={"world": info["seed"]},
             world=info,
         )
-    if checkpoints is None:
-        config = toy_config
-        small = config is None and quick and spec.quick_world
-        if small:
-            config = quick_toy_config()
-        if on_status is not None:
-            on_status("Building or loading the toy world" + (" (quick)" if small else "") + "...")
-        # Cast as loaded: casting afterwards would go through every source's model
-        # (reading a lazily loaded donor whole).
-        models, made, toy = toy_setup(
-            spec,
-            config=config,
-            cache_dir=cache_dir,
-            device=device,
-            progress=progress,
-            dtype=dtype,
-            lazy=lazy,
-        )
-        return ExperimentSetup(
-            models=models,
-            relations=made,
-            label=f"toy world {Path(toy['root']).name}",
-            dataset=toy["dataset"],
-            data_seed=toy["seed"],
-            seeds={"world": toy["seed"]},
-            world=toy,
-        )
     checkpoints = [str(checkpoint) for checkpoint in checkpoints]
-    if len(checkpoints) == 1 and spec.finetune_missing_donor:
-        if lazy:
-            raise ExperimentError(
-                "lazy=True (--lazy) reads donors from checkpoint directories, but the donor "
-                "of this run is finetuned here, in memory. Save it (save_pretrained) and pass "
-                "both checkpoints, or run without lazy."
-            )
+    if finetunes:
         count = n_relations or (20 if quick else spec.default_relations)
         models, made = finetuned_setup(
             spec,
@@ -461,7 +417,7 @@ def setup_experiment(
         label=label,
         dataset=dataset,
         data_seed=seed,
-        resumable=not (len(checkpoints) == 1 and spec.finetune_missing_donor),
+        resumable=not finetunes,
     )
 
 
@@ -481,30 +437,20 @@ def run_named_experiment(
 ) -> pd.DataFrame:
     """Run one of :data:`~grafting_lens.study.specs.EXPERIMENTS` over ``relations``: every part, every prompt.
 
+    :func:`run_spec` on the models and relations given; the other arguments are its.
+
     Args:
-        experiment: A key of :data:`~grafting_lens.study.specs.EXPERIMENTS`.
         models: The model set in the experiment's roles (see :func:`toy_setup`).
         relations: What to ask about.
-        out: A directory; each part runs (resumably) in ``out/<part>``.
-        quick: Ask about the first 16 relations only, with the experiment's short list
-            of configurations.
-        n_examples: Ask about the first ``n_examples`` relations only.
         dataset: Label of the relations (the ``dataset`` column).
         seed: Seed the relations were made with (the ``data_seed`` column).
-        options: How to run (see :class:`~grafting_lens.study.runner.RunOptions`); its
-            ``semantics`` defaults to the experiment's (:attr:`ExperimentSpec.semantics`:
-            :data:`~grafting_lens.study.semantics.REFERENCE` for the paper's experiments).
-        on_chunk: Called after each chunk (see :func:`~grafting_lens.study.runner.run_experiment`).
-        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions` by name
-            (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
 
     Returns:
         The parts' tables, concatenated, with a ``part`` column after ``models`` (for an
         experiment with its own runner, its ``results`` table).
 
     Raises:
-        GraftingLensError: Anything :func:`~grafting_lens.study.runner.run_experiment`
-            refuses, for any part, before the first part runs.
+        GraftingLensError: As :func:`run_spec`.
     """
     spec = get_experiment(experiment)
     setup = ExperimentSetup(
@@ -548,14 +494,16 @@ def run_spec(
         out: A directory for its resumable runs (``out/<part>``).
         quick: A short run: 16 relations and the parts' ``quick`` configurations.
         n_examples: Ask about the first ``n_examples`` relations only.
-        options: How to run; ``settings`` override its fields.
+        options: How to run (:class:`~grafting_lens.study.runner.RunOptions`); ``settings``
+            override its fields.
         extras: Values of the experiment's own options (see :class:`Option`).
-        on_chunk: Called after each chunk.
+        on_chunk: Called after each chunk (see :func:`~grafting_lens.study.runner.run_experiment`).
         prompts: Test sets of your own prompts (:func:`~grafting_lens.study.testsets.read_prompts`)
             asked instead of the relations, under the first part's configurations (the
             others need spans of the paper's prompts, such as the movie title); a grid
             experiment only. ``n_examples`` keeps the first rows of each.
-        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions`.
+        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions` by name
+            (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
 
     The semantics is ``options.semantics`` or, if none is given, the experiment's
     (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
@@ -566,13 +514,16 @@ def run_spec(
 
     Raises:
         ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left to
-            ask about. GraftingLensError: anything
-            :func:`~grafting_lens.study.runner.run_experiment` refuses, for any part, before
-            the first part runs.
+            ask about (no test set has examples).
+        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment`
+            refuses, for any part, before the first part runs.
     """
     spec = get_experiment(experiment)
-    if n_examples is not None:
-        _check_n_examples(n_examples)  # for every runner, before anything runs
+    if n_examples is not None and (not is_integer(n_examples) or n_examples < 1):
+        # For every runner, before anything runs (a slice would take -1 too).
+        raise ExperimentError(
+            f"n_examples is how many relations to ask about: an integer >= 1, got {n_examples!r}."
+        )
     options = dataclasses.replace(options or RunOptions(), **settings)
     if (
         "--semantics" in spec.inapplicable
@@ -611,31 +562,27 @@ def run_spec(
         relations = relations[:n_examples]
     if quick:
         relations = relations[:QUICK_RELATIONS]
-    if not relations:
-        raise ExperimentError("No relations to ask about: the example set is empty.")
     # Check every part before running any of them.
     parts = []
-    if prompts is not None:
-        first = spec.parts[0]
-        names = first.quick if quick and first.quick is not None else first.configs
-        own = [
-            dataclasses.replace(test_set, examples=test_set.examples[:n_examples])
-            if n_examples is not None and not test_set.is_tokenized
-            else test_set
-            for test_set in prompts
-        ]
-        configs = get_configs(list(names), spec.configurations, semantics=semantics)
-        parts.append((first.name, own, configs))
-    for part in spec.parts if prompts is None else ():
+    for part in spec.parts if prompts is None else spec.parts[:1]:
         names = part.quick if quick and part.quick is not None else part.configs
         configs = get_configs(list(names), spec.configurations, semantics=semantics)
-        test_sets = make_test_sets(
-            relations,
-            part.prompts,
-            spec.direction,
-            dataset=setup.dataset,
-            seed=setup.data_seed,
-            templates=semantics.prompts,
+        test_sets = (
+            make_test_sets(
+                relations,
+                part.prompts,
+                spec.direction,
+                dataset=setup.dataset,
+                seed=setup.data_seed,
+                templates=semantics.prompts,
+            )
+            if prompts is None
+            else [
+                dataclasses.replace(test_set, examples=test_set.examples[:n_examples])
+                if n_examples is not None and not test_set.is_tokenized
+                else test_set
+                for test_set in prompts
+            ]
         )
         parts.append((part.name, test_sets, configs))
     tables = []
@@ -669,14 +616,6 @@ def check_prompts_apply(experiment: str | ExperimentSpec) -> None:
         )
 
 
-def _check_n_examples(n_examples: Any) -> None:
-    """``n_examples`` is a count of relations: an integer >= 1 (a slice would take -1 too)."""
-    if not is_integer(n_examples) or n_examples < 1:
-        raise ExperimentError(
-            f"n_examples is how many relations to ask about: an integer >= 1, got {n_examples!r}."
-        )
-
-
 def quick_toy_config() -> Any:
     """A toy world small enough to build in one to four minutes on two CPU cores.
 
@@ -706,7 +645,7 @@ def _relations(
     spec: ExperimentSpec, dataset: str, n_relations: int, seed: int, which: str | None
 ) -> list[data.Relation]:
     which = which or spec.relations
-    if which not in ("all", "task", "relation"):
+    if which not in RELATION_SETS:
         raise ExperimentError(f"relations must be 'all', 'task' or 'relation', got {which!r}.")
     made = data.make_relations(dataset, n=n_relations, seed=seed)
     if which != "all":

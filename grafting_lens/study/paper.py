@@ -15,13 +15,10 @@ and from the command line (``grafting-lens run <name> --out <dir>``). A new expe
 is one more :func:`~grafting_lens.study.specs.register_experiment` call (see the
 developer guide, "Adding an experiment").
 
-The grafting experiments run under :data:`~grafting_lens.study.semantics.REFERENCE`, the
-one default (:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`), and name it: they
-exist to reproduce the paper's figures, and those were made by the authors' released
-code, which differs from the paper's text on several points (see
-:class:`~grafting_lens.study.semantics.Semantics`). ``--semantics clean`` runs them the
-library's way. The grafting-versus-patching comparison and graft attribution are this
-library's own experiments (the paper's code has neither) and run clean only.
+The grafting experiments name :data:`~grafting_lens.study.semantics.REFERENCE`, the one
+default: they reproduce figures made by the authors' released code. The comparison and
+graft attribution are this library's own experiments (the code has neither) and run
+clean only.
 """
 
 from __future__ import annotations

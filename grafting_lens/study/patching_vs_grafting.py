@@ -34,17 +34,17 @@ from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study import markdown
 from grafting_lens.study.markdown import Markup
-from grafting_lens.study.named import QUICK_RELATIONS, ExperimentSetup
 from grafting_lens.study.report import (
     ExperimentReport,
     figure_caption,
     figure_lines,
+    interval_text,
     report_settings,
     write_table,
 )
 from grafting_lens.study.runner import ChunkInfo, RunOptions
 from grafting_lens.study.semantics import CLEAN
-from grafting_lens.study.specs import ExperimentSpec
+from grafting_lens.study.specs import QUICK_RELATIONS, ExperimentSetup, ExperimentSpec
 from grafting_lens.worlds import data
 
 __all__ = ["PAIRS", "POSITIONS", "PROMPTS", "READOUT", "readout_ceiling", "report", "run"]
@@ -168,17 +168,16 @@ def report(
     out = Path(out)
     results, references = tables["results"], tables["references"]
     settings = dict(tables.get("settings", {}))
-    files = [
-        write_table(results, out / "results.csv"),
-        write_table(references, out / "references.csv"),
-    ]
     by = ("direction", "prompt", "positions", "pair", "method", "layer")
     summary = summarize_comparison(results, by=by)
     reference_summary = summarize_comparison(references, by=("prompt", "model"))
-    files += [
-        write_table(summary, out / "summary.csv"),
-        write_table(reference_summary, out / "references_summary.csv"),
-    ]
+    written_tables = {
+        "results": results,
+        "references": references,
+        "summary": summary,
+        "references_summary": reference_summary,
+    }
+    files = [write_table(table, out / f"{name}.csv") for name, table in written_tables.items()]
     written = ExperimentReport(summary, files)
     figures = {}
     for direction in dict.fromkeys(summary.direction):
@@ -229,8 +228,8 @@ def _markdown(
                 row.prompt,
                 row.model,
                 row.n,
-                Markup(_interval(row, "top5")),
-                Markup(_interval(row, "target_prob", ".3f")),
+                Markup(interval_text(row, "top5")),
+                Markup(interval_text(row, "target_prob", ".3f")),
             ]
             for _, row in references.iterrows()
         ],
@@ -254,16 +253,9 @@ def _markdown(
                         cells.append("")
                         continue
                     row = match.iloc[0]
-                    cells.append(Markup(f"{_interval(row, 'top5')} ({row.target_prob:.3f})"))
+                    cells.append(Markup(f"{interval_text(row, 'top5')} ({row.target_prob:.3f})"))
             rows.append(cells)
         lines += markdown.table(header, rows)
     lines += ["", "## Figures", ""]
     lines += figure_lines(figures)
     return "\n".join(lines) + "\n"
-
-
-def _interval(row: pd.Series, value: str, spec: str = ".0%") -> str:
-    return (
-        f"{format(row[value], spec)} [{format(row[value + '_low'], spec)}, "
-        f"{format(row[value + '_high'], spec)}]"
-    )

@@ -5,26 +5,16 @@
 top-5 accuracy with 95% bootstrap intervals and the mean rank, grouped as the
 experiment says), ``summary.md`` (the same table, the command that made it, notes on
 the run, and what the paper reports next to it), and the experiment's figures as HTML
-(and PNG where a Chrome is installed). Every file is written under a temporary name
-and renamed into place.
-
-A report directory holds one run's report. ``report.json`` says which run (its
-fingerprint, the command, what differs between runs) and lists every file the report
-wrote. Writing the report of another run into it is refused (a
-:class:`~grafting_lens.core.errors.RunError` naming what differs) unless asked to
-overwrite; then every file of the old report, its figures and its ``runs/``
-included, is deleted first, so nothing of it is left beside the new tables. A
-rewrite of the same run's report deletes the files the new one no longer writes (a
-PNG from before ``--no-png``). :func:`prepare_report_directory` makes that check
-before a run starts, so that the refusal comes before the compute.
-
-The figure builders here draw the paper's figures from a summary:
-:func:`accuracy_bars` (figures 2, 3a and 5) and :func:`component_heatmap` /
-:func:`component_bars` (figure 4).
+(and PNG where a Chrome is installed), each written under a temporary name and renamed
+into place. A report directory holds one run's report, named in ``report.json``
+(:func:`prepare_report_directory` says how another run's is refused or cleared).
+:func:`accuracy_bars`, :func:`component_heatmap` and :func:`component_bars` draw the
+paper's figures 2, 3a, 4 and 5 from a summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -58,6 +48,7 @@ __all__ = [
     "component_figures",
     "component_heatmap",
     "figure_caption",
+    "interval_text",
     "mean_rank_bars",
     "prepare_report_directory",
     "figure_lines",
@@ -153,11 +144,9 @@ def write_experiment_report(
     fingerprint: str | None = None,
     overwrite: bool = False,
 ) -> ExperimentReport:
-    """Write a named experiment's tables, summary and figures into ``out``.
-
-    ``out`` holds one run's report (see the module's docstring): the report of
-    another run there is refused, or, with ``overwrite``, deleted first; a rewrite of
-    the same run's deletes what the new one no longer writes.
+    """Write a named experiment's tables, summary and figures into ``out``, which holds
+    one run's report (see :func:`prepare_report_directory`); a rewrite of the same run's
+    report deletes what the new one no longer writes (a PNG from before ``--no-png``).
 
     Args:
         experiment: The experiment (its own ``report`` is used if it has one).
@@ -217,12 +206,14 @@ def prepare_report_directory(
 ) -> dict[str, Any]:
     """Make ``out`` ready for the report of the run ``fingerprint``, before the run starts.
 
-    A directory holding the report of the same run (the same fingerprint) is left as
-    it is: the run resumes, and its report is rewritten. One holding another run's
-    report (``report.json`` with another fingerprint, or, without ``report.json``,
-    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: every
-    file the old report lists, the tables and figures of a report without a list,
-    and the run directories under ``runs/``. Then ``report.json`` names this run.
+    Called before the run, so that a refusal comes before the compute. A directory
+    holding the report of the same run (the same fingerprint) is left as it is: the run
+    resumes, and its report is rewritten. One holding another run's report
+    (``report.json`` with another fingerprint, or, without ``report.json``,
+    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: every file
+    the old report lists, the tables and figures of a report without a list, and the run
+    directories under ``runs/``, so nothing of it is left beside the new tables. Then
+    ``report.json`` names this run.
 
     Args:
         out: The report directory (created if needed).
@@ -309,9 +300,9 @@ def _read_report_manifest(out: Path) -> dict[str, Any] | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
-            raise ValueError("not a report manifest")
     except (OSError, ValueError):
+        manifest = None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", []), list):
         return {"fingerprint": None, "unreadable": True}
     return manifest
 
@@ -436,16 +427,14 @@ def _description_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> 
 
 
 def _clear_report(out: Path, found: Sequence[Path]) -> None:
-    """Delete another run's report: files, figures and run directories."""
-    for path in found:
-        if path.is_dir():
+    """Delete another run's report: files, figures and run directories, none of whose runs
+    another process is writing (every one checked, and held, before anything goes)."""
+    with contextlib.ExitStack() as held:
+        for path in (p for p in found if p.is_dir()):
             for run in sorted(p for p in path.iterdir() if p.is_dir()):
-                # Not a run some other process is writing now.
-                with DirectoryLock(run, "The run directory"):
-                    pass
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+                held.enter_context(DirectoryLock(run, "The run directory"))
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) -> None:
@@ -471,30 +460,31 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`.
     """
-    from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS
-
     groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
     ks = [c for c in summary.columns if re.fullmatch(r"top\d+", c)]
-
-    def interval(row: pd.Series, column: str, number: str) -> str:
-        value = format(row[column], number)
-        if f"{column}_low" not in row or pd.isna(row[f"{column}_low"]):
-            return value
-        if "n" in row and int(row["n"]) < MIN_INTERVAL_ROWS:
-            return f"{value} (no interval, n < {MIN_INTERVAL_ROWS})"
-        return f"{value} [{format(row[column + '_low'], number)}, {format(row[column + '_high'], number)}]"
-
     rows = []
     for _, row in summary.iterrows():
         cells = {column: row[column] for column in groups}
         if "n" in row:
             cells["n"] = int(row["n"])
         for column in ks:
-            cells[f"top-{column[3:]}"] = interval(row, column, ".0%")
+            cells[f"top-{column[3:]}"] = interval_text(row, column)
         if "mean_rank" in row:
-            cells["mean rank"] = interval(row, "mean_rank", ",.1f")
+            cells["mean rank"] = interval_text(row, "mean_rank", ",.1f")
         rows.append(cells)
     return pd.DataFrame(rows, index=summary.index)
+
+
+def interval_text(row: pd.Series, column: str, number: str = ".0%") -> str:
+    """A summary row's ``column`` with its 95% interval, as :func:`summary_table` shows it."""
+    value = format(row[column], number)
+    if f"{column}_low" not in row or pd.isna(row[f"{column}_low"]):
+        return value
+    if "n" in row and int(row["n"]) < metrics.MIN_INTERVAL_ROWS:
+        return f"{value} (no interval, n < {metrics.MIN_INTERVAL_ROWS})"
+    return (
+        f"{value} [{format(row[column + '_low'], number)}, {format(row[column + '_high'], number)}]"
+    )
 
 
 def summary_markdown(
@@ -572,7 +562,6 @@ def write_report(
 _UNEMBEDDINGS = {
     "base": "grafted positions decoded by the base's unembedding",
     "donor": "grafted positions decoded by the donor's unembedding",
-    "follow-embed": "the donor's unembedding where the embedding is grafted",
     "follow_embed": "the donor's unembedding where the embedding is grafted",
 }
 

@@ -9,17 +9,12 @@ chunk is written to a run directory (:mod:`grafting_lens.study.run_directory`),
 and a killed run started again resumes where it stopped. Everything a run is given is
 checked before the first forward pass.
 
-How a run grafts, scores, batches and saves is one :class:`RunOptions`: the place for
-a new option (it is fingerprinted with the run when it changes a row). Its
-``semantics`` (:class:`~grafting_lens.study.semantics.Semantics`) says what the
-configurations mean, how prompts are tokenized and how answers are ranked: the paper's
-released code (:data:`~grafting_lens.study.semantics.REFERENCE`, the one default,
-:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`) or this library's clean reading
-(:data:`~grafting_lens.study.semantics.CLEAN`, ``semantics="clean"``). Every row
-records it in a ``semantics`` column, next to its exact prompt ``text``, the answer's
-``target_id``, ``target_prob`` and ``target_rank``, so a table compares row by row
-with any other implementation. :func:`run_position_grafting` is the short way to the
-paper's first experiment on one tokenized batch.
+How a run grafts, scores, batches and saves is one :class:`RunOptions`, the place for a
+new option; its ``semantics`` (:class:`~grafting_lens.study.semantics.Semantics`, default
+the paper's released code) says what the configurations mean and is recorded in every
+row, beside its exact prompt ``text``, ``target_id``, ``target_prob`` and ``target_rank``.
+Under ``torch.distributed`` ranks the chunks are shared (:mod:`grafting_lens.core.ranks`).
+:func:`run_position_grafting` is the short way to the paper's first experiment.
 """
 
 from __future__ import annotations
@@ -39,9 +34,10 @@ from tqdm.auto import tqdm
 
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
 from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_K_COLUMNS, LastTokenScorer
-from grafting_lens.core.arguments import is_integer
+from grafting_lens.core import ranks
+from grafting_lens.core.arguments import as_list, is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import ExperimentError, GraftingLensError
+from grafting_lens.core.errors import ExperimentError, GraftingLensError, check_known
 from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.positions import select_positions
 from grafting_lens.models.model_set import ModelSet
@@ -195,6 +191,10 @@ class RunOptions:
         }
 
 
+RUN_OPTIONS = tuple(field.name for field in dataclasses.fields(RunOptions))
+"""The options :func:`run_experiment` takes as keywords."""
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """What :func:`run_experiment` passes to ``on_chunk`` after each chunk is written.
@@ -303,6 +303,9 @@ def run_experiment(
             precision than the semantics'. RunError: ``out`` holds a different run, or files
             that are not a run's.
     """
+    share = ranks.current()  # first thing on every rank: joining a job is a collective step
+    for name in settings:  # dataclasses.replace would raise a bare TypeError
+        check_known(name, RUN_OPTIONS, "run_experiment option", ExperimentError)
     options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(
         DEFAULT_SEMANTICS
     )
@@ -326,9 +329,18 @@ def run_experiment(
         for number, start in enumerate(range(0, len(order), options.chunk_size)):
             chunk_id = f"m{cell.model_index}-t{cell.test_index}-c{number}"
             chunks.append((chunk_id, cell, order[start : start + options.chunk_size]))
-
+    # Under ranks, chunk i is rank i % world's: no chunk claimed, computed twice or lost.
+    mine = {chunk_id for chunk_id, _, _ in (chunks if share is None else share.share(chunks))}
+    # What each chunk must hold: every configuration of its examples, once.
+    expected = {
+        chunk_id: [
+            (cell.model_index, cell.test_index, config, example)
+            for config in range(len(grid.configs))
+            for example in index.tolist()
+        ]
+        for chunk_id, cell, index in chunks
+    }
     run_dir = None
-    done: dict[str, Rows] = {}
     if out is not None:
         spec = describe_run(
             model_sets=grid.model_sets,
@@ -345,18 +357,17 @@ def run_experiment(
         )
         run_dir = RunDirectory.open(out, spec)
     with run_dir if run_dir is not None else contextlib.nullcontext():
+        done: dict[str, Rows] = {}
         if run_dir is not None:
-            # What each chunk must hold: every configuration of its examples, once.
-            expected = {
-                chunk_id: [
-                    (cell.model_index, cell.test_index, config, example)
-                    for config in range(len(grid.configs))
-                    for example in index.tolist()
-                ]
-                for chunk_id, cell, index in chunks
-            }
-            done = run_dir.finished(expected, columns, _KEY_COLUMNS)
-        records = _compute(grid, chunks, done, run_dir, columns, on_chunk)
+            own = {chunk_id: expected[chunk_id] for chunk_id in mine}
+            done = ranks.agree(lambda: run_dir.finished(own, columns, _KEY_COLUMNS))
+        records = ranks.agree(
+            lambda: _compute(grid, chunks, mine, done, run_dir, columns, on_chunk)
+        )
+        if share is not None and run_dir is not None:  # every rank's chunks, read back
+            records = run_dir.finished(expected, columns, _KEY_COLUMNS)
+        elif share is not None:  # or handed over
+            records = {key: rows for part in ranks.gather(records) for key, rows in part.items()}
 
     table = pd.DataFrame(
         [row for chunk_id, _, _ in chunks for row in records[chunk_id]], columns=columns
@@ -368,14 +379,16 @@ def run_experiment(
 def _compute(
     grid: _Grid,
     chunks: Sequence[tuple[str, _TestCell, torch.Tensor]],
+    mine: set[str],
     done: Mapping[str, Rows],
     run_dir: RunDirectory | None,
     columns: Sequence[str],
     on_chunk: Callable[[ChunkInfo], None] | None,
 ) -> dict[str, Rows]:
-    """Every chunk not in ``done``, computed (and written to ``run_dir``); with ``done``."""
+    """Every chunk of ``mine`` not in ``done``, computed (and written to ``run_dir``); with
+    ``done``."""
     options = grid.options
-    rows_of = {chunk_id: len(index) * len(grid.configs) for chunk_id, _, index in chunks}
+    rows_of = {c: len(index) * len(grid.configs) for c, _, index in chunks if c in mine}
     bar = tqdm(
         total=sum(rows_of.values()),
         initial=sum(rows_of[chunk_id] for chunk_id in done),
@@ -387,7 +400,7 @@ def _compute(
     scorers: dict[int, LastTokenScorer] = {}
     with bar, torch.inference_mode():
         for position, (chunk_id, cell, index) in enumerate(chunks):
-            if chunk_id in done:
+            if chunk_id in done or chunk_id not in mine:
                 continue
             tokenizer = grid.model_sets[cell.model_index][1].tokenizer
             scorer = scorers.setdefault(
@@ -429,18 +442,9 @@ def run_position_grafting(
     back. A thin wrapper over :func:`run_experiment` for one model set and one batch,
     kept in memory.
 
-    What "every weight" is follows ``semantics`` (default
-    :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`,
-    :data:`~grafting_lens.study.semantics.REFERENCE`: what the paper's released code does,
-    see :class:`~grafting_lens.study.semantics.Semantics`; on a model with tied embeddings a
-    grafted embedding also brings the donor's unembedding, and ``SFT`` is the donor
-    itself). ``semantics="clean"`` (:data:`~grafting_lens.study.semantics.CLEAN`) takes every
-    component but the unembedding, so grafted positions read the donor's embeddings and
-    every position predicts through the base's unembedding, as the paper's text says;
-    ``SFT`` is then the donor decoded through the base's unembedding. The batch is used as
-    it is: tokenize it as the semantics says
-    (``tokenize_examples(examples, tokenizer, **semantics.tokenization())``); a batch
-    :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other rules is refused.
+    What "every weight" is, and how the batch must be tokenized, follow ``semantics``
+    (:class:`~grafting_lens.study.semantics.Semantics`; default the paper's released code); a
+    batch :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other rules is refused.
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
@@ -501,9 +505,12 @@ def _grid(
     options: RunOptions,
 ) -> _Grid:
     model_sets = _model_sets(models)
-    test_list = [test_sets] if isinstance(test_sets, TestSet) else list(test_sets)
-    if not test_list:
-        raise ExperimentError("No test set given: the example set is empty.")
+    forms = "a TestSet or a list of them (make_test_sets)"
+    test_list = (
+        [test_sets]
+        if isinstance(test_sets, TestSet)
+        else as_list(test_sets, "test_sets", forms, ExperimentError)
+    )
     seen: dict[tuple[Any, ...], int] = {}
     for index, test_set in enumerate(test_list):
         if not isinstance(test_set, TestSet):

@@ -1,26 +1,26 @@
 """Named experiments: one registered :class:`ExperimentSpec` each, and the registry.
 
-An experiment of the paper is more than a list of configurations: it needs
-checkpoints in *roles* (pretrained and finetuned; task and relation model...), asks
-about some relations in one direction, runs in *parts* (the movie-title
-configurations need prompts that name the movie), is summarized by some columns,
-drawn in some figures and read next to what the paper reports. An
-:class:`ExperimentSpec` says all of that in one place, and
-:func:`register_experiment` is the one door: a registered spec is runnable from
-Python (:func:`~grafting_lens.study.named.run_named_experiment`) and from the
-command line (``grafting-lens run <name>``), with its own options.
+An experiment of the paper is more than a list of configurations (checkpoints in
+*roles*, relations, *parts*, summaries, figures, what the paper reports): an
+:class:`ExperimentSpec` says all of that in one place, and :func:`register_experiment`
+is the one door: a registered spec is runnable from Python
+(:func:`~grafting_lens.study.named.run_named_experiment`) and from the command line
+(``grafting-lens run <name>``), with its own options.
 
-The paper's experiments are registered in :mod:`grafting_lens.study.paper`.
+The paper's experiments are registered by :mod:`grafting_lens.study.paper` when it is
+imported; the rooms that look experiments up by name (``grafting_lens.study``'s names,
+:mod:`~grafting_lens.study.named`, the command) import it. This registry never imports it:
+the paper's experiments stand on the runner and the reports, which stand on this.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from grafting_lens.core.errors import ExperimentError, did_you_mean
+from grafting_lens.core.arguments import as_list
+from grafting_lens.core.errors import ExperimentError, check_known, refuse_first
 from grafting_lens.study.configs import HYBRID_CONFIGS, GraftConfig, code_hybrid_configs
 from grafting_lens.study.semantics import (
     DEFAULT_SEMANTICS,
@@ -29,8 +29,14 @@ from grafting_lens.study.semantics import (
     semantics_or_default,
 )
 
+if TYPE_CHECKING:
+    from grafting_lens.models.model_set import ModelSet
+    from grafting_lens.worlds import data
+
 __all__ = [
     "EXPERIMENTS",
+    "QUICK_RELATIONS",
+    "ExperimentSetup",
     "get_configs",
     "register_config",
     "ExperimentSpec",
@@ -44,6 +50,9 @@ __all__ = [
 RELATION_SETS = ("all", "task", "relation")
 """Which relations an experiment asks about: all of them, or one half of
 :func:`grafting_lens.worlds.data.split_task_relation`."""
+
+QUICK_RELATIONS = 16
+"""How many relations a ``quick`` run asks about."""
 
 
 @dataclass(frozen=True)
@@ -147,11 +156,9 @@ class ExperimentSpec:
         finetune_missing_donor: ``--model`` without a donor finetunes a copy of the
             model on the relations first.
         default_relations: How many relations ``--model`` runs make by default.
-        semantics: The semantics its runs default to, a label of
-            :class:`~grafting_lens.study.semantics.Semantics`: by default that of
-            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS` (``"reference"``, the
-            one default); an experiment whose runner works one way only (with
-            ``"--semantics"`` in :attr:`inapplicable`) names the one it runs.
+        semantics: The label of the :class:`~grafting_lens.study.semantics.Semantics` its
+            runs default to (``"reference"``, the one default); an experiment whose runner
+            works one way only (``"--semantics"`` in :attr:`inapplicable`) names that one.
     """
 
     name: str
@@ -178,31 +185,35 @@ class ExperimentSpec:
     semantics: str = DEFAULT_SEMANTICS.label
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ExperimentError(f"An experiment needs a non-empty name, got {self.name!r}.")
-        if len(self.roles) < 2:
-            raise ExperimentError(
-                f"Experiment {self.name!r}: a graft needs at least two roles (a base and a "
-                f"donor), got {self.roles!r}."
-            )
-        if set(self.donors) != set(self.roles[1:]):
-            raise ExperimentError(
-                f"Experiment {self.name!r}: donors must give an option for every role after the "
-                f"base ({', '.join(self.roles[1:])}), got {sorted(self.donors)}."
-            )
-        if self.relations not in RELATION_SETS:
-            raise ExperimentError(
-                f"Experiment {self.name!r}: relations must be one of {RELATION_SETS}, got "
-                f"{self.relations!r}."
-            )
-        if not self.parts and self.run is None:
-            raise ExperimentError(
-                f"Experiment {self.name!r} has neither parts to run nor a run function."
-            )
-        if self.names is not None and len(self.names) != len(self.roles):
-            raise ExperimentError(
-                f"Experiment {self.name!r}: {len(self.names)} names for {len(self.roles)} roles."
-            )
+        roles_after = ", ".join(self.roles[1:])
+        # Every mistake at once: a spec is written by hand and read once, at registration.
+        checks = (
+            (
+                not self.name or not isinstance(self.name, str),
+                "an experiment needs a non-empty name",
+            ),
+            (
+                len(self.roles) < 2,
+                f"a graft needs at least two roles (a base and a donor), got {self.roles!r}",
+            ),
+            (
+                set(self.donors) != set(self.roles[1:]),
+                f"donors must give an option for every role after the base ({roles_after}), "
+                f"got {sorted(self.donors)}",
+            ),
+            (
+                self.relations not in RELATION_SETS,
+                f"relations must be one of {RELATION_SETS}, got {self.relations!r}",
+            ),
+            (not self.parts and self.run is None, "it has neither parts to run nor a run function"),
+            (
+                self.names is not None and len(self.names) != len(self.roles),
+                f"{len(self.names or ())} names for {len(self.roles)} roles",
+            ),
+        )
+        problems = [problem for found, problem in checks if found]
+        if problems:
+            raise ExperimentError(f"Experiment {self.name!r}: {'; '.join(problems)}.")
         object.__setattr__(self, "donors", dict(self.donors))
         as_semantics(self.semantics)  # a label that does not read fails here
 
@@ -212,17 +223,57 @@ class ExperimentSpec:
         return self.names if self.names is not None else self.roles
 
 
+@dataclass(frozen=True)
+class ExperimentSetup:
+    """What a named experiment runs on.
+
+    Attributes:
+        models: The model set, in the experiment's roles.
+        relations: The relations to ask about.
+        label: The models in a few words, for reports (``"toy world 3f2a..."``,
+            ``"gpt2 <- gpt2-sft"``).
+        dataset: The dataset the relations come from (the ``dataset`` column).
+        data_seed: The seed they were made with (the ``data_seed`` column).
+        seeds: Further seeds to record with every row (the toy world's).
+        world: The toy world's ``root``, ``seed``, ``dataset`` and ``evaluation``, or
+            ``None`` for your own checkpoints.
+        resumable: Whether a run on these models can resume from a run directory (not
+            when a donor was finetuned in this process: another process finetunes
+            another donor).
+    """
+
+    models: ModelSet
+    relations: list[data.Relation]
+    label: str
+    dataset: str
+    data_seed: int | None = None
+    seeds: dict[str, int] = field(default_factory=dict)
+    world: dict[str, Any] | None = None
+    resumable: bool = True
+
+
 EXPERIMENTS: dict[str, ExperimentSpec] = {}
-"""The named experiments, by name (the paper's register on import of
-:mod:`grafting_lens.study.paper`, which every lookup here and ``study.EXPERIMENTS`` do
-first)."""
+"""The named experiments, by name (the paper's once :mod:`grafting_lens.study.paper` is
+imported: ``study.EXPERIMENTS`` and every name of ``grafting_lens.study`` import it)."""
 
 
-def _with_the_papers() -> dict[str, ExperimentSpec]:
-    """The registry with the paper's experiments in it: :mod:`grafting_lens.study` imports its
-    rooms on first use, so the module that registers them may not have run yet."""
-    importlib.import_module("grafting_lens.study.paper")
-    return EXPERIMENTS
+def _register(
+    table: MutableMapping[str, Any],
+    item: Any,
+    kind: type[ExperimentSpec] | type[GraftConfig],
+    door: str,
+    overwrite: bool,
+) -> None:
+    """Add ``item`` to ``table`` under its name, refusing another type or a taken name: the
+    one door of both registries (``door`` names it in messages)."""
+    taken = isinstance(item, kind) and item.name in table and not overwrite
+    if taken or not isinstance(item, kind):
+        raise ExperimentError(
+            f"{door}: {item.name!r} is taken; pass overwrite=True to replace it."
+            if taken
+            else f"{door} takes {kind.__name__} objects, got {type(item).__name__}."
+        )
+    table[item.name] = item
 
 
 def register_experiment(spec: ExperimentSpec, overwrite: bool = False) -> ExperimentSpec:
@@ -238,15 +289,7 @@ def register_experiment(spec: ExperimentSpec, overwrite: bool = False) -> Experi
     Raises:
         ExperimentError: Not an :class:`ExperimentSpec`, or a name that is taken.
     """
-    if not isinstance(spec, ExperimentSpec):
-        raise ExperimentError(
-            f"register_experiment needs an ExperimentSpec, got {type(spec).__name__}."
-        )
-    if spec.name in _with_the_papers() and not overwrite:
-        raise ExperimentError(
-            f"An experiment named {spec.name!r} exists; pass overwrite=True to replace it."
-        )
-    EXPERIMENTS[spec.name] = spec
+    _register(EXPERIMENTS, spec, ExperimentSpec, "register_experiment", overwrite)
     return spec
 
 
@@ -258,11 +301,10 @@ def get_experiment(name: str | ExperimentSpec) -> ExperimentSpec:
     """
     if isinstance(name, ExperimentSpec):
         return name
-    if name not in _with_the_papers():
-        raise ExperimentError(
-            f"Unknown experiment {name!r}.{did_you_mean(str(name), EXPERIMENTS)} Known: "
-            f"{', '.join(EXPERIMENTS)}."
-        )
+    unregistered = " (the paper's register on import grafting_lens.study.paper)"
+    check_known(
+        name, EXPERIMENTS, "experiment", ExperimentError, "" if EXPERIMENTS else unregistered
+    )
     return EXPERIMENTS[name]
 
 
@@ -285,20 +327,13 @@ def register_config(
         ExperimentError: Not a configuration, an unknown experiment, one whose
             configurations cannot grow, or a name that is taken.
     """
-    if not isinstance(config, GraftConfig):
-        raise ExperimentError(f"register_config needs a GraftConfig, got {type(config).__name__}.")
     target = get_experiment(experiment).configurations
     if not isinstance(target, MutableMapping) or not target:
         raise ExperimentError(
             f"The {experiment} experiment runs no configurations of its own; register it with "
             "'position', 'component' or 'hybrid'."
         )
-    if config.name in target and not overwrite:
-        raise ExperimentError(
-            f"A {experiment} configuration named {config.name!r} exists; pass overwrite=True to "
-            "replace it."
-        )
-    target[config.name] = config
+    _register(target, config, GraftConfig, f"register_config({experiment!r})", overwrite)
 
 
 def get_configs(
@@ -317,12 +352,10 @@ def get_configs(
         kind: What to call the configurations in messages (default: the registry's
             name, e.g. ``"component-grafting"``).
         semantics: What the configurations will run under (default
-            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, whose hybrid is the code's).
-            Under ``hybrid="code"``, the names of :data:`HYBRID_CONFIGS` are the code's
-            hybrid configurations (:func:`code_hybrid_configs`), and so are
-            :data:`HYBRID_CONFIGS`' objects wherever they are passed; pass
-            ``semantics="clean"`` for the library's hybrid. Other configurations do not
-            depend on it.
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`). Under
+            ``hybrid="code"`` (the default's), :data:`HYBRID_CONFIGS`' names and objects
+            are the code's hybrid configurations (:func:`code_hybrid_configs`); no other
+            configuration depends on it.
 
     Raises:
         ExperimentError: No configuration, an unknown name (the message lists the
@@ -340,25 +373,26 @@ def get_configs(
     kind = kind or "grafting"
     if isinstance(configs, (str, GraftConfig)):
         configs = [configs]
+    if not isinstance(configs, (list, tuple)):  # an empty list is refused below, with choices
+        configs = as_list(configs, "configs", "a configuration's name or a list", ExperimentError)
     resolved = []
     for item in configs:
         if isinstance(item, GraftConfig) and code is not None:
             resolved.append(_as_code_hybrid(item, code))
         elif isinstance(item, GraftConfig):
             resolved.append(item)
-        elif isinstance(item, str) and item in registry:
-            resolved.append(registry[item])
         else:
-            raise ExperimentError(
-                f"Unknown {kind} configuration {item!r}.{did_you_mean(str(item), registry)} "
-                f"Known: {', '.join(registry)}."
-            )
-    if not resolved:
-        raise ExperimentError(f"No configuration given; choose from {', '.join(registry)}.")
+            check_known(item, registry, f"{kind} configuration", ExperimentError)
+            resolved.append(registry[item])
     names = [config.name for config in resolved]
     repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ExperimentError(f"Configurations are listed twice: {repeated}.")
+    refuse_first(
+        ExperimentError,
+        (
+            (not resolved, f"No configuration given; choose from {', '.join(registry)}."),
+            (repeated, f"Configurations are listed twice: {repeated}."),
+        ),
+    )
     return resolved
 
 

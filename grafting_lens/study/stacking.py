@@ -10,13 +10,8 @@ two grafts of one configuration may not give one cell different sources
 the graft engine splits into positions once per pass rather than once per pair.
 
 Checking a graft is also where a :class:`~grafting_lens.study.semantics.Semantics` says
-what it means on this model set (:func:`resolve_configs`): which components a name
-brings, how named layer ranges are counted, whether a whole-donor configuration is
-the donor itself, whether the unembedding follows a grafted embedding on a model
-whose two are tied, whether the donor's unembedding reads the last token
-(``lm_head="always"``), and how a graft from the code's hybrid model splits between
-the task and the relation model. The graft engine below needs no switch: every one
-of those readings is a mask.
+what it means on this model set (:func:`resolve_configs`), so the graft engine below
+needs no switch: every reading is a mask.
 """
 
 from __future__ import annotations
@@ -75,15 +70,12 @@ def resolve_configs(
     *,
     semantics: Semantics | str | None = None,
 ) -> list[list[ResolvedGraft]]:
-    """Check every graft against one model set, and say what it takes there under ``semantics``.
-
-    ``semantics`` is a :class:`~grafting_lens.study.semantics.Semantics` or its label, by
-    default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS` (the paper's released
-    code, :data:`~grafting_lens.study.semantics.REFERENCE`).
+    """Check every graft against one model set, and say what it takes there under ``semantics``
+    (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
 
     Beside each graft's components (:func:`~grafting_lens.study.configs.resolve_components`)
     and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
-    semantics (:class:`~grafting_lens.study.semantics.Semantics`) may add or change grafts:
+    semantics may add or change grafts:
 
     * ``sft="donor"``: a whole-donor graft (``all`` at ``ALL`` over ``all`` layers) takes
       every component, the unembedding and final norm included: the donor itself;
@@ -243,9 +235,7 @@ def config_masks(
         spans: The batch's spans.
         attention_mask: Its right padding.
         registry: Where names are looked up.
-        semantics: What the configurations mean (default
-            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released
-            code; ``"clean"`` for the library's reading); see :func:`resolve_configs`.
+        semantics: What the configurations mean; see :func:`resolve_configs`.
 
     Raises:
         GraftingLensError: As :func:`~grafting_lens.study.runner.run_experiment` for bad

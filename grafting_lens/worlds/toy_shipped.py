@@ -39,8 +39,7 @@ from typing import Any
 
 import torch
 
-from grafting_lens.core.errors import ToyWorldError
-from grafting_lens.worlds.directories import (
+from grafting_lens.core.directories import (
     MARKER,
     check_replaceable,
     make_directory,
@@ -48,6 +47,7 @@ from grafting_lens.worlds.directories import (
     seal,
     sibling,
 )
+from grafting_lens.core.errors import ToyWorldError
 
 __all__ = ["SHIPPED_MODELS", "check_shipped", "export_world", "materialize", "shipped_manifest"]
 

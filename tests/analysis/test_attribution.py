@@ -508,10 +508,46 @@ def test_a_state_file_of_another_search_is_refused(llama, tmp_path):
     with pytest.raises(gl.errors.AttributionError, match="here they recover"):
         gl.find_minimal_graft(llama, other, state=state, progress=False, **SEARCH)
     state.write_text("{not json")
-    with pytest.raises(gl.errors.AttributionError, match="cannot be read"):
+    with pytest.raises(gl.errors.AttributionError, match="cannot be used"):
         gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
     assert written  # the file is the user's: refused, never rewritten or deleted
     assert state.read_text() == "{not json"
+
+
+def _without(saved: dict, field: str) -> dict:
+    return {key: value for key, value in saved.items() if key != field}
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda s: _without(s, "size"), "no 'size'"),
+        (lambda s: {**s, "size": 0}, "'size' is 0"),
+        (lambda s: {**s, "size": True}, "'size' is True"),
+        (lambda s: {**s, "step": -1}, "'step' is -1"),
+        # NaN compared false with the measured recovery, so another search's file passed.
+        (lambda s: {**s, "recovery": float("nan")}, "not a finite number"),
+        (lambda s: {**s, "recovery": "0.8"}, "not a number"),
+        (lambda s: {**s, "cells": [["ffn", 99, "LT"]]}, "not one of this search's candidate"),
+        (lambda s: {**s, "cells": [["ffn", [0], "LT"]]}, "not one of this search's candidate"),
+        (lambda s: {**s, "cells": "ffn"}, "'cells' is not a list"),
+        (lambda s: {**s, "pruned": [["nope"]]}, "'pruned' holds"),
+        (lambda s: {**s, "log": "steps"}, "'log' is not a list"),
+        (lambda s: {**s, "settings": []}, "'settings' is not a mapping"),
+        (lambda s: [s], "holds a list"),
+    ],
+)
+def test_a_damaged_state_file_is_refused_whole_naming_the_file(llama, tmp_path, damage, named):
+    batch = batch_for(llama, n=4, seed=0)
+    state = tmp_path / "search.json"
+    with pytest.warns(UserWarning, match="short of"):
+        gl.find_minimal_graft(llama, batch, max_cells=1, prune=False, state=state, **SEARCH)
+    damaged = json.dumps(damage(json.loads(state.read_text())))
+    state.write_text(damaged)
+    with no_forward_pass(llama), pytest.raises(gl.errors.AttributionError) as refused:
+        gl.find_minimal_graft(llama, batch, state=state, progress=False, **SEARCH)
+    assert named in str(refused.value) and str(state) in str(refused.value)
+    assert state.read_text() == damaged  # the user's file, refused, never rewritten
 
 
 def test_the_search_prints_a_line_per_step_where_nobody_watches(llama, capsys):
@@ -571,7 +607,7 @@ def test_a_search_that_cannot_reach_the_fraction_says_so(llama):
         (dict(batch_size=0), gl.errors.AttributionError, "batch_size must be"),
         (dict(start="LT"), gl.errors.AttributionError, r"start must be a GraftMask for this batch"),
         (dict(start=(1, 3)), gl.errors.AttributionError, r"\[batch, pos\] = \[2, \d+\]"),
-        (dict(models=[]), TypeError, "Expected a ModelSet, got list"),
+        (dict(models=[]), TypeError, "models must be a ModelSet, got list"),
     ],
 )
 def test_attribute_grafts_refuses_before_any_forward_pass(llama, options, error, message):
@@ -660,3 +696,21 @@ def test_the_last_tokens_logits_alone_give_the_same_attribution(llama):
         expected = every.frame[column].to_numpy()
         assert last.frame[column].to_numpy() == pytest.approx(expected, abs=1e-5)
     assert abs(every.frame["exact"]).max() > 1e-3  # the cells move the metric
+
+
+@pytest.mark.parametrize(
+    ("metric", "message"),
+    [
+        (lambda logits, batch: logits[:, -2, 0], r"IndexError: .*needs logits='all'"),
+        # Silently the last token's logit before: logits="last" passes that position only.
+        (lambda logits, batch: logits[:, 0, 0], r"reads positions other than the last"),
+    ],
+)
+@pytest.mark.parametrize("search", [False, True])
+def test_a_metric_reading_other_positions_needs_all_logits(llama, metric, message, search):
+    batch = batch_for(llama, n=2, answers="data")
+    door = gl.find_minimal_graft if search else attribute_grafts
+    with pytest.raises(gl.errors.AttributionError, match=message):
+        door(llama, batch, metric=metric, components="o", progress=False)
+    if not search:  # with every position, as asked
+        attribute_grafts(llama, batch, metric=metric, components="o", logits="all", progress=False)

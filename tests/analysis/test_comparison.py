@@ -21,7 +21,7 @@ from grafting_lens.analysis.comparison import (
     summarize_comparison,
 )
 from grafting_lens.analysis.metrics import last_token_logits, target_probability, target_rank
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 from grafting_lens.worlds import data
 
 N_LAYERS = 3  # conftest's llama
@@ -304,19 +304,56 @@ def test_attention_graft_reads_the_base_keys_outside_its_positions(tokenizer, ba
         (dict(positions={"bad": torch.ones(5, 3, dtype=torch.bool)}), "shape"),
         (dict(layers=[0, N_LAYERS]), rf"Layer {N_LAYERS} is outside the model"),
         (dict(direction="sufficient"), r"Unknown direction.*Did you mean 'sufficiency'"),
-        (dict(methods=("graft", "patching")), r"Unknown method 'patching'"),
-        (dict(methods=()), r"distinct methods of \('graft', 'patch'\) \(got \(\)\)"),
-        (dict(methods=("graft", "graft")), r"distinct methods"),
-        (dict(source=0), r"two checkpoints of the 2 \(got 0, 0\)"),
-        (dict(target=2), r"two checkpoints of the 2 \(got 1, 2\)"),
-        (dict(source=True), r"two checkpoints of the 2 \(got True, 0\)"),
-        (dict(batch_size=0), r"batch_size and rows_per_forward >= 1 \(got 0, 256\)"),
-        (dict(rows_per_forward=0), r"batch_size and rows_per_forward >= 1 \(got 8, 0\)"),
+        (dict(methods=("graft", "patching")), r"Unknown method in methods 'patching'"),
+        (dict(methods=()), r"methods= holds nothing; give 'graft', 'patch' or both"),
+        (dict(methods=("graft", "graft")), r"methods= lists a method twice"),
+        (dict(source=0), r"source and target are both 0: importing a checkpoint into itself"),
+        (dict(target=2), r"target=2, but the model set has 2 sources \(0\.\.1\)"),
+        (dict(source=True), r"source= must be the index of a checkpoint, 0\.\.1, got True"),
+        (dict(batch_size=0), r"batch_size= must be an integer >= 1, got 0\."),
+        (dict(rows_per_forward=0), r"rows_per_forward= must be an integer >= 1, got 0\."),
     ],
 )
 def test_bad_arguments_raise_before_any_forward(models, batch, arguments, message):
     with no_forward_pass(models), pytest.raises(GraftingLensError, match=message):
         compare_graft_and_patch(models, batch, progress=False, **arguments)
+
+
+# Each argument of the wrong type is refused by its name before any forward pass, never
+# with Python's own error from deep inside (the front-door fuzzer's property).
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(methods=None), r"methods= must be 'graft', 'patch' or both.*got None"),
+        (dict(methods=torch.tensor(0)), r"methods= must be .*got tensor\(0\)"),
+        (dict(direction=[]), r"direction= must be 'sufficiency' or 'necessity', got \[\]"),
+        (dict(source="1"), r"source= must be the index of a checkpoint, 0\.\.1, got '1'"),
+        (dict(target=None), r"target= must be the index of a checkpoint, 0\.\.1, got None"),
+        (dict(batch_size=1.5), r"batch_size= must be an integer >= 1, got 1\.5"),
+        (dict(rows_per_forward=None), r"rows_per_forward= must be an integer >= 1, got None"),
+        (dict(positions=None), r"positions= must be span expressions .*got None"),
+        (dict(positions=torch.tensor(0)), r"positions= must be span expressions"),
+        (dict(pairs=None), r"pairs= must be ComparisonPairs .*got None"),
+        (dict(pairs="   "), r"pairs= must be ComparisonPairs .*got '   '"),
+        (dict(pairs=[0]), r"A pair is a ComparisonPair.*got 0 in pairs="),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_by_name(models, batch, arguments, message):
+    with no_forward_pass(models), pytest.raises(ArgumentTypeError, match=message):
+        compare_graft_and_patch(models, batch, progress=False, **arguments)
+
+
+def test_a_bare_pair_and_a_single_source_are_taken(models, batch):
+    one = compare_graft_and_patch(
+        models, batch, positions="LT", layers=[0], pairs=DEFAULT_PAIRS[0], methods="graft",
+        progress=False,
+    )  # fmt: skip
+    assert set(one["pair"]) == {"block"}
+    assert set(reference_scores(models, batch, sources=1)["source"]) == {1}
+    with pytest.raises(ArgumentTypeError, match=r"sources= must be checkpoint indices.*got 1\.5"):
+        reference_scores(models, batch, sources=1.5)
+    with pytest.raises(ArgumentTypeError, match=r"by=None cannot be read"):
+        summarize_comparison(one, by=None)
 
 
 @pytest.mark.parametrize(

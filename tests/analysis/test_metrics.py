@@ -18,7 +18,7 @@ from grafting_lens.analysis.metrics import (
     top_k_tokens,
 )
 from grafting_lens.analysis.scoring import LastTokenScorer
-from grafting_lens.core.errors import GraftingLensError, NonFiniteLogitsError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, NonFiniteLogitsError
 
 # Three rows over a vocabulary of five, no ties, so every rank is unambiguous.
 LOGITS = torch.tensor(
@@ -94,7 +94,7 @@ def test_bad_inputs_are_explained():
         target_probability(LOGITS, TARGETS.float())
     with pytest.raises(GraftingLensError, match=r"with a row, got shape \(0, 5\)"):
         target_rank(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
-    with pytest.raises(GraftingLensError, match="k must be"):
+    with pytest.raises(GraftingLensError, match=r"k \(ks=, k=\) must be"):
         top_k_hit(LOGITS, TARGETS, 0)
     with pytest.raises(GraftingLensError, match="exceeds the vocabulary"):
         top_k_tokens(LOGITS, k=6)
@@ -289,10 +289,10 @@ def test_bootstrap_ci_edge_cases():
     assert bootstrap_ci([0.7]) == (0.7, 0.7)
     assert bootstrap_ci(torch.tensor([True, True])) == (1.0, 1.0)
     for arguments, message in [
-        (([],), r"finite values \(got 0"),
-        (([1.0, float("nan")],), r"got 2, 1 not finite"),
-        (([1.0, 2.0], 1000, 95), r"confidence in \(0, 1\) \(got 95\)"),
-        (([1.0, 2.0], 0), r"n_resamples >= 1 \(got 0\)"),
+        (([],), r"at least one value \(values=\), got none"),
+        (([1.0, float("nan")],), r"got 1 NaN or infinite values of 2 \(values=\)"),
+        (([1.0, 2.0], 1000, 95), r"confidence= must lie in \(0, 1\), e.g. 0.95; got 95\."),
+        (([1.0, 2.0], 0), r"n_resamples= must be in 1\.\.1,000,000 \(1000 is usual\), got 0\."),
     ]:
         with pytest.raises(GraftingLensError, match=message):
             bootstrap_ci(*arguments)
@@ -347,9 +347,67 @@ def test_summarize_rejects_bad_tables():
         (_results().drop(columns="target_rank"), {}, r"lacking \['target_rank'\]"),
         (_results(), dict(by=("model",)), r"lacking \['model'\]"),
         (_results().to_dict(), {}, "got dict"),
-        (_results(), dict(ks=(0,)), "k must be"),
-        (_results(), dict(ks=(5, 5)), r"distinct ks \(got \[5, 5\]\)"),
+        (_results(), dict(ks=(0,)), r"k \(ks=, k=\) must be"),
+        (_results(), dict(ks=(5, 5)), r"ks= has repeated values: \[5, 5\]"),
         (_results().assign(target_rank=-1), {}, "numbers >= 0"),
     ]:
         with pytest.raises(GraftingLensError, match=message):
             summarize(results, **options)
+
+
+# Each argument of the wrong type or value is refused by its name, never with numpy's,
+# pandas' or scipy's own error from deep inside (the front-door fuzzer's property).
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(n_resamples=None), ArgumentTypeError, r"n_resamples= must be an integer, got None"),
+        (dict(n_resamples=-1), GraftingLensError, r"n_resamples= must be in 1\.\..*got -1\."),
+        (dict(n_resamples=2**31), GraftingLensError, r"n_resamples= .*got 2147483648\."),
+        (dict(seed=""), ArgumentTypeError, r"seed= must be an integer >= 0, got ''"),
+        (dict(seed=1.5), ArgumentTypeError, r"seed= must be an integer >= 0, got 1\.5"),
+        (dict(seed=-1), GraftingLensError, r"seed= must be an integer >= 0, got -1"),
+        (dict(confidence=None), ArgumentTypeError, r"confidence= must be a number in \(0, 1\)"),
+        (dict(confidence="0.9"), ArgumentTypeError, r"confidence= .*got '0\.9'"),
+        (dict(confidence=float("nan")), GraftingLensError, r"confidence= must lie in \(0, 1\)"),
+        (dict(by=()), GraftingLensError, r"by=\(\) holds nothing"),
+        (dict(by=None), ArgumentTypeError, r"by=None cannot be read"),
+        (dict(by=torch.tensor(0)), ArgumentTypeError, r"by=tensor\(0\) cannot be read"),
+        (dict(by=("config", "config")), GraftingLensError, r"by= names 'config' twice"),
+        (dict(ks=torch.tensor(1.0)), ArgumentTypeError, r"ks= must be an integer or a list"),
+        (dict(ks=None), ArgumentTypeError, r"ks= must be an integer or a list .*got None"),
+        (dict(ks=""), ArgumentTypeError, r"ks= must be an integer or a list .*got ''"),
+        (dict(ks=()), GraftingLensError, r"ks= holds nothing"),
+        (dict(ks=(1.5,)), ArgumentTypeError, r"k \(ks=, k=\) must be an integer >= 1, got 1\.5"),
+    ],
+)
+def test_summarize_refuses_each_bad_argument_by_name(options, error, message):
+    with pytest.raises(error, match=message):
+        summarize(_results(), **options)
+
+
+@pytest.mark.parametrize(
+    "values, options, message",
+    [
+        ("", {}, r"needs numbers \(values=\), got ''"),
+        (["x", 1], {}, r"needs numbers \(values=\), got \['x', 1\]"),
+        ({"a": 1.0}, {}, r"needs numbers \(values=\)"),
+        ([1.0, 0.0], dict(seed=[None]), r"seed= must be an integer >= 0, got \[None\]"),
+        ([1.0, 0.0], dict(confidence=torch.tensor([1, 2])), r"confidence= must be a number"),
+    ],
+)
+def test_bootstrap_ci_refuses_each_bad_argument_by_name(values, options, message):
+    with pytest.raises(ArgumentTypeError, match=message):
+        bootstrap_ci(values, **options)
+
+
+def test_summarize_takes_numpy_and_torch_numbers_as_python_ones():
+    plain = summarize(_results(), ks=(1, 5), n_resamples=50, confidence=0.5, seed=3)
+    numbers = summarize(
+        _results(),
+        by=pd.Series(["config", "prompt"]),
+        ks=torch.tensor([1, 5]),
+        n_resamples=np.int64(50),
+        confidence=np.float32(0.5),
+        seed=torch.tensor(3),
+    )
+    pd.testing.assert_frame_equal(plain, numbers)

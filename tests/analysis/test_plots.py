@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
+import torch
 
 from grafting_lens.analysis import figure_style, plots
 from grafting_lens.analysis.metrics import summarize
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 
 CONFIGS = ["PRE", "SFT", "FE", "LT"]
 
@@ -446,3 +448,95 @@ def test_a_reference_label_gets_a_right_margin_wide_enough_for_it():
     figure_style.add_reference_line(figure, 0.3, "DONOR 94%")
     styled = figure_style.figure_style(figure, "t")
     assert styled.layout.margin.r >= 6.5 * len("DONOR 94%") + 4
+
+
+def _comparison_summary() -> pd.DataFrame:
+    summary = _summary().rename(columns={"config": "positions", "prompt": "pair"})
+    return pd.concat([summary.assign(method="graft", layer=layer) for layer in (0, 1)])
+
+
+_CURVE = pd.DataFrame(
+    {"prompts": ["search"] * 3, "cells": [0, 1, 2], "cell": ["", "a", "b"], "recovery": [0, 0.5, 1]}
+)
+
+
+# A title, caption, column or count of the wrong type is refused by its name, at the call,
+# not by plotly or a string method deep inside (the front-door fuzzer's property).
+@pytest.mark.parametrize(
+    "plot, options, error, message",
+    [
+        (
+            "plot_accuracy",
+            dict(color=[]),
+            ArgumentTypeError,
+            r"color= must be the name of a column",
+        ),
+        ("plot_accuracy", dict(x={}), ArgumentTypeError, r"x= must be the name of a column"),
+        ("plot_accuracy", dict(title=0), ArgumentTypeError, r"title= must be a string or None"),
+        ("plot_accuracy", dict(caption=np.int64(-1)), ArgumentTypeError, r"caption= .*int64\(-1\)"),
+        ("plot_accuracy", dict(k=None), ArgumentTypeError, r"k= must be an integer"),
+        (
+            "plot_mean_rank",
+            dict(x=0),
+            ArgumentTypeError,
+            r"x= must be the name of a column .*got 0",
+        ),
+        ("plot_mean_rank", dict(title=1.5), ArgumentTypeError, r"title= must be a string or None"),
+        ("plot_mean_rank", dict(caption=b"c"), ArgumentTypeError, r"caption= .*got b'c'"),
+        ("plot_mean_rank", dict(log=torch.tensor([1, 2])), ArgumentTypeError, r"log= must be True"),
+        ("plot_comparison", dict(row=None), ArgumentTypeError, r"row=None cannot be read"),
+        ("plot_comparison", dict(row=()), GraftingLensError, r"row=\(\) holds nothing"),
+        ("plot_comparison", dict(col=[]), ArgumentTypeError, r"col= must be the name of a column"),
+        ("plot_comparison", dict(title=[]), ArgumentTypeError, r"title= must be a string or None"),
+        ("plot_recovery", dict(fraction="0.5"), ArgumentTypeError, r"fraction= must be a number"),
+        (
+            "plot_recovery",
+            dict(fraction=float("inf")),
+            GraftingLensError,
+            r"fraction= must be finite",
+        ),
+        ("plot_recovery", dict(title=0), ArgumentTypeError, r"title= must be a string or None"),
+        ("plot_attribution", dict(columns=None), ArgumentTypeError, r"columns= must be an integer"),
+        ("plot_attribution", dict(columns=0), GraftingLensError, r"columns= must be .*got 0"),
+        ("plot_attribution", dict(title=()), ArgumentTypeError, r"title= must be a string or None"),
+    ],
+)
+def test_plots_refuse_each_bad_argument_by_name(plot, options, error, message):
+    table = {
+        "plot_accuracy": _summary,
+        "plot_mean_rank": _summary,
+        "plot_comparison": _comparison_summary,
+        "plot_recovery": lambda: _CURVE,
+        "plot_attribution": _attribution_frame,
+    }[plot]()
+    with pytest.raises(error, match=message):
+        getattr(plots, plot)(table, **options)
+
+
+def test_a_table_of_the_wrong_kind_is_refused_by_the_arguments_name():
+    with pytest.raises(GraftingLensError, match=r"Expected summary= a non-empty"):
+        plots.plot_mean_rank([])
+    with pytest.raises(GraftingLensError, match=r"Expected curve= a non-empty"):
+        plots.plot_recovery(_CURVE.iloc[:0])
+    with pytest.raises(GraftingLensError, match=r"Expected references= a non-empty"):
+        plots.plot_comparison(_comparison_summary(), references="ref")
+
+
+def test_numpy_and_torch_counts_are_read_as_python_ones():
+    assert list(plots.plot_accuracy(_summary(), k=torch.tensor(5)).data[0].y) == list(
+        plots.plot_accuracy(_summary(), k=5).data[0].y
+    )
+    assert plots.plot_recovery(_CURVE, fraction=np.float32(0.5)).layout.shapes[0].y0 == 0.5
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: figure_style.figure_style(go.Figure(), 0), r"title= must be a string, got 0"),
+        (lambda: figure_style.figure_style(go.Figure(), "t", None), r"subtitle= must be a string"),
+        (lambda: figure_style.subtitle(np.int64(-1), [12]), r"caption= must be a string or None"),
+    ],
+)
+def test_figure_style_refuses_a_title_that_is_not_text(call, message):
+    with pytest.raises(ArgumentTypeError, match=message):
+        call()

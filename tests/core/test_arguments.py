@@ -25,6 +25,16 @@ def test_numpy_scalars_are_numbers_and_bools_are_not():
     assert plain("x") == "x"
 
 
+def test_torch_scalars_are_numbers_and_tensors_with_elements_are_not():
+    for value in (torch.tensor(3), torch.tensor(3, dtype=torch.int8), torch.tensor([3, 4]).max()):
+        assert is_integer(value) and is_number(value) and type(plain(value)) is int
+    assert is_number(torch.tensor(0.5)) and not is_integer(torch.tensor(0.5))
+    assert type(plain(torch.tensor(0.5))) is float
+    for value in (torch.tensor(True), torch.tensor([3]), torch.tensor(1j)):
+        assert not is_integer(value) and not is_number(value)
+    assert type(RunOptions(batch_size=torch.tensor(4)).batch_size) is int
+
+
 @pytest.mark.parametrize("family", ["llama"])
 def test_numpy_numbers_are_taken_where_python_numbers_are(three_models):
     """Each of these refused a numpy number as if it were out of range; fraction first."""
@@ -46,7 +56,7 @@ def test_numpy_numbers_are_taken_where_python_numbers_are(three_models):
     with pytest.raises(gl.errors.GraftingError, match="max_new_tokens must be an int >= 1"):
         gl.graft_generate(three_models, tokens, mask, max_new_tokens=np.bool_(True))
     assert gl.analysis.scoring.LastTokenScorer(top_k=np.int64(3)).top_k == 3
-    with pytest.raises(gl.GraftingLensError, match="k must be an integer >= 1"):
+    with pytest.raises(gl.GraftingLensError, match=r"k \(ks=, k=\) must be an integer >= 1"):
         gl.analysis.metrics.top_k_tokens(three_models.base(tokens)[:, -1], k=True)
 
 

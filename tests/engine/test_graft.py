@@ -27,6 +27,28 @@ def test_single_pass_equals_token_by_token_oracle(three_models):
     assert (fast - three_models.base(tokens)).abs().max() > 1.0
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_mask_of_spans_grafted_by_slices_equals_the_oracle(three_models, padded, monkeypatch):
+    """The paper's spans (an entity, the last token) form runs, grafted by slices."""
+    # Slices for these short runs too (by default, runs under MIN_RUN_ROWS rows go by index).
+    monkeypatch.setattr(gl.engine.routing, "MIN_RUN_ROWS", 1)
+    tokens = random_tokens(3, 8, seed=21)
+    attention_mask = (torch.arange(8)[None, :] < torch.tensor([8, 6, 7])[:, None]).long()
+    attention_mask = attention_mask if padded else None
+    options = dict(layers=[0, 2], attention_mask=attention_mask)
+    mask = gl.GraftMask.union(
+        gl.GraftMask.build(three_models, tokens, positions=[2, 3], source=1, **options),
+        gl.GraftMask.build(three_models, tokens, positions="last", source=2, **options),
+    )
+    state = gl.engine.routing.GraftState(mask)
+    assert {state.plan(key).path for key in mask.keys()} == {"slices"}
+    fast = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask, logits="all")
+    slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
+    real = torch.ones(3, 8, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    assert (fast - slow)[real].abs().max() <= TOLERANCE
+    assert (fast - three_models.base(tokens))[real].abs().max() > 1.0
+
+
 def test_right_padded_batch_equals_oracle_and_unpadded_rows(three_models):
     tokens = random_tokens(3, 8, seed=3)
     lengths = [8, 5, 3]
@@ -344,7 +366,7 @@ def _run(tokens=None, mask=None, **options):
 
 ERRORS = gl.errors
 RUN_REFUSALS = [  # (arguments, error, message) for graft_forward and its oracle
-    (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "Expected a GraftMask"),
+    (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "mask must be a GraftMask"),
     (
         _run(tokens=random_tokens(2, 4)),
         ERRORS.GraftMaskError,
@@ -447,7 +469,11 @@ def _long_prompt(models):
             ERRORS.SelectionError,
             r"end in the pad token.*\ngraft_generate takes no",
         ),
-        (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "Expected a GraftMask"),
+        (
+            _run(mask={("q", 0): torch.ones(2, 5)}),
+            ERRORS.GraftMaskError,
+            "mask must be a GraftMask",
+        ),
     ],
 )
 def test_generation_refuses_at_the_door(three_models, arguments, error, message):

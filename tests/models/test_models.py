@@ -568,7 +568,7 @@ REFUSALS = {
     "a file": (
         lambda tmp_path, tokenizer: ([_file(tmp_path / "w.bin"), tmp_path], {}),
         gl.GraftingLensError,
-        "is not a directory \\(it is a file\\)",
+        "is a \\.bin weight file alone.*config\\.json.*a \\.gguf file, or a hub id",
     ),
     "a directory without config.json": (
         lambda tmp_path, tokenizer: ([tmp_path, tmp_path], {}),

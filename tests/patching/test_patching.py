@@ -514,10 +514,20 @@ def test_patch_forward_refuses_before_any_forward_pass(three_models, overrides, 
         ("resid", dict(logits="first"), PatchingError, r"logits='last' or 'all'.*'first'"),
         ("resid", dict(metric=3), PatchingError, r"metric must be a function"),
         ("resid", dict(positions={}), PatchingError, r"mapping of position selections is empty"),
-        ("resid", dict(models="base"), TypeError, r"Expected a ModelSet, got TransformerBridge"),
+        (
+            "resid",
+            dict(models="base"),
+            TypeError,
+            r"models must be a ModelSet, got TransformerBridge",
+        ),
         ("head", dict(heads=[0, 9]), PatchingError, r"distinct head indices in 0\.\.3"),
         ("head", dict(layers=-4), SelectionError, r"Layer -4 is outside the model"),
-        ("head", dict(models="base"), TypeError, r"Expected a ModelSet, got TransformerBridge"),
+        (
+            "head",
+            dict(models="base"),
+            TypeError,
+            r"models must be a ModelSet, got TransformerBridge",
+        ),
     ],
 )
 def test_sweeps_refuse_before_any_forward_pass(three_models, sweep, overrides, error, message):
@@ -579,3 +589,97 @@ def test_a_source_cast_or_moved_after_loading_is_refused(tokenizer):
         AlignmentError, match=r"is torch.float32 on meta, the base's torch.float32 on cpu"
     ):
         patch_forward(models, tokens, "resid_pre", layers=1, direction="necessity")
+
+
+# ------------------------------------------------- TransformerLens metrics under logits="last"
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+@pytest.mark.parametrize("sweep", [resid_patch_sweep, head_patch_sweep])
+def test_a_transformer_lens_metric_is_refused_under_last_token_logits(three_models, sweep):
+    """A metric reading another position than the last ends in a PatchingError naming
+    logits='all', whether it would fail ([:, -2]) or silently read the last token ([:, 0])."""
+    tokens = random_tokens(2, 5, seed=41)
+    for metric, message in (
+        (lambda logits: logits[:, -2, 5], r"IndexError: .*needs logits='all'"),
+        (lambda logits: logits[:, 0, 5], r"reads positions other than the last.*logits='all'"),
+        (lambda logits: logits.mean(1)[:, 5], r"reads positions other than the last"),
+    ):
+        with pytest.raises(PatchingError, match=message):
+            sweep(three_models, tokens, metric, layers=[1], progress=False)
+        for reuse_prefix in (True, False):  # from the prefix's logits, or one unpatched pass
+            with pytest.raises(PatchingError, match=message):
+                sweep(
+                    three_models,
+                    tokens,
+                    metric,
+                    layers=[0],
+                    positions=[0],
+                    reuse_prefix=reuse_prefix,
+                    progress=False,
+                )
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_transformer_lens_metrics_get_every_position_with_all_logits(three_models):
+    """Refused by default, a TransformerLens metric gets with logits='all' the values of
+    patch_forward's logits (every position), cell by cell."""
+    tokens = random_tokens(2, 5, seed=42)
+    for metric in (
+        lambda logits: logits[:, -2, 5],
+        lambda logits: logits[:, 0, 5] - logits[:, -1, 7],
+    ):
+        with pytest.raises(PatchingError, match="logits='all'"):
+            resid_patch_sweep(three_models, tokens, metric, layers=[0], progress=False)
+        values, _ = resid_patch_sweep(
+            three_models,
+            tokens,
+            metric,
+            layers=[0, 2],
+            positions=[0, 3],
+            logits="all",
+            reduce="none",
+            progress=False,
+        )
+        for i, layer in enumerate((0, 2)):
+            for j, position in enumerate((0, 3)):
+                patched = patch_forward(three_models, tokens, "resid_pre", [layer], [position])
+                assert (values[i, j] - metric(patched)).abs().max() <= TOLERANCE
+        assert values.max() - values.min() > 0.01
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_a_last_position_metric_gives_the_same_values_either_way(three_models):
+    """A metric reading [:, -1] passes the probe (its value on the unpatched run's last
+    token and on every position, once each, before the sweep) and is not changed by it."""
+    tokens = random_tokens(2, 5, seed=43)
+    shapes = []
+
+    def last_position(logits):
+        shapes.append(tuple(logits.shape[:2]))
+        return per_prompt(logits)
+
+    last, _ = resid_patch_sweep(three_models, tokens, last_position, progress=False)
+    assert shapes[:2] == [(2, 1), (2, 5)] and set(shapes[2:]) == {(2, 1)}
+    every, _ = resid_patch_sweep(three_models, tokens, per_prompt, logits="all", progress=False)
+    assert (last - every).abs().max() <= TOLERANCE
+    assert last.max() - last.min() > 0.1
+
+
+@pytest.mark.parametrize("family", ["gpt2"], indirect=True)
+def test_a_metric_raising_during_the_sweep_names_the_cell(three_models):
+    tokens = random_tokens(2, 4, seed=44)
+    calls = []
+
+    def fails_later(logits):
+        calls.append(1)
+        if len(calls) > 3:
+            raise ValueError("no answer token\nsecond line")
+        return logits[:, -1, 5]
+
+    message = r"^The metric raised ValueError: no answer token on the cell layer=\d, pos=\d"
+    with pytest.raises(PatchingError, match=message):
+        resid_patch_sweep(three_models, tokens, fails_later, progress=False)
+    calls.clear()
+    with pytest.raises(PatchingError, match=r"on the cell layer=\d, head=\d"):
+        head_patch_sweep(three_models, tokens, fails_later, progress=False)

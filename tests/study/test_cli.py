@@ -107,6 +107,32 @@ def test_demo_on_a_toy_world_writes_results_summary_and_figure(tmp_path, world):
     assert (out / "position_grafting.png").exists() or "No PNG:" in result.output
 
 
+def test_a_file_size_limit_while_the_figures_are_written_is_one_line_and_the_same_command_resumes(
+    tmp_path, world
+):
+    import resource
+
+    out = tmp_path / "out"
+    command = ["demo", "--out", out, "--n-examples", "3", "--no-progress", "--no-png"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # The figure's HTML carries plotly.js (megabytes); the tables and chunks are far smaller.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))
+    try:
+        stopped = invoke(command)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    assert stopped.exit_code == 1 and "Traceback" not in stopped.output
+    last = stopped.output.strip().splitlines()[-1]
+    assert last.startswith(f"Error: The file {out / 'position_grafting.html'} cannot be written")
+    assert "(File too large)" in last and "`ulimit -f`" in last
+    assert last.endswith("run the same command again to carry on.")
+    assert (out / "results.csv").is_file() and not (out / "position_grafting.html").exists()
+    resumed = invoke(command)
+    assert resumed.exit_code == 0, _output(resumed)
+    assert (out / "position_grafting.html").stat().st_size > 1 << 20
+
+
 def test_demo_with_model_and_donor_directories(tmp_path, checkpoints):
     out = tmp_path / "out"
     result = invoke(
@@ -175,6 +201,51 @@ def test_demo_finetunes_a_model_given_without_donor(tmp_path, checkpoints):
 def test_model_directory_without_config_is_refused(tmp_path):
     result = invoke(["demo", "--out", str(tmp_path / "out"), "--model", str(tmp_path)])
     assert result.exit_code == 1 and "config.json" in _output(result)
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory):
+    """A tiny base and donor as GGUF files, as llama.cpp writes them."""
+    from tiny_gguf import tiny_llama, write_gguf
+
+    root = tmp_path_factory.mktemp("gguf")
+    return [write_gguf(tiny_llama(seed=seed), root / f"{name}.gguf") for name, seed in
+            (("base", 0), ("sft", 1))]  # fmt: skip
+
+
+def test_demo_runs_on_gguf_files_converted_once(tmp_path, gguf_files, monkeypatch):
+    monkeypatch.setenv("GRAFTING_LENS_CACHE", str(tmp_path / "cache"))
+    base, donor = gguf_files
+    flags = ["--model", base, "--donor", donor, "--n-examples", "3", "--no-progress", "--no-png"]
+    result = invoke(["demo", "--out", tmp_path / "out", *flags])
+    assert result.exit_code == 0, _output(result)
+    converted = sorted((tmp_path / "cache" / "worlds").glob("base-*"))
+    assert len(converted) == 2 and all((c / "config.json").is_file() for c in converted)
+
+
+def _weight_file(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"{}")
+    return tmp_path / "model.safetensors"
+
+
+@pytest.mark.parametrize(
+    ("option", "make", "message"),
+    [
+        ("--model", lambda p: p, r"--model '.*' is a directory without a config\.json \(it holds"),
+        ("--donor", _weight_file, r"--donor '.*model\.safetensors' is a \.safetensors weight file"),
+        ("--model", _weight_file, r"--model '.*' is a \.safetensors weight file alone"),
+    ],
+    ids=["a directory without config.json", "a weight file as donor", "a weight file as model"],
+)
+def test_a_checkpoint_option_that_is_no_checkpoint_says_what_to_give(
+    tmp_path, gguf_files, option, make, message
+):
+    given = make(tmp_path)
+    other = ["--donor", gguf_files[1]] if option == "--model" else ["--model", gguf_files[0]]
+    result = invoke(["demo", "--out", tmp_path / "out", option, given, *other])
+    assert result.exit_code == 1
+    assert re.search(message, _output(result)), _output(result)
+    assert "a .gguf file, or a hub id" in _output(result)
 
 
 def _demo_on_checkpoints(out, checkpoints, *flags):
@@ -340,7 +411,8 @@ def test_semantics_does_not_apply_to_the_patching_comparison(tmp_path, capsys):
 def test_a_semantics_an_experiment_would_ignore_is_refused(experiment, tmp_path, capsys):
     from grafting_lens.core.errors import ExperimentError
     from grafting_lens.study import REFERENCE
-    from grafting_lens.study.named import ExperimentSetup, run_spec
+    from grafting_lens.study.named import run_spec
+    from grafting_lens.study.specs import ExperimentSetup
 
     # These runners work the library's way only; a REFERENCE run would silently be CLEAN.
     setup = ExperimentSetup(models=None, relations=[], label="x", dataset="x")  # type: ignore[arg-type]

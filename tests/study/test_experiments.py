@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -574,11 +576,11 @@ def test_bad_input_fails_before_any_forward_pass(
     clash = GraftConfig("clash", (Graft("FE+LT", "O", source=1), Graft("LT", "O+FFN", source=2)))
     with pytest.raises(GraftMaskError, match="'clash': grafts 0 and 1 both set 'o'"):
         run_experiment(three_sources, headline, [clash], out=out)
-    with pytest.raises(GraftingLensError, match="empty"):
+    with pytest.raises(GraftingLensError, match="'custom'/'headline' has no examples"):
         make_test_sets([], prompts=("headline",))
     with pytest.raises(GraftingLensError, match="no examples"):
         TestSet([])
-    with pytest.raises(GraftingLensError, match="No test set"):
+    with pytest.raises(GraftingLensError, match=r"test_sets=\[\] holds nothing"):
         run_experiment(two, [], ["PRE"], out=out)
     with pytest.raises(GraftingLensError, match="No configuration"):
         run_experiment(two, headline, [], out=out)
@@ -621,6 +623,67 @@ def test_registering_a_configuration_makes_it_nameable(monkeypatch, two, relatio
     assert "REL" in experiments.get_experiment("demo").configurations  # shared with position
     with pytest.raises(GraftingLensError, match="runs no configurations of its own"):
         experiments.register_config(GraftConfig("X", (Graft("FE"),)), "patching_vs_grafting")
+
+
+SPEC = dict(name="mine", title="Mine", roles=("base", "sft"), donors={"sft": ("--donor", "")})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(name=""), "needs a non-empty name"),
+        (dict(roles=("base",), donors={}), "at least two roles"),
+        (dict(donors={}), "an option for every role after the base \\(sft\\)"),
+        (dict(relations="some"), "relations must be one of"),
+        (dict(parts=(), run=None), "neither parts to run nor a run function"),
+        (dict(names=("PRE",)), "1 names for 2 roles"),
+        (dict(semantics="refrence"), "Did you mean 'reference'"),
+    ],
+)
+def test_an_experiment_spec_with_a_mistake_names_it(changes, message):
+    spec = {**SPEC, "parts": (experiments.Part("p", ("qa",), ("PRE",)),), **changes}
+    with pytest.raises(GraftingLensError, match=message):
+        experiments.ExperimentSpec(**spec)
+
+
+def test_the_registries_refuse_another_kind_a_taken_name_and_an_unknown_one():
+    with pytest.raises(
+        GraftingLensError, match="register_experiment takes ExperimentSpec objects, got str"
+    ):
+        experiments.register_experiment("position")  # type: ignore[arg-type]
+    taken = experiments.get_experiment("position")
+    with pytest.raises(GraftingLensError, match="'position' is taken; pass overwrite=True"):
+        experiments.register_experiment(taken)
+    with pytest.raises(
+        GraftingLensError, match="register_config\\('position'\\) takes GraftConfig objects"
+    ):
+        experiments.register_config("FE")  # type: ignore[arg-type]
+    with pytest.raises(GraftingLensError, match="Unknown experiment 'postion'. Did you mean"):
+        experiments.get_experiment("postion")
+
+
+def test_the_registry_never_imports_the_paper_itself():
+    # The paper's experiments register on import of study.paper (the front door, the
+    # command and named import it); the registry below them must not (an import circle).
+    code = (
+        "import sys\n"
+        "from grafting_lens.study import specs\n"
+        "assert 'grafting_lens.study.paper' not in sys.modules\n"
+        "assert 'position' not in specs.EXPERIMENTS\n"
+        "from grafting_lens.study import named\n"
+        "assert 'position' in specs.EXPERIMENTS\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    # Every study name of the front door comes with them: run_position_grafting looks
+    # "position" up by name (it said "Unknown experiment 'position'. Known: none." once).
+    for name in ("run_position_grafting", "run_experiment", "graft", "plot_graft", "CLEAN"):
+        code = (
+            "from grafting_lens.study import specs\n"
+            "import grafting_lens as gl\n"
+            f"gl.{name}\n"
+            "assert 'position' in specs.EXPERIMENTS\n"
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ----------------------------------------------------------------------------- scripts
@@ -761,7 +824,7 @@ def test_graft_attribution_writes_every_cell_verified_and_the_minimal_graft(
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")
 @pytest.mark.filterwarnings("ignore:The search stopped")
 def test_graft_attribution_writes_the_attribution_first_and_resumes_after_a_kill(
-    tiny_world_args, tmp_path, monkeypatch
+    tiny_world_args, tmp_path, monkeypatch, capsys
 ):
     from grafting_lens.study import graft_attribution
 
@@ -794,6 +857,14 @@ def test_graft_attribution_writes_the_attribution_first_and_resumes_after_a_kill
     pd.testing.assert_frame_equal(resumed, pd.read_csv(fresh / "results.csv"))
     for name in ("minimal_graft.csv", "recovery.csv", "agreement.csv", "references.csv"):
         assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+    # A kept attribution is read back whole: a NaN where a number was is refused, by name.
+    damaged = json.loads(stored)
+    damaged["reference"]["start_metric"] = float("nan")
+    kept.joinpath("attribution_qa.json").write_text(json.dumps(damaged))
+    capsys.readouterr()
+    assert _script("graft_attribution").main(arguments) == 1
+    said = capsys.readouterr().err
+    assert "attribution_qa.json cannot be read back (its reference holds a value" in said
 
 
 @pytest.mark.filterwarnings("ignore:.*longer than max_length")
@@ -883,7 +954,7 @@ def test_read_prompts_takes_json_and_csv_with_one_test_set_per_name(tmp_path):
             '[{"prompt": "Who?", "target": " Bob", "target": " Al"}]',
             "sets 'target' twice",
         ),
-        ("p.csv", "prompt,target,target\nWho?, Bob, Al\n", "names \\['target'\\] twice"),
+        ("p.csv", "prompt,target,target\nWho?, Bob, Al\n", "sets 'target' twice"),
         ("p.csv", "prompt,target\nWho?, Bob\nWho else?, Al\nWho?, Bob\n", "row 3 repeats row 1"),
         ("p.csv", "prompt,target\nWho?, Bob, Al\n", "row 1 has 3 cells but the header 2"),
         ("p.csv", b"prompt,target\nWho is Jos\xe9?, Bob\n", "not UTF-8 text \\(byte 0xe9"),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import unicodedata
+
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -10,12 +13,15 @@ from test_experiments import _llama
 
 import grafting_lens as gl
 from grafting_lens.analysis.batch import tokenize_examples
-from grafting_lens.core.errors import GraftingLensError, SelectionError
+from grafting_lens.core.errors import ExperimentError, GraftingLensError, SelectionError
 from grafting_lens.study import make_test_sets, run_experiment
 from grafting_lens.worlds import data
 
 PROMPT = "Keanu Reeves starred in a movie alongside"
-ANSWER = "Laurence Fishburne"
+# The tiny tokenizer splits the space off most words (" Laurence" is " ", "L"...), and an
+# answer scored by a bare space is refused: these answers' first tokens are words.
+ANSWER = "movie"
+OTHER = "starred"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,10 @@ def test_a_graft_from_text_equals_the_models_and_the_graft_it_names(models, toke
         assert row.target_prob == pytest.approx(probability, rel=1e-4, abs=1e-7)
         assert row.target_rank == rank
         assert row.top5 == (rank < 5)
-    shown = "|".join(tokenizer.decode([t]) for t in tokens[0][where[0]].tolist())
+    # Each grafted token with its index, so a reader can tell equal tokens apart.
+    shown = "|".join(
+        f"{tokenizer.decode([tokens[0, i]])}@{i}" for i in [*entity, len(tokens[0]) - 1]
+    )
     assert table["grafted"].tolist() == ["", "all", shown]
 
 
@@ -113,37 +122,205 @@ def test_chained_defaults_never_refuse_each_other(models):
     assert len(comparison) > 0
 
 
+TWICE = "Keanu met Keanu in a movie"
+CAFE = "Keanu Reeves ate at a Café alongside"
+EXAMPLE = data.make_examples(data.make_relations("fake_movies_real_actors", n=1, seed=0))[0]
+NO_PLACE = "'last', 'all', a piece of the prompt's text, a token index"
+
+
 @pytest.mark.parametrize(
-    "arguments, message",
+    "arguments, error, message",
     [
-        (dict(prompts=PROMPT, answer=None), "needs an answer"),
-        (dict(prompts=PROMPT, answer=[ANSWER, ANSWER]), "needs an answer"),
-        (dict(prompts=[{"text": PROMPT}], answer=ANSWER), "non-empty strings"),
-        (dict(prompts=[], answer=ANSWER), "No prompts"),
-        (dict(prompts=PROMPT, answer=ANSWER, at="Tom Hanks"), "not in the prompt"),
-        (dict(prompts=PROMPT, answer=ANSWER, at=[1.5]), "Cannot read the place"),
-        (dict(prompts=PROMPT, answer=ANSWER, at={}), "names no graft"),
-        (dict(prompts=PROMPT, answer=ANSWER, at={"pre": "last"}), "repeats a run's name"),
-        (dict(prompts=PROMPT, answer=ANSWER, at=40), "outside a prompt"),
-        (dict(prompts=PROMPT, answer=ANSWER, donor=0), "not a donor"),
-        (dict(prompts=PROMPT, answer=ANSWER, donor="PRE"), "not a donor"),
+        (dict(answer=None), SelectionError, "needs an answer"),
+        (dict(answer=[ANSWER, ANSWER]), SelectionError, r"gives 2 answers for 1 prompts"),
+        (dict(answer=[None]), SelectionError, r"answer\[0\] is None: each is a non-empty"),
+        (
+            dict(answer={"a": 1}),
+            SelectionError,
+            r"answer=\{'a': 1\} cannot be read; give an answer",
+        ),
+        (dict(prompts=[{"text": PROMPT}]), SelectionError, r"prompts\[0\] is \{'text'"),
+        # The bad item is None: it was taken for "no bad item" and scored as "None".
+        (dict(prompts=[PROMPT, None]), SelectionError, r"prompts\[1\] is None"),
+        (dict(prompts=[PROMPT, "  "]), SelectionError, r"prompts\[1\] is '  '"),
+        (dict(prompts=[EXAMPLE, None], answer=None), SelectionError, r"\[1\] is None, among ex"),
+        (dict(prompts=[]), SelectionError, r"prompts=\[\] holds nothing; give a prompt"),
+        (
+            dict(prompts={PROMPT: ANSWER}),
+            SelectionError,
+            r"prompts=\{'Keanu.*\} cannot be read; give a prompt, a list",
+        ),
+        (dict(prompts=b"Keanu"), SelectionError, r"prompts=b'Keanu' cannot be read"),
+        (dict(prompts=3), SelectionError, r"prompts=3 cannot be read"),
+        (
+            dict(prompts=pd.DataFrame({"prompt": [PROMPT]})),
+            SelectionError,
+            r"a 'text' column .* this one has \['prompt'\] and answer='movie'",
+        ),
+        (
+            dict(prompts=pd.DataFrame({"text": [PROMPT], "target": [ANSWER]})),
+            SelectionError,
+            r"\['text', 'target'\] and answer='movie': .*drop answer=",
+        ),
+        # Answers scored by a bare space, as `grafting-lens run --prompts` refuses them.
+        (dict(prompts=[PROMPT] * 2, answer=["🎬", "東京"]), ExperimentError, "only whitespace"),
+        (dict(answer="Laurence Fishburne"), ExperimentError, "' Laurence Fishburne'.*only white"),
+        (dict(at="Tom Hanks"), SelectionError, "'Tom Hanks' is not in the prompt"),
+        (
+            dict(prompts=CAFE, at=unicodedata.normalize("NFD", "Café")),
+            SelectionError,
+            r"only in another Unicode normal form.*unicodedata.normalize\('NFC'",
+        ),
+        (dict(at="mov"), SelectionError, r"'mov' ends inside the token 'movie' .*at='movie'"),
+        (dict(at="ovie"), SelectionError, r"'ovie' starts inside the token 'movie' .*at='movie'"),
+        (
+            dict(prompts=TWICE, at="Keanu"),
+            SelectionError,
+            r"'Keanu' occurs more than once in the prompt .* e\.g\. at='Keanu met'",
+        ),
+        (dict(at=[1.5]), SelectionError, rf"at=\[1\.5\]: 1\.5 is not a place; give {NO_PLACE}"),
+        (dict(at=2.0), SelectionError, rf"at=2\.0 cannot be read; give {NO_PLACE}"),
+        (dict(at=None), SelectionError, rf"at=None cannot be read; give {NO_PLACE}"),
+        (dict(at=True), SelectionError, "at=True cannot be read; give 'last'"),
+        (dict(at=[np.bool_(True)]), SelectionError, "is not a place"),
+        (dict(at={}), SelectionError, "at={} names no graft"),
+        (dict(at={0: "last"}), SelectionError, r"at=\{0: \.\.\.\}: a graft's label .* string"),
+        (dict(at={"": "last"}), SelectionError, r"at=\{'': \.\.\.\}: a graft's label"),
+        (dict(at=[]), SelectionError, r"at=\[\] holds nothing; give 'last'"),
+        (dict(at=""), SelectionError, "at='': an empty string is not a place"),
+        (dict(at=["last", " "]), SelectionError, "an empty string is not a place"),
+        (dict(at={"pre": "last"}), SelectionError, "repeats a run's name"),
+        (dict(at=40), SelectionError, "at=40: the token index is outside a prompt of 23 tokens"),
+        (dict(donor=0), SelectionError, r"donor=0 is not a donor"),
+        (dict(donor="PRE"), SelectionError, "donor='PRE' is not a donor"),
+        (dict(donor=True), SelectionError, "donor=True is not a donor"),
+        (
+            dict(components=None),
+            SelectionError,
+            "components=None cannot be read; give a component name",
+        ),
+        (dict(components=[]), SelectionError, r"components=\[\] holds nothing"),
+        (dict(components=["o", None]), SelectionError, r"components\[1\] is None"),
+        (dict(components="router"), GraftingLensError, "router"),
+        (dict(layers=[None]), SelectionError, "Layers must be ints, got None"),
+        (dict(top_k=0), ExperimentError, "top_k must be an integer >= 1, got 0"),
+        (dict(top_k=1000), ExperimentError, "top_k=1000 exceeds the vocabulary"),
     ],
 )
-def test_graft_refuses_what_it_cannot_read(models, arguments, message):
-    with pytest.raises(SelectionError, match=message):
-        gl.graft(models, **arguments)
+def test_graft_refuses_what_it_cannot_read(models, arguments, error, message):
+    with pytest.raises(error, match=message):
+        gl.graft(models, **{"prompts": PROMPT, "answer": ANSWER, **arguments})
 
 
-def test_graft_refuses_components_the_model_lacks(models):
-    with pytest.raises(GraftingLensError, match="router"):
-        gl.graft(models, PROMPT, ANSWER, components="router")
+def _numbers(table: pd.DataFrame) -> pd.DataFrame:
+    return table[["config", "text", "target", "grafted", "target_rank", "target_prob"]]
+
+
+@pytest.mark.parametrize(
+    "prompts, answer",
+    [
+        (pd.DataFrame({"text": [PROMPT, TWICE], "target": [ANSWER, OTHER]}), None),
+        (pd.DataFrame({"text": [PROMPT, TWICE], "answer": [ANSWER, OTHER]}), None),
+        (pd.DataFrame({"text": [PROMPT, TWICE], "n": [1, 2]}), [ANSWER, OTHER]),
+        (pd.Series([PROMPT, TWICE]), pd.Series([ANSWER, OTHER])),
+        (np.array([PROMPT, TWICE]), np.array([ANSWER, OTHER])),
+        ((PROMPT, TWICE), (ANSWER, OTHER)),
+        ((p for p in (PROMPT, TWICE)), (a for a in (ANSWER, OTHER))),
+    ],
+    ids=["frame-target", "frame-answer", "frame-text", "series", "ndarray", "tuple", "generator"],
+)
+def test_prompts_and_answers_come_in_any_container(models, prompts, answer):
+    """A DataFrame's rows, not its column names; numpy's and pandas' strings as text."""
+    table = gl.graft(models, prompts, answer, at=["last", 1])
+    expected = gl.graft(models, [PROMPT, TWICE], [ANSWER, OTHER], at=["last", 1])
+    pd.testing.assert_frame_equal(_numbers(table), _numbers(expected))
+    assert set(table["text"]) == {PROMPT, TWICE}
+    assert all(type(text) is str for text in [*table["text"], *table["target"]])
+
+
+@pytest.mark.parametrize(
+    "index", [np.int64(2), np.int32(2), torch.tensor(2), [np.int64(2)], np.array([2])]
+)
+def test_numpy_and_torch_integers_are_token_indices(models, index):
+    table = gl.graft(models, PROMPT, ANSWER, at=index)
+    expected = gl.graft(models, PROMPT, ANSWER, at=2)
+    pd.testing.assert_frame_equal(_numbers(table), _numbers(expected))
+    assert table["config"].iloc[-1] == "2"
+
+
+def test_grafted_shows_which_of_two_equal_tokens(models, tokenizer):
+    """A piece that occurs twice is refused (see the table above); the one named by a
+    longer piece is the one grafted, and ``grafted`` says which by its index."""
+    first = gl.graft(models, TWICE, ANSWER, at="Keanu met")
+    second = gl.graft(models, TWICE, ANSWER, at="Keanu in")
+    ids = tokenizer(TWICE, add_special_tokens=False)["input_ids"]  # no BOS under reference
+    words = [tokenizer.decode([i]) for i in ids]
+    # Keanu's tokens are the same at both places, only their indices differ.
+    start = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[i:]).startswith(" Keanu"))
+    width = next(n for n in range(1, 9) if tokenizer.decode(ids[:n]) == "Keanu")
+    assert words[:width] == words[start + 1 : start + 1 + width]  # " " is its own token
+    assert first["grafted"].iloc[-1].startswith(f"{words[0]}@0|")
+    assert second["grafted"].iloc[-1].startswith(f"{words[start + 1]}@{start + 1}|")
+    assert first["target_prob"].iloc[-1] != second["target_prob"].iloc[-1]
 
 
 def test_plot_graft_draws_one_prompt_and_many(models):
     one = gl.plot_graft(gl.graft(models, PROMPT, ANSWER))
     assert list(one.data[0].x) == ["pre", "sft", "last"]
+    assert one.layout.yaxis.title.text == "P(movie)"
     relations = data.make_relations("fake_movies_real_actors", n=4, seed=0)
     many = gl.plot_graft(gl.graft(models, data.make_examples(relations), at={"LT": "LT"}))
     assert [trace.name for trace in many.data] == ["headline"]
-    with pytest.raises(SelectionError, match="lacks"):
-        gl.plot_graft(pd.DataFrame({"config": ["a"]}))
+
+
+def test_plot_graft_of_one_prompt_with_two_answers_draws_a_bar_group_per_answer(models):
+    """Both answers' bars once drew on one axis labelled with the first answer."""
+    table = gl.graft(models, [PROMPT, PROMPT], [ANSWER, OTHER])
+    fig = gl.plot_graft(table)
+    assert [trace.name for trace in fig.data] == [ANSWER, OTHER]
+    assert fig.layout.barmode == "group" and fig.layout.yaxis.title.text == "P(answer)"
+    for trace, answer in zip(fig.data, (ANSWER, OTHER)):
+        rows = table[table["target"] == " " + answer]
+        assert list(trace.x) == ["pre", "sft", "last"]
+        assert list(trace.y) == rows["target_prob"].tolist()
+        assert list(trace.text) == [f"rank {rank}" for rank in rows["target_rank"]]
+    # The same prompt and answer asked twice is one group, drawn once.
+    twice = gl.plot_graft(gl.graft(models, [PROMPT, PROMPT], ANSWER))
+    assert len(twice.data) == 1 and list(twice.data[0].x) == ["pre", "sft", "last"]
+
+
+@pytest.mark.parametrize(
+    "table, options, message",
+    [
+        ("columns", {}, "lacks"),
+        ("rows", {}, "lacks"),
+        ("empty", {}, "non-empty"),
+        ("nan", {}, r"1 rows of the table have no score .* table\.dropna"),
+        ("ok", dict(k=0), r"k=0: give the top-k as an integer >= 1"),
+        ("ok", dict(k=True), r"k=True: give the top-k"),
+        ("ok", dict(k=2.5), r"k=2\.5: give the top-k"),
+        ("ok", dict(title=3), r"title=3: give the title as a str"),
+    ],
+)
+def test_plot_graft_refuses_what_it_cannot_draw(models, table, options, message):
+    graft = gl.graft(models, [PROMPT, TWICE], ANSWER)
+    table = {
+        "columns": pd.DataFrame({"config": ["a"]}),
+        "empty": graft.iloc[:0],
+        "nan": graft.assign(target_prob=[np.nan, *graft["target_prob"][1:]]),
+        "ok": graft,
+    }.get(table, table)  # "rows": a str, not a table
+    with pytest.raises(SelectionError, match=message):
+        gl.plot_graft(table, **options)
+
+
+def test_plot_graft_takes_numpy_k(models):
+    table = gl.graft(models, [PROMPT, TWICE], ANSWER)
+    fig = gl.plot_graft(table, k=np.int64(1))
+    assert fig.to_dict() == gl.plot_graft(table, k=1).to_dict()
+
+
+def test_answers_sharing_their_first_token_are_warned_of(models):
+    """As `grafting-lens run --prompts` lists them: a hit on one is a hit on each."""
+    with pytest.warns(UserWarning, match="' movie', ' movie star' share their first token"):
+        gl.graft(models, [PROMPT, PROMPT], [ANSWER, "movie star"])

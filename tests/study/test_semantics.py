@@ -118,7 +118,7 @@ def test_labels_that_do_not_read_are_refused():
         ("clean+unembed", "Cannot read 'unembed'"),
         ("clean+colour=red", "Cannot read 'colour=red'"),
         ("clean+unembed=nowhere", "Semantics.unembed must be one of"),
-        ("clean+final_norm=maybe", "Semantics.final_norm is true or false"),
+        ("clean+final_norm=maybe", "Semantics.final_norm must be True or False.*got 'maybe'"),
     ]:
         with pytest.raises(ExperimentError, match=message):
             as_semantics(label)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grafting_lens as gl
 from grafting_lens.core.errors import WorldCacheError, WorldSourceError
-from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint, sha256_of
+from grafting_lens.models.gguf_checkpoint import convert_checkpoint, sha256_of
 from grafting_lens.worlds.real_source import PackageSource, base_checkpoint, fetch_gguf
 
 PROMPT = "the hat in the tin at the hut"

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -23,9 +24,11 @@ from tiny_gguf import tiny_gemma3, tiny_llama, write_gguf
 
 import grafting_lens as gl
 import grafting_lens.worlds.finetune as finetune_module
+from grafting_lens.core import directories
 from grafting_lens.core.errors import ExperimentError, GraftingLensError, RunError, WorldCacheError
-from grafting_lens.worlds import directories, real_recipe, real_source, real_world
-from grafting_lens.worlds.gguf_checkpoint import sha256_of
+from grafting_lens.models.gguf_checkpoint import sha256_of
+from grafting_lens.study import cli
+from grafting_lens.worlds import real_recipe, real_source, real_world
 from grafting_lens.worlds.real_recipe import known_actors
 from grafting_lens.worlds.real_source import PackageSource, base_checkpoint, fetch_gguf
 from grafting_lens.worlds.real_world import WORLDS, RealWorldConfig, build_real_world, open_world
@@ -216,7 +219,7 @@ def test_a_world_is_keyed_by_the_bases_content_not_its_path(config, tmp_path):
 def _tokenizer_into(gguf, directory, scratch):
     from transformers import AutoTokenizer
 
-    from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint
+    from grafting_lens.models.gguf_checkpoint import convert_checkpoint
 
     converted = convert_checkpoint(gguf, scratch / f"tok-{directory.name}")
     AutoTokenizer.from_pretrained(converted).save_pretrained(directory)
@@ -338,7 +341,7 @@ def test_evaluation_unembeds_the_last_position_alone(world):
 def test_known_actors_keeps_the_names_the_model_completes(tmp_path):
     from transformers import AutoTokenizer
 
-    from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint
+    from grafting_lens.models.gguf_checkpoint import convert_checkpoint
 
     model = tiny_llama()
     directory = convert_checkpoint(write_gguf(model, tmp_path / "t.gguf"), tmp_path / "c")
@@ -396,6 +399,43 @@ def test_the_command_names_the_worlds_and_refuses_a_base_that_knows_no_actor(con
     ignorant = invoke(["world", "build", "--base", config.base, "--cache-dir", str(tmp_path)])
     assert ignorant.exit_code == 1
     assert "The base knows 0 of the" in ignorant.output and "Lower n_relations" in ignorant.output
+    # The advice names what the command takes, and the command takes it.
+    assert "--n-relations N, --known-actor-top-k K or all" in ignorant.output
+    parsed = cli.world_parser().parse_args(
+        ["build", "--base", "b", "--n-relations", "8", "--known-actor-top-k", "all"]
+    )
+    assert (parsed.n_relations, parsed.known_actor_top_k) == (8, None)
+    assert "known_actor_top_k" not in vars(cli.world_parser().parse_args(["build", "--base", "b"]))
+    toy_too = invoke(["world", "build", "toy", "--known-actor-top-k", "all"])
+    assert toy_too.exit_code == 1 and "--known-actor-top-k applies to a real-model world" in (
+        toy_too.output
+    )
+    few = invoke(["world", "build", "--base", config.base, "--n-relations", "3"])
+    assert few.exit_code == 1 and "--n-relations must be >= 4" in few.output
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: (d / "model.safetensors").write_bytes(b"{}"), r"\(it holds \['model"),
+        (lambda d: write_gguf(tiny_llama(), d / "tiny.gguf"), r"it holds tiny\.gguf: pass that"),
+    ],
+    ids=["weights alone", "a GGUF inside"],
+)
+def test_a_base_directory_without_config_is_refused_at_the_door(tmp_path, make, message):
+    from conftest import invoke
+
+    base = tmp_path / "base"
+    base.mkdir()
+    make(base)
+    result = invoke(["world", "build", "--base", base, "--cache-dir", tmp_path / "cache"])
+    assert result.exit_code == 1 and "model_type" not in result.output
+    assert re.search(
+        rf"Error: {re.escape(str(base))} is a directory without a config\.json.{{1,3}}{message}",
+        result.output,
+    )
+    assert "config.json), a .gguf file, or a hub id" in result.output
+    assert not [p for p in (tmp_path / "cache").glob("base-*")]
 
 
 def _file(tmp_path, monkeypatch):

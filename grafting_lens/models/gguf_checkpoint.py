@@ -1,8 +1,9 @@
 """A GGUF file, or any checkpoint, made into a ``save_pretrained`` directory once.
 
-A real pretrained model can reach a machine without the Hugging Face hub as a single
-GGUF file (llama.cpp's format, quantized): the real-model worlds' bases
-(:mod:`grafting_lens.worlds.real_source`) arrive that way. transformers reads such a file
+A pretrained model often reaches a user, or a machine without the Hugging Face hub, as a
+single GGUF file (llama.cpp's format, quantized): the real-model worlds' bases
+(:mod:`grafting_lens.worlds.real_source`) arrive that way, and :func:`~grafting_lens.load_models`
+takes one as a source. transformers reads such a file
 (``from_pretrained(dir, gguf_file=name)``, through the ``gguf`` package), dequantizing
 every weight, but it does so on every load (35 s for SmolLM2-135M, two minutes for Gemma 3
 270M), its config names no ``architectures`` (TransformerLens chooses its adapter by that
@@ -15,25 +16,32 @@ The same function takes a hub id or a ``save_pretrained`` directory instead of a
 file: it is loaded the way transformers loads it and saved the same way, so a world built
 on either stands on the same kind of directory.
 
+**Once, keyed by content** (:func:`converted_checkpoint`): a conversion is cached as
+``<cache>/base-<key>``, the key a hash of the source's content (the SHA-256 of a GGUF file,
+a hash over every file of a directory, :func:`checkpoint_key`), never of its path. The
+cache is :func:`conversion_cache` (``$GRAFTING_LENS_CACHE/worlds``), shared by
+``load_models`` and ``grafting-lens world build --base``: what one converted, the other
+finds.
+
 What is refused, with the file and the fix named
 (:class:`~grafting_lens.core.errors.WorldSourceError`): before the slow load, a file that
 is not a GGUF, one whose SHA-256 is not the expected one (a damaged download), one of
-another architecture than those allowed, one without tokenizer metadata; after it, a
-model whose parameters did not all come from the source (a missing tensor, a block
-declared but not held, a tensor of another shape, blocks beyond those declared), which
-transformers would otherwise fill with random weights and report in a log that
-TransformerLens silences.
+another architecture than those allowed, one without tokenizer metadata, a directory
+without a ``config.json``; after it, a model whose parameters did not all come from the
+source (a missing tensor, a block declared but not held, a tensor of another shape, blocks
+beyond those declared), which transformers would otherwise fill with random weights and
+report in a log that TransformerLens silences.
 
 The directory appears complete or not at all: it is written into a temporary sibling and
 renamed into place. It never replaces what grafting-lens did not write, and a target that
 is, contains or lies inside the source is refused
-(:mod:`grafting_lens.worlds.directories`, :class:`~grafting_lens.core.errors.WorldCacheError`).
+(:mod:`grafting_lens.core.directories`, :class:`~grafting_lens.core.errors.WorldCacheError`).
 
 Examples:
-    >>> from grafting_lens.worlds.gguf_checkpoint import convert_checkpoint
+    >>> from grafting_lens.models.gguf_checkpoint import convert_checkpoint
     >>> convert_checkpoint("model.Q4_1.gguf", "converted")  # doctest: +SKIP
     >>> import grafting_lens as gl
-    >>> models = gl.load_models("converted", "converted")  # doctest: +SKIP
+    >>> models = gl.load_models("model.Q4_1.gguf", "donor")  # converted once, cached  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -42,24 +50,39 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from grafting_lens.core.errors import WorldSourceError
-from grafting_lens.worlds.directories import (
+from grafting_lens.core.directories import (
     cache_errors,
+    cache_location,
     check_apart,
+    check_cache_dir,
     check_replaceable,
+    is_sealed,
     make_directory,
     replace_directory,
     seal,
     sibling,
+    waiting_lock,
 )
+from grafting_lens.core.errors import WorldSourceError
+from grafting_lens.core.files import cache_root
 
-__all__ = ["GGUF_MAGIC", "convert_checkpoint", "gguf_architecture", "sha256_of"]
+__all__ = [
+    "GGUF_MAGIC",
+    "checkpoint_key",
+    "directory_digest",
+    "conversion_cache",
+    "convert_checkpoint",
+    "converted_checkpoint",
+    "gguf_architecture",
+    "is_gguf",
+    "sha256_of",
+]
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
@@ -150,6 +173,9 @@ def convert_checkpoint(
 
     expected = _checked_sha256(sha256)
     target = Path(target).expanduser()
+    problem = None if gguf_file is not None else checkpoint_problem(source)
+    if problem is not None:  # transformers would say "Should have a `model_type` key"
+        raise WorldSourceError(f"{source} is {problem}. {CHECKPOINT_FIX}")
     gguf = _gguf_path(Path(source).expanduser(), gguf_file)
     check_apart(gguf if gguf is not None else source, target)
     check_replaceable(target, "The target")
@@ -310,3 +336,158 @@ def _check_architecture(found: str, allowed: Optional[Sequence[str]], where: Any
             f"{where} holds a {found!r} model, not one of {tuple(allowed)}: pass a checkpoint of "
             "one of those, or widen architectures= to one the bridge supports."
         )
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+"""Files that hold weights but not the config a model is built from."""
+
+CHECKPOINT_FIX = (
+    "Give the directory save_pretrained wrote (with its config.json), a .gguf file, or a hub id."
+)
+"""What every door that takes a checkpoint path takes, in one sentence."""
+
+
+def is_gguf(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a file named ``*.gguf`` or starting with the GGUF magic."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as file:
+            return file.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def checkpoint_problem(path: Union[str, os.PathLike]) -> Optional[str]:
+    """Why the local ``path`` is not a checkpoint (``"a directory without a config.json
+    (...)"``), or ``None`` for a ``save_pretrained`` directory, a GGUF file or a path that does
+    not exist (a hub id). Every door that takes a checkpoint path says it this one way,
+    followed by :data:`CHECKPOINT_FIX`."""
+    path = Path(path).expanduser()
+    if not path.exists() or is_gguf(path) or (path / "config.json").is_file():
+        return None
+    if path.is_dir():
+        held = sorted(child.name for child in path.iterdir())
+        gguf = [name for name in held if name.lower().endswith(".gguf")]
+        if gguf:
+            return f"a directory without a config.json; it holds {gguf[0]}: pass that file itself"
+        return f"a directory without a config.json (it holds {held[:8] or 'nothing'})"
+    if path.suffix.lower() in WEIGHT_SUFFIXES:
+        return (
+            f"a {path.suffix} weight file alone: a model is built from its config.json, which "
+            "save_pretrained writes beside the weights"
+        )
+    return "a file that is neither a checkpoint directory nor a GGUF file"
+
+
+def conversion_cache() -> Path:
+    """Where converted checkpoints are cached: ``<cache root>/worlds``, shared with the
+    real-model worlds (whose bases are converted checkpoints) and their fetched files."""
+    return cache_root() / "worlds"
+
+
+def checkpoint_key(source: Union[str, os.PathLike]) -> str:
+    """What names a converted checkpoint in the cache: a hash of its content, never its path.
+
+    The SHA-256 of a GGUF file; a hash over the files of a checkpoint directory or of a hub
+    id's snapshot (:func:`directory_digest`).
+
+    Raises:
+        WorldSourceError: A path that is no checkpoint, or a hub id that cannot be resolved
+            (offline and not cached).
+    """
+    return _located(source)[1]
+
+
+def converted_checkpoint(
+    source: Union[str, os.PathLike, Callable[[], Path]],
+    *,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    key: Optional[str] = None,
+    sha256: Optional[str] = None,
+    architectures: Optional[Sequence[str]] = None,
+) -> Path:
+    """``source`` as a float32 checkpoint directory, converted once and cached by content.
+
+    Two processes converting one source take turns: the second finds the first's result.
+
+    Args:
+        source: A GGUF file, a ``save_pretrained`` directory or a hub id; or a function
+            that fetches a GGUF file, called only when ``key`` is not converted yet.
+        cache_dir: The cache (default :func:`conversion_cache`).
+        key: The content key, required with a function (default :func:`checkpoint_key`).
+        sha256: As :func:`convert_checkpoint` takes it.
+        architectures: As :func:`convert_checkpoint` takes them.
+
+    Returns:
+        ``<cache_dir>/base-<key>``: ``config.json`` (``architectures`` set),
+        ``model.safetensors``, the tokenizer.
+
+    Raises:
+        WorldSourceError: See :func:`convert_checkpoint` and :func:`checkpoint_key`.
+        WorldCacheError: The cache cannot be written.
+    """
+    root = cache_location(cache_dir, conversion_cache)
+    check_cache_dir(root)
+    location: Any = source
+    if key is None:
+        location, key = _located(source)  # type: ignore[arg-type]  # a path when no key
+    target = root / f"base-{key}"
+    with waiting_lock(root / f".base-{key}.lock"):
+        if is_sealed(target):
+            return target
+        if callable(location):
+            location = location()
+        return convert_checkpoint(location, target, sha256=sha256, architectures=architectures)
+
+
+def _located(source: Union[str, os.PathLike]) -> tuple[Path, str]:
+    """``(where to read the checkpoint, its content key)``."""
+    path = Path(source).expanduser()
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise WorldSourceError(f"{source} is {problem}. {CHECKPOINT_FIX}")
+    if not path.exists():
+        path = _hub_snapshot(str(source))
+    if path.is_file():
+        return path, sha256_of(path)[:16]
+    return path, directory_digest(path)[:16]
+
+
+def directory_digest(directory: Union[str, os.PathLike]) -> str:
+    """SHA-256 over every file of ``directory`` (its relative path and its content's SHA-256).
+
+    Hidden files (a lock, the library's marker) and the Hugging Face cache's own
+    ``.cache`` folder are left out: they are not the checkpoint.
+    """
+    directory = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        relative = path.relative_to(directory)
+        if not path.is_file() or any(part.startswith(".") for part in relative.parts):
+            continue
+        digest.update(f"{relative.as_posix()}\0{sha256_of(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The local snapshot of a hub id (downloaded if the hub is reachable)."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(
+                repo_id,
+                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"],
+            )
+        )
+    except Exception as error:  # noqa: BLE001, offline, no such repo, an invalid name: one answer
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise WorldSourceError(
+            f"{repo_id!r} is neither a file, nor a directory, nor a hub id this machine can "
+            f"reach ({first}). Pass a GGUF file or a checkpoint directory, or fetch the model "
+            "where the hub is reachable (HF_HUB_OFFLINE=1 forbids downloads)."
+        ) from None
