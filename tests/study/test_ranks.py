@@ -193,14 +193,23 @@ SEARCH_JOB = textwrap.dedent(
     from grafting_lens.analysis import attribution as module
     from grafting_lens.worlds import data
 
-    PASSES = []  # the exact grafts this process ran (a metric's probe, logits="all", aside)
-    real = module.graft_forward
+    PASSES = []  # the passes this process ran for AttributionPlan.exact, the shared ones
+    INSIDE = []
+    real, exact = module.graft_forward, module.AttributionPlan.exact
 
     def counted(*args, **kwargs):
-        PASSES.append(kwargs.get("logits") == "last")
+        PASSES.append(bool(INSIDE))
         return real(*args, **kwargs)
 
+    def measuring(self, configs):
+        INSIDE.append(1)
+        try:
+            return exact(self, configs)
+        finally:
+            INSIDE.pop()
+
     module.graft_forward = counted
+    module.AttributionPlan.exact = measuring
 
     def search(root, state):
         models = gl.load_models(f"{root}/base", f"{root}/sft")
@@ -247,6 +256,7 @@ def test_attribution_and_the_minimal_graft_shared_by_ranks_find_what_one_process
         alone = json.loads(json.dumps(space["search"](checkpoints, tmp_path / "alone.json")))
     finally:
         space["module"].graft_forward = space["real"]  # the count was this test's only
+        space["module"].AttributionPlan.exact = space["exact"]
     (tmp_path / "job.py").write_text(SEARCH_JOB)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
