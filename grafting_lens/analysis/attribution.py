@@ -341,7 +341,7 @@ class AttributionPlan:
     ) -> None:
         check_model_set(models)
         self.models, n = models, len(models)
-        if not callable(metric) and metric not in METRICS:
+        if not callable(metric) and (not isinstance(metric, str) or metric not in METRICS):
             raise AttributionError(
                 f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
                 f"batch) -> [batch], got {metric!r}.{did_you_mean(str(metric), METRICS)}"

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Int
 
+from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import SelectionError, did_you_mean
 
 PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Tensor]
@@ -274,13 +275,14 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
 
 
 def _is_index(value: object) -> bool:
-    """An int (numpy's included), but not a bool, which would read as 0 or 1."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """An int (numpy's and torch's 0-d included), but not a bool, which would read as 0 or 1."""
+    return is_integer(value)
 
 
 def _is_row(value: object) -> bool:
     """One row's positions: a list, tuple, array or tensor (not a string)."""
-    return isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, str)
+    listed = isinstance(value, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(value, str)
+    return listed and getattr(value, "ndim", 1) != 0  # a 0-d tensor is one index
 
 
 def _selection(value: object, lengths: torch.Tensor, pos: int, what: str) -> torch.Tensor:
@@ -415,8 +417,15 @@ def select_positions(
     lengths = row_lengths(shape, attention_mask)
     real = _real(lengths, shape[1])
     if callable(expression):
-        selected = expression(spans, attention_mask)
-        what = f"The position function {callable_name(expression)}'s result"
+        what = f"The position function {callable_name(expression)}"
+        try:
+            selected = expression(spans, attention_mask)
+        except Exception as error:  # the user's code: named, with what it raised
+            raise SelectionError(
+                f"{what} raised {type(error).__name__}: {error} (it is called with the spans "
+                "and the attention mask)."
+            ) from error
+        what += "'s result"
         return _selection(selected, lengths, shape[1], what)
 
     def evaluate(node: tuple) -> torch.Tensor:

@@ -123,7 +123,7 @@ def check_model_set(models: object) -> None:
 
 def check_direction(direction: object, error: type[Exception] = PatchingError) -> str:
     """The causal question a direction names (:data:`DIRECTIONS`), or ``error``."""
-    if direction not in DIRECTIONS:
+    if not isinstance(direction, str) or direction not in DIRECTIONS:
         raise error(
             f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
             "'sufficiency' (run the target, import the source; 'denoising') or 'necessity' "

@@ -305,7 +305,7 @@ def retarget(
     the same positions for other weights or of another checkpoint.
     """
     configs = list(configs)
-    if components is None and source == 1:
+    if components is None and is_integer(source) and source == 1:
         return configs
     forms = "a component's name, an 'o+ffn' string or a list of names"
     chosen = (

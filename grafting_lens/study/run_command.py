@@ -417,16 +417,15 @@ _FREE_OPTIONS = frozenset(
 
 def _where(device: Any) -> str:
     """Where a run computed, for its summary: the CPU's threads, or the accelerator."""
-    torch = _torch()
-    share = ranks.current()
+    torch, share = _torch(), ranks.current()
     each = "" if share is None else f"{share.world} ranks, each on "
     if device.type == "cpu":
         threads = torch.get_num_threads()
         return f"{each}{threads} CPU thread{'s' if threads > 1 else ''}"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return f"{each}an {name}" if share else f"{device} ({name})"
-    return f"{each}{device.type if share else device}"
+    if device.type != "cuda":
+        return f"{each}{device.type if share else device}"
+    name = torch.cuda.get_device_name(device)
+    return f"{each}an {name}" if share else f"{device} ({name})"
 
 
 def _describe_command_run(
@@ -533,8 +532,7 @@ def _toy_config(text: str | None) -> Any:
 
 
 def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
-    """The command's one policy for CPU threads (see the module docstring); under ranks, a
-    rank's share of its machine's cores unless ``--threads`` says otherwise."""
+    """The command's one policy for CPU threads; under ranks, a rank's share of the cores."""
     share = ranks.current()
     if threads is not None:
         _torch().set_num_threads(threads)

@@ -9,9 +9,8 @@ directory:
     chunks/<id>.json      {"format", "run": <fingerprint>, "chunk": <id>, "columns": [...],
                            "rows": [[...], ...], "sha256": <hash of all of the above>}
 
-Started again with the same arguments, a run reads its finished chunks back instead
-of computing them. Nothing in the directory is trusted without a check, because a
-resumed table must be the table an uninterrupted run gives:
+Started again, a run reads its finished chunks back, each checked, because a resumed table
+must be the table an uninterrupted run gives:
 
 * **The fingerprint** is a hash of :func:`describe_run`: the model sets (names,
   architecture, and each source's fingerprint with the configuration,
@@ -26,14 +25,11 @@ resumed table must be the table an uninterrupted run gives:
 * **Writes are atomic** (``grafting_lens.core.files.atomic_write``): a chunk or the
   manifest is complete or absent. A run killed while creating its directory leaves
   at most an empty ``chunks/`` and temporary files, which the next run clears.
-* **One writer**, or the ranks of one job: the process running holds a lock on the
-  directory (``grafting_lens.core.files.DirectoryLock``); a second process is refused with
-  a message naming the first, before it touches a file. The system releases the lock of a
-  process that dies, so there are no stale locks to clean. The ranks of one ``torchrun``
-  or ``srun`` job (:mod:`grafting_lens.core.ranks`) hold it together: rank 0 writes or
-  checks the manifest while the others wait, then each writes only its own chunks (chunk
-  ``i`` is rank ``i % world``'s), so no file has two writers, even on a network filesystem
-  whose locks do not reach across machines.
+* **One writer**, or the ranks of one job (:mod:`grafting_lens.core.ranks`): they hold a
+  lock on the directory (``grafting_lens.core.files.DirectoryLock``), which refuses any other
+  process by name before it touches a file, and dies with its holder. Rank 0 writes the
+  manifest; each rank writes only its own chunks (chunk ``i`` is rank ``i % world``'s), so
+  no file has two writers, even where locks do not reach across machines.
 """
 
 from __future__ import annotations
@@ -219,10 +215,10 @@ class RunDirectory:
                 run's, or a manifest that cannot be read alongside chunks; it cannot be
                 written.
         """
-        if not str(path).strip():
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
             raise RunError(
-                "The run directory (out=) is an empty path (it would be the working "
-                "directory); name a directory."
+                f"The run directory (out={path!r}) is not a path, or an empty one (it would be "
+                "the working directory); name a directory."
             )
         run_dir = Path(path).expanduser()
         fingerprint = _fingerprint(spec)
@@ -334,6 +330,14 @@ class RunDirectory:
                 "was changed after it was written (its content no longer matches its hash)"
             )
         rows: Rows = payload["rows"]
+        plain = (str, int, float, bool, type(None))  # a JSON value a row's key can hold
+        if not all(
+            isinstance(row, list)
+            and len(row) == len(columns)
+            and all(isinstance(row[i], plain) for i in positions)
+            for row in rows
+        ):
+            raise _BadChunk("holds a row that is not a list of this run's columns")
         found = Counter(tuple(row[i] for i in positions) for row in rows)
         wanted = Counter(tuple(key) for key in keys)
         if found != wanted:

@@ -435,12 +435,10 @@ def run_position_grafting(
 ) -> pd.DataFrame:
     """Run position-grafting configurations over a tokenized batch and score each prediction.
 
-    The paper's first experiment (section 4.1) grafts every weight of the finetuned
-    model (SFT) onto the pretrained one (PRE), but only at some token positions
-    (:data:`~grafting_lens.study.configs.POSITION_CONFIGS`: ``PRE``, ``SFT``, ``FE``,
-    ``LT``, ``FE+LT``, ``(FE+LT)^C``, ``FE^C``, ``LT^C``), and asks whether the fact comes
-    back. A thin wrapper over :func:`run_experiment` for one model set and one batch,
-    kept in memory.
+    The paper's first experiment (section 4.1): every weight of the finetune (SFT) grafted
+    onto the pretrained model (PRE) at some positions only
+    (:data:`~grafting_lens.study.configs.POSITION_CONFIGS`). A thin wrapper over
+    :func:`run_experiment` for one model set and one batch, kept in memory.
 
     What "every weight" is, and how the batch must be tokenized, follow ``semantics``
     (:class:`~grafting_lens.study.semantics.Semantics`; default the paper's released code); a
@@ -461,8 +459,7 @@ def run_position_grafting(
         source: Index of the donor in the model set.
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
-        progress: Show a progress bar (default: when someone watches, see
-            :func:`~grafting_lens.core.console.show_progress`).
+        progress: Show a progress bar (default: when someone watches).
 
     Returns:
         A tidy DataFrame, one row per configuration and example (grouped by

@@ -389,7 +389,10 @@ def get_configs(
     refuse_first(
         ExperimentError,
         (
-            (not resolved, f"No configuration given; choose from {', '.join(registry)}."),
+            (
+                not resolved,
+                f"No configuration given (configs is empty); choose from {', '.join(registry)}.",
+            ),
             (repeated, f"Configurations are listed twice: {repeated}."),
         ),
     )

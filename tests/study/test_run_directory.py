@@ -415,8 +415,10 @@ def test_the_lock_is_reentrant_within_a_process_and_leaves_nothing_it_made(tmp_p
 def test_empty_and_unwritable_paths_are_refused_before_any_forward_pass(
     models, test_sets, tmp_path, forwards, monkeypatch
 ):
-    with pytest.raises(RunError, match="empty path"):
+    with pytest.raises(RunError, match=r"\(out=''\) is not a path, or an empty one"):
         _run(models, test_sets, "")
+    with pytest.raises(RunError, match=r"\(out=3\) is not a path"):  # a raw TypeError once
+        _run(models, test_sets, 3)
     locked = tmp_path / "read-only"
     locked.mkdir()
     locked.chmod(0o555)
