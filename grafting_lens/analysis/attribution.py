@@ -549,11 +549,10 @@ class AttributionPlan:
         (exact grafts, as blocks of rows of ``rows_per_forward``-row passes)."""
         configs = [tuple(config) for config in configs]
         values = torch.zeros(len(configs), len(self.batch))
-        blocks = [
-            (index, rows, first, max(1, self.rows_per_forward // len(index)))
-            for index, rows in self.chunks()
-            for first in range(0, len(configs), max(1, self.rows_per_forward // len(index)))
-        ]
+        blocks = []  # (rows' indices, rows, first configuration, configurations per pass)
+        for index, rows in self.chunks():
+            per_pass = max(1, self.rows_per_forward // len(index))
+            blocks += [(index, rows, first, per_pass) for first in range(0, len(configs), per_pass)]
 
         def compute(number: int) -> torch.Tensor:
             index, rows, first, per_pass = blocks[number]

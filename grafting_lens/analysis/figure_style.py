@@ -37,6 +37,7 @@ __all__ = [
     "add_reference_line",
     "axis_range",
     "axis_span",
+    "check_text",
     "column_title",
     "display_label",
     "extend_range",
@@ -124,7 +125,7 @@ def subtitle(caption: str | None, counts: Sequence[Any], interval: bool = True) 
     Raises:
         ArgumentTypeError: A ``caption`` that is not a string or ``None``.
     """
-    _check_text("caption", caption)
+    check_text("caption", caption)
     parts = [caption] if caption else []
     distinct = sorted({int(n) for n in counts if n is not None and not pd.isna(n)})
     if len(distinct) == 1:
@@ -161,9 +162,9 @@ def wrap_text(text: str, width: int) -> str:
     return "<br>".join(lines)
 
 
-def _check_text(name: str, text: object, optional: bool = True) -> None:
+def check_text(name: str, text: object, optional: bool = True) -> None:
     """Refuse a title, subtitle or caption that is not a string (nor ``None`` where optional):
-    a number would fail far from the call, in :func:`wrap_text`."""
+    a number would fail far from the call, in :func:`wrap_text`. Every figure's door uses it."""
     if not (isinstance(text, str) or (optional and text is None)):
         allowed = "a string or None" if optional else "a string"
         raise ArgumentTypeError(f"{name}= must be {allowed}, got {shown(text)}.")
@@ -180,8 +181,8 @@ def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) 
     Raises:
         ArgumentTypeError: A ``title`` or ``subtitle`` that is not a string.
     """
-    _check_text("title", title, optional=False)
-    _check_text("subtitle", subtitle, optional=False)
+    check_text("title", title, optional=False)
+    check_text("subtitle", subtitle, optional=False)
     width = layout.get("width") or fig.layout.width or NOTEBOOK_WIDTH
     fig.update_layout(
         template="plotly_white",

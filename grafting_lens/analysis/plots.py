@@ -28,6 +28,7 @@ from grafting_lens.analysis.figure_style import (
     PALETTE,
     add_reference_line,
     axis_range,
+    check_text,
     column_title,
     display_label,
     figure_style,
@@ -55,13 +56,6 @@ def _check_table(table: Any, columns: Iterable[str], what: str, name: str = "sum
             f"Expected {name}= a non-empty {what}; got {type(table).__name__} lacking the "
             f"columns {missing}."
         )
-
-
-def _check_texts(**texts: Any) -> None:
-    """Refuse a title or caption that is not a string (``None`` stands for the default)."""
-    for name, text in texts.items():
-        if text is not None and not isinstance(text, str):
-            raise ArgumentTypeError(f"{name}= must be a string or None, got {shown(text)}.")
 
 
 def _check_columns(**columns: Any) -> None:
@@ -163,7 +157,8 @@ def plot_accuracy(
         raise ArgumentTypeError(f"k= must be an integer (a top-k of the summary), got {shown(k)}.")
     k = int(k)  # a torch k would read 'toptensor(5)'
     _check_columns(x=x, color=color)
-    _check_texts(title=title, caption=caption)
+    check_text("title", title)
+    check_text("caption", caption)
     value = f"top{k}"
     columns = getattr(summary, "columns", ())
     available = sorted(c for c in columns if c.startswith("top") and c[3:].isdigit())
@@ -211,7 +206,8 @@ def plot_mean_rank(
         GraftingLensError: An empty table or missing columns.
     """
     _check_columns(x=x, color=color)
-    _check_texts(title=title, caption=caption)
+    check_text("title", title)
+    check_text("caption", caption)
     if not isinstance(log, (bool, np.bool_)):
         raise ArgumentTypeError(f"log= must be True or False, got {shown(log)}.")
     _check_table(
@@ -301,7 +297,8 @@ def plot_comparison(
     check_choice("value", value, list(_VALUE_TITLES))
     rows = column_names(row, "row", "'positions'")
     _check_columns(col=col)
-    _check_texts(title=title, caption=caption)
+    check_text("title", title)
+    check_text("caption", caption)
     if references is not None:
         _check_table(
             references,
@@ -432,7 +429,7 @@ def plot_attribution(
             columns.
     """
     check_choice("value", value, list(_ATTRIBUTION_VALUES))
-    _check_texts(title=title)
+    check_text("title", title)
     if not is_integer(columns) or columns < 1:
         error = GraftingLensError if is_integer(columns) else ArgumentTypeError
         raise error(f"columns= must be an integer >= 1 (panels per row), got {shown(columns)}.")
@@ -546,7 +543,7 @@ def plot_recovery(
         if not math.isfinite(float(fraction)):
             raise GraftingLensError(f"fraction= must be finite, got {shown(fraction)}.")
         fraction = float(fraction)
-    _check_texts(title=title)
+    check_text("title", title)
     _check_table(curve, ("prompts", "cells", "cell", "recovery"), "MinimalGraft.curve", "curve")
     fig = go.Figure()
     for prompts, group in curve.groupby("prompts", sort=False):

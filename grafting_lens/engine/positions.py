@@ -182,9 +182,9 @@ def span_positions(
             reaching past the row's real tokens.
     """
     batch = int(shape[0])
-    bounds = [[v] * batch if _is_index(v) else v for v in (starts, ends)]
+    bounds = [[v] * batch if is_integer(v) else v for v in (starts, ends)]
     fits = all(
-        isinstance(b, (Sequence, np.ndarray)) and len(b) == batch and all(map(_is_index, b))
+        isinstance(b, (Sequence, np.ndarray)) and len(b) == batch and all(map(is_integer, b))
         for b in bounds
     )
     if not fits or any(end <= start for start, end in zip(*bounds)):
@@ -241,7 +241,7 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
         selected = _selection(torch.as_tensor(spec), lengths, pos, "A position tensor")
     else:
         batch = len(lengths)
-        given: Any = [spec] if _is_index(spec) else spec
+        given: Any = [spec] if is_integer(spec) else spec
         rows: list[list[Any]] | None = None  # one list of indices per row, once read
         if isinstance(given, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(given, str):
             items: list[Any] = list(given)
@@ -250,7 +250,7 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
                 rows = [list(item) for item in items]
             elif not per_row:
                 rows = [items] * batch
-        if rows is None or not all(_is_index(i) for row in rows for i in row):
+        if rows is None or not all(is_integer(i) for row in rows for i in row):
             raise SelectionError(
                 f"Cannot read positions from {spec!r:.80}: use 'all', 'last', an int, a list of "
                 f"ints, one list of ints per row ({batch} rows), or a [batch, pos] boolean tensor."
@@ -272,11 +272,6 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
                 "or 'last'."
             )
     return selected
-
-
-def _is_index(value: object) -> bool:
-    """An int (numpy's and torch's 0-d included), but not a bool, which would read as 0 or 1."""
-    return is_integer(value)
 
 
 def _is_row(value: object) -> bool:
