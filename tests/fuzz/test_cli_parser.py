@@ -85,7 +85,7 @@ def test_run_parser_and_its_door(data):
     options = [
         o for action in parser._actions for o in action.option_strings if o not in ("-h", "--help")
     ]
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
         (Path(scratch) / "file").write_text("x")
         argv = _argv(data, options, Path(scratch))
         args = _parsed(parser, argv)
@@ -104,7 +104,8 @@ def test_run_parser_and_its_door(data):
 @budget(40)
 @given(data=st.data())
 def test_world_parser_and_its_door(data):
-    with tempfile.TemporaryDirectory() as scratch:
+    # In a scratch working directory: "--cache-dir 0" is a directory named 0, made there.
+    with tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
         empty = Path(scratch, "empty")
         empty.mkdir()
         fake = Path(scratch, "model.gguf")
