@@ -15,12 +15,18 @@ d_model 768, vocabulary 50,257; nothing is downloaded), grafts ``--batch`` promp
   rows are gathered and put back by index;
 * ``overhead_last``: ``overhead``'s pass with the last token's logits alone on both sides
   (``graft_forward``'s default ``logits="last"``; the base with ``logits_to_keep=1``);
+* ``split_kernel``: what the split linear layers ran on: ``"onednn"`` where MKL runs on a
+  CPU of another vendor than Intel, else ``"modules"`` (each module's own forward; see
+  ``grafting_lens/engine/products.py``); ``overhead_modules`` and ``overhead_last_modules``
+  are ``overhead`` and ``overhead_last`` with every split layer on its module's own kernel
+  (``torch.backends.mkldnn.enabled = False``), measured in the same rounds;
 * ``routing_overhead``: a pass taking every component from the donor at every position,
   over the donor's own plain forward: what routing costs when no product is split
   (checks, installing the dispatchers, Python per module);
 * ``split_products``: the time ``overhead``'s pass spends in matrix products beyond the
   plain forward's, as a share of the plain forward, from ``torch.profiler``: each grafted
-  product runs twice, once per checkpoint on its own rows;
+  product runs twice, once per checkpoint on its own rows (negative where the split
+  layers' kernel is faster than the plain forward's);
 * ``gather_scatter``: the share of ``overhead``'s pass (and of ``overhead_scattered``'s)
   spent in the dispatchers' copies (``index_select``, ``cat``; ``index_copy_`` before), from ``torch.profiler``.
 
@@ -28,11 +34,10 @@ What a half graft cannot avoid: every grafted linear layer reads both checkpoint
 weights, once for the base's positions and once for the donor's. At batch 1 a pass is
 bound by reading weights (a GPT-2 768x3072 product on 12 rows takes about as long as on
 6), so ``overhead`` tends to the share of the pass that is grafted products plus one.
-At batch 8 a product is mostly arithmetic, but each call of a CPU's matrix product also
-reads (packs) its whole weight matrix once: on the AMD EPYC of the development machine a
-768x3072 product takes about 1.2 ms plus 0.048 ms a row, so two calls on 64 rows cost 16%
-more than one on 128 (``split_products``). ``overhead`` is about one plus
-``split_products``, ``gather_scatter`` and what ``routing_overhead`` adds over one.
+At batch 8 a product is mostly arithmetic, but two calls on half the rows cost more than
+one on all of them: on the AMD EPYC of the development machine MKL's ``sgemm`` takes 7.6 ms
+for a 768x3072 product on 128 rows and 8.4 ms as two calls on 64 (``overhead_modules``),
+oneDNN 6.9 ms for the two calls (``overhead``).
 
 Timings are taken in rounds: each round runs every variant once, in turn, so a slow
 spell on a shared machine slows all of them. ``times`` gives each variant's best,
@@ -60,6 +65,7 @@ from tokenizers import Tokenizer, models
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 import grafting_lens as gl
+from grafting_lens.engine import products
 
 
 def gpt2_small(seed: int) -> GPT2LMHeadModel:
@@ -110,7 +116,7 @@ def spread(times: list[float]) -> dict[str, float]:
 # The operations the dispatchers copy rows with (index_copy_ until 0.1.x), and the matrix
 # products a graft splits.
 COPIES = ("aten::index_select", "aten::cat", "aten::index_copy_")
-PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm")
+PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise")
 
 
 def profiled(function: Callable[[], object], repeats: int = 3) -> dict[str, float]:
@@ -185,6 +191,18 @@ def main() -> None:
     def graft(mask: gl.GraftMask, logits: str = "all") -> Callable[[], object]:
         return lambda: gl.graft_forward(model_set, tokens, mask, logits=logits)
 
+    def on_modules(function: Callable[[], object]) -> Callable[[], object]:
+        """``function`` with every split linear layer on its module's own kernel."""
+
+        def run() -> object:
+            torch.backends.mkldnn.enabled = False
+            try:
+                return function()
+            finally:
+                torch.backends.mkldnn.enabled = True
+
+        return run
+
     with torch.inference_mode():
         single = graft(random_mask)()
         reference = gl.graft_forward_reference(model_set, tokens, random_mask)
@@ -199,6 +217,8 @@ def main() -> None:
                 "half": graft(half_mask),
                 "half_scattered": graft(scattered_mask),
                 "half_last": graft(half_mask, "last"),
+                "half_modules": on_modules(graft(half_mask)),
+                "half_last_modules": on_modules(graft(half_mask, "last")),
                 "donor_graft": graft(donor_mask),
                 "plain": lambda: model_set.base(tokens),
                 "plain_last": lambda: model_set.base(tokens, logits_to_keep=1),
@@ -220,6 +240,9 @@ def main() -> None:
                 "overhead": round(best["half"] / best["plain"], 3),
                 "overhead_scattered": round(best["half_scattered"] / best["plain"], 3),
                 "overhead_last": round(best["half_last"] / best["plain_last"], 3),
+                "split_kernel": "onednn" if products.KERNEL is not None else "modules",
+                "overhead_modules": round(best["half_modules"] / best["plain"], 3),
+                "overhead_last_modules": round(best["half_last_modules"] / best["plain_last"], 3),
                 "routing_overhead": round(best["donor_graft"] / best["donor_plain"], 3),
                 "split_products": share(
                     half_run["products"] - plain_run["products"], plain_run["total"]

@@ -74,6 +74,7 @@ from transformers import DynamicCache
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.core.errors import GraftingError, GraftMaskError, NonFiniteLogitsError
+from grafting_lens.engine import products
 from grafting_lens.engine.masks import GraftMask, Key, check_component, check_leftovers
 from grafting_lens.engine.positions import check_padding
 from grafting_lens.engine.routing import (
@@ -146,7 +147,8 @@ class SourceDispatch(Dispatch):
         for part, (source, _) in enumerate(plan.parts):
             taken_args = [layout.take(x, plan, part) for x in args]
             taken_kwargs = {name: layout.take(x, plan, part) for name, x in kwargs.items()}
-            outputs.append(self.sources[source](*taken_args, **taken_kwargs))
+            # A linear part through oneDNN on a CPU: two products on half the rows cost less there.
+            outputs.append(products.call(self.sources[source], taken_args, taken_kwargs))
         return self._merge(plan, layout, outputs)
 
     def _merge(self, plan: Plan, layout: Layout, outputs: list[Any]):

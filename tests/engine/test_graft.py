@@ -148,7 +148,9 @@ def test_graft_at_position_t_leaves_earlier_positions_untouched(three_models):
         gl.GraftMask.build(three_models, tokens, positions=[t, 6], components="ffn+o", source=1),
     )
     grafted = gl.graft_forward(three_models, tokens, mask, logits="all")
-    assert (grafted[:, :t] - base[:, :t]).abs().max() <= 1e-5
+    # Equal to float32 rounding: the split slots' base rows may run on another kernel
+    # (grafting_lens.engine.products); the graft's own effect is a hundred times larger.
+    assert (grafted[:, :t] - base[:, :t]).abs().max() <= 1e-4
     assert (grafted[:, t:] - base[:, t:]).abs().amax(dim=-1).min() > 1e-2
 
 
@@ -158,9 +160,10 @@ def test_run_with_cache_inside_grafting_sees_the_grafted_run(three_models):
     # Everything up to layer 0's Q at position t comes from the donor, so layer 0's
     # queries at t are the donor's own; every other position keeps the base's.
     mask = gl.GraftMask.build(three_models, tokens, positions=[t], components="all", source=1)
-    with gl.grafting(three_models, mask) as model:
+    # Without autograd, as graft_forward runs: both then take the same kernels.
+    with gl.grafting(three_models, mask) as model, torch.no_grad():
         logits, cache = model.run_with_cache(tokens)
-    assert (logits - gl.graft_forward(three_models, tokens, mask, logits="all")).abs().max() <= 1e-5
+    assert torch.equal(logits, gl.graft_forward(three_models, tokens, mask, logits="all"))
     _, base_cache = three_models.base.run_with_cache(tokens)
     _, donor_cache = three_models[1].run_with_cache(tokens)
     q, base_q, donor_q = (c["blocks.0.attn.hook_q"] for c in (cache, base_cache, donor_cache))
