@@ -30,6 +30,7 @@ from grafting_lens.analysis.comparison import (
     reference_scores,
     summarize_comparison,
 )
+from grafting_lens.core import ranks
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study import markdown
@@ -80,7 +81,8 @@ def run(
 
     ``extras``: ``directions`` (default both; a quick run: sufficiency only) and
     ``rows_per_forward`` (rows of one forward pass, default 512). ``out`` and
-    ``on_chunk`` are not used: a comparison is not saved chunk by chunk.
+    ``on_chunk`` are not used: a comparison is not saved chunk by chunk, and under
+    ``torch.distributed`` ranks its comparisons are shared as :func:`ranks.spread` shares.
 
     Returns:
         ``{"results": one row per example, configuration and method, "references":
@@ -92,7 +94,6 @@ def run(
     if quick:
         directions = ["sufficiency"]
     count = QUICK_RELATIONS if quick else n_examples
-    rows_per_forward = extras.get("rows_per_forward") or 512
     batches = {}
     for prompt in PROMPTS:
         # The library's reading, the only one a comparison has (LIBRARY_READING_ONLY).
@@ -100,24 +101,23 @@ def run(
         batches[prompt] = tokenize_examples(
             examples[:count], models.tokenizer, **CLEAN.tokenization()
         )
-    tables, references = [], []
-    for batch in batches.values():
-        references.append(reference_scores(models, batch, sources=[0, 1]))
-        references.append(readout_ceiling(models, batch))
-        for direction in directions:
-            tables.append(
-                compare_graft_and_patch(
-                    models,
-                    batch,
-                    positions=POSITIONS,
-                    layers="all",
-                    pairs=PAIRS,
-                    direction=direction,
-                    batch_size=options.batch_size,
-                    rows_per_forward=rows_per_forward,
-                    progress=options.progress,
-                )
-            )
+    # Each prompt's comparisons, then its references: shared by ranks as ranks.spread shares.
+    units = [(p, d) for p in PROMPTS for d in directions] + [(p, None) for p in PROMPTS]
+    sweep: dict[str, Any] = dict(batch_size=options.batch_size, progress=options.progress)
+    sweep.update(rows_per_forward=extras.get("rows_per_forward") or 512)
+
+    def compute(number: int) -> pd.DataFrame:
+        prompt, direction = units[number]
+        batch = batches[prompt]
+        if direction is None:
+            scores = reference_scores(models, batch, sources=[0, 1])
+            return pd.concat([scores, readout_ceiling(models, batch)], ignore_index=True)
+        return compare_graft_and_patch(
+            models, batch, POSITIONS, "all", PAIRS, direction=direction, **sweep
+        )
+
+    computed = ranks.spread(len(units), compute)
+    tables, references = computed[: -len(PROMPTS)], computed[-len(PROMPTS) :]
     settings = {
         "examples": {prompt: len(batch) for prompt, batch in batches.items()},
         "dropped": {prompt: len(batch.dropped) for prompt, batch in batches.items()},

@@ -379,14 +379,12 @@ def _content_hash(payload: Mapping[str, Any]) -> str:
 
 
 def _check_is_run_directory(run_dir: Path) -> None:
-    """Refuse a directory that holds files but no manifest: it is not a run's.
-
-    What a run killed while creating its directory leaves (dot files, an empty
-    ``chunks/`` or one holding chunks, which are checked one by one) is a run's.
+    """Refuse a directory that holds files but no manifest: it is not a run's (read in one
+    listing: rank 0 may be writing the manifest meanwhile). What a run killed while creating
+    its directory leaves (dot files, ``chunks/``, whose chunks are checked one by one) is a run's.
     """
-    if not run_dir.is_dir() or (run_dir / "manifest.json").exists():
-        return
-    others = [p.name for p in run_dir.iterdir() if not p.name.startswith(".")]
+    names = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else ["manifest.json"]
+    others = [name for name in names if not name.startswith(".") and "manifest.json" not in names]
     if [name for name in others if not (name == "chunks" and (run_dir / name).is_dir())]:
         raise RunError(
             f"{run_dir} is not empty and has no manifest.json, so it is not a run directory "

@@ -23,14 +23,14 @@ from conftest import make_tokenizer, random_model
 
 from grafting_lens.core import files, ranks
 from grafting_lens.core.errors import ExperimentError, GraftingLensError, RunError
-from grafting_lens.study import cli
+from grafting_lens.study import cli, run_directory
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock and torchrun's signals")
 
 EXPERIMENTS = {
     "position": [],  # two parts of two test sets: four chunks
     "component": [],  # two chunks
-    "patching_vs_grafting": ["--quick"],  # in memory: every rank computes, rank 0 writes
+    "patching_vs_grafting": ["--quick"],  # in memory: 2 comparisons and 2 readouts, shared
 }
 
 
@@ -97,6 +97,15 @@ JOB = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return path
     run_directory.RunDirectory.write = write
+
+    # A comparison's sweeps (compare_graft_and_patch), logged with the rank that ran them.
+    from grafting_lens.study import patching_vs_grafting as comparison
+    sweep = comparison.compare_graft_and_patch
+    def logged(*args, **kwargs):
+        with open("sweeps.log", "a") as log:
+            log.write(os.environ["RANK"] + "\\n")
+        return sweep(*args, **kwargs)
+    comparison.compare_graft_and_patch = logged
     for argv in json.loads(sys.argv[1]):
         status = cli.main(argv)
         if status:
@@ -167,6 +176,10 @@ def test_ranks_write_the_files_one_process_writes(checkpoints, alone, tmp_path, 
     assert not list(tmp_path.rglob(files.LOCK_NAME))
     # Rank 0 wrote the report, once; the others printed nothing of it.
     assert job.stdout.count("Wrote position/results.csv") == 1
+    # The comparison's four sweeps (two prompts' comparisons and readout ceilings), each on
+    # one rank: every rank ran at least one and none ran one twice.
+    sweeps = (tmp_path / "sweeps.log").read_text().split()
+    assert len(sweeps) == 4 and set(sweeps) == {str(rank) for rank in range(nproc)}
 
 
 def test_a_killed_rank_and_a_killed_job_resume_with_the_same_command(checkpoints, alone, tmp_path):
@@ -405,6 +418,29 @@ def test_every_refusal_under_ranks_names_itself(case, job, holder, monkeypatch, 
         holder(tmp_path / "run", setting["holder"])
     with pytest.raises(error, match=message):
         action(tmp_path)
+
+
+def test_a_rank_checking_the_directory_while_rank_0_writes_its_manifest_goes_on(
+    tmp_path, monkeypatch
+):
+    """Three ranks failed once with "not a run directory (it holds manifest.json)": a rank
+    asked for the manifest, rank 0 wrote it, and the rank's listing then found it."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    listing = Path.iterdir
+
+    def written_meanwhile(self):
+        if self == run_dir:
+            (run_dir / "manifest.json").write_text("{}")
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", written_meanwhile)
+    run_directory._check_is_run_directory(run_dir)
+    (run_dir / "manifest.json").unlink()
+    (run_dir / "notes.txt").write_text("mine")
+    monkeypatch.setattr(Path, "iterdir", listing)
+    with pytest.raises(RunError, match=r"not a run directory \(it holds notes.txt\)"):
+        run_directory._check_is_run_directory(run_dir)
 
 
 def test_the_ranks_of_one_job_share_a_directory_that_another_job_may_not_take(
