@@ -26,8 +26,9 @@ this off, as it does oneDNN everywhere in PyTorch.
 
 Where it applies: a module whose forward is exactly a linear map (``nn.Linear``,
 transformers' ``Conv1D``; not a subclass, a LoRA layer or a quantised one) with a dense
-weight (or its transpose) and no hook, on float32 CPU tensors, without CPU autocast, in a
-product of at least :data:`MIN_PRODUCT` multiply-adds. Anything else calls the module.
+weight (or its transpose) held as a plain tensor and no hook, on float32 CPU tensors,
+without CPU autocast, in a product of at least :data:`MIN_PRODUCT` multiply-adds. Anything
+else calls the module.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def call(module: nn.Module, args: list, kwargs: dict):
 
 def _applies(module: nn.Module, x: object, weight: torch.Tensor) -> bool:
     return (
+        # Plain tensors: a subclass (a quantised weight kept in an nn.Linear) computes its own way.
         type(x) is torch.Tensor
+        and type(weight) in (torch.Tensor, nn.Parameter)
         and x.dtype == weight.dtype == torch.float32
         and x.device.type == weight.device.type == "cpu"
         and x.dim() >= 1

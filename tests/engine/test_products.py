@@ -89,6 +89,10 @@ def test_the_kernel_computes_the_modules_map(kind, onednn):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass: what it computes is its own business."""
+
+
 class Scaled(nn.Linear):
     def forward(self, x):
         return 2 * super().forward(x)
@@ -101,6 +105,7 @@ class Scaled(nn.Linear):
         "hook",
         "global_hook",
         "subclass",
+        "tensor_subclass_weight",
         "float64",
         "strided_weight",
         "mkldnn_off",
@@ -118,6 +123,8 @@ def test_anything_else_calls_the_module(case, onednn, monkeypatch):
         module.register_forward_hook(lambda *_: seen.append(1))
     if case == "global_hook":
         handle = nn.modules.module.register_module_forward_hook(lambda *_: seen.append(1))
+    if case == "tensor_subclass_weight":  # as a quantised weight inside an nn.Linear
+        module.weight = nn.Parameter(module.weight.detach().as_subclass(Marked))
     if case == "float64":
         module, rows = module.double(), rows.double()
     if case == "strided_weight":
