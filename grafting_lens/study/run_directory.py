@@ -384,7 +384,7 @@ def _check_is_run_directory(run_dir: Path) -> None:
     its directory leaves (dot files, ``chunks/``, whose chunks are checked one by one) is a run's.
     """
     names = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else ["manifest.json"]
-    others = [name for name in names if not name.startswith(".") and "manifest.json" not in names]
+    others = [] if "manifest.json" in names else [n for n in names if not n.startswith(".")]
     if [name for name in others if not (name == "chunks" and (run_dir / name).is_dir())]:
         raise RunError(
             f"{run_dir} is not empty and has no manifest.json, so it is not a run directory "
