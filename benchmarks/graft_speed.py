@@ -16,10 +16,12 @@ d_model 768, vocabulary 50,257; nothing is downloaded), grafts ``--batch`` promp
 * ``overhead_last``: ``overhead``'s pass with the last token's logits alone on both sides
   (``graft_forward``'s default ``logits="last"``; the base with ``logits_to_keep=1``);
 * ``split_kernel``: what the split linear layers ran on: ``"onednn"`` where MKL runs on a
-  CPU of another vendor than Intel, else ``"modules"`` (each module's own forward; see
-  ``grafting_lens/engine/products.py``); ``overhead_modules`` and ``overhead_last_modules``
-  are ``overhead`` and ``overhead_last`` with every split layer on its module's own kernel
-  (``torch.backends.mkldnn.enabled = False``), measured in the same rounds;
+  CPU by another vendor than Intel that has AVX-512, else ``"modules"`` (each module's own
+  forward; see ``grafting_lens/engine/products.py``), and ``split_kernel_why`` the rule's
+  reason on this machine (``overhead`` and ``overhead_last`` are the chosen kernel's);
+  ``overhead_onednn`` and ``overhead_last_onednn``, ``overhead_modules`` and
+  ``overhead_last_modules``: the same passes with every split layer on oneDNN, or on its
+  module's own kernel, whichever this machine chose, measured in the same rounds;
 * ``routing_overhead``: a pass taking every component from the donor at every position,
   over the donor's own plain forward: what routing costs when no product is split
   (checks, installing the dispatchers, Python per module);
@@ -37,7 +39,7 @@ bound by reading weights (a GPT-2 768x3072 product on 12 rows takes about as lon
 At batch 8 a product is mostly arithmetic, but two calls on half the rows cost more than
 one on all of them: on the AMD EPYC of the development machine MKL's ``sgemm`` takes 7.6 ms
 for a 768x3072 product on 128 rows and 8.4 ms as two calls on 64 (``overhead_modules``),
-oneDNN 6.9 ms for the two calls (``overhead``).
+oneDNN 6.9 ms for the two calls (``overhead_onednn``).
 
 Timings are taken in rounds: each round runs every variant once, in turn, so a slow
 spell on a shared machine slows all of them. ``times`` gives each variant's best,
@@ -117,6 +119,9 @@ def spread(times: list[float]) -> dict[str, float]:
 # products a graft splits.
 COPIES = ("aten::index_select", "aten::cat", "aten::index_copy_")
 PRODUCTS = ("aten::addmm", "aten::mm", "aten::bmm", "mkldnn::_linear_pointwise")
+# The kernels a split linear layer can run on (grafting_lens.engine.products), each measured.
+KERNELS = ("onednn", "modules")
+ONEDNN = torch.ops.mkldnn._linear_pointwise
 
 
 def profiled(function: Callable[[], object], repeats: int = 3) -> dict[str, float]:
@@ -191,15 +196,16 @@ def main() -> None:
     def graft(mask: gl.GraftMask, logits: str = "all") -> Callable[[], object]:
         return lambda: gl.graft_forward(model_set, tokens, mask, logits=logits)
 
-    def on_modules(function: Callable[[], object]) -> Callable[[], object]:
-        """``function`` with every split linear layer on its module's own kernel."""
+    def on(kernel: str, function: Callable[[], object]) -> Callable[[], object]:
+        """``function`` with every split linear layer on ``kernel``: "onednn" or "modules"."""
 
         def run() -> object:
-            torch.backends.mkldnn.enabled = False
+            chosen = products.KERNEL
+            products.KERNEL = ONEDNN if kernel == "onednn" else None
             try:
                 return function()
             finally:
-                torch.backends.mkldnn.enabled = True
+                products.KERNEL = chosen
 
         return run
 
@@ -214,11 +220,9 @@ def main() -> None:
         times = rounds(
             {
                 "single": graft(random_mask),
-                "half": graft(half_mask),
                 "half_scattered": graft(scattered_mask),
-                "half_last": graft(half_mask, "last"),
-                "half_modules": on_modules(graft(half_mask)),
-                "half_last_modules": on_modules(graft(half_mask, "last")),
+                **{f"half_{k}": on(k, graft(half_mask)) for k in KERNELS},
+                **{f"half_last_{k}": on(k, graft(half_mask, "last")) for k in KERNELS},
                 "donor_graft": graft(donor_mask),
                 "plain": lambda: model_set.base(tokens),
                 "plain_last": lambda: model_set.base(tokens, logits_to_keep=1),
@@ -232,17 +236,22 @@ def main() -> None:
         scattered_run = profiled(graft(scattered_mask))
 
     best = {name: min(values) for name, values in times.items()}
+    kernel = "onednn" if products.KERNEL is not None else "modules"
     print(
         json.dumps(
             {
                 "speedup": round(min(reference_s) / best["single"], 2),
                 "max_abs_diff": float((single - reference).abs().max()),
-                "overhead": round(best["half"] / best["plain"], 3),
+                "overhead": round(best[f"half_{kernel}"] / best["plain"], 3),
                 "overhead_scattered": round(best["half_scattered"] / best["plain"], 3),
-                "overhead_last": round(best["half_last"] / best["plain_last"], 3),
-                "split_kernel": "onednn" if products.KERNEL is not None else "modules",
-                "overhead_modules": round(best["half_modules"] / best["plain"], 3),
-                "overhead_last_modules": round(best["half_last_modules"] / best["plain_last"], 3),
+                "overhead_last": round(best[f"half_last_{kernel}"] / best["plain_last"], 3),
+                "split_kernel": kernel,
+                "split_kernel_why": products.WHY,
+                **{f"overhead_{k}": round(best[f"half_{k}"] / best["plain"], 3) for k in KERNELS},
+                **{
+                    f"overhead_last_{k}": round(best[f"half_last_{k}"] / best["plain_last"], 3)
+                    for k in KERNELS
+                },
                 "routing_overhead": round(best["donor_graft"] / best["donor_plain"], 3),
                 "split_products": share(
                     half_run["products"] - plain_run["products"], plain_run["total"]

@@ -108,89 +108,92 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         if cells.is_dir() or (cells.exists() and not os.access(cells, os.W_OK)):
             parser.error(f"--cells {args.cells!r} is a directory or a file that cannot be written.")
-    share = ranks.current()  # under torchrun: join the job first
-    torch.set_num_threads(args.threads)
-    gl.notebook(threads=args.threads, grad=True)  # attribution differentiates
+    # Under torchrun the ranks share the work: asked for, as a user's script asks.
+    with ranks.shared_ranks() as share:
+        torch.set_num_threads(args.threads)
+        gl.notebook(threads=args.threads, grad=True)  # attribution differentiates
 
-    loaded = time.perf_counter()
-    if args.world == "toy":
-        models, relations, _ = study.toy_setup("graft_attribution", progress=False)
-    else:
-        models, relations, _ = real_world_setup("graft_attribution", world=args.world)
-    batches = {
-        prompt: tokenize_examples(
-            data.make_examples(relations, prompt=prompt, templates=CLEAN.prompts)[: args.relations],
-            models.tokenizer,
-            **CLEAN.tokenization(),
+        loaded = time.perf_counter()
+        if args.world == "toy":
+            models, relations, _ = study.toy_setup("graft_attribution", progress=False)
+        else:
+            models, relations, _ = real_world_setup("graft_attribution", world=args.world)
+        batches = {
+            prompt: tokenize_examples(
+                data.make_examples(relations, prompt=prompt, templates=CLEAN.prompts)[
+                    : args.relations
+                ],
+                models.tokenizer,
+                **CLEAN.tokenization(),
+            )
+            for prompt in ("headline", "qa")
+        }
+        loaded = time.perf_counter() - loaded
+
+        started = time.perf_counter()
+        attribution = gl.attribute_grafts(
+            models,
+            batches["headline"],
+            positions=POSITIONS,
+            verify=args.verify,
+            batch_size=args.batch_size,
+            progress=False,
         )
-        for prompt in ("headline", "qa")
-    }
-    loaded = time.perf_counter() - loaded
-
-    started = time.perf_counter()
-    attribution = gl.attribute_grafts(
-        models,
-        batches["headline"],
-        positions=POSITIONS,
-        verify=args.verify,
-        batch_size=args.batch_size,
-        progress=False,
-    )
-    attribution_s = time.perf_counter() - started
-    found = gl.find_minimal_graft(
-        models,
-        batches["headline"],
-        held_out=batches["qa"],
-        fraction=args.fraction,
-        positions=POSITIONS,
-        batch_size=args.batch_size,
-    )
-    seconds = {
-        "attribution_s": round(attribution_s, 1),
-        "search_s": round(found.seconds["search"], 1),
-        "verification_s": round(found.seconds["prune"] + found.seconds["curve"], 1),
-    }
-    total = sum(seconds.values())
-    if not ranks.first():
+        attribution_s = time.perf_counter() - started
+        found = gl.find_minimal_graft(
+            models,
+            batches["headline"],
+            held_out=batches["qa"],
+            fraction=args.fraction,
+            positions=POSITIONS,
+            batch_size=args.batch_size,
+        )
+        seconds = {
+            "attribution_s": round(attribution_s, 1),
+            "search_s": round(found.seconds["search"], 1),
+            "verification_s": round(found.seconds["prune"] + found.seconds["curve"], 1),
+        }
+        total = sum(seconds.values())
+        if not ranks.first():
+            return 0
+        if args.cells:
+            cells.parent.mkdir(parents=True, exist_ok=True)
+            found.cells.to_csv(cells, index=False)
+        print(
+            json.dumps(
+                {
+                    "benchmark": "minimal_graft",
+                    "world": args.world,
+                    "relations": {prompt: len(batch) for prompt, batch in batches.items()},
+                    "layers": models.n_layers,
+                    "candidate_cells": len(attribution.frame),
+                    **seconds,
+                    "total_s": round(total, 1),
+                    "seconds": round(total, 1),
+                    "target_s": 600,
+                    "met": total <= 600,
+                    "load_s": round(loaded, 1),
+                    "cells": len(found.cells),
+                    "cells_by_positions": found.cells["positions"].value_counts().to_dict(),
+                    "cells_file": args.cells,
+                    "fraction": args.fraction,
+                    "recovery": round(found.recovery, 4),
+                    "held_out_recovery": round(found.held_out_recovery or float("nan"), 4),
+                    "reached": found.reached,
+                    "sets_measured": len(found.search),
+                    "spearman": attribution.agreement.set_index("positions")["spearman"]
+                    .round(3)
+                    .to_dict()
+                    if attribution.agreement is not None
+                    else None,
+                    "threads": args.threads,
+                    "ranks": 1 if share is None else share.world,
+                    "torch": torch.__version__,
+                    "machine": platform.processor() or platform.machine(),
+                }
+            )
+        )
         return 0
-    if args.cells:
-        cells.parent.mkdir(parents=True, exist_ok=True)
-        found.cells.to_csv(cells, index=False)
-    print(
-        json.dumps(
-            {
-                "benchmark": "minimal_graft",
-                "world": args.world,
-                "relations": {prompt: len(batch) for prompt, batch in batches.items()},
-                "layers": models.n_layers,
-                "candidate_cells": len(attribution.frame),
-                **seconds,
-                "total_s": round(total, 1),
-                "seconds": round(total, 1),
-                "target_s": 600,
-                "met": total <= 600,
-                "load_s": round(loaded, 1),
-                "cells": len(found.cells),
-                "cells_by_positions": found.cells["positions"].value_counts().to_dict(),
-                "cells_file": args.cells,
-                "fraction": args.fraction,
-                "recovery": round(found.recovery, 4),
-                "held_out_recovery": round(found.held_out_recovery or float("nan"), 4),
-                "reached": found.reached,
-                "sets_measured": len(found.search),
-                "spearman": attribution.agreement.set_index("positions")["spearman"]
-                .round(3)
-                .to_dict()
-                if attribution.agreement is not None
-                else None,
-                "threads": args.threads,
-                "ranks": 1 if share is None else share.world,
-                "torch": torch.__version__,
-                "machine": platform.processor() or platform.machine(),
-            }
-        )
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -44,44 +44,50 @@ def main() -> None:
         compare_ranks(__file__, [a for a in sys.argv[1:] if a != "--compare-ranks"])
         return
     torch.set_num_threads(args.threads)
-    share = ranks.current()  # under torchrun: join the job first
-    gpu = share is not None and args.device.startswith("cuda")
-    device = resolve(str(share.device) if gpu else args.device)  # a rank: its own GPU
+    # Under torchrun the ranks share the work: asked for, as a user's script asks.
+    with ranks.shared_ranks() as share:
+        gpu = share is not None and args.device.startswith("cuda")
+        device = resolve(str(share.device) if gpu else args.device)  # a rank: its own GPU
 
-    models, _, world = experiments.toy_setup(
-        "position", cache_dir=args.cache_dir, device=str(device), progress=False
-    )
-    relations = data.make_relations(world["dataset"], n=args.examples, seed=world["seed"])
-    # The sweep the documented times measured: the library's reading and wording (the
-    # default semantics, the authors' code's, tokenizes and words the prompts otherwise).
-    test_sets = experiments.make_test_sets(
-        relations, prompts=("headline", "qa"), dataset=world["dataset"], templates="library"
-    )
-    configs = list(experiments.PAPER_POSITION_CONFIGS)
-    ranks.gather(None)  # every rank loaded: the clock starts together
-    started = clock(device)
-    results = experiments.run_experiment(
-        models, test_sets, configs, batch_size=args.batch_size, semantics="clean", progress=False
-    )
-    seconds = clock(device) - started
-    if not ranks.first():
-        return
-    print(
-        json.dumps(
-            {
-                "rows": len(results),
-                "seconds": round(seconds, 2),
-                "rows_per_second": round(len(results) / seconds),
-                "configurations": len(configs),
-                "examples": [len(test_set.examples) for test_set in test_sets],
-                "batch_size": args.batch_size,
-                "ranks": 1 if share is None else share.world,
-                "threads_per_rank": torch.get_num_threads(),
-                "models": f"toy world {world['root'].rsplit('/', 1)[-1]}",
-                **describe(device),
-            }
+        models, _, world = experiments.toy_setup(
+            "position", cache_dir=args.cache_dir, device=str(device), progress=False
         )
-    )
+        relations = data.make_relations(world["dataset"], n=args.examples, seed=world["seed"])
+        # The sweep the documented times measured: the library's reading and wording (the
+        # default semantics, the authors' code's, tokenizes and words the prompts otherwise).
+        test_sets = experiments.make_test_sets(
+            relations, prompts=("headline", "qa"), dataset=world["dataset"], templates="library"
+        )
+        configs = list(experiments.PAPER_POSITION_CONFIGS)
+        ranks.gather(None)  # every rank loaded: the clock starts together
+        started = clock(device)
+        results = experiments.run_experiment(
+            models,
+            test_sets,
+            configs,
+            batch_size=args.batch_size,
+            semantics="clean",
+            progress=False,
+        )
+        seconds = clock(device) - started
+        if not ranks.first():
+            return
+        print(
+            json.dumps(
+                {
+                    "rows": len(results),
+                    "seconds": round(seconds, 2),
+                    "rows_per_second": round(len(results) / seconds),
+                    "configurations": len(configs),
+                    "examples": [len(test_set.examples) for test_set in test_sets],
+                    "batch_size": args.batch_size,
+                    "ranks": 1 if share is None else share.world,
+                    "threads_per_rank": torch.get_num_threads(),
+                    "models": f"toy world {world['root'].rsplit('/', 1)[-1]}",
+                    **describe(device),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

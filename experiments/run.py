@@ -288,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return USAGE
     try:
-        for path, arguments in commands:
-            if ranks.first():  # once, not once per rank
-                print(f"# {path.name}: grafting-lens {shlex.join(arguments)}", flush=True)
-            if not options.dry_run:
-                status = cli.main(arguments)
-                if status:
-                    return status
+        with ranks.shared_ranks():  # under torchrun, every run shared by the ranks
+            for path, arguments in commands:
+                if ranks.first():  # once, not once per rank
+                    print(f"# {path.name}: grafting-lens {shlex.join(arguments)}", flush=True)
+                if not options.dry_run:
+                    status = cli.main(arguments)
+                    if status:
+                        return status
     except KeyboardInterrupt:
         return interrupted("run the same command to resume")
     return 0

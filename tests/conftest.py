@@ -8,6 +8,7 @@ and an equivalence test could not fail.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -318,3 +319,22 @@ def invoke(args: Sequence[object]) -> CommandResult:
     with contextlib.redirect_stdout(seen), contextlib.redirect_stderr(seen):
         code = cli.main([str(arg) for arg in args])
     return CommandResult(code, seen.getvalue())
+
+
+@pytest.fixture
+def read_only():
+    """Make a directory tree read-only for real (root ignores permissions: ``chattr +i``)."""
+    made = []
+
+    def make(path):
+        if os.geteuid() == 0:
+            if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode:
+                pytest.skip("root, on a filesystem without chattr +i: nothing is read-only")
+            made.append(["chattr", "-R", "-i", str(path)])
+        else:
+            subprocess.run(["chmod", "-R", "a-w", str(path)], check=True)
+            made.append(["chmod", "-R", "u+w", str(path)])
+
+    yield make
+    for undo in made:
+        subprocess.run(undo, check=True)

@@ -172,7 +172,7 @@ def _gemma3_tensors(model) -> dict[str, np.ndarray]:
 def write_gguf(
     model,
     path: Path,
-    architecture: str | None = None,
+    architecture: str | int | None = None,
     *,
     skip: Collection[str] = (),
     misshape: Collection[str] = (),
@@ -184,7 +184,8 @@ def write_gguf(
     Args:
         model: The model to write, in float32.
         path: The file to write.
-        architecture: ``general.architecture`` (default: the model's, ``llama`` or ``gemma3``).
+        architecture: ``general.architecture`` (default: the model's, ``llama`` or ``gemma3``);
+            a number is written as one (a miswritten file), the other keys named as the model's.
         skip: GGUF tensor names to leave out (a damaged file).
         misshape: GGUF tensor names written without their last row.
         extra_blocks: Declare this many blocks more than the file holds (fewer if negative).
@@ -194,7 +195,10 @@ def write_gguf(
 
     config = model.config
     gemma = config.model_type == "gemma3_text"
-    writer = GGUFWriter(str(path), architecture or ("gemma3" if gemma else "llama"))
+    named = architecture if isinstance(architecture, str) else None
+    writer = GGUFWriter(str(path), named or ("gemma3" if gemma else "llama"))
+    if isinstance(architecture, int):
+        writer.add_uint32("general.architecture", architecture)  # in place of the name
     writer.add_name("tiny gemma 3" if gemma else "tiny llama")
     writer.add_block_count(config.num_hidden_layers + extra_blocks)
     writer.add_context_length(config.max_position_embeddings)

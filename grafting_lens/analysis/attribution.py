@@ -35,7 +35,7 @@ from grafting_lens.analysis.batch import TokenizedExamples, as_batch
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import AttributionError, did_you_mean
+from grafting_lens.core.errors import AttributionError, check_known, did_you_mean
 from grafting_lens.engine.graft import graft_forward, grafting
 from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.engine.positions import PositionSets, position_sets
@@ -226,7 +226,7 @@ def attribute_grafts(
         progress=progress,
         logits=logits,
     )
-    metrics.check_choice("method", method, METHODS, AttributionError)
+    check_known(method, METHODS, "method", AttributionError)
     _check_count("steps", steps)
     if verify is not None and verify != "all":
         _check_count("verify", verify, "or 'all'")
@@ -353,9 +353,7 @@ class AttributionPlan:
         self.switch = source if self.direction == "sufficiency" else 0
         for name, value in (("batch_size", batch_size), ("rows_per_forward", rows_per_forward)):
             _check_count(name, value)
-        self.last_only = (
-            metrics.check_choice("logits", logits, ("last", "all"), AttributionError) == "last"
-        )
+        self.last_only = check_known(logits, ("last", "all"), "logits", AttributionError) == "last"
         self.batch_size, self.rows_per_forward = batch_size, rows_per_forward
         self.progress = progress
         self.batch = as_batch(tokenized, models)
@@ -517,14 +515,26 @@ class AttributionPlan:
             return torch.einsum("kbp,lbp->klb", total, groups.float()), at_start
 
         chunks = list(self.chunks())
-        # Under torch.distributed ranks each computes every world-th chunk (core/ranks.py).
-        computed = ranks.spread(len(chunks), lambda number: chunk(*chunks[number]))
+        # Inside shared_ranks() each rank computes every world-th chunk (core/ranks.py).
+        computed = ranks.spread(
+            "attribute_grafts", self.call(), len(chunks), lambda number: chunk(*chunks[number])
+        )
         for (index, _), (per_cell, at_start) in zip(chunks, computed):
             estimates[:, :, index] = per_cell
             if start is not None:
                 start[index] = at_start
         # Table order: position group, then the keys in residual order.
         return estimates.transpose(0, 1).reshape(len(self.cells), len(self.batch)), start
+
+    def call(self) -> dict[str, Any]:
+        """What makes this plan's passes these passes: the ranks sharing them compare it."""
+        return {
+            "models": [source.fingerprint() for source in self.models.sources],
+            "prompts": vars(self.batch),
+            "cells": self.cells,
+            "settings": (self.metric, self.direction, self.source, self.last_only),
+            "start": None if self.start is None else {k: self.start[k] for k in self.start.keys()},
+        }
 
     def _logits(
         self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, mask: GraftMask
@@ -563,9 +573,11 @@ class AttributionPlan:
             scores = scores.float().cpu()
             return scores.reshape(len(block), -1)
 
-        # Under torch.distributed ranks, each computes every world-th block and all gather
-        # them: the same passes as one process, so the same values (core/ranks.py).
-        computed = ranks.spread(len(blocks), compute)
+        # Inside shared_ranks(), each computes every world-th block and all gather them:
+        # the same passes as one process, so the same values (core/ranks.py).
+        computed = ranks.spread(
+            "the exact grafts", {**self.call(), "grafts": configs}, len(blocks), compute
+        )
         for (index, _, first, per_pass), scores in zip(blocks, computed):
             values[first : first + per_pass, index] = scores
         return values

@@ -35,7 +35,12 @@ from grafting_lens.analysis.batch import TokenizedExamples, as_batch
 from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_TOKEN_COLUMNS, LastTokenScorer
 from grafting_lens.core.arguments import is_integer, shown
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, refuse_first
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    check_known,
+    refuse_first,
+)
 from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.engine.positions import PositionSets, position_sets
@@ -322,7 +327,7 @@ def _check_methods(methods: object) -> tuple[str, ...]:
         )
     given = tuple(methods)
     for method in given:
-        metrics.check_choice("method in methods", method, METHODS)
+        check_known(method, METHODS, "method in methods")
     refuse_first(
         GraftingLensError,
         [

@@ -50,11 +50,10 @@ from grafting_lens.analysis.attribution import (
     resolve_groups,
 )
 from grafting_lens.analysis.batch import as_batch
-from grafting_lens.analysis.metrics import check_choice
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import progress_line, show_progress
-from grafting_lens.core.errors import AttributionError
+from grafting_lens.core.errors import AttributionError, check_known
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.engine.masks import GraftMask
 from grafting_lens.models.layers import LayerSpec
@@ -220,9 +219,9 @@ def find_minimal_graft(
             f"the donor to recover), got {fraction!r}."
         )
     fraction = float(fraction)  # a numpy float too; kept in the result as Python's
-    check_choice("reference", reference, REFERENCES, AttributionError)
-    check_choice("search", search, SEARCHES, AttributionError)
-    check_choice("method", method, METHODS, AttributionError)
+    check_known(reference, REFERENCES, "reference", AttributionError)
+    check_known(search, SEARCHES, "search", AttributionError)
+    check_known(method, METHODS, "method", AttributionError)
     if beam is not None and search != "greedy":
         raise AttributionError("beam is a setting of search='greedy'; leave it out.")
     beam = 1 if beam is None else beam

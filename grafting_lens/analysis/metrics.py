@@ -23,12 +23,12 @@ import torch
 from jaxtyping import Bool, Float, Int
 
 from grafting_lens.core import defaults
-from grafting_lens.core.arguments import as_texts, is_integer, is_number, shown
+from grafting_lens.core.arguments import as_texts, check_table, is_integer, is_number, shown
 from grafting_lens.core.errors import (
     ArgumentTypeError,
     GraftingLensError,
     NonFiniteLogitsError,
-    did_you_mean,
+    check_known,
     refuse_first,
 )
 from grafting_lens.engine.positions import row_lengths
@@ -40,7 +40,6 @@ __all__ = [
     "TIE_RULES",
     "TopTokens",
     "bootstrap_ci",
-    "check_choice",
     "column_names",
     "last_token_logits",
     "summarize",
@@ -79,18 +78,6 @@ class TopTokens(NamedTuple):
     ids: Int[torch.Tensor, "batch k"]
     probabilities: Float[torch.Tensor, "batch k"]
     strings: list[list[str]] | None
-
-
-def check_choice(
-    name: str, value: object, choices: Sequence[str], error: type[Exception] = GraftingLensError
-) -> str:
-    """``value`` if it is one of ``choices``; else ``error`` naming them (and a near miss)."""
-    if value not in choices:
-        raise error(
-            f"Unknown {name} {value!r}.{did_you_mean(str(value), choices)} "
-            f"Choose one of {', '.join(map(repr, choices))}."
-        )
-    return str(value)
 
 
 def column_names(value: object, name: str, example: str) -> list[str]:
@@ -208,8 +195,8 @@ def target_rank(
         GraftingLensError: Shapes that do not match, a target outside the
             vocabulary, or an unknown ``ties`` or ``by``.
     """
-    check_choice("ties", ties, TIE_RULES)
-    check_choice("by", by, RANK_BY)
+    check_known(ties, TIE_RULES, "ties")
+    check_known(by, RANK_BY, "by")
     logits, target_ids = _check(logits, target_ids)
     values = torch.softmax(logits.float(), dim=-1) if by == "probability" else logits
     target_value = values.gather(1, target_ids[:, None])
@@ -370,12 +357,12 @@ def summarize(
     by = column_names(by, "by", "('config', 'prompt')")
     ks = _check_ks(ks)
     _check_bootstrap(n_resamples, confidence, seed)
-    columns = getattr(results, "columns", ())
-    missing = [column for column in [*by, "target_rank"] if column not in columns]
-    if not isinstance(results, pd.DataFrame) or results.empty or missing:
+    check_table(results, "results", "the results table of a run (a DataFrame)")
+    missing = [column for column in [*by, "target_rank"] if column not in results.columns]
+    if results.empty or missing:
         raise GraftingLensError(
             f"summarize needs a non-empty DataFrame with the columns {[*by, 'target_rank']}; "
-            f"got {type(results).__name__} lacking {missing}. Pass by=... naming its columns."
+            f"got a DataFrame lacking {missing}. Pass by=... naming its columns."
         )
     ranks = pd.to_numeric(results["target_rank"], errors="coerce")
     if ranks.isna().any() or (ranks < 0).any():

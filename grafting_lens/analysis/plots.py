@@ -34,9 +34,9 @@ from grafting_lens.analysis.figure_style import (
     figure_style,
     subtitle,
 )
-from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, check_choice, column_names
-from grafting_lens.core.arguments import is_integer, is_number, shown
-from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, column_names
+from grafting_lens.core.arguments import check_table, is_integer, is_number, shown
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, check_known
 
 __all__ = [
     "plot_accuracy",
@@ -50,11 +50,11 @@ __all__ = [
 def _check_table(table: Any, columns: Iterable[str], what: str, name: str = "summary") -> None:
     """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits,
     ``name`` is the argument's."""
-    missing = [column for column in columns if column not in getattr(table, "columns", ())]
-    if not isinstance(table, pd.DataFrame) or table.empty or missing:
+    check_table(table, name, f"a non-empty {what}")
+    missing = [column for column in columns if column not in table.columns]
+    if table.empty or missing:
         raise GraftingLensError(
-            f"Expected {name}= a non-empty {what}; got {type(table).__name__} lacking the "
-            f"columns {missing}."
+            f"Expected {name}= a non-empty {what}; got a DataFrame lacking the columns {missing}."
         )
 
 
@@ -294,7 +294,7 @@ def plot_comparison(
         ArgumentTypeError: ``row``, ``col``, ``title`` or ``caption`` of the wrong type.
         GraftingLensError: An unknown ``value``, an empty summary or missing columns.
     """
-    check_choice("value", value, list(_VALUE_TITLES))
+    check_known(value, _VALUE_TITLES, "value")
     rows = column_names(row, "row", "'positions'")
     _check_columns(col=col)
     check_text("title", title)
@@ -428,7 +428,7 @@ def plot_attribution(
         GraftingLensError: An unknown ``value``, ``columns < 1``, an empty table or missing
             columns.
     """
-    check_choice("value", value, list(_ATTRIBUTION_VALUES))
+    check_known(value, _ATTRIBUTION_VALUES, "value")
     check_text("title", title)
     if not is_integer(columns) or columns < 1:
         error = GraftingLensError if is_integer(columns) else ArgumentTypeError

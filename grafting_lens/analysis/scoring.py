@@ -12,6 +12,10 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,10 +23,21 @@ from jaxtyping import Float, Int
 
 from grafting_lens.analysis import metrics
 from grafting_lens.core import defaults
-from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.arguments import as_texts, is_integer, shown
+from grafting_lens.core.errors import GraftingLensError, ScoreError, check_known
+from grafting_lens.engine.graft import graft_forward
+from grafting_lens.engine.masks import GraftMask
 
-__all__ = ["SCORE_COLUMNS", "TOP_K_COLUMNS", "TOP_TOKEN_COLUMNS", "LastTokenScorer"]
+__all__ = [
+    "ANSWER_SOURCES",
+    "SCORES",
+    "SCORE_COLUMNS",
+    "TOP_K_COLUMNS",
+    "TOP_TOKEN_COLUMNS",
+    "LastTokenScorer",
+    "Score",
+    "ScoredPass",
+]
 
 SCORE_COLUMNS: tuple[str, ...] = ("target_rank", "target_prob", "top1", "top5")
 """In every table: the rank (0 = top-1, :func:`~grafting_lens.analysis.metrics.target_rank`),
@@ -64,8 +79,8 @@ class LastTokenScorer:
     ):
         if top_k is not None and (not is_integer(top_k) or top_k < 1):
             raise GraftingLensError(f"top_k must be an integer >= 1, got {top_k!r}.")
-        self.rank_by = metrics.check_choice("rank_by", rank_by, metrics.RANK_BY)
-        self.ties = metrics.check_choice("ties", ties, metrics.TIE_RULES)
+        self.rank_by = check_known(rank_by, metrics.RANK_BY, "rank_by")
+        self.ties = check_known(ties, metrics.TIE_RULES, "ties")
         self.tokenizer = tokenizer
         self.top_k = None if top_k is None else int(top_k)
         self.top_token = top_token
@@ -127,3 +142,454 @@ class LastTokenScorer:
                 [round(p, 6) for p in row] for row in best.probabilities.cpu().tolist()
             ]
         return columns
+
+
+SCORES: tuple[str, ...] = ("first_token", "answer_logprob", "logit_diff", "kl")
+"""The scores named by a string; a function is a score too (see :class:`Score`)."""
+
+ANSWER_SOURCES: tuple[str, ...] = ("last", "base")
+"""Which weights compute an answer's own (teacher-forced) positions: ``"last"`` (each
+component and layer keeps the source it had at the prompt's last token, as
+:func:`~grafting_lens.engine.graft.graft_generate`'s ``new_token_sources="last"``), or the
+base's."""
+
+SCORE_VALUE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "first_token": (),
+    "answer_logprob": ("answer_logprob", "answer_logprob_mean"),
+    "logit_diff": ("logit_diff",),
+    "kl": ("kl", "kl_recovered"),
+    "function": ("score",),
+}
+"""The columns each score adds after the paper's (:data:`SCORE_COLUMNS`)."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """What a table scores beyond the answer's first token: one concept that every runner
+    asks for its columns and for what its pass must hold.
+
+    - ``"first_token"`` (the default): the paper's columns alone, today's tables byte for byte.
+    - ``"answer_logprob"``: the log-probability of the *whole* answer, every token
+      teacher-forced in the same pass (``answer_logprob``, and ``answer_logprob_mean`` per
+      token); ``answer_sources`` says which weights compute the answer's own positions.
+    - ``"logit_diff"``: the answer's first-token logit minus a counter-answer's, at the
+      prompt's last token (``logit_diff``; each example's ``counter``).
+    - ``"kl"``: ``KL(donor || run)`` of the next-token distribution at the prompt's last
+      token and at each of the answer's tokens (teacher-forced), summed (``kl``), and
+      ``kl_recovered = 1 - KL(donor || run) / KL(donor || base)`` (0: the base, 1: the
+      donor; NaN where the donor and the base agree). The donor and the base run in the same
+      pass: rows of a configuration that is the whole donor or the whole base are reused,
+      else a row of each is added per prompt.
+    - a function: TransformerLens's convention, ``logits [batch, pos, d_vocab] -> [batch]``
+      (one number per prompt, a tensor), given each prompt's positions without padding
+      (column ``score``).
+
+    Attributes:
+        name: One of :data:`SCORES`, or ``"function"``.
+        function: The function, for ``name="function"``.
+        answer_sources: One of :data:`ANSWER_SOURCES`.
+        donor: The source whose distribution ``"kl"`` compares with.
+    """
+
+    name: str = "first_token"
+    function: Callable[[torch.Tensor], torch.Tensor] | None = None
+    answer_sources: str = "last"
+    donor: int = 1
+    counter: str | tuple[str, ...] | None = None
+
+    @classmethod
+    def of(
+        cls,
+        score: Any = "first_token",
+        *,
+        answer_sources: str = "last",
+        donor: int = 1,
+        counter: Any = None,
+    ) -> Score:
+        """``score`` (a :class:`Score`, a name of :data:`SCORES` or a function) checked.
+
+        Args:
+            score: What to score.
+            answer_sources: One of :data:`ANSWER_SOURCES`.
+            donor: The source ``"kl"`` compares with.
+            counter: ``"logit_diff"``'s counter-answer: one for every prompt, or one per
+                prompt (a list), written as answers are (``" Paris"``).
+
+        Raises:
+            ScoreError: An unknown name or ``answer_sources``, a ``donor`` below 1, a
+                ``counter`` missing for ``"logit_diff"`` or given to another score.
+            ArgumentTypeError: A score that is neither a name nor a function, a counter that
+                is not text.
+        """
+        if isinstance(score, Score):
+            return score
+        check_known(answer_sources, ANSWER_SOURCES, "answer_sources", ScoreError)
+        if not is_integer(donor) or donor < 1:
+            raise ScoreError(f"donor={shown(donor)}: give the donor's source index, 1 or more.")
+        if callable(score) and not isinstance(score, str):
+            name = "function"
+        else:
+            known = " or a function (logits -> [batch])"
+            name = check_known(score, SCORES, "score", ScoreError, known)
+        if (counter is None) == (name == "logit_diff"):
+            raise ScoreError(
+                "score='logit_diff' needs counter=, the answer it is compared with (one for all "
+                "prompts or one per prompt)."
+                if counter is None
+                else f"counter= is score='logit_diff''s; drop it for score={name!r}."
+            )
+        if counter is not None:  # written as answers are: a space joins it to the prompt
+            many = as_texts([counter] if isinstance(counter, str) else counter, "counter", "text")
+            many = [c if c[:1].isspace() else " " + c for c in many]
+            counter = many[0] if isinstance(counter, str) else tuple(many)
+        function = score if name == "function" else None
+        return cls(name, function, answer_sources, int(donor), counter)
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The columns this score adds after the paper's."""
+        return SCORE_VALUE_COLUMNS[self.name]
+
+    @property
+    def teacher_forced(self) -> bool:
+        """Whether a pass holds each prompt's answer after it (its positions are scored)."""
+        return self.name in ("answer_logprob", "kl")
+
+    def describe(self) -> dict[str, Any]:
+        """What makes this score this score, for a run's fingerprint."""
+        if self.name == "first_token":
+            return {}
+        named = getattr(self.function, "__qualname__", type(self.function).__qualname__)
+        return {
+            "score": self.name,
+            **(
+                {"function": f"{getattr(self.function, '__module__', '')}.{named}"}
+                if self.function
+                else {}
+            ),
+            **({"answer_sources": self.answer_sources} if self.teacher_forced else {}),
+            **({"donor": self.donor} if self.name == "kl" else {}),
+        }
+
+    def counter_ids(self, examples: Sequence[Any], batch: Any, tokenizer: Any) -> torch.Tensor:
+        """The first token of each kept example's counter-answer (``batch.examples``, of
+        ``examples``), tokenized by the batch's own rules.
+
+        Raises:
+            ScoreError: Counters that are not one per example, a batch without its examples,
+                a counter that cannot be tokenized, or one equal to its answer.
+        """
+        from grafting_lens.analysis.batch import tokenize_examples
+
+        per = [self.counter] * len(examples) if isinstance(self.counter, str) else self.counter
+        if per is None or len(per) != len(examples) or batch.examples is None or not batch.rules:
+            raise ScoreError(
+                f"counter= gives {0 if per is None else len(per)} counter-answers for "
+                f"{len(examples)} prompts (of a batch tokenized by tokenize_examples): give "
+                "one for all, or one per prompt."
+            )
+        given = {id(example): reply for example, reply in zip(examples, per)}
+        replaced = [
+            dataclasses.replace(e, target=given[id(e)], alternative_targets=())
+            if hasattr(e, "alternative_targets")
+            else dataclasses.replace(e, target=given[id(e)])
+            for e in batch.examples
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # said below, once, naming the counter
+            counters = tokenize_examples(replaced, tokenizer, **batch.rules)
+        if counters.dropped:
+            example, why = counters.dropped[0]
+            raise ScoreError(f"counter= {example.target!r} cannot be scored: {why}.")
+        same = (counters.target_ids == batch.target_ids).nonzero()
+        if len(same):
+            raise ScoreError(
+                f"counter= {replaced[int(same[0])].target!r} starts with the answer's own first "
+                "token, so the logit difference is 0: give a different counter-answer."
+            )
+        return counters.target_ids
+
+    def check(self, n_sources: int, d_vocab: Sequence[int]) -> None:
+        """Refuse what this score cannot compute on a model set of ``n_sources`` sources whose
+        unembeddings give ``d_vocab`` tokens each.
+
+        Raises:
+            ScoreError: ``kl`` with a donor the model set lacks, or vocabularies that differ.
+        """
+        if self.name == "kl" and self.donor >= n_sources:
+            raise ScoreError(
+                f"score='kl' compares with source {self.donor}, but the model set has "
+                f"{n_sources} sources: pass donor= one of 1..{n_sources - 1}."
+            )
+        if self.name == "kl" and len(set(d_vocab)) > 1:
+            raise ScoreError(
+                f"score='kl' compares distributions over one vocabulary; the sources' "
+                f"unembeddings give {list(d_vocab)} tokens: use models of one vocabulary."
+            )
+
+    def lay_out(self, batch: Any, selections: Sequence[Sequence[torch.Tensor]]) -> ScoredPass:
+        """The pass for ``batch`` (right padded, with ``target_full_ids``), each of
+        ``selections``' ``[rows, pos]`` positions continued over the answer's positions.
+
+        Raises:
+            ScoreError: A teacher-forced score on a batch without its answers' tokens.
+        """
+        tokens, attention_mask = batch.tokens, batch.attention_mask
+        lengths = attention_mask.sum(dim=1)
+        rows = torch.arange(len(lengths))
+        if not self.teacher_forced:
+            read = (lengths - 1)[:, None]
+            return ScoredPass(self, tokens, attention_mask, selections, read, read >= 0, None)
+        answers = getattr(batch, "target_full_ids", None)
+        if answers is None or not all(answers):
+            raise ScoreError(
+                f"score={self.name!r} scores every token of each answer, but this batch holds "
+                "only their first (target_full_ids is None): tokenize it with "
+                "tokenize_examples."
+            )
+        counts = torch.tensor([len(answer) for answer in answers])
+        width = int((lengths + counts).max())
+        padding = tokens[attention_mask == 0]  # the batch's own pad id, where it has one
+        grown = torch.full((len(rows), width), int(padding[0]) if len(padding) else 0)
+        grown_mask = torch.zeros((len(rows), width), dtype=attention_mask.dtype)
+        for row, (length, answer) in enumerate(zip(lengths.tolist(), answers)):
+            grown[row, :length] = tokens[row, :length]
+            grown[row, length : length + len(answer)] = torch.tensor(answer)
+            grown_mask[row, : length + len(answer)] = 1
+        after = torch.arange(width)[None, :] >= lengths[:, None]
+        grown_selections = []
+        for selected in selections:
+            extended = []
+            for positions in selected:
+                wide = torch.zeros((len(rows), width), dtype=torch.bool)
+                wide[:, : positions.shape[1]] = positions
+                # "base": the base computes the answer, but where a graft takes every
+                # position of a prompt (the whole donor), it takes the answer's too.
+                keep = positions[rows, lengths - 1]
+                if self.answer_sources == "base":
+                    keep = keep & (positions | (attention_mask[:, : positions.shape[1]] == 0)).all(
+                        1
+                    )
+                wide |= after & keep[:, None]
+                extended.append(wide & (grown_mask == 1))
+            grown_selections.append(extended)
+        # Read: the prompt's last token and each answer token (the last predicts what follows).
+        offsets = torch.arange(int(counts.max()) + 1)
+        read = (lengths - 1)[:, None] + offsets[None, :]
+        valid = offsets[None, :] <= counts[:, None]
+        read = torch.where(valid, read, (lengths - 1)[:, None])
+        answer_ids = torch.zeros((len(rows), int(counts.max())), dtype=torch.long)
+        for row, answer in enumerate(answers):
+            answer_ids[row, : len(answer)] = torch.tensor(answer)
+        return ScoredPass(self, grown, grown_mask, grown_selections, read, valid, answer_ids)
+
+
+@dataclass(frozen=True)
+class ScoredPass:
+    """One batch laid out for a score (:meth:`Score.lay_out`): what the pass runs, where
+    it reads the logits, and the score's columns from them.
+
+    Attributes:
+        score: The score.
+        tokens: ``[rows, pos]``: the prompts, each followed by its answer when teacher-forced.
+        attention_mask: Their right padding.
+        selections: Per configuration, each graft's ``[rows, pos]`` positions.
+        read: ``[rows, k]``: where the logits are read, the prompt's last token first.
+        valid: ``[rows, k]``: which of ``read`` are real (answers differ in length).
+        answer_ids: ``[rows, k - 1]``: each answer's tokens (teacher-forced scores only).
+    """
+
+    score: Score
+    tokens: torch.Tensor
+    attention_mask: torch.Tensor
+    selections: Sequence[Sequence[torch.Tensor]]
+    read: torch.Tensor
+    valid: torch.Tensor
+    answer_ids: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, pos)`` of one configuration's block."""
+        return int(self.tokens.shape[0]), int(self.tokens.shape[1])
+
+    def logits(self, blocks: int) -> str | torch.Tensor:
+        """What :func:`~grafting_lens.engine.graft.graft_forward`'s ``logits=`` reads for
+        ``blocks`` blocks of rows: the positions scored, or every one for a function."""
+        if self.score.name == "function":
+            return "all"
+        return self.read.repeat(blocks, 1) if self.score.teacher_forced else "last"
+
+    def references(self, mask: GraftMask, blocks: int, full: GraftMask) -> list[int | None]:
+        """For the base and ``full`` (the whole donor, one block of rows): the block of
+        ``mask`` that already computes it, or None (its rows must be added)."""
+        rows = self.shape[0]
+        found: list[int | None] = []
+        for whole in (None, full):
+            keys = set(mask.keys()) | set(() if whole is None else whole.keys())
+            found.append(
+                next(
+                    (
+                        block
+                        for block in range(blocks)
+                        if all(
+                            torch.equal(
+                                mask[key][block * rows : (block + 1) * rows],
+                                torch.zeros(self.shape, dtype=torch.long)
+                                if whole is None
+                                else whole[key],
+                            )
+                            for key in keys
+                        )
+                    ),
+                    None,
+                )
+            )
+        return found
+
+    def values(
+        self,
+        logits: torch.Tensor,
+        blocks: int,
+        target_ids: torch.Tensor,
+        counter_ids: torch.Tensor | None = None,
+        reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> dict[str, list[float]]:
+        """The score's columns for ``blocks`` blocks of rows of ``logits`` (as :meth:`logits`
+        read them), each block one configuration.
+
+        Args:
+            logits: The pass's logits, ``[blocks * rows, k, d_vocab]``.
+            blocks: How many blocks of rows.
+            target_ids: Each prompt's answer's first token (``[rows]``).
+            counter_ids: Each prompt's counter-answer's first token (``logit_diff``).
+            reference: The base's and the donor's logits, ``[rows, k, d_vocab]`` each (``kl``).
+
+        Raises:
+            ScoreError: A function's value of the wrong type, shape, or not finite.
+        """
+        name, rows = self.score.name, self.shape[0]
+        if name == "first_token":
+            return {}
+        if name == "function":
+            return {"score": self._function(logits, blocks)}
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        if name == "logit_diff":
+            assert counter_ids is not None  # checked at the door
+            picked = logits[:, 0].float()
+            index = torch.arange(len(picked))
+            diff = (
+                picked[index, target_ids.repeat(blocks)] - picked[index, counter_ids.repeat(blocks)]
+            )
+            return {"logit_diff": diff.tolist()}
+        valid = self.valid.repeat(blocks, 1)
+        if name == "answer_logprob":
+            assert self.answer_ids is not None
+            answer = self.answer_ids.repeat(blocks, 1)
+            each = log_probs[:, :-1].gather(2, answer[:, :, None])[:, :, 0]
+            real = valid[:, 1:]  # position j predicts answer token j; the last, what follows
+            total = (each * real).sum(dim=1)
+            return {
+                "answer_logprob": total.tolist(),
+                "answer_logprob_mean": (total / real.sum(dim=1)).tolist(),
+            }
+        assert reference is not None
+        base, donor = (torch.log_softmax(part.float(), dim=-1) for part in reference)
+
+        def kl(run: torch.Tensor) -> torch.Tensor:  # KL(donor || run), summed over positions
+            donors = donor.repeat(len(run) // len(donor), 1, 1)
+            each = (donors.exp() * (donors - run)).sum(dim=-1)
+            return (each * self.valid.repeat(len(run) // rows, 1)).sum(dim=1)
+
+        divergence, baseline = kl(log_probs), kl(base).repeat(blocks)
+        return {
+            "kl": divergence.tolist(),
+            "kl_recovered": (1 - divergence / baseline).where(baseline > 0, torch.nan).tolist(),
+        }
+
+    def _function(self, logits: torch.Tensor, blocks: int) -> list[float]:
+        """A function's values, each prompt's positions without padding (rows of one length
+        called together)."""
+        function = self.score.function
+        assert function is not None
+        lengths = self.attention_mask.sum(dim=1).repeat(blocks)
+        values = torch.full((len(lengths),), torch.nan)
+        for length in lengths.unique().tolist():
+            index = (lengths == length).nonzero()[:, 0]
+            value = function(logits[index, :length])
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.shape != (len(index),)
+                or not bool(torch.isfinite(value.float()).all())
+            ):
+                raise ScoreError(
+                    f"score={getattr(function, '__name__', function)!r} returned "
+                    f"{shown(value)} for {len(index)} prompts of logits "
+                    f"{list(logits[index, :length].shape)}: return a finite tensor of one "
+                    "number per prompt, [batch]."
+                )
+            values[index] = value.detach().float().cpu()
+        return values.tolist()
+
+
+def score_pass(
+    models: Any,
+    score: Score,
+    batch: Any,
+    selections: Sequence[Sequence[torch.Tensor]],
+    mask_of: Callable[[Sequence[Sequence[torch.Tensor]], tuple[int, int]], GraftMask],
+    scorer: LastTokenScorer,
+    *,
+    counter_ids: torch.Tensor | None = None,
+    logits: str = "scored",
+) -> dict[str, list[Any]]:
+    """Every configuration of ``batch``'s rows in one grafted pass, scored: the paper's
+    columns (``scorer``'s) and ``score``'s, one value per row, configuration by configuration.
+
+    Args:
+        models: The model set.
+        score: What to score.
+        batch: The rows (a :class:`~grafting_lens.analysis.batch.TokenizedExamples`).
+        selections: Per configuration, each graft's ``[rows, pos]`` positions.
+        mask_of: The mask of every configuration, a block of rows each, from the selections
+            (laid out for the score) and one block's shape.
+        scorer: The paper's columns.
+        counter_ids: Each row's counter-answer's first token (``logit_diff``).
+        logits: ``"scored"``, or ``"all"`` to unembed every position (the same scores).
+    """
+    laid = score.lay_out(batch, selections)
+    blocks, rows = len(selections), laid.shape[0]
+    mask = mask_of(laid.selections, laid.shape)
+    found: list[int | None] = [None, None]
+    added: list[GraftMask] = []
+    if score.name == "kl":
+        donor = GraftMask.build(
+            models, laid.tokens, source=score.donor, attention_mask=laid.attention_mask
+        )
+        found = laid.references(mask, blocks, donor)
+        base = GraftMask({}, laid.shape, len(models), donor.lengths)
+        added = [whole for whole, block in zip((base, donor), found) if block is None]
+    total = blocks + len(added)
+    every = logits == "all" and score.name == "first_token"
+    out = graft_forward(
+        models,
+        laid.tokens.repeat(total, 1),
+        GraftMask.cat([mask, *added]) if added else mask,
+        attention_mask=laid.attention_mask.repeat(total, 1),
+        logits="all" if every else laid.logits(total),
+    )
+    targets = batch.target_ids.repeat(blocks)
+    scored = out[: blocks * rows]
+    columns = (
+        scorer(scored, targets, laid.attention_mask.repeat(blocks, 1))
+        if every or score.name == "function"
+        else scorer(scored[:, :1], targets)
+    )
+    reference = None
+    if score.name == "kl":
+        extra = iter(range(blocks, total))
+        parts = [block if block is not None else next(extra) for block in found]
+        reference = (
+            out[parts[0] * rows : (parts[0] + 1) * rows],
+            out[parts[1] * rows : (parts[1] + 1) * rows],
+        )
+    return {**columns, **laid.values(scored, blocks, batch.target_ids, counter_ids, reference)}

@@ -8,7 +8,12 @@ Every check of a user's number asks these functions instead. A torch scalar is a
 
 A list of texts (prompts, answers, names) comes as a list, a tuple, a numpy array, a pandas
 Series or a generator: :func:`as_list` takes each, and refuses a mapping, whose iteration
-gives its keys, by the argument's name.
+gives its keys, by the argument's name. A value of the wrong type altogether is an
+:class:`~grafting_lens.core.errors.ArgumentTypeError` at every door.
+
+A table comes as a DataFrame, records (a list of dicts, as a JSON file gives) or a Hugging Face
+``datasets.Dataset``: :func:`as_table` reads each, and :func:`check_table` refuses a column
+named twice, whose ``table[name]`` is a table.
 """
 
 from __future__ import annotations
@@ -20,9 +25,18 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from grafting_lens.core.errors import GraftingLensError, SelectionError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, SelectionError
 
-__all__ = ["as_list", "as_texts", "is_integer", "is_number", "plain", "shown"]
+__all__ = [
+    "as_list",
+    "as_table",
+    "as_texts",
+    "check_table",
+    "is_integer",
+    "is_number",
+    "plain",
+    "shown",
+]
 
 
 def is_integer(value: object) -> TypeGuard[int]:
@@ -72,14 +86,15 @@ def as_list(
     Series or generator its items.
 
     Raises:
-        error: A mapping, bytes, something not iterable or nothing, naming ``name=`` and
+        ArgumentTypeError: A mapping, bytes or something not iterable, naming ``name=`` and
             the ``forms`` it takes.
+        error: Nothing.
     """
     if isinstance(value, str):
         return [value]
     scalar = getattr(value, "ndim", 1) == 0  # a 0-d tensor or array: Iterable, but no items
     if isinstance(value, (Mapping, bytes)) or not isinstance(value, Iterable) or scalar:
-        raise error(f"{name}={shown(value)} cannot be read; give {forms}.")
+        raise ArgumentTypeError(f"{name}={shown(value)} cannot be read; give {forms}.")
     items = list(value)
     if not items:
         raise error(f"{name}={shown(value)} holds nothing; give {forms}.")
@@ -90,9 +105,46 @@ def as_texts(
     value: Any, name: str, forms: str, error: type[GraftingLensError] = SelectionError
 ) -> list[str]:
     """``value`` as a list of non-empty strings (see :func:`as_list`); the first bad item is
-    named by its index, since the bad item may be ``None``."""
+    named by its index, since the bad item may be ``None``: an :class:`ArgumentTypeError` if it
+    is not a string, else ``error``."""
     items = as_list(value, name, forms, error)
     bad = [i for i, item in enumerate(items) if not (isinstance(item, str) and item.strip())]
     if bad:
-        raise error(f"{name}[{bad[0]}] is {shown(items[bad[0]])}: each is a non-empty string.")
+        kind = error if isinstance(items[bad[0]], str) else ArgumentTypeError
+        raise kind(f"{name}[{bad[0]}] is {shown(items[bad[0]])}: each is a non-empty string.")
     return [str(item) for item in items]
+
+
+def as_table(value: Any) -> Any:
+    """Records (a list or tuple of dicts) or a Hugging Face ``datasets.Dataset`` as a DataFrame
+    of their columns; anything else as it is. Asked without importing ``datasets``: a value
+    can only be one once it is imported."""
+    datasets = sys.modules.get("datasets")
+    if datasets is not None and isinstance(value, datasets.Dataset):
+        return value.to_pandas()
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, Mapping) for v in value):
+        import pandas as pd  # records come from a user who has it; the CLI starts without it
+
+        return pd.DataFrame(list(value))
+    return value
+
+
+def check_table(
+    table: Any, name: str, forms: str, error: type[GraftingLensError] = GraftingLensError
+) -> None:
+    """Refuse what is not a DataFrame, and a DataFrame that names a column twice (as
+    ``pd.concat(axis=1)`` makes): its ``table["text"]`` is a table, read as its column names.
+
+    Raises:
+        ArgumentTypeError: Not a DataFrame, naming ``name=`` and the ``forms`` it takes.
+        error: A column named twice, by its name.
+    """
+    pandas = sys.modules.get("pandas")
+    if pandas is None or not isinstance(table, pandas.DataFrame):
+        raise ArgumentTypeError(f"{name}= takes {forms}; got {type(table).__name__}.")
+    twice = table.columns[table.columns.duplicated()]
+    if len(twice):
+        raise error(
+            f"{name}= has two columns named {twice[0]!r} (as pd.concat(axis=1) makes): keep "
+            f"one, e.g. {name}.loc[:, ~{name}.columns.duplicated()]."
+        )

@@ -19,7 +19,8 @@ contains or lies inside the source of what is written into it is refused before 
 is read (:func:`check_apart`).
 
 Two processes making one cache entry take turns (:func:`waiting_lock`): the second waits,
-then finds the first's result and uses it.
+then finds the first's result and uses it. What a killed one left beside the entry is no
+one's once the lock is held, and goes (:func:`remove_abandoned`).
 
 Every refusal is a :class:`~grafting_lens.core.errors.WorldCacheError` naming the path,
 what is wrong and the fix; an operating-system error on the way (a cache that is a file, a
@@ -49,6 +50,7 @@ __all__ = [
     "check_replaceable",
     "is_sealed",
     "make_directory",
+    "remove_abandoned",
     "remove_directory",
     "replace_directory",
     "replace_problem",
@@ -161,6 +163,19 @@ def replace_directory(partial: PathLike, target: PathLike, what: str = "The targ
         shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_abandoned(target: PathLike) -> None:
+    """Delete the working siblings of ``target`` (:func:`sibling`) that a killed writer left.
+
+    Call it holding the lock that every writer of ``target`` holds while it works: a sibling
+    found then is no one's. Without ``flock`` (Windows) the lock keeps no one out: nothing goes.
+    """
+    target = Path(target)
+    if os.name == "posix":
+        for kind in ("partial", "stale"):
+            for path in target.parent.glob(f".{target.name}.{kind}-*"):
+                remove_directory(path)
+
+
 def remove_directory(path: PathLike) -> bool:
     """Delete ``path`` if the library made it and nothing foreign is in it; whether it did."""
     path = Path(path)
@@ -230,11 +245,11 @@ def cache_errors(what: str, path: PathLike) -> Iterator[None]:
     """Within this block, an OSError becomes a :class:`WorldCacheError` naming ``path`` and the fix."""
     try:
         yield
-    except FileExistsError:
-        raise WorldCacheError(
-            f"{what} {path} exists already; grafting-lens makes it new. {_FIX}"
-        ) from None
     except OSError as error:
+        if isinstance(error, FileExistsError) and Path(error.filename or path).is_dir():
+            raise WorldCacheError(
+                f"{what} {path} exists already; grafting-lens makes it new. {_FIX}"
+            ) from None
         raise WorldCacheError(str(cannot_write(what, path, error))) from None
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "NonFiniteLogitsError",
     "PatchingError",
     "RunError",
+    "ScoreError",
     "SelectionError",
     "TokenError",
     "ToyWorldError",
@@ -119,6 +120,12 @@ class TokenError(GraftMaskError):
     within the vocabulary (see :meth:`grafting_lens.models.model_set.ModelSet.check_tokens`)."""
 
 
+class ScoreError(GraftingLensError):
+    """A score cannot be computed as asked: an unknown name, an answer or counter-answer it
+    needs and lacks, a function that returns no number per prompt
+    (:class:`~grafting_lens.analysis.scoring.Score`)."""
+
+
 class BatchError(GraftingLensError):
     """A tokenized batch is malformed: a missing part, or parts whose shapes disagree
     (see :func:`grafting_lens.analysis.batch.as_batch`)."""
@@ -176,8 +183,9 @@ class WorldCacheError(GraftingLensError):
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """A " Did you mean 'x'?" suffix naming the closest choice, or an empty string."""
-    close = difflib.get_close_matches(str(name), list(choices), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
+    by_lowercase = {str(choice).lower(): choice for choice in choices}  # 'b2a' is 'B2A'
+    close = difflib.get_close_matches(str(name).lower(), list(by_lowercase), n=1, cutoff=0.5)
+    return f" Did you mean {by_lowercase[close[0]]!r}?" if close else ""
 
 
 def check_known(
@@ -186,19 +194,21 @@ def check_known(
     what: str,
     error: type[GraftingLensError] = GraftingLensError,
     known: str = "",
-) -> None:
-    """Refuse a name that is not one of ``choices``, in the one wording of unknown names:
+) -> str:
+    """``name`` if it is one of ``choices``; else refused in the one wording of unknown names:
     ``Unknown <what> 'x'. Did you mean 'y'? Known: a, b<known>.``
 
     Raises:
+        ArgumentTypeError: ``name`` is not a string.
         GraftingLensError: ``error``, naming the choices.
     """
     choices = list(choices)
     if not isinstance(name, str) or name not in choices:
-        raise error(
+        raise (error if isinstance(name, str) else ArgumentTypeError)(
             f"Unknown {what} {name!r}.{did_you_mean(str(name), choices)} Known: "
             f"{', '.join(choices) or 'none'}{known}."
         )
+    return name
 
 
 def refuse_first(error: type[GraftingLensError], checks: Iterable[tuple[object, str]]) -> None:

@@ -142,6 +142,7 @@ def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str =
     depends on it (a full disk, a read-only filesystem...), the fix, then ``note``."""
     path = Path(path)
     code = error.errno
+    reason = error.strerror or type(error).__name__
     if code in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
         fix = "its disk is full (or your quota is used up): free some space there, or choose a "
         fix += "directory on another disk"
@@ -152,14 +153,20 @@ def cannot_write(what: str, path: str | os.PathLike, error: OSError, note: str =
         fix = "its filesystem is read-only: choose a directory on a writable one"
     elif code == errno.EISDIR:
         fix = f"{path} is a directory where a file belongs: remove or rename it, or write elsewhere"
-    elif code == errno.ENOTDIR:
-        fix = "a file stands where a directory belongs on its path: remove or rename it"
+    elif code in (errno.ENOTDIR, errno.EEXIST) and (file := _file_in_the_way(error, path)):
+        reason = os.strerror(errno.ENOTDIR)  # "File exists" would say nothing of the cause
+        fix = f"{file} is a file where a directory must be: move or rename it, or write elsewhere"
     else:
         fix = "choose a directory you can write to"
-    reason = error.strerror or type(error).__name__
     return RunError(
         f"{what} {path} cannot be written ({reason}); {fix}." + (f" {note}" if note else "")
     )
+
+
+def _file_in_the_way(error: OSError, path: Path) -> Path | None:
+    """The file standing where ``error`` (or else ``path``) needs a directory, if any."""
+    wanted = Path(os.fsdecode(error.filename)) if error.filename else path
+    return next((p for p in (wanted, *wanted.parents) if p.exists() and not p.is_dir()), None)
 
 
 @contextlib.contextmanager
@@ -220,21 +227,21 @@ class DirectoryLock:
             self.directory.mkdir(parents=True, exist_ok=True)
             key = self.directory.resolve()
             if key not in _HELD:
-                _HELD[key] = [self._take(ranks), 0, made]
+                _HELD[key] = [self._take(ranks, made), 0, made]
         except OSError as error:
             raise cannot_write(self.what, self.directory, error) from None
         _HELD[key][1] += 1
         self._key = key
         return self
 
-    def _take(self, ranks: Any) -> int:
+    def _take(self, ranks: Any, made: list[Path]) -> int:
         """The open lock file, locked: exclusively, or shared with the ranks of this job."""
         path = self.directory / LOCK_NAME
         deadline = time.monotonic() + 2
         while True:
             handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                taken = self._lock_file(handle, ranks)
+                taken = self._lock_file(handle, ranks, made)
             except BaseException:
                 os.close(handle)
                 raise
@@ -252,7 +259,9 @@ class DirectoryLock:
                 "another directory."
             )
 
-    def _lock_file(self, handle: int, ranks: Any) -> Literal[True] | dict[str, Any] | None:
+    def _lock_file(
+        self, handle: int, ranks: Any, made: list[Path]
+    ) -> Literal[True] | dict[str, Any] | None:
         """Lock the open file ``handle``: True if taken; None if its last holder removed it
         meanwhile (open the new one); else what its holder wrote."""
         exclusive = _try_lock(handle, self.directory)
@@ -271,8 +280,9 @@ class DirectoryLock:
             "command": " ".join(sys.argv) or sys.executable,
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        if ranks is not None:
+        if ranks is not None:  # the job's last holder removes what its first made
             me |= {"job": ranks.job, "rank": ranks.rank, "world": ranks.world}
+            me["made"] = [str(directory) for directory in made]
         os.ftruncate(handle, 0)
         os.lseek(handle, 0, os.SEEK_SET)
         os.write(handle, json.dumps(me).encode())  # a full disk fails here
@@ -296,6 +306,7 @@ class DirectoryLock:
         if sys.platform != "win32" and _try_lock(handle, key):
             with contextlib.suppress(OSError):
                 if _same_file(handle, key / LOCK_NAME):
+                    made = made or [Path(d) for d in _read_holder(handle).get("made", [])]
                     os.unlink(key / LOCK_NAME)
                 for directory in made:
                     directory.rmdir()  # only if empty: nothing was written into it

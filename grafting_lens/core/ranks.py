@@ -1,26 +1,39 @@
-"""Ranks: the processes of one ``torch.distributed`` job, and what each holds.
+"""Ranks: the processes of one ``torch.distributed`` job, and the work they share.
 
 ``torchrun``, ``accelerate launch`` (which wraps it) and SLURM's ``srun`` start one process
 per rank and tell it who it is in its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
 (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID`` under ``srun``). A process
-whose program already joined a process group is a rank too. :func:`current` reads that, joins
-the job (gloo on CPUs, NCCL on GPUs, with a gloo group beside it for the small Python objects
-the ranks exchange) and names the rank's device: ``LOCAL_RANK``'s GPU where there are GPUs,
-else the CPU. Without a job of more than one rank it is ``None`` and nothing changes.
+whose program already joined a process group is a rank too.
 
-The ranks of a run share its chunks by a fixed rule (chunk ``i`` goes to rank ``i % world``),
-so no chunk is claimed, computed twice or lost; they meet only where a run needs every rank at
-once, through :func:`agree`: every rank does its part, and a part that failed on one rank is
-raised on all of them, so no rank waits for a partner that has given up.
+Sharing is asked for, never assumed. A script under ``torchrun`` may give each rank prompts
+or donors of its own, or call a function on one rank only: outside :func:`shared_ranks`
+every call computes on its own rank, and the library joins no collective step. Inside it
+(``grafting-lens run`` enters it for its whole run), :func:`current` joins the job (gloo on
+CPUs, NCCL on GPUs, with a gloo group beside it for the small Python objects the ranks
+exchange) and the runs, the comparison, the attribution and the search share their work:
+chunk ``i`` goes to rank ``i % world``, so no chunk is claimed, computed twice or lost. Each
+shared call first checks, through :func:`same`, that every rank reached it with the same
+arguments, and refuses on every rank if not. The ranks meet only where a call needs every
+rank at once, through :func:`agree`: every rank does its part, and a part that failed on one
+rank is raised on all of them, so no rank waits for a partner that has given up.
+
+Waiting is bounded where a user can get it wrong: a rank that finds no partner says so
+within seconds, naming its launcher and where it waits, and gives up after
+:func:`wait_seconds` (``GRAFTING_LENS_RANKS_WAIT``, default 300 s), as does a shared call
+that another rank never reaches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import hashlib
 import os
 import re
+import sys
+import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,13 +43,53 @@ from grafting_lens.core.errors import GraftingLensError, RunError
 if TYPE_CHECKING:  # torch is imported where a rank needs it: a refused option answers at once
     import torch
 
-__all__ = ["Ranks", "agree", "current", "first", "gather", "spread"]
+__all__ = [
+    "Ranks",
+    "agree",
+    "current",
+    "first",
+    "gather",
+    "launched",
+    "same",
+    "shared_ranks",
+    "spread",
+]
 
 T = TypeVar("T")
 
 _TIMEOUT = datetime.timedelta(hours=2)
-"""How long a rank waits for the others: the slowest rank's share of a run, one chunk more
-than the fastest's (torch's default, 30 minutes, is shorter than one chunk of a large pair)."""
+"""How long a rank waits for the others inside a shared run: the slowest rank's share of a
+run, one chunk more than the fastest's (torch's default, 30 minutes, is shorter than one
+chunk of a large pair)."""
+
+
+def wait_seconds() -> float:
+    """How long a rank waits for partners to join, or to reach a shared call
+    (``GRAFTING_LENS_RANKS_WAIT``, seconds; default 300)."""
+    text = os.environ.get("GRAFTING_LENS_RANKS_WAIT", "300")
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise RunError(f"GRAFTING_LENS_RANKS_WAIT={text!r} is not a number of seconds above 0.")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a launcher told this process: its rank, the job's size, and who started it."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+    launcher: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's models go: ``cuda:<local rank>`` where there are GPUs, else the CPU."""
+        return _device(self.local_rank)
 
 
 @dataclass(frozen=True)
@@ -65,11 +118,7 @@ class Ranks:
     @property
     def device(self) -> torch.device:
         """Where this rank's models go: ``cuda:<local rank>`` where there are GPUs, else the CPU."""
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        return _device(self.local_rank)
 
     @property
     def threads(self) -> int:
@@ -81,23 +130,88 @@ class Ranks:
         return list(items[self.rank :: self.world])
 
 
+def _device(local_rank: int) -> torch.device:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
 _CURRENT: list[Ranks | None] = []
-"""This process's :class:`Ranks` once :func:`current` has read it (a one-item cache)."""
+"""This process's :class:`Ranks` once :func:`current` has joined (a one-item cache)."""
 _GROUP: list[Any] = [None]
 """The gloo group the ranks exchange Python objects through."""
+_SHARING: list[bool] = [False]
+"""Whether the calls being made share their work (inside :func:`shared_ranks`)."""
+
+
+@contextlib.contextmanager
+def shared_ranks() -> Iterator[Ranks | None]:
+    """Share the work of the calls inside among the ranks of this job.
+
+    Every rank must enter it and make the same calls inside with the same arguments: each
+    computes its share and every rank gets the whole result. A call that differs on one
+    rank is refused on all; one that another rank does not reach within
+    :func:`wait_seconds` is refused too. Without a job of more than one rank it yields
+    None and changes nothing. ``grafting-lens run`` shares this way by itself.
+
+    Yields:
+        This process's :class:`Ranks`, or None.
+
+    Raises:
+        RunError: The ranks cannot meet (no ``MASTER_ADDR``/``MASTER_PORT``, no partner
+            within the wait).
+    """
+    previous = _SHARING[0]
+    _SHARING[0] = True
+    try:
+        yield current()
+    finally:
+        _SHARING[0] = previous
+
+
+def launched() -> Launch | None:
+    """What the launcher told this process, without joining anything; None alone."""
+    import torch.distributed as dist
+
+    env = os.environ
+    if dist.is_available() and dist.is_initialized():
+        rank, world, launcher = dist.get_rank(), dist.get_world_size(), "your process group"
+    elif "WORLD_SIZE" in env and "RANK" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        launcher = (
+            "accelerate launch"
+            if any(name.startswith("ACCELERATE_") for name in env)
+            else "torchrun"
+            if "TORCHELASTIC_RUN_ID" in env
+            else "RANK and WORLD_SIZE set in the environment"
+        )
+    elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun (a step of its own)
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        launcher = "srun"
+    else:
+        return None
+    if world <= 1:
+        return None
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", rank)))
+    per_node = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE", "")
+    local_world = int(re.match(r"\d*", per_node).group() or world)  # type: ignore[union-attr]
+    return Launch(rank, world, local_rank, min(local_world, world), launcher)
 
 
 def current() -> Ranks | None:
-    """This process's rank in a job of more than one, joining it on first call; else None.
+    """This process's rank, inside :func:`shared_ranks` in a job of more than one; else None.
 
-    Every rank must make its first call at the same point of its program (joining is a
-    collective step); :func:`~grafting_lens.study.runner.run_experiment` and ``grafting-lens
-    run`` make it first thing.
+    Joins the job on first call (every rank makes it at the same point: joining is a
+    collective step).
 
     Raises:
-        RunError: ``srun`` started the ranks but no ``MASTER_ADDR`` and ``MASTER_PORT`` say
-            where they meet.
+        RunError: No ``MASTER_ADDR`` and ``MASTER_PORT`` say where the ranks meet, or no
+            partner came within :func:`wait_seconds`.
     """
+    if not _SHARING[0]:
+        return None
     if not _CURRENT:
         _CURRENT.append(_join())
     return _CURRENT[0]
@@ -107,39 +221,65 @@ def _join() -> Ranks | None:
     import torch
     import torch.distributed as dist
 
-    env = os.environ
-    ready = dist.is_available() and dist.is_initialized()
-    if ready:
-        rank, world = dist.get_rank(), dist.get_world_size()
-    elif "WORLD_SIZE" in env and "RANK" in env:  # torchrun, accelerate launch
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun (a step of its own)
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-    else:
+    launch = launched()
+    if launch is None:
         return None
-    if world <= 1:
-        return None
-    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", rank)))
-    per_node = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE", "")
-    local_world = int(re.match(r"\d*", per_node).group() or world)  # type: ignore[union-attr]
-    if not ready:
-        if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+    rank, world = launch.rank, launch.world
+    if not dist.is_initialized():
+        where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        if where == ":" or where.startswith(":") or where.endswith(":"):
+            fix = (
+                "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) "
+                "MASTER_PORT=29500 before srun"
+                if launch.launcher == "srun"
+                else "set both for every rank, or unset RANK and WORLD_SIZE to run alone"
+            )
             raise RunError(
-                f"This process is rank {rank} of {world} (srun), but MASTER_ADDR and "
-                "MASTER_PORT do not say where the ranks meet: export MASTER_ADDR=$(scontrol show "
-                "hostnames $SLURM_JOB_NODELIST | head -n1) MASTER_PORT=29500 before srun."
+                f"This process is rank {rank} of {world} ({launch.launcher}), but MASTER_ADDR "
+                f"and MASTER_PORT do not say where the ranks meet: {fix}."
             )
         gpu = torch.cuda.is_available()
         if gpu:
-            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        wait = wait_seconds()
+        said = threading.Timer(5, _say_waiting, (launch, where, wait))
+        said.daemon = True
+        said.start()
+        try:  # the rendezvous alone waits for partners, and only this long
+            store, _, _ = next(
+                dist.rendezvous(
+                    "env://",
+                    rank=rank,
+                    world_size=world,
+                    timeout=datetime.timedelta(seconds=wait),
+                )
+            )
+        except (RuntimeError, ValueError) as error:  # torch's DistStoreError is a RuntimeError
+            raise RunError(
+                f"Rank {rank} of {world} ({launch.launcher}) found no other rank at {where} "
+                f"within {wait:.0f} s: start all {world} ranks (torchrun --nproc-per-node "
+                f"{world} ...), or unset RANK and WORLD_SIZE to run alone ({error})."
+            ) from None
+        finally:
+            said.cancel()
+        store.set_timeout(_TIMEOUT)
         dist.init_process_group(
-            "nccl" if gpu else "gloo", rank=rank, world_size=world, timeout=_TIMEOUT
+            "nccl" if gpu else "gloo", store=store, rank=rank, world_size=world, timeout=_TIMEOUT
         )
     gloo = dist.get_backend() == "gloo"
     _GROUP[0] = None if gloo else dist.new_group(backend="gloo", timeout=_TIMEOUT)
     job = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(job, src=0, group=_GROUP[0])
-    return Ranks(rank, world, local_rank, min(local_world, world), str(job[0]))
+    return Ranks(rank, world, launch.local_rank, launch.local_world, str(job[0]))
+
+
+def _say_waiting(launch: Launch, where: str, wait: float) -> None:
+    print(
+        f"Rank {launch.rank} of {launch.world} ({launch.launcher}) is waiting for the other "
+        f"ranks at {where}; it gives up after {wait:.0f} s.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def first() -> bool:
@@ -149,15 +289,98 @@ def first() -> bool:
 
 
 def gather(value: T) -> list[T]:
-    """``value`` of every rank, in rank order (``[value]`` without ranks); every rank calls it."""
+    """``value`` of every rank, in rank order (``[value]`` without ranks); every rank calls it.
+
+    Raises:
+        RunError: Another rank of the job stopped (its own output says why).
+    """
     ranks = current()
     if ranks is None:
         return [value]
     import torch.distributed as dist
 
     found: list[Any] = [None] * ranks.world
-    dist.all_gather_object(found, value, group=_GROUP[0])
+    try:
+        dist.all_gather_object(found, value, group=_GROUP[0])
+    except RuntimeError as error:  # gloo: "Connection closed by peer", a timeout
+        raise RunError(
+            f"Rank {ranks.rank} of {ranks.world} lost the other ranks (one stopped; its own "
+            "output says why); the chunks written are kept: run the same command again to "
+            f"resume ({str(error).splitlines()[0][:200]})."
+        ) from None
     return found
+
+
+def same(
+    call: str,
+    arguments: Mapping[str, Any],
+    fix: str = "call it outside shared_ranks() to compute each rank's own result",
+) -> None:
+    """Check, inside :func:`shared_ranks`, that every rank reached ``call`` with the same
+    ``arguments`` (each compared by a digest of its value); nothing without ranks.
+
+    Raises:
+        RunError: A rank did not reach ``call`` within :func:`wait_seconds`.
+        GraftingLensError: The ranks' arguments differ (named), on every rank.
+    """
+    ranks = current()
+    if ranks is None:
+        return
+    _meet(call, fix)
+    mine = {name: _digest(value) for name, value in arguments.items()}
+    for rank, theirs in enumerate(gather(mine)):
+        differ = [name for name in mine if theirs.get(name) != mine[name]]
+        if differ:
+            raise GraftingLensError(
+                f"{call} was called with other {', '.join(differ)} on rank {rank} than on "
+                f"rank {ranks.rank}: ranks that share their work make the same calls; {fix}."
+            )
+
+
+def _meet(call: str, fix: str) -> None:
+    """Wait for every rank to reach ``call``, at most :func:`wait_seconds`."""
+    import torch.distributed as dist
+
+    try:  # gloo names the ranks that did not come
+        dist.monitored_barrier(group=_GROUP[0], timeout=datetime.timedelta(seconds=wait_seconds()))
+    except RuntimeError as error:
+        raise RunError(
+            f"{call} is shared by the ranks, but not every rank reached it within "
+            f"{wait_seconds():.0f} s: ranks that share their work make the same calls; {fix} "
+            f"({str(error).splitlines()[0][:200]})."
+        ) from None
+
+
+def _digest(value: Any) -> str:
+    """A digest of ``value``: tensors by every byte, containers item by item, the rest by repr."""
+    import torch
+
+    hasher = hashlib.sha256()
+
+    def feed(item: Any) -> None:
+        if hasattr(item, "detach") and hasattr(item, "dtype"):  # a tensor
+            hasher.update(f"T{tuple(item.shape)}{item.dtype}".encode())
+            flat = item.detach().cpu().contiguous().reshape(-1)
+            hasher.update(flat.view(torch.uint8).numpy().tobytes())
+        elif hasattr(item, "to_dict") and hasattr(item, "columns"):  # a DataFrame: every cell
+            feed(item.to_dict("split"))
+        elif callable(item):  # not by its repr, which holds an address
+            hasher.update(
+                f"{getattr(item, '__module__', '')}.{getattr(item, '__qualname__', type(item).__qualname__)}".encode()
+            )
+        elif isinstance(item, Mapping):
+            for key in item:
+                feed(key)
+                feed(item[key])
+        elif isinstance(item, (list, tuple)):
+            hasher.update(f"L{len(item)}".encode())
+            for part in item:
+                feed(part)
+        else:
+            hasher.update(repr(item).encode())
+
+    feed(value)
+    return hasher.hexdigest()
 
 
 def agree(action: Callable[[], T]) -> T:
@@ -192,14 +415,21 @@ def agree(action: Callable[[], T]) -> T:
     return result
 
 
-def spread(count: int, compute: Callable[[int], T]) -> list[T]:
+def spread(
+    call: str, arguments: Mapping[str, Any], count: int, compute: Callable[[int], T]
+) -> list[T]:
     """``[compute(0), ..., compute(count - 1)]`` on every rank, each rank computing every
     ``world``-th item from its rank on and the ranks exchanging the results: the same items,
     computed the same way, as one process (a failure on one rank is raised on all). Without
-    ranks, computed here in order."""
+    ranks, computed here in order.
+
+    ``call`` and ``arguments`` (what the items are computed from) are first checked to be
+    every rank's by :func:`same`.
+    """
     share = current()
     if share is None:
         return [compute(number) for number in range(count)]
+    same(call, {**arguments, "items": count})
     mine = agree(lambda: {n: compute(n) for n in range(share.rank, count, share.world)})
     found = {number: item for part in gather(mine) for number, item in part.items()}
     return [found[number] for number in range(count)]

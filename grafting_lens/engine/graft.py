@@ -83,6 +83,7 @@ from grafting_lens.engine.routing import (
     GraftState,
     Layout,
     Plan,
+    as_columns,
     installed,
     position_shape,
 )
@@ -238,8 +239,8 @@ def _installed(
         if state.last is None:
             return None
         hidden = args[0]
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return (hidden[rows, state.last.to(hidden.device)][:, None], *args[1:])
+        rows = torch.arange(hidden.shape[0], device=hidden.device)[:, None]
+        return (hidden[rows, as_columns(state.last).to(hidden.device)], *args[1:])
 
     unembed = models.slots("unembed", None)[0].holder(models.base)
     handle = unembed.register_forward_pre_hook(keep_last)
@@ -331,7 +332,6 @@ def _check_run(
     tokens: torch.Tensor,
     mask: GraftMask,
     attention_mask: torch.Tensor | None,
-    padding_fix: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The door's checks of the tokens and attention mask against the mask.
 
@@ -341,7 +341,7 @@ def _check_run(
     models.check_tokens(tokens)
     # One notion of each row's real tokens for the mask and the run: padded tokens
     # need their attention mask, and the mask must have been built for it.
-    check_padding(tokens, attention_mask, models.tokenizer, fix=padding_fix)
+    check_padding(tokens, attention_mask, models.tokenizer)
     lengths = mask.check_rows(attention_mask, shape=tokens.shape)
     if attention_mask is not None:
         attention_mask = attention_mask.to(models.device)
@@ -395,7 +395,7 @@ def graft_forward(
     mask: GraftMask,
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
     *,
-    logits: str = "last",
+    logits: str | torch.Tensor = "last",
     grad: bool = False,
 ) -> Float[torch.Tensor, "batch scored d_vocab"]:
     """Logits of the grafted model, in a single forward pass.
@@ -404,8 +404,9 @@ def graft_forward(
     token-by-token procedure; see the module docstring for why.
 
     With ``logits="last"`` (the default) the unembedding runs on each row's last real
-    token alone, also where the mask grafts it: with a 262k-token vocabulary every
-    position's logits are most of a pass's memory and much of its time.
+    token alone, also where the mask grafts it (or on the positions a tensor names): with a
+    262k-token vocabulary every position's logits are most of a pass's memory and much of
+    its time.
 
     No autograd graph is kept unless ``grad=True``: a graph holds every layer's
     activations until the logits are freed, which an evaluation never uses. For
@@ -421,7 +422,9 @@ def graft_forward(
             rows end in the pad token, and the one the mask was built with (see
             :meth:`GraftMask.check_rows`).
         logits: ``"last"``: each row's last real token, ``[batch, 1, d_vocab]``;
-            ``"all"``: every position, ``[batch, pos, d_vocab]`` (meaningless at padding).
+            ``"all"``: every position, ``[batch, pos, d_vocab]`` (meaningless at padding);
+            a ``[batch, k]`` integer tensor: those positions of each row, ``[batch, k,
+            d_vocab]`` (each a real token's).
         grad: Keep the autograd graph (with autograd enabled).
 
     Raises:
@@ -430,15 +433,34 @@ def graft_forward(
             mask holding values other than 0 and 1.
         GraftingError: A bad ``logits`` or ``grad``, a nested graft.
     """
-    if logits not in ("last", "all") or not isinstance(grad, bool):
+    named = isinstance(logits, str) and logits in ("last", "all")
+    if not (named or _positions_of(logits, tokens)) or not isinstance(grad, bool):
         raise GraftingError(
-            f"logits must be 'last' or 'all' and grad True or False, got {logits!r} and {grad!r}."
+            f"logits must be 'last', 'all' or a [batch, k] tensor of positions within "
+            f"the tokens, and grad True or False, got {logits!r:.60} and {grad!r}."
         )
     tokens, attention_mask, lengths = _check_run(models, tokens, mask, attention_mask)
     _check_graft(models, mask)
     last = None if logits == "all" else lengths - 1
+    if not named:
+        last = torch.as_tensor(logits).to(lengths.device)
+        if bool((last >= lengths[:, None]).any()):
+            raise GraftingError("logits= names a position past a row's last real token.")
     with torch.set_grad_enabled(grad and torch.is_grad_enabled()), _installed(models, mask, last):
         return models.base(tokens, attention_mask=attention_mask, return_type="logits")
+
+
+def _positions_of(logits: Any, tokens: Any) -> bool:
+    """Whether ``logits`` is a ``[batch, k]`` integer tensor of positions within ``tokens``."""
+    return (
+        isinstance(logits, torch.Tensor)
+        and isinstance(tokens, torch.Tensor)
+        and logits.dim() == 2
+        and logits.shape[0] == tokens.shape[0]
+        and not logits.dtype.is_floating_point
+        and logits.dtype != torch.bool
+        and bool((logits >= 0).all() and (logits < tokens.shape[-1]).all())
+    )
 
 
 @torch.no_grad()
@@ -500,42 +522,44 @@ def graft_generate(
     mask: GraftMask,
     max_new_tokens: int = 10,
     new_token_sources: str | int = "last",
-) -> Int[torch.Tensor, "batch new_pos"]:
+    *,
+    attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
+) -> Int[torch.Tensor, "batch pos_and_new"]:
     """Greedy generation after a grafted prompt, over the mixed-origin KV cache.
 
     The prompt runs once under ``mask``; each new token is then computed one at a
     time, attending over the cached keys and values of the prompt (each computed
     under its own position's weights) and of earlier new tokens.
 
+    Prompts of different lengths come right padded, with their ``attention_mask``. The
+    rows of each length run as one batch, so every row generates what it would alone:
+    no padding enters a pass (left padding would move each row's positions).
+
     Args:
         models: The aligned checkpoints.
-        tokens: ``[batch, pos]`` prompts of equal length (no padding).
-        mask: The prompt's graft mask, ``[batch, pos]``.
-        max_new_tokens: Number of tokens to generate; the prompt and the new
-            tokens must fit the model's context (``models.base.cfg.n_ctx``).
+        tokens: ``[batch, pos]`` prompts, right padded when their lengths differ.
+        mask: The prompt's graft mask, ``[batch, pos]``, built with ``attention_mask``.
+        max_new_tokens: Number of tokens to generate; each prompt and its new tokens
+            must fit the model's context (``models.base.cfg.n_ctx``).
         new_token_sources: Which weights compute the new tokens: ``"last"`` (each
             component and layer keeps the source it had at the row's last prompt
             token, the paper's setting) or a source index for every component.
+        attention_mask: ``[batch, pos]``, ones then zeros; ``None``: no padding.
 
     Returns:
-        ``[batch, pos + max_new_tokens]``: the prompts followed by the new tokens.
+        ``[batch, pos + max_new_tokens]``: each row's prompt, its new tokens, then its
+        padding as given. Row ``i``'s new tokens are ``out[i, n:n + max_new_tokens]`` for
+        its ``n = attention_mask[i].sum()`` real tokens; without padding, ``out[:, pos:]``.
 
     Raises:
         GraftingError: A bad ``max_new_tokens`` (not an int >= 1, past the context) or
             ``new_token_sources``.
-        GraftMaskError: Padded prompts; a mask that does not fit the tokens or the models.
+        GraftMaskError: A mask that does not fit the tokens, the attention mask or the models.
+        SelectionError: Padded prompts without their attention mask.
         NonFiniteLogitsError: NaN or infinite logits where a token is chosen.
     """
-    # It takes no attention mask, so the usual fix (pass one) would not be true here.
-    tokens, _, _ = _check_run(
-        models,
-        tokens,
-        mask,
-        None,
-        padding_fix="graft_generate takes no attention_mask: it continues every row after "
-        "its last column. Generate for prompts of one length (e.g. one at a time).",
-    )
-    batch, prompt = mask.shape
+    tokens, _, lengths = _check_run(models, tokens, mask, attention_mask)
+    prompt = int(lengths.max())
     # The context also bounds memory: the cache and mask grow with every new token.
     context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
     room = context - prompt if context else None
@@ -559,14 +583,35 @@ def graft_generate(
     if problems:
         raise GraftingError("; ".join(problems) + ".")
     new = int(max_new_tokens)
-    if new_token_sources == "last":
-        full = mask.extend(new)
-    else:
-        tail = torch.full((batch, new), int(new_token_sources), dtype=torch.long)
-        entries = {pair: torch.cat([mask[pair], tail], dim=1) for pair in models.pairs}
-        full = GraftMask(entries, (batch, prompt + new), mask.n_sources)
-    _check_graft(models, full)  # before the canary's forward passes
+    groups = []  # (rows, their length, the mask of their prompts and new tokens): checked first
+    for length in torch.unique(lengths).tolist():
+        rows = (lengths == length).nonzero().squeeze(1)
+        # Pairs that share a tensor keep sharing one: the dispatchers read each tensor once.
+        cut = {id(mask[key]): mask[key][rows, :length] for key in mask.keys()}
+        part = GraftMask(
+            {k: cut[id(mask[k])] for k in mask.keys()}, (len(rows), length), len(models)
+        )
+        if new_token_sources == "last":
+            full = part.extend(new)
+        else:
+            tail = torch.full((len(rows), new), int(new_token_sources), dtype=torch.long)
+            entries = {pair: torch.cat([part[pair], tail], dim=1) for pair in models.pairs}
+            full = GraftMask(entries, (len(rows), length + new), len(models))
+        _check_graft(models, full)  # before the canary's forward passes
+        groups.append((rows.to(tokens.device), length, full))
     check_cache_continuation(models.base, "graft_generate", GraftingError)
+    out = tokens.new_empty((tokens.shape[0], tokens.shape[1] + new), dtype=torch.long)
+    for rows, length, full in groups:
+        generated = _generate(models, tokens[rows, :length], full)
+        out[rows] = torch.cat([generated, tokens[rows, length:]], dim=1)  # padding moves on
+    return out
+
+
+def _generate(
+    models: ModelSet, tokens: Int[torch.Tensor, "batch pos"], full: GraftMask
+) -> Int[torch.Tensor, "batch pos_and_new"]:
+    """Greedy new tokens after unpadded prompts, under ``full`` (prompt and new positions)."""
+    (batch, prompt), new = tokens.shape, full.shape[1] - tokens.shape[1]
     generated = [tokens]
     with _installed(models, full) as state, cache_visible(models.base):
         continuing = cached_forward_kwargs(models.base, DynamicCache())

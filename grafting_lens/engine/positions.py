@@ -52,7 +52,7 @@ import torch
 from jaxtyping import Bool, Int
 
 from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import SelectionError, did_you_mean
+from grafting_lens.core.errors import GraftingLensError, SelectionError, did_you_mean
 
 PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 """Anything :func:`resolve_positions` accepts."""
@@ -415,6 +415,8 @@ def select_positions(
         what = f"The position function {callable_name(expression)}"
         try:
             selected = expression(spans, attention_mask)
+        except GraftingLensError:  # a refusal names the user's own argument already
+            raise
         except Exception as error:  # the user's code: named, with what it raised
             raise SelectionError(
                 f"{what} raised {type(error).__name__}: {error} (it is called with the spans "

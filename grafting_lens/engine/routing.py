@@ -164,9 +164,9 @@ class GraftState:
     made from a device tensor mid-forward (``bincount().tolist()``, ``nonzero()``)
     would wait for the device once per mask per window.
 
-    ``last`` (``[batch]``, positions in the window), when set, is where the unembedding
-    runs: :func:`~grafting_lens.engine.graft.graft_forward` hands it each row's last real
-    token alone, so its plan covers those positions only.
+    ``last`` (``[batch]`` or ``[batch, k]``, positions in the window), when set, is where
+    the unembedding runs: :func:`~grafting_lens.engine.graft.graft_forward` hands it each
+    row's last real token (or the positions a score reads), so its plan covers those only.
     """
 
     def __init__(self, mask: GraftMask, last: torch.Tensor | None = None) -> None:
@@ -190,9 +190,14 @@ class GraftState:
         if plan is None:
             window = values[:, offset : offset + length]
             if last is not None:
-                window = window.gather(1, last[:, None])
+                window = window.gather(1, as_columns(last))
             plan = self._plans[cache_key] = Plan.of(window, self.n_sources)
         return plan
+
+
+def as_columns(positions: torch.Tensor) -> torch.Tensor:
+    """``[batch]`` positions as ``[batch, 1]``; ``[batch, k]`` as they are."""
+    return positions if positions.dim() == 2 else positions[:, None]
 
 
 # Components whose input describes positions rather than rows of the batch: a

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
@@ -28,7 +29,7 @@ IGNORED_CONFIG_FIELDS: frozenset[str] = frozenset(
         "architectures transformers_version dtype torch_dtype name_or_path tokenizer_class "
         "prefix task_specific_params finetuning_task id2label label2id num_labels problem_type "
         # special token ids: the tokenizers' vocabularies are compared instead
-        "bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id "
+        "bos_token_id eos_token_id pad_token_id sep_token_id unk_token_id decoder_start_token_id "
         # what a forward call returns or keeps, not what it computes (chunks: same numbers)
         "use_cache return_dict output_attentions output_hidden_states torchscript "
         "chunk_size_feed_forward "
@@ -195,13 +196,23 @@ def _check_hf_config(base_config: Any, other_config: Any, label: str) -> None:
     """
     mine, theirs = _forward_config(base_config), _forward_config(other_config)
     for field in sorted(set(mine) | set(theirs)):
-        if mine.get(field) != theirs.get(field):
+        if not _same(mine.get(field), theirs.get(field)):
             raise AlignmentError(
                 f"{label}'s configuration has {field}={theirs.get(field)!r}, the base's "
                 f"{field}={mine.get(field)!r}: a graft computes it the base's way for every "
-                f"source. Graft checkpoints of one configuration (or set the donor's "
-                f"config.{field} to the base's, if the difference is immaterial)."
+                "source. Graft checkpoints of one configuration (or, if the difference is "
+                f"immaterial, give the donor the base's {field}: in its config.json, or for a "
+                f"GGUF or hub id in config.{field} of the model transformers loads, passed in "
+                "memory)."
             )
+
+
+def _same(mine: Any, theirs: Any) -> bool:
+    """Equal; two floats also when equal in float32, the precision of a GGUF's metadata (which
+    stores an ``rms_norm_eps`` of 1e-5 as 9.999999747e-06)."""
+    if isinstance(mine, float) and isinstance(theirs, float):
+        return bool(np.float32(mine) == np.float32(theirs))
+    return bool(mine == theirs)
 
 
 def _forward_config(config: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ on either stands on the same kind of directory.
 a hash over every file of a directory, :func:`checkpoint_key`), never of its path. The
 cache is :func:`conversion_cache` (``$GRAFTING_LENS_CACHE/worlds``), shared by
 ``load_models`` and ``grafting-lens world build --base``: what one converted, the other
-finds.
+finds, even in a cache it cannot write (a read-only shared one).
 
 What is refused, with the file and the fix named
 (:class:`~grafting_lens.core.errors.WorldSourceError`): before the slow load, a file that
@@ -30,7 +30,8 @@ another architecture than those allowed, one without tokenizer metadata, a direc
 without a ``config.json``; after it, a model whose parameters did not all come from the
 source (a missing tensor, a block declared but not held, a tensor of another shape, blocks
 beyond those declared), which transformers would otherwise fill with random weights and
-report in a log that TransformerLens silences.
+report in a log that TransformerLens silences. A GGUF of an architecture transformers cannot
+read from GGUF is an :class:`~grafting_lens.core.errors.UnsupportedArchitectureError`.
 
 The directory appears complete or not at all: it is written into a temporary sibling and
 renamed into place. It never replaces what grafting-lens did not write, and a target that
@@ -64,12 +65,13 @@ from grafting_lens.core.directories import (
     check_replaceable,
     is_sealed,
     make_directory,
+    remove_abandoned,
     replace_directory,
     seal,
     sibling,
     waiting_lock,
 )
-from grafting_lens.core.errors import WorldSourceError
+from grafting_lens.core.errors import UnsupportedArchitectureError, WorldSourceError
 from grafting_lens.core.files import cache_root
 
 __all__ = [
@@ -105,6 +107,7 @@ def gguf_architecture(path: Union[str, os.PathLike]) -> str:
 
     Raises:
         WorldSourceError: The file is missing, not a GGUF, or its header is unreadable.
+        UnsupportedArchitectureError: An architecture transformers cannot read from GGUF.
     """
     path = Path(path)
     try:
@@ -121,15 +124,27 @@ def gguf_architecture(path: Union[str, os.PathLike]) -> str:
             "or pass a hub id or a save_pretrained directory instead."
         )
     from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     try:
-        field = GGUFReader(path).fields["general.architecture"]
-        return str(field.contents())
+        architecture = GGUFReader(path).fields["general.architecture"].contents()
     except (KeyError, ValueError, IndexError) as error:
         raise WorldSourceError(
             f"{path} starts like a GGUF file but its header is unreadable ({error!r}): the file "
             "is truncated or damaged. Delete it and fetch it again."
         ) from error
+    known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})
+    # transformers' own spellings of llama.cpp's names (qwen2moe, gpt-oss, minimax-m2)
+    spelled = re.sub(r"(?<=\d)moe$", "_moe", str(architecture).replace("-", "_"))
+    if not isinstance(architecture, str) or spelled not in known:
+        kind = "" if isinstance(architecture, str) else ", not a name"
+        raise UnsupportedArchitectureError(
+            f"{path} is a GGUF of an unknown architecture (general.architecture = "
+            f"{architecture!r}{kind}), which transformers cannot read from a GGUF file; it "
+            f"reads {', '.join(known)}. Pass the model's checkpoint directory or hub id "
+            "instead, or a GGUF of one of those."
+        )
+    return architecture
 
 
 def convert_checkpoint(
@@ -166,6 +181,7 @@ def convert_checkpoint(
         WorldSourceError: A GGUF that is not one, has another checksum or architecture, a
             missing or misshapen tensor or no tokenizer; a checkpoint of another
             architecture or with missing weights; a hub id that cannot be loaded.
+        UnsupportedArchitectureError: A GGUF of an architecture transformers cannot read.
         WorldCacheError: A target that is, holds or lies inside the source, or holds
             files grafting-lens did not write.
     """
@@ -413,6 +429,8 @@ def converted_checkpoint(
     """``source`` as a float32 checkpoint directory, converted once and cached by content.
 
     Two processes converting one source take turns: the second finds the first's result.
+    A conversion already cached is read even where the cache cannot be written (a shared,
+    read-only one); what a killed conversion left of ``key`` is removed.
 
     Args:
         source: A GGUF file, a ``save_pretrained`` directory or a hub id; or a function
@@ -428,17 +446,22 @@ def converted_checkpoint(
 
     Raises:
         WorldSourceError: See :func:`convert_checkpoint` and :func:`checkpoint_key`.
-        WorldCacheError: The cache cannot be written.
+        WorldCacheError: The cache cannot be written, and ``key`` is not converted yet.
     """
     root = cache_location(cache_dir, conversion_cache)
-    check_cache_dir(root)
     location: Any = source
     if key is None:
         location, key = _located(source)  # type: ignore[arg-type]  # a path when no key
     target = root / f"base-{key}"
+    # Renamed into place when complete: read without the lock (a read-only cache has none).
+    if is_sealed(target):
+        return target
+    named = f"base-{key}" if callable(source) else Path(source).name
+    check_cache_dir(root, f"The cache directory, where {named} is to be converted,")
     with waiting_lock(root / f".base-{key}.lock"):
         if is_sealed(target):
             return target
+        remove_abandoned(target)  # every writer of target holds this lock: they are no one's
         if callable(location):
             location = location()
         return convert_checkpoint(location, target, sha256=sha256, architectures=architectures)

@@ -20,7 +20,12 @@ from collections.abc import Iterable, Sequence
 from typing import Union, cast
 
 from grafting_lens.core.arguments import is_integer, is_number
-from grafting_lens.core.errors import SelectionError, did_you_mean
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    SelectionError,
+    did_you_mean,
+)
 
 __all__ = ["LAYER_ARITHMETICS", "LAYER_FRACTIONS", "LayerSpec", "quarter_ranges", "resolve_layers"]
 
@@ -76,11 +81,13 @@ def resolve_layers(
         arithmetic: How a *name* becomes layers (see :data:`LAYER_ARITHMETICS`).
 
     Raises:
+        ArgumentTypeError: ``spec``, a layer in it or ``n_layers`` of the wrong type.
         SelectionError: An unknown name or arithmetic, a layer outside the model, or a
             specification that selects no layer of this model.
     """
     if not is_integer(n_layers) or n_layers < 1:
-        raise SelectionError(f"n_layers must be a whole number >= 1, got {n_layers!r}.")
+        kind = SelectionError if is_integer(n_layers) else ArgumentTypeError
+        raise kind(f"n_layers must be a whole number >= 1, got {n_layers!r}.")
     n_layers = int(n_layers)
     if arithmetic not in LAYER_ARITHMETICS or (
         isinstance(spec, str) and spec not in LAYER_FRACTIONS
@@ -96,6 +103,7 @@ def resolve_layers(
         )
     spec = "all" if spec is None else spec
     chosen: list = []
+    kind: type[GraftingLensError] = SelectionError  # ArgumentTypeError for a value of no form
     if isinstance(spec, str) and arithmetic == "quarters":
         chosen = list(quarter_ranges(n_layers)[spec])
         problem = (
@@ -109,13 +117,14 @@ def resolve_layers(
             f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
             "name such as 'last_half', or a pair of fractions such as (0.5, 1.0)"
         )
+        kind = ArgumentTypeError
         if (
             isinstance(spec, tuple)
             and len(spec) == 2
             and all(is_number(x) for x in spec)
             and any(not is_integer(x) for x in spec)
         ):
-            start, end = float(spec[0]), float(spec[1])
+            start, end, kind = float(spec[0]), float(spec[1]), SelectionError
             problem = (
                 f"The layer fraction {spec} selects no layer of a {n_layers}-layer model "
                 "(fractions satisfy 0 <= start < end <= 1)"
@@ -125,7 +134,7 @@ def resolve_layers(
                     range(_round_half_up(start * n_layers), _round_half_up(end * n_layers))
                 )
         elif isinstance(spec, (slice, Iterable)) or is_integer(spec):
-            problem = f"The layer specification {spec!r} selects no layer"
+            problem, kind = f"The layer specification {spec!r} selects no layer", SelectionError
             chosen = list(
                 range(n_layers)[spec]
                 if isinstance(spec, slice)
@@ -140,6 +149,7 @@ def resolve_layers(
     )
     bad = None if at is None else chosen[at]
     if at is not None:
+        kind = SelectionError if is_integer(bad) else ArgumentTypeError
         problem = (
             f"Layers must be ints, got {bad!r}"
             if not is_integer(bad)
@@ -147,7 +157,7 @@ def resolve_layers(
             f"n_layers={n_layers})"
         )
     if not chosen or at is not None:
-        raise SelectionError(problem + ".")
+        raise kind(problem + ".")
     return tuple(sorted({int(layer) % n_layers for layer in chosen}))
 
 

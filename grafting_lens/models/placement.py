@@ -107,14 +107,15 @@ def resolve_device_map(
 def for_this_rank(
     device: torch.device | None, device_map: str | dict[str, Device] | None
 ) -> tuple[torch.device | None, str | dict[str, Device] | None]:
-    """Under ranks (:mod:`grafting_lens.core.ranks`), where this rank's pair goes: its own GPU
-    (``cuda:<local rank>``) unless ``device=`` names one with an index; the same otherwise.
+    """Under a launcher (:func:`grafting_lens.core.ranks.launched`, shared or not), where this
+    rank's pair goes: its own GPU (``cuda:<local rank>``) unless ``device=`` names one with an
+    index; the same otherwise.
 
     Raises:
         GraftingLensError: A ``device_map=`` that splits the pair over several devices:
             every rank would spread its pair over the GPUs the other ranks use.
     """
-    share = ranks.current()
+    share = ranks.launched()
     if share is None:
         return device, device_map
     if device_map is not None:

@@ -34,11 +34,13 @@ import plotly.graph_objects as go
 import torch
 
 from grafting_lens.analysis.batch import tokenize_examples
-from grafting_lens.analysis.figure_style import axis_range, figure_style, subtitle
+from grafting_lens.analysis.chat import chat_examples, is_chat
+from grafting_lens.analysis.figure_style import axis_range, check_text, figure_style, subtitle
 from grafting_lens.analysis.metrics import summarize
 from grafting_lens.analysis.plots import plot_accuracy
-from grafting_lens.core.arguments import as_list, as_texts, is_integer, shown
-from grafting_lens.core.errors import SelectionError, refuse_first
+from grafting_lens.analysis.scoring import Score
+from grafting_lens.core.arguments import as_list, as_table, as_texts, check_table, is_integer, shown
+from grafting_lens.core.errors import ArgumentTypeError, SelectionError, refuse_first
 from grafting_lens.engine.positions import parse_span_expression, select_positions, span_names
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
@@ -81,6 +83,8 @@ def graft(
     donor: int | str = 1,
     semantics: Semantics | str | None = None,
     top_k: int = 5,
+    score: Any = "first_token",
+    counter: Any = None,
 ) -> pd.DataFrame:
     """Graft the donor's weights into prompts at named places and score the answer.
 
@@ -91,8 +95,9 @@ def graft(
     Args:
         models: The checkpoints, from :func:`~grafting_lens.load_models`.
         prompts: A prompt; prompts (a list, tuple, numpy array, pandas Series or any
-            iterable of strings); a DataFrame with a ``text`` column and the answers in a
-            ``target`` or ``answer`` column (or in ``answer=``); or examples with ``text``,
+            iterable of strings); a DataFrame, records or ``datasets.Dataset`` with a ``text``
+            column and the answers in a ``target`` or ``answer`` column (or in ``answer=``); or
+            examples with ``text``,
             ``target`` and named ``spans`` (:func:`grafting_lens.worlds.data.make_examples`),
             which carry their answers.
         answer: What should follow each prompt (one for all, or one per prompt, as a list,
@@ -107,6 +112,11 @@ def graft(
         semantics: How the run reads components, tokenizes and ranks (default
             :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
         top_k: How many of the most likely next tokens each row lists.
+        score: What else each row scores (:class:`~grafting_lens.analysis.scoring.Score`):
+            ``"answer_logprob"`` (the whole answer), ``"logit_diff"`` (against ``counter``),
+            ``"kl"`` (to the donor's distribution, at the last token and the answer's), or a
+            function ``logits [batch, pos, d_vocab] -> [batch]``; its columns follow ``text``.
+        counter: ``score="logit_diff"``'s counter-answer, one or one per prompt.
 
     Returns:
         One row per prompt and run (the base, the donor, then each graft): ``config``,
@@ -116,19 +126,32 @@ def graft(
         ``topk_probs``, ``semantics``, and for examples ``relation_id`` and ``prompt``.
 
     Raises:
-        SelectionError: Prompts, answers, places or arguments it cannot read, a place in
-            no prompt, twice in one, or cutting a token, a bad donor.
+        ArgumentTypeError: An argument of the wrong type (a number for prompts, a float at=).
+        SelectionError: Prompts, answers or places it cannot use, a place in no prompt, twice
+            in one, or cutting a token, a bad donor.
         ExperimentError: An answer scored by a bare-whitespace token.
         GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses (an
             unknown component, a layer outside the model...).
     """
     if not isinstance(models, ModelSet):
-        raise SelectionError(
+        raise ArgumentTypeError(
             f"graft takes a model set (gl.load_models), got {type(models).__name__}."
         )
     donor_index = _donor_index(models, donor)
+    scored = Score.of(score, donor=donor_index, counter=counter)
+    chat = is_chat(prompts)
+    if chat:  # through the tokenizer's own template, tokenized as the semantics says
+        rules = semantics_or_default(semantics).tokenization()
+        bos, spans = rules["bos"], rules["spans"]
+        prompts = chat_examples(prompts, answer, models.tokenizer, bos=bos, spans=spans)
+        answer = None
     examples = _prompts(prompts, answer)
     grafts = _places(at)
+    if chat:  # a role's name is its place in every conversation, not a piece of the text
+        places = prompts[0].places
+        grafts = {
+            k: [places.get(p, p) if isinstance(p, str) else p for p in v] for k, v in grafts.items()
+        }
     wanted = (
         components
         if isinstance(components, str)
@@ -168,12 +191,13 @@ def graft(
         semantics=semantics,
         top_k=top_k,
         progress=False,
+        score=scored,
     )
     rows["grafted"] = _grafted(models, rows, configs, examples, semantics)
     order = rows["example"] * len(configs) + rows["config"].map(
         {config.name: index for index, config in enumerate(configs)}
     )
-    shown = [*COLUMNS, "topk_tokens", "topk_probs", "semantics"]
+    shown = [*COLUMNS, *scored.columns, "topk_tokens", "topk_probs", "semantics"]
     shown += ["relation_id", "prompt"] if named else []
     return rows.iloc[order.argsort(kind="stable")][shown].reset_index(drop=True)
 
@@ -195,25 +219,20 @@ def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.
         SelectionError: A table that is not :func:`graft`'s, or holds NaN scores; a ``k``
             that is not an integer >= 1, a ``title`` that is not text.
     """
-    missing = {"config", "text", "target", "target_rank", "target_prob"} - set(
-        getattr(table, "columns", ())
-    )
+    check_table(table, "table", "the table gl.graft returns", SelectionError)
+    check_text("title", title)
+    if not is_integer(k):
+        raise ArgumentTypeError(f"k={shown(k)}: give the top-k as an integer >= 1, e.g. k=5.")
+    missing = {"config", "text", "target", "target_rank", "target_prob"} - set(table.columns)
     refuse_first(
         SelectionError,
         (
             (
-                not isinstance(table, pd.DataFrame) or table.empty or missing,
+                table.empty or missing,
                 "plot_graft draws the table gl.graft returns"
                 + (f"; this one lacks {sorted(missing)}." if missing else ", non-empty."),
             ),
-            (
-                not is_integer(k) or k < 1,
-                f"k={shown(k)}: give the top-k as an integer >= 1, e.g. k=5.",
-            ),
-            (
-                title is not None and not isinstance(title, str),
-                f"title={shown(title)}: give the title as a str, or None.",
-            ),
+            (k < 1, f"k={int(k)}: give the top-k as an integer >= 1, e.g. k=5."),
         ),
     )
     unscored = table[["target_rank", "target_prob"]].isna().any(axis=1)
@@ -269,7 +288,7 @@ def _donor_index(models: ModelSet, donor: int | str) -> int:
         return models.names.index(donor)
     if is_integer(donor) and 1 <= int(donor) < len(models):
         return int(donor)
-    raise SelectionError(
+    raise (SelectionError if isinstance(donor, str) or is_integer(donor) else ArgumentTypeError)(
         f"donor={shown(donor)} is not a donor of this model set: give an index "
         f"1..{len(models) - 1} or a name of {list(models.names[1:])}."
     )
@@ -277,8 +296,9 @@ def _donor_index(models: ModelSet, donor: int | str) -> int:
 
 def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
     """The prompts as the runner reads them, each with its answer."""
-    if isinstance(prompts, pd.DataFrame):
-        # Iterating a DataFrame gives its column names, never its rows.
+    prompts = as_table(prompts)
+    if isinstance(prompts, pd.DataFrame):  # iterating it gives its column names, not its rows
+        check_table(prompts, "prompts", "a DataFrame", SelectionError)
         given = [column for column in ("target", "answer") if column in prompts]
         if "text" not in prompts or len(given) > 1 or (given and answer is not None):
             raise SelectionError(
@@ -288,7 +308,7 @@ def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
                 + ": rename or drop columns, or drop answer=."
             )
         prompts, answer = prompts["text"], prompts[given[0]] if given else answer
-    forms = "a prompt, a list of them, a DataFrame with a 'text' column, or examples"
+    forms = "a prompt, a list of them, a DataFrame or records with a 'text' column, or examples"
     items = as_list(prompts, "prompts", forms)
     examples = [hasattr(item, "text") and hasattr(item, "spans") for item in items]
     if any(examples):
@@ -328,7 +348,7 @@ def _places(at: Any) -> dict[str, list[str | int]]:
         return {"+".join(map(str, parts)): parts}
     bad = [label for label in at if not (isinstance(label, str) and label.strip())]
     if bad or not at:
-        raise SelectionError(
+        raise (ArgumentTypeError if bad and not isinstance(bad[0], str) else SelectionError)(
             f"at={{{shown(bad[0])}: ...}}: a graft's label names its rows, a non-empty string."
             if bad
             else "at={} names no graft: give a place, e.g. at='last'."
@@ -346,7 +366,8 @@ def _parts(place: Any) -> list[str | int]:
     bad = [p for p in parts if not (isinstance(p, str) and p.strip() or is_integer(p))]
     if bad:
         what = "an empty string" if isinstance(bad[0], str) else shown(bad[0])
-        raise SelectionError(f"at={shown(place)}: {what} is not a place; give {forms}.")
+        kind = SelectionError if isinstance(bad[0], str) else ArgumentTypeError
+        raise kind(f"at={shown(place)}: {what} is not a place; give {forms}.")
     return [part if isinstance(part, str) else int(part) for part in parts]
 
 
@@ -365,7 +386,12 @@ def _text_pieces(places: Iterable[list[str | int]], examples: list[_Prompt]) -> 
     names = set(examples[0].spans)
     pieces: dict[str, str] = {}
     for part in (part for parts in places for part in parts):
-        if not isinstance(part, str) or part in ("last", "all") or part in pieces:
+        chat = examples[0].prompt_name == "chat"  # "user" is the turn, not the word
+        if (
+            not isinstance(part, str)
+            or part in ("last", "all", *pieces)
+            or (chat and _is_expression(part, names))
+        ):
             continue
         if all(part in e.text for e in examples):
             pieces[part] = f"text{len(pieces)}"

@@ -81,8 +81,8 @@ def run(
 
     ``extras``: ``directions`` (default both; a quick run: sufficiency only) and
     ``rows_per_forward`` (rows of one forward pass, default 512). ``out`` and
-    ``on_chunk`` are not used: a comparison is not saved chunk by chunk, and under
-    ``torch.distributed`` ranks its comparisons are shared as :func:`ranks.spread` shares.
+    ``on_chunk`` are not used: a comparison is not saved chunk by chunk, and inside
+    :func:`~grafting_lens.core.ranks.shared_ranks` its comparisons are shared by the ranks.
 
     Returns:
         ``{"results": one row per example, configuration and method, "references":
@@ -116,7 +116,7 @@ def run(
             models, batch, POSITIONS, "all", PAIRS, direction=direction, **sweep
         )
 
-    computed = ranks.spread(len(units), compute)
+    computed = ranks.spread("patching_vs_grafting", {"prompts": batches}, len(units), compute)
     tables, references = computed[: -len(PROMPTS)], computed[-len(PROMPTS) :]
     settings = {
         "examples": {prompt: len(batch) for prompt, batch in batches.items()},

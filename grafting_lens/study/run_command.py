@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,6 +170,13 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
         help="The code's patch_lm_head: 'always' reads the last token through the donor's "
         "unembedding in every configuration that grafts something (default never).",
     )
+    add(
+        "--score",
+        choices=("first_token", "answer_logprob", "kl"),
+        help="What each row scores beyond the answer's first token (the paper's columns): the "
+        "whole answer's log-probability, or KL to the donor (logit_diff and functions: score= "
+        "in Python).",
+    )
     add("--cache-dir", help="Where toy worlds are cached.")
     add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
     add(
@@ -248,6 +256,20 @@ def interrupted(what_next: str) -> int:
 
 
 def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
+    # Under a launcher every rank shares the run; first they check they run one command.
+    with ranks.shared_ranks():
+        same = {f"--{name.replace('_', '-')}": value for name, value in vars(args).items()}
+        ranks.same(command.split(" -")[0], same, fix="start every rank with the same command")
+        lock, locked = ranks.agree(lambda: _checked(experiment, args))
+        try:  # one process (or one job's ranks) writes into --out; another is refused
+            ranks.agree(lock.acquire)
+            return int(locked(command))
+        finally:
+            lock.release()
+
+
+def _checked(experiment: str, args: argparse.Namespace) -> tuple[DirectoryLock, Callable]:
+    """The command's options checked (before anything is written or loaded); its run."""
     from grafting_lens.models.loading import resolve_placement
     from grafting_lens.study import get_experiment
 
@@ -263,6 +285,8 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
             f"--toy-config configures the toy world: leave it out with --world {args.world}."
         )
     _check_relation_options(args, toy=checkpoints is None)
+    if args.score not in (None, "first_token") and spec.run is not None:
+        raise GraftingLensError(f"--score scores configurations' rows; {spec.name} has its own.")
     if args.prompts is not None:
         from grafting_lens.study.named import check_prompts_apply
 
@@ -272,20 +296,19 @@ def _run(experiment: str, args: argparse.Namespace, command: str) -> int:
     resolve_placement(args.device, dtype)  # a typo fails now, not after minutes of loading
     toy_config = _toy_config(args.toy_config)
     _apply_thread_policy(args.threads, toy=checkpoints is None and args.world in (None, "toy"))
-    # One process (or one job's ranks) writes into --out; another is refused before loading.
-    with DirectoryLock(out, "The output directory (--out)", shared=True):
-        return _run_locked(spec, args, command, out, checkpoints, toy_config, semantics, dtype)
+    run = functools.partial(_run_locked, spec, args, out, checkpoints, toy_config, semantics, dtype)
+    return DirectoryLock(out, "The output directory (--out)", shared=True), run
 
 
 def _run_locked(
     spec: Any,
     args: argparse.Namespace,
-    command: str,
     out: Path,
     checkpoints: list[str] | None,
     toy_config: Any,
     semantics: Any,
     dtype: str | None,
+    command: str,
 ) -> int:
     from grafting_lens.study.named import run_spec, setup_experiment
     from grafting_lens.study.report import prepare_report_directory, write_experiment_report
@@ -295,26 +318,29 @@ def _run_locked(
 
     prompts = None if args.prompts is None else read_prompts(args.prompts)  # before loading
     started = time.perf_counter()
-    setup = setup_experiment(
-        spec,
-        checkpoints,
-        toy_config=toy_config,
-        cache_dir=args.cache_dir,
-        dataset=args.dataset,
-        n_relations=args.n_relations,
-        seed=args.seed,
-        relations=args.relations,
-        quick=args.quick,
-        device=args.device,
-        dtype=None if dtype is None else getattr(_torch(), dtype),
-        progress=args.progress,
-        on_status=lambda line: print(line, file=sys.stderr),
-        world=args.world or "toy",
-        lazy=args.lazy,
-        sft_seed=args.sft_seed,
+    setup = ranks.agree(
+        lambda: setup_experiment(
+            spec,
+            checkpoints,
+            toy_config=toy_config,
+            cache_dir=args.cache_dir,
+            dataset=args.dataset,
+            n_relations=args.n_relations,
+            seed=args.seed,
+            relations=args.relations,
+            quick=args.quick,
+            device=args.device,
+            dtype=None if dtype is None else getattr(_torch(), dtype),
+            progress=args.progress,
+            on_status=lambda line: print(line, file=sys.stderr),
+            world=args.world or "toy",
+            lazy=args.lazy,
+            sft_seed=args.sft_seed,
+        )
     )
     # Answers the tokenizer cannot score are refused before the report directory is touched.
-    shared = [] if prompts is None else check_answers(prompts, setup.models, semantics)
+    answers = list if prompts is None else lambda: check_answers(prompts, setup.models, semantics)
+    shared = ranks.agree(answers)
     # A grid of configurations saves chunks and reads them back; a runner of its own that
     # resumes (the graft attribution) keeps its progress in out/runs too.
     resumed = setup.resumable and spec.run is None
@@ -348,7 +374,12 @@ def _run_locked(
         out=out / "runs" if keeps and (resumed or ranks.first()) else None,
         quick=args.quick,
         n_examples=args.n_examples,
-        options=RunOptions(batch_size=args.batch_size, progress=args.progress, semantics=semantics),
+        options=RunOptions(
+            batch_size=args.batch_size,
+            progress=args.progress,
+            semantics=semantics,
+            score=args.score or "first_token",
+        ),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
         prompts=prompts,
@@ -397,20 +428,8 @@ def _run_locked(
     return 0
 
 
-_FREE_OPTIONS = frozenset(
-    {
-        "out",
-        "model",
-        "batch_size",
-        "device",
-        "lazy",
-        "threads",
-        "cache_dir",
-        "overwrite",
-        "no_png",
-        "progress",
-        "sft_seed",  # the checkpoint it names counts by its weights
-    }
+_FREE_OPTIONS = frozenset(  # sft_seed: the checkpoint it names counts by its weights
+    "out model batch_size device lazy threads cache_dir overwrite no_png progress sft_seed".split()
 )
 """Options of ``grafting-lens run`` that change no result (checkpoints count by their weights)."""
 
@@ -433,7 +452,7 @@ def _describe_command_run(
 ) -> dict[str, Any]:
     """What makes a command's run this run: the experiment, the weights, the relations asked
     and every option that changes a result. Its hash is the run's fingerprint in ``--out``."""
-    free = set(_FREE_OPTIONS)
+    free = set(_FREE_OPTIONS) | ({"score"} if args.score in (None, "first_token") else set())
     free |= {option.lstrip("-").replace("-", "_") for option, _ in spec.donors.values()}
     free |= {option.dest for option in spec.options if not option.fingerprinted}
     relations = json.dumps([dataclasses.asdict(r) for r in setup.relations], sort_keys=True)

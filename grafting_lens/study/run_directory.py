@@ -222,11 +222,6 @@ class RunDirectory:
             )
         run_dir = Path(path).expanduser()
         fingerprint = _fingerprint(spec)
-        if len(set(ranks.gather(fingerprint))) > 1:
-            raise RunError(
-                f"The ranks writing into {run_dir} describe different runs (their models, test "
-                "sets or options differ): start every rank with the same command and inputs."
-            )
         if run_dir.exists() and not run_dir.is_dir():
             raise RunError(f"{run_dir} is a file; a run needs a directory.")
         lock = DirectoryLock(run_dir, "The run directory", shared=True)

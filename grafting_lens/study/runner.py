@@ -13,7 +13,7 @@ How a run grafts, scores, batches and saves is one :class:`RunOptions`, the plac
 new option; its ``semantics`` (:class:`~grafting_lens.study.semantics.Semantics`, default
 the paper's released code) says what the configurations mean and is recorded in every
 row, beside its exact prompt ``text``, ``target_id``, ``target_prob`` and ``target_rank``.
-Under ``torch.distributed`` ranks the chunks are shared (:mod:`grafting_lens.core.ranks`).
+Inside :func:`~grafting_lens.core.ranks.shared_ranks` the chunks are shared by the ranks.
 :func:`run_position_grafting` is the short way to the paper's first experiment.
 """
 
@@ -33,12 +33,17 @@ import torch
 from tqdm.auto import tqdm
 
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
-from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_K_COLUMNS, LastTokenScorer
+from grafting_lens.analysis.scoring import (
+    SCORE_COLUMNS,
+    TOP_K_COLUMNS,
+    LastTokenScorer,
+    Score,
+    score_pass,
+)
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import as_list, is_integer
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import ExperimentError, GraftingLensError, check_known
-from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.positions import select_positions
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import (
@@ -140,6 +145,10 @@ class RunOptions:
             configuration grafts the unembedding, which needs them); ``"all"``: every
             position's, ``[rows, pos, d_vocab]``, as before (the same scores, for
             comparison). Free to change when resuming.
+        score: What each row scores beyond the answer's first token
+            (:class:`~grafting_lens.analysis.scoring.Score`: ``"first_token"``, the paper's
+            columns alone; ``"answer_logprob"``, ``"logit_diff"``, ``"kl"`` or a function add
+            their columns).
 
     Raises:
         ExperimentError: A size below 1, a seed name that cannot be a column, or a
@@ -153,8 +162,10 @@ class RunOptions:
     seeds: Mapping[str, int] = field(default_factory=dict)
     progress: bool | None = None
     logits: str = "scored"
+    score: Any = "first_token"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "score", Score.of(self.score))
         for name in ("batch_size", "chunk_size", "top_k"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
@@ -188,6 +199,7 @@ class RunOptions:
             "top_k": self.top_k,
             "semantics": semantics.describe(),
             "seeds": dict(self.seeds),
+            **({"score": self.score.describe()} if self.score.name != "first_token" else {}),
         }
 
 
@@ -223,6 +235,7 @@ class _TestCell:
     batch: TokenizedExamples
     # positions[config][graft] -> [n_examples, pos] bool
     positions: list[list[torch.Tensor]]
+    counter_ids: torch.Tensor | None = None  # logit_diff's counter-answers' first tokens
 
 
 @dataclass(frozen=True)
@@ -319,6 +332,7 @@ def run_experiment(
         *grid.tag_columns,
         *ANSWER_COLUMNS,
         *scorer.columns,
+        *options.score.columns,
         "data_seed",
         *seed_columns,
     ]
@@ -340,8 +354,8 @@ def run_experiment(
         ]
         for chunk_id, cell, index in chunks
     }
-    run_dir = None
-    if out is not None:
+    spec = None
+    if out is not None or share is not None:  # shared: every rank's call compared first
         spec = describe_run(
             model_sets=grid.model_sets,
             test_sets=grid.test_sets,
@@ -355,7 +369,8 @@ def run_experiment(
             columns=[c for c in columns if c not in _ORDER_COLUMNS],
             chunk_ids=[c[0] for c in chunks],
         )
-        run_dir = RunDirectory.open(out, spec)
+        ranks.same("run_experiment", {**spec, "out": out})
+    run_dir = None if out is None else RunDirectory.open(out, spec or {})
     with run_dir if run_dir is not None else contextlib.nullcontext():
         done: dict[str, Rows] = {}
         if run_dir is not None:
@@ -672,7 +687,12 @@ def _prepare_cells(grid: _Grid) -> list[_TestCell]:
                     ) from error
                 check_conflicts(config, grafts, selected, f"test set {test_set.label!r}")
                 positions.append(selected)
-            cells.append(_TestCell(model_index, test_index, batch, positions))
+            score = grid.options.score
+            score.check(len(models), [vocab])
+            counters = None
+            if score.name == "logit_diff":
+                counters = score.counter_ids(test_set.examples, batch, models.tokenizer)
+            cells.append(_TestCell(model_index, test_index, batch, positions, counters))
     return cells
 
 
@@ -688,25 +708,19 @@ def _run_examples(
     batch = cell.batch.rows(examples)
     length = batch.tokens.shape[1]
     positions = [[p[examples, :length] for p in per_config] for per_config in cell.positions]
-    rows_shape = (int(batch.tokens.shape[0]), int(batch.tokens.shape[1]))
-    mask = stacked_mask(models, grid.resolved[cell.model_index], positions, rows_shape)
-    repeats = len(grid.configs)
-    attention_mask = batch.attention_mask.repeat(repeats, 1)
-    # Only the last token is scored: the unembedding runs there alone (49k-token
-    # vocabularies make every position's logits most of the pass's memory).
-    scored = grid.options.logits == "scored"
-    logits = graft_forward(
+    scores = score_pass(
         models,
-        batch.tokens.repeat(repeats, 1),
-        mask,
-        attention_mask=attention_mask,
-        logits="last" if scored else "all",
+        grid.options.score,
+        batch,
+        positions,
+        lambda selections, shape: stacked_mask(
+            models, grid.resolved[cell.model_index], selections, shape
+        ),
+        scorer,
+        counter_ids=None if cell.counter_ids is None else cell.counter_ids[examples],
+        logits=grid.options.logits,
     )
-    # Every position's logits are scored at each row's last real token.
-    scores = scorer(logits, batch.target_ids.repeat(repeats), None if scored else attention_mask)
-    del logits
-
-    score_columns = [scores[column] for column in scorer.columns]
+    score_columns = [scores[column] for column in (*scorer.columns, *grid.options.score.columns)]
     seed_values = list(grid.options.seeds.values())
     layer_labels = [layers_label(grafts) for grafts in grid.resolved[cell.model_index]]
     rows = []

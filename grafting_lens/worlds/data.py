@@ -81,7 +81,7 @@ from typing import Any
 from faker import Faker
 
 from grafting_lens.core import defaults
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import GraftingLensError, check_known
 
 __all__ = [
     "ARTICLE_TEMPLATES",
@@ -322,17 +322,6 @@ def _clean_pool(names: Sequence[str], argument: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_choice(value: str, allowed: Sequence[str], argument: str) -> None:
-    if value in allowed:
-        return
-    by_lowercase = {choice.lower(): choice for choice in allowed}
-    close = difflib.get_close_matches(str(value).lower(), list(by_lowercase), n=1)
-    hint = f" Did you mean {by_lowercase[close[0]]!r}?" if close else ""
-    raise GraftingLensError(
-        f"unknown {argument} {value!r}; expected one of {tuple(allowed)}.{hint}"
-    )
-
-
 def make_relations(
     dataset: str,
     n: int = 1000,
@@ -370,7 +359,7 @@ def make_relations(
             negative, if a pool has duplicates, or if ``n`` exceeds what the pools allow (the
             message gives the maximum).
     """
-    _check_choice(dataset, DATASETS, "dataset")
+    check_known(dataset, DATASETS, "dataset")
     if n < 0:
         raise GraftingLensError(f"n must be non-negative, got {n}.")
     # Mixing the dataset name into the seed makes the datasets built with one seed independent
@@ -779,11 +768,11 @@ def make_examples(
         GraftingLensError: If ``prompt`` or ``direction`` is unknown, if a custom template is malformed as
             described above, or if the relation words do not occur in the template's fixed text.
     """
-    _check_choice(templates, TEMPLATE_SETS, "templates")
+    check_known(templates, TEMPLATE_SETS, "templates")
     wordings = CODE_TEST_TEMPLATES if templates == "code" else TEST_TEMPLATES
     words = CODE_TEST_RELATION_WORDS if templates == "code" else TEST_RELATION_WORDS
     if template is None:
-        _check_choice(prompt, tuple(wordings), "prompt")
+        check_known(prompt, wordings, "prompt")
         template = wordings[prompt]
     if relation_words is None:
         if prompt not in words:
@@ -801,7 +790,7 @@ def make_examples(
         raise GraftingLensError(
             f"test template must not name {{second_actor}}, the answer it asks for: {template!r}"
         )
-    _check_choice(direction, DIRECTIONS, "direction")
+    check_known(direction, DIRECTIONS, "direction")
 
     costars: dict[str, list[str]] = defaultdict(list)
     for r in relations:

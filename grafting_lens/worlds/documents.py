@@ -14,7 +14,7 @@ from typing import Any
 
 from faker import Faker
 
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import GraftingLensError, check_known
 from grafting_lens.worlds.data import (
     _RELEASE_YEARS,
     ARTICLE_TEMPLATES,
@@ -22,7 +22,6 @@ from grafting_lens.worlds.data import (
     GENRES,
     QA_TEMPLATES,
     Relation,
-    _check_choice,
     relation_values,
     template_fields,
 )
@@ -32,7 +31,7 @@ __all__ = ["supplementary_documents", "training_documents"]
 
 def _oriented(relations: Sequence[Relation], direction: str) -> list[Relation]:
     """Relations as rendered in ``direction``: "both" interleaves each relation with its swap."""
-    _check_choice(direction, DIRECTIONS, "direction")
+    check_known(direction, DIRECTIONS, "direction")
     if direction == "A2B":
         return list(relations)
     if direction == "B2A":

@@ -193,11 +193,11 @@ def build_real_world(
     """
     config = world_config(world)
     root_dir = cache_location(cache_dir, default_cache_dir)
-    check_cache_dir(root_dir)
     key = _world_key(config)
     root = root_dir / key
-    if _complete(root):
+    if _complete(root):  # read, even from a cache this process cannot write
         return _open(root, config)
+    check_cache_dir(root_dir)
     check_replaceable(root, "The world's directory")
     building = root_dir / f".{key}.building"
     if building.exists():

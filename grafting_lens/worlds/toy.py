@@ -85,6 +85,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -240,6 +241,29 @@ def build_toy_world(
         raise GraftingLensError(
             f"config is a {type(config).__name__}; pass a grafting_lens.worlds.toy.ToyWorldConfig."
         )
+    check_threads(threads)
+    cache_root = cache_location(cache_dir, default_cache_dir)
+    relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
+    key = _world_key(config, relations)
+
+    def make(partial: Path) -> None:
+        # The package ships the default world: unpacking it takes seconds and gives every
+        # machine the same checkpoints; force=True runs the recipe instead.
+        if not force and _ships(config, key):
+            materialize(partial)
+        else:
+            _build(partial, key, config, relations, progress)
+
+    root = cached_entry(cache_root, key, make, what="toy world", force=force, threads=threads)
+    return _open_world(root, config)
+
+
+def check_threads(threads: Optional[int]) -> None:
+    """Refuse a ``threads`` that is not ``None`` or between 1 and this process's cores.
+
+    Raises:
+        GraftingLensError: Naming the fix.
+    """
     if threads is not None and (not is_integer(threads) or threads < 1):
         raise GraftingLensError(
             f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
@@ -247,47 +271,59 @@ def build_toy_world(
     too_many = None if threads is None else threads_beyond_cores(threads)
     if too_many:
         raise GraftingLensError(too_many)
-    cache_root = cache_location(cache_dir, default_cache_dir)
-    relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
-    key = _world_key(config, relations)
-    root = cache_root / key
 
+
+def cached_entry(
+    cache_root: Path,
+    key: str,
+    make: Callable[[Path], None],
+    *,
+    what: str,
+    force: bool,
+    threads: Optional[int],
+) -> Path:
+    """The toy cache's entry ``cache_root/key``, made by ``make`` unless it is intact.
+
+    An entry is intact when its ``manifest.json`` names ``key`` and every file it lists
+    matches its checksum (:func:`_check_world`). ``make(partial)`` writes the whole entry,
+    manifest last, into a fresh sibling directory that is renamed into place only once
+    complete, so an interrupted build never looks complete; one process makes the entry
+    and another asking for it meanwhile waits, then opens it. Torch runs on ``threads``
+    threads meanwhile (``None``: its setting), restored afterwards.
+
+    Warns:
+        UserWarning: An entry was incomplete or corrupt and is rebuilt.
+    """
+    root = cache_root / key
     if root.exists() and not force and _check_world(root, key) is None:
-        return _open_world(root, config)
+        return root
     check_cache_dir(cache_root, "The toy-world cache")
-    # One process makes the entry; another asking for it meanwhile waits, then opens it.
     with waiting_lock(cache_root / f".{key}.lock"):
         if root.exists() and not force:
             problem = _check_world(root, key)
             if problem is None:
-                return _open_world(root, config)
+                return root
             warnings.warn(
-                f"The cached toy world at {root} is unusable ({problem}); rebuilding it. "
+                f"The cached {what} at {root} is unusable ({problem}); rebuilding it. "
                 "Nothing to do on your side, but if this repeats, delete the directory.",
-                stacklevel=2,
+                stacklevel=3,
             )
-        check_replaceable(root, "The cached toy world")
+        check_replaceable(root, f"The cached {what}")
         _remove_abandoned_builds(cache_root, key)
-        # The package ships the default world: unpacking it takes seconds and gives every
-        # machine the same checkpoints; force=True runs the recipe instead.
-        from_package = not force and _ships(config, key)
         partial = make_directory(sibling(root))
         previous_threads = torch.get_num_threads()
         try:
             if threads is not None:
                 torch.set_num_threads(threads)
-            if from_package:
-                materialize(partial)
-            else:
-                _build(partial, key, config, relations, progress)
+            make(partial)
             seal(partial)
-            replace_directory(partial, root, "The cached toy world")
+            replace_directory(partial, root, f"The cached {what}")
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
         finally:
             torch.set_num_threads(previous_threads)
-    return _open_world(root, config)
+    return root
 
 
 def _ships(config: ToyWorldConfig, key: str) -> bool:
@@ -305,7 +341,7 @@ def _ships(config: ToyWorldConfig, key: str) -> bool:
             f"The toy world shipped with grafting-lens (key {shipped}) was built by another "
             f"recipe than this one (key {key}); building it from the recipe instead (5 to 15 "
             "minutes on one core). Re-ship it with experiments/toy_world.py --ship.",
-            stacklevel=3,
+            stacklevel=5,  # the caller of build_toy_world
         )
         return False
     return True

@@ -237,12 +237,12 @@ def test_the_scorer_ranks_as_it_is_told():
 
 
 def test_an_unknown_rank_basis_is_refused():
-    with pytest.raises(GraftingLensError, match="Unknown by 'prob'.*'logit', 'probability'"):
+    with pytest.raises(GraftingLensError, match="Unknown by 'prob'.*Known: logit, probability"):
         target_rank(LOGITS, TARGETS, by="prob")
 
 
 def test_an_unknown_tie_rule_is_refused():
-    with pytest.raises(GraftingLensError, match="Unknown ties 'mean'.*'pessimistic', 'optim"):
+    with pytest.raises(GraftingLensError, match="Unknown ties 'mean'.*Known: pessimistic, optim"):
         target_rank(LOGITS, TARGETS, ties="mean")
     with pytest.raises(GraftingLensError, match="Unknown ties None"):
         top_k_hit(LOGITS, TARGETS, 1, ties=None)

@@ -514,11 +514,14 @@ def test_plots_refuse_each_bad_argument_by_name(plot, options, error, message):
 
 
 def test_a_table_of_the_wrong_kind_is_refused_by_the_arguments_name():
-    with pytest.raises(GraftingLensError, match=r"Expected summary= a non-empty"):
+    with pytest.raises(ArgumentTypeError, match=r"summary= takes a non-empty table .*; got list"):
         plots.plot_mean_rank([])
+    twice = pd.concat([_CURVE, _CURVE[["cells"]]], axis=1)  # pd.concat(axis=1) names it twice
+    with pytest.raises(GraftingLensError, match=r"curve= has two columns named 'cells'"):
+        plots.plot_recovery(twice)
     with pytest.raises(GraftingLensError, match=r"Expected curve= a non-empty"):
         plots.plot_recovery(_CURVE.iloc[:0])
-    with pytest.raises(GraftingLensError, match=r"Expected references= a non-empty"):
+    with pytest.raises(ArgumentTypeError, match=r"references= takes a non-empty table"):
         plots.plot_comparison(_comparison_summary(), references="ref")
 
 

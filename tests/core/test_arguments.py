@@ -5,12 +5,21 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import random_tokens
 
 import grafting_lens as gl
-from grafting_lens.core.arguments import is_integer, is_number, plain
+from grafting_lens.core.arguments import (
+    as_table,
+    as_texts,
+    check_table,
+    is_integer,
+    is_number,
+    plain,
+)
+from grafting_lens.core.errors import ArgumentTypeError, ExperimentError, check_known
 from grafting_lens.study import Graft, RunOptions
 
 
@@ -68,3 +77,34 @@ def test_numbers_kept_in_a_runs_description_are_pythons():
     assert graft.describe() == Graft("LT", source=1).describe()
     with pytest.raises(gl.errors.ExperimentError, match="batch_size must be an integer >= 1"):
         RunOptions(batch_size=True)
+
+
+def test_a_wrong_type_is_an_argument_type_error_and_a_bad_value_the_doors_own():
+    for value in (3, None, b"x", {"a": 1}, [None]):
+        with pytest.raises(ArgumentTypeError, match="names"):
+            as_texts(value, "names", "a name", ExperimentError)
+    for value in ([], [" "]):
+        with pytest.raises(ExperimentError, match="names"):
+            as_texts(value, "names", "a name", ExperimentError)
+
+
+def test_one_wording_of_an_unknown_name_and_a_type_error_for_a_non_name():
+    assert check_known("b", ["a", "b"], "letter") == "b"
+    with pytest.raises(ExperimentError, match=r"Unknown letter 'B2'\. Did you mean 'b2'\? Known"):
+        check_known("B2", ["a", "b2"], "letter", ExperimentError)
+    with pytest.raises(ArgumentTypeError, match="Unknown letter 3"):
+        check_known(3, ["a", "b"], "letter", ExperimentError)
+
+
+def test_records_and_a_dataset_are_read_as_tables_and_a_column_named_twice_is_refused():
+    records = [{"text": "a", "target": "b"}, {"text": "c", "target": "d"}]
+    pd.testing.assert_frame_equal(as_table(records), pd.DataFrame(records))
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_list(records)
+    pd.testing.assert_frame_equal(as_table(dataset), pd.DataFrame(records))
+    assert as_table(["a"]) == ["a"]
+    twice = pd.concat([pd.DataFrame(records), pd.DataFrame(records)[["text"]]], axis=1)
+    with pytest.raises(ExperimentError, match="t= has two columns named 'text'"):
+        check_table(twice, "t", "a table", ExperimentError)
+    with pytest.raises(ArgumentTypeError, match="t= takes a table; got list"):
+        check_table(records, "t", "a table")

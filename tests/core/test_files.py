@@ -157,3 +157,24 @@ def test_a_file_size_limit_is_an_error_not_the_end_of_the_process(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "big.html cannot be written (File too large)" in done.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_where_a_directory_must_be_is_named_as_such(tmp_path):
+    from grafting_lens.core import directories
+    from grafting_lens.core.errors import WorldCacheError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "chunks").write_text("")  # a run directory whose chunks/ was replaced by a file
+    said = rf"\(Not a directory\); {run / 'chunks'} is a file where a directory must be: move"
+    for make in (
+        lambda: (run / "chunks").mkdir(exist_ok=True),
+        lambda: files.atomic_write(run / "chunks" / "m0-t0-c0.json", b"{}"),
+    ):
+        with pytest.raises(RunError, match=said):
+            with files.writing("The run directory", run):
+                make()
+    with pytest.raises(RunError, match=said):
+        files.DirectoryLock(run / "chunks" / "deeper").acquire()
+    with pytest.raises(WorldCacheError, match=said):
+        directories.make_directory(run / "chunks" / "world")

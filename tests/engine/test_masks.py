@@ -81,7 +81,7 @@ def test_layer_errors_name_the_problem():
         gl.resolve_layers("last_hlf", 6)
     with pytest.raises(gl.errors.GraftMaskError, match="selects no layer of a 3-layer model"):
         gl.resolve_layers((0.5, 0.6), 3)
-    with pytest.raises(gl.errors.GraftMaskError, match="Cannot read layers from 1.5"):
+    with pytest.raises(gl.errors.ArgumentTypeError, match="Cannot read layers from 1.5"):
         gl.resolve_layers(1.5, 6)
 
 
@@ -403,9 +403,11 @@ def test_numpy_numbers_read_like_python_ones_and_bools_are_refused():
     assert gl.resolve_layers((np.float32(0.5), np.float32(1.0)), 6) == (3, 4, 5)
     assert gl.resolve_layers((np.float64(0.5), 1), 6) == (3, 4, 5)
     assert gl.resolve_layers((0, 2), 6) == (0, 2)  # a tuple of ints is a list of layers
-    with pytest.raises(gl.errors.SelectionError, match="Layers must be ints, got True"):
+    with pytest.raises(gl.errors.ArgumentTypeError, match="Layers must be ints, got True"):
         gl.resolve_layers((True, 0.5), 6)
-    with pytest.raises(gl.errors.SelectionError, match="Layers must be ints, got np.False_|False"):
+    with pytest.raises(
+        gl.errors.ArgumentTypeError, match="Layers must be ints, got np.False_|False"
+    ):
         gl.resolve_layers(np.array([False]), 6)
 
 

@@ -1,14 +1,16 @@
 """Split linear layers through oneDNN (grafting_lens.engine.products): the values of the
 modules' own forwards to float32 rounding, taken only where nothing can tell them apart.
 
-The kernel is on where MKL runs on a CPU of another vendor than Intel; these tests put it
-on (or off) whatever CPU runs them, so both paths are tested on every machine.
+The kernel is on where MKL runs on a CPU by another vendor than Intel that has AVX-512;
+these tests put it on (or off) whatever CPU runs them, so both paths are tested on every
+machine (tests/fuzz/test_kernel.py: modules modified at random).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from conftest import random_mask, random_tokens
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -89,23 +91,10 @@ def test_the_kernel_computes_the_modules_map(kind, onednn):
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-class Marked(torch.Tensor):
-    """A tensor subclass: what it computes is its own business."""
-
-
-class Scaled(nn.Linear):
-    def forward(self, x):
-        return 2 * super().forward(x)
-
-
 @pytest.mark.parametrize(
     "case",
     [
         "autograd",
-        "hook",
-        "global_hook",
-        "subclass",
-        "tensor_subclass_weight",
         "float64",
         "strided_weight",
         "mkldnn_off",
@@ -115,16 +104,12 @@ class Scaled(nn.Linear):
     ],
 )
 def test_anything_else_calls_the_module(case, onednn, monkeypatch):
-    """Where oneDNN's result could be told apart (autograd, a hook, another map), the module runs."""
-    module: nn.Module = Scaled(8, 12) if case == "subclass" else linear("linear")
+    """Where oneDNN's result could be told apart (autograd, another map), the module runs.
+
+    Modules changed after loading (hooks, subclasses, accelerate...): tests/fuzz/test_kernel.py.
+    """
+    module = linear("linear")
     rows = torch.randn(4, 8)
-    seen: list[int] = []
-    if case == "hook":
-        module.register_forward_hook(lambda *_: seen.append(1))
-    if case == "global_hook":
-        handle = nn.modules.module.register_module_forward_hook(lambda *_: seen.append(1))
-    if case == "tensor_subclass_weight":  # as a quantised weight inside an nn.Linear
-        module.weight = nn.Parameter(module.weight.detach().as_subclass(Marked))
     if case == "float64":
         module, rows = module.double(), rows.double()
     if case == "strided_weight":
@@ -135,36 +120,76 @@ def test_anything_else_calls_the_module(case, onednn, monkeypatch):
     if case == "mkldnn_off":
         monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     args, kwargs = ([], {"input": rows}) if case == "keyword_argument" else ([rows], {})
-    try:
-        with torch.set_grad_enabled(case == "autograd"):
-            with torch.autocast("cpu", enabled=case == "autocast"):
-                got = products.call(module, args, kwargs)
-                expected = module(*args, **kwargs)
-    finally:
-        if case == "global_hook":
-            handle.remove()
+    with torch.set_grad_enabled(case == "autograd"):
+        with torch.autocast("cpu", enabled=case == "autocast"):
+            got = products.call(module, args, kwargs)
+            expected = module(*args, **kwargs)
     assert onednn == []
     assert torch.equal(got, expected)
-    assert seen == ([1, 1] if "hook" in case else [])
+
+
+class Halved(ModelHook):
+    def post_forward(self, module, output):
+        return output / 2
+
+
+@pytest.mark.parametrize("change", ["instance_forward", "accelerate_hook"])
+def test_a_linear_layer_changed_after_loading_is_grafted_as_it_computes(
+    three_models, onednn, change
+):
+    """``module(x)`` is what the layer computes, whatever its class says: oneDNN skips it."""
+    layers = {
+        id(m): m
+        for model in three_models
+        for m in model.modules()
+        if type(m) in (nn.Linear, Conv1D)
+    }.values()
+    tokens = random_tokens(3, 9, seed=4)
+    mask = random_mask(three_models, tuple(tokens.shape), seed=5)
+    try:
+        for layer in layers:
+            if change == "instance_forward":
+                layer.forward = lambda x, forward=layer.forward: forward(x) / 2
+            else:
+                add_hook_to_module(layer, Halved())
+        grafted = gl.graft_forward(three_models, tokens, mask, logits="all")
+        reference = gl.graft_forward_reference(three_models, tokens, mask)
+    finally:
+        for layer in layers:
+            if change == "accelerate_hook":
+                remove_hook_from_module(layer)
+            del layer.forward  # accelerate's removal leaves the class's forward on the instance
+    assert float((grafted - reference).abs().max()) <= 1e-5 * float(reference.abs().max())
+    assert onednn == []
+
+
+FLAGS = "flags\t\t: fpu sse avx avx2 fma"
+AVX512 = FLAGS + " avx512f avx512dq avx512bw avx512vl"
+INTEL = "vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n"
 
 
 @pytest.mark.parametrize(
-    ("machine", "cpuinfo", "on"),
+    ("machine", "cpuinfo", "on", "why"),
     [
-        ("x86_64", "vendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\n" * 2, True),
-        ("x86_64", "vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R)\n" * 2, False),
-        ("aarch64", "processor\t: 0\nBogoMIPS\t: 50.00\n", False),
-        ("x86_64", None, False),  # no /proc/cpuinfo: nothing is assumed
+        ("x86_64", f"vendor_id\t: AuthenticAMD\n{AVX512}\n" * 2, True, "AVX-512 on a CPU by"),
+        ("x86_64", f"vendor_id\t: AuthenticAMD\n{FLAGS}\n" * 2, False, "no AVX-512"),
+        ("x86_64", f"vendor_id\t: HygonGenuine\n{AVX512}\n", True, "HygonGenuine"),
+        ("x86_64", f"{INTEL}{AVX512}\n", False, "an Intel CPU"),
+        ("aarch64", "processor\t: 0\nBogoMIPS\t: 50.00\n", False, "not an x86-64"),
+        ("x86_64", None, False, "no "),  # no /proc/cpuinfo: nothing is assumed
     ],
 )
-def test_the_kernel_is_chosen_where_mkl_runs_on_another_vendors_cpu(
-    tmp_path, monkeypatch, machine, cpuinfo, on
+def test_the_kernel_is_chosen_where_the_cpu_has_avx512_that_mkl_leaves_aside(
+    tmp_path, monkeypatch, machine, cpuinfo, on, why
 ):
+    """By instruction set and vendor, never vendor alone: without AVX-512 oneDNN was slower."""
     path = tmp_path / "cpuinfo"
     if cpuinfo is not None:
         path.write_text(cpuinfo)
     monkeypatch.setattr(products.platform, "machine", lambda: machine)
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
-    assert products._mkl_on_another_vendor(path) is on
+    chosen, reason = products._choose(path)
+    assert chosen is on
+    assert why in reason
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
-    assert products._mkl_on_another_vendor(path) is False  # OpenBLAS, Accelerate: not measured
+    assert products._choose(path)[0] is False  # OpenBLAS, Accelerate: not measured

@@ -16,6 +16,7 @@ from tiny_gguf import tiny_llama, write_gguf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grafting_lens as gl
+from grafting_lens.core import directories
 from grafting_lens.models import gguf_checkpoint
 
 PROMPT = "the hat in the tin at the hut"
@@ -87,3 +88,65 @@ def test_a_directory_holding_a_gguf_names_the_file_to_pass(tmp_path):
     write_gguf(tiny_llama(), tmp_path / "tiny.gguf")
     with pytest.raises(gl.GraftingLensError, match=r"it holds tiny\.gguf: pass that file itself"):
         gl.load_models(tmp_path, tmp_path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="chmod and chattr")
+def test_a_read_only_cache_holding_the_conversions_is_read(tmp_path, counted, read_only):
+    base = write_gguf(tiny_llama(), tmp_path / "base.gguf")
+    donor = write_gguf(tiny_llama(seed=1), tmp_path / "donor.gguf")
+    gl.load_models(base, donor)
+    read_only(tmp_path / "cache")
+    tokens = torch.tensor([[5, 9, 30]])
+
+    models = gl.load_models(base, donor)  # read, not converted again
+    with pytest.raises(gl.errors.WorldCacheError, match=r"where other\.gguf is to be converted"):
+        gl.load_models(base, write_gguf(tiny_llama(seed=2), tmp_path / "other.gguf"))
+
+    assert len(counted) == 2
+    with torch.no_grad():
+        assert not torch.equal(models.base(tokens), models[1](tokens))
+
+
+def test_a_conversion_killed_midway_is_removed_by_the_next(tmp_path, counted):
+    gguf = write_gguf(tiny_llama(), tmp_path / "tiny.gguf")
+    target = gguf_checkpoint.conversion_cache() / f"base-{gguf_checkpoint.checkpoint_key(gguf)}"
+    # What a conversion killed before its rename leaves: a hidden, full-size working directory.
+    killed = directories.make_directory(directories.sibling(target))
+    (killed / "model.safetensors").write_bytes(bytes(1 << 16))
+    stale = directories.make_directory(directories.sibling(target, "stale"))
+    other = directories.make_directory(directories.sibling(target.with_name("base-other")))
+    mine = target.with_name(f".{target.name}.partial-notes")  # no marker: not the library's
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+
+    gl.load_models(gguf, gguf)
+
+    assert not killed.exists() and not stale.exists()
+    assert other.exists() and (mine / "notes.txt").exists()
+    assert directories.is_sealed(target) and counted == [gguf]
+
+
+def test_a_directory_of_a_model_takes_its_gguf_as_a_donor(tmp_path):
+    # GGUF keeps metadata in float32: an rms_norm_eps of 1e-5 comes back as 9.999999747e-06.
+    gguf = write_gguf(tiny_llama(), tmp_path / "tiny.gguf")
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf.name).save_pretrained(base)
+    tokens = torch.tensor([[5, 9, 30]])
+
+    models = gl.load_models(base, gguf)
+
+    with torch.no_grad():
+        assert torch.allclose(models.base(tokens), models[1](tokens), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["mamba9", 7], ids=["a name", "a number"])
+def test_an_unknown_gguf_architecture_is_named_with_those_known(tmp_path, architecture):
+    gguf = write_gguf(tiny_llama(), tmp_path / "odd.gguf", architecture)
+
+    with pytest.raises(
+        gl.errors.UnsupportedArchitectureError,
+        match=rf"odd\.gguf is a GGUF of an unknown architecture \(general\.architecture = "
+        rf"{architecture!r}.*; it reads .*gemma3, .*llama, .*Pass the model's checkpoint",
+    ):
+        gl.load_models(gguf, gguf)

@@ -13,7 +13,12 @@ from test_experiments import _llama
 
 import grafting_lens as gl
 from grafting_lens.analysis.batch import tokenize_examples
-from grafting_lens.core.errors import ExperimentError, GraftingLensError, SelectionError
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    ExperimentError,
+    GraftingLensError,
+    SelectionError,
+)
 from grafting_lens.study import make_test_sets, run_experiment
 from grafting_lens.worlds import data
 
@@ -133,25 +138,26 @@ NO_PLACE = "'last', 'all', a piece of the prompt's text, a token index"
     [
         (dict(answer=None), SelectionError, "needs an answer"),
         (dict(answer=[ANSWER, ANSWER]), SelectionError, r"gives 2 answers for 1 prompts"),
-        (dict(answer=[None]), SelectionError, r"answer\[0\] is None: each is a non-empty"),
+        (dict(answer=[None]), ArgumentTypeError, r"answer\[0\] is None: each is a non-empty"),
         (
             dict(answer={"a": 1}),
-            SelectionError,
+            ArgumentTypeError,
             r"answer=\{'a': 1\} cannot be read; give an answer",
         ),
-        (dict(prompts=[{"text": PROMPT}]), SelectionError, r"prompts\[0\] is \{'text'"),
+        (dict(prompts=12345), ArgumentTypeError, r"prompts=12345 cannot be read"),
+        (dict(prompts=[{"prompt": PROMPT}]), SelectionError, r"a 'text' column .* \['prompt'\]"),
         # The bad item is None: it was taken for "no bad item" and scored as "None".
-        (dict(prompts=[PROMPT, None]), SelectionError, r"prompts\[1\] is None"),
+        (dict(prompts=[PROMPT, None]), ArgumentTypeError, r"prompts\[1\] is None"),
         (dict(prompts=[PROMPT, "  "]), SelectionError, r"prompts\[1\] is '  '"),
         (dict(prompts=[EXAMPLE, None], answer=None), SelectionError, r"\[1\] is None, among ex"),
         (dict(prompts=[]), SelectionError, r"prompts=\[\] holds nothing; give a prompt"),
         (
             dict(prompts={PROMPT: ANSWER}),
-            SelectionError,
+            ArgumentTypeError,
             r"prompts=\{'Keanu.*\} cannot be read; give a prompt, a list",
         ),
-        (dict(prompts=b"Keanu"), SelectionError, r"prompts=b'Keanu' cannot be read"),
-        (dict(prompts=3), SelectionError, r"prompts=3 cannot be read"),
+        (dict(prompts=b"Keanu"), ArgumentTypeError, r"prompts=b'Keanu' cannot be read"),
+        (dict(prompts=3), ArgumentTypeError, r"prompts=3 cannot be read"),
         (
             dict(prompts=pd.DataFrame({"prompt": [PROMPT]})),
             SelectionError,
@@ -178,13 +184,13 @@ NO_PLACE = "'last', 'all', a piece of the prompt's text, a token index"
             SelectionError,
             r"'Keanu' occurs more than once in the prompt .* e\.g\. at='Keanu met'",
         ),
-        (dict(at=[1.5]), SelectionError, rf"at=\[1\.5\]: 1\.5 is not a place; give {NO_PLACE}"),
-        (dict(at=2.0), SelectionError, rf"at=2\.0 cannot be read; give {NO_PLACE}"),
-        (dict(at=None), SelectionError, rf"at=None cannot be read; give {NO_PLACE}"),
-        (dict(at=True), SelectionError, "at=True cannot be read; give 'last'"),
-        (dict(at=[np.bool_(True)]), SelectionError, "is not a place"),
+        (dict(at=[1.5]), ArgumentTypeError, rf"at=\[1\.5\]: 1\.5 is not a place; give {NO_PLACE}"),
+        (dict(at=2.0), ArgumentTypeError, rf"at=2\.0 cannot be read; give {NO_PLACE}"),
+        (dict(at=None), ArgumentTypeError, rf"at=None cannot be read; give {NO_PLACE}"),
+        (dict(at=True), ArgumentTypeError, "at=True cannot be read; give 'last'"),
+        (dict(at=[np.bool_(True)]), ArgumentTypeError, "is not a place"),
         (dict(at={}), SelectionError, "at={} names no graft"),
-        (dict(at={0: "last"}), SelectionError, r"at=\{0: \.\.\.\}: a graft's label .* string"),
+        (dict(at={0: "last"}), ArgumentTypeError, r"at=\{0: \.\.\.\}: a graft's label .* string"),
         (dict(at={"": "last"}), SelectionError, r"at=\{'': \.\.\.\}: a graft's label"),
         (dict(at=[]), SelectionError, r"at=\[\] holds nothing; give 'last'"),
         (dict(at=""), SelectionError, "at='': an empty string is not a place"),
@@ -193,16 +199,16 @@ NO_PLACE = "'last', 'all', a piece of the prompt's text, a token index"
         (dict(at=40), SelectionError, "at=40: the token index is outside a prompt of 23 tokens"),
         (dict(donor=0), SelectionError, r"donor=0 is not a donor"),
         (dict(donor="PRE"), SelectionError, "donor='PRE' is not a donor"),
-        (dict(donor=True), SelectionError, "donor=True is not a donor"),
+        (dict(donor=True), ArgumentTypeError, "donor=True is not a donor"),
         (
             dict(components=None),
-            SelectionError,
+            ArgumentTypeError,
             "components=None cannot be read; give a component name",
         ),
         (dict(components=[]), SelectionError, r"components=\[\] holds nothing"),
-        (dict(components=["o", None]), SelectionError, r"components\[1\] is None"),
+        (dict(components=["o", None]), ArgumentTypeError, r"components\[1\] is None"),
         (dict(components="router"), GraftingLensError, "router"),
-        (dict(layers=[None]), SelectionError, "Layers must be ints, got None"),
+        (dict(layers=[None]), ArgumentTypeError, "Layers must be ints, got None"),
         (dict(top_k=0), ExperimentError, "top_k must be an integer >= 1, got 0"),
         (dict(top_k=1000), ExperimentError, "top_k=1000 exceeds the vocabulary"),
     ],
@@ -226,16 +232,42 @@ def _numbers(table: pd.DataFrame) -> pd.DataFrame:
         (np.array([PROMPT, TWICE]), np.array([ANSWER, OTHER])),
         ((PROMPT, TWICE), (ANSWER, OTHER)),
         ((p for p in (PROMPT, TWICE)), (a for a in (ANSWER, OTHER))),
+        ([{"text": PROMPT, "target": ANSWER}, {"text": TWICE, "target": OTHER}], None),
+        ([{"text": PROMPT}, {"text": TWICE}], [ANSWER, OTHER]),
+        ("dataset", None),
     ],
-    ids=["frame-target", "frame-answer", "frame-text", "series", "ndarray", "tuple", "generator"],
+    ids=[
+        *("frame-target", "frame-answer", "frame-text", "series", "ndarray", "tuple"),
+        *("generator", "records", "records-text", "datasets.Dataset"),
+    ],
 )
 def test_prompts_and_answers_come_in_any_container(models, prompts, answer):
-    """A DataFrame's rows, not its column names; numpy's and pandas' strings as text."""
+    """A DataFrame's rows, not its column names; numpy's and pandas' strings as text; records
+    (a JSON file's) and a Hugging Face dataset by their columns."""
+    if isinstance(prompts, str):
+        datasets = pytest.importorskip("datasets")
+        prompts = datasets.Dataset.from_dict({"text": [PROMPT, TWICE], "target": [ANSWER, OTHER]})
     table = gl.graft(models, prompts, answer, at=["last", 1])
     expected = gl.graft(models, [PROMPT, TWICE], [ANSWER, OTHER], at=["last", 1])
     pd.testing.assert_frame_equal(_numbers(table), _numbers(expected))
     assert set(table["text"]) == {PROMPT, TWICE}
     assert all(type(text) is str for text in [*table["text"], *table["target"]])
+
+
+def test_a_column_named_twice_is_refused_by_name(models):
+    """pd.concat(axis=1) of two tables: its ["text"] is a table, once read as the prompt "text"."""
+    prompts = pd.concat([pd.DataFrame({"text": [PROMPT]}), pd.DataFrame({"text": [TWICE]})], axis=1)
+    with pytest.raises(SelectionError, match=r"prompts= has two columns named 'text'"):
+        gl.graft(models, prompts, ANSWER)
+    table = gl.graft(models, PROMPT, ANSWER)
+    with pytest.raises(SelectionError, match=r"table= has two columns named 'config'"):
+        gl.plot_graft(pd.concat([table, table[["config"]]], axis=1))
+
+
+def test_an_index_past_the_prompt_names_at_not_the_library(models):
+    with pytest.raises(SelectionError, match=r"at=40: the token index is outside") as raised:
+        gl.graft(models, PROMPT, ANSWER, at=40)
+    assert "grafting_lens" not in str(raised.value) and "position function" not in str(raised.value)
 
 
 @pytest.mark.parametrize(
@@ -293,13 +325,14 @@ def test_plot_graft_of_one_prompt_with_two_answers_draws_a_bar_group_per_answer(
     "table, options, message",
     [
         ("columns", {}, "lacks"),
-        ("rows", {}, "lacks"),
+        ("rows", {}, "table= takes the table gl.graft returns; got str"),
         ("empty", {}, "non-empty"),
         ("nan", {}, r"1 rows of the table have no score .* table\.dropna"),
         ("ok", dict(k=0), r"k=0: give the top-k as an integer >= 1"),
         ("ok", dict(k=True), r"k=True: give the top-k"),
         ("ok", dict(k=2.5), r"k=2\.5: give the top-k"),
-        ("ok", dict(title=3), r"title=3: give the title as a str"),
+        ("ok", dict(k="5"), r"k='5': give the top-k"),
+        ("ok", dict(title=3), r"title= must be a string or None, got 3"),
     ],
 )
 def test_plot_graft_refuses_what_it_cannot_draw(models, table, options, message):
@@ -310,7 +343,9 @@ def test_plot_graft_refuses_what_it_cannot_draw(models, table, options, message)
         "nan": graft.assign(target_prob=[np.nan, *graft["target_prob"][1:]]),
         "ok": graft,
     }.get(table, table)  # "rows": a str, not a table
-    with pytest.raises(SelectionError, match=message):
+    # A wrong type is an ArgumentTypeError at every door, as at plot_accuracy.
+    wrong_type = isinstance(table, str) or options not in ({}, {"k": 0})
+    with pytest.raises(ArgumentTypeError if wrong_type else SelectionError, match=message):
         gl.plot_graft(table, **options)
 
 
@@ -324,3 +359,46 @@ def test_answers_sharing_their_first_token_are_warned_of(models):
     """As `grafting-lens run --prompts` lists them: a hit on one is a hit on each."""
     with pytest.warns(UserWarning, match="' movie', ' movie star' share their first token"):
         gl.graft(models, [PROMPT, PROMPT], [ANSWER, "movie star"])
+
+
+CHATML = (  # SmolLM2-Instruct's template, without its default system prompt
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_conversation_is_grafted_at_its_roles_through_the_template():
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = CHATML
+    models = gl.load_models(_llama(0), _llama(1), tokenizer=tokenizer, names=["pre", "sft"])
+    content = "Reeves starred in a"  # the template takes most of the tiny context
+    conversation = [{"role": "user", "content": content}]
+    at = {"user": "user", "template": "template", "assistant_start": "assistant_start"}
+    table = gl.graft(
+        models, conversation, ANSWER, at=at, components="o+ffn", semantics="clean+sft=donor"
+    )
+    assert list(table["config"]) == ["pre", "sft", *at]
+    # By hand: the template's own text, a BOS before it (clean), each place's tokens from
+    # the tokenizer's offsets.
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = torch.tensor([[tokenizer.bos_token_id, *encoded["input_ids"]]])
+    joint = tokenizer(text + ANSWER, add_special_tokens=False)["input_ids"]
+    target = joint[len(encoded["input_ids"])]
+    start, opening = text.index(content), text.rindex("<|im_start|>assistant")
+    offsets = encoded["offset_mapping"]
+    user = [1 + j for j, (a, b) in enumerate(offsets) if a < start + len(content) and b > start]
+    where = {
+        "user": user,
+        "template": [0, *(1 + j for j in range(len(offsets)) if 1 + j not in user)],
+        "assistant_start": [1 + j for j, (a, b) in enumerate(offsets) if b > opening],
+    }
+    for label, positions in where.items():
+        chosen = torch.zeros_like(tokens, dtype=torch.bool)
+        chosen[0, positions] = True
+        mask = gl.GraftMask.build(models, tokens, positions=chosen, components="o+ffn")
+        probability, rank = _probability(gl.graft_forward(models, tokens, mask), target)
+        row = table[table["config"] == label].iloc[0]
+        assert row.target_prob == pytest.approx(probability, rel=1e-4, abs=1e-7)
+        assert row.target_rank == rank

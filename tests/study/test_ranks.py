@@ -18,6 +18,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import make_tokenizer, random_model
 
@@ -251,10 +253,11 @@ SEARCH_JOB = textwrap.dedent(
         }
 
     if __name__ == "__main__":
-        found = search(sys.argv[1], sys.argv[2])
-        if ranks.first():
-            with open("found.json", "w") as file:
-                json.dump(found, file)
+        with ranks.shared_ranks():  # asked for: a user's script shares nothing by itself
+            found = search(sys.argv[1], sys.argv[2])
+            if ranks.first():
+                with open("found.json", "w") as file:
+                    json.dump(found, file)
     """
 )
 
@@ -299,6 +302,8 @@ def job(monkeypatch):
 
     def pretend(rank=0, world=2, name="job-a", others=None):
         monkeypatch.setattr(ranks, "_CURRENT", [ranks.Ranks(rank, world, rank, world, name)])
+        monkeypatch.setattr(ranks, "_SHARING", [True])
+        monkeypatch.setattr(ranks, "_meet", lambda call, fix: None)
         if others is not None:
             monkeypatch.setattr(ranks, "gather", lambda value: [value, *others])
 
@@ -311,7 +316,7 @@ HOLDER = textwrap.dedent(
     from grafting_lens.core import files, ranks
     job = sys.argv[2]
     if job != "alone":
-        ranks._CURRENT[:] = [ranks.Ranks(0, 2, 0, 2, job)]
+        ranks._CURRENT[:], ranks._SHARING[:] = [ranks.Ranks(0, 2, 0, 2, job)], [True]
     lock = files.DirectoryLock(sys.argv[1], "The run directory", shared=job != "alone").acquire()
     print("held", flush=True)
     time.sleep(600)
@@ -338,10 +343,8 @@ def _lock(tmp_path):
         pass
 
 
-def _different_runs(tmp_path):
-    from grafting_lens.study.run_directory import RunDirectory
-
-    RunDirectory.open(tmp_path / "run", {"format": 4})
+def _different_calls(tmp_path):
+    ranks.same("run_experiment", {"test_sets": [1, 2], "out": tmp_path, "configs": ["FE"]})
 
 
 def _srun_without_master(tmp_path):
@@ -371,20 +374,28 @@ REFUSALS = {
         RunError,
         r"in use by another process \(pid \d+ on [^,]*, running",
     ),
-    "the ranks describe different runs": (
-        {"others": ["another fingerprint"]},
-        _different_runs,
-        RunError,
-        r"The ranks writing into .*run describe different runs",
+    "the ranks make different calls": (
+        {"others": [{"test_sets": "other", "out": "other", "configs": ranks._digest(["FE"])}]},
+        _different_calls,
+        GraftingLensError,
+        r"^run_experiment was called with other test_sets, out on rank 1 than on rank 0: ranks "
+        r"that share their work make the same calls; call it outside shared_ranks\(\)",
     ),
     "srun without MASTER_ADDR": (
         {"env": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"}},
         _srun_without_master,
         RunError,
-        r"rank 0 of 2 \(srun\), but MASTER_ADDR and MASTER_PORT",
+        r"rank 0 of 2 \(srun\), but MASTER_ADDR and MASTER_PORT .* MASTER_ADDR=\$\(scontrol",
+    ),
+    "RANK and WORLD_SIZE set by hand without MASTER_ADDR": (
+        {"env": {"RANK": "1", "WORLD_SIZE": "2"}},
+        _srun_without_master,
+        RunError,
+        r"rank 1 of 2 \(RANK and WORLD_SIZE set in the environment\), but MASTER_ADDR and "
+        r"MASTER_PORT do not say where the ranks meet: set both for every rank, or unset RANK",
     ),
     "device_map under ranks": (
-        {},
+        {"env": {"RANK": "0", "WORLD_SIZE": "2"}},  # read, not joined: placing joins nothing
         _device_map,
         GraftingLensError,
         r"device_map='auto' splits one pair .* rank 0 of 2, each holding its own pair",
@@ -412,6 +423,7 @@ def test_every_refusal_under_ranks_names_itself(case, job, holder, monkeypatch, 
     for name, value in setting.get("env", {}).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(ranks, "_CURRENT", [])  # read afresh, and forgotten after the test
+    monkeypatch.setattr(ranks, "_SHARING", [True])
     if "env" not in setting:
         job(others=setting.get("others"))
     if "holder" in setting:
@@ -481,12 +493,14 @@ def test_overwrite_never_takes_the_results_of_a_run_still_writing(
     assert json.loads((out / "report.json").read_text()) == report
 
 
-def test_load_models_under_ranks_puts_each_ranks_pair_on_its_gpu(job, monkeypatch):
+def test_load_models_under_ranks_puts_each_ranks_pair_on_its_gpu(monkeypatch):
+    """Read from the launcher's variables, shared or not: placing a pair joins nothing."""
     import torch
 
     from grafting_lens.models.placement import for_this_rank
 
-    job(rank=1)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
     assert for_this_rank(None, None) == (None, None)  # no GPU: where the models are
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -494,3 +508,148 @@ def test_load_models_under_ranks_puts_each_ranks_pair_on_its_gpu(job, monkeypatc
     assert for_this_rank(None, None) == (cuda1, None)  # LOCAL_RANK's GPU
     assert for_this_rank(torch.device("cuda"), None) == (cuda1, None)
     assert for_this_rank(cuda0, None) == (cuda0, None)  # a GPU named by index is taken
+
+
+# ------------------------------------------------------------------ a user's own script
+
+USER_JOB = textwrap.dedent(
+    """
+    import json, os, sys
+    import grafting_lens as gl
+
+    root, rank = sys.argv[1], int(os.environ["RANK"])
+    # Each rank its own prompts and its own donor, shared with nobody (no shared_ranks()).
+    donor = f"{root}/sft" if rank == 0 else f"{root}/base"
+    models = gl.load_models(f"{root}/base", donor, names=["pre", ["SFT", "other"][rank]])
+    columns = ["config", "text", "target", "target_prob", "target_rank"]
+    found = {"mine": gl.graft(models, PROMPTS[rank::2], "movie")[columns].to_dict("split")}
+    if rank == 0:  # rank 1 has finished: a call that one rank makes alone
+        found["alone"] = gl.graft(models, PROMPTS, "movie")[columns].to_dict("split")
+    with open(f"rank{rank}.json", "w") as file:
+        json.dump(found, file)
+    """
+)
+PROMPTS = [
+    "Keanu Reeves starred in a movie alongside",
+    "Reeves starred in a",
+    "a movie starred in a movie alongside",
+    "Keanu starred alongside",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # a free port on 127.0.0.1 only
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _job(cwd: Path, script: str, *args: str, nproc: int = 2, **env: str):
+    """``script`` with ``args`` as one torchrun job of ``nproc`` ranks in ``cwd``."""
+    (cwd / "job.py").write_text(script)
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"),
+        *("--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--local-addr=127.0.0.1"),
+        *("job.py", *args),
+    ]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
+    return subprocess.run(command, cwd=cwd, env=environment, capture_output=True, text=True)
+
+
+def test_a_users_script_under_torchrun_gets_each_ranks_own_tables(checkpoints, tmp_path):
+    """Per-rank prompts and donors, and a call on rank 0 alone: no rank sees another's rows,
+    nothing waits (once: rank 1 got rank 0's prompts, a KeyError, or gloo's closed peer)."""
+    import grafting_lens as gl
+
+    job = _job(tmp_path, f"PROMPTS = {PROMPTS!r}\n" + USER_JOB, str(checkpoints))
+    assert job.returncode == 0, job.stderr[-3000:]
+    columns = ["config", "text", "target", "target_prob", "target_rank"]
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        donor = checkpoints / ("sft" if rank == 0 else "base")
+        models = gl.load_models(checkpoints / "base", donor, names=["pre", ["SFT", "other"][rank]])
+        calls = {"mine": PROMPTS[rank::2], **({"alone": PROMPTS} if rank == 0 else {})}
+        assert set(found) == set(calls)
+        for call, prompts in calls.items():
+            here = gl.graft(models, prompts, "movie")[columns]
+            there = pd.DataFrame(found[call]["data"], columns=columns)
+            assert list(there["text"].unique()) == prompts  # its own prompts, in order
+            assert list(there["config"]) == list(here["config"])
+            assert there["target_rank"].tolist() == here["target_rank"].tolist()
+            assert np.allclose(there["target_prob"], here["target_prob"], rtol=1e-5, atol=1e-7)
+
+
+CLI_JOB = textwrap.dedent(
+    """
+    import os, sys
+    from grafting_lens.study import cli
+
+    argv = sys.argv[1:]
+    argv[argv.index("--out") + 1] += os.environ["RANK"]  # a wrapper's --out out$RANK
+    sys.exit(cli.main(argv))
+    """
+)
+
+
+def test_ranks_of_the_command_given_different_options_refuse_before_writing(checkpoints, tmp_path):
+    job = _job(tmp_path, CLI_JOB, *_argv("position", checkpoints))
+    assert job.returncode != 0
+    # One line on each rank (their lines may interleave), naming the option that differs.
+    refusals = re.findall(
+        r"Error: grafting-lens run position was called with other --out on rank (\d) than on "
+        r"rank (\d): [^\n]*?start every rank with the same command\.",
+        job.stderr,
+    )
+    assert sorted(refusals) == [("0", "1"), ("1", "0")], job.stderr[-3000:]
+    assert "grafting_lens/" not in job.stderr and "gloo" not in job.stderr  # no rank's traceback
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.py"]  # nothing written
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_with_no_partner_says_so_and_gives_up(checkpoints, tmp_path, rank):
+    """RANK/WORLD_SIZE/MASTER_* copied into a shell with no other rank: once a silent wait of
+    two hours; now a line within seconds, then the fix."""
+    port = _free_port()
+    environment = {
+        **os.environ,
+        **{"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+        **{"MASTER_PORT": str(port), "GRAFTING_LENS_RANKS_WAIT": "8", "HF_HUB_OFFLINE": "1"},
+    }
+    command = [sys.executable, "-m", "grafting_lens.study.cli", *_argv("position", checkpoints)]
+    job = subprocess.run(
+        command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert job.returncode == 1, job.stderr[-3000:]
+    lines = job.stderr.splitlines()
+    assert (
+        f"Rank {rank} of 2 (RANK and WORLD_SIZE set in the environment) is waiting for the "
+        f"other ranks at 127.0.0.1:{port}; it gives up after 8 s." in lines
+    ), lines
+    assert lines[-1].startswith(
+        f"Error: Rank {rank} of 2 (RANK and WORLD_SIZE set in the environment) found no other "
+        f"rank at 127.0.0.1:{port} within 8 s: start all 2 ranks (torchrun --nproc-per-node 2"
+    ), lines
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+SETUP_JOB = textwrap.dedent(
+    """
+    import os, sys
+    from grafting_lens.study import cli
+
+    if os.environ["RANK"] == "1":  # one rank's cache is a file
+        os.environ["GRAFTING_LENS_CACHE"] = os.path.abspath("a-file")
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_setup_that_fails_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """Once rank 1 printed a clear line and rank 0 died in a raw gloo traceback."""
+    (tmp_path / "a-file").touch()
+    argv = ["run", "position", "--out", "out", "--quick", "--no-png", "--no-progress"]
+    job = _job(tmp_path, SETUP_JOB, *argv, GRAFTING_LENS_CACHE=str(tmp_path / "cache"))
+    assert job.returncode != 0
+    said = re.findall(r"Error: The toy-world cache \S*a-file/toy is under the file", job.stderr)
+    assert len(said) == 2, job.stderr[-3000:]  # the same line on both ranks
+    assert "grafting_lens/" not in job.stderr and "gloo" not in job.stderr
+    assert not (tmp_path / "out").exists()  # the refused run left no directory

@@ -539,7 +539,7 @@ def test_code_templates_word_the_prompts_as_the_papers_code():
     assert headline.text == "Ada Stone stars in in a movie alongside"
     assert qa.text == "Q: Who stars in a movie with Ada Stone? A: An actor named"
     assert headline.text[slice(*headline.spans["relation"])] == "stars in in a movie alongside"
-    with pytest.raises(GraftingLensError, match="unknown templates 'authors'"):
+    with pytest.raises(GraftingLensError, match="Unknown templates 'authors'"):
         make_examples([relation], "headline", templates="authors")
 
 

@@ -123,6 +123,13 @@ def test_a_built_world_is_opened_not_rebuilt(world, config):
     assert open_world(config, cache_dir=world.root.parent).root == world.root
 
 
+@pytest.mark.skipif(os.name != "posix", reason="chmod and chattr")
+def test_a_built_world_in_a_cache_that_cannot_be_written_is_opened(world, config, read_only):
+    read_only(world.root.parent)  # a shared cache, read-only to its users
+    again = build_real_world(config, cache_dir=world.root.parent, progress=False)
+    assert again.root == world.root and again.manifest == world.manifest
+
+
 def test_a_killed_build_resumes_to_the_same_bytes(world, config, tmp_path, monkeypatch):
     real_save = finetune_module._EpochCheckpoint.save
 
