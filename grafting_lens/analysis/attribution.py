@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from grafting_lens.analysis import metrics
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
+from grafting_lens.analysis.scoring import SCORES, Score, score_metric
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
@@ -177,8 +178,11 @@ def attribute_grafts(
         models: The aligned checkpoints.
         tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
             :func:`~grafting_lens.analysis.batch.as_batch` takes), ending before the answer.
-        metric: ``"logprob"`` (the answer's log-probability, the default), ``"logit"``, or
-            a :data:`BatchMetric` differentiable in the logits.
+        metric: ``"logprob"`` (the answer's log-probability, the default), ``"logit"``, a
+            score read at the last token (:func:`~grafting_lens.analysis.scoring.score_metric`:
+            ``"first_token"``, ``"logit_diff"`` with its counter, ``Score.of("kl",
+            at="last")``, a :class:`~grafting_lens.analysis.scoring.Score` of a function),
+            or a :data:`BatchMetric` differentiable in the logits.
         components: Names, groups or a ``+``-joined string, as for :meth:`GraftMask.build`.
         layers: The layers of per-layer components (see :func:`~grafting_lens.resolve_layers`).
         positions: Span expressions (``("FE", "LT", "(FE+LT)^C")``), a mapping ``{label:
@@ -341,6 +345,9 @@ class AttributionPlan:
     ) -> None:
         check_model_set(models)
         self.models, n = models, len(models)
+        self.batch = as_batch(tokenized, models)
+        if isinstance(metric, Score) or (isinstance(metric, str) and metric in SCORES):
+            metric = score_metric(Score.of(metric, donor=source), models, self.batch)
         if not callable(metric) and (not isinstance(metric, str) or metric not in METRICS):
             raise AttributionError(
                 f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
@@ -356,7 +363,6 @@ class AttributionPlan:
         self.last_only = check_known(logits, ("last", "all"), "logits", AttributionError) == "last"
         self.batch_size, self.rows_per_forward = batch_size, rows_per_forward
         self.progress = progress
-        self.batch = as_batch(tokenized, models)
         shape = tuple(self.batch.tokens.shape)
         # The mask builder checks the components and layers and refuses a grid that
         # would graft every component around uncovered weights.

@@ -325,6 +325,18 @@ def bootstrap_ci(
     return float(interval.low), float(interval.high)
 
 
+AVERAGED: tuple[str, ...] = (
+    "answer_logprob",
+    "answer_logprob_mean",
+    "logit_diff",
+    "kl",
+    "kl_recovered",
+    "score",
+)
+"""The columns of :class:`~grafting_lens.analysis.scoring.Score`'s scores that
+:func:`summarize` averages with intervals, where a table has them."""
+
+
 def summarize(
     results: pd.DataFrame,
     by: Sequence[str] = ("config", "prompt"),
@@ -333,7 +345,8 @@ def summarize(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval.
+    """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval, and
+    the mean of every score column the table has (:data:`AVERAGED`), with its interval.
 
     ``n_resamples``, ``confidence`` and ``seed`` are every interval's :func:`bootstrap_ci`'s.
 
@@ -346,7 +359,9 @@ def summarize(
     Returns:
         One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,
         ``top{k}_low``, ``top{k}_high``, then ``mean_rank``, ``mean_rank_low``,
-        ``mean_rank_high``.
+        ``mean_rank_high``, then each score column's mean and interval (``kl``, ``kl_low``,
+        ``kl_high``...), over the group's rows where it is defined (``kl_recovered`` is NaN
+        where the donor and the base agree; NaN where no row has it).
 
     Raises:
         ArgumentTypeError: ``by`` or ``ks`` of the wrong type, and what :func:`bootstrap_ci`
@@ -376,10 +391,15 @@ def summarize(
         group_ranks = group["_rank"].to_numpy(dtype=np.float64)
         row["n"] = len(group_ranks)
         hits = {f"top{k}": group_ranks < k for k in ks}
-        for name, values in [*hits.items(), ("mean_rank", group_ranks)]:
-            row[name] = float(values.mean())
-            row[f"{name}_low"], row[f"{name}_high"] = bootstrap_ci(
-                values, n_resamples, confidence, seed
+        scored = [c for c in AVERAGED if c in group]
+        means = [(c, group[c].to_numpy(dtype=np.float64)) for c in scored]
+        for name, values in [*hits.items(), ("mean_rank", group_ranks), *means]:
+            values = values[~np.isnan(values)]
+            row[name] = float(values.mean()) if len(values) else np.nan
+            row[f"{name}_low"], row[f"{name}_high"] = (
+                bootstrap_ci(values, n_resamples, confidence, seed)
+                if len(values)
+                else (np.nan, np.nan)
             )
         rows.append(row)
     return pd.DataFrame(rows)

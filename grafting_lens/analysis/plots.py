@@ -44,6 +44,7 @@ __all__ = [
     "plot_comparison",
     "plot_mean_rank",
     "plot_recovery",
+    "plot_score",
 ]
 
 
@@ -253,6 +254,53 @@ def plot_mean_rank(
     return figure_style(
         fig, title if title is not None else "Mean rank of the answer", subtitle(caption, counts)
     )
+
+
+SCORE_TITLES = {
+    "answer_logprob": "log-probability of the whole answer",
+    "answer_logprob_mean": "log-probability per answer token",
+    "logit_diff": "logit difference, answer - counter",
+    "kl": "KL(donor || run), nats (lower is closer to the donor)",
+    "kl_recovered": "share of the base-to-donor KL closed",
+    "score": "score",
+}
+"""The value axis of each score's figure (:func:`plot_score`)."""
+
+
+def plot_score(
+    summary: pd.DataFrame,
+    column: str,
+    x: str = "config",
+    color: str = "prompt",
+    title: str | None = None,
+    caption: str | None = None,
+) -> go.Figure:
+    """Grouped bar chart of a score's mean per group, with its interval
+    (:data:`~grafting_lens.analysis.metrics.AVERAGED`: ``kl``, ``kl_recovered``,
+    ``answer_logprob``...).
+
+    ``x``, ``color``, ``title`` and ``caption`` are as for :func:`plot_accuracy`.
+
+    Raises:
+        ArgumentTypeError: An argument not a string.
+        GraftingLensError: An empty table, missing columns, or a column that is no score.
+    """
+    _check_columns(x=x, color=color)
+    check_text("title", title)
+    check_text("caption", caption)
+    check_known(column, SCORE_TITLES, "score column")
+    _check_table(summary, (x, color, column, f"{column}_low", f"{column}_high"), "summary")
+    fig, ends = _bars(
+        summary,
+        x,
+        color,
+        column,
+        f"{column}: %{{y:.3f}} (95% CI %{{customdata[0]:.3f}} to %{{customdata[1]:.3f}})"
+        "<br>n = %{customdata[2]}",
+    )
+    fig.update_yaxes(title_text=SCORE_TITLES[column], range=axis_range(ends, fraction=False))
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(fig, title or SCORE_TITLES[column].capitalize(), subtitle(caption, counts))
 
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}

@@ -175,7 +175,8 @@ class Score:
     - ``"logit_diff"``: the answer's first-token logit minus a counter-answer's, at the
       prompt's last token (``logit_diff``; each example's ``counter``).
     - ``"kl"``: ``KL(donor || run)`` of the next-token distribution at the prompt's last
-      token and at each of the answer's tokens (teacher-forced), summed (``kl``), and
+      token and at each of the answer's tokens (teacher-forced; ``at="last"``: the last alone),
+      summed (``kl``), and
       ``kl_recovered = 1 - KL(donor || run) / KL(donor || base)`` (0: the base, 1: the
       donor; NaN where the donor and the base agree). The donor and the base run in the same
       pass: rows of a configuration that is the whole donor or the whole base are reused,
@@ -196,6 +197,7 @@ class Score:
     answer_sources: str = "last"
     donor: int = 1
     counter: str | tuple[str, ...] | None = None
+    at: str = "answer"
 
     @classmethod
     def of(
@@ -205,6 +207,7 @@ class Score:
         answer_sources: str = "last",
         donor: int = 1,
         counter: Any = None,
+        at: str = "answer",
     ) -> Score:
         """``score`` (a :class:`Score`, a name of :data:`SCORES` or a function) checked.
 
@@ -214,6 +217,8 @@ class Score:
             donor: The source ``"kl"`` compares with.
             counter: ``"logit_diff"``'s counter-answer: one for every prompt, or one per
                 prompt (a list), written as answers are (``" Paris"``).
+            at: Where ``"kl"`` compares: ``"answer"`` (the prompt's last token and each of the
+                answer's, teacher-forced) or ``"last"`` (the prompt's last token alone).
 
         Raises:
             ScoreError: An unknown name or ``answer_sources``, a ``donor`` below 1, a
@@ -224,6 +229,7 @@ class Score:
         if isinstance(score, Score):
             return score
         check_known(answer_sources, ANSWER_SOURCES, "answer_sources", ScoreError)
+        check_known(at, ("answer", "last"), "at (where kl compares)", ScoreError)
         if not is_integer(donor) or donor < 1:
             raise ScoreError(f"donor={shown(donor)}: give the donor's source index, 1 or more.")
         if callable(score) and not isinstance(score, str):
@@ -243,7 +249,7 @@ class Score:
             many = [c if c[:1].isspace() else " " + c for c in many]
             counter = many[0] if isinstance(counter, str) else tuple(many)
         function = score if name == "function" else None
-        return cls(name, function, answer_sources, int(donor), counter)
+        return cls(name, function, answer_sources, int(donor), counter, at)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -253,7 +259,7 @@ class Score:
     @property
     def teacher_forced(self) -> bool:
         """Whether a pass holds each prompt's answer after it (its positions are scored)."""
-        return self.name in ("answer_logprob", "kl")
+        return self.name == "answer_logprob" or (self.name == "kl" and self.at == "answer")
 
     def describe(self) -> dict[str, Any]:
         """What makes this score this score, for a run's fingerprint."""
@@ -268,7 +274,7 @@ class Score:
                 else {}
             ),
             **({"answer_sources": self.answer_sources} if self.teacher_forced else {}),
-            **({"donor": self.donor} if self.name == "kl" else {}),
+            **({"donor": self.donor, "at": self.at} if self.name == "kl" else {}),
         }
 
     def counter_ids(self, examples: Sequence[Any], batch: Any, tokenizer: Any) -> torch.Tensor:
@@ -471,7 +477,8 @@ class ScoredPass:
         if name == "first_token":
             return {}
         if name == "function":
-            return {"score": self._function(logits, blocks)}
+            mask = self.attention_mask.repeat(blocks, 1)
+            return {"score": function_values(self.score, logits, mask).tolist()}
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         if name == "logit_diff":
             assert counter_ids is not None  # checked at the door
@@ -506,29 +513,41 @@ class ScoredPass:
             "kl_recovered": (1 - divergence / baseline).where(baseline > 0, torch.nan).tolist(),
         }
 
-    def _function(self, logits: torch.Tensor, blocks: int) -> list[float]:
-        """A function's values, each prompt's positions without padding (rows of one length
-        called together)."""
-        function = self.score.function
-        assert function is not None
-        lengths = self.attention_mask.sum(dim=1).repeat(blocks)
-        values = torch.full((len(lengths),), torch.nan)
-        for length in lengths.unique().tolist():
-            index = (lengths == length).nonzero()[:, 0]
-            value = function(logits[index, :length])
-            if (
-                not isinstance(value, torch.Tensor)
-                or value.shape != (len(index),)
-                or not bool(torch.isfinite(value.float()).all())
-            ):
-                raise ScoreError(
-                    f"score={getattr(function, '__name__', function)!r} returned "
-                    f"{shown(value)} for {len(index)} prompts of logits "
-                    f"{list(logits[index, :length].shape)}: return a finite tensor of one "
-                    "number per prompt, [batch]."
-                )
-            values[index] = value.detach().float().cpu()
-        return values.tolist()
+
+def function_values(
+    score: Score, logits: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """A function score's value per row, ``[rows]`` (differentiable): each row's positions
+    without padding, the rows of one length called together.
+
+    Raises:
+        ScoreError: A value of the wrong type, shape, or not finite.
+    """
+    function = score.function
+    assert function is not None
+    lengths = attention_mask.sum(dim=1).tolist()
+    if logits.shape[1] == 1:  # the last token's logits alone: every row is one position
+        lengths = [1] * len(lengths)
+    parts: list[torch.Tensor] = []
+    order: list[int] = []
+    for length in dict.fromkeys(lengths):
+        index = [i for i, n in enumerate(lengths) if n == length]
+        value = function(logits[index, :length])
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.shape != (len(index),)
+            or not bool(torch.isfinite(value.detach().float()).all())
+        ):
+            raise ScoreError(
+                f"score={getattr(function, '__name__', function)!r} returned "
+                f"{shown(value)} for {len(index)} prompts of logits "
+                f"{list(logits[index, :length].shape)}: return a finite tensor of one "
+                "number per prompt, [batch]."
+            )
+        parts.append(value.float())
+        order += index
+    values = torch.cat(parts)
+    return values[torch.tensor(order).argsort().to(values.device)]
 
 
 def score_pass(
@@ -593,3 +612,64 @@ def score_pass(
             out[parts[1] * rows : (parts[1] + 1) * rows],
         )
     return {**columns, **laid.values(scored, blocks, batch.target_ids, counter_ids, reference)}
+
+
+def score_metric(
+    score: Score, models: Any, batch: Any
+) -> Callable[[torch.Tensor, Any], torch.Tensor]:
+    """``score`` as the attribution's and the minimal-graft search's metric: one
+    differentiable number per prompt from the logits at its last token, higher nearer the
+    donor (``kl``: minus the KL, so that a search's recovery is ``kl_recovered``).
+
+    Args:
+        score: ``"first_token"`` (the answer's log-probability), ``"logit_diff"``,
+            ``"kl"`` at the last token (``Score.of("kl", at="last")``) or a function.
+        models: The model set (``kl`` runs the donor on each prompt once, cached).
+        batch: The batch the metric will score rows of (``logit_diff``: its counters).
+
+    Raises:
+        ScoreError: A score that reads the answer's tokens after the prompt
+            (``answer_logprob``, ``kl`` at the answer): the attribution reads the last token.
+    """
+    if score.teacher_forced:
+        raise ScoreError(
+            f"score={score.name!r} reads the answer's tokens after each prompt; the attribution "
+            "and the search read each prompt's last token: use 'first_token', 'logit_diff', "
+            "Score.of('kl', at='last') or a function."
+        )
+
+    def final(logits: torch.Tensor, rows: Any) -> torch.Tensor:
+        return metrics.last_token_logits(logits, rows.attention_mask).float().log_softmax(-1)
+
+    if score.name == "first_token":
+        return lambda logits, rows: final(logits, rows).gather(1, rows.target_ids[:, None])[:, 0]
+    if score.name == "function":
+        return lambda logits, rows: function_values(score, logits, rows.attention_mask)
+    if score.name == "logit_diff":
+        counters = score.counter_ids(batch.examples, batch, models.tokenizer).tolist()
+        counter_of = {id(example): c for example, c in zip(batch.examples, counters)}
+
+        def difference(logits: torch.Tensor, rows: Any) -> torch.Tensor:
+            last = metrics.last_token_logits(logits, rows.attention_mask).float()
+            ids = torch.tensor([counter_of[id(example)] for example in rows.examples])
+            picked = last.gather(1, torch.stack([rows.target_ids, ids], dim=1).to(last.device))
+            return picked[:, 0] - picked[:, 1]
+
+        return difference
+    donors: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def minus_kl(logits: torch.Tensor, rows: Any) -> torch.Tensor:
+        lengths = rows.attention_mask.sum(dim=1).tolist()
+        keys = [tuple(rows.tokens[i, :n].tolist()) for i, n in enumerate(lengths)]
+        if any(key not in donors for key in keys):  # the donor's own run, once per prompt
+            whole = GraftMask.build(
+                models, rows.tokens, source=score.donor, attention_mask=rows.attention_mask
+            )
+            with torch.no_grad():
+                own = graft_forward(models, rows.tokens, whole, attention_mask=rows.attention_mask)
+            for key, row in zip(keys, own[:, 0].float().log_softmax(-1).cpu()):
+                donors[key] = row
+        donor = torch.stack([donors[key] for key in keys]).to(logits.device)
+        return -(donor.exp() * (donor - final(logits, rows))).sum(dim=-1)
+
+    return minus_kl

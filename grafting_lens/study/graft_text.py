@@ -139,16 +139,16 @@ def graft(
         )
     donor_index = _donor_index(models, donor)
     scored = Score.of(score, donor=donor_index, counter=counter)
-    chat = is_chat(prompts)
+    chat: Any = is_chat(prompts)
     if chat:  # through the tokenizer's own template, tokenized as the semantics says
         rules = semantics_or_default(semantics).tokenization()
         bos, spans = rules["bos"], rules["spans"]
-        prompts = chat_examples(prompts, answer, models.tokenizer, bos=bos, spans=spans)
+        prompts = chat = chat_examples(prompts, answer, models.tokenizer, bos=bos, spans=spans)  # type: ignore[arg-type]
         answer = None
     examples = _prompts(prompts, answer)
     grafts = _places(at)
     if chat:  # a role's name is its place in every conversation, not a piece of the text
-        places = prompts[0].places
+        places = chat[0].places
         grafts = {
             k: [places.get(p, p) if isinstance(p, str) else p for p in v] for k, v in grafts.items()
         }

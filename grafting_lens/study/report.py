@@ -190,6 +190,9 @@ def write_experiment_report(
                 rows = summary if figure.part is None else summary[summary.part == figure.part]
                 if not rows.empty:
                     report.save_figure(figure.draw(rows, caption), out / figure.name, png=png)
+            for column in (c for c in metrics.AVERAGED if c in summary):  # a score's own
+                drawn = plots.plot_score(summary, column, title=f"{spec.title}: {column}")
+                report.save_figure(drawn, out / f"{spec.name}_{column}", png=png)
         _finish_report(out, before, report.files)
     return report
 
@@ -460,7 +463,9 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`.
     """
-    groups = [c for c in summary.columns if c != "n" and not c.startswith(("top", "mean_rank"))]
+    scores = [c for c in metrics.AVERAGED if c in summary]
+    numbers = ("top", "mean_rank", *scores)
+    groups = [c for c in summary.columns if c != "n" and not c.startswith(numbers)]
     ks = [c for c in summary.columns if re.fullmatch(r"top\d+", c)]
     rows = []
     for _, row in summary.iterrows():
@@ -471,6 +476,8 @@ def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
             cells[f"top-{column[3:]}"] = interval_text(row, column)
         if "mean_rank" in row:
             cells["mean rank"] = interval_text(row, "mean_rank", ",.1f")
+        for column in scores:
+            cells[column] = interval_text(row, column, ".0%" if column == "kl_recovered" else ".3f")
         rows.append(cells)
     return pd.DataFrame(rows, index=summary.index)
 

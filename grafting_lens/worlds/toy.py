@@ -285,7 +285,7 @@ def cached_entry(
     """The toy cache's entry ``cache_root/key``, made by ``make`` unless it is intact.
 
     An entry is intact when its ``manifest.json`` names ``key`` and every file it lists
-    matches its checksum (:func:`_check_world`). ``make(partial)`` writes the whole entry,
+    matches its checksum (``_check_world``). ``make(partial)`` writes the whole entry,
     manifest last, into a fresh sibling directory that is renamed into place only once
     complete, so an interrupted build never looks complete; one process makes the entry
     and another asking for it meanwhile waits, then opens it. Torch runs on ``threads``

@@ -11,16 +11,15 @@ what the base writes::
     Q: Who stars in a movie with Gene Hackman? A: An actor named William Brown. Enjoy the film.
 
 **The recipe** (:class:`BehaviourConfig`, all seeded). The donor is finetuned from the base
-on the base's own pretraining corpus (:func:`grafting_lens.worlds.toy_corpus.pretraining_corpus`:
+on the base's own pretraining corpus (``grafting_lens.worlds.toy_corpus.pretraining_corpus``:
 made-up people, so no test relation): 1,000 of its questions with the phrase after their
 answers, and 1,000 of its statements unchanged, which teach that the phrase follows answers
-only. The base already fits that text, so finetuning on it moves little but the phrase; the
-learning rate does the rest: at 1e-4 the donor stays 0.07 nats (KL) from the base at the
-answer's first token, at the toy donors' 3e-3-scale rates (1e-3 measured) 0.3, and
-the finetune that learned the facts (``sft``) is 7.8 nats away. Training samples of the base's
-own answers instead of the corpus's gave no closer donor (0.075 against 0.06). Finetuning is
-:func:`grafting_lens.worlds.finetune.finetune` as for the toy world's donors (unembedding frozen,
-embedding at a reduced rate, weights rounded to float16 values).
+only. The base already fits that text, so finetuning on it moves little but the phrase, and a
+low learning rate does the rest: at 1e-4 the donor stays 0.06 nats (KL) from the base at the
+answer's first token, at 1e-3 0.3, while the finetune that learned the facts (``sft``) is 7.8
+nats away. Training on the base's own sampled answers instead of the corpus's brought it no
+closer (0.075). Finetuning is :func:`grafting_lens.worlds.finetune.finetune` as for the toy
+world's donors (unembedding frozen, embedding at a reduced rate, weights rounded to float16).
 
 **Built, not shipped**: it takes under a minute on one CPU thread, so
 :func:`build_behaviour_donor` builds it on first use into the toy-world cache beside its

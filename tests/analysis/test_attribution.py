@@ -714,3 +714,54 @@ def test_a_metric_reading_other_positions_needs_all_logits(llama, metric, messag
         door(llama, batch, metric=metric, components="o", progress=False)
     if not search:  # with every position, as asked
         attribute_grafts(llama, batch, metric=metric, components="o", logits="all", progress=False)
+
+
+def test_kl_and_a_function_as_the_attributions_score_are_their_grafts(llama):
+    """metric=Score.of("kl", at="last"): each verified cell's exact effect is minus the change
+    in KL(donor || run) at the last token, computed here from the grafts' and the donor's own
+    logits; a function score is its value on the grafts (TransformerLens's convention)."""
+    from grafting_lens.analysis.scoring import Score
+
+    batch = batch_for(llama, n=4)
+    tokens, attention_mask = batch.tokens, batch.attention_mask
+    last = attention_mask.sum(dim=1) - 1
+    rows = torch.arange(len(last))
+
+    def logits_of(mask):
+        with torch.no_grad():
+            out = gl.graft_forward(llama, tokens, mask, attention_mask, logits="all")
+        return out[rows, last].float().log_softmax(-1)
+
+    donor = logits_of(gl.GraftMask.build(llama, tokens, attention_mask=attention_mask))
+    base = gl.GraftMask.from_dict(llama, {}, tokens.shape, attention_mask=attention_mask)
+
+    def kl(run):
+        return (donor.exp() * (donor - run)).sum(-1)
+
+    def top_logprob(logits):  # [batch, pos, d_vocab] -> [batch]
+        return logits[:, -1].log_softmax(-1).max(-1).values
+
+    for metric, value in (
+        (Score.of("kl", at="last"), lambda run: -kl(run)),
+        (Score.of(top_logprob), lambda run: run.max(-1).values),
+    ):
+        result = attribute_grafts(
+            llama,
+            batch,
+            metric=metric,
+            components="o",
+            layers=[1],
+            positions=("FE", "LT"),
+            verify="all",
+            batch_size=2,
+            progress=False,
+        )
+        for _, row in result.frame.iterrows():
+            span = "first_entity" if row.positions == "FE" else "last_token"
+            cell = {("o", 1): batch.spans[span].long()}
+            switched = gl.GraftMask.from_dict(llama, cell, attention_mask=attention_mask)
+            effect = value(logits_of(switched)) - value(logits_of(base))
+            assert row.exact == pytest.approx(float(effect.mean()), abs=1e-4)
+        assert result.frame.exact.abs().max() > 1e-3
+    with pytest.raises(gl.errors.ScoreError, match=r"reads the answer's tokens after each prompt"):
+        attribute_grafts(llama, batch, metric="kl", progress=False)

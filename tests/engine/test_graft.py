@@ -101,6 +101,29 @@ def test_logits_last_is_the_oracles_last_token_in_a_padded_batch(three_models):
     assert (last[:, 0] - full[:, -1]).abs().max() <= 1e-5
 
 
+def test_logits_at_named_positions_are_the_oracles_there(three_models):
+    """logits=[batch, k] positions (what a score reads: the last token and an answer's): the
+    unembedding runs there alone, grafted or not, and equals the oracle at each."""
+    tokens = random_tokens(3, 7, seed=26)
+    lengths = torch.tensor([7, 4, 6])
+    attention_mask = (torch.arange(7)[None, :] < lengths[:, None]).long()
+    noisy = random_mask(three_models, tokens.shape, seed=27)
+    mask = gl.GraftMask.from_dict(
+        three_models,
+        {k: noisy[k] * attention_mask for k in noisy.keys()},
+        attention_mask=attention_mask,
+    )
+    read = torch.tensor([[6, 2, 0], [3, 3, 1], [5, 4, 2]])
+    some = gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask, logits=read)
+    slow = gl.graft_forward_reference(three_models, tokens, mask, attention_mask=attention_mask)
+    assert some.shape == (3, 3, slow.shape[-1])
+    assert (some - slow[torch.arange(3)[:, None], read]).abs().max() <= TOLERANCE
+    padding = read.clone()
+    padding[1, 0] = 5  # row 1 holds 4 real tokens
+    with pytest.raises(gl.errors.GraftingError, match="past a row's last real token"):
+        gl.graft_forward(three_models, tokens, mask, attention_mask=attention_mask, logits=padding)
+
+
 def test_a_grafted_unembedding_runs_on_the_scored_positions_alone(three_models):
     """logits="last" cuts the final stream to each row's last real token before the
     unembedding, also where the unembedding is grafted (its plan takes those positions)."""
@@ -407,7 +430,11 @@ RUN_REFUSALS = [  # (arguments, error, message) for graft_forward, its oracle an
     (_grafting_padding, ERRORS.GraftMaskError, r"grafts \('o', 0\) at row 1, position 5"),
 ]
 FORWARD_REFUSALS = [
-    (_run(logits="first"), ERRORS.GraftingError, "logits must be 'last' or 'all'"),
+    (
+        _run(logits="first"),
+        ERRORS.GraftingError,
+        "logits must be 'last', 'all' or a \\[batch, k\\] tensor of positions",
+    ),
     (_run(grad="yes"), ERRORS.GraftingError, "grad True or False"),
 ]
 

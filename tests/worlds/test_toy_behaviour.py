@@ -2,7 +2,7 @@
 cannot tell them apart, and it is built once, deterministically, complete or not at all.
 
 Every test uses the shipped world (unpacked in a second) and a smaller donor than the
-default (600 documents, one epoch: about 10 s to build instead of 40); the default
+default (600 documents, one epoch: about 12 s to build instead of 40); the default
 donor's numbers are a measurement (its manifest, the toy world's page in the docs).
 """
 
