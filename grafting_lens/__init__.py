@@ -45,12 +45,14 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("attribute_grafts",), "analysis.attribution"),
     **dict.fromkeys(("find_minimal_graft",), "analysis.graft_search"),
     **dict.fromkeys(("summarize",), "analysis.metrics"),
-    **dict.fromkeys(("plot_accuracy", "plot_attribution", "plot_recovery"), "analysis.plots"),
+    **dict.fromkeys(
+        ("plot_accuracy", "plot_attribution", "plot_graft", "plot_recovery"), "analysis.plots"
+    ),
     **dict.fromkeys(("build_toy_world",), "worlds.toy"),
     **dict.fromkeys(("build_real_world",), "worlds.real_world"),
     **dict.fromkeys(("CLEAN", "REFERENCE"), "study.semantics"),
     **dict.fromkeys(("run_experiment", "run_position_grafting"), "study.runner"),
-    **dict.fromkeys(("graft", "plot_graft"), "study.graft_text"),
+    **dict.fromkeys(("graft",), "study.graft_text"),
     **dict.fromkeys(("notebook",), "core.console"),
     **dict.fromkeys(("GraftingLensError",), "core.errors"),
 }
@@ -131,6 +133,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from grafting_lens.analysis.plots import (
         plot_accuracy,
         plot_attribution,
+        plot_graft,
         plot_recovery,
     )
     from grafting_lens.core import errors
@@ -148,7 +151,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
     from grafting_lens.models.loading import load_models
     from grafting_lens.models.model_set import ModelSet
     from grafting_lens.patching.patch import head_patch_sweep, patch_forward, resid_patch_sweep
-    from grafting_lens.study.graft_text import graft, plot_graft
+    from grafting_lens.study.graft_text import graft
     from grafting_lens.study.runner import run_experiment, run_position_grafting
     from grafting_lens.study.semantics import CLEAN, REFERENCE
     from grafting_lens.worlds.real_world import build_real_world

@@ -34,15 +34,22 @@ from grafting_lens.analysis.figure_style import (
     figure_style,
     subtitle,
 )
-from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, column_names
+from grafting_lens.analysis.metrics import MIN_INTERVAL_ROWS, column_names, summarize
 from grafting_lens.core.arguments import check_table, is_integer, is_number, shown
-from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, check_known
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    SelectionError,
+    check_known,
+    refuse_first,
+)
 
 __all__ = [
     "plot_accuracy",
     "plot_attribution",
     "plot_comparison",
     "plot_mean_rank",
+    "plot_graft",
     "plot_recovery",
     "plot_score",
 ]
@@ -626,4 +633,85 @@ def plot_recovery(
         fig,
         title if title is not None else "Minimal graft: recovery of the donor's metric",
         legend_title_text="prompts",
+    )
+
+
+def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.Figure:
+    """Draw a table from :func:`~grafting_lens.study.graft_text.graft`: the answers' probabilities, or top-k accuracy.
+
+    One prompt: each answer's probability under each run (one bar per run, grouped by
+    answer where the prompt was asked with several), its rank on the bar. Several
+    prompts: the top-``k`` accuracy of each run with its 95% bootstrap interval (one bar
+    per test prompt wording where the examples name one).
+
+    Args:
+        table: What :func:`graft` returned (rows may be filtered).
+        k: The top-k of the accuracy figure.
+        title: The figure's title.
+
+    Raises:
+        SelectionError: A table that is not ``gl.graft``'s, or holds NaN scores; a ``k``
+            that is not an integer >= 1, a ``title`` that is not text.
+    """
+    check_table(table, "table", "the table gl.graft returns", SelectionError)
+    check_text("title", title)
+    if not is_integer(k):
+        raise ArgumentTypeError(f"k={shown(k)}: give the top-k as an integer >= 1, e.g. k=5.")
+    missing = {"config", "text", "target", "target_rank", "target_prob"} - set(table.columns)
+    refuse_first(
+        SelectionError,
+        (
+            (
+                table.empty or missing,
+                "plot_graft draws the table gl.graft returns"
+                + (f"; this one lacks {sorted(missing)}." if missing else ", non-empty."),
+            ),
+            (k < 1, f"k={int(k)}: give the top-k as an integer >= 1, e.g. k=5."),
+        ),
+    )
+    unscored = table[["target_rank", "target_prob"]].isna().any(axis=1)
+    if unscored.any():
+        raise SelectionError(
+            f"{int(unscored.sum())} rows of the table have no score (NaN target_rank or "
+            f"target_prob; first: run {table['config'][unscored].iloc[0]!r}): drop them, "
+            "e.g. table.dropna(subset=['target_rank', 'target_prob'])."
+        )
+    if table["text"].nunique() == 1:
+        return _plot_one_prompt(table, title)
+    color = "prompt" if "prompt" in table else "prompts"
+    if color == "prompts":
+        table = table.assign(prompts=f"{table['text'].nunique()} prompts")
+    summary = summarize(table, by=("config", color), ks=(int(k),))
+    return plot_accuracy(summary, k=int(k), x="config", color=color, title=title)
+
+
+def _plot_one_prompt(table: pd.DataFrame, title: str | None) -> go.Figure:
+    """One prompt's answers: a group of bars per answer, one bar per run."""
+    # The same prompt and answer twice is the same example scored twice (equal numbers).
+    table = table.drop_duplicates(["config", "target"])
+    answers = list(table["target"].unique())
+    fig = go.Figure(
+        [
+            go.Bar(
+                x=rows["config"],
+                y=rows["target_prob"],
+                name=target.strip(),
+                text=[f"rank {rank}" for rank in rows["target_rank"]],
+                textposition="outside",
+                marker_color="#4C72B0" if len(answers) == 1 else None,
+            )
+            for target, rows in table.groupby("target", sort=False)
+        ]
+    )
+    fig.update_yaxes(
+        title_text=f"P({answers[0].strip()})" if len(answers) == 1 else "P(answer)",
+        range=axis_range(table["target_prob"]),
+        tickformat=".0%",
+    )
+    fig.update_xaxes(title_text="run")
+    fig.update_layout(barmode="group", showlegend=len(answers) > 1)
+    return figure_style(
+        fig,
+        title or "The answer's probability under each graft",
+        subtitle(repr(table["text"].iloc[0]), [1], interval=False),
     )

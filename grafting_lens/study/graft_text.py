@@ -4,7 +4,7 @@ The tensor API (:class:`~grafting_lens.GraftMask`, :func:`~grafting_lens.graft_f
 takes token ids and position tensors; a researcher has prompts and answers. :func:`graft`
 asks the question in one call, as a front end to the experiment runner
 (:func:`~grafting_lens.study.runner.run_experiment`), so a number read here is the number a
-full run reports under the same semantics. :func:`plot_graft` draws the table.
+full run reports under the same semantics. :func:`~grafting_lens.analysis.plots.plot_graft` draws the table.
 
 Places are named the way you would say them: ``"last"`` (the token that predicts the
 answer), a piece of the prompt's text (``"Keanu Reeves"``: its tokens), a token index
@@ -30,17 +30,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import pandas as pd
-import plotly.graph_objects as go
 import torch
 
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.chat import chat_examples, is_chat
-from grafting_lens.analysis.figure_style import axis_range, check_text, figure_style, subtitle
-from grafting_lens.analysis.metrics import summarize
-from grafting_lens.analysis.plots import plot_accuracy
 from grafting_lens.analysis.scoring import Score
 from grafting_lens.core.arguments import as_list, as_table, as_texts, check_table, is_integer, shown
-from grafting_lens.core.errors import ArgumentTypeError, SelectionError, refuse_first
+from grafting_lens.core.errors import ArgumentTypeError, SelectionError
 from grafting_lens.engine.positions import parse_span_expression, select_positions, span_names
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
@@ -49,7 +45,7 @@ from grafting_lens.study.runner import run_experiment
 from grafting_lens.study.semantics import Semantics, semantics_or_default
 from grafting_lens.study.testsets import TestSet, check_answers
 
-__all__ = ["graft", "plot_graft"]
+__all__ = ["graft"]
 
 Place = Union[str, int, Sequence[Union[str, int]]]
 """Where a graft takes the donor's weights: ``"last"``, ``"all"``, a piece of the prompt,
@@ -200,87 +196,6 @@ def graft(
     shown = [*COLUMNS, *scored.columns, "topk_tokens", "topk_probs", "semantics"]
     shown += ["relation_id", "prompt"] if named else []
     return rows.iloc[order.argsort(kind="stable")][shown].reset_index(drop=True)
-
-
-def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.Figure:
-    """Draw a table from :func:`graft`: the answers' probabilities, or top-k accuracy.
-
-    One prompt: each answer's probability under each run (one bar per run, grouped by
-    answer where the prompt was asked with several), its rank on the bar. Several
-    prompts: the top-``k`` accuracy of each run with its 95% bootstrap interval (one bar
-    per test prompt wording where the examples name one).
-
-    Args:
-        table: What :func:`graft` returned (rows may be filtered).
-        k: The top-k of the accuracy figure.
-        title: The figure's title.
-
-    Raises:
-        SelectionError: A table that is not :func:`graft`'s, or holds NaN scores; a ``k``
-            that is not an integer >= 1, a ``title`` that is not text.
-    """
-    check_table(table, "table", "the table gl.graft returns", SelectionError)
-    check_text("title", title)
-    if not is_integer(k):
-        raise ArgumentTypeError(f"k={shown(k)}: give the top-k as an integer >= 1, e.g. k=5.")
-    missing = {"config", "text", "target", "target_rank", "target_prob"} - set(table.columns)
-    refuse_first(
-        SelectionError,
-        (
-            (
-                table.empty or missing,
-                "plot_graft draws the table gl.graft returns"
-                + (f"; this one lacks {sorted(missing)}." if missing else ", non-empty."),
-            ),
-            (k < 1, f"k={int(k)}: give the top-k as an integer >= 1, e.g. k=5."),
-        ),
-    )
-    unscored = table[["target_rank", "target_prob"]].isna().any(axis=1)
-    if unscored.any():
-        raise SelectionError(
-            f"{int(unscored.sum())} rows of the table have no score (NaN target_rank or "
-            f"target_prob; first: run {table['config'][unscored].iloc[0]!r}): drop them, "
-            "e.g. table.dropna(subset=['target_rank', 'target_prob'])."
-        )
-    if table["text"].nunique() == 1:
-        return _plot_one_prompt(table, title)
-    color = "prompt" if "prompt" in table else "prompts"
-    if color == "prompts":
-        table = table.assign(prompts=f"{table['text'].nunique()} prompts")
-    summary = summarize(table, by=("config", color), ks=(int(k),))
-    return plot_accuracy(summary, k=int(k), x="config", color=color, title=title)
-
-
-def _plot_one_prompt(table: pd.DataFrame, title: str | None) -> go.Figure:
-    """One prompt's answers: a group of bars per answer, one bar per run."""
-    # The same prompt and answer twice is the same example scored twice (equal numbers).
-    table = table.drop_duplicates(["config", "target"])
-    answers = list(table["target"].unique())
-    fig = go.Figure(
-        [
-            go.Bar(
-                x=rows["config"],
-                y=rows["target_prob"],
-                name=target.strip(),
-                text=[f"rank {rank}" for rank in rows["target_rank"]],
-                textposition="outside",
-                marker_color="#4C72B0" if len(answers) == 1 else None,
-            )
-            for target, rows in table.groupby("target", sort=False)
-        ]
-    )
-    fig.update_yaxes(
-        title_text=f"P({answers[0].strip()})" if len(answers) == 1 else "P(answer)",
-        range=axis_range(table["target_prob"]),
-        tickformat=".0%",
-    )
-    fig.update_xaxes(title_text="run")
-    fig.update_layout(barmode="group", showlegend=len(answers) > 1)
-    return figure_style(
-        fig,
-        title or "The answer's probability under each graft",
-        subtitle(repr(table["text"].iloc[0]), [1], interval=False),
-    )
 
 
 def _donor_index(models: ModelSet, donor: int | str) -> int:
