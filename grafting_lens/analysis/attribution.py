@@ -36,16 +36,21 @@ from grafting_lens.analysis.scoring import SCORES, Score, score_metric
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import AttributionError, check_known, did_you_mean
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    AttributionError,
+    check_known,
+    did_you_mean,
+    kind,
+)
 from grafting_lens.engine.graft import graft_forward, grafting
 from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.engine.relaxation import check_source, relaxing
 from grafting_lens.models.layers import LayerSpec
-from grafting_lens.models.model_set import ModelSet
+from grafting_lens.models.model_set import ModelSet, check_model_set
 from grafting_lens.patching.patch import (
     check_direction,
-    check_model_set,
     reads_other_positions,
 )
 
@@ -349,7 +354,7 @@ class AttributionPlan:
         if isinstance(metric, Score) or (isinstance(metric, str) and metric in SCORES):
             metric = score_metric(Score.of(metric, donor=source), models, self.batch)
         if not callable(metric) and (not isinstance(metric, str) or metric not in METRICS):
-            raise AttributionError(
+            raise kind(metric, str, AttributionError)(
                 f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
                 f"batch) -> [batch], got {metric!r}.{did_you_mean(str(metric), METRICS)}"
             )
@@ -375,7 +380,7 @@ class AttributionPlan:
         ]
         if start is not None:
             if not isinstance(start, GraftMask) or start.shape != shape or start.n_sources != n:
-                raise AttributionError(
+                raise kind(start, GraftMask, AttributionError)(
                     f"start must be a GraftMask for this batch, [batch, pos] = {list(shape)}, and "
                     f"the model set's {n} sources; got {start!r:.80}. Build it from "
                     "this batch's tokens."
@@ -709,4 +714,5 @@ def _metric_values(
 def _check_count(name: str, value: Any, alternative: str = "") -> None:
     if not is_integer(value) or value < 1:
         extra = f" {alternative}" if alternative else ""
-        raise AttributionError(f"{name} must be an integer >= 1{extra}, got {value!r}.")
+        error = AttributionError if isinstance(value, (int, float, str)) else ArgumentTypeError
+        raise error(f"{name} must be an integer >= 1{extra}, got {value!r}.")

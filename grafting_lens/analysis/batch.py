@@ -121,8 +121,8 @@ def as_batch(tokenized: Any, models: ModelSet) -> TokenizedExamples:
         SelectionError: A mask that is not right padding, or a row without a real token.
     """
     missing = [name for name in BATCH_PARTS if not hasattr(tokenized, name)]
-    if missing:
-        raise BatchError(
+    if missing:  # none of them: not a batch at all, a wrong type
+        raise (BatchError if len(missing) < len(BATCH_PARTS) else ArgumentTypeError)(
             f"Expected a tokenized batch with tokens, attention_mask, target_ids and spans; "
             f"{type(tokenized).__name__} lacks {missing}. Build one with "
             "grafting_lens.analysis.batch.tokenize_examples(examples, models.tokenizer)."

@@ -46,12 +46,11 @@ from grafting_lens.engine.masks import GraftMask, Key
 from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.models.components import GLOBAL_COMPONENTS, expand_components
 from grafting_lens.models.layers import LayerSpec, resolve_layers
-from grafting_lens.models.model_set import ModelSet
+from grafting_lens.models.model_set import ModelSet, check_model_set
 from grafting_lens.patching.patch import (
     LAYER_POSITION_SITES,
     LastTokenMetric,
     check_direction,
-    check_model_set,
     check_site,
     resid_patch_sweep,
 )

@@ -53,7 +53,12 @@ from grafting_lens.analysis.batch import as_batch
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import progress_line, show_progress
-from grafting_lens.core.errors import AttributionError, check_known
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    AttributionError,
+    GraftingLensError,
+    check_known,
+)
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.engine.masks import GraftMask
 from grafting_lens.models.layers import LayerSpec
@@ -213,8 +218,10 @@ def find_minimal_graft(
             base on the metric, a bad option, a ``state`` file of another search (and all
             ``attribute_grafts`` refuses).
     """
+    if not isinstance(prune, bool):
+        raise ArgumentTypeError(f"prune={prune!r}: True or False.")
     if not is_number(fraction) or not 0 < fraction <= 1:
-        raise AttributionError(
+        raise (AttributionError if is_number(fraction) else ArgumentTypeError)(
             f"fraction must be a number in (0, 1] (the share of the gap between the base and "
             f"the donor to recover), got {fraction!r}."
         )
@@ -253,7 +260,10 @@ def find_minimal_graft(
     plan = AttributionPlan(models, tokenized, positions=positions, **settings)
     held = None
     if held_out is not None:
-        held_batch = as_batch(held_out, models)
+        try:
+            held_batch = as_batch(held_out, models)
+        except GraftingLensError as error:  # named: it is not the search's batch
+            raise type(error)(f"held_out: {error}") from None
         selections = resolve_groups(plan.groups, held_batch)
         held = AttributionPlan(models, held_batch, positions=selections, **settings)
     saved = journal.load(plan)
@@ -534,7 +544,7 @@ class _Journal:
         if path is None:
             return cls(None, settings)
         if not isinstance(path, (str, os.PathLike)):
-            raise AttributionError(f"state must be a file path, got {type(path).__name__}.")
+            raise ArgumentTypeError(f"state must be a file path, got {type(path).__name__}.")
         path = Path(path)
         if path.is_dir():
             raise AttributionError(f"state must be a file, and {path} is a directory.")

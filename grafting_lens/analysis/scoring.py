@@ -24,7 +24,7 @@ from jaxtyping import Float, Int
 from grafting_lens.analysis import metrics
 from grafting_lens.core import defaults
 from grafting_lens.core.arguments import as_texts, is_integer, shown
-from grafting_lens.core.errors import GraftingLensError, ScoreError, check_known
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError, ScoreError, check_known
 from grafting_lens.engine.graft import graft_forward
 from grafting_lens.engine.masks import GraftMask
 
@@ -237,6 +237,8 @@ class Score:
         else:
             known = " or a function (logits -> [batch])"
             name = check_known(score, SCORES, "score", ScoreError, known)
+        if counter is not None and not isinstance(counter, (str, Sequence)):
+            raise ArgumentTypeError(f"counter={shown(counter)}: give a text, or one per prompt.")
         if (counter is None) == (name == "logit_diff"):
             raise ScoreError(
                 "score='logit_diff' needs counter=, the answer it is compared with (one for all "

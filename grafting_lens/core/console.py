@@ -133,14 +133,20 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     from tqdm import TqdmWarning
 
     from grafting_lens.core.arguments import is_integer
-    from grafting_lens.core.errors import GraftingLensError
+    from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 
     if threads is not None and (not is_integer(threads) or threads < 1):
         too_many: str | None = f"threads must be a positive int or None, got {threads!r}."
     else:
         too_many = None if threads is None else threads_beyond_cores(threads)
-    if too_many:
-        raise GraftingLensError(too_many)
+    typed = isinstance(grad, bool) and isinstance(renderer, (str, type(None)))
+    if too_many or not typed:
+        typed = typed and (threads is None or is_integer(threads))
+        raise (GraftingLensError if typed else ArgumentTypeError)(
+            too_many
+            or f"grad={grad!r} (True or False), renderer={renderer!r} (a plotly "
+            "renderer's name or None): of another type."
+        )
     # Before transformers is imported: it imports tqdm.auto, which warns on import.
     warnings.filterwarnings("ignore", category=TqdmWarning)
     import pandas as pd

@@ -64,6 +64,7 @@ __all__ = [
     "WorldSourceError",
     "check_known",
     "did_you_mean",
+    "kind",
     "refuse_first",
     "unsafe_pickle",
 ]
@@ -209,6 +210,14 @@ def check_known(
             f"{', '.join(choices) or 'none'}{known}."
         )
     return name
+
+
+def kind(
+    value: object, accepted: type | tuple[type, ...], error: type[GraftingLensError]
+) -> type[GraftingLensError]:
+    """``error`` for a value of an ``accepted`` type, else :class:`ArgumentTypeError`: one
+    refusal type for a wrong type at every door, whatever the door's own error is."""
+    return error if isinstance(value, accepted) else ArgumentTypeError
 
 
 def refuse_first(error: type[GraftingLensError], checks: Iterable[tuple[object, str]]) -> None:

@@ -73,7 +73,13 @@ from transformers import DynamicCache
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
-from grafting_lens.core.errors import GraftingError, GraftMaskError, NonFiniteLogitsError
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingError,
+    GraftMaskError,
+    NonFiniteLogitsError,
+    kind,
+)
 from grafting_lens.engine import products
 from grafting_lens.engine.masks import GraftMask, Key, check_component, check_leftovers
 from grafting_lens.engine.positions import check_padding
@@ -88,7 +94,7 @@ from grafting_lens.engine.routing import (
     position_shape,
 )
 from grafting_lens.models.components import COMPONENTS, Slot
-from grafting_lens.models.model_set import ModelSet, token_ids
+from grafting_lens.models.model_set import ModelSet, check_model_set, token_ids
 
 # Bridge options under which attention code reads projection weights directly,
 # per head, instead of calling the projection module: a per-position dispatcher
@@ -279,9 +285,10 @@ def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:
 
 def _check_mask(models: ModelSet, mask: object) -> None:
     """Refuse what is not a graft mask for this model set (a dict, a mask for other sources)."""
+    check_model_set(models)
     if not isinstance(mask, GraftMask) or mask.n_sources != len(models):
         got = mask.n_sources if isinstance(mask, GraftMask) else type(mask).__name__
-        raise GraftMaskError(
+        raise kind(mask, GraftMask, GraftMaskError)(
             f"mask must be a GraftMask for the model set's {len(models)} sources, got "
             + (f"one built for {got}" if isinstance(got, int) else f"a {got}")
             + ".\nBuild one with GraftMask.build(models, ...) or GraftMask.from_dict(models, {...})."
@@ -435,7 +442,8 @@ def graft_forward(
     """
     named = isinstance(logits, str) and logits in ("last", "all")
     if not (named or _positions_of(logits, tokens)) or not isinstance(grad, bool):
-        raise GraftingError(
+        typed = isinstance(logits, (str, torch.Tensor)) and isinstance(grad, bool)
+        raise (GraftingError if typed else ArgumentTypeError)(
             f"logits must be 'last', 'all' or a [batch, k] tensor of positions within "
             f"the tokens, and grad True or False, got {logits!r:.60} and {grad!r}."
         )
@@ -581,7 +589,10 @@ def graft_generate(
             f"got {new_token_sources!r}"
         )
     if problems:
-        raise GraftingError("; ".join(problems) + ".")
+        typed = isinstance(max_new_tokens, (int, float)) and isinstance(
+            new_token_sources, (str, int)
+        )
+        raise (GraftingError if typed else ArgumentTypeError)("; ".join(problems) + ".")
     new = int(max_new_tokens)
     groups = []  # (rows, their length, the mask of their prompts and new tokens): checked first
     for length in torch.unique(lengths).tolist():

@@ -32,6 +32,7 @@ from jaxtyping import Int
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.errors import (
+    ArgumentTypeError,
     ComponentError,
     GraftingLensError,
     GraftMaskError,
@@ -55,6 +56,7 @@ from grafting_lens.models.components import (
     leftover_parameters,
 )
 from grafting_lens.models.layers import LayerSpec, resolve_layers
+from grafting_lens.models.model_set import check_model_set
 
 if TYPE_CHECKING:
     from grafting_lens.models.model_set import ModelSet
@@ -182,6 +184,7 @@ class GraftMask:
             GraftMaskError: A bad key or shape, a tensor that is not source indices of
                 the model set, a pair given twice, or a graft at a padding position.
         """
+        check_model_set(models)
         given = shape if shape is not None or not entries else next(iter(entries.values())).shape
         if given is None or len(given) != 2:
             raise GraftMaskError(
@@ -245,6 +248,7 @@ class GraftMask:
             >>> mask = GraftMask.build(models, tokens, positions="last",
             ...                        layers="last_half", components="o+ffn")
         """
+        check_model_set(models)
         if isinstance(tokens, torch.Tensor):
             # The check every run makes: a mask for tokens no run accepts fails here, first.
             shape = models.check_tokens(tokens)
@@ -256,7 +260,9 @@ class GraftMask:
         ):
             shape = (int(tokens[0]), int(tokens[1]))
         else:
-            raise TokenError(
+            raise (
+                TokenError if isinstance(tokens, (tuple, list, torch.Size)) else ArgumentTypeError
+            )(
                 f"tokens=(batch, pos) = {tokens!r} describes no token: give the [batch, pos] "
                 "token ids (the tokenizer's, or models.base.to_tokens(...)) or their shape, a "
                 "tuple of two ints >= 1."
@@ -425,7 +431,7 @@ def check_source(
     """Refuse a checkpoint index the model set lacks (or the base, unless ``allow_base``)."""
     low = 0 if allow_base else 1
     if not is_integer(source) or not low <= source < len(models):
-        raise error(
+        raise (error if is_integer(source) or isinstance(source, float) else ArgumentTypeError)(
             f"source={source!r}, but the model set has {len(models)} sources: give an int "
             f"{low}..{len(models) - 1}" + ("" if allow_base else " (source 0 is the base)") + "."
         )

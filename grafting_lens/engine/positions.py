@@ -51,8 +51,14 @@ import numpy as np
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.core.arguments import is_integer
-from grafting_lens.core.errors import GraftingLensError, SelectionError, did_you_mean
+from grafting_lens.core.arguments import is_integer, shown
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    SelectionError,
+    did_you_mean,
+    kind,
+)
 
 PositionSpec = Union[str, int, Sequence[int], Sequence[Sequence[int]], torch.Tensor]
 """Anything :func:`resolve_positions` accepts."""
@@ -81,7 +87,7 @@ def row_lengths(
             if not torch.equal(right, values.bool()) or bool((lengths == 0).any()):
                 lengths = None
     if lengths is None:
-        raise SelectionError(
+        raise kind(attention_mask, (torch.Tensor, np.ndarray, list, tuple), SelectionError)(
             f"attention_mask must be a [batch, pos] = {[batch, pos]} tensor holding only 0 "
             "(padding) and 1 (real token), with right padding (ones, then zeros) and a real "
             f"token in every row; got {_described(attention_mask)}.\nPass the tokenizer's "
@@ -251,7 +257,8 @@ def selected_positions(spec: PositionSpec, lengths: torch.Tensor, pos: int) -> t
             elif not per_row:
                 rows = [items] * batch
         if rows is None or not all(is_integer(i) for row in rows for i in row):
-            raise SelectionError(
+            readable = (str, int, float, Sequence, np.ndarray, np.integer, torch.Tensor)
+            raise kind(spec, readable, SelectionError)(
                 f"Cannot read positions from {spec!r:.80}: use 'all', 'last', an int, a list of "
                 f"ints, one list of ints per row ({batch} rows), or a [batch, pos] boolean tensor."
             )
@@ -356,7 +363,7 @@ def parse_span_expression(expression: str) -> tuple:
     if problem is None and (operand or len(groups) > 1):
         problem = "Unbalanced parentheses" if not operand else "A name is missing at the end"
     if problem is not None:
-        raise SelectionError(
+        raise kind(expression, str, SelectionError)(
             f"{problem} in the span expression {expression!r}: use span names ("
             f"{', '.join(SPAN_ALIASES)}, ALL or a span's own name), '+', '^C' and parentheses, "
             "e.g. '(FE+LT)^C'."
@@ -407,6 +414,11 @@ def select_positions(
     Examples:
         >>> select_positions("FE+LT", batch.spans, batch.attention_mask)
     """
+    if not isinstance(spans, Mapping) or not isinstance(attention_mask, (torch.Tensor, np.ndarray)):
+        raise ArgumentTypeError(
+            f"select_positions takes spans= as a dict of [batch, pos] masks and attention_mask= "
+            f"as a tensor; got spans={shown(spans)}, attention_mask={shown(attention_mask)}."
+        )
     attention_mask = torch.as_tensor(attention_mask)
     shape = tuple(attention_mask.shape)
     lengths = row_lengths(shape, attention_mask)
@@ -500,6 +512,11 @@ def position_sets(
     """
     if isinstance(positions, str):
         positions = [positions]
+    if not isinstance(positions, (Mapping, Sequence)):
+        raise ArgumentTypeError(
+            f"positions={shown(positions)}: give span expressions such as ('LT', 'FE'), or "
+            "{label: position set}."
+        )
     items = (
         list(positions.items()) if isinstance(positions, Mapping) else [(p, p) for p in positions]
     )

@@ -86,8 +86,9 @@ def resolve_layers(
             specification that selects no layer of this model.
     """
     if not is_integer(n_layers) or n_layers < 1:
-        kind = SelectionError if is_integer(n_layers) else ArgumentTypeError
-        raise kind(f"n_layers must be a whole number >= 1, got {n_layers!r}.")
+        raise (SelectionError if is_integer(n_layers) else ArgumentTypeError)(
+            f"n_layers must be a whole number >= 1, got {n_layers!r}."
+        )
     n_layers = int(n_layers)
     if arithmetic not in LAYER_ARITHMETICS or (
         isinstance(spec, str) and spec not in LAYER_FRACTIONS
@@ -97,7 +98,7 @@ def resolve_layers(
             if arithmetic not in LAYER_ARITHMETICS
             else ("range", spec, tuple(LAYER_FRACTIONS))
         )
-        raise SelectionError(
+        raise (SelectionError if isinstance(given, (str, int)) else ArgumentTypeError)(
             f"Unknown layer {what} {given!r}.{did_you_mean(str(given), known)} "
             f"Known: {', '.join(known)}."
         )

@@ -39,6 +39,7 @@ from grafting_lens.core.errors import (
     ArgumentTypeError,
     GraftingLensError,
     SelectionError,
+    kind,
     unsafe_pickle,
 )
 from grafting_lens.models.adapters import (
@@ -143,7 +144,9 @@ def load_models(
     if names is not None:
         names = check_names(names, len(sources))
     if not (isinstance(lazy, bool) or (isinstance(lazy, str) and lazy == "verify")):
-        raise GraftingLensError(f"lazy must be True, False or 'verify', got {lazy!r}.")
+        raise kind(lazy, str, GraftingLensError)(
+            f"lazy must be True, False or 'verify', got {lazy!r}."
+        )
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         if not hasattr(tokenizer, "get_vocab"):
             raise ArgumentTypeError(
@@ -221,7 +224,7 @@ def resolve_placement(
             getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
         )
         if not (isinstance(found, torch.dtype) and found.is_floating_point):
-            raise GraftingLensError(
+            raise kind(dtype, (str, torch.dtype), GraftingLensError)(
                 f"dtype={dtype!r} is not a floating torch dtype: use torch.float32, "
                 "torch.bfloat16 or torch.float16 (or a name such as 'bfloat16')."
             )
@@ -241,7 +244,7 @@ def _check_sources(sources: Sequence[SourceSpec], device_map: object, lazy: obje
             _checkpoint_target(str(source), place, index, lazy=bool(lazy) and index > 0)
         if not (path or adapter or isinstance(source, (PreTrainedModel, TransformerBridge))):
             raise ArgumentTypeError(
-                f"Source {index} is a {type(source).__name__}; expected a hub id, a directory, "
+                f"sources[{index}] is a {type(source).__name__}; expected a hub id, a directory, "
                 "a transformers PreTrainedModel, a TransformerBridge or (a donor) a PEFT model."
             )
         problem = None

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.arguments import as_texts
+from grafting_lens.core.arguments import as_texts, shown
 from grafting_lens.core.errors import (
     AlignmentError,
     ArgumentTypeError,
@@ -71,7 +71,14 @@ class ModelSet(Sequence[TransformerBridge]):
             )
         self._sources = tuple(wrapped)
         self.names = tuple(names)
-        self.allow_uncovered = bool(allow_uncovered)
+        if not isinstance(allow_uncovered, bool) or not isinstance(
+            graftable, (Iterable, type(None))
+        ):
+            raise ArgumentTypeError(
+                f"allow_uncovered={shown(allow_uncovered)} (True or False), graftable="
+                f"{shown(graftable):.60} (None or (component, layer) pairs): of another type."
+            )
+        self.allow_uncovered = allow_uncovered
         self._layout = component_layout(wrapped[0].bridge)
         self.graftable = None if graftable is None else frozenset(graftable)
 
@@ -271,7 +278,7 @@ class ModelSet(Sequence[TransformerBridge]):
                     f"learned position embeddings for {limit}: truncate or split the prompts."
                 )
         if message is not None:
-            raise TokenError(message)
+            raise (TokenError if isinstance(tokens, torch.Tensor) else ArgumentTypeError)(message)
         assert isinstance(tokens, torch.Tensor)
         return (int(tokens.shape[0]), int(tokens.shape[1]))
 
@@ -365,3 +372,12 @@ def check_names(names: object, count: int) -> tuple[str, ...]:
             f"names={labels!r} gives {twice[0]!r} twice: each source needs its own label."
         )
     return tuple(labels)
+
+
+def check_model_set(models: object) -> None:
+    """Refuse anything but a :class:`~grafting_lens.ModelSet` (a ``TypeError``)."""
+    if not isinstance(models, ModelSet):
+        raise ArgumentTypeError(
+            f"models must be a ModelSet, got {type(models).__name__}. Load the checkpoints with "
+            "grafting_lens.load_models(base, donor, ...)."
+        )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from grafting_lens.core import ranks
-from grafting_lens.core.errors import AlignmentError, GraftingLensError
+from grafting_lens.core.errors import AlignmentError, GraftingLensError, kind
 
 Device = Union[str, int, torch.device]
 DeviceMap = Union[Device, Mapping[str, Device]]
@@ -43,7 +43,7 @@ def usable_device(device: object, what: str = "device") -> torch.device:
         torch.empty(0, device=found)  # fails here, not halfway through loading
     except (RuntimeError, TypeError, AssertionError) as error:
         strategies = f" nor a strategy ({', '.join(STRATEGIES)})" if what == "device_map" else ""
-        raise GraftingLensError(
+        raise kind(device, (str, int, torch.device), GraftingLensError)(
             f"{what}={device!r} cannot be used: it is not a device torch can use here"
             f"{strategies} ({str(error).splitlines()[0]}). Use 'cpu', or 'cuda:0' / 'mps' where "
             "torch has that backend (torch.cuda.is_available())."
@@ -76,7 +76,7 @@ def resolve_device_map(
             "device_map strategy puts on each device: pass it with device_map='auto'"
         )
     if problem:
-        raise GraftingLensError(f"{problem}.")
+        raise kind(max_memory, (Mapping, type(None)), GraftingLensError)(f"{problem}.")
     if isinstance(device_map, Mapping) and list(device_map) == [""]:
         device_map = device_map[""]  # the whole model on one device
     if isinstance(device_map, str) and device_map in STRATEGIES:
@@ -94,7 +94,7 @@ def resolve_device_map(
         or not device_map
         or not all(isinstance(name, str) for name in device_map)
     ):
-        raise GraftingLensError(
+        raise kind(device_map, Mapping, GraftingLensError)(
             f"device_map must be a device, a strategy ({', '.join(STRATEGIES)}) or a "
             f"non-empty dict {{module name: device}}, got {device_map!r:.80}."
         )

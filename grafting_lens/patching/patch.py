@@ -31,12 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Union, cast
 
+import numpy as np
 import pandas as pd
 import torch
 from jaxtyping import Float, Int
 from tqdm.auto import tqdm
 
-from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.arguments import is_integer, shown
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import ArgumentTypeError, PatchingError, did_you_mean
 from grafting_lens.engine.positions import (
@@ -46,7 +47,7 @@ from grafting_lens.engine.positions import (
     row_lengths,
 )
 from grafting_lens.models.layers import LayerSpec, resolve_layers
-from grafting_lens.models.model_set import ModelSet, token_ids
+from grafting_lens.models.model_set import ModelSet, check_model_set, token_ids
 from grafting_lens.patching.passes import HOOKS, Entries, PatchRun, first_position, plan_passes
 
 __all__ = [
@@ -112,19 +113,10 @@ def available_sites(models: ModelSet) -> tuple[str, ...]:
     return tuple(site for site in SITES if HOOKS[site].format(layer=0) in hooks)
 
 
-def check_model_set(models: object) -> None:
-    """Refuse anything but a :class:`~grafting_lens.ModelSet` (a ``TypeError``)."""
-    if not isinstance(models, ModelSet):
-        raise ArgumentTypeError(
-            f"models must be a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-            "grafting_lens.load_models(base, donor, ...)."
-        )
-
-
 def check_direction(direction: object, error: type[Exception] = PatchingError) -> str:
     """The causal question a direction names (:data:`DIRECTIONS`), or ``error``."""
     if not isinstance(direction, str) or direction not in DIRECTIONS:
-        raise error(
+        raise (error if isinstance(direction, str) else ArgumentTypeError)(
             f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
             "'sufficiency' (run the target, import the source; 'denoising') or 'necessity' "
             "(run the source, import the target; 'noising')."
@@ -140,7 +132,9 @@ def check_site(site: object, models: ModelSet | None, allowed: Sequence[str] = S
             if site == "z"
             else did_you_mean(str(site), allowed)
         )
-        raise PatchingError(f"Unknown site {site!r}.{hint} Sites: {', '.join(allowed)}.")
+        raise (PatchingError if isinstance(site, str) else ArgumentTypeError)(
+            f"Unknown site {site!r}.{hint} Sites: {', '.join(allowed)}."
+        )
     if models is not None and site not in available_sites(models):
         parallel = getattr(models.base.cfg, "parallel_attn_mlp", False) and site == "resid_mid"
         raise PatchingError(
@@ -224,13 +218,16 @@ class _SweepOptions:
     logits: str
 
     def __post_init__(self) -> None:
+        if not isinstance(self.reuse_prefix, bool):
+            raise ArgumentTypeError(f"reuse_prefix={shown(self.reuse_prefix)}: True or False.")
         if (
             self.reduce not in ("mean", "none")
             or self.logits not in ("all", "last")
             or not is_integer(self.chunk_size)
             or self.chunk_size < 1
         ):
-            raise PatchingError(
+            typed = isinstance(self.reduce, str) and isinstance(self.logits, str)
+            raise (PatchingError if typed and is_integer(self.chunk_size) else ArgumentTypeError)(
                 f"A sweep takes reduce='mean' or 'none', logits='last' or 'all' and a "
                 f"chunk_size >= 1 (rows per pass); got {self.reduce!r}, {self.logits!r}, "
                 f"{self.chunk_size!r}."
@@ -355,7 +352,7 @@ def _sweep(
     """The engine behind both sweeps: every (layer, position[, head]) cell patched alone."""
     models, site = run.models, run.site
     if not callable(metric):
-        raise PatchingError(
+        raise ArgumentTypeError(
             f"metric must be a function of the logits, got {type(metric).__name__}."
         )
     last_only = options.logits == "last"
@@ -457,7 +454,12 @@ def _patch_run(
     n = len(models)
     valid = is_integer(source) and is_integer(target) and 0 <= min(source, target)
     if not valid or max(source, target) >= n or (source == target and patch_tokens is None):
-        raise PatchingError(
+        typed = isinstance(source, (int, float)) and isinstance(target, (int, float))
+        raise (
+            PatchingError
+            if typed or is_integer(source) and is_integer(target)
+            else ArgumentTypeError
+        )(
             f"source={source!r} and target={target!r} must be checkpoints of the model set "
             f"(0..{n - 1}), and two different ones unless patch_tokens gives other tokens: "
             "a run patched with its own activations does not change."
@@ -498,6 +500,8 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
             "use site='z'."
         )
     n_heads = int(models.base.cfg.n_heads)
+    if not is_integer(heads) and not isinstance(heads, (Sequence, torch.Tensor, np.ndarray)):
+        raise ArgumentTypeError(f"heads={shown(heads)}: give a head index or a list of them.")
     head_list = [heads] if is_integer(heads) else list(heads)  # type: ignore[arg-type]
     if (
         not head_list

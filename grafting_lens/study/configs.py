@@ -25,8 +25,14 @@ from typing import Any, Union
 import torch
 from jaxtyping import Bool, Int
 
-from grafting_lens.core.arguments import as_list, is_integer, plain
-from grafting_lens.core.errors import ComponentError, ExperimentError, SelectionError, check_known
+from grafting_lens.core.arguments import as_list, is_integer, plain, shown
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    ComponentError,
+    ExperimentError,
+    SelectionError,
+    check_known,
+)
 from grafting_lens.engine.positions import (
     PositionFunction,
     Spans,
@@ -305,6 +311,8 @@ def retarget(
     the same positions for other weights or of another checkpoint.
     """
     configs = list(configs)
+    if not (is_integer(source) or isinstance(source, str)):
+        raise ArgumentTypeError(f"source={shown(source)}: give the donor's index or name.")
     if components is None and is_integer(source) and source == 1:
         return configs
     forms = "a component's name, an 'o+ffn' string or a list of names"

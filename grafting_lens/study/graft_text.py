@@ -131,7 +131,7 @@ def graft(
     """
     if not isinstance(models, ModelSet):
         raise ArgumentTypeError(
-            f"graft takes a model set (gl.load_models), got {type(models).__name__}."
+            f"models= takes a model set (gl.load_models), got {type(models).__name__}."
         )
     donor_index = _donor_index(models, donor)
     scored = Score.of(score, donor=donor_index, counter=counter)

@@ -48,7 +48,7 @@ import torch
 
 from grafting_lens.analysis.batch import TokenizedExamples
 from grafting_lens.core import ranks
-from grafting_lens.core.errors import RunError
+from grafting_lens.core.errors import RunError, kind
 from grafting_lens.core.files import DirectoryLock, atomic_write, writing
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import GraftConfig
@@ -216,7 +216,7 @@ class RunDirectory:
                 written.
         """
         if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
-            raise RunError(
+            raise kind(path, (str, os.PathLike), RunError)(
                 f"The run directory (out={path!r}) is not a path, or an empty one (it would be "
                 "the working directory); name a directory."
             )

@@ -41,9 +41,15 @@ from grafting_lens.analysis.scoring import (
     score_pass,
 )
 from grafting_lens.core import ranks
-from grafting_lens.core.arguments import as_list, is_integer
+from grafting_lens.core.arguments import as_list, is_integer, shown
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import ExperimentError, GraftingLensError, check_known
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    ExperimentError,
+    GraftingLensError,
+    check_known,
+    kind,
+)
 from grafting_lens.engine.positions import select_positions
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import (
@@ -169,7 +175,9 @@ class RunOptions:
         for name in ("batch_size", "chunk_size", "top_k"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
-                raise ExperimentError(f"{name} must be an integer >= 1, got {value!r}.")
+                raise kind(value, (int, float), ExperimentError)(
+                    f"{name} must be an integer >= 1, got {value!r}."
+                )
             # Python's int, whichever way it came: the options are part of a run's JSON.
             object.__setattr__(self, name, int(value))
         if self.logits not in ("scored", "all"):
@@ -319,6 +327,14 @@ def run_experiment(
     share = ranks.current()  # first thing on every rank: joining a job is a collective step
     for name in settings:  # dataclasses.replace would raise a bare TypeError
         check_known(name, RUN_OPTIONS, "run_experiment option", ExperimentError)
+    kinds: dict[str, tuple[Any, Any]] = {
+        "options": (options, RunOptions),
+        "registry": (registry, (Mapping, str)),
+        "on_chunk": (on_chunk, Callable),
+    }
+    for name, (value, accepted) in kinds.items():
+        if value is not None and not isinstance(value, accepted):
+            raise ArgumentTypeError(f"{name}={shown(value)} is of another type.")
     options = dataclasses.replace(options or RunOptions(), **settings).with_semantics(
         DEFAULT_SEMANTICS
     )
@@ -639,7 +655,7 @@ def _model_sets(models: ModelSet | Mapping[str, ModelSet]) -> list[tuple[str, Mo
                 )
             labels[str(label)] = label
         return [(str(label), model_set) for label, model_set in models.items()]
-    raise ExperimentError(
+    raise ArgumentTypeError(
         f"models must be a ModelSet (grafting_lens.load_models) or a mapping of them, got "
         f"{type(models).__name__}."
     )

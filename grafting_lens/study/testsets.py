@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch, tokenize_examples
-from grafting_lens.core.errors import ExperimentError, TokenError, check_known
+from grafting_lens.core.errors import ArgumentTypeError, ExperimentError, TokenError, check_known
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
@@ -95,7 +95,7 @@ class TestSet:
             try:
                 object.__setattr__(self, "examples", tuple(self.examples))
             except TypeError:
-                raise ExperimentError(
+                raise ArgumentTypeError(
                     f"A test set holds examples (grafting_lens.worlds.data.make_examples) or a tokenized "
                     f"batch with tokens, attention_mask, target_ids and spans (build one with "
                     f"grafting_lens.analysis.batch.tokenize_examples); got {type(self.examples).__name__}."

@@ -105,7 +105,7 @@ from grafting_lens.core.directories import (
     sibling,
     waiting_lock,
 )
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 from grafting_lens.core.files import cache_root
 from grafting_lens.worlds import data
 from grafting_lens.worlds.directories import ModelDirectories
@@ -238,10 +238,17 @@ def build_toy_world(
     """
     config = config if config is not None else ToyWorldConfig()
     if not isinstance(config, ToyWorldConfig):
-        raise GraftingLensError(
+        raise ArgumentTypeError(
             f"config is a {type(config).__name__}; pass a grafting_lens.worlds.toy.ToyWorldConfig."
         )
     check_threads(threads)
+    if not (isinstance(force, bool) and isinstance(progress, bool)) or not isinstance(
+        cache_dir, (str, os.PathLike, type(None))
+    ):
+        raise ArgumentTypeError(
+            f"force={force!r}, progress={progress!r} (True or False each), cache_dir="
+            f"{cache_dir!r} (a path or None): one is of another type."
+        )
     cache_root = cache_location(cache_dir, default_cache_dir)
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
@@ -265,7 +272,7 @@ def check_threads(threads: Optional[int]) -> None:
         GraftingLensError: Naming the fix.
     """
     if threads is not None and (not is_integer(threads) or threads < 1):
-        raise GraftingLensError(
+        raise (GraftingLensError if isinstance(threads, (int, float)) else ArgumentTypeError)(
             f"threads={threads!r}: pass an integer >= 1, or None for torch's setting."
         )
     too_many = None if threads is None else threads_beyond_cores(threads)

@@ -45,7 +45,7 @@ def test_positions_as_0d_tensors_are_indices(world):
             "GraftingLensError",
             "source",
         ),
-        (lambda w: gl.resolve_layers("all", 1.5), "SelectionError", "n_layers"),
+        (lambda w: gl.resolve_layers("all", 1.5), "ArgumentTypeError", "n_layers"),
         (
             lambda w: gl.load_models(w.base, w.donor, names=["a", "a"], tokenizer=w.tokenizer),
             "GraftingLensError",

@@ -4,7 +4,8 @@ Each public callable is called with arguments it takes, but one of them replaced
 no argument of the library takes (a bare ``object()``, a complex number, ``Ellipsis``). The
 call must raise :class:`~grafting_lens.errors.ArgumentTypeError` (a ``TypeError``) naming
 that argument: never a raw ``TypeError`` or ``AttributeError`` from inside, never another kind
-of :class:`~grafting_lens.GraftingLensError`, and never a result.
+of :class:`~grafting_lens.GraftingLensError`, and never a result. The arguments of
+``NOT_YET`` do not keep it yet, and are left out until their doors do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import grafting_lens as gl
 from fuzz.conftest import PROMPT
 from fuzz.strategies import _mentions, budget, threads_kept
 from grafting_lens.core.errors import ArgumentTypeError
+from grafting_lens.study import TestSet
 
 WRONG = st.sampled_from([object(), 1j, Ellipsis])
 """Values of a type no argument of the library takes."""
@@ -158,7 +160,7 @@ def _doors(world, scratch: Path) -> dict[str, tuple[Callable[..., Any], dict[str
         ),
         "run_experiment": (
             gl.run_experiment,
-            dict(models=models, test_sets=[PROMPT], configs=["PRE"], out=None, progress=False),
+            dict(models=models, test_sets=TestSet(world.batch), configs=["PRE"], progress=False),
         ),
         "compare_graft_and_patch": (
             gl.compare_graft_and_patch,
@@ -236,26 +238,10 @@ def test_every_public_callable_is_tried_or_excused(world):
 # property found them: each to be made an ArgumentTypeError at its own door, then removed here.
 # build_toy_world: config=object() trains a world (minutes) instead of refusing it.
 NOT_YET: dict[str, str] = {
-    "graft": "top_k",
-    "GraftMask": "models tokens positions source attention_mask",
-    "graft_forward": "models tokens mask attention_mask logits grad",
-    "graft_forward_reference": "models tokens mask attention_mask",
-    "graft_generate": "models tokens mask max_new_tokens new_token_sources attention_mask",
-    "grafting": "models mask",
-    "patch_forward": "tokens site positions source target heads attention_mask direction patch_tokens",
-    "resid_patch_sweep": "tokens metric site positions source target direction patch_tokens attention_mask reduce chunk_size reuse_prefix logits",
-    "head_patch_sweep": "tokens metric heads positions source target direction patch_tokens attention_mask reduce chunk_size reuse_prefix logits",
-    "resolve_layers": "arithmetic",
-    "select_positions": "expression spans attention_mask",
-    "run_position_grafting": "models tokenized batch_size source top_k",
-    "run_experiment": "models configs registry out options on_chunk",
-    "compare_graft_and_patch": "tokenized",
-    "attribute_grafts": "tokenized metric positions direction source start steps verify batch_size rows_per_forward",
-    "find_minimal_graft": "tokenized fraction held_out metric positions source proposals beam steps max_cells prune curve_points state batch_size rows_per_forward",
-    "load_models": "device dtype allow_uncovered lazy device_map max_memory",
-    "ModelSet": "allow_uncovered graftable",
-    "notebook": "threads grad renderer",
-    "build_toy_world": "config cache_dir force progress threads",
+    # Refused whatever their type, by design, before their type matters: heads= applies to the
+    # per-head site only (the door's site is resid_pre), beam= to search='greedy' only.
+    "patch_forward": "heads",
+    "find_minimal_graft": "beam",
 }
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import grafting_lens as gl
 from grafting_lens import study
 from grafting_lens import study as experiments
+from grafting_lens.analysis import scoring
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.metrics import last_token_logits, target_probability, target_rank
 from grafting_lens.core.errors import ComponentError, GraftingLensError, GraftMaskError, RunError
@@ -30,7 +31,6 @@ from grafting_lens.study import (
     config_masks,
     make_test_sets,
     run_experiment,
-    runner,
 )
 from grafting_lens.study.configs import MOVIE_CONFIGS
 from grafting_lens.worlds import data
@@ -437,7 +437,7 @@ def test_rows_and_figures_say_which_layers_a_range_name_grafted(tokenizer, relat
 def count_forwards(monkeypatch):
     """Count the runner's forward passes; make the ``fail_on``-th one raise."""
     calls = {"n": 0, "fail_on": None}
-    real = runner.graft_forward
+    real = scoring.graft_forward  # the pass the runner asks the score for
 
     def counted(*args, **kwargs):
         calls["n"] += 1
@@ -445,7 +445,7 @@ def count_forwards(monkeypatch):
             raise KeyboardInterrupt("killed")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "graft_forward", counted)
+    monkeypatch.setattr(scoring, "graft_forward", counted)
     return calls
 
 
@@ -676,7 +676,7 @@ def test_the_registry_never_imports_the_paper_itself():
     subprocess.run([sys.executable, "-c", code], check=True)
     # Every study name of the front door comes with them: run_position_grafting looks
     # "position" up by name (it said "Unknown experiment 'position'. Known: none." once).
-    for name in ("run_position_grafting", "run_experiment", "graft", "plot_graft", "CLEAN"):
+    for name in ("run_position_grafting", "run_experiment", "graft", "CLEAN"):
         code = (
             "from grafting_lens.study import specs\n"
             "import grafting_lens as gl\n"
@@ -988,14 +988,14 @@ def test_scored_logits_only_give_the_scores_of_every_positions_logits(monkeypatc
     relations = data.make_relations("fake_movies_real_actors", n=4, seed=0)
     test_sets = make_test_sets(relations, prompts=("headline",))
     shapes = []
-    real = runner.graft_forward
+    real = scoring.graft_forward  # the pass the runner asks the score for
 
     def recorded(*args, **kwargs):
         logits = real(*args, **kwargs)
         shapes.append((tuple(logits.shape), logits.requires_grad))
         return logits
 
-    monkeypatch.setattr(runner, "graft_forward", recorded)
+    monkeypatch.setattr(scoring, "graft_forward", recorded)
     configs = ["PRE", "FE", "LT", "SFT"]  # SFT grafts the unembedding too (every position)
     options = {"batch_size": 4, "progress": False}
     scored = run_experiment(models, test_sets, configs, **options)

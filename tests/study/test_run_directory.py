@@ -19,6 +19,7 @@ import torch
 from conftest import make_tokenizer, random_model
 
 import grafting_lens as gl
+from grafting_lens.analysis import scoring
 from grafting_lens.core import files
 from grafting_lens.core.errors import GraftingLensError, RunError
 from grafting_lens.study import (
@@ -27,7 +28,6 @@ from grafting_lens.study import (
     report,
     run_directory,
     run_experiment,
-    runner,
 )
 from grafting_lens.study.report import REPORT_MANIFEST, write_experiment_report
 from grafting_lens.study.run_directory import weights_digests
@@ -53,13 +53,13 @@ def test_sets():
 def forwards(monkeypatch):
     """Count the runner's forward passes."""
     calls = {"n": 0}
-    real = runner.graft_forward
+    real = scoring.graft_forward  # the pass the runner asks the score for
 
     def counted(*args, **kwargs):
         calls["n"] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "graft_forward", counted)
+    monkeypatch.setattr(scoring, "graft_forward", counted)
     return calls
 
 
