@@ -71,7 +71,7 @@ from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import DynamicCache
 
-from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.arguments import is_integer, is_number
 from grafting_lens.core.compat import cache_visible, cached_forward_kwargs, check_cache_continuation
 from grafting_lens.core.errors import (
     ArgumentTypeError,
@@ -589,9 +589,8 @@ def graft_generate(
             f"got {new_token_sources!r}"
         )
     if problems:
-        typed = isinstance(max_new_tokens, (int, float)) and isinstance(
-            new_token_sources, (str, int)
-        )
+        sources = isinstance(new_token_sources, str) or is_integer(new_token_sources)
+        typed = is_number(max_new_tokens) and sources  # a bool counts nothing
         raise (GraftingError if typed else ArgumentTypeError)("; ".join(problems) + ".")
     new = int(max_new_tokens)
     groups = []  # (rows, their length, the mask of their prompts and new tokens): checked first

@@ -35,7 +35,7 @@ def test_a_good_batch_comes_back_whole_on_the_cpu(models, batch):
 @pytest.mark.parametrize(
     "change, error, message",
     [
-        (lambda b: object(), BatchError, r"object lacks \['tokens'"),
+        (lambda b: object(), gl.errors.ArgumentTypeError, r"object lacks \['tokens'"),
         (
             lambda b: dataclasses.replace(b, attention_mask=b.attention_mask[:, :-1]),
             BatchError,

@@ -392,7 +392,7 @@ def _run(tokens=None, mask=None, **options):
 
 ERRORS = gl.errors
 RUN_REFUSALS = [  # (arguments, error, message) for graft_forward, its oracle and generation
-    (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.GraftMaskError, "mask must be a GraftMask"),
+    (_run(mask={("q", 0): torch.ones(2, 5)}), ERRORS.ArgumentTypeError, "mask must be a GraftMask"),
     (
         _run(tokens=random_tokens(2, 4)),
         ERRORS.GraftMaskError,
@@ -435,7 +435,7 @@ FORWARD_REFUSALS = [
         ERRORS.GraftingError,
         "logits must be 'last', 'all' or a \\[batch, k\\] tensor of positions",
     ),
-    (_run(grad="yes"), ERRORS.GraftingError, "grad True or False"),
+    (_run(grad="yes"), ERRORS.ArgumentTypeError, "grad True or False"),
 ]
 
 
@@ -474,8 +474,13 @@ def _long_prompt(models):
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [
-        (_run(max_new_tokens=bad), ERRORS.GraftingError, "max_new_tokens must be an int >= 1")
-        for bad in (2.5, True, 0, "3")
+        (_run(max_new_tokens=bad), error, "max_new_tokens must be an int >= 1")
+        for bad, error in [
+            (2.5, ERRORS.GraftingError),
+            (True, ERRORS.ArgumentTypeError),  # a bool counts nothing
+            (0, ERRORS.GraftingError),
+            ("3", ERRORS.ArgumentTypeError),
+        ]
     ]
     + [
         # 10**9 new tokens would allocate until the process is killed.
@@ -489,11 +494,15 @@ def _long_prompt(models):
             ERRORS.GraftingError,
             r"prompt's 78, got 1: shorten the prompt to 63 tokens\.$",
         ),
-        (_run(new_token_sources=True), ERRORS.GraftingError, "new_token_sources must be 'last' or"),
+        (
+            _run(new_token_sources=True),
+            ERRORS.ArgumentTypeError,
+            "new_token_sources must be 'last'",
+        ),
         (_run(new_token_sources=3), ERRORS.GraftingError, "a source index 0..2"),
         (
             _run(mask={("q", 0): torch.ones(2, 5)}),
-            ERRORS.GraftMaskError,
+            ERRORS.ArgumentTypeError,
             "mask must be a GraftMask",
         ),
     ],

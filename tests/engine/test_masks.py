@@ -259,7 +259,8 @@ def _build(tokens=None, **options):
     ("build", "error", "message"),
     [
         # True would read as source 1.
-        *[(_build(source=bad), ERRORS.GraftMaskError, "give an int 0..2") for bad in (True, 1.0)],
+        (_build(source=True), ERRORS.ArgumentTypeError, "give an int 0..2"),
+        (_build(source=1.0), ERRORS.GraftMaskError, "give an int 0..2"),
         (_build(source=5), ERRORS.GraftMaskError, "source=5, but the model set has 3"),
         (_build(tokens=[[1, 2]]), ERRORS.TokenError, r"\[\[1, 2\]\] describes no token"),
         (_build(tokens=(2, 0)), ERRORS.TokenError, r"\(batch, pos\) = \(2, 0\) describes no"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from grafting_lens.core.errors import SelectionError
+from grafting_lens.core.errors import ArgumentTypeError, SelectionError
 from grafting_lens.engine import positions
 
 PADDED = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
@@ -200,7 +200,8 @@ def test_span_expressions_parse_with_complement_binding_tighter_than_union():
     ],
 )
 def test_span_expressions_that_do_not_parse_say_where(expression, message):
-    with pytest.raises(SelectionError, match=message):
+    wrong = not isinstance(expression, str)  # a TypeError: the one refusal of a wrong type
+    with pytest.raises(ArgumentTypeError if wrong else SelectionError, match=message):
         positions.parse_span_expression(expression)
 
 

@@ -158,6 +158,18 @@ def test_graft(world, data):
             "semantics",
         ),
         top_k=data.draw(arg(5, 1, extra=integers(-1, 400)), "top_k"),
+        score=data.draw(
+            arg(
+                "first_token",
+                "answer_logprob",
+                "kl",
+                extra=st.sampled_from(
+                    ["logit_diff", "kl_div", "", lambda logits: logits[:, -1, 0]]
+                ),
+            ),
+            "score",
+        ),
+        counter=data.draw(arg(None, extra=st.one_of(st.sampled_from(ANSWERS), HOSTILE)), "counter"),
     )
     if isinstance(kwargs["semantics"], gl.study.Semantics):
         kwargs["semantics"] = kwargs["semantics"].label
@@ -181,6 +193,12 @@ def test_graft(world, data):
         for label, place in places.items()
         if "all" in _parts(place) and kwargs["components"] == "all" and kwargs["layers"] == "all"
     }
+    # A score's columns: one finite number per row (a log-probability at most 0, a KL at least 0).
+    for column in ("answer_logprob", "logit_diff", "kl", "score"):
+        if column in table:
+            assert np.isfinite(table[column].to_numpy(dtype=float)).all(), column
+    assert "answer_logprob" not in table or (table["answer_logprob"] <= 1e-6).all()
+    assert "kl" not in table or (table["kl"] >= -1e-5).all()
     for row in table.itertuples():
         model = {"pre": world.base, "sft": world.donor}.get(row.config)
         if row.config in everything:

@@ -512,7 +512,7 @@ def test_patch_forward_refuses_before_any_forward_pass(three_models, overrides, 
         ("resid", dict(reduce="sum"), PatchingError, r"reduce='mean' or 'none'.*'sum'"),
         ("resid", dict(chunk_size=0), PatchingError, r"chunk_size >= 1.*, 0\.$"),
         ("resid", dict(logits="first"), PatchingError, r"logits='last' or 'all'.*'first'"),
-        ("resid", dict(metric=3), PatchingError, r"metric must be a function"),
+        ("resid", dict(metric=3), gl.errors.ArgumentTypeError, r"metric must be a function"),
         ("resid", dict(positions={}), PatchingError, r"mapping of position selections is empty"),
         (
             "resid",

@@ -417,7 +417,7 @@ def test_empty_and_unwritable_paths_are_refused_before_any_forward_pass(
 ):
     with pytest.raises(RunError, match=r"\(out=''\) is not a path, or an empty one"):
         _run(models, test_sets, "")
-    with pytest.raises(RunError, match=r"\(out=3\) is not a path"):  # a raw TypeError once
+    with pytest.raises(gl.errors.ArgumentTypeError, match=r"\(out=3\) is not a path"):  # raw once
         _run(models, test_sets, 3)
     locked = tmp_path / "read-only"
     locked.mkdir()
