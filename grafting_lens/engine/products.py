@@ -102,8 +102,9 @@ def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
     ``None`` unless ``module(x)`` is exactly ``x @ weight.T + bias``: the class is
     ``nn.Linear`` or ``Conv1D`` itself (a parametrization makes a subclass) with its own
     forward, the instance holds nothing a new one lacks, there is no hook (the module's or
-    global: torch's ``__call__`` would run it) and no submodule or buffer, and the
-    parameters are plain ``nn.Parameter`` (a quantised weight's subclass computes its own way).
+    global: torch's ``__call__`` would run it) and no submodule, it holds a weight and a bias
+    and nothing else (the bias a parameter or a buffer), and they are plain tensors (a
+    quantised weight's subclass computes its own way).
     """
     plain = _PLAIN.get(type(module))
     if (
@@ -114,12 +115,20 @@ def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
         or module._backward_hooks or module._backward_pre_hooks
         or _module._global_forward_hooks or _module._global_forward_pre_hooks
         or _module._global_backward_hooks or _module._global_backward_pre_hooks
-        or module._modules or module._buffers
-        or module._parameters.keys() != {"weight", "bias"}
+        or module._modules
+        or "weight" not in module._parameters
+        # The bias a parameter, or a buffer (the bridge's unembedding holds a zero one).
+        or {*module._parameters, *module._buffers} != {"weight", "bias"}
+        or len(module._parameters) + len(module._buffers) != 2
     ):  # fmt: skip
         return None
-    weight, bias = module._parameters["weight"], module._parameters["bias"]
-    if type(weight) is not nn.Parameter or type(bias) not in (nn.Parameter, type(None)):
+    weight = module._parameters["weight"]
+    bias = module._parameters["bias"] if "bias" in module._parameters else module._buffers["bias"]
+    if type(weight) is not nn.Parameter or type(bias) not in (
+        nn.Parameter,
+        torch.Tensor,
+        type(None),
+    ):
         return None
     return (weight if type(module) is nn.Linear else weight.t()), bias  # Conv1D holds [in, out]
 
