@@ -90,6 +90,7 @@ def test_a_directory_holding_a_gguf_names_the_file_to_pass(tmp_path):
         gl.load_models(tmp_path, tmp_path)
 
 
+# Read-only directories are made with chmod and chattr, which Windows lacks; runs on Linux CI.
 @pytest.mark.skipif(os.name != "posix", reason="chmod and chattr")
 def test_a_read_only_cache_holding_the_conversions_is_read(tmp_path, counted, read_only):
     base = write_gguf(tiny_llama(), tmp_path / "base.gguf")

@@ -123,6 +123,7 @@ def test_a_built_world_is_opened_not_rebuilt(world, config):
     assert open_world(config, cache_dir=world.root.parent).root == world.root
 
 
+# Read-only directories are made with chmod and chattr, which Windows lacks; runs on Linux CI.
 @pytest.mark.skipif(os.name != "posix", reason="chmod and chattr")
 def test_a_built_world_in_a_cache_that_cannot_be_written_is_opened(world, config, read_only):
     read_only(world.root.parent)  # a shared cache, read-only to its users
