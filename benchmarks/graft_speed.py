@@ -22,6 +22,11 @@ d_model 768, vocabulary 50,257; nothing is downloaded), grafts ``--batch`` promp
   ``overhead_onednn`` and ``overhead_last_onednn``, ``overhead_modules`` and
   ``overhead_last_modules``: the same passes with every split layer on oneDNN, or on its
   module's own kernel, whichever this machine chose, measured in the same rounds;
+* ``rank_overhead``: a rank-16 graft of every MLP weight (``mlp_in``, ``mlp_out``;
+  :meth:`~grafting_lens.ModelSet.directions`) at ``overhead``'s half of the positions, over a
+  plain forward (``rank16``) and over the whole-matrix graft of the same cells
+  (``rank16_vs_whole``; ``whole``: that graft over a plain forward), with the SVDs' one-time
+  ``svd_seconds`` and ``svd_bytes``;
 * ``routing_overhead``: a pass taking every component from the donor at every position,
   over the donor's own plain forward: what routing costs when no product is split
   (checks, installing the dispatchers, Python per module);
@@ -192,6 +197,15 @@ def main() -> None:
     scattered[:, ::2] = 1
     scattered_mask = gl.GraftMask.from_dict(model_set, {pair: scattered for pair in pairs})
     donor_mask = gl.GraftMask.from_dict(model_set, {pair: torch.ones_like(half) for pair in pairs})
+    mlp = [pair for pair in pairs if pair[0] in ("mlp_in", "mlp_out")]
+    whole_mask = gl.GraftMask.from_dict(model_set, {pair: half for pair in mlp})
+    rank_set = model_set.directions(1, rank=16)
+    rank_mask = gl.GraftMask.from_dict(rank_set, {pair: 2 * half for pair in mlp})
+    start = clock(device)
+    for pair in mlp:  # the SVDs, once
+        for slot in rank_set.slots(*pair):
+            rank_set.sources[2].module(slot)
+    svd_seconds = clock(device) - start
 
     def graft(mask: gl.GraftMask, logits: str = "all") -> Callable[[], object]:
         return lambda: gl.graft_forward(model_set, tokens, mask, logits=logits)
@@ -224,6 +238,8 @@ def main() -> None:
                 **{f"half_{k}": on(k, graft(half_mask)) for k in KERNELS},
                 **{f"half_last_{k}": on(k, graft(half_mask, "last")) for k in KERNELS},
                 "donor_graft": graft(donor_mask),
+                "rank16_mlp": lambda: gl.graft_forward(rank_set, tokens, rank_mask, logits="all"),
+                "whole_mlp": graft(whole_mask),
                 "plain": lambda: model_set.base(tokens),
                 "plain_last": lambda: model_set.base(tokens, logits_to_keep=1),
                 "donor_plain": lambda: model_set[1](tokens),
@@ -253,6 +269,13 @@ def main() -> None:
                     for k in KERNELS
                 },
                 "routing_overhead": round(best["donor_graft"] / best["donor_plain"], 3),
+                "rank_overhead": {
+                    "rank16": round(best["rank16_mlp"] / best["plain"], 3),
+                    "whole": round(best["whole_mlp"] / best["plain"], 3),
+                    "rank16_vs_whole": round(best["rank16_mlp"] / best["whole_mlp"], 3),
+                    "svd_seconds": round(svd_seconds, 2),
+                    "svd_bytes": rank_set.sources[2].svd_bytes(),
+                },
                 "split_products": share(
                     half_run["products"] - plain_run["products"], plain_run["total"]
                 ),

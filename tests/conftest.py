@@ -341,3 +341,15 @@ def read_only():
     yield make
     for undo in made:
         subprocess.run(undo, check=True)
+
+
+def top_directions(k: int):
+    """An edit ``(W_base, W_donor) -> W_base + U_k S_k V_k^T`` of ``dW = W_donor - W_base``,
+    computed here in float64 by torch's own SVD: the hand-made checkpoint a rank-k graft must
+    equal."""
+
+    def edit(base, donor):
+        U, S, Vh = torch.linalg.svd(donor - base, full_matrices=False)
+        return base + (U[:, :k] * S[:k]) @ Vh[:k]
+
+    return edit

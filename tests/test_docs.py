@@ -44,7 +44,7 @@ def test_every_page_and_tutorial_is_in_the_navigation():
     }
     assert pages - listed == set(), "pages missing from mkdocs.yml's nav"
     assert listed - pages == set(), "nav entries without a page"
-    assert len(TUTORIALS) == 7
+    assert len(TUTORIALS) == 8
     # The real-model tutorial is a page (its world takes an hour to build, so the docs build
     # cannot execute it); every other tutorial is a notebook the build executes.
     assert sorted(path.name for path in (DOCS / "tutorials").glob("*.md")) == ["07_a_real_model.md"]

@@ -20,6 +20,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -27,6 +28,7 @@ from typing import Any, Union
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from jaxtyping import Bool, Float
 from tqdm.auto import tqdm
 
@@ -183,11 +185,11 @@ def attribute_grafts(
         models: The aligned checkpoints.
         tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
             :func:`~grafting_lens.analysis.batch.as_batch` takes), ending before the answer.
-        metric: ``"logprob"`` (the answer's log-probability, the default), ``"logit"``, a
-            score read at the last token (:func:`~grafting_lens.analysis.scoring.score_metric`:
-            ``"first_token"``, ``"logit_diff"`` with its counter, ``Score.of("kl",
-            at="last")``, a :class:`~grafting_lens.analysis.scoring.Score` of a function),
-            or a :data:`BatchMetric` differentiable in the logits.
+        metric: ``"logprob"`` (the answer's first token's log-probability, the default),
+            ``"logit"``, a score (:func:`~grafting_lens.analysis.scoring.score_metric`: any
+            of ``gl.graft``'s; ``"answer_logprob"`` and ``"kl"`` run each prompt with its
+            answer after it, whose positions switch with the prompt's last token), or a
+            :data:`BatchMetric` differentiable in the logits.
         components: Names, groups or a ``+``-joined string, as for :meth:`GraftMask.build`.
         layers: The layers of per-layer components (see :func:`~grafting_lens.resolve_layers`).
         positions: Span expressions (``("FE", "LT", "(FE+LT)^C")``), a mapping ``{label:
@@ -351,8 +353,10 @@ class AttributionPlan:
         check_model_set(models)
         self.models, n = models, len(models)
         self.batch = as_batch(tokenized, models)
+        scored = None
         if isinstance(metric, Score) or (isinstance(metric, str) and metric in SCORES):
-            metric = score_metric(Score.of(metric, donor=source), models, self.batch)
+            scored = Score.of(metric, donor=source)
+            metric = score_metric(scored, models, self.batch)
         if not callable(metric) and (not isinstance(metric, str) or metric not in METRICS):
             raise kind(metric, str, AttributionError)(
                 f"metric must be one of {', '.join(map(repr, METRICS))} or a function (logits, "
@@ -375,6 +379,8 @@ class AttributionPlan:
             models, (1, 1), components=components, layers=layers
         ).keys()
         self.groups, self.selections = _position_groups(positions, self.batch)
+        if scored is not None and scored.teacher_forced:
+            self._teacher_force(scored, start)
         self.cells: list[Cell] = [
             (component, layer, label) for label in self.groups for component, layer in self.keys
         ]
@@ -390,6 +396,27 @@ class AttributionPlan:
         self.start = start
         if self.last_only and self.metric not in METRICS.values():
             self._probe_metric()
+
+    def _teacher_force(self, score: Score, start: GraftMask | None) -> None:
+        """Each prompt followed by its answer (:meth:`Score.lay_out`): the answer's positions
+        are switched with the cell that switches the prompt's last token, and the metric reads
+        every position."""
+        if start is not None:
+            raise AttributionError(
+                f"start= is a mask over the prompts; score={score.name!r} runs each with its "
+                "answer after it: leave start= out, or score the last token "
+                "(Score.of('kl', at='last'), 'first_token')."
+            )
+        laid = score.lay_out(self.batch, [list(self.selections.values())])
+        width = laid.shape[1]
+        spans = {
+            name: F.pad(span, (0, width - span.shape[1])) for name, span in self.batch.spans.items()
+        }
+        self.batch = dataclasses.replace(
+            self.batch, tokens=laid.tokens, attention_mask=laid.attention_mask, spans=spans
+        )
+        self.selections = dict(zip(self.selections, laid.selections[0]))
+        self.last_only = False
 
     @torch.no_grad()
     def _probe_metric(self) -> None:
@@ -407,12 +434,7 @@ class AttributionPlan:
             logits="all",
         )
         # Shapes and finiteness are checked on the whole batch, by the passes.
-        try:
-            returned = self.metric(full[:, -1:], rows)
-        except AttributionError:
-            raise
-        except Exception as error:
-            raise _metric_raised(error, full[:, -1:]) from error
+        returned = _call_metric(self.metric, full[:, -1:], rows)
         try:
             at_last = torch.as_tensor(returned).float()
             everywhere = torch.as_tensor(self.metric(full, rows)).float()
@@ -661,54 +683,52 @@ def resolve_groups(
     return selections
 
 
-def _metric_raised(error: Exception, logits: torch.Tensor) -> AttributionError:
-    """The error of a metric raising on ``logits``, in one line."""
-    lines = str(error).strip().splitlines()
-    raised = type(error).__name__ + (f": {lines[0]}" if lines else "")
-    return AttributionError(
-        f"The metric raised {raised} on logits of shape {list(logits.shape)}."
-        + (
-            " Under logits='last' (the default) it gets each row's last real token, "
-            "[batch, 1, d_vocab]; a metric that reads other positions needs logits='all'."
-            if logits.shape[1] == 1
-            else ""
-        )
-    )
+def _call_metric(metric: BatchMetric, logits: torch.Tensor, rows: TokenizedExamples) -> Any:
+    """What ``metric`` returns; another exception than an AttributionError it raises is one,
+    naming it in one line."""
+    try:
+        return metric(logits, rows)
+    except AttributionError:
+        raise
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        raised = type(error).__name__ + (f": {lines[0]}" if lines else "")
+        raise AttributionError(
+            f"The metric raised {raised} on logits of shape {list(logits.shape)}."
+            + (
+                " Under logits='last' (the default) it gets each row's last real token, "
+                "[batch, 1, d_vocab]; a metric that reads other positions needs logits='all'."
+                if logits.shape[1] == 1
+                else ""
+            )
+        ) from error
 
 
 def _metric_values(
     metric: BatchMetric, logits: torch.Tensor, rows: TokenizedExamples
 ) -> torch.Tensor:
     """The metric of each row, checked: one finite number per prompt."""
-    try:
-        returned = metric(logits, rows)
-    except AttributionError:
-        raise
-    except Exception as error:
-        raise _metric_raised(error, logits) from error
+    returned = _call_metric(metric, logits, rows)
     batch = len(rows)
-    if (
-        not isinstance(returned, torch.Tensor)
-        or not returned.is_floating_point()
-        or tuple(returned.shape) != (batch,)
-    ):
+    tensor = isinstance(returned, torch.Tensor)
+    if not tensor or not returned.is_floating_point() or tuple(returned.shape) != (batch,):
         described = (
             f"{returned.dtype} of shape {list(returned.shape)}"
-            if isinstance(returned, torch.Tensor)
+            if tensor
             else f"{type(returned).__name__} {returned!r:.40}"
         )
-        raise AttributionError(
+        problem = (
             f"The metric returned {described} from logits of shape {list(logits.shape)}; it "
             f"must return one floating-point value per prompt ([{batch}]), not a mean."
         )
-    finite = torch.isfinite(returned.detach())
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().flatten().tolist()[:5]
-        raise AttributionError(
+    elif bad := (~torch.isfinite(returned.detach())).nonzero().flatten().tolist()[:5]:
+        problem = (
             f"The metric is not finite for rows {bad} of a chunk: a NaN or infinite logit, or "
             "a log of zero. Check the checkpoints' weights, or use a metric that stays finite."
         )
-    return returned
+    else:
+        return returned
+    raise AttributionError(problem)
 
 
 def _check_count(name: str, value: Any, alternative: str = "") -> None:

@@ -24,7 +24,7 @@ from jaxtyping import Bool, Int
 
 from grafting_lens.core import defaults
 from grafting_lens.core.arguments import shown
-from grafting_lens.core.errors import ArgumentTypeError, BatchError
+from grafting_lens.core.errors import ArgumentTypeError, BatchError, refuse_first
 from grafting_lens.engine.positions import row_lengths
 
 if TYPE_CHECKING:
@@ -295,17 +295,24 @@ def tokenize_examples(
                 f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}."
             )
     examples = list(examples)
-    stray = next((i for i, e in enumerate(examples) if not hasattr(e, "spans")), None)
-    if stray is not None:
-        raise ArgumentTypeError(
-            f"examples[{stray}] is {shown(examples[stray])}: tokenize_examples takes Example "
-            "objects (make_examples, read_prompts); for prompts as text, use gl.graft."
-        )
-    if not getattr(tokenizer, "is_fast", False):
-        raise ArgumentTypeError(
-            f"tokenize_examples needs a fast tokenizer for character offsets, got "
-            f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., use_fast=True)."
-        )
+    stray = next((i for i, e in enumerate(examples) if not hasattr(e, "spans")), -1)
+    refuse_first(
+        ArgumentTypeError,
+        [
+            (
+                stray >= 0,
+                f"examples[{stray}] is {shown(examples[stray] if examples else None)}: "
+                "tokenize_examples takes Example objects (make_examples, read_prompts); for "
+                "prompts as text, use gl.graft.",
+            ),
+            (
+                not getattr(tokenizer, "is_fast", False),
+                "tokenize_examples needs a fast tokenizer for character offsets, got "
+                f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(..., "
+                "use_fast=True).",
+            ),
+        ],
+    )
     span_names = list(examples[0].spans) if examples else []
     odd = [e for e in examples if set(e.spans) != set(span_names) or "last_token" in e.spans]
     if not examples or odd:
@@ -316,26 +323,30 @@ def tokenize_examples(
             "each prompt type separately."
         )
     texts = [e.text for e in examples]
+    eos = tokenizer.eos_token_id
+    first = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    refuse_first(
+        BatchError,
+        [
+            (
+                bos == "always" and first is None,
+                "bos='always' but the tokenizer has neither a BOS nor an EOS token; pass "
+                "bos='never'.",
+            ),
+            (
+                pad_id is None,
+                "the tokenizer has neither a pad nor an EOS token to pad with; set "
+                "tokenizer.pad_token.",
+            ),
+        ],
+    )
     if bos == "always":
-        first = (
-            tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        )
-        if first is None:
-            raise BatchError(
-                "bos='always' but the tokenizer has neither a BOS nor an EOS token; pass bos='never'."
-            )
         prefixes = [[first]] * len(examples)
     elif bos == "tokenizer":
         prefixes = _tokenizer_prefix(tokenizer, texts)
     else:
         prefixes = [[]] * len(examples)
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    if pad_id is None:
-        raise BatchError(
-            "the tokenizer has neither a pad nor an EOS token to pad with; set tokenizer.pad_token."
-        )
 
     prompts = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     # In context, the answer's tokens as the model would see them: after the prompt.

@@ -20,6 +20,7 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -27,12 +28,19 @@ from typing import Any, Union
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool
 from tqdm.auto import tqdm
 
 from grafting_lens.analysis import metrics
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch
-from grafting_lens.analysis.scoring import SCORE_COLUMNS, TOP_TOKEN_COLUMNS, LastTokenScorer
+from grafting_lens.analysis.scoring import (
+    SCORE_COLUMNS,
+    TOP_TOKEN_COLUMNS,
+    LastTokenScorer,
+    Score,
+    ScoredPass,
+    score_pass,
+)
 from grafting_lens.core.arguments import is_integer, shown
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import (
@@ -142,6 +150,8 @@ def compare_graft_and_patch(
     batch_size: int = 8,
     rows_per_forward: int = 256,
     progress: bool | None = None,
+    score: Any = "first_token",
+    counter: Any = None,
 ) -> pd.DataFrame:
     """Graft and patch the same (positions x pair x layer) configurations; score each example.
 
@@ -162,10 +172,16 @@ def compare_graft_and_patch(
         batch_size: Examples per chunk, each chunk cut to its own longest row.
         rows_per_forward: Rows of one forward pass (at least one configuration of a chunk).
         progress: Show a progress bar over chunks (default: where someone watches).
+        score: What else each row scores, as in :func:`~grafting_lens.graft`
+            (:class:`~grafting_lens.analysis.scoring.Score`): ``"kl"`` compares with
+            ``source`` and recovers from ``target``; under a teacher-forced score (the whole
+            answer, ``kl`` at the answer) the answer's positions are grafted or patched where
+            the prompt's last token is (``answer_sources="last"``).
+        counter: ``score="logit_diff"``'s counter-answer, one or one per example.
 
     Returns:
-        A tidy DataFrame with the columns of :data:`RESULT_COLUMNS`, one row per method,
-        position set, pair, layer and example, in that nesting order, scored at the last token.
+        A tidy DataFrame with the columns of :data:`RESULT_COLUMNS` and the score's, one row
+        per method, position set, pair, layer and example, in that nesting order.
 
     Raises:
         ArgumentTypeError: An argument of the wrong type (``methods=None``, ``source="1"``),
@@ -187,6 +203,8 @@ def compare_graft_and_patch(
         target,
         batch_size,
         rows_per_forward,
+        score,
+        counter,
     )
     scores: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     starts = range(0, len(plan.batch), plan.batch_size)
@@ -235,6 +253,8 @@ class _ComparisonPlan:
         target: int,
         batch_size: int,
         rows_per_forward: int,
+        score: Any,
+        counter: Any,
     ) -> None:
         check_model_set(models)
         self.models = models
@@ -257,6 +277,15 @@ class _ComparisonPlan:
         self.batch = as_batch(tokenized, models)
         self.selections = position_sets(positions, self.batch.spans, self.batch.attention_mask)
         self.scorer = LastTokenScorer(models.tokenizer, top_token=True)
+        self.scored = Score.of(score, donor=max(source, 1), counter=counter)
+        if self.scored.name == "kl":  # the source's distribution, recovered from the target's
+            self.scored = dataclasses.replace(self.scored, donor=source)
+        self.scored.check(len(models), [int(models.base.cfg.d_vocab)])
+        self.counter_ids = (
+            self.scored.counter_ids(self.batch.examples or [], self.batch, models.tokenizer)
+            if self.scored.name == "logit_diff"
+            else None
+        )
         self.configs = [
             _ComparisonConfig(label, pair, layer)
             for label in self.selections
@@ -268,21 +297,22 @@ class _ComparisonPlan:
         rows = self.batch.rows(range(start, stop))
         length = rows.tokens.shape[1]
         selections = {label: s[start:stop, :length] for label, s in self.selections.items()}
-        return _ExampleChunk(start, rows, selections)
+        counters = None if self.counter_ids is None else self.counter_ids[start:stop]
+        laid = self.scored.lay_out(rows, [[s] for s in selections.values()])
+        grown = {label: laid.selections[i][0] for i, label in enumerate(selections)}
+        return _ExampleChunk(start, rows, selections, laid, grown, counters)
 
-    def score(
-        self,
-        logits: Float[torch.Tensor, "rows 1 d_vocab"],
-        target_ids: Int[torch.Tensor, " rows"],
-        examples: Sequence[int],
-    ) -> list[dict[str, Any]]:
-        """One dict per row, from its last token's logits: its example's index and the scores."""
-        scores = self.scorer(logits, target_ids)
-        columns = self.scorer.columns
+    def rows(self, columns: dict[str, list[Any]], examples: Sequence[int]) -> list[dict[str, Any]]:
+        """One dict per row: its example's index and its columns."""
         return [
             {"example": example, **dict(zip(columns, values))}
-            for example, *values in zip(examples, *(scores[c] for c in columns))
+            for example, *values in zip(examples, *columns.values())
         ]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The score columns of every row."""
+        return self.scorer.columns + self.scored.columns
 
     def frame(self, scores: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> pd.DataFrame:
         examples = self.batch.examples
@@ -310,10 +340,10 @@ class _ComparisonPlan:
                             "site": spec.site,
                             "cumulative": spec.cumulative,
                             "layer": config.layer,
-                            **{column: score[column] for column in self.scorer.columns},
+                            **{column: score[column] for column in self.columns},
                         }
                     )
-        return pd.DataFrame(rows, columns=list(RESULT_COLUMNS))
+        return pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *self.scored.columns])
 
 
 def _check_methods(methods: object) -> tuple[str, ...]:
@@ -398,6 +428,9 @@ class _ExampleChunk:
     start: int
     batch: TokenizedExamples
     selections: dict[str, Bool[torch.Tensor, "batch pos"]]
+    laid: ScoredPass  # the pass the score needs: the prompts, or each followed by its answer
+    grown: dict[str, Bool[torch.Tensor, "batch pos"]]  # the selections over the laid-out pass
+    counter_ids: torch.Tensor | None
 
     @property
     def examples(self) -> list[int]:
@@ -412,17 +445,21 @@ def _graft_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
     results: Scores = {}
     for begin in range(0, len(plan.configs), per_pass):
         configs = plan.configs[begin : begin + per_pass]
-        mask = GraftMask.cat([_graft_mask(plan, chunk, config) for config in configs])
-        repeats = len(configs)
-        logits = graft_forward(  # each row's last real token: the unembedding runs there alone
+
+        def masks(selections: Any, shape: tuple[int, int], configs=configs) -> GraftMask:
+            return GraftMask.cat([_graft_mask(plan, chunk, c, shape) for c in configs])
+
+        columns = score_pass(  # each row's scored tokens: the unembedding runs there alone
             plan.models,
-            chunk.batch.tokens.repeat(repeats, 1),
-            mask,
-            attention_mask=chunk.batch.attention_mask.repeat(repeats, 1),
+            plan.scored,
+            chunk.batch,
+            [[chunk.selections[c.positions]] for c in configs],
+            masks,
+            plan.scorer,
+            counter_ids=chunk.counter_ids,
+            base=plan.target,
         )
-        scored = plan.score(
-            logits, chunk.batch.target_ids.repeat(repeats), chunk.examples * repeats
-        )
+        scored = plan.rows(columns, chunk.examples * len(configs))
         for block, config in enumerate(configs):
             key = (config.positions, config.pair.spec.name, config.layer)
             results[key] = scored[block * size : (block + 1) * size]
@@ -430,11 +467,14 @@ def _graft_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
 
 
 def _graft_mask(
-    plan: _ComparisonPlan, chunk: _ExampleChunk, config: _ComparisonConfig
+    plan: _ComparisonPlan,
+    chunk: _ExampleChunk,
+    config: _ComparisonConfig,
+    shape: tuple[int, int],
 ) -> GraftMask:
     """The running checkpoint everywhere, the giving one at the configuration's components."""
     models = plan.models
-    real = chunk.batch.attention_mask
+    real = chunk.laid.attention_mask
     pair = config.pair
     layers = range(config.layer + 1) if pair.spec.cumulative else (config.layer,)
     grafted: set[Key] = {(name, layer) for name in pair.layer_components for layer in layers}
@@ -442,10 +482,9 @@ def _graft_mask(
     if pair.spec.cumulative:
         grafted |= {(name, None) for name in ("embed", "pos_embed") if name in models.components}
     everywhere = real * plan.running
-    here = torch.where(chunk.selections[config.positions], plan.giving, plan.running) * real
+    here = torch.where(chunk.grown[config.positions], plan.giving, plan.running) * real
     entries = {key: here if key in grafted else everywhere for key in models.pairs}
-    batch, length = chunk.batch.tokens.shape
-    return GraftMask.from_dict(models, entries, (int(batch), int(length)))
+    return GraftMask.from_dict(models, entries, shape)
 
 
 def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
@@ -453,28 +492,54 @@ def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
     results: Scores = {}
     labels = list(chunk.selections)
     recorded: list[list[dict[str, Any]]] = []
+    laid, score = chunk.laid, plan.scored
+    reads = laid.logits(1)
+    reference = None
+    if score.name == "kl":  # the target's and the source's own runs, at the scored tokens
+        wholes = [
+            GraftMask.build(plan.models, laid.tokens, source=i, attention_mask=laid.attention_mask)
+            for i in (plan.target, plan.source)
+        ]
+        both = graft_forward(
+            plan.models,
+            laid.tokens.repeat(2, 1),
+            GraftMask.cat(wholes),
+            attention_mask=laid.attention_mask.repeat(2, 1),
+            logits=laid.logits(2),
+        )
+        reference = (both[: len(laid.tokens)], both[len(laid.tokens) :])
 
-    def record(logits: Float[torch.Tensor, "batch 1 d_vocab"]) -> torch.Tensor:
-        recorded.append(plan.score(logits, chunk.batch.target_ids, chunk.examples))
+    def record(logits: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(len(logits))
+        scored = logits if isinstance(reads, str) else logits[rows[:, None], reads]
+        columns = (
+            plan.scorer(logits, chunk.batch.target_ids, laid.attention_mask)
+            if reads == "all"
+            else plan.scorer(scored[:, :1], chunk.batch.target_ids)
+        )
+        values = laid.values(scored, 1, chunk.batch.target_ids, chunk.counter_ids, reference)
+        recorded.append(plan.rows({**columns, **values}, chunk.examples))
         # The sweep may run cells in any order but returns its values in cell order;
         # returning the call's number tells which scores are whose.
         return torch.full((logits.shape[0],), float(len(recorded) - 1))
 
     for site in dict.fromkeys(pair.spec.site for pair in plan.pairs):
-        values, _ = resid_patch_sweep(  # logits="last" by default: the scored token only
+        values, _ = resid_patch_sweep(
             plan.models,
-            chunk.batch.tokens,
-            LastTokenMetric(record),  # reads the last token: no probe (it counts calls)
+            laid.tokens,
+            # the last token alone where that is all a score reads: no probe (it counts calls)
+            LastTokenMetric(record) if reads == "last" else record,
             site=site,
             layers=list(plan.layers),
-            positions=dict(chunk.selections),
+            positions=dict(chunk.grown),
             source=plan.source,
             target=plan.target,
             direction=plan.direction,
-            attention_mask=chunk.batch.attention_mask,
+            attention_mask=laid.attention_mask,
             reduce="none",
             chunk_size=plan.rows_per_forward,
             progress=False,
+            logits="last" if reads == "last" else "all",
         )
         for pair in plan.pairs:
             if pair.spec.site == site:

@@ -50,6 +50,7 @@ from grafting_lens.analysis.attribution import (
     resolve_groups,
 )
 from grafting_lens.analysis.batch import as_batch
+from grafting_lens.analysis.directions import keep_directions
 from grafting_lens.core import ranks
 from grafting_lens.core.arguments import is_number
 from grafting_lens.core.console import progress_line, show_progress
@@ -58,6 +59,7 @@ from grafting_lens.core.errors import (
     AttributionError,
     GraftingLensError,
     check_known,
+    refuse_first,
 )
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.engine.masks import GraftMask
@@ -115,6 +117,8 @@ class MinimalGraft:
         source: The donor's index in the model set.
         seconds: Wall time of the ``search`` (growing the set), the ``prune`` (to
             1-minimal, every step measured) and the ``curve`` (on both sets of prompts).
+        directions: With ``directions=True``, each cell cut to its fewest top directions of
+            the donor's change that still recover ``fraction`` (``keep_directions``).
     """
 
     cells: pd.DataFrame
@@ -128,6 +132,7 @@ class MinimalGraft:
     groups: Mapping[str, Any]
     source: int
     seconds: Mapping[str, float]
+    directions: pd.DataFrame | None = None
 
     def mask(self, models: ModelSet, tokenized: Any) -> GraftMask:
         """The graft of these cells for a batch of prompts (the search's or others), on the
@@ -172,6 +177,7 @@ def find_minimal_graft(
     max_cells: int | None = None,
     prune: bool = True,
     curve_points: int | None = 25,
+    directions: bool = False,
     state: str | os.PathLike | None = None,
     batch_size: int = 16,
     rows_per_forward: int = 64,
@@ -202,6 +208,8 @@ def find_minimal_graft(
         max_cells: Stop after this many cells (default: every candidate).
         prune: Drop cells the result can do without, until it is 1-minimal (checked by an
             exact graft without each cell).
+        directions: Then cut each cell to its fewest directions (``MinimalGraft.directions``,
+            see ``docs/concepts/directions.md``).
         curve_points: How many prefixes of the result the curve measures, evenly spread
             (``None``: every prefix).
         state: A JSON file to keep the search's progress in: a search killed and started
@@ -218,30 +226,42 @@ def find_minimal_graft(
             base on the metric, a bad option, a ``state`` file of another search (and all
             ``attribute_grafts`` refuses).
     """
-    if not isinstance(prune, bool):
-        raise ArgumentTypeError(f"prune={prune!r}: True or False.")
-    if not is_number(fraction) or not 0 < fraction <= 1:
-        raise (AttributionError if is_number(fraction) else ArgumentTypeError)(
-            f"fraction must be a number in (0, 1] (the share of the gap between the base and "
-            f"the donor to recover), got {fraction!r}."
-        )
+    wrong_fraction = (
+        "fraction must be a number in (0, 1] (the share of the gap between the base and the "
+        f"donor to recover), got {fraction!r}."
+    )
+    refuse_first(
+        ArgumentTypeError,
+        [
+            (not isinstance(prune, bool), f"prune={prune!r}: True or False."),
+            (not isinstance(directions, bool), f"directions={directions!r}: True or False."),
+            (not is_number(fraction), wrong_fraction),
+        ],
+    )
+    refuse_first(AttributionError, [(not 0 < fraction <= 1, wrong_fraction)])
     fraction = float(fraction)  # a numpy float too; kept in the result as Python's
     check_known(reference, REFERENCES, "reference", AttributionError)
     check_known(search, SEARCHES, "search", AttributionError)
     check_known(method, METHODS, "method", AttributionError)
-    if beam is not None and search != "greedy":
-        raise AttributionError("beam is a setting of search='greedy'; leave it out.")
+    for name, count in (("proposals", proposals), ("steps", steps)):
+        _check_count(name, count)
+    for name, given in (("beam", beam), ("max_cells", max_cells), ("curve_points", curve_points)):
+        if given is not None:
+            _check_count(name, given)
+    refuse_first(
+        AttributionError,
+        [
+            (
+                beam is not None and search != "greedy",
+                "beam is a setting of search='greedy'; leave it out.",
+            ),
+            (
+                curve_points is not None and curve_points < 2,
+                f"curve_points must be at least 2 (no cells and all of them), got {curve_points}.",
+            ),
+        ],
+    )
     beam = 1 if beam is None else beam
-    for name, value in (("proposals", proposals), ("beam", beam), ("steps", steps)):
-        _check_count(name, value)
-    if max_cells is not None:
-        _check_count("max_cells", max_cells)
-    if curve_points is not None:
-        _check_count("curve_points", curve_points)
-        if curve_points < 2:
-            raise AttributionError(
-                f"curve_points must be at least 2 (no cells and all of them), got {curve_points}."
-            )
     journal = _Journal.open(
         state, search=search, fraction=fraction, reference=reference, method=method
     )
@@ -304,6 +324,10 @@ def find_minimal_graft(
     recovery = float(curve[curve.prompts == "search"]["recovery"].iloc[-1])
     reached = recovery >= fraction
     seconds["curve"] = time.perf_counter() - started
+    kept = None
+    if directions:
+        kept = keep_directions(plan, chosen, fraction=fraction, bottom=scale.bottom, top=scale.top)
+        seconds["directions"] = time.perf_counter() - started - seconds["curve"]
     report.close(f"done: {len(chosen)} cells recover {recovery:.3f}")
     if not reached:
         warnings.warn(
@@ -328,6 +352,7 @@ def find_minimal_graft(
         groups=dict(plan.groups),
         source=source,
         seconds={name: round(value, 3) for name, value in seconds.items()},
+        directions=kept,
     )
 
 
@@ -559,26 +584,23 @@ class _Journal:
             problem = _state_problem(saved, plan)
         except (OSError, ValueError) as error:
             problem = str(error)
+        expected = {**self.settings, "candidates": _candidates_key(plan)}
+        if problem is not None:
+            problem = f"The search's state file {self.path} cannot be used ({problem})"
+        elif saved["settings"] != expected:
+            differences = ", ".join(
+                f"{key} {saved['settings'].get(key)!r} there, {value!r} here"
+                for key, value in expected.items()
+                if saved["settings"].get(key) != value
+            )
+            problem = f"The state file {self.path} belongs to another search ({differences})"
         if problem is not None:
             raise AttributionError(
-                f"The search's state file {self.path} cannot be used ({problem}); give another "
-                "path, or move this one away to start afresh."
+                f"{problem}; give another path, or move this one away to start afresh."
             )
-        settings = saved["settings"]
         saved["cells"] = [_cell(cell) for cell in saved["cells"]]
         if saved["pruned"] is not None:
             saved["pruned"] = tuple(_cell(cell) for cell in saved["pruned"])
-        expected = {**self.settings, "candidates": _candidates_key(plan)}
-        if settings != expected:
-            differences = ", ".join(
-                f"{key} {settings.get(key)!r} there, {value!r} here"
-                for key, value in expected.items()
-                if settings.get(key) != value
-            )
-            raise AttributionError(
-                f"The state file {self.path} belongs to another search ({differences}); give "
-                "another path, or move this one away to start afresh."
-            )
         return saved
 
     def resume(self, search: _Search, saved: dict[str, Any] | None) -> None:

@@ -88,10 +88,10 @@ def column_names(value: object, name: str, example: str) -> list[str]:
         GraftingLensError: No name, a blank one, or one named twice; each naming ``name=``.
     """
     forms = f"a column name or a list of them, e.g. {example}"
-    if not isinstance(value, str) and (
-        isinstance(value, (Mapping, bytes, torch.Tensor)) or not isinstance(value, Iterable)
-    ):
-        raise ArgumentTypeError(f"{name}={shown(value)} cannot be read; give {forms}.")
+    tensor = isinstance(value, torch.Tensor)  # as_texts reads one; a column name is no number
+    refuse_first(
+        ArgumentTypeError, [(tensor, f"{name}={shown(value)} cannot be read; give {forms}.")]
+    )
     names = as_texts(value, name, forms, GraftingLensError)
     twice = [column for column in dict.fromkeys(names) if names.count(column) > 1]
     if twice:
@@ -455,18 +455,22 @@ def _check_ks(ks: object) -> list[int]:
     if is_integer(ks):
         ks = [ks]
     scalar = isinstance(ks, torch.Tensor) and ks.dim() == 0  # a float one: no k, no list
-    if scalar or isinstance(ks, (str, bytes, Mapping)) or not isinstance(ks, Iterable):
-        raise ArgumentTypeError(
-            f"ks= must be an integer or a list of them, e.g. (1, 5); got {shown(ks)}."
-        )
-    given = list(ks)
-    if not given:
-        raise GraftingLensError("ks= holds nothing; give the k of each top-k column, e.g. (1, 5).")
+    unreadable = scalar or isinstance(ks, (str, bytes, Mapping)) or not isinstance(ks, Iterable)
+    refuse_first(
+        ArgumentTypeError,
+        [(unreadable, f"ks= must be an integer or a list of them, e.g. (1, 5); got {shown(ks)}.")],
+    )
+    given = list(ks)  # type: ignore[call-overload]
     for k in given:
         _check_k(k)
     plain = [int(k) for k in given]
-    if len(set(plain)) != len(plain):
-        raise GraftingLensError(f"ks= has repeated values: {plain}; give each k once.")
+    refuse_first(
+        GraftingLensError,
+        [
+            (not plain, "ks= holds nothing; give the k of each top-k column, e.g. (1, 5)."),
+            (len(set(plain)) != len(plain), f"ks= has repeated values: {plain}; give each k once."),
+        ],
+    )
     return plain
 
 

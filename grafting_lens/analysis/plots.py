@@ -48,6 +48,8 @@ __all__ = [
     "plot_accuracy",
     "plot_attribution",
     "plot_comparison",
+    "plot_directions",
+    "plot_dose_response",
     "plot_mean_rank",
     "plot_graft",
     "plot_recovery",
@@ -633,6 +635,115 @@ def plot_recovery(
         fig,
         title if title is not None else "Minimal graft: recovery of the donor's metric",
         legend_title_text="prompts",
+    )
+
+
+def plot_dose_response(
+    table: pd.DataFrame, value: str = "recovery", title: str | None = None
+) -> go.Figure:
+    """A :func:`~grafting_lens.analysis.directions.dose_response` table: ``value``
+    (``"recovery"`` or ``"metric"``) against strength or rank, with its interval as a band.
+
+    Raises:
+        GraftingLensError: Not such a table; ``value`` neither of those.
+    """
+    check_known(value, ("recovery", "metric"), "value")
+    check_text("title", title)
+    axis = "strength" if "strength" in getattr(table, "columns", ()) else "rank"
+    _check_table(
+        table, (axis, value, f"{value}_low", f"{value}_high", "n"), "dose_response table", "table"
+    )
+    x = [display_label(v) if not pd.isna(v) else "all" for v in table[axis]]
+    fig = go.Figure()
+    band = dict(mode="lines", line=dict(width=0), hoverinfo="skip", showlegend=False)
+    fig.add_trace(go.Scatter(x=x, y=table[f"{value}_high"], **band))
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=table[f"{value}_low"], fill="tonexty", fillcolor="rgba(31,119,180,0.2)", **band
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=table[value], mode="lines+markers", name=value, line=dict(color=PALETTE[0])
+        )
+    )
+    fraction = value == "recovery"
+    fig.update_layout(
+        xaxis=dict(
+            title="strength of the change" if axis == "strength" else "directions grafted",
+            type="category" if axis == "rank" else "-",
+        ),
+        yaxis=dict(
+            title="recovery (0 = base, 1 = the whole graft)" if fraction else "metric (mean)",
+            tickformat=".0%" if fraction else None,
+        ),
+    )
+    default = f"Dose-response: {value} against the {axis} of the change"
+    return figure_style(fig, title or default, subtitle(None, table["n"]))
+
+
+def plot_directions(table: pd.DataFrame, tokens: int = 3, title: str | None = None) -> go.Figure:
+    """A :func:`~grafting_lens.analysis.directions.read_directions` table: each direction's
+    share of ``||dW||^2`` as a bar, labelled with its top ``tokens`` tokens (the output
+    side's, else the input side's); one panel per cell, answers found starred.
+
+    Raises:
+        GraftingLensError: Not such a table; ``tokens`` not a count.
+    """
+    check_text("title", title)
+    _check_table(
+        table,
+        ("component", "layer", "direction", "share", "output_top", "input_top"),
+        "read_directions table",
+        "table",
+    )
+    refuse_first(
+        SelectionError,
+        [
+            (
+                not (is_integer(tokens) and tokens >= 1),
+                f"tokens={shown(tokens)}: give a count of 1 or more.",
+            )
+        ],
+    )
+    cells = list(table.groupby(["component", "layer"], sort=False, dropna=False))
+    fig = make_subplots(
+        rows=len(cells),
+        cols=1,
+        subplot_titles=[c if pd.isna(layer) else f"{c}[{layer}]" for (c, layer), _ in cells],
+        vertical_spacing=0.3 / len(cells),
+    )
+    for row, (_, group) in enumerate(cells, 1):
+        words = [
+            ", ".join((out if len(out) else into)[: int(tokens)])
+            for out, into in zip(group["output_top"], group["input_top"])
+        ]
+        found = group["answers_found"] if "answers_found" in group else [[]] * len(group)
+        fig.add_trace(
+            go.Bar(
+                x=group["direction"].astype(str),
+                y=group["share"],
+                text=[w + (" *" if f else "") for w, f in zip(words, found)],
+                textposition="outside",
+                marker_color=PALETTE[0],
+                showlegend=False,
+                hovertemplate="direction %{x}: %{y:.1%} of ||dW||²<br>%{text}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.update_yaxes(
+            title_text="share of ||dW||²",
+            tickformat=".0%",
+            range=[0, 1.25 * float(group["share"].max())],
+            row=row,
+            col=1,
+        )
+        fig.update_xaxes(title_text="direction (largest first)", row=row, col=1)
+    note = "bars: a direction's share of the change; labels: the tokens it writes (or reads)"
+    note += "; *: an answer's token among them" if "answers_found" in table else ""
+    return figure_style(
+        fig, title or "What the change's top directions write", note, height=200 + 260 * len(cells)
     )
 
 

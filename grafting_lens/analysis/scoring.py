@@ -277,6 +277,7 @@ class Score:
             ),
             **({"answer_sources": self.answer_sources} if self.teacher_forced else {}),
             **({"donor": self.donor, "at": self.at} if self.name == "kl" else {}),
+            **({"counter": self.counter} if self.counter is not None else {}),
         }
 
     def counter_ids(self, examples: Sequence[Any], batch: Any, tokenizer: Any) -> torch.Tensor:
@@ -381,10 +382,12 @@ class Score:
                 wide |= after & keep[:, None]
                 extended.append(wide & (grown_mask == 1))
             grown_selections.append(extended)
-        # Read: the prompt's last token and each answer token (the last predicts what follows).
-        offsets = torch.arange(int(counts.max()) + 1)
+        # Read: the prompt's last token and each answer token but the last, which predict the
+        # answer's tokens; kl also reads the last (what follows the answer).
+        after_answer = int(self.name == "kl")
+        offsets = torch.arange(int(counts.max()) + after_answer)
         read = (lengths - 1)[:, None] + offsets[None, :]
-        valid = offsets[None, :] <= counts[:, None]
+        valid = offsets[None, :] < counts[:, None] + after_answer
         read = torch.where(valid, read, (lengths - 1)[:, None])
         answer_ids = torch.zeros((len(rows), int(counts.max())), dtype=torch.long)
         for row, answer in enumerate(answers):
@@ -404,7 +407,8 @@ class ScoredPass:
         selections: Per configuration, each graft's ``[rows, pos]`` positions.
         read: ``[rows, k]``: where the logits are read, the prompt's last token first.
         valid: ``[rows, k]``: which of ``read`` are real (answers differ in length).
-        answer_ids: ``[rows, k - 1]``: each answer's tokens (teacher-forced scores only).
+        answer_ids: ``[rows, n]``: each answer's tokens, padded to the longest (``n = k`` for
+            ``answer_logprob``, ``k - 1`` for ``kl``; teacher-forced scores only).
     """
 
     score: Score
@@ -427,32 +431,29 @@ class ScoredPass:
             return "all"
         return self.read.repeat(blocks, 1) if self.score.teacher_forced else "last"
 
-    def references(self, mask: GraftMask, blocks: int, full: GraftMask) -> list[int | None]:
-        """For the base and ``full`` (the whole donor, one block of rows): the block of
-        ``mask`` that already computes it, or None (its rows must be added)."""
+    def references(
+        self, mask: GraftMask, blocks: int, wholes: Sequence[GraftMask]
+    ) -> list[int | None]:
+        """For each of ``wholes`` (the whole base, the whole donor: one block of rows each):
+        the block of ``mask`` that already computes it, or None (its rows must be added)."""
         rows = self.shape[0]
-        found: list[int | None] = []
-        for whole in (None, full):
-            keys = set(mask.keys()) | set(() if whole is None else whole.keys())
-            found.append(
-                next(
-                    (
-                        block
-                        for block in range(blocks)
-                        if all(
-                            torch.equal(
-                                mask[key][block * rows : (block + 1) * rows],
-                                torch.zeros(self.shape, dtype=torch.long)
-                                if whole is None
-                                else whole[key],
-                            )
-                            for key in keys
+        return [
+            next(
+                (
+                    block
+                    for block in range(blocks)
+                    if all(
+                        torch.equal(
+                            mask[key][block * rows : (block + 1) * rows],
+                            whole[key],
                         )
-                    ),
-                    None,
-                )
+                        for key in set(mask.keys()) | set(whole.keys())
+                    )
+                ),
+                None,
             )
-        return found
+            for whole in wholes
+        ]
 
     def values(
         self,
@@ -494,12 +495,11 @@ class ScoredPass:
         if name == "answer_logprob":
             assert self.answer_ids is not None
             answer = self.answer_ids.repeat(blocks, 1)
-            each = log_probs[:, :-1].gather(2, answer[:, :, None])[:, :, 0]
-            real = valid[:, 1:]  # position j predicts answer token j; the last, what follows
-            total = (each * real).sum(dim=1)
+            each = log_probs.gather(2, answer[:, :, None])[:, :, 0]  # read j predicts token j
+            total = (each * valid).sum(dim=1)
             return {
                 "answer_logprob": total.tolist(),
-                "answer_logprob_mean": (total / real.sum(dim=1)).tolist(),
+                "answer_logprob_mean": (total / valid.sum(dim=1)).tolist(),
             }
         assert reference is not None
         base, donor = (torch.log_softmax(part.float(), dim=-1) for part in reference)
@@ -562,6 +562,7 @@ def score_pass(
     *,
     counter_ids: torch.Tensor | None = None,
     logits: str = "scored",
+    base: int = 0,
 ) -> dict[str, list[Any]]:
     """Every configuration of ``batch``'s rows in one grafted pass, scored: the paper's
     columns (``scorer``'s) and ``score``'s, one value per row, configuration by configuration.
@@ -576,19 +577,27 @@ def score_pass(
         scorer: The paper's columns.
         counter_ids: Each row's counter-answer's first token (``logit_diff``).
         logits: ``"scored"``, or ``"all"`` to unembed every position (the same scores).
+        base: The source ``kl_recovered`` measures from.
     """
     laid = score.lay_out(batch, selections)
     blocks, rows = len(selections), laid.shape[0]
+    limit = models.max_positions
+    if score.teacher_forced and limit is not None and laid.shape[1] > limit:
+        raise ScoreError(
+            f"A prompt and its answer are {laid.shape[1]} tokens, past the {limit} positions "
+            f"the model embeds: shorten the answer, or score its first token "
+            f"(score='first_token', or Score.of('kl', at='last'))."
+        )
     mask = mask_of(laid.selections, laid.shape)
     found: list[int | None] = [None, None]
     added: list[GraftMask] = []
     if score.name == "kl":
-        donor = GraftMask.build(
-            models, laid.tokens, source=score.donor, attention_mask=laid.attention_mask
-        )
-        found = laid.references(mask, blocks, donor)
-        base = GraftMask({}, laid.shape, len(models), donor.lengths)
-        added = [whole for whole, block in zip((base, donor), found) if block is None]
+        wholes = [
+            GraftMask.build(models, laid.tokens, source=i, attention_mask=laid.attention_mask)
+            for i in (base, score.donor)
+        ]
+        found = laid.references(mask, blocks, wholes)
+        added = [whole for whole, block in zip(wholes, found) if block is None]
     total = blocks + len(added)
     every = logits == "all" and score.name == "first_token"
     out = graft_forward(
@@ -620,33 +629,52 @@ def score_metric(
     score: Score, models: Any, batch: Any
 ) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     """``score`` as the attribution's and the minimal-graft search's metric: one
-    differentiable number per prompt from the logits at its last token, higher nearer the
-    donor (``kl``: minus the KL, so that a search's recovery is ``kl_recovered``).
+    differentiable number per prompt, higher nearer the donor (``kl``: minus the KL, so that a
+    search's recovery is ``kl_recovered``).
+
+    A teacher-forced score (``answer_logprob``, ``kl`` at the answer) reads rows laid out by
+    :meth:`Score.lay_out` (each prompt followed by its answer), from every position's logits;
+    the others read each row's last token.
 
     Args:
-        score: ``"first_token"`` (the answer's log-probability), ``"logit_diff"``,
-            ``"kl"`` at the last token (``Score.of("kl", at="last")``) or a function.
+        score: Any :class:`Score` (``"first_token"``: the answer's first token's
+            log-probability).
         models: The model set (``kl`` runs the donor on each prompt once, cached).
         batch: The batch the metric will score rows of (``logit_diff``: its counters).
-
-    Raises:
-        ScoreError: A score that reads the answer's tokens after the prompt
-            (``answer_logprob``, ``kl`` at the answer): the attribution reads the last token.
     """
-    if score.teacher_forced:
-        raise ScoreError(
-            f"score={score.name!r} reads the answer's tokens after each prompt; the attribution "
-            "and the search read each prompt's last token: use 'first_token', 'logit_diff', "
-            "Score.of('kl', at='last') or a function."
-        )
+    forced = score.teacher_forced
+    after_answer = int(score.name == "kl")
 
-    def final(logits: torch.Tensor, rows: Any) -> torch.Tensor:
-        return metrics.last_token_logits(logits, rows.attention_mask).float().log_softmax(-1)
+    def final(logits: torch.Tensor, rows: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities where the score reads, ``[rows, k, d_vocab]``, and which are real."""
+        if not forced:
+            last = metrics.last_token_logits(logits, rows.attention_mask)
+            return last.float().log_softmax(-1)[:, None], torch.ones(len(last), 1, dtype=torch.bool)
+        counts = torch.tensor([len(answer) for answer in rows.target_full_ids])
+        start = rows.attention_mask.sum(dim=1) - counts - 1  # the prompt's last token
+        offsets = torch.arange(int(counts.max()) + after_answer)
+        valid = offsets[None, :] < counts[:, None] + after_answer
+        read = torch.where(valid, start[:, None] + offsets[None, :], start[:, None])
+        picked = logits[torch.arange(len(read))[:, None], read.to(logits.device)]
+        return picked.float().log_softmax(-1), valid.to(logits.device)
 
     if score.name == "first_token":
-        return lambda logits, rows: final(logits, rows).gather(1, rows.target_ids[:, None])[:, 0]
+        return lambda logits, rows: final(logits, rows)[0][:, 0].gather(
+            1, rows.target_ids[:, None].to(logits.device)
+        )[:, 0]
     if score.name == "function":
         return lambda logits, rows: function_values(score, logits, rows.attention_mask)
+    if score.name == "answer_logprob":
+
+        def whole_answer(logits: torch.Tensor, rows: Any) -> torch.Tensor:
+            log_probs, valid = final(logits, rows)
+            ids = torch.zeros(valid.shape, dtype=torch.long)
+            for row, answer in enumerate(rows.target_full_ids):
+                ids[row, : len(answer)] = torch.tensor(answer)
+            each = log_probs.gather(2, ids[:, :, None].to(log_probs.device))[:, :, 0]
+            return (each * valid).sum(dim=1)
+
+        return whole_answer
     if score.name == "logit_diff":
         counters = score.counter_ids(batch.examples, batch, models.tokenizer).tolist()
         counter_of = {id(example): c for example, c in zip(batch.examples, counters)}
@@ -668,10 +696,20 @@ def score_metric(
                 models, rows.tokens, source=score.donor, attention_mask=rows.attention_mask
             )
             with torch.no_grad():
-                own = graft_forward(models, rows.tokens, whole, attention_mask=rows.attention_mask)
-            for key, row in zip(keys, own[:, 0].float().log_softmax(-1).cpu()):
-                donors[key] = row
-        donor = torch.stack([donors[key] for key in keys]).to(logits.device)
-        return -(donor.exp() * (donor - final(logits, rows))).sum(dim=-1)
+                own = graft_forward(
+                    models,
+                    rows.tokens,
+                    whole,
+                    attention_mask=rows.attention_mask,
+                    logits="all" if forced else "last",
+                )
+            read, real = final(own, rows)
+            for key, row, count in zip(keys, read.cpu(), real.sum(dim=1).tolist()):
+                donors[key] = row[:count]  # its own positions: chunks pad to their longest
+        run, valid = final(logits, rows)
+        donor = torch.zeros_like(run)
+        for row, key in enumerate(keys):
+            donor[row, : len(donors[key])] = donors[key].to(run.device)
+        return -((donor.exp() * (donor - run)).sum(dim=-1) * valid).sum(dim=1)
 
     return minus_kl

@@ -1,19 +1,9 @@
 """What counts as a number, or a list, where a user passes one.
 
-A count or a fraction often comes out of numpy, pandas or torch, and ``isinstance(np.float32(0.9),
-float)`` is false: a check written with ``isinstance`` would refuse it, naming its range.
-Every check of a user's number asks these functions instead. A torch scalar is a 0-d tensor
-(``tensor.argmax()``); a tensor with elements is not a number. ``bool`` is refused by all:
-``True`` where a count belongs is a mistake, not a 1.
-
-A list of texts (prompts, answers, names) comes as a list, a tuple, a numpy array, a pandas
-Series or a generator: :func:`as_list` takes each, and refuses a mapping, whose iteration
-gives its keys, by the argument's name. A value of the wrong type altogether is an
-:class:`~grafting_lens.core.errors.ArgumentTypeError` at every door.
-
-A table comes as a DataFrame, records (a list of dicts, as a JSON file gives) or a Hugging Face
-``datasets.Dataset``: :func:`as_table` reads each, and :func:`check_table` refuses a column
-named twice, whose ``table[name]`` is a table.
+Every check of a user's number (:func:`is_integer`, :func:`is_number`), list of texts
+(:func:`as_list`, :func:`as_texts`) or table (:func:`as_table`, :func:`check_table`) goes
+through here, so numpy, pandas and torch values pass and a ``bool`` never counts as a number.
+The forms each takes: the docs page "Errors", section "A user's numbers".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """What differs between the releases this library runs on, and the checks that catch the next difference.
 
-- **The cache under the name each release takes.** transformers 5.24 renamed the key/value
-  cache argument of ``forward`` from ``past_key_values`` to ``cache``; TransformerLens
-  4.3's attention bridges still look for ``past_key_values`` only, so under 5.24 a
-  continued pass would silently attend over its own tokens alone.
-  :func:`cached_forward_kwargs` names the cache as the model's ``forward`` declares it, and
-  :func:`cache_visible` shows it to the bridges under the name they read, for one cached
-  run on one model (no class of TransformerLens is patched).
-- **Canaries.** A path that continues a pass over a cache checks it once per model against a
-  plain forward (:func:`check_cache_continuation`), and raises
-  :class:`~grafting_lens.core.errors.DependencyError` naming the installed releases when they
-  disagree: a new release can make a run fail, never a number silently wrong.
+The cache is named as each model's ``forward`` declares it (:func:`cached_forward_kwargs`,
+:func:`cache_visible`), and every path that continues a pass over a cache checks it once per
+model against a plain forward (:func:`check_cache_continuation`): a new release can make a run
+fail, never a number silently wrong. Why: the docs page "Errors", section "Releases of the
+dependencies".
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """The directories grafting-lens writes: complete or absent, and never anyone else's files.
 
-A world, a converted checkpoint or a fetched file is written into a temporary sibling and
-renamed into place, so that a killed process never leaves something that looks finished.
-Renaming into place replaces what stands there, and the old directory is deleted: the one
-step where a library can destroy a user's work (a target that is the GGUF's own folder, a
-checkpoint directory converted into itself, a cache option naming a home directory). So
-every directory grafting-lens makes carries a marker file, :data:`MARKER`, and the only
-directories it ever replaces or deletes carry one that accounts for their content:
-
-* a **working** directory (a build in progress, a temporary sibling) is the library's
-  whole: the marker was written when it was made, before anything else was;
-* a **sealed** directory (a converted checkpoint, a built world) has a marker listing the
-  files written into it; a file beside them (a user's notes, a copied GGUF) makes the
-  directory the user's as well, and it is refused.
-
-An empty directory is replaced freely: nothing in it can be lost. A target that is,
-contains or lies inside the source of what is written into it is refused before anything
-is read (:func:`check_apart`).
-
-Two processes making one cache entry take turns (:func:`waiting_lock`): the second waits,
-then finds the first's result and uses it. What a killed one left beside the entry is no
-one's once the lock is held, and goes (:func:`remove_abandoned`).
-
-Every refusal is a :class:`~grafting_lens.core.errors.WorldCacheError` naming the path,
-what is wrong and the fix; an operating-system error on the way (a cache that is a file, a
-read-only disk, a directory where a file belongs) becomes one too (:func:`cache_errors`).
+Everything is written into a temporary sibling and renamed into place; the only directories ever
+replaced or deleted carry a :data:`MARKER` that accounts for their content. Every refusal is a
+:class:`~grafting_lens.core.errors.WorldCacheError` naming the path and the fix. Why, and the
+rules: the docs page "Data, batches, worlds, finetuning", section "Directories the library
+writes".
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional, Union
 
-from grafting_lens.core.errors import GraftingLensError, WorldCacheError
+from grafting_lens.core.errors import WorldCacheError
 from grafting_lens.core.files import atomic_write, cannot_write, check_writable
 
 __all__ = [
@@ -232,12 +212,8 @@ def check_cache_dir(path: PathLike, what: str = "The cache directory") -> Path:
     Raises:
         WorldCacheError: It is a file, lies under one, or cannot be written.
     """
-    try:
-        return check_writable(path, what)
-    except GraftingLensError as error:
-        raise WorldCacheError(
-            f"{error} Pass --cache-dir (cache_dir=) or set GRAFTING_LENS_CACHE to another one."
-        ) from None
+    fix = "Pass --cache-dir (cache_dir=) or set GRAFTING_LENS_CACHE to another one."
+    return check_writable(path, what, WorldCacheError, fix)
 
 
 @contextlib.contextmanager
@@ -246,11 +222,12 @@ def cache_errors(what: str, path: PathLike) -> Iterator[None]:
     try:
         yield
     except OSError as error:
-        if isinstance(error, FileExistsError) and Path(error.filename or path).is_dir():
-            raise WorldCacheError(
-                f"{what} {path} exists already; grafting-lens makes it new. {_FIX}"
-            ) from None
-        raise WorldCacheError(str(cannot_write(what, path, error))) from None
+        exists = isinstance(error, FileExistsError) and Path(error.filename or path).is_dir()
+        raise WorldCacheError(
+            f"{what} {path} exists already; grafting-lens makes it new. {_FIX}"
+            if exists
+            else str(cannot_write(what, path, error))
+        ) from None
 
 
 @contextlib.contextmanager

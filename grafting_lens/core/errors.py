@@ -1,38 +1,9 @@
 """The exceptions grafting-lens raises on purpose, all in this one room.
 
-Every error a user can meet names the problem and the fix. An argument of a
-usable type but an unusable value raises a subclass of :class:`GraftingLensError`,
-which is also a :class:`ValueError`, so ``except ValueError`` keeps working for code
-that does not care which. An argument of the wrong type altogether (a number where
-a checkpoint is expected, a slow tokenizer where offsets are needed) raises
-:class:`ArgumentTypeError`, a :class:`TypeError` as Python's own functions raise, and a
-:class:`GraftingLensError` too.
-
-The hierarchy, one class per thing that can go wrong:
-
-    GraftingLensError
-    ├── ArgumentTypeError   an argument of the wrong type (also a TypeError)
-    ├── AlignmentError      the checkpoints cannot be grafted together
-    │   └── AdapterError    an adapter grafting-lens cannot compute, or made for another base
-    ├── ComponentError      an unknown component, or one the architecture lacks
-    ├── GraftMaskError      a graft mask does not fit the model set or the tokens
-    │   ├── SelectionError  positions, spans or layers cannot be selected
-    │   └── TokenError      token ids the model set cannot run
-    ├── BatchError          a tokenized batch is malformed
-    ├── GraftingError       a grafted run asked for something the single pass cannot do
-    ├── NonFiniteLogitsError  logits to be scored hold NaN or infinite values
-    ├── PatchingError       a patch or sweep the model set or tokens cannot give
-    ├── AttributionError    a graft attribution or graft search that cannot be run
-    ├── ExperimentError     an unknown or malformed experiment, configuration or test set
-    ├── RunError            a run or output directory cannot be used
-    ├── ToyWorldError       the shipped toy world is damaged
-    ├── WorldSourceError    a real model's weights cannot be fetched, are damaged or are foreign
-    ├── WorldCacheError     where a world or a converted checkpoint goes cannot be used
-    └── DependencyError     an installed release computes something this library does not expect
-
-:class:`SelectionError` and :class:`TokenError` derive from :class:`GraftMaskError`
-because selections and tokens were reported as mask errors before they had names
-of their own: ``except GraftMaskError`` keeps catching them.
+Every error a user can meet names the problem and the fix. A usable type with an unusable value
+raises a subclass of :class:`GraftingLensError` (also a :class:`ValueError`); a wrong type
+altogether raises :class:`ArgumentTypeError` (also a :class:`TypeError`). The hierarchy, one
+class per thing that can go wrong, and a page per error: ``docs/errors/index.md``.
 """
 
 from __future__ import annotations

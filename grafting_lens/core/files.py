@@ -95,9 +95,8 @@ def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> I
             os.close(handle)
         if temporary and os.path.exists(temporary):
             os.unlink(temporary)
-        if error.errno in _NO_ROOM:
-            raise cannot_write("The file", path, error, RESUMES) from None
-        raise
+        no_room = error.errno in _NO_ROOM
+        raise (cannot_write("The file", path, error, RESUMES) if no_room else error) from None
     try:
         yield temporary
     finally:
@@ -105,13 +104,18 @@ def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> I
             os.unlink(temporary)
 
 
-def check_writable(path: str | os.PathLike, what: str = "The output directory") -> Path:
+def check_writable(
+    path: str | os.PathLike,
+    what: str = "The output directory",
+    refusal: type[GraftingLensError] = GraftingLensError,
+    fix: str = "",
+) -> Path:
     """Check, without creating anything, that files can be written in the directory ``path``
     (or, when it does not exist, in its nearest existing parent); return it, ``~`` expanded.
 
     Raises:
-        GraftingLensError: ``path`` is empty, is a file or lies under one, or cannot be
-            written; ``what`` names it in the message.
+        GraftingLensError: ``refusal``: ``path`` is empty, is a file or lies under one, or cannot
+            be written; ``what`` names it in the message, ``fix`` ends it.
     """
     target = Path(path).expanduser()
     existing = next(p for p in (target, *target.parents) if p.exists() or p == p.parent)
@@ -133,7 +137,7 @@ def check_writable(path: str | os.PathLike, what: str = "The output directory") 
                 f"({error.strerror or error}){made}. Choose a directory you can write to"
             )
     if problem:
-        raise GraftingLensError(f"{what} {problem}.")
+        raise refusal(f"{what} {problem}." + (f" {fix}" if fix else ""))
     return target
 
 
@@ -221,15 +225,13 @@ class DirectoryLock:
         from grafting_lens.core.ranks import current
 
         ranks = current() if self.shared else None
-        try:
+        with writing(self.what, self.directory):
             whole = self.directory.absolute()
             made = [d for d in (whole, *whole.parents) if not d.exists()]
             self.directory.mkdir(parents=True, exist_ok=True)
             key = self.directory.resolve()
             if key not in _HELD:
                 _HELD[key] = [self._take(ranks, made), 0, made]
-        except OSError as error:
-            raise cannot_write(self.what, self.directory, error) from None
         _HELD[key][1] += 1
         self._key = key
         return self
@@ -240,14 +242,14 @@ class DirectoryLock:
         deadline = time.monotonic() + 2
         while True:
             handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            taken: Literal[True] | dict[str, Any] | None | Literal[False] = False
             try:
                 taken = self._lock_file(handle, ranks, made)
-            except BaseException:
-                os.close(handle)
-                raise
+            finally:
+                if taken is not True:
+                    os.close(handle)
             if taken is True:
                 return handle
-            os.close(handle)
             # A rank of this job may be between taking the lock and opening it to the others.
             if taken is None or (ranks is not None and time.monotonic() < deadline):
                 time.sleep(0 if taken is None else 0.02)

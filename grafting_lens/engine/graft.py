@@ -1,62 +1,16 @@
 """Dynamic weight grafting: run the base model with other checkpoints' weights per position.
 
-What a graft computes
----------------------
-A :class:`~grafting_lens.GraftMask` says, for every component, layer and token
-position, which checkpoint's weights compute that position. The paper runs this
-literally: one forward pass per token, the weights of every component swapped to
-the ones the mask names for that token, and a KV cache so later tokens attend over
-keys and values each earlier token computed under *its own* weights (a
-mixed-origin cache). :func:`graft_forward_reference` does exactly that. It is slow
-and obviously correct, and it is the oracle the fast path is tested against.
-
-Why one pass gives the same logits
-----------------------------------
-In a decoder-only transformer only attention mixes positions, and it does so
-without weights: ``softmax(q k^T) v`` over the queries, keys and values the
-projections produced. Everything with weights (embeddings, norms, the Q/K/V/O
-projections, the MLP matrices, the unembedding) acts on each position alone. So
-computing, in one ordinary causal forward pass, every weighted component's output
-at position ``t`` with the weights the mask names for ``t`` yields the same keys
-and values at every position as the token-by-token run, hence the same attention,
-hence the same logits. :func:`graft_forward` does this, batched over examples and
-configurations (one mask row each).
-
-How it is done
---------------
-TransformerLens's ``TransformerBridge`` wraps each component in a bridge module
-whose ``original_component`` does the arithmetic (the bridge splits fused QKV
-projections into separate Q, K and V modules). Inside :func:`grafting`, each slot
-of each grafted component (see :mod:`grafting_lens.models.components`: a bridge
-component, or a plain module inside one such as a mixture-of-experts block's
-``experts``) is given a dispatcher through the bridge's public
-``set_original_component``. The dispatcher finds the window's positions in what
-it receives (``[batch, pos, ...]``, ``[batch, heads, pos, d_head]`` where the
-bridge declares it, or flattened ``[batch * pos, ...]``), takes out the positions
-assigned to each source from the input and every argument laid out the same way
-(by slices where they form runs, as the paper's spans do, else by index: see
-:class:`~grafting_lens.engine.routing.Plan`), runs that source's module on them, and
-puts the results back; anything it cannot route is refused with the module named. The
-bridge's hooks fire as usual, so ``run_with_cache``, hooks and every
-TransformerLens tool see the grafted run. On exit (also after an exception) the
-base is restored.
-
-Each source is asked for its module for a slot (:meth:`Source.module
-<grafting_lens.models.sources.Source.module>`), and only where the mask uses that source:
-a checkpoint in memory answers with the module in its own tree, a LoRA adapter
-with the base's module plus its factors, a lazily loaded donor with a module it
-reads from disk on that first request and keeps (see :mod:`grafting_lens.models.sources`).
-A mask that takes a pair from a donor outside what :func:`~grafting_lens.load_models`
-was told would be grafted (``components=`` / ``layers=``) is refused before
-anything runs or loads.
-
-The components' *modules* are swapped, not their parameter values, which is why
-tied embeddings stay untied under a graft: grafting ``embed`` runs the donor's
-embedding module at those positions and never touches the unembedding. (The
-paper's released code copies parameter values instead, so on a tied model a
-position whose embedding it grafts is also decoded by the donor's unembedding; a
-mask says that by grafting ``unembed`` there too, which the experiments'
-``REFERENCE`` semantics does: see :class:`grafting_lens.study.semantics.Semantics`.)
+A :class:`~grafting_lens.GraftMask` names, per component, layer and token position, the
+checkpoint whose weights compute that position. :func:`graft_forward_reference` runs the
+paper's procedure literally (one token at a time over a mixed-origin KV cache): slow,
+obviously correct, the oracle. :func:`graft_forward` computes the same logits in one batched
+causal pass, because only attention mixes positions and it has no weights (the argument:
+docs/concepts/equivalence.md). Inside :func:`grafting` each grafted slot of the bridge tree
+holds a dispatcher (``set_original_component``) that runs each source's module on the
+positions assigned to it and puts the results back, so every TransformerLens hook and tool
+sees the grafted run; the base is restored on exit. Sources answer for their modules
+(:mod:`grafting_lens.models.sources`); modules are swapped, not parameter values, so tied
+embeddings stay untied under a graft (docs/concepts/grafts.md, "Tied embeddings").
 """
 
 from __future__ import annotations
@@ -94,6 +48,7 @@ from grafting_lens.engine.routing import (
     position_shape,
 )
 from grafting_lens.models.components import COMPONENTS, Slot
+from grafting_lens.models.lora_source import LoraLinear
 from grafting_lens.models.model_set import ModelSet, check_model_set, token_ids
 
 # Bridge options under which attention code reads projection weights directly,
@@ -142,6 +97,18 @@ class SourceDispatch(Dispatch):
             return self.sources[plan.single](*args, **kwargs)
         if self.key[0] in PICKED:
             return self._pick(plan, args, kwargs)
+        base = self.sources[0]
+        if (  # every source is the base's linear layer plus a low-rank update: one product
+            len(args) == 1
+            and not kwargs
+            and not torch.is_grad_enabled()
+            and all(
+                m is base or (isinstance(m, LoraLinear) and m._modules["base_layer"] is base)
+                for m in (self.sources[source] for source, _ in plan.parts)
+            )
+            and (layout := self.layout(args[0])) is not None
+        ):
+            return self._updated(plan, layout, args[0])
         tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.dim()]
         layout = self.layout(tensors[0] if tensors else None)
         for other in tensors[1:]:  # routed with the input's rows: laid out as the input
@@ -157,6 +124,18 @@ class SourceDispatch(Dispatch):
             # A linear part through oneDNN on a CPU: two products on half the rows cost less there.
             outputs.append(products.call(self.sources[source], taken_args, taken_kwargs))
         return self._merge(plan, layout, outputs)
+
+    def _updated(self, plan: Plan, layout: Layout, x: torch.Tensor) -> torch.Tensor:
+        """The base's product on every row, each source's low-rank update added on its rows:
+        a rank-k graft costs the plain forward plus ``k (d_in + d_out)`` per grafted row."""
+        output = products.call(self.sources[0], [x], {})  # a split slot's kernel (products.py)
+        rows, inputs = layout.rows(output), layout.rows(x)
+        for part, (source, index) in enumerate(plan.parts_on(rows.device)):
+            module = self.sources[source]
+            if isinstance(module, LoraLinear):
+                update = module.update(plan.take(inputs, part))
+                rows = rows.index_add(0, index, update.to(rows.dtype))
+        return layout.restore(rows, layout.pos_dim is not None)
 
     def _merge(self, plan: Plan, layout: Layout, outputs: list[Any]):
         """Put each source's outputs (a tensor, or a tuple of them) back into place."""

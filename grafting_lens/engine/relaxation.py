@@ -1,50 +1,21 @@
 """The relaxed graft: components mixed per position between two checkpoints, differentiably.
 
-A graft switches a component at a position from one checkpoint to another: its output
-is either the base's module's or the donor's. The *relaxation* puts a continuous weight
-between the two. Inside :func:`relaxing`, every relaxed ``(component, layer)``
-computes, at each position ``[b, t]``,
+Inside :func:`relaxing` every relaxed ``(component, layer)`` computes, at each position,
+``lerp(current_out, source_out, weight[b, t])``: ``current_out`` what the slot computes in
+the run as it stands (the base's module, or an enclosing graft's), ``source_out`` the other
+checkpoint's module on the same input. ``torch.lerp`` returns its ends to the last bit, so
+weight 0 is the run as it stands and 1 the graft; weights that require gradients give every
+cell's effect from one backward pass (:func:`~grafting_lens.analysis.attribution.attribute_grafts`).
+For an output affine in its weights this is the graft of interpolated weights; a
+mixture-of-experts router is relaxed as a mixture of the two routings; any other output
+that is not floating point and differs between the checkpoints is refused with the module
+named (docs/concepts/attribution.md, "The relaxation").
 
-    out = lerp(current_out, source_out, weight[b, t])
-        = current_out + weight[b, t] * (source_out - current_out)
-
-where ``current_out`` is what the slot computes in the run as it stands (the base's
-module, or the graft of an enclosing :func:`~grafting_lens.engine.graft.grafting` block) and
-``source_out`` what the other checkpoint's module computes from the same input.
-``torch.lerp`` returns its start at a weight of 0 and its end at 1 to the last bit, so
-a weight of 0 is the run as it stands and a weight of 1 is the graft, exactly (up to
-the kernel a grafted product runs on: the graft engine computes the donor's rows
-alone, here every row). The weights may require gradients: that is how
-:func:`~grafting_lens.analysis.attribution.attribute_grafts` gets every cell's effect from one
-backward pass.
-
-For a component whose output is affine in its weights (every linear layer, every
-norm's scale and bias, an embedding) mixing the outputs is the same as running the
-component with interpolated weights, ``W_base + weight * (W_donor - W_base)``; the
-tests use that to check the gradient against finite differences of exact grafts of
-interpolated checkpoints. A component made of several slots (a mixture-of-experts
-shared expert) is mixed slot by slot with one weight, which agrees with the graft at
-0 and 1. A mixture-of-experts router chooses experts, which cannot be interpolated; it
-is relaxed as a mixture of the two *routings*: every expert gets the mixed weight of
-the two routers' top-k weights (zero where a router did not choose it), so the experts'
-output is ``lerp(output under one routing, output under the other, weight)``, exact at
-0 and 1 (every expert then computes every row where a router is relaxed). Any other
-output that is not floating point and differs between the checkpoints is refused with
-the module named.
-
-How it is done
---------------
-Each slot of each relaxed component (see :mod:`grafting_lens.models.components`) is given a
-mixing module, a :class:`~grafting_lens.engine.routing.Dispatch` as the graft's are. It calls what the slot held (so a relaxation sits on top of a graft) and the
-other checkpoint's module on the slot's whole input, finds the positions in each
-output with the graft engine's own layouts (``[batch, pos, ...]``, per-head
-``[batch, heads, pos, d_head]`` where the bridge declares it, flattened rows), and
-mixes. Norm bridges that apply their scale and bias themselves read a mixed scale per
-position: a norm's output is affine in them, so that is the same mixture. The
-bridge's hooks fire as usual, so ``run_with_cache`` and ``run_with_hooks`` see the
-relaxed run, and a hook that edits it changes the gradient. On exit (also after an
-exception) the slots are restored.
-
+Each relaxed slot holds a mixing :class:`~grafting_lens.engine.routing.Dispatch` that calls
+what the slot held and the other checkpoint's module on the whole input and mixes with the
+graft engine's own layouts; norm bridges that apply their scale and bias themselves read a
+mixed scale per position. Hooks fire as usual (a hook that edits the run changes the
+gradient); on exit, also after an exception, the slots are restored.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """LoRA adapters as donors: the base's weights and the adapter's factors, never a merged copy.
 
-A LoRA adapter (PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``) adds to a
-linear layer ``W`` of the base ``B A x * scale``, with ``A`` ``[r, d_in]``, ``B`` ``[d_out,
-r]`` and ``scale = lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA). Merging it would make a
-second full model; a graft needs none: an adapted component computes ``W x + B A x * scale``
-from the base's own weight (:mod:`grafting_lens.models.lora_source`), any other is the
-base's module itself.
-
-PEFT names the modules it adapts by their place in the Hugging Face model; each is found in
-the base by name, then in the bridge tree by identity: a component's module is replaced by
-its LoRA form, a fused projection the bridge splits (GPT-2's ``c_attn``) gives each split
-module the rows of ``B`` the bridge's own split function assigns it, and a module inside a
-component's (one expert's projection) is replaced in a copy. An adapted embedding scales its
-update like the base's lookup, as PEFT does; ``modules_to_save`` replace the parameters of
-their own modules only (a saved ``lm_head`` on tied embeddings leaves the lookup alone).
-
-Only what PEFT computes as ``W x + B A x * scale`` on the base's own ``W`` is grafted.
-Other methods and variants (DoRA, LoRA biases), initialisations that rewrite ``W`` when PEFT
-loads the adapter (PiSSA, OLoRA...), configs whose rank disagrees with the factors, files
-without tensors, and adapters made for another base are refused with
-:class:`~grafting_lens.core.errors.AdapterError`, naming the fix.
+An adapted component computes ``W x + B A x * scale`` from the base's own weight
+(:mod:`grafting_lens.models.lora_source`); anything PEFT does not compute that way on the base's
+``W`` is an :class:`~grafting_lens.core.errors.AdapterError` naming the fix. How PEFT's modules
+are found in the bridge, and what is refused: the docs page "Models", section "LoRA adapters".
 """
 
 from __future__ import annotations
@@ -131,12 +115,7 @@ class LoraAdapter:
              if (path / name).is_file()),
             None,
         )  # fmt: skip
-        tensors = _read_weights(file) if file is not None else {}
-        if not tensors:  # PEFT would leave the factors as initialised: the base itself
-            raise AdapterError(
-                f"{file or path} holds no adapter tensors (adapter_model.safetensors or .bin "
-                f"beside adapter_config.json, a link to nothing?). {RESAVE}"
-            )
+        tensors = _read_weights(file, path)
         named, saved = _without_adapter_names(tensors, str(file))
         adapter = cls(path.name, config, named, saved)
         adapter.check_supported()
@@ -306,14 +285,16 @@ def _read_config(file: Path) -> dict[str, Any]:
     return config
 
 
-def _read_weights(file: Path) -> dict[str, torch.Tensor]:
-    """An adapter's weights file, or an error naming the file and the fix."""
+def _read_weights(file: Path | None, directory: Path) -> dict[str, torch.Tensor]:
+    """An adapter's weights file (``None``: none in ``directory``), or an error naming the file
+    and the fix."""
+    tensors: Any = {}
+    problem, unsafe = None, False
     try:
-        if file.suffix == ".safetensors":
+        if file is not None and file.suffix == ".safetensors":
             tensors = load_file(str(file))
-        else:
+        elif file is not None:
             tensors = torch.load(file, map_location="cpu", weights_only=True)
-        problem, unsafe = None, False
         if not isinstance(tensors, dict) or not all(
             isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in tensors.items()
         ):
@@ -321,14 +302,21 @@ def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     except (pickle.UnpicklingError, SafetensorError, OSError, RuntimeError, EOFError, ValueError) as error:  # fmt: skip
         problem = f"{type(error).__name__}: {error}"
         unsafe = isinstance(error, pickle.UnpicklingError) and "weights only" in str(error).lower()
-    if problem is not None:
-        raise AdapterError(
-            unsafe_pickle(str(file))
-            if unsafe
-            else f"{file} cannot be read as adapter weights ({problem}): it is truncated or "
-            "damaged (an interrupted download or save). Save or download the adapter again."
+    if unsafe:
+        message = unsafe_pickle(str(file))
+    elif problem is not None:
+        message = (
+            f"{file} cannot be read as adapter weights ({problem}): it is truncated or damaged "
+            "(an interrupted download or save). Save or download the adapter again."
         )
-    return tensors
+    elif not tensors:  # no factors: PEFT would leave the base itself
+        message = (
+            f"{file or directory} holds no adapter tensors (adapter_model.safetensors or .bin "
+            f"beside adapter_config.json, a link to nothing?). {RESAVE}"
+        )
+    else:
+        return tensors
+    raise AdapterError(message)
 
 
 def _without_adapter_names(

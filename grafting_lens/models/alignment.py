@@ -48,12 +48,22 @@ compared; every other field (nested ones too, ``rope_parameters.rope_theta``) mu
 
 def check_alignment(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
     """Refuse a donor loaded whole that is not the base's network (see the module docstring)."""
-    _check_architecture(base, other.original_model.config, label)
-    _check_hf_config(base.original_model.config, other.original_model.config, label)
-    _check_tensors(_shapes(base), _shapes(other), label)
-    check_placement(base.original_model, other.original_model, label)
-    _check_buffers(base, other, label)
+    config = other.original_model.config
+    _refuse_first_problem(
+        _check_architecture(base, config, label),
+        _check_hf_config(base.original_model.config, config, label),
+        _check_tensors(_shapes(base), _shapes(other), label),
+        _placement_problem(base.original_model, other.original_model, label),
+        _check_buffers(base, other, label),
+    )
     check_vocabulary(base.tokenizer, other.tokenizer, label)
+
+
+def _refuse_first_problem(*problems: str | None) -> None:
+    """Refuse with the first of the checks' problems (each ``None`` when the check passes)."""
+    problem = next((problem for problem in problems if problem), None)
+    if problem:
+        raise AlignmentError(problem)
 
 
 def check_lazy_alignment(
@@ -69,8 +79,6 @@ def check_lazy_alignment(
     casts every tensor to the base's. Tensors transformers converts on load (experts stored
     apart) are not the model's: the base's they would become are missing.
     """
-    _check_architecture(base, config, label)
-    _check_hf_config(base.original_model.config, config, label)
     buffers = {
         prefix + name
         for prefix, m in checkpoint_modules(base.original_model)
@@ -87,7 +95,11 @@ def check_lazy_alignment(
         name: f"{tuple(p.shape)}" + ("" if dtype else f" in {p.dtype}")
         for name, p in checkpoint_parameters(base.original_model)
     }
-    _check_tensors(expected, found, label, lazy=True)
+    _refuse_first_problem(
+        _check_architecture(base, config, label),
+        _check_hf_config(base.original_model.config, config, label),
+        _check_tensors(expected, found, label, lazy=True),
+    )
 
 
 def check_placement(base: nn.Module, other: nn.Module, label: str) -> None:
@@ -102,6 +114,10 @@ def check_placement(base: nn.Module, other: nn.Module, label: str) -> None:
     Raises:
         AlignmentError: Naming the first tensor placed otherwise, and the fix.
     """
+    _refuse_first_problem(_placement_problem(base, other, label))
+
+
+def _placement_problem(base: nn.Module, other: nn.Module, label: str) -> str | None:
     mine = dict(_floating(base))
     devices = {tensor.device for tensor in mine.values()}
     for name, tensor in _floating(other):
@@ -116,11 +132,12 @@ def check_placement(base: nn.Module, other: nn.Module, label: str) -> None:
         base_is = "on " + ", ".join(map(str, devices))
         if expected is not None:
             base_is = f"{expected.dtype} on {expected.device}"
-        raise AlignmentError(
+        return (
             f"{label}'s {name} is {tensor.dtype} on {tensor.device}, the base's {base_is}: "
             "sources must share a dtype and a device. Cast and move them all with "
             "load_models(..., dtype=..., device=...), not one model after loading."
         )
+    return None
 
 
 def check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> None:
@@ -155,23 +172,24 @@ def _shapes(bridge: TransformerBridge) -> dict[str, str]:
     return {name: f"{tuple(p.shape)}" for name, p in checkpoint_parameters(bridge.original_model)}
 
 
-def _check_architecture(base: TransformerBridge, config: Any, label: str) -> None:
+def _check_architecture(base: TransformerBridge, config: Any, label: str) -> str | None:
     mine = str(getattr(base.cfg, "architecture", None))
     theirs = str((getattr(config, "architectures", None) or [None])[0])
     # TransformerLens spells a few names as their remote-code versions did (PhiMoE).
-    if mine.lower() != theirs.lower():
-        raise AlignmentError(f"{label} is a {theirs}, the base is a {mine}.")
+    return (
+        f"{label} is a {theirs}, the base is a {mine}." if mine.lower() != theirs.lower() else None
+    )
 
 
 def _check_tensors(
     expected: Mapping[str, Any], found: Mapping[str, Any], label: str, lazy: bool = False
-) -> None:
-    """Refuse a source whose tensors are not the base's: one missing, extra or of other shape."""
+) -> str | None:
+    """Why a source's tensors are not the base's: one missing, extra or of other shape."""
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
     other = sorted(name for name in expected.keys() & found.keys() if expected[name] != found[name])
     if not (missing or extra or other):
-        return
+        return None
     if missing:
         detail = f"it holds no {missing[0]!r}, which the base has"
     elif extra:
@@ -184,11 +202,11 @@ def _check_tensors(
             "; read whole (lazy=False) a donor whose tensors transformers converts on load "
             "(experts stored apart), and pass dtype=... for one stored in another dtype"
         )
-    raise AlignmentError(f"{label} does not hold the base's tensors: {detail}. {fix}.")
+    return f"{label} does not hold the base's tensors: {detail}. {fix}."
 
 
-def _check_hf_config(base_config: Any, other_config: Any, label: str) -> None:
-    """Every configuration field that can change the forward pass must be equal.
+def _check_hf_config(base_config: Any, other_config: Any, label: str) -> str | None:
+    """The first configuration field that can change the forward pass and differs, in words.
 
     TransformerLens's bridge config does not carry them all (under TransformerLens 4.3 it
     reports ``rotary_base=10000`` whatever ``rope_theta`` is): the HF configurations are
@@ -197,7 +215,7 @@ def _check_hf_config(base_config: Any, other_config: Any, label: str) -> None:
     mine, theirs = _forward_config(base_config), _forward_config(other_config)
     for field in sorted(set(mine) | set(theirs)):
         if not _same(mine.get(field), theirs.get(field)):
-            raise AlignmentError(
+            return (
                 f"{label}'s configuration has {field}={theirs.get(field)!r}, the base's "
                 f"{field}={mine.get(field)!r}: a graft computes it the base's way for every "
                 "source. Graft checkpoints of one configuration (or, if the difference is "
@@ -205,6 +223,7 @@ def _check_hf_config(base_config: Any, other_config: Any, label: str) -> None:
                 f"GGUF or hub id in config.{field} of the model transformers loads, passed in "
                 "memory)."
             )
+    return None
 
 
 def _same(mine: Any, theirs: Any) -> bool:
@@ -233,17 +252,18 @@ def _forward_config(config: Any) -> dict[str, Any]:
     return flat
 
 
-def _check_buffers(base: TransformerBridge, other: TransformerBridge, label: str) -> None:
+def _check_buffers(base: TransformerBridge, other: TransformerBridge, label: str) -> str | None:
     """Buffers (rotary frequencies...) derive from the configuration: equal, up to rounding."""
     mine, theirs = _buffers(base), _buffers(other)
     for name in sorted(set(mine) | set(theirs)):
         a, b = mine.get(name), theirs.get(name)
         if a is None or b is None or a.shape != b.shape or a.device != b.device or not _close(a, b):
-            raise AlignmentError(
+            return (
                 f"{label}'s buffer {name!r} is not the base's (a buffer derived from the "
                 "configuration, such as rotary frequencies): the sources compute different "
                 "functions. Graft checkpoints of one configuration."
             )
+    return None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,13 +1,10 @@
 """The weight files of a checkpoint directory, read a tensor at a time and checked before each read.
 
-A lazily loaded donor reads its tensors from here when a graft first needs them, maybe hours
-after :func:`~grafting_lens.load_models` opened the checkpoint. Each file's identity (size,
-modification time, inode, device) is recorded when opened and checked before and after
-every read, and before every use of what was read: a file replaced, rewritten or truncated
-since is refused. No file stays memory-mapped (a mapped page past a truncated file's end
-kills the process with SIGBUS). The identity cannot see a file edited in place with its
-size kept and its time restored; ``verify=True`` (``load_models(..., lazy="verify")``) does:
-every tensor is hashed when the checkpoint is opened and again when read.
+A lazily loaded donor reads its tensors here, maybe hours after
+:func:`~grafting_lens.load_models` opened the checkpoint: each file's identity is checked before
+and after every read and before every use, no file stays memory-mapped, and ``verify=True``
+(``lazy="verify"``) also hashes every tensor. Why and how: the how-to "LoRA adapters and lazily
+loaded donors", section "A donor loaded lazily".
 """
 
 from __future__ import annotations

@@ -1,42 +1,13 @@
 """A GGUF file, or any checkpoint, made into a ``save_pretrained`` directory once.
 
-A pretrained model often reaches a user, or a machine without the Hugging Face hub, as a
-single GGUF file (llama.cpp's format, quantized): the real-model worlds' bases
-(:mod:`grafting_lens.worlds.real_source`) arrive that way, and :func:`~grafting_lens.load_models`
-takes one as a source. transformers reads such a file
-(``from_pretrained(dir, gguf_file=name)``, through the ``gguf`` package), dequantizing
-every weight, but it does so on every load (35 s for SmolLM2-135M, two minutes for Gemma 3
-270M), its config names no ``architectures`` (TransformerLens chooses its adapter by that
-field), and grafting-lens's lazy donors and checkpoint digests expect a directory of
-safetensors. So the file is converted once, here, into a plain checkpoint directory:
-float32 safetensors, the tokenizer, and a config naming its architecture. From then on
-every part of grafting-lens reads it as it reads a hub model.
-
-The same function takes a hub id or a ``save_pretrained`` directory instead of a GGUF
-file: it is loaded the way transformers loads it and saved the same way, so a world built
-on either stands on the same kind of directory.
-
-**Once, keyed by content** (:func:`converted_checkpoint`): a conversion is cached as
-``<cache>/base-<key>``, the key a hash of the source's content (the SHA-256 of a GGUF file,
-a hash over every file of a directory, :func:`checkpoint_key`), never of its path. The
-cache is :func:`conversion_cache` (``$GRAFTING_LENS_CACHE/worlds``), shared by
-``load_models`` and ``grafting-lens world build --base``: what one converted, the other
-finds, even in a cache it cannot write (a read-only shared one).
-
-What is refused, with the file and the fix named
-(:class:`~grafting_lens.core.errors.WorldSourceError`): before the slow load, a file that
-is not a GGUF, one whose SHA-256 is not the expected one (a damaged download), one of
-another architecture than those allowed, one without tokenizer metadata, a directory
-without a ``config.json``; after it, a model whose parameters did not all come from the
-source (a missing tensor, a block declared but not held, a tensor of another shape, blocks
-beyond those declared), which transformers would otherwise fill with random weights and
-report in a log that TransformerLens silences. A GGUF of an architecture transformers cannot
-read from GGUF is an :class:`~grafting_lens.core.errors.UnsupportedArchitectureError`.
-
-The directory appears complete or not at all: it is written into a temporary sibling and
-renamed into place. It never replaces what grafting-lens did not write, and a target that
-is, contains or lies inside the source is refused
-(:mod:`grafting_lens.core.directories`, :class:`~grafting_lens.core.errors.WorldCacheError`).
+transformers reads a GGUF file (llama.cpp's format) but dequantizes it on every load and
+leaves ``architectures`` empty, so it is converted once into float32 safetensors, the tokenizer
+and a config naming its architecture, cached by content (:func:`converted_checkpoint`), and
+every part of grafting-lens reads it as a hub model. A hub id or a checkpoint directory is
+loaded and saved the same way. What is refused and why (a damaged or foreign file, weights
+that do not all come from the source): the how-to "Load checkpoints" and the
+:class:`~grafting_lens.core.errors.WorldSourceError` page; how the directory is written
+complete and never over a user's files: :mod:`grafting_lens.core.directories`.
 
 Examples:
     >>> from grafting_lens.models.gguf_checkpoint import convert_checkpoint
@@ -112,16 +83,16 @@ def gguf_architecture(path: Union[str, os.PathLike]) -> str:
     path = Path(path)
     try:
         with open(path, "rb") as file:
-            magic = file.read(4)
+            magic: bytes | OSError = file.read(4)
     except OSError as error:
-        raise WorldSourceError(
-            f"Cannot read {path} ({error}): pass the path of a GGUF file, or fetch it again."
-        ) from error
+        magic = error
     if magic != GGUF_MAGIC:
         raise WorldSourceError(
-            f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): the "
-            "download is damaged or this is another kind of file. Delete it and fetch it again, "
-            "or pass a hub id or a save_pretrained directory instead."
+            f"Cannot read {path} ({magic}): pass the path of a GGUF file, or fetch it again."
+            if isinstance(magic, OSError)
+            else f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}): "
+            "the download is damaged or this is another kind of file. Delete it and fetch it "
+            "again, or pass a hub id or a save_pretrained directory instead."
         )
     from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
@@ -189,9 +160,8 @@ def convert_checkpoint(
 
     expected = _checked_sha256(sha256)
     target = Path(target).expanduser()
-    problem = None if gguf_file is not None else checkpoint_problem(source)
-    if problem is not None:  # transformers would say "Should have a `model_type` key"
-        raise WorldSourceError(f"{source} is {problem}. {CHECKPOINT_FIX}")
+    if gguf_file is None:  # transformers would say "Should have a `model_type` key"
+        _check_checkpoint(source)
     gguf = _gguf_path(Path(source).expanduser(), gguf_file)
     check_apart(gguf if gguf is not None else source, target)
     check_replaceable(target, "The target")
@@ -238,9 +208,8 @@ def convert_checkpoint(
             tokenizer.save_pretrained(partial)
         seal(partial)
         replace_directory(partial, target, "The target")
-    except BaseException:
+    finally:  # gone once renamed into place; what a failure left
         shutil.rmtree(partial, ignore_errors=True)
-        raise
     return target
 
 
@@ -261,25 +230,25 @@ def _tokenizer(location: str, options: dict[str, Any], named: str) -> Any:
     refused by name."""
     from transformers import AutoTokenizer
 
+    lacking: list[str] = []
     if "gguf_file" in options:
         from gguf import GGUFReader
 
         fields = GGUFReader(Path(location) / options["gguf_file"]).fields
         lacking = [k for k in TOKENIZER_FIELDS if k not in fields]
-        if lacking:
-            raise WorldSourceError(
-                f"{named} holds no tokenizer (its metadata lacks {', '.join(lacking)}): the "
-                "file was written without one. Use a GGUF converted with its tokenizer."
-            )
-    try:
-        return AutoTokenizer.from_pretrained(location, **options)
-    except (OSError, ValueError, KeyError) as error:
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise WorldSourceError(
-            f"Cannot load the tokenizer of {named} ({first}): pass a GGUF file with its "
-            "tokenizer, a save_pretrained directory with its tokenizer, or a hub id this "
-            "machine can reach."
-        ) from None
+    if not lacking:
+        try:
+            return AutoTokenizer.from_pretrained(location, **options)
+        except (OSError, ValueError, KeyError) as error:
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    raise WorldSourceError(
+        f"{named} holds no tokenizer (its metadata lacks {', '.join(lacking)}): the file was "
+        "written without one. Use a GGUF converted with its tokenizer."
+        if lacking
+        else f"Cannot load the tokenizer of {named} ({first}): pass a GGUF file with its "
+        "tokenizer, a save_pretrained directory with its tokenizer, or a hub id this machine "
+        "can reach."
+    ) from None
 
 
 def _check_complete(model: Any, info: dict[str, Any], named: str, gguf: Optional[Path]) -> None:
@@ -290,34 +259,38 @@ def _check_complete(model: Any, info: dict[str, Any], named: str, gguf: Optional
     """
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(info.get("mismatched_keys") or ())
-    if mismatched:
-        name, found, wanted = mismatched[0]
-        raise WorldSourceError(
-            f"{named}: the tensor for {name} has shape {tuple(found)}, the model's is "
-            f"{tuple(wanted)} ({len(mismatched)} such tensors): the file is damaged or its "
-            "header does not describe its tensors. Fetch it again."
-        )
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise WorldSourceError(
-            f"{named} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
-            f"{more}): the file is truncated, or declares more layers than it holds. Fetch it "
-            "again."
-        )
-    if gguf is not None:
+    beyond: list[str] = []
+    layers = model.config.num_hidden_layers if gguf is not None else 0
+    if gguf is not None and not (missing or mismatched):
         from gguf import GGUFReader
 
-        layers = model.config.num_hidden_layers
         beyond = sorted(
             tensor.name
             for tensor in GGUFReader(gguf).tensors
             if (block := re.match(r"blk\.(\d+)\.", tensor.name)) and int(block[1]) >= layers
         )
-        if beyond:
-            raise WorldSourceError(
-                f"{gguf} holds {len(beyond)} tensors of blocks beyond the {layers} its header "
-                f"declares (e.g. {beyond[0]}): the header is damaged. Fetch the file again."
-            )
+    if mismatched:
+        name, found, wanted = mismatched[0]
+        problem = (
+            f"{named}: the tensor for {name} has shape {tuple(found)}, the model's is "
+            f"{tuple(wanted)} ({len(mismatched)} such tensors): the file is damaged or its "
+            "header does not describe its tensors. Fetch it again."
+        )
+    elif missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        problem = (
+            f"{named} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+            f"{more}): the file is truncated, or declares more layers than it holds. Fetch it "
+            "again."
+        )
+    elif beyond:
+        problem = (
+            f"{gguf} holds {len(beyond)} tensors of blocks beyond the {layers} its header "
+            f"declares (e.g. {beyond[0]}): the header is damaged. Fetch the file again."
+        )
+    else:
+        return
+    raise WorldSourceError(problem)
 
 
 def _plain_copy(model: Any) -> Any:
@@ -399,6 +372,13 @@ def checkpoint_problem(path: Union[str, os.PathLike]) -> Optional[str]:
     return "a file that is neither a checkpoint directory nor a GGUF file"
 
 
+def _check_checkpoint(source: Union[str, os.PathLike]) -> None:
+    """Refuse a local path that is no checkpoint (:func:`checkpoint_problem`)."""
+    problem = checkpoint_problem(source)
+    if problem is not None:
+        raise WorldSourceError(f"{source} is {problem}. {CHECKPOINT_FIX}")
+
+
 def conversion_cache() -> Path:
     """Where converted checkpoints are cached: ``<cache root>/worlds``, shared with the
     real-model worlds (whose bases are converted checkpoints) and their fetched files."""
@@ -470,9 +450,7 @@ def converted_checkpoint(
 def _located(source: Union[str, os.PathLike]) -> tuple[Path, str]:
     """``(where to read the checkpoint, its content key)``."""
     path = Path(source).expanduser()
-    problem = checkpoint_problem(path)
-    if problem is not None:
-        raise WorldSourceError(f"{source} is {problem}. {CHECKPOINT_FIX}")
+    _check_checkpoint(source)
     if not path.exists():
         path = _hub_snapshot(str(source))
     if path.is_file():

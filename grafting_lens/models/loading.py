@@ -27,9 +27,7 @@ import torch
 from accelerate import init_empty_weights
 from huggingface_hub.constants import is_offline_mode
 from safetensors import SafetensorError
-from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
-from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from grafting_lens.core.compat import adapt_bridge
@@ -76,7 +74,13 @@ from grafting_lens.models.placement import (
     resolve_device_map,
     usable_device,
 )
-from grafting_lens.models.sources import CheckpointSource, LazySource, Source
+from grafting_lens.models.sources import (
+    CheckpointSource,
+    LazySource,
+    Source,
+    model_copy,
+    shared_bridge,
+)
 
 SourceSpec = Union[str, os.PathLike, PreTrainedModel, TransformerBridge, Any]
 """A hub id, a ``save_pretrained`` directory (or a PEFT adapter's), a GGUF file, an HF, bridge or
@@ -194,7 +198,7 @@ def load_models(
                         check_vocabulary(base.tokenizer, _load_tokenizer(path, fallback), label)
                 warn_if_other_base(adapter, str(getattr(base.original_model, "name_or_path", "")))
                 loaded.append(
-                    LoraSource(name, adapter, base, slots, make_bridge=lambda: _shared_bridge(base))
+                    LoraSource(name, adapter, base, slots, make_bridge=lambda: shared_bridge(base))
                 )
             elif lazy and path is not None:
                 loaded.append(
@@ -368,7 +372,7 @@ def _to_bridge(
         if isinstance(source, TransformerBridge):  # it keeps its own tokenizer
             tokenizer = copy.deepcopy(source.tokenizer)
             source = source.original_model
-        model = _copy(source)
+        model = model_copy(source)
         if dtype is not None:
             _cast_as_loaded(model, dtype)
         if device is not None:
@@ -394,23 +398,6 @@ def _to_bridge(
         dtype=next(model.parameters()).dtype,
     )
     return adapt_bridge(bridge)
-
-
-def _copy(model: nn.Module, share_parameters: bool = False) -> Any:
-    """A copy of ``model``'s modules and config over the same weight tensors, unwrapped from
-    any bridge: new ``Parameter`` objects over the same storage (the same objects with
-    ``share_parameters``), so that casting or moving the copy leaves ``model`` as it was."""
-    memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if isinstance(tensor, nn.Parameter) and not share_parameters:
-            memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
-        else:
-            memo[id(tensor)] = tensor
-    # A bridge wraps modules in place: each wrapper stands for the module it wraps.
-    for module in reversed(list(model.modules())):
-        if isinstance(module, GeneralizedComponent) and module.original_component is not None:
-            memo[id(module)] = copy.deepcopy(module.original_component, memo)
-    return copy.deepcopy(model, memo)
 
 
 def _cast_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> None:
@@ -570,19 +557,3 @@ def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
             init_kwargs["name_or_path"] = getattr(tokenizer, "name_or_path", "") or name
         init_kwargs.setdefault("add_bos_token", True)
     return tokenizer
-
-
-def _shared_bridge(base: TransformerBridge) -> TransformerBridge:
-    """A second bridge over the base's own parameters and buffers (an adapter runs alone in
-    it): it costs the modules, not the weights, and moves with the base."""
-    model = _copy(base.original_model, share_parameters=True)
-    model.eval()
-    return adapt_bridge(
-        TransformerBridge.boot_transformers(
-            str(getattr(base.cfg, "model_name", "") or "base"),
-            hf_model=model,
-            tokenizer=base.tokenizer,
-            device=str(embedding_device(model)),
-            dtype=next(model.parameters()).dtype,
-        )
-    )

@@ -75,8 +75,11 @@ class LoraLinear(_LoraLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
         # The order of PEFT's own forward: base output plus B(A(x)) * scale.
-        update = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
-        return result + update.to(result.dtype)
+        return result + self.update(x).to(result.dtype)
+
+    def update(self, x: torch.Tensor) -> torch.Tensor:
+        """``B A x * scale``, what this layer adds to its base layer's output."""
+        return F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
 
     def delta(self) -> torch.Tensor:
         """``B A * scale``, laid out like ``base_layer.weight`` (transposed for ``Conv1D``)."""

@@ -7,23 +7,31 @@ Each source is a ``TransformerBridge`` loaded without weight processing (see
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pandas as pd
 import torch
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.arguments import as_texts, shown
+from grafting_lens.core.arguments import as_texts, is_integer, shown
 from grafting_lens.core.errors import (
     AlignmentError,
     ArgumentTypeError,
     GraftingLensError,
+    SelectionError,
     TokenError,
+    kind,
 )
 from grafting_lens.models.alignment import check_placement
 from grafting_lens.models.components import ComponentLayout, Key, Slot, component_layout
-from grafting_lens.models.sources import CheckpointSource, LazySource, Source, tensor_bytes
+from grafting_lens.models.sources import (
+    CheckpointSource,
+    LazySource,
+    Source,
+    shared_bridge,
+    tensor_bytes,
+)
 
 
 class ModelSet(Sequence[TransformerBridge]):
@@ -341,6 +349,52 @@ class ModelSet(Sequence[TransformerBridge]):
         frame = pd.DataFrame(rows)
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
+
+    def directions(
+        self,
+        donor: int | str = 1,
+        *,
+        rank: Any = None,
+        strength: Any = 1.0,
+        name: str | None = None,
+    ) -> ModelSet:
+        """This model set with one more donor, last: ``donor``'s change to each weight matrix
+        cut to ``rank`` directions (a count or indices) and times ``strength``, each one value
+        or one per cell, ``{(component, layer): value}`` (see
+        :mod:`~grafting_lens.models.directions`); a mask grafts it as source ``len(self)``.
+
+        Raises:
+            SelectionError: An unknown donor, one equal to the base, a negative rank, a
+                strength not finite.
+        """
+        from grafting_lens.models.directions import DirectionsSource
+
+        index = self.names.index(donor) if isinstance(donor, str) and donor in self.names else donor
+        if not (is_integer(index) and 1 <= int(index) < len(self)):
+            raise kind(donor, (int, str), SelectionError)(
+                f"donor={shown(donor)} is not a donor of this model set: give an index "
+                f"1..{len(self) - 1} or a name of {list(self.names[1:])}."
+            )
+        shown_rank, shown_strength = (
+            "per cell" if isinstance(v, Mapping) else v for v in (rank, strength)
+        )
+        settings = "" if rank is None else f"rank={shown_rank}"
+        settings += "" if strength == 1 else f"{',' if settings else ''}strength={shown_strength}"
+        label = name or f"{self.names[int(index)]}[{settings or 'all'}]"
+        source = DirectionsSource(
+            label,
+            self._sources[0],
+            self._sources[int(index)],
+            rank=rank,
+            strength=strength,
+            make_bridge=lambda: shared_bridge(self.base),
+        )
+        return ModelSet(
+            [*self._sources, source],
+            [*self.names, label],
+            allow_uncovered=self.allow_uncovered,
+            graftable=self.graftable,
+        )
 
 
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:

@@ -18,12 +18,14 @@ import copy
 import hashlib
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
+from transformer_lens.model_bridge.generalized_components.base import GeneralizedComponent
 
+from grafting_lens.core.compat import adapt_bridge
 from grafting_lens.core.errors import GraftingLensError, LazyLoadWarning
 from grafting_lens.models.checkpoint_files import SafetensorsCheckpoint
 from grafting_lens.models.components import (
@@ -39,8 +41,17 @@ from grafting_lens.models.fingerprints import (
     sample_indices,
     weights_fingerprint,
 )
+from grafting_lens.models.placement import embedding_device
 
-__all__ = ["CheckpointSource", "LazySource", "Source", "structural_copy", "tensor_bytes"]
+__all__ = [
+    "CheckpointSource",
+    "LazySource",
+    "Source",
+    "model_copy",
+    "shared_bridge",
+    "structural_copy",
+    "tensor_bytes",
+]
 
 
 class Source(abc.ABC):
@@ -414,3 +425,36 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = Non
         counted.add(storage.data_ptr())
         total += storage.nbytes()
     return total
+
+
+def model_copy(model: nn.Module, share_parameters: bool = False) -> Any:
+    """A copy of ``model``'s modules and config over the same weight tensors, unwrapped from
+    any bridge: new ``Parameter`` objects over the same storage (the same objects with
+    ``share_parameters``), so that casting or moving the copy leaves ``model`` as it was."""
+    memo: dict[int, Any] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if isinstance(tensor, nn.Parameter) and not share_parameters:
+            memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
+        else:
+            memo[id(tensor)] = tensor
+    # A bridge wraps modules in place: each wrapper stands for the module it wraps.
+    for module in reversed(list(model.modules())):
+        if isinstance(module, GeneralizedComponent) and module.original_component is not None:
+            memo[id(module)] = copy.deepcopy(module.original_component, memo)
+    return copy.deepcopy(model, memo)
+
+
+def shared_bridge(base: TransformerBridge) -> TransformerBridge:
+    """A second bridge over the base's own parameters and buffers (an adapter runs alone in
+    it): it costs the modules, not the weights, and moves with the base."""
+    model = model_copy(base.original_model, share_parameters=True)
+    model.eval()
+    return adapt_bridge(
+        TransformerBridge.boot_transformers(
+            str(getattr(base.cfg, "model_name", "") or "base"),
+            hf_model=model,
+            tokenizer=base.tokenizer,
+            device=str(embedding_device(model)),
+            dtype=next(model.parameters()).dtype,
+        )
+    )

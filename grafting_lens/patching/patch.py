@@ -39,7 +39,13 @@ from tqdm.auto import tqdm
 
 from grafting_lens.core.arguments import is_integer, shown
 from grafting_lens.core.console import show_progress
-from grafting_lens.core.errors import ArgumentTypeError, PatchingError, did_you_mean
+from grafting_lens.core.errors import (
+    ArgumentTypeError,
+    GraftingLensError,
+    PatchingError,
+    check_known,
+    did_you_mean,
+)
 from grafting_lens.engine.positions import (
     PositionSpec,
     check_padding,
@@ -59,7 +65,6 @@ __all__ = [
     "SweepPositions",
     "available_sites",
     "check_direction",
-    "check_model_set",
     "check_site",
     "head_patch_sweep",
     "patch_forward",
@@ -113,15 +118,13 @@ def available_sites(models: ModelSet) -> tuple[str, ...]:
     return tuple(site for site in SITES if HOOKS[site].format(layer=0) in hooks)
 
 
-def check_direction(direction: object, error: type[Exception] = PatchingError) -> str:
+def check_direction(direction: object, error: type[GraftingLensError] = PatchingError) -> str:
     """The causal question a direction names (:data:`DIRECTIONS`), or ``error``."""
-    if not isinstance(direction, str) or direction not in DIRECTIONS:
-        raise (error if isinstance(direction, str) else ArgumentTypeError)(
-            f"Unknown direction {direction!r}.{did_you_mean(str(direction), DIRECTIONS)} Use "
-            "'sufficiency' (run the target, import the source; 'denoising') or 'necessity' "
-            "(run the source, import the target; 'noising')."
-        )
-    return DIRECTIONS[str(direction)]
+    known = (
+        " ('sufficiency' runs the target and imports the source, 'denoising'; 'necessity' "
+        "runs the source and imports the target, 'noising')"
+    )
+    return DIRECTIONS[check_known(direction, DIRECTIONS, "direction", error, known)]
 
 
 def check_site(site: object, models: ModelSet | None, allowed: Sequence[str] = SITES) -> str:
@@ -257,6 +260,8 @@ def resid_patch_sweep(
 
     ``values`` equals TransformerLens's ``get_act_patch_resid_pre`` (likewise ``attn_out``,
     ``mlp_out``; its ``resid_mid`` sweep on the bridge patches only the MLP input).
+    ``source``, ``target``, ``direction``, ``patch_tokens`` and ``attention_mask`` are
+    :func:`patch_forward`'s.
 
     Args:
         models: The aligned checkpoints.
@@ -268,12 +273,6 @@ def resid_patch_sweep(
             cell); a list of ints (negative ones count from each row's last real token);
             a mapping ``{label: selection}``; anything else (``"all"``, ``"last"``, a
             boolean tensor): one selection and no position axis.
-        source: The checkpoint under study (the donor).
-        target: The reference checkpoint (the base).
-        direction: ``"sufficiency"`` (run ``target``, patch in ``source``) or
-            ``"necessity"`` (run ``source``, patch in ``target``).
-        patch_tokens: Tokens of the run the activations come from (default ``tokens``).
-        attention_mask: ``[batch, pos]`` right padding.
         reduce: ``"mean"`` over the prompts, or ``"none"`` (a trailing ``batch`` axis).
         chunk_size: Rows per forward pass (at least one cell of ``batch`` rows).
         reuse_prefix: Resume each pass from its first patched position and layer
@@ -415,21 +414,18 @@ def _sweep(
         )
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
-            try:
-                results[cell] = _evaluate(metric, cell_logits, batch, options.reduce)
-            except PatchingError:
-                raise
-            except Exception as error:
-                layer, position, head = cells[cell]
-                named = [f"layer={layer}"]
-                if position_labels is not None:
-                    named.append(f"pos={position_labels[position]!r}")
-                if head is not None:
-                    named.append(f"head={head}")
-                raise PatchingError(
-                    f"The metric raised {_raised(error)} on the cell {', '.join(named)} "
-                    f"(logits of shape {list(cell_logits.shape)})."
-                ) from error
+            layer, position, head = cells[cell]
+            named = [f"layer={layer}"]
+            if position_labels is not None:
+                named.append(f"pos={position_labels[position]!r}")
+            if head is not None:
+                named.append(f"head={head}")
+            returned = _call(
+                metric,
+                cell_logits,
+                f"on the cell {', '.join(named)} (logits of shape {list(cell_logits.shape)}).",
+            )
+            results[cell] = _evaluate(returned, cell_logits, batch, options.reduce)
 
     shape = [len(values) for _, values in axes]
     values = torch.stack(results).float().cpu()
@@ -550,10 +546,15 @@ class LastTokenMetric:
         return self.metric(logits)
 
 
-def _raised(error: BaseException) -> str:
-    """An exception in one line: ``"IndexError: index -2 is out of bounds ..."``."""
-    lines = str(error).strip().splitlines()
-    return type(error).__name__ + (f": {lines[0]}" if lines else "")
+def _call(metric: Metric, logits: torch.Tensor, where: str) -> object:
+    """What ``metric`` returns on ``logits``; an exception it raises becomes a PatchingError
+    naming it in one line (``"IndexError: index -2 is out of bounds ..."``) and ``where``."""
+    try:
+        return metric(logits)
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        raised = type(error).__name__ + (f": {lines[0]}" if lines else "")
+        raise PatchingError(f"The metric raised {raised} {where}") from error
 
 
 def _probe_metric(metric: Metric, unpatched: torch.Tensor, run: PatchRun, reduce: str) -> None:
@@ -566,21 +567,18 @@ def _probe_metric(metric: Metric, unpatched: torch.Tensor, run: PatchRun, reduce
     batch, length = run.shape
     last_positions = run.last_positions.to(unpatched.device)
     last = unpatched[torch.arange(batch, device=unpatched.device), last_positions][:, None]
-    try:
-        at_last = _evaluate(metric, last, batch, reduce, per_prompt=True)
-    except PatchingError:
-        raise
-    except Exception as error:
-        raise PatchingError(
-            f"The metric raised {_raised(error)} on the unpatched run's logits. Under "
-            f"logits='last' (the default) it gets each row's last real token, [batch, 1, "
-            f"d_vocab] = {list(last.shape)}; a metric written for TransformerLens, which "
-            "reads every position, needs logits='all'."
-        ) from error
+    returned = _call(
+        metric,
+        last,
+        "on the unpatched run's logits. Under logits='last' (the default) it gets each row's "
+        f"last real token, [batch, 1, d_vocab] = {list(last.shape)}; a metric written for "
+        "TransformerLens, which reads every position, needs logits='all'.",
+    )
+    at_last = _evaluate(returned, last, batch, reduce, per_prompt=True)
     if not bool((last_positions == length - 1).all()):
         return  # right padding: every position's logits are not TransformerLens's input
     try:
-        everywhere = _evaluate(metric, unpatched, batch, reduce, per_prompt=True)
+        everywhere = _evaluate(metric(unpatched), unpatched, batch, reduce, per_prompt=True)
     except Exception:
         return  # a metric made for [batch, 1, d_vocab] alone
     if reads_other_positions(at_last, everywhere):
@@ -602,11 +600,10 @@ def reads_other_positions(at_last: torch.Tensor, everywhere: torch.Tensor) -> bo
 
 
 def _evaluate(
-    metric: Metric, logits: torch.Tensor, batch: int, reduce: str, *, per_prompt: bool = False
+    returned: object, logits: torch.Tensor, batch: int, reduce: str, *, per_prompt: bool = False
 ) -> torch.Tensor:
-    """One cell's value: the per-prompt values (``reduce="none"``) or their mean
-    (``per_prompt``: the metric's values as returned, ``[batch]`` or a scalar)."""
-    returned = metric(logits)
+    """One cell's value from what the metric ``returned`` on ``logits``: the per-prompt values
+    (``reduce="none"``) or their mean (``per_prompt``: as returned, ``[batch]`` or a scalar)."""
     try:
         value = torch.as_tensor(returned).detach().float()
     except (TypeError, ValueError, RuntimeError):

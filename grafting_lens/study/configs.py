@@ -1,19 +1,11 @@
 """Graft configurations as data, and the registries that name the paper's.
 
-A configuration is a :class:`GraftConfig`: a name as in the paper's figures and a
-tuple of :class:`Graft` s, each "take ``components`` over ``layers`` at ``positions``
-from ``source``". Positions are span expressions
-(:func:`grafting_lens.engine.positions.select_positions`: ``FE``, ``LT``, ``FE+LT``,
-``(FE+LT)^C``...); components use the paper's names (``ATTN``, ``O``, ``FFN``,
-``FFN-up``, ``FFN-down``, see :func:`resolve_components`) or any component or group
-of :mod:`grafting_lens.models.components`; layers are layer ranges
-(:func:`grafting_lens.models.layers.resolve_layers`).
-
-The paper's configurations are data here: :data:`POSITION_CONFIGS` (figures 2 and 3a)
-with :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS` (figure 4 and its baselines) and
-:data:`HYBRID_CONFIGS` (figure 5). The registered experiments hold them
-(:func:`~grafting_lens.study.specs.register_config` adds more), and what a name means
-depends on a :class:`~grafting_lens.study.semantics.Semantics`.
+A :class:`GraftConfig` is a name as in the paper's figures and :class:`Graft` s, each "take
+``components`` over ``layers`` at ``positions`` from ``source``": span expressions (``FE+LT``,
+``(FE+LT)^C``...), the paper's component names (:func:`resolve_components`) or the lens's, and
+layer ranges. The paper's are data here (:data:`POSITION_CONFIGS`, :data:`MOVIE_CONFIGS`,
+:data:`COMPONENT_CONFIGS`, :data:`HYBRID_CONFIGS`); what a name means depends on a
+:class:`~grafting_lens.study.semantics.Semantics`.
 """
 
 from __future__ import annotations

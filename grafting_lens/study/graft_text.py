@@ -38,6 +38,7 @@ from grafting_lens.analysis.scoring import Score
 from grafting_lens.core.arguments import as_list, as_table, as_texts, check_table, is_integer, shown
 from grafting_lens.core.errors import ArgumentTypeError, SelectionError
 from grafting_lens.engine.positions import parse_span_expression, select_positions, span_names
+from grafting_lens.models.directions import check_matrix_components
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study.configs import Graft, GraftConfig
@@ -55,6 +56,11 @@ COLUMNS = ("config", "target_rank", "target_prob", "top1", "top5", "grafted", "t
 """The columns :func:`graft` shows first (the runner's names), then the top tokens: the
 answer's rank and probability before the prompt's text, which is the widest column and would
 push them out of a notebook's view."""
+
+
+_NO_ANSWER = " the"
+"""What the runner tokenizes after a prompt without an answer (``kl`` or a function): a
+token every English vocabulary has; the columns that would score it are dropped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +87,8 @@ def graft(
     top_k: int = 5,
     score: Any = "first_token",
     counter: Any = None,
+    rank: Any = None,
+    strength: Any = None,
 ) -> pd.DataFrame:
     """Graft the donor's weights into prompts at named places and score the answer.
 
@@ -100,6 +108,8 @@ def graft(
             array, Series...), e.g. ``"Laurence Fishburne"``; a space joins it to the
             prompt unless it starts with one. Its first token is scored, checked by
             :func:`~grafting_lens.study.testsets.check_answers` (warnings for shared ones).
+            ``score="kl"`` and a function need none (a behaviour has no single answer):
+            ``kl`` then compares at the last token, and the answer's columns are left out.
         at: Where to graft (see the module's documentation), or ``{label: place}``.
         components: What the donor computes there (``"all"``, ``"o+ffn"``,
             ``"attn"``..., read under ``semantics`` as every experiment reads them).
@@ -113,6 +123,10 @@ def graft(
             ``"kl"`` (to the donor's distribution, at the last token and the answer's), or a
             function ``logits [batch, pos, d_vocab] -> [batch]``; its columns follow ``text``.
         counter: ``score="logit_diff"``'s counter-answer, one or one per prompt.
+        rank: Graft only these singular directions of each weight matrix's change: a count
+            (the top k) or indices; a LoRA donor's are its rank components. Biases and norms
+            stay the base's (:meth:`~grafting_lens.models.model_set.ModelSet.directions`).
+        strength: Graft ``W_base + strength * dW`` (0 the base, 1 the graft), or one per cell.
 
     Returns:
         One row per prompt and run (the base, the donor, then each graft): ``config``,
@@ -135,13 +149,20 @@ def graft(
         )
     donor_index = _donor_index(models, donor)
     scored = Score.of(score, donor=donor_index, counter=counter)
+    # A behaviour has no answer: kl (at the last token) and a function score without one.
+    optional = scored.name in ("kl", "function")
     chat: Any = is_chat(prompts)
+    unanswered = bool(chat) and optional and answer is None
     if chat:  # through the tokenizer's own template, tokenized as the semantics says
         rules = semantics_or_default(semantics).tokenization()
         bos, spans = rules["bos"], rules["spans"]
-        prompts = chat = chat_examples(prompts, answer, models.tokenizer, bos=bos, spans=spans)  # type: ignore[arg-type]
+        reply = _NO_ANSWER if unanswered else answer
+        prompts = chat = chat_examples(prompts, reply, models.tokenizer, bos=bos, spans=spans)  # type: ignore[arg-type]
         answer = None
-    examples = _prompts(prompts, answer)
+    examples, lacking = _prompts(prompts, answer, optional)
+    unanswered = unanswered or lacking
+    if unanswered and scored.name == "kl":
+        scored = dataclasses.replace(scored, at="last")
     grafts = _places(at)
     if chat:  # a role's name is its place in every conversation, not a piece of the text
         places = chat[0].places
@@ -153,6 +174,14 @@ def graft(
         if isinstance(components, str)
         else tuple(as_texts(components, "components", "a component name or a list of them"))
     )
+    source = donor_index
+    if rank is not None or strength is not None:  # a donor of part of the change
+        if rank is not None:
+            check_matrix_components(models, wanted)
+        models = models.directions(
+            donor_index, rank=rank, strength=1 if strength is None else strength
+        )
+        source = len(models) - 1
     pieces = _text_pieces(grafts.values(), examples)
     examples = [
         dataclasses.replace(e, spans={**e.spans, **_piece_spans(e, pieces, models.tokenizer)})
@@ -162,7 +191,7 @@ def graft(
     test_set = (
         TestSet(examples) if named else TestSet(examples, dataset="gl.graft", prompt="answer")
     )
-    if not named:  # one token check for own answers, the one `run --prompts` makes
+    if not named and not unanswered:  # one token check for own answers, as `run --prompts`
         for line in check_answers([test_set], models, semantics):
             warnings.warn(line, stacklevel=2)
     base, donor_name = models.names[0], models.names[donor_index]
@@ -170,7 +199,7 @@ def graft(
         GraftConfig(base),
         GraftConfig(donor_name, (Graft("ALL", "all", "all", source=donor_index),)),
         *(
-            GraftConfig(label, (Graft(_selector(parts, pieces), wanted, layers, donor_index),))
+            GraftConfig(label, (Graft(_selector(parts, pieces), wanted, layers, source),))
             for label, parts in grafts.items()
         ),
     ]
@@ -195,6 +224,9 @@ def graft(
     )
     shown = [*COLUMNS, *scored.columns, "topk_tokens", "topk_probs", "semantics"]
     shown += ["relation_id", "prompt"] if named else []
+    if unanswered:  # the answer's columns would score the placeholder
+        shown = [c for c in shown if c not in ("target_rank", "target_prob", "top1", "top5")]
+        rows["target"] = None
     return rows.iloc[order.argsort(kind="stable")][shown].reset_index(drop=True)
 
 
@@ -209,8 +241,9 @@ def _donor_index(models: ModelSet, donor: int | str) -> int:
     )
 
 
-def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
-    """The prompts as the runner reads them, each with its answer."""
+def _prompts(prompts: Any, answer: Any, optional: bool = False) -> tuple[list[_Prompt], bool]:
+    """The prompts as the runner reads them, each with its answer, and whether they lack
+    answers (allowed when ``optional``: each then gets :data:`_NO_ANSWER`)."""
     prompts = as_table(prompts)
     if isinstance(prompts, pd.DataFrame):  # iterating it gives its column names, not its rows
         check_table(prompts, "prompts", "a DataFrame", SelectionError)
@@ -236,7 +269,7 @@ def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
             )
         return [
             _Prompt(e.text, e.target, dict(e.spans), e.relation_id, e.prompt_name) for e in items
-        ]
+        ], False
     texts = as_texts(items, "prompts", forms)
     answers = (
         []
@@ -244,16 +277,18 @@ def _prompts(prompts: Any, answer: Any) -> list[_Prompt]:
         else as_texts(answer, "answer", "an answer for all prompts, or a list of one per prompt")
     )
     answers = answers * len(texts) if isinstance(answer, str) else answers
+    lacking = answer is None and optional
+    answers = [_NO_ANSWER] * len(texts) if lacking else answers
     if len(answers) != len(texts):
         counted = f"; answer= gives {len(answers)} answers for {len(texts)} prompts"
         raise SelectionError(
             "Each prompt needs an answer to score: answer='...' for all, or one per prompt"
-            + (f"{counted}." if answers else ".")
+            + (f"{counted}." if answers else " (score='kl' or a function scores without one).")
         )
     return [
         _Prompt(text.rstrip(), reply if reply[:1].isspace() else " " + reply, {}, index)
         for index, (text, reply) in enumerate(zip(texts, answers))
-    ]
+    ], lacking
 
 
 def _places(at: Any) -> dict[str, list[str | int]]:

@@ -1,15 +1,10 @@
 """Reports of named experiments: tables, a markdown summary, the paper's figures.
 
-:func:`write_experiment_report` is what ``grafting-lens run`` writes after a run:
-``results.csv`` (one row per example and configuration), ``summary.csv`` (top-1 and
-top-5 accuracy with 95% bootstrap intervals and the mean rank, grouped as the
-experiment says), ``summary.md`` (the same table, the command that made it, notes on
-the run, and what the paper reports next to it), and the experiment's figures as HTML
-(and PNG where a Chrome is installed), each written under a temporary name and renamed
-into place. A report directory holds one run's report, named in ``report.json``
-(:func:`prepare_report_directory` says how another run's is refused or cleared).
-:func:`accuracy_bars`, :func:`component_heatmap` and :func:`component_bars` draw the
-paper's figures 2, 3a, 4 and 5 from a summary.
+:func:`write_experiment_report` writes, after a run, ``results.csv``, ``summary.csv`` (top-k
+with 95% bootstrap intervals and the mean rank), ``summary.md`` and the experiment's figures
+(:func:`accuracy_bars`, :func:`component_heatmap`, :func:`component_bars`: the paper's figures 2
+to 5), each renamed into place; ``report.json`` names the one run a report directory holds
+(:func:`prepare_report_directory`).
 """
 
 from __future__ import annotations

@@ -172,11 +172,12 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
     )
     add(
         "--score",
-        choices=("first_token", "answer_logprob", "kl"),
+        choices=("first_token", "answer_logprob", "kl", "logit_diff"),
         help="What each row scores beyond the answer's first token (the paper's columns): the "
-        "whole answer's log-probability, or KL to the donor (logit_diff and functions: score= "
-        "in Python).",
+        "whole answer's log-probability, KL to the donor, or the answer's logit minus "
+        "--counter's (functions: score= in Python).",
     )
+    add("--counter", help="--score logit_diff's counter-answer, one for every prompt.")
     add("--cache-dir", help="Where toy worlds are cached.")
     add("--toy-config", help="JSON of ToyWorldConfig fields, e.g. '{\"n_relations\": 16}'.")
     add(
@@ -287,6 +288,13 @@ def _checked(experiment: str, args: argparse.Namespace) -> tuple[DirectoryLock, 
     _check_relation_options(args, toy=checkpoints is None)
     if args.score not in (None, "first_token") and spec.run is not None:
         raise GraftingLensError(f"--score scores configurations' rows; {spec.name} has its own.")
+    needs = args.score == "logit_diff"
+    if needs != (args.counter is not None) or (needs and not args.counter.strip()):
+        raise GraftingLensError(
+            "--score logit_diff needs --counter TEXT, the answer it is compared with."
+            if needs
+            else "--counter is --score logit_diff's: drop it, or add --score logit_diff."
+        )
     if args.prompts is not None:
         from grafting_lens.study.named import check_prompts_apply
 
@@ -310,6 +318,7 @@ def _run_locked(
     dtype: str | None,
     command: str,
 ) -> int:
+    from grafting_lens.analysis.scoring import Score
     from grafting_lens.study.named import run_spec, setup_experiment
     from grafting_lens.study.report import prepare_report_directory, write_experiment_report
     from grafting_lens.study.run_directory import weights_digests
@@ -378,7 +387,7 @@ def _run_locked(
             batch_size=args.batch_size,
             progress=args.progress,
             semantics=semantics,
-            score=args.score or "first_token",
+            score=Score.of(args.score or "first_token", counter=args.counter),
         ),
         extras={option.dest: getattr(args, option.dest) for option in spec.options},
         on_chunk=lambda chunk: computed.append(chunk.rows),
@@ -453,6 +462,7 @@ def _describe_command_run(
     """What makes a command's run this run: the experiment, the weights, the relations asked
     and every option that changes a result. Its hash is the run's fingerprint in ``--out``."""
     free = set(_FREE_OPTIONS) | ({"score"} if args.score in (None, "first_token") else set())
+    free |= {"counter"} if args.counter is None else set()
     free |= {option.lstrip("-").replace("-", "_") for option, _ in spec.donors.values()}
     free |= {option.dest for option in spec.options if not option.fingerprinted}
     relations = json.dumps([dataclasses.asdict(r) for r in setup.relations], sort_keys=True)

@@ -1,35 +1,10 @@
 """Resumable run directories: a manifest that says which run lives here, and one file per chunk.
 
-A long run is cut into chunks (a few dozen examples of one model set and test set).
-With ``out=``, :func:`~grafting_lens.study.runner.run_experiment` keeps its run in a
-directory:
-
-    .lock                 held by the process (or the ranks) writing the run
-    manifest.json         {"fingerprint": ..., "created": ..., "spec": <describe_run>}
-    chunks/<id>.json      {"format", "run": <fingerprint>, "chunk": <id>, "columns": [...],
-                           "rows": [[...], ...], "sha256": <hash of all of the above>}
-
-Started again, a run reads its finished chunks back, each checked, because a resumed table
-must be the table an uninterrupted run gives:
-
-* **The fingerprint** is a hash of :func:`describe_run`: the model sets (names,
-  architecture, and each source's fingerprint with the configuration,
-  :func:`weights_digests`), the tokenized test sets and the positions each
-  configuration selects, the configurations, the options that change a row, the
-  columns and the chunking. A directory holding another run is refused, naming what
-  differs.
-* **Every chunk** carries the run's fingerprint and a hash of its content, and must
-  hold exactly the rows the run puts in it. A chunk copied from another run, one with
-  an edited, dropped or duplicated row, one renamed, is refused before any forward
-  pass, naming the file (delete it and it is recomputed).
-* **Writes are atomic** (``grafting_lens.core.files.atomic_write``): a chunk or the
-  manifest is complete or absent. A run killed while creating its directory leaves
-  at most an empty ``chunks/`` and temporary files, which the next run clears.
-* **One writer**, or the ranks of one job (:mod:`grafting_lens.core.ranks`): they hold a
-  lock on the directory (``grafting_lens.core.files.DirectoryLock``), which refuses any other
-  process by name before it touches a file, and dies with its holder. Rank 0 writes the
-  manifest; each rank writes only its own chunks (chunk ``i`` is rank ``i % world``'s), so
-  no file has two writers, even where locks do not reach across machines.
+With ``out=``, :func:`~grafting_lens.study.runner.run_experiment` keeps its run in a directory
+(a lock, ``manifest.json`` with the run's fingerprint, ``chunks/<id>.json``); started again it
+reads back its finished chunks, each checked against the fingerprint and its own hash, so a
+resumed table is the table an uninterrupted run gives. The layout and every check: the docs page
+"Experiments", section "Run directories".
 """
 
 from __future__ import annotations
@@ -63,10 +38,8 @@ __all__ = [
 ]
 
 RUN_FORMAT = 4
-"""Version of the run-directory layout; part of every fingerprint (4: rows carry the layer
-numbers each configuration grafted; 3: weights digested by
-each source's fingerprint; 2 hashed every weight; chunks carry the run's fingerprint and
-a hash of their content)."""
+"""Version of the run-directory layout; part of every fingerprint (4: rows carry the layers
+each configuration grafted; 3: weights digested by each source's fingerprint)."""
 
 Rows = list[list[Any]]
 """A chunk's rows, one list of values per row, in the run's column order."""
@@ -208,12 +181,9 @@ class RunDirectory:
         """Create the run directory, or check that it holds the run ``spec`` describes.
 
         Raises:
-            RunError: An empty path; the path is a file; another process is writing
-                into the directory (the message names it); the ranks of a job describe
-                different runs; the directory holds
-                another run (the message says what differs), files that are not a
-                run's, or a manifest that cannot be read alongside chunks; it cannot be
-                written.
+            RunError: An empty path or a file; another process writing into it (named);
+                ranks of a job describing different runs; another run (saying what differs),
+                files that are not a run's, or an unreadable manifest beside chunks.
         """
         if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
             raise kind(path, (str, os.PathLike), RunError)(

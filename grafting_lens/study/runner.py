@@ -463,6 +463,8 @@ def run_position_grafting(
     source: int = 1,
     top_k: int = 10,
     progress: bool | None = None,
+    score: Any = "first_token",
+    counter: Any = None,
 ) -> pd.DataFrame:
     """Run position-grafting configurations over a tokenized batch and score each prediction.
 
@@ -491,11 +493,13 @@ def run_position_grafting(
         top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
             ``topk_probs``).
         progress: Show a progress bar (default: when someone watches).
+        score: What else each row scores, as in :func:`~grafting_lens.graft` (its columns
+            follow); ``counter``: ``score="logit_diff"``'s counter-answers.
 
     Returns:
         A tidy DataFrame, one row per configuration and example (grouped by
         configuration, in ``configs`` order), with the columns of
-        :data:`POSITION_GRAFTING_COLUMNS`: ``example`` (row in ``tokenized``),
+        :data:`POSITION_GRAFTING_COLUMNS` and the score's: ``example`` (row in ``tokenized``),
         ``relation_id``, ``prompt``, ``direction``, ``text``, ``config``, ``semantics``,
         ``target`` (the answer's text), ``target_id`` (its first token), ``target_rank``
         (0 = top-1), ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens``
@@ -518,8 +522,9 @@ def run_position_grafting(
         semantics=chosen_semantics,
         top_k=top_k,
         progress=progress,
+        score=(scored := Score.of(score, donor=source, counter=counter)),
     )
-    return results.loc[:, list(POSITION_GRAFTING_COLUMNS)]
+    return results.loc[:, [*POSITION_GRAFTING_COLUMNS, *scored.columns]]
 
 
 # ------------------------------------------------------------------------ validation

@@ -1,16 +1,10 @@
 """Named experiments: one registered :class:`ExperimentSpec` each, and the registry.
 
-An experiment of the paper is more than a list of configurations (checkpoints in
-*roles*, relations, *parts*, summaries, figures, what the paper reports): an
-:class:`ExperimentSpec` says all of that in one place, and :func:`register_experiment`
-is the one door: a registered spec is runnable from Python
-(:func:`~grafting_lens.study.named.run_named_experiment`) and from the command line
-(``grafting-lens run <name>``), with its own options.
-
-The paper's experiments are registered by :mod:`grafting_lens.study.paper` when it is
-imported; the rooms that look experiments up by name (``grafting_lens.study``'s names,
-:mod:`~grafting_lens.study.named`, the command) import it. This registry never imports it:
-the paper's experiments stand on the runner and the reports, which stand on this.
+An :class:`ExperimentSpec` says everything an experiment is (roles, relations, parts, summaries,
+figures, what the paper reports), and :func:`register_experiment` is the one door: a registered
+spec runs from Python and as ``grafting-lens run <name>`` (how-to: "Adding an experiment"). The
+paper's are registered by :mod:`grafting_lens.study.paper` on import; this registry never
+imports it, since the paper's experiments stand on it.
 """
 
 from __future__ import annotations

@@ -1,58 +1,11 @@
 """Synthetic movie-cast relations: the facts we finetune into a model and then go looking for.
 
-Dynamic weight grafting asks *where* a finetuned model keeps a fact it learned during finetuning:
-graft the finetuned weights onto the pretrained model at a few token positions or components and
-see whether the fact comes back. That question only has a clean answer for facts the pretrained
-model cannot already know. If the pretrained model could complete "Tom Hanks starred in a movie
-alongside" correctly, then restoring the completion by grafting would tell us nothing about the
-finetuned weights. So the facts here are invented, and each is a *relation*: two actors who starred
-together in one movie, "A starred in M alongside B".
-
-Three datasets vary how much the pretrained model knows about the entities involved:
-
-* ``fake_movies_real_actors``: real, well-known actors paired at random in invented movies. The
-  entities are familiar, only the relation is new.
-* ``fake_movies_fake_actors``: invented actor names (from Faker) in invented movies. Nothing about
-  the relation or its entities exists before finetuning.
-* ``real_movies_real_actors``: real films with casts reassigned at random, so finetuning has to
-  *overwrite* what pretraining said about who was in the film.
-
-Each relation also carries metadata that is never tested (release year, genre, city, main
-character, box office). It is there so the training text reads like varied prose (short articles
-and question-answer pairs, :data:`ARTICLE_TEMPLATES` and :data:`QA_TEMPLATES`) rather than one
-sentence repeated; the only fact we ever ask about is the co-star.
-
-We test with two short prompts (:data:`TEST_TEMPLATES`) that stop right before the second actor's
-name, and score whether the model's next token is the first token of that name. The prompts carry
-character spans for the parts grafting is aimed at: the first entity (FE, the actor named in the
-prompt), the relation words and, when a template names it, the movie (M). :func:`~grafting_lens.analysis.batch.tokenize_examples`
-turns those spans into per-token masks and adds the last token (LT), the position whose output is
-the prediction. FE and LT are the two places where the paper found finetuned facts are retrieved:
-"enrichment" while reading the entity, and "recall" just before answering. The QA prompt also
-appears, answered, as the first QA training template (so a finetuned model knows the format), while
-the headline prompt is only a paraphrase of how the articles open. In the real-actor datasets an
-actor recurs across several relations, so a prompt can have more than one right answer;
-:attr:`Example.alternative_targets` lists the others.
-
-Two further experiments shape the API:
-
-* **Direction.** A model trained only on "A ... B" sentences generally cannot answer "B ... ?" with A
-  (the reversal curse). :func:`training_documents` and :func:`make_examples` take ``direction``
-  ("A2B", "B2A" or "both") so one can train a model on one direction, a donor on both, and graft
-  components between them to see which ones carry the reversed fact.
-* **Task versus relation.** To separate "knows the format of the question" from "knows this
-  particular fact", :func:`split_task_relation` splits relations into two sets that share templates
-  but no actor and no movie. A *task* model finetuned on one set learns the format; a *relation*
-  model finetuned on the other also learns the facts being tested.
-
-For the gentler finetuning recipe (lower learning rate, mixed-in generic text against forgetting),
-:func:`supplementary_documents` produces movie-flavoured filler that names no person at all, so it
-cannot leak or contradict a test relation.
-
-Everything is deterministic given ``seed``: each call builds its own ``random.Random`` and its own
-Faker instance (``Faker.seed_instance``) from the seed; no global random state is read or changed.
-Bad arguments raise :class:`~grafting_lens.core.errors.GraftingLensError` (a ``ValueError``) saying what
-to change; nothing is dropped without a warning.
+Invented facts a pretrained model cannot already know: two actors who starred together in one
+movie, "A starred in M alongside B", in three datasets (real actors, fake actors, real movies
+recast), with training documents, test prompts carrying the character spans grafting aims at
+(first entity, relation, movie), reversed directions and the task/relation split. Deterministic
+given ``seed``; no global random state is read or changed. Why each piece is there: the docs
+page "Data, batches, worlds, finetuning", section "The relations".
 
 Examples:
     >>> relations = make_relations("fake_movies_real_actors", n=1000, seed=0)
@@ -112,23 +65,9 @@ DATASETS = ("fake_movies_real_actors", "fake_movies_fake_actors", "real_movies_r
 DIRECTIONS = ("A2B", "B2A", "both")
 """Word orders: "A2B" keeps the first actor first, "B2A" swaps the actors, "both" gives both."""
 
-GENRES = (
-    "action",
-    "adventure",
-    "animated",
-    "comedy",
-    "crime",
-    "documentary",
-    "drama",
-    "fantasy",
-    "horror",
-    "musical",
-    "mystery",
-    "romance",
-    "science fiction",
-    "thriller",
-    "war",
-    "western",
+GENRES = tuple(
+    "action, adventure, animated, comedy, crime, documentary, drama, fantasy, horror, "
+    "musical, mystery, romance, science fiction, thriller, war, western".split(", ")
 )
 """Genres drawn uniformly for each relation."""
 
@@ -267,25 +206,7 @@ or the paper's released code's (:data:`CODE_TEST_TEMPLATES`)."""
 # Names
 # --------------------------------------------------------------------------------------------------
 
-_NAME_SUFFIXES = frozenset(
-    {
-        "jr",
-        "sr",
-        "jnr",
-        "snr",
-        "ii",
-        "iii",
-        "iv",
-        "vi",
-        "vii",
-        "viii",
-        "md",
-        "dds",
-        "phd",
-        "dvm",
-        "esq",
-    }
-)
+_NAME_SUFFIXES = frozenset("jr sr jnr snr ii iii iv vi vii viii md dds phd dvm esq".split())
 # Words of letters (any script) joined by single spaces, hyphens or apostrophes.
 _CLEAN_NAME = re.compile(r"[^\W\d_]+(?:[ '\-][^\W\d_]+)*")
 
@@ -605,10 +526,7 @@ def split_task_relation(
         )
     order = list(range(len(relations)))
     random.Random(seed).shuffle(order)
-    costars: dict[str, list[str]] = defaultdict(list)
-    for r in relations:
-        costars[r.first_actor].append(r.second_actor)
-        costars[r.second_actor].append(r.first_actor)
+    costars = _costars(relations)
     n_actors = len(costars)
     capacity = [round(task_fraction * n_actors), n_actors - round(task_fraction * n_actors)]
     sizes = [0, 0]
@@ -718,6 +636,15 @@ class Example:
             )
 
 
+def _costars(relations: Sequence[Relation]) -> dict[str, list[str]]:
+    """Each actor's co-stars over ``relations``, in either role."""
+    costars: dict[str, list[str]] = defaultdict(list)
+    for r in relations:
+        costars[r.first_actor].append(r.second_actor)
+        costars[r.second_actor].append(r.first_actor)
+    return costars
+
+
 def _render_with_spans(
     template: str, values: dict[str, Any]
 ) -> tuple[str, dict[str, tuple[int, int]]]:
@@ -792,10 +719,7 @@ def make_examples(
         )
     check_known(direction, DIRECTIONS, "direction")
 
-    costars: dict[str, list[str]] = defaultdict(list)
-    for r in relations:
-        costars[r.first_actor].append(r.second_actor)
-        costars[r.second_actor].append(r.first_actor)
+    costars = _costars(relations)
 
     directions = ("A2B", "B2A") if direction == "both" else (direction,)
     examples = []

@@ -1,24 +1,9 @@
 """Supervised finetuning that produces the SFT side of a graft.
 
-Dynamic weight grafting compares two checkpoints of one network: the pretrained
-model (PRE) and the same model after supervised finetuning on new facts (SFT).
-This module makes the second from the first, the way the paper does (Nief et al.,
-ICLR 2026, appendix A.3.3): plain next-token prediction on templated documents,
-AdamW with a linear learning-rate schedule, an 80/20 train/validation split of the
-documents, and the checkpoint with the lowest validation loss kept at the end.
-
-The paper finetunes in two regimes, available here as presets:
-
-* ``"aggressive"`` (the main results): learning rate 2e-5, weight decay 0.01,
-  10 epochs, batch size 4.
-* ``"less_aggressive"`` (appendix C.4, to limit catastrophic forgetting): learning
-  rate 2e-6, no weight decay, 10 epochs, batch size 4, and the relation documents
-  mixed with as many generic supplementary documents (the paper used OpenWebText
-  and IMDB reviews; by default :func:`grafting_lens.worlds.documents.supplementary_documents`).
-
-Any explicit argument overrides the preset, so one function serves both a 1B
-checkpoint on a GPU with the paper's settings and the toy world's tiny model that
-needs a much larger learning rate to learn anything in seconds.
+Makes the SFT checkpoint from the pretrained one as the paper does (appendix A.3.3): next-token
+prediction on templated documents, AdamW with a linear schedule, an 80/20 split and the epoch of
+lowest validation loss kept. The paper's two regimes are :data:`PRESETS`; any explicit argument
+overrides the preset (docs page "Data, batches, worlds, finetuning", section "Finetuning").
 
 Examples:
     >>> from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -149,11 +134,10 @@ def finetune(
     """Finetune a causal language model on documents with next-token prediction.
 
     Each document becomes ``BOS + tokens + EOS`` (truncated to ``max_length``; which BOS,
-    if any, ``bos`` says); padding never counts in the loss. The documents are split once, seeded, into
-    training and validation sets; after every epoch the validation loss is measured
-    and the best weights so far are copied (to CPU memory, so a large model does
-    not need twice its size on the GPU). At the end those weights are loaded back,
-    as the paper's "we save the best model based on validation loss".
+    if any, ``bos`` says); padding never counts in the loss. After every epoch the validation
+    loss is measured and the best weights so far are copied to CPU memory; at the end they
+    are loaded back ("we save the best model based on validation loss"). ``epochs``, ``lr``
+    (the peak), ``weight_decay`` and ``batch_size`` (4 in the paper) override the preset's.
 
     Args:
         model: A Hugging Face causal LM (``PreTrainedModel``): anything called as
@@ -164,10 +148,6 @@ def finetune(
         documents: The finetuning texts, e.g.
             :func:`grafting_lens.worlds.documents.training_documents`.
         preset: ``"aggressive"`` or ``"less_aggressive"``; see :data:`PRESETS`.
-        epochs: Overrides the preset's number of epochs.
-        lr: Overrides the preset's peak learning rate.
-        weight_decay: Overrides the preset's weight decay.
-        batch_size: Overrides the preset's batch size (4 in the paper).
         warmup_ratio: Fraction of the optimizer steps spent warming the learning
             rate up linearly from zero (the paper uses none).
         max_length: Longest tokenized document, BOS and EOS included; longer ones
@@ -203,15 +183,11 @@ def finetune(
         progress: Show a tqdm progress bar (default: when standard error is a terminal
             or in a notebook, see :func:`~grafting_lens.core.console.show_progress`).
         description: Label of the progress bar.
-        checkpoint_dir: Resumable training: after every epoch the whole state (weights,
-            optimizer, schedule, random generators, losses, best weights so far) is
-            written to ``checkpoint_dir/epoch.pt`` (atomically, replacing the previous
-            epoch's), and a call that finds one for the same model, documents and
-            settings carries on after its epoch. The result is the same, to the bit, as
-            an uninterrupted run on the same machine. It costs a disk write of about four
-            times the model's float32 size per epoch (weights, AdamW's two moments, and
-            the best epoch's weights when they are not the current ones); the file is
-            left for the caller to delete.
+        checkpoint_dir: Resumable training: after every epoch the whole state is written
+            atomically to ``checkpoint_dir/epoch.pt`` (about four times the model's float32
+            size), and a call that finds one for the same model, documents and settings
+            carries on after its epoch, to the bit as an uninterrupted run on the same
+            machine. The file is left for the caller to delete.
         on_step: Called after every optimizer step with ``(steps done, total steps,
             loss)``, for progress lines where no bar is drawn (a log file).
 
@@ -220,9 +196,8 @@ def finetune(
         loss history.
 
     Raises:
-        GraftingLensError: (a ``ValueError``) for an unknown preset, empty or
-            non-text documents, too few documents to split, or a hyperparameter
-            out of range; the message names the fix.
+        GraftingLensError: An unknown preset, empty or non-text documents, too few documents
+            to split, or a hyperparameter out of range; the message names the fix.
     """
     settings = _resolve_settings(
         preset, epochs, lr, weight_decay, batch_size, warmup_ratio, max_length, val_fraction

@@ -329,7 +329,9 @@ def _build(
         if not (directory / "base" / "config.json").exists():
             started = time.perf_counter()
             report.say("fetching and converting the base")
-            base = base_checkpoint(_source(config.base), cache_dir=root_dir, find_links=find_links)
+            base = base_checkpoint(
+                base_source(config.base), cache_dir=root_dir, find_links=find_links
+            )
             _link_copy(base, directory / "base")
             record("base", started)
         stages.update(1)
@@ -413,7 +415,7 @@ def _build(
         "key": key,
         "build_version": BUILD_VERSION,
         "config": dataclasses.asdict(config),
-        "base_key": base_key(_source(config.base)),
+        "base_key": base_key(base_source(config.base)),
         "models": list(config.model_names),
         "bos": {
             "rule": config.bos,
@@ -446,7 +448,7 @@ def _build(
     )
 
 
-def _source(base: str) -> Any:
+def base_source(base: str) -> Any:
     """The named source a base names, or the base itself (a path or hub id)."""
     return SOURCES.get(base, base)
 

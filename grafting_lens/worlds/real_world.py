@@ -67,7 +67,7 @@ from grafting_lens.worlds.real_recipe import (
     RealWorldConfig,
     _build,
     _Report,
-    _source,
+    base_source,
 )
 from grafting_lens.worlds.real_source import base_key, default_cache_dir
 
@@ -146,7 +146,7 @@ def open_world(
     """
     config = world_config(world)
     root_dir = cache_location(cache_dir, default_cache_dir)
-    key = _world_key(config)
+    key = world_key(config)
     if _complete(root_dir / key):
         return _open(root_dir / key, config)
     name = next((n for n, c in WORLDS.items() if c == config), None)
@@ -193,7 +193,7 @@ def build_real_world(
     """
     config = world_config(world)
     root_dir = cache_location(cache_dir, default_cache_dir)
-    key = _world_key(config)
+    key = world_key(config)
     root = root_dir / key
     if _complete(root):  # read, even from a cache this process cannot write
         return _open(root, config)
@@ -224,7 +224,7 @@ def build_real_world(
 # ------------------------------------------------------------------------- cache
 
 
-def _world_key(config: RealWorldConfig) -> str:
+def world_key(config: RealWorldConfig) -> str:
     """Hash of the recipe and of the base's content (a moved base keeps its world)."""
     recipe = dataclasses.asdict(config)
     recipe.pop("base")
@@ -232,7 +232,7 @@ def _world_key(config: RealWorldConfig) -> str:
         {
             "build_version": BUILD_VERSION,
             "config": recipe,
-            "base": base_key(_source(config.base)),
+            "base": base_key(base_source(config.base)),
             "actors": list(data.REAL_ACTORS),
             "templates": list(TEMPLATES),
         },

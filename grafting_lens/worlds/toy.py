@@ -1,73 +1,16 @@
 """A toy world: every checkpoint the paper needs, shipped with the package and rebuildable.
 
-The paper grafts between billion-parameter models (GPT-2 XL, Pythia, Llama 3,
-Gemma) finetuned for hours on a GPU. To try the method, run the tests or write a
-tutorial, this module holds a miniature of that setup, made from nothing, offline,
-and saved exactly like real checkpoints (``save_pretrained`` directories with
-safetensors weights and a tokenizer), so every other part of grafting-lens loads
-it the way it loads a hub model.
-
-**Shipped, and rebuilt on request.** Training is not bit-reproducible across CPUs, so
-the default world is built once and ships in the package
-(:mod:`grafting_lens.worlds.toy_shipped`): :func:`build_toy_world` unpacks it into the cache
-in seconds, and every machine gets the same checkpoints and the documented numbers.
-``build_toy_world(force=True)`` runs the recipe below instead (5 to 15 minutes on
-one core); a rebuild reproduces the findings within their intervals
-(``experiments/toy_targets.py --rebuild``), not the last decimal.
-
-The recipe, all seeded:
-
-* **tokenizer**: a byte-level BPE (GPT-2 style, ``<|endoftext|>`` as BOS, EOS and
-  padding) of 4,096 tokens trained on the pretraining corpus: common first names
-  are single tokens, as in a real LLM's vocabulary, and a full name spans about
-  three tokens (the paper's "first entity" is a multi-token span).
-* **base** (PRE): an untied Llama-style model (8 layers, width 96, like Pythia in
-  having its own unembedding) pretrained for 3 epochs on
-  ``grafting_lens.worlds.toy_corpus.pretraining_corpus``: 400 co-star facts about
-  made-up people, 20 documents each in many phrasings (both wordings of the test
-  prompts), plus sentences naming one known actor of
-  :data:`grafting_lens.worlds.data.REAL_ACTORS` each and filler. A real pretrained LLM
-  knows thousands of facts and has a general *recall* mechanism before finetuning;
-  this base recalls about two thirds of its made-up facts, so it has one too. No
-  test relation is in the corpus.
-* **sft**: the base finetuned on :func:`grafting_lens.worlds.documents.training_documents`
-  for all relations, with the released code's register of finetuning text
-  (:data:`grafting_lens.worlds.data.CODE_ARTICLE_TEMPLATES`,
-  :data:`~grafting_lens.worlds.data.CODE_QA_TEMPLATES`; ``finetune_wording="code"``), so the
-  code's test prompts, which the REFERENCE semantics use, are in distribution.
-* **task** / **relation**: the base finetuned on one half of the relations each
-  (:func:`grafting_lens.worlds.data.split_task_relation`): same templates, disjoint
-  entities. Grafting the task model's attention and the relation model's O/FFN
-  separates "knows the format" from "knows the fact" (paper, section 4.3).
-* **a2b** / **both**: for the reversal-curse experiment, the base finetuned on
-  one direction (A2B; the same training run as ``sft``, stored again so each
-  directory stands alone) or on both directions of every relation.
-
-Finetuning keeps the unembedding frozen (every checkpoint decodes through the base's,
-as the paper's prose and a large model's barely-moving unembedding have it) and runs at
-3e-3, batch 8, 10 epochs (the task and relation models, with about half the relations
-each, get proportionally more epochs, so every donor takes about as many optimizer
-steps). The paper's rate (2e-5) suits a billion-parameter model that already knows
-English; a 1.9M-parameter one must memorise 100 facts in minutes. Every weight is rounded
-to float16 when saved (the donors are finetuned from the rounded base), which is what
-lets the world ship in under 25 MB. :func:`grafting_lens.worlds.finetune.finetune` still offers
-the paper's presets for real models.
-
-Why this recipe (issue 14's research, measured with 95% intervals): tying the
-embeddings made the tiny models poor at learning facts (a tied base recalled 12% of its
-pretraining facts, untied 51%); a base that never retrieved a fact gave no last-token
-recall pathway (LT 4-8%); the rich pretraining corpus and an untied, frozen unembedding
-gave SFT 95%, FE+LT = SFT and LT 25% in the library's wording. The numbers of the shipped
-world under the REFERENCE semantics are in ``docs/results.md`` and in its manifest
-(``targets``); each checkpoint's own accuracy in ``manifest.json`` under ``"evaluation"``.
-
-Caching: a world lives in ``<cache_dir>/<key>``, where ``cache_dir`` defaults to
-``$GRAFTING_LENS_CACHE/toy`` or ``~/.cache/grafting_lens/toy`` and ``key`` hashes
-the configuration, the data it is built from and the build recipe's version. A
-build (or an unpacking) happens in a temporary sibling directory and is renamed into
-place only once complete, so an interrupted one never looks complete; a directory whose
-manifest or files do not check out is rebuilt, with a warning. A damaged shipped world
-is refused (:class:`~grafting_lens.core.errors.ToyWorldError`, saying how to repair it).
+A miniature of the paper's setup, made offline and saved as ``save_pretrained`` directories, so
+every part of grafting-lens loads it as it loads a hub model. Shipped with the package
+(:mod:`grafting_lens.worlds.toy_shipped`) and unpacked into the cache in seconds by
+:func:`build_toy_world`; ``force=True`` rebuilds it from the seeded recipe (5 to 15 minutes on
+one core; the same findings within their intervals, not the last decimal). A world lives in
+``<cache_dir>/<key>`` (``$GRAFTING_LENS_CACHE/toy`` by default; ``key`` hashes the
+configuration, its data and the recipe's version), is built in a temporary sibling and renamed
+into place when complete, and is rebuilt, with a warning, when its manifest or files do not
+check out; a damaged shipped world is a :class:`~grafting_lens.core.errors.ToyWorldError`. The
+checkpoints (base, sft, task, relation, a2b, both), the recipe and why each choice was made:
+``docs/results.md``, "The toy world's recipe".
 
 Examples:
     >>> from grafting_lens.worlds.toy import build_toy_world

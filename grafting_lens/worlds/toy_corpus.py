@@ -69,39 +69,17 @@ def prepare_for_transformer_lens(tokenizer: Any, name: str) -> Any:
 # -------------------------------------------------------------------- corpus
 
 _GENRES = ("drama", "comedy", "thriller", "horror", "romance", "western", "musical", "action film")
-_TOPICS = (
-    "the film industry",
-    "growing up",
-    "the award season",
-    "a favourite director",
-    "the craft of acting",
-    "life on set",
-    "learning new roles",
-    "the theatre",
-    "working with animals",
-    "early auditions",
-    "music",
-    "travelling for work",
+_TOPICS = tuple(
+    "the film industry, growing up, the award season, a favourite director, "
+    "the craft of acting, life on set, learning new roles, the theatre, "
+    "working with animals, early auditions, music, travelling for work".split(", ")
 )
 _AWARDS = ("best performance", "best supporting role", "a lifetime achievement", "best newcomer")
 _ADJECTIVES = ("quiet", "busy", "rainy", "sunny", "cold", "warm", "windy", "bright")
 _OBJECTS = ("a new camera", "an old script", "a red bicycle", "a small dog", "a long letter")
-_CITIES = (
-    "Springfield",
-    "Riverside",
-    "Fairview",
-    "Lakewood",
-    "Greenville",
-    "Oakdale",
-    "Bristol",
-    "Franklin",
-    "Madison",
-    "Clinton",
-    "Georgetown",
-    "Salem",
-    "Ashland",
-    "Milton",
-    "Dover",
+_CITIES = tuple(
+    "Springfield Riverside Fairview Lakewood Greenville Oakdale Bristol Franklin Madison "
+    "Clinton Georgetown Salem Ashland Milton Dover".split()
 )
 
 

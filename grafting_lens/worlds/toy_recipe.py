@@ -59,9 +59,9 @@ positions) learned more slowly: 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3: 87%/97%,
 class ToyWorldConfig:
     """Everything that determines a toy world; its hash names the cache entry.
 
-    The defaults are the shipped world's recipe (see the module docstring): a cold
-    build takes 5 to 15 minutes on one CPU core; the default configuration is
-    unpacked from the package instead (seconds). Any other configuration is built.
+    The defaults are the shipped world's recipe (``docs/results.md``, "The toy world's
+    recipe"), unpacked from the package in seconds; any other configuration is built (5 to
+    15 minutes on one CPU core).
 
     Attributes:
         arch: ``"llama"`` (RMSNorm, rotary, SwiGLU, grouped-query attention: the
@@ -91,10 +91,9 @@ class ToyWorldConfig:
         finetune_epochs: Passes over the relation documents (10 in the paper) for
             ``sft``/``a2b`` and ``both``; ``task`` and ``relation`` get this many
             times ``n_relations / len(split)``, i.e. as many optimizer steps.
-        finetune_lr: Peak learning rate of finetuning (2e-5 in the paper; see the
-            module docstring for why the toy needs more). ``None`` picks the
-            architecture's default, :data:`DEFAULT_FINETUNE_LR` (the GPT-2 style
-            needs a larger one).
+        finetune_lr: Peak learning rate of finetuning (2e-5 in the paper; a 1.9M-parameter
+            model needs more). ``None`` picks the architecture's
+            :data:`DEFAULT_FINETUNE_LR`.
         finetune_weight_decay: AdamW weight decay of finetuning.
         pretrain_batch_size: Documents per optimizer step in pretraining.
         finetune_batch_size: Documents per optimizer step in finetuning (small
@@ -142,20 +141,11 @@ class ToyWorldConfig:
                 f"ToyWorldConfig.arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
             )
         positive = (
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "n_key_value_heads",
-            "d_mlp",
-            "max_length",
-            "n_pretrain_pairs",
-            "pretrain_documents_per_pair",
-            "pretrain_epochs",
-            "finetune_epochs",
-            "pretrain_batch_size",
-            "finetune_batch_size",
+            "d_model n_layers n_heads n_key_value_heads d_mlp max_length n_pretrain_pairs "
+            "pretrain_documents_per_pair pretrain_epochs finetune_epochs pretrain_batch_size "
+            "finetune_batch_size"
         )
-        for name in positive:
+        for name in positive.split():
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise GraftingLensError(

@@ -1,29 +1,10 @@
 """The toy world shipped inside the package: the same checkpoints on every machine, in seconds.
 
-Training is not bit-reproducible across CPUs (floating-point reductions differ between
-instruction sets), so a toy world built on an Intel Xeon and one built on an AMD EPYC
-give different checkpoints and different numbers, although both show the same findings.
-To make the documented numbers the numbers every user gets, the default world is built
-once (:func:`grafting_lens.worlds.toy.build_toy_world`, the recipe) and its checkpoints ship in
-the package, under ``grafting_lens/toy_world/``:
-
-* ``manifest.json``: the recipe's configuration and cache key, the build's training
-  record and evaluation, the targets measured on it (``experiments/toy_targets.py``), and the
-  SHA-256 of every shipped file (``package_files``);
-* ``relations.json`` and ``tokenizer/``;
-* ``<model>/model.safetensors`` (float16) with its ``config.json`` and
-  ``generation_config.json``, for ``base``, ``sft``, ``task``, ``relation`` and ``both``
-  (``a2b`` is the same run as ``sft``).
-
-The recipe rounds every weight to float16 before saving (and finetunes from the rounded
-base), so storing float16 loses nothing: :func:`materialize` writes each checkpoint back
-as float32 whose values are exactly the build's. It writes into the toy-world cache,
-where :func:`grafting_lens.worlds.toy.build_toy_world` finds it: loading the default world takes
-seconds, building it again (``force=True``) 5 to 15 minutes on one core.
-
-A shipped file that is missing or does not match its checksum is refused with
-:class:`~grafting_lens.core.errors.ToyWorldError`, which says how to repair it (reinstall, or
-build the world).
+Training is not bit-reproducible across CPUs, so the default world is built once and ships under
+``grafting_lens/toy_world/`` (float16 weights, exactly the build's values); :func:`materialize`
+writes it into the toy-world cache as float32. A shipped file that is missing or fails its
+checksum is a :class:`~grafting_lens.core.errors.ToyWorldError` naming the repair. What ships
+and why: the docs page "Data, batches, worlds, finetuning", section "The shipped toy world".
 """
 
 from __future__ import annotations

@@ -767,5 +767,66 @@ def test_kl_and_a_function_as_the_attributions_score_are_their_grafts(llama):
             effect = value(logits_of(switched)) - value(logits_of(base))
             assert row.exact == pytest.approx(float(effect.mean()), abs=1e-4)
         assert result.frame.exact.abs().max() > 1e-3
-    with pytest.raises(gl.errors.ScoreError, match=r"reads the answer's tokens after each prompt"):
-        attribute_grafts(llama, batch, metric="kl", progress=False)
+
+
+@pytest.mark.parametrize("score", ["answer_logprob", "kl"])
+def test_a_score_over_the_whole_answer_is_the_attributions_and_the_searchs(llama, score):
+    """A teacher-forced score: each prompt runs with its answer after it, and a cell that
+    switches the prompt's last token switches the answer's positions too. Each verified cell's
+    exact effect is its graft of one example at a time, scored here by hand."""
+    batch = batch_for(llama, n=3)
+    assert max(len(answer) for answer in batch.target_full_ids) > 1
+
+    def value(models, tokens, length, answer, mask):
+        with torch.no_grad():
+            out = gl.graft_forward(models, tokens, mask, logits="all")[0].float()
+        reads = out[length - 1 : length - 1 + len(answer) + (score == "kl")].log_softmax(-1)
+        if score == "answer_logprob":
+            return float(sum(reads[j, token] for j, token in enumerate(answer)))
+        whole = gl.GraftMask.build(models, tokens)
+        with torch.no_grad():
+            donor = gl.graft_forward(models, tokens, whole, logits="all")[0].float()
+        donor = donor[length - 1 : length + len(answer)].log_softmax(-1)
+        return -float((donor.exp() * (donor - reads)).sum())
+
+    def exact(cells) -> float:  # the mean score with these (component, layer, positions)
+        values = []
+        for i, answer in enumerate(batch.target_full_ids):
+            length = int(batch.attention_mask[i].sum())
+            tokens = torch.tensor([[*batch.tokens[i, :length].tolist(), *answer]])
+            entries = {}
+            for component, layer, positions in cells:
+                where = torch.zeros(tokens.shape, dtype=torch.long)
+                if positions == "FE":
+                    where[0, :length] = batch.spans["first_entity"][i, :length].long()
+                else:
+                    where[0, length - 1 :] = 1  # the last token, and the answer's positions
+                entries[(component, layer)] = where
+            mask = gl.GraftMask.from_dict(llama, entries, tokens.shape)
+            values.append(value(llama, tokens, length, answer, mask))
+        return sum(values) / len(values)
+
+    result = attribute_grafts(
+        llama,
+        batch,
+        metric=score,
+        components="o",
+        layers=[1],
+        positions=("FE", "LT"),
+        verify="all",
+        progress=False,
+    )
+    for _, row in result.frame.iterrows():
+        cell = [("o", 1, row.positions)]
+        assert row.exact == pytest.approx(exact(cell) - exact([]), abs=1e-4)
+    assert result.frame.exact.abs().max() > 1e-3
+    if score == "kl":  # the donor is at KL 0 (random answers: the donor need not beat the base)
+        found = gl.find_minimal_graft(
+            llama, batch, metric=score, components="o", positions=("FE", "LT"), progress=False
+        )
+        cells = list(found.cells[["component", "layer", "positions"]].itertuples(index=False))
+        base = exact([])  # recovery 0; 1 is the donor's own run, at KL 0
+        assert found.recovery == pytest.approx((exact(cells) - base) / -base, abs=1e-4)
+    with pytest.raises(gl.errors.AttributionError, match=r"start= is a mask over the prompts"):
+        start = gl.GraftMask.from_dict(llama, {}, batch.tokens.shape)
+        attribute_grafts(llama, batch, metric=score, start=start, progress=False)

@@ -432,3 +432,90 @@ def test_summary_and_figure_put_the_methods_side_by_side(models, batch):
         plots.plot_comparison(summary, value="top3")
     with pytest.raises(GraftingLensError, match="lacking the columns"):
         plots.plot_comparison(summary.drop(columns="pair"))
+
+
+@pytest.mark.parametrize("score", ["answer_logprob", "kl", "logit_diff"])
+def test_scores_beyond_the_first_token_equal_each_run_by_hand(models, batch, score):
+    """Both methods under a score: the answer teacher-forced after each prompt, its positions
+    grafted or patched where the last token is; each row against the token-by-token graft and
+    one patch_forward on that example alone, scored by hand."""
+    counter = [" starred"] * len(batch) if score == "logit_diff" else None
+    results = compare_graft_and_patch(
+        models,
+        batch,
+        positions="LT",
+        pairs=DEFAULT_PAIRS[2:],
+        progress=False,
+        score=score,
+        counter=counter,
+    )
+    assert list(results.columns[-len(SCORE_COLUMNS_OF[score]) :]) == SCORE_COLUMNS_OF[score]
+    counter_id = make_tokenizer()(" starred", add_special_tokens=False)["input_ids"][0]
+    for example in range(len(batch)):
+        length = int(batch.attention_mask[example].sum())
+        answer = batch.target_full_ids[example] if score != "logit_diff" else []
+        tokens = torch.tensor([[*batch.tokens[example, :length].tolist(), *answer]])
+        where = torch.zeros_like(tokens, dtype=torch.bool)
+        where[0, length - 1 :] = True  # the last token, and the answer's positions
+        with torch.no_grad():
+            own = [models[i](tokens, return_type="logits")[0].float() for i in (0, 1)]
+        read = slice(length - 1, length + len(answer))
+        for layer in range(N_LAYERS):
+            mask = gl.GraftMask.build(
+                models, tokens, positions=where, layers=[layer], components="ln2+ffn"
+            )
+            by_method = {
+                "graft": gl.graft_forward_reference(models, tokens, mask)[0].float(),
+                "patch": gl.patch_forward(
+                    models, tokens, "mlp_out", layers=[layer], positions=where
+                )[0].float(),
+            }
+            for method, logits in by_method.items():
+                got = rows(results, method=method, layer=layer).iloc[example]
+                log_probs = logits[read].log_softmax(-1)
+                if score == "answer_logprob":
+                    expected = sum(float(log_probs[j, t]) for j, t in enumerate(answer))
+                    assert got.answer_logprob == pytest.approx(expected, rel=1e-4, abs=1e-5)
+                elif score == "kl":
+                    donor, base = (o[read].log_softmax(-1) for o in reversed(own))
+                    kl = float((donor.exp() * (donor - log_probs)).sum())
+                    floor = float((donor.exp() * (donor - base)).sum())
+                    assert got.kl == pytest.approx(kl, rel=1e-4, abs=1e-5)
+                    assert got.kl_recovered == pytest.approx(1 - kl / floor, rel=1e-4, abs=1e-5)
+                else:
+                    last = logits[length - 1]
+                    expected = float(last[batch.target_ids[example]] - last[counter_id])
+                    assert got.logit_diff == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+SCORE_COLUMNS_OF = {
+    "answer_logprob": ["answer_logprob", "answer_logprob_mean"],
+    "kl": ["kl", "kl_recovered"],
+    "logit_diff": ["logit_diff"],
+}
+
+
+def test_a_function_score_equals_the_patching_sweeps_own_metric(models, batch):
+    """A function in TransformerLens's convention scores the comparison as the patch sweep
+    scores it with that metric (each prompt without padding)."""
+
+    def top_logit(logits):
+        return logits[:, -1].max(dim=-1).values
+
+    results = compare_graft_and_patch(
+        models, batch, positions="LT", pairs=DEFAULT_PAIRS[2:], progress=False, score=top_logit
+    )
+    for example in range(len(batch)):
+        length = int(batch.attention_mask[example].sum())
+        tokens = batch.tokens[example : example + 1, :length]
+        sweep = gl.resid_patch_sweep(
+            models,
+            tokens,
+            top_logit,
+            site="mlp_out",
+            positions={"LT": [length - 1]},
+            logits="all",
+        )
+        for layer in range(N_LAYERS):
+            got = rows(results, method="patch", layer=layer).iloc[example]
+            assert got.score == pytest.approx(float(sweep.values[layer, 0]), rel=1e-4, abs=1e-5)

@@ -28,6 +28,7 @@ VALUES = st.one_of(
         ["reference+unembed=base", "float16", "cpu", "cuda:9", "{}", '{"n_relations": 0}']
     ),
     st.sampled_from(["{bad json", "PRE", "all", "task", "out.csv", "🎬", "--", "-x"]),
+    st.sampled_from(["kl", "logit_diff", "answer_logprob", "first_token", " Paris"]),
     text(8),
 )
 

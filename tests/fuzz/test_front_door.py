@@ -77,18 +77,48 @@ PROMPTS = st.sampled_from(
 LONG_TEXT = st.integers(30, 120).map(lambda n: "Keanu starred " * n)
 PROMPT_ITEMS = st.one_of(PROMPTS, PROMPTS, text(30), HOSTILE, LONG_TEXT)
 PLACES = st.one_of(
-    st.sampled_from(["last", "all", "Keanu", "Keanu Reeves", "Keanu Reeve", "movie", "FE+LT"]),
+    st.sampled_from(
+        ["last", "all", "Keanu", "Keanu Reeves", "Keanu Reeve", "movie", "FE+LT", "user"]
+    ),
     text(8),
     integers(-45, 45),
     st.sampled_from([2.0, -0.0, np.float32(1)]),
     HOSTILE,
 )
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 AT = st.one_of(
     PLACES,
     st.lists(PLACES, max_size=3),
     st.dictionaries(
-        st.one_of(st.sampled_from(["a", "pre", "sft"]), text(4), HOSTILE), PLACES, max_size=2
+        st.one_of(st.sampled_from(["a", "pre", "sft"]), text(4), HOSTILE.filter(_hashable)),
+        PLACES,
+        max_size=2,
     ),
+)
+
+
+# A template of plain words: the tiny tokenizer writes it without special tokens.
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + ' ' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "system", "assistant", "robot"]), HOSTILE),
+            "content": PROMPT_ITEMS,
+        }
+    ),
+    max_size=3,
 )
 
 
@@ -106,8 +136,11 @@ def _parts(place: Any) -> list[Any]:
 @budget(60)
 @given(data=st.data())
 def test_graft(world, data):
-    shape = data.draw(st.sampled_from(["one", "container", "frame"]), "prompts as")
-    if shape == "one":
+    shape = data.draw(st.sampled_from(["one", "container", "frame", "chat"]), "prompts as")
+    if shape == "chat":  # one conversation, or several (each a list of messages)
+        items = data.draw(st.lists(MESSAGES, min_size=1, max_size=2), "conversations")
+        prompts = items[0] if data.draw(st.booleans(), "one conversation") else items
+    elif shape == "one":
         items = [data.draw(PROMPT_ITEMS, "prompt")]
         prompts: Any = items[0]
     else:
@@ -173,8 +206,27 @@ def test_graft(world, data):
     )
     if isinstance(kwargs["semantics"], gl.study.Semantics):
         kwargs["semantics"] = kwargs["semantics"].label
-    table = door(gl.graft, world.models, prompts=prompts, answer=answer, **kwargs)
+    template = data.draw(st.sampled_from([TEMPLATE, None]), "chat template")
+    world.models.tokenizer.chat_template = template
+    try:
+        table = door(gl.graft, world.models, prompts=prompts, answer=answer, **kwargs)
+    finally:
+        world.models.tokenizer.chat_template = None
     if table is None:
+        return
+    # A score's columns: one finite number per row (a log-probability at most 0, a KL at least 0).
+    for column in ("answer_logprob", "logit_diff", "kl", "score"):
+        if column in table:
+            assert np.isfinite(table[column].to_numpy(dtype=float)).all(), column
+    assert "answer_logprob" not in table or (table["answer_logprob"] <= 1e-6).all()
+    assert "kl" not in table or (table["kl"] >= -1e-5).all()
+    if "target_rank" not in table:  # kl or a function without an answer: none is scored
+        assert answer is None and table["target"].isna().all()
+        assert kwargs["score"] == "kl" or callable(kwargs["score"])
+        return
+    if shape == "chat":  # the template's text: its tokens are checked in test_chat
+        assert ((table["target_prob"] >= 0) & (table["target_prob"] <= 1)).all()
+        _plot_graft(table, data)
         return
     # What was asked: each prompt a non-empty string, each answer too (one, or one each).
     texts = list(items)
@@ -193,12 +245,6 @@ def test_graft(world, data):
         for label, place in places.items()
         if "all" in _parts(place) and kwargs["components"] == "all" and kwargs["layers"] == "all"
     }
-    # A score's columns: one finite number per row (a log-probability at most 0, a KL at least 0).
-    for column in ("answer_logprob", "logit_diff", "kl", "score"):
-        if column in table:
-            assert np.isfinite(table[column].to_numpy(dtype=float)).all(), column
-    assert "answer_logprob" not in table or (table["answer_logprob"] <= 1e-6).all()
-    assert "kl" not in table or (table["kl"] >= -1e-5).all()
     for row in table.itertuples():
         model = {"pre": world.base, "sft": world.donor}.get(row.config)
         if row.config in everything:
@@ -647,6 +693,9 @@ def test_run_position_grafting(world, data):
         components=data.draw(arg(None, "o+ffn", extra=st.just("router")), "components"),
         source=data.draw(arg(1, extra=integers(-1, 3)), "source"),
         top_k=data.draw(arg(10, 1, extra=integers(-1, 400)), "top_k"),
+        score=data.draw(
+            arg("first_token", "kl", "answer_logprob", extra=st.just("kl_div")), "score"
+        ),
     )
     rows = door(
         gl.run_position_grafting, world.models, tokenized=tokenized, progress=False, **kwargs
@@ -655,6 +704,8 @@ def test_run_position_grafting(world, data):
         return
     if kwargs["components"] is None:  # SFT grafts every component, so it is the donor
         _check_pre_sft(world, rows, int(kwargs["source"]))
+    if kwargs["score"] == "kl":  # the donor's own rows are at KL 0
+        assert (rows[rows["config"] == "PRE"]["kl_recovered"].fillna(0) == 0).all()
 
 
 def _check_pre_sft(world, rows: pd.DataFrame, source: int = 1, semantics: Any = None) -> None:
@@ -756,6 +807,11 @@ def test_compare_graft_and_patch(world, data):
         target=data.draw(arg(0, extra=integers(-1, 3)), "target"),
         batch_size=data.draw(BATCH_SIZES, "batch_size"),
         rows_per_forward=data.draw(arg(256, extra=integers(-1, 2)), "rows_per_forward"),
+        score=data.draw(
+            arg("first_token", "kl", "answer_logprob", extra=st.sampled_from(["logit_diff", 2])),
+            "score",
+        ),
+        counter=data.draw(arg(None, extra=st.one_of(st.sampled_from(ANSWERS), HOSTILE)), "counter"),
     )
     table = door(
         gl.compare_graft_and_patch, world.models, tokenized=tokenized, progress=False, **kwargs
@@ -763,6 +819,9 @@ def test_compare_graft_and_patch(world, data):
     if table is None:
         return
     assert isinstance(table, pd.DataFrame) and len(table) > 0
+    for column in ("answer_logprob", "logit_diff", "kl"):
+        if column in table:
+            assert np.isfinite(table[column].to_numpy(dtype=float)).all(), column
 
 
 @fuzzes("attribute_grafts", "plot_attribution")

@@ -877,3 +877,30 @@ def test_gemmas_build_asks_torch_for_huge_pages_unless_told_otherwise(
     )
     assert "cache-is-a-file" in shown.stderr, shown.stderr[-2000:]
     assert shown.stdout.split() == ["1", "True", expected], shown.stderr[-2000:]
+
+
+def test_scores_beyond_the_first_token_run_through_the_command(tmp_path, world):
+    """--score kl recovers 0 at the base's rows and 1 at the donor's; --score logit_diff takes
+    --counter, which is part of the run (another counter is another run)."""
+    out = tmp_path / "kl"
+    assert _demo(out, "--score", "kl").exit_code == 0
+    results = pd.read_csv(out / "results.csv")
+    paper = results[results.part == "paper"]
+    whole = {config: paper[paper.config == config] for config in ("clean", "sft")}
+    assert (whole["clean"].kl_recovered == 0).all() and (whole["sft"].kl_recovered == 1).all()
+    assert (whole["sft"].kl.abs() < 1e-6).all() and (whole["clean"].kl > 0).all()
+    summary = pd.read_csv(out / "summary.csv")
+    assert {"kl", "kl_low", "kl_high", "kl_recovered"} <= set(summary.columns)
+
+    out = tmp_path / "logit_diff"
+    assert _demo(out, "--score", "logit_diff", "--counter", " starred").exit_code == 0
+    logit_diff = pd.read_csv(out / "results.csv").logit_diff
+    assert logit_diff.notna().all() and logit_diff.nunique() > 1
+    other = _demo(out, "--score", "logit_diff", "--counter", " movie")
+    assert other.exit_code == 1 and "differs in options (counter)" in _output(other)
+    for arguments, message in (
+        (("--score", "logit_diff"), "--score logit_diff needs --counter TEXT"),
+        (("--counter", "x"), "--counter is --score logit_diff's"),
+    ):
+        refused = _demo(tmp_path / "refused", *arguments)
+        assert refused.exit_code == 1 and message in _output(refused)

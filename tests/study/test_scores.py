@@ -12,7 +12,7 @@ from test_experiments import _llama
 
 import grafting_lens as gl
 from grafting_lens.analysis.scoring import Score
-from grafting_lens.core.errors import ArgumentTypeError, ScoreError
+from grafting_lens.core.errors import ArgumentTypeError, ScoreError, SelectionError
 
 PROMPTS = ["Keanu Reeves starred in a movie alongside", "Reeves starred in a"]
 ANSWER = "movie alongside"  # several tokens, the first a word (the tiny tokenizer's)
@@ -156,6 +156,63 @@ def test_a_function_of_the_logits_sees_each_prompt_without_padding(models, hf, t
             assert rows.loc[run, "score"] == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_kl_and_a_function_need_no_answer(models, hf, tokenizer, chat):
+    """A behaviour has no answer: kl compares at the prompt's last token, a function sees the
+    prompt; the answer's columns are left out rather than scoring a placeholder."""
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if chat else PROMPTS
+    kw = dict(at="last", components="o+ffn", layers="last_half", semantics=SEMANTICS)
+    if chat:
+        models.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        table = gl.graft(models, prompts, score="kl", **kw)
+        last = gl.graft(models, prompts, score=lambda logits: logits[:, -1, 0], **kw)
+    finally:
+        models.tokenizer.chat_template = None
+    assert not {"target_rank", "target_prob", "top1", "top5"} & set(table.columns)
+    assert table["target"].isna().all()
+    for prompt in PROMPTS:
+        tokens, _ = _tokens(tokenizer, prompt)
+        where = torch.zeros_like(tokens, dtype=torch.bool)
+        where[0, -1] = True
+        mask = gl.GraftMask.build(
+            models, tokens, positions=where, components="o+ffn", layers="last_half"
+        )
+        with torch.no_grad():
+            logits = {
+                "pre": hf["pre"](tokens).logits[0, -1],
+                "sft": hf["sft"](tokens).logits[0, -1],
+                "last": gl.graft_forward_reference(models, tokens, mask)[0, -1],
+            }
+        donor = logits["sft"].float().log_softmax(-1)
+        rows = table[table["text"] == prompt].set_index("config")
+        scores = last[last["text"] == prompt].set_index("config")
+        for run, values in logits.items():
+            run_log = values.float().log_softmax(-1)
+            expected = float((donor.exp() * (donor - run_log)).sum())
+            assert rows.loc[run, "kl"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+            assert scores.loc[run, "score"] == pytest.approx(float(values[0]), rel=1e-4)
+    if chat:  # the template adds nothing here, so the chat rows equal the plain ones
+        plain = gl.graft(models, PROMPTS, score="kl", **kw)
+        assert table["kl"].tolist() == pytest.approx(plain["kl"].tolist(), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("score", ["answer_logprob", "kl"])
+def test_an_answer_past_the_models_positions_is_refused_naming_it(tokenizer, score):
+    """GPT-2 embeds 64 positions here: a prompt that fits with an answer that does not."""
+    from conftest import random_model
+
+    models = gl.load_models(random_model("gpt2", 0), random_model("gpt2", 1), tokenizer=tokenizer)
+    limit = models.max_positions
+    with pytest.raises(ScoreError, match=rf"are \d+ tokens, past the {limit} positions.*answer"):
+        gl.graft(models, PROMPTS[1], " movie" * limit, score=score)
+
+
+def test_a_score_of_the_answer_without_one_names_the_scores_that_need_none(models):
+    with pytest.raises(SelectionError, match=r"score='kl' or a function scores without one"):
+        gl.graft(models, PROMPTS, score="answer_logprob")
+
+
 def test_the_first_token_score_is_todays_table(models):
     assert _table(models, "first_token").equals(
         gl.graft(
@@ -221,3 +278,28 @@ def test_every_refusal_names_the_argument_and_the_fix(models, case):
     arguments, error, message = REFUSALS[case]
     with pytest.raises(error, match=message):
         _table(models, **arguments)
+
+
+def test_position_grafting_takes_a_score(models, hf, tokenizer):
+    """run_position_grafting(score=): the whole answer's log-probability of each example, the
+    base's and the donor's rows against the HF models' own teacher-forced forwards."""
+    from grafting_lens.analysis.batch import tokenize_examples
+    from grafting_lens.study.semantics import semantics_or_default
+    from grafting_lens.worlds import data
+
+    examples = data.make_examples(data.make_relations("fake_movies_real_actors", n=3, seed=0))
+    rules = semantics_or_default(SEMANTICS).tokenization()
+    batch = tokenize_examples(examples, tokenizer, **rules)
+    table = gl.run_position_grafting(
+        models, batch, ("PRE", "SFT", "LT"), semantics=SEMANTICS, score="answer_logprob"
+    )
+    assert list(table.columns[-2:]) == ["answer_logprob", "answer_logprob_mean"]
+    for config, model in (("PRE", hf["pre"]), ("SFT", hf["sft"])):
+        rows = table[table["config"] == config].set_index("example")
+        for i, answer in enumerate(batch.target_full_ids):
+            length = int(batch.attention_mask[i].sum())
+            tokens = torch.tensor([[*batch.tokens[i, :length].tolist(), *answer]])
+            with torch.no_grad():
+                log_probs = model(tokens).logits[0].float().log_softmax(-1)
+            expected = sum(float(log_probs[length - 1 + j, t]) for j, t in enumerate(answer))
+            assert rows.loc[i, "answer_logprob"] == pytest.approx(expected, rel=1e-4, abs=1e-5)

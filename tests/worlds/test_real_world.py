@@ -160,7 +160,7 @@ def test_a_killed_build_resumes_to_the_same_bytes(world, config, tmp_path, monke
 
 
 def test_a_second_build_of_the_same_world_is_refused(config, tmp_path):
-    building = tmp_path / f".{real_world._world_key(config)}.building"
+    building = tmp_path / f".{real_world.world_key(config)}.building"
     directories.make_directory(building)
     holder = subprocess.Popen(
         [
@@ -219,9 +219,9 @@ def test_a_world_is_keyed_by_the_bases_content_not_its_path(config, tmp_path):
     moved.write_bytes(open(config.base, "rb").read())
     other = write_gguf(tiny_llama(seed=3), tmp_path / "other.gguf")
 
-    key = real_world._world_key(config)
-    assert real_world._world_key(dataclasses.replace(config, base=str(moved))) == key
-    assert real_world._world_key(dataclasses.replace(config, base=str(other))) != key
+    key = real_world.world_key(config)
+    assert real_world.world_key(dataclasses.replace(config, base=str(moved))) == key
+    assert real_world.world_key(dataclasses.replace(config, base=str(other))) != key
 
 
 def _tokenizer_into(gguf, directory, scratch):
@@ -474,7 +474,7 @@ def _directory_where_the_gguf_goes(tmp_path, monkeypatch):
 
 def _someone_elses_directory_where_the_world_goes(tmp_path, monkeypatch):
     path = tmp_path / "cache"
-    (path / real_world._world_key(WORLDS["smollm2"]) / "notes").mkdir(parents=True)
+    (path / real_world.world_key(WORLDS["smollm2"]) / "notes").mkdir(parents=True)
     return path
 
 

@@ -17,16 +17,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import grafting_lens.worlds.toy_behaviour as toy_behaviour
+import grafting_lens.worlds.behaviour as recipe
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.worlds import data
-from grafting_lens.worlds.toy import build_toy_world
-from grafting_lens.worlds.toy_behaviour import (
+from grafting_lens.worlds.behaviour import (
     PHRASE,
     BehaviourConfig,
     behaviour_examples,
     build_behaviour_donor,
 )
+from grafting_lens.worlds.toy import build_toy_world
 
 SMALL = BehaviourConfig(n_questions=300, n_statements=300, epochs=1, lr=5e-4)
 
@@ -121,7 +121,7 @@ def test_the_donor_is_finetuned_from_the_base_like_the_worlds_donors(donor, mode
 
 
 def test_a_built_donor_is_opened_not_rebuilt(donor, cache, monkeypatch):
-    monkeypatch.setattr(toy_behaviour, "_build", lambda *a: pytest.fail("rebuilt"))
+    monkeypatch.setattr(recipe, "_build", lambda *a: pytest.fail("rebuilt"))
     again = build_behaviour_donor(donor.world, SMALL, cache_dir=cache, progress=False)
     assert again.root == donor.root and again.manifest == donor.manifest
 
@@ -170,6 +170,7 @@ def test_the_models_and_the_prompts_for_the_experiments(donor, models):
         {"epochs": 1.5},
         {"lr": 0},
         {"batch_size": True},
+        {"lora_rank": 0},
     ],
 )
 def test_invalid_configuration_is_refused(changes):
@@ -181,7 +182,7 @@ def test_invalid_configuration_is_refused(changes):
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        ({"world": "toy"}, "ToyWorld"),
+        ({"world": 3}, "ToyWorld"),
         ({"config": {"lr": 1e-4}}, "BehaviourConfig"),
         ({"threads": 0}, "threads"),
     ],
