@@ -45,14 +45,12 @@ from devices import compare_ranks
 
 import grafting_lens as gl
 from grafting_lens import study
-from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.core import ranks
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import check_writable
 from grafting_lens.study.graft_attribution import POSITIONS
 from grafting_lens.study.named import real_world_setup
-from grafting_lens.study.semantics import CLEAN
-from grafting_lens.worlds import data
+from grafting_lens.study.testsets import library_batches
 from grafting_lens.worlds.real_recipe import WORLDS as REAL_WORLDS
 
 WORLDS = ("toy", *REAL_WORLDS)
@@ -118,16 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             models, relations, _ = study.toy_setup("graft_attribution", progress=False)
         else:
             models, relations, _ = real_world_setup("graft_attribution", world=args.world)
-        batches = {
-            prompt: tokenize_examples(
-                data.make_examples(relations, prompt=prompt, templates=CLEAN.prompts)[
-                    : args.relations
-                ],
-                models.tokenizer,
-                **CLEAN.tokenization(),
-            )
-            for prompt in ("headline", "qa")
-        }
+        batches = library_batches(relations, models.tokenizer, ("headline", "qa"), args.relations)
         loaded = time.perf_counter() - loaded
 
         started = time.perf_counter()

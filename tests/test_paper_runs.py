@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grafting_lens.core.errors import RunError
 from grafting_lens.study import EXPERIMENTS, as_semantics, get_experiment
@@ -374,3 +375,33 @@ def test_runs_that_cannot_be_measured_fail_in_one_line_with_status_2(
     assert status == 2, captured.out + captured.err
     assert re.search(message, captured.err), captured.err
     assert captured.err.startswith("error: ") and captured.err.count("\n") == 1
+
+
+def test_the_directions_script_measures_a_rank_curve_between_the_base_and_the_graft(tmp_path):
+    # experiments/directions_real_world.py on the toy world, three cells given: rank 0 is the
+    # base (recovery 0) and the whole cells are the graft (recovery 1), as dose_response
+    # measures them (its own tests check the ranks in between against hand-cut checkpoints).
+    cells = tmp_path / "cells.csv"
+    cells.write_text("component,layer,positions\nmlp_out,0,LT\nmlp_in,5,LT\nv,7,FE\n")
+    script = _script("directions_real_world")
+    result = script.main(
+        [
+            "toy",
+            "--cells",
+            str(cells),
+            "--relations",
+            "8",
+            "--threads",
+            str(torch.get_num_threads()),
+        ]
+    )
+    assert result["cells"] == 3 and result["relations"] == {"headline": 8, "qa": 8}
+    for curve in result["by_rank"].values():
+        by_rank = {point["rank"]: point for point in curve}
+        assert by_rank[0]["recovery"] == 0 and by_rank[None]["recovery"] == 1
+    assert result["svd"]["matrices"] > 0 and result["svd"]["gib"] > 0
+    assert {row["cell"] for row in result["directions"]} == {
+        "mlp_out[0]@LT",
+        "mlp_in[5]@LT",
+        "v[7]@FE",
+    }

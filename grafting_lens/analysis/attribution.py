@@ -1,20 +1,14 @@
 """Graft attribution: every cell's effect on a metric from one forward and one backward pass.
 
-A *cell* is a component at a layer at a group of token positions (``mlp_out[3]@LT``);
-grafting each alone costs a forward pass per cell. As attribution patching does for
-activations (Nanda 2023; Syed et al. 2023; Kramar et al. 2024), this module estimates them
-all at once: each attributed slot mixes its two checkpoints' outputs with a weight
-``alpha`` per position (:mod:`grafting_lens.engine.relaxation`), ``alpha = 0`` being the
-start and ``alpha = 1`` the graft, and a cell's estimate is ``d metric / d alpha`` summed
-over its positions. ``"sufficiency"`` starts from the base and switches a cell to the
-donor; ``"necessity"`` starts from the donor and switches it back (an important cell's
-estimate is then negative). ``method="integrated"`` averages the gradient along the path,
-``verify=k`` grafts the ``k`` largest cells exactly; the concept page "What a graft
-attribution estimates" says when the first order fails.
+A *cell* is a component at a layer at a group of token positions (``mlp_out[3]@LT``). As
+attribution patching does for activations (Nanda 2023; Syed et al. 2023; Kramar et al. 2024),
+each attributed slot mixes its two checkpoints' outputs with a weight ``alpha`` per position
+(:mod:`grafting_lens.engine.relaxation`); a cell's estimate is ``d metric / d alpha`` summed
+over its positions, from the base (``"sufficiency"``) or the donor (``"necessity"``).
+``docs/concepts/attribution.md`` says when the first order fails.
 
 Examples:
     >>> attribution = attribute_grafts(models, batch, positions=("FE", "LT"), verify=10)
-    >>> attribution.frame.sort_values("estimate", ascending=False).head()
     >>> plots.plot_attribution(attribution.frame)
 """
 
@@ -51,10 +45,7 @@ from grafting_lens.engine.positions import PositionSets, position_sets
 from grafting_lens.engine.relaxation import check_source, relaxing
 from grafting_lens.models.layers import LayerSpec
 from grafting_lens.models.model_set import ModelSet, check_model_set
-from grafting_lens.patching.patch import (
-    check_direction,
-    reads_other_positions,
-)
+from grafting_lens.patching.patch import check_direction, reads_other_positions
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -70,12 +61,9 @@ __all__ = [
 ]
 
 BatchMetric = Callable[[Float[torch.Tensor, "batch pos d_vocab"], TokenizedExamples], torch.Tensor]
-"""``(logits, batch) -> [batch]``: one differentiable value per prompt.
-
-``batch`` holds the rows the logits are for (read each answer from ``batch.target_ids``);
-the logits are each row's last real token, ``[batch, 1, d_vocab]``, or with
-``logits="all"`` every position.
-"""
+"""``(logits, batch) -> [batch]``: one differentiable value per prompt, from each row's last
+real token's logits, ``[batch, 1, d_vocab]`` (with ``logits="all"`` every position's); each
+answer is ``batch.target_ids``."""
 
 
 def target_logprob(
@@ -122,6 +110,8 @@ PositionGroups = Union[str, PositionSets]
 Cell = tuple[str, Union[int, None], str]
 """``(component, layer, position group)``; ``layer`` is None for global components."""
 
+_Config = Union[Sequence[Cell], Mapping[Cell, int]]  # cells switched, or each cell's source
+
 
 def cell_label(component: str, layer: int | None, positions: str) -> str:
     """A cell's name in tables and figures: ``"mlp_out[3]@LT"``, ``"unembed@LT"``."""
@@ -134,17 +124,15 @@ class GraftAttribution:
     """The estimated (and, where verified, exact) effect of switching each cell.
 
     Attributes:
-        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`): ``cell`` (:func:`cell_label`),
-            ``component``, ``layer`` (``<NA>`` for global components), ``positions``,
-            ``estimate`` (mean over prompts of the estimated change of the metric) and
-            ``estimate_se``, ``exact`` and ``exact_se`` (measured; NaN where not verified),
-            ``n`` (prompts), ``direction`` and ``method``.
+        frame: One row per cell (:data:`ATTRIBUTION_COLUMNS`; ``layer`` ``<NA>`` for global
+            components): ``estimate`` (mean over prompts of the estimated change of the
+            metric), ``exact`` (measured; NaN where not verified), each with its ``_se``.
         agreement: :func:`attribution_agreement` of the verified cells (``None`` without).
         start_metric: The metric's mean at the start (the base for sufficiency, the donor
             for necessity): from an exact graft where cells were verified or the method
             is ``"integrated"``, else from the relaxed pass (to float rounding).
-        all_cells_metric: Its mean with every cell switched, from a graft in those same
-            cases (what integrated estimates add up to), else ``None``.
+        all_cells_metric: Its mean with every cell switched, in those same cases (what
+            integrated estimates add up to), else ``None``.
         steps: Gradient evaluations per prompt (1 for ``"gradient"``).
     """
 
@@ -176,31 +164,27 @@ def attribute_grafts(
 ) -> GraftAttribution:
     """Estimate the effect of grafting every cell, from one forward and backward pass.
 
-    Every cell of ``components x layers x positions`` is attributed at once: a cell's
-    estimate is the metric's gradient with respect to its mixing weight, summed over its
-    positions and averaged over prompts. With ``verify`` the cells with the largest
-    estimates are also grafted one at a time, exactly.
+    A cell of ``components x layers x positions`` is estimated by the metric's gradient with
+    respect to its mixing weight, summed over its positions and averaged over prompts.
 
     Args:
         models: The aligned checkpoints.
         tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
             :func:`~grafting_lens.analysis.batch.as_batch` takes), ending before the answer.
-        metric: ``"logprob"`` (the answer's first token's log-probability, the default),
-            ``"logit"``, a score (:func:`~grafting_lens.analysis.scoring.score_metric`: any
-            of ``gl.graft``'s; ``"answer_logprob"`` and ``"kl"`` run each prompt with its
-            answer after it, whose positions switch with the prompt's last token), or a
-            :data:`BatchMetric` differentiable in the logits.
+        metric: ``"logprob"`` (the answer's first token's log-probability), ``"logit"``, a
+            score of ``gl.graft``'s (:func:`~grafting_lens.analysis.scoring.score_metric`;
+            a teacher-forced one's answer positions switch with the prompt's last token), or
+            a :data:`BatchMetric` differentiable in the logits.
         components: Names, groups or a ``+``-joined string, as for :meth:`GraftMask.build`.
         layers: The layers of per-layer components (see :func:`~grafting_lens.resolve_layers`).
         positions: Span expressions (``("FE", "LT", "(FE+LT)^C")``), a mapping ``{label:
             expression, [batch, pos] boolean tensor or position function}``, or ``"each"``
             (every index alone, labelled ``"0"``, ``"1"``...). Groups may overlap.
-        direction: ``"sufficiency"`` (from the base, switch a cell to the donor) or
-            ``"necessity"`` (from the donor, switch it back); or ``"denoising"``/``"noising"``.
+        direction: ``"sufficiency"`` (``"denoising"``: from the base, switch a cell to the
+            donor) or ``"necessity"`` (``"noising"``: from the donor, switch it back).
         source: The donor's index in the model set.
         start: Start from this graft (a mask for the whole batch) instead.
-        method: ``"gradient"`` or ``"integrated"`` (over ``steps`` points to the graft of
-            every cell).
+        method: ``"gradient"`` or ``"integrated"`` (to the graft of every cell).
         steps: Points of the integrated path.
         verify: Measure the exact effect of the ``verify`` cells with the largest absolute
             estimates (an int), or of every cell (``"all"``).
@@ -214,10 +198,9 @@ def attribute_grafts(
         A :class:`GraftAttribution`.
 
     Raises:
-        AttributionError: A bad metric (not one finite, differentiable value per prompt;
-            under ``logits="last"`` one raising on the last token's logits or reading
-            other positions, probed on the first prompt: it needs ``logits="all"``),
-            method, steps, verify, source, start, logits or batch size.
+        AttributionError: A bad metric (not one finite, differentiable value per prompt; or
+            under ``logits="last"`` one raising there or reading other positions), method,
+            steps, verify, source, start, logits or batch size.
         ComponentError: A component the model lacks (at a layer asked for).
         SelectionError: A layer outside the model, an unknown span, a bad position group.
         BatchError: A malformed batch.
@@ -245,8 +228,7 @@ def attribute_grafts(
     exact = torch.full_like(estimates, float("nan"))
     all_cells_metric = None
     if verify is not None or start_values is None:
-        # Exact grafts of the start and of every cell switched: the reference of exact
-        # effects, and the whole that integrated estimates share.
+        # Exact grafts of the start and of every cell: the references of exact effects.
         references = plan.exact([(), tuple(plan.cells)])
         start_values, all_cells_metric = references[0], float(references[1].mean())
     if verify is not None:
@@ -272,19 +254,17 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
 
     Returns:
         One row per position group, then ``"all"``: ``positions``, ``cells`` (verified),
-        ``spearman`` and ``pearson`` (correlations of estimate and exact effect; NaN with
-        fewer than two cells or a constant column) and ``sign_agreement`` (the share of
-        cells whose estimate has the exact effect's sign).
+        ``spearman`` and ``pearson`` (of estimate and exact effect; NaN with fewer than two
+        cells or a constant column), ``sign_agreement`` (the share of the same sign).
 
     Raises:
         AttributionError: A table without the ``estimate``, ``exact`` and ``positions`` columns.
     """
-    missing = [
-        c for c in ("estimate", "exact", "positions") if c not in getattr(frame, "columns", ())
-    ]
+    missing = {"estimate", "exact", "positions"} - set(getattr(frame, "columns", ()))
     if missing:
         raise AttributionError(
-            f"attribution_agreement needs a GraftAttribution.frame; the table lacks {missing}."
+            f"attribution_agreement needs a GraftAttribution.frame; the table lacks "
+            f"{sorted(missing)}."
         )
     from scipy import stats  # imported when needed: it takes a second to import
 
@@ -315,15 +295,11 @@ def attribution_agreement(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 class AttributionPlan:
-    """Checked settings of an attribution over one batch, and the passes it runs.
-
-    What :func:`attribute_grafts` and
-    :func:`~grafting_lens.analysis.graft_search.find_minimal_graft` stand on: gradient
-    estimates (:meth:`estimates`) and exact effects of sets of cells (:meth:`exact`).
-    Every argument is checked in the constructor, before any forward pass.
+    """Checked settings of an attribution over one batch (its arguments as
+    :func:`attribute_grafts`'), and its passes: gradient estimates (:meth:`estimates`) and
+    exact effects of sets of cells (:meth:`exact`).
 
     Attributes:
-        models: The model set.
         batch: The checked batch (on the CPU).
         cells: Every cell, ``(component, layer, group label)``, in table order.
         keys: The ``(component, layer)`` pairs, in the order the residual stream meets them.
@@ -342,12 +318,12 @@ class AttributionPlan:
         components: str | Sequence[str],
         layers: LayerSpec,
         positions: PositionGroups,
-        direction: str,
         source: int,
-        start: GraftMask | None,
         batch_size: int,
         rows_per_forward: int,
         progress: bool | None,
+        direction: str = "sufficiency",  # the doors' defaults live in their signatures
+        start: GraftMask | None = None,
         logits: str = "last",
     ) -> None:
         check_model_set(models)
@@ -398,9 +374,7 @@ class AttributionPlan:
             self._probe_metric()
 
     def _teacher_force(self, score: Score, start: GraftMask | None) -> None:
-        """Each prompt followed by its answer (:meth:`Score.lay_out`): the answer's positions
-        are switched with the cell that switches the prompt's last token, and the metric reads
-        every position."""
+        """Each prompt followed by its answer, switched with the prompt's last token."""
         if start is not None:
             raise AttributionError(
                 f"start= is a mask over the prompts; score={score.name!r} runs each with its "
@@ -420,10 +394,7 @@ class AttributionPlan:
 
     @torch.no_grad()
     def _probe_metric(self) -> None:
-        """Refuse a metric that ``logits="last"`` would break or silently mislead: one raising
-        on ``[batch, 1, d_vocab]``, or one whose value on every position differs from its
-        value on the last. One extra forward pass, of the first prompt alone (a 262k-token
-        vocabulary's logits take 1 MiB per position)."""
+        """Refuse a metric that ``logits="last"`` would break or mislead (on the first prompt)."""
         index = torch.tensor([0])
         rows = self.batch.rows(index)  # cut to its own length: it ends at the last position
         full = graft_forward(
@@ -450,13 +421,8 @@ class AttributionPlan:
 
     def grafted(self, rows: TokenizedExamples, mask: GraftMask) -> torch.Tensor:
         """The logits the metric reads of ``rows`` grafted by ``mask`` (exactly)."""
-        return graft_forward(
-            self.models,
-            rows.tokens,
-            mask,
-            attention_mask=rows.attention_mask,
-            logits="last" if self.last_only else "all",
-        )
+        read = "last" if self.last_only else "all"
+        return graft_forward(self.models, rows.tokens, mask, rows.attention_mask, logits=read)
 
     def chunks(self) -> Iterator[tuple[torch.Tensor, TokenizedExamples]]:
         """Row indices and rows of each chunk of ``batch_size`` prompts (cut to their longest)."""
@@ -469,9 +435,9 @@ class AttributionPlan:
             yield index, self.batch.rows(index)
 
     def start_mask(
-        self, index: torch.Tensor, rows: TokenizedExamples, cells: Sequence[Cell] = ()
+        self, index: torch.Tensor, rows: TokenizedExamples, cells: _Config = ()
     ) -> GraftMask:
-        """The start of a chunk's rows, with ``cells`` switched on top of it."""
+        """The start of a chunk's rows, with ``cells`` switched (or set to their sources) on it."""
         shape = tuple(rows.tokens.shape)
         length = shape[1]
         if self.start is not None:
@@ -483,24 +449,19 @@ class AttributionPlan:
             entries = {key: every[key].clone() for key in every.keys()}
         else:
             entries = {}
-        for component, layer, label in cells:
-            value = entries.get((component, layer))
-            if value is None:
-                value = entries[(component, layer)] = torch.zeros(shape, dtype=torch.long)
-            value[self.selections[label][index, :length]] = self.switch
+        sources = cells if isinstance(cells, Mapping) else dict.fromkeys(cells, self.switch)
+        for (component, layer, label), source in sources.items():
+            value = entries.setdefault((component, layer), torch.zeros(shape, dtype=torch.long))
+            value[self.selections[label][index, :length]] = source
         lengths = rows.attention_mask.sum(dim=1)
         return GraftMask(entries, (shape[0], shape[1]), len(self.models), lengths)
 
     def estimates(
         self, *, method: str = "gradient", steps: int = 1, start_cells: Sequence[Cell] = ()
     ) -> tuple[Float[torch.Tensor, "cells prompts"], Float[torch.Tensor, " prompts"] | None]:
-        """Each cell's estimated effect on each prompt's metric.
-
-        ``start_cells`` are already switched in the start (their estimates are 0). Returns
-        the estimates and, for ``"gradient"``, each prompt's metric at the start, from the
-        relaxed pass with every weight at 0 (to the kernels' rounding: autograd keeps
-        products off oneDNN); ``None`` for ``"integrated"``, whose points lie past the start.
-        """
+        """Each cell's estimated effect on each prompt's metric, ``start_cells`` switched in
+        the start (their estimates 0); and for ``"gradient"`` each prompt's metric at the start,
+        from the relaxed pass (to the kernels' rounding), ``None`` for ``"integrated"``."""
         device = self.models.device
         points = [0.0] if method == "gradient" else [(j + 0.5) / steps for j in range(steps)]
         labels = list(self.groups)
@@ -510,12 +471,10 @@ class AttributionPlan:
         def chunk(index: torch.Tensor, rows: TokenizedExamples) -> tuple[torch.Tensor, ...]:
             """One chunk's estimates ``[keys, groups, rows]`` and its metric at the start."""
             shape = tuple(rows.tokens.shape)
-            length = shape[1]
-            groups = torch.stack([self.selections[label][index, :length] for label in labels])
+            groups = torch.stack([self.selections[label][index, : shape[1]] for label in labels])
             moving = groups.any(dim=0).to(device=device, dtype=torch.float32)
             mask = self.start_mask(index, rows, start_cells)
-            tokens = rows.tokens.to(device)
-            attention_mask = rows.attention_mask.to(device)
+            tokens, attention_mask = rows.tokens.to(device), rows.attention_mask.to(device)
             total = torch.zeros(len(self.keys), *shape)
             at_start = torch.zeros(len(index))
             for point in points:
@@ -543,8 +502,7 @@ class AttributionPlan:
                     if gradient is not None:
                         total[position] += gradient.detach().float().cpu()
             total /= len(points)
-            # A cell's estimate: the gradient summed over its positions (times the
-            # switch, 1), per prompt.
+            # A cell's estimate: the gradient summed over its positions, per prompt.
             return torch.einsum("kbp,lbp->klb", total, groups.float()), at_start
 
         chunks = list(self.chunks())
@@ -572,8 +530,7 @@ class AttributionPlan:
     def _logits(
         self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, mask: GraftMask
     ) -> torch.Tensor:
-        """The relaxed run's logits: each row's last token's alone where only it is scored
-        and the unembedding is neither grafted nor relaxed (its mix needs every position)."""
+        """The relaxed run's logits (the last token's alone where the unembedding allows)."""
         last = attention_mask.sum(dim=1) - 1
         rows = torch.arange(len(last), device=last.device)
         unembed = any(component == "unembed" for component, _ in [*self.keys, *mask.keys()])
@@ -587,10 +544,11 @@ class AttributionPlan:
         return logits[rows, column][:, None]
 
     @torch.no_grad()
-    def exact(self, configs: Sequence[Sequence[Cell]]) -> Float[torch.Tensor, "configs prompts"]:
+    def exact(self, configs: Sequence[_Config]) -> Float[torch.Tensor, "configs prompts"]:
         """Each prompt's metric with each configuration's cells switched on top of the start
-        (exact grafts, as blocks of rows of ``rows_per_forward``-row passes)."""
-        configs = [tuple(config) for config in configs]
+        (or, ``{cell: source}``, set to their sources), as exact grafts, blocks of rows of
+        ``rows_per_forward``-row passes."""
+        configs = [dict(c) if isinstance(c, Mapping) else tuple(c) for c in configs]
         values = torch.zeros(len(configs), len(self.batch))
         blocks = []  # (rows' indices, rows, first configuration, configurations per pass)
         for index, rows in self.chunks():
@@ -606,8 +564,7 @@ class AttributionPlan:
             scores = scores.float().cpu()
             return scores.reshape(len(block), -1)
 
-        # Inside shared_ranks(), each computes every world-th block and all gather them:
-        # the same passes as one process, so the same values (core/ranks.py).
+        # Inside shared_ranks() each rank computes every world-th block (core/ranks.py).
         computed = ranks.spread(
             "the exact grafts", {**self.call(), "grafts": configs}, len(blocks), compute
         )
@@ -623,21 +580,19 @@ class AttributionPlan:
         method: str,
     ) -> pd.DataFrame:
         """One row per cell: its estimate and exact effect, with standard errors over prompts."""
+        from scipy import stats  # imported when needed: it takes a second to import
+
         frame = pd.DataFrame(self.cells, columns=["component", "layer", "positions"])
         frame.insert(0, "cell", [cell_label(*cell) for cell in self.cells])
         for name, values in (("estimate", estimates), ("exact", exact)):
             frame[name] = values.mean(dim=1).tolist()  # NaN for a cell not verified
-            frame[f"{name}_se"] = [_standard_error(row) for row in values]
+            # NaN for one prompt (no spread to measure) or an unverified cell (NaN values).
+            frame[f"{name}_se"] = [
+                stats.sem(row.numpy()) if len(row) > 1 else np.nan for row in values
+            ]
         frame["n"], frame["direction"], frame["method"] = len(self.batch), self.direction, method
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
-
-
-def _standard_error(values: torch.Tensor) -> float:
-    from scipy import stats  # imported when needed: it takes a second to import
-
-    # NaN for one prompt (no spread to measure) or an unverified cell (NaN values).
-    return float(stats.sem(values.numpy())) if len(values) > 1 else float("nan")
 
 
 def _position_groups(
@@ -684,8 +639,7 @@ def resolve_groups(
 
 
 def _call_metric(metric: BatchMetric, logits: torch.Tensor, rows: TokenizedExamples) -> Any:
-    """What ``metric`` returns; another exception than an AttributionError it raises is one,
-    naming it in one line."""
+    """What ``metric`` returns; what else than an AttributionError it raises becomes one."""
     try:
         return metric(logits, rows)
     except AttributionError:

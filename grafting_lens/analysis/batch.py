@@ -1,10 +1,9 @@
 """The tokenized batch: the one form in which prompts reach every runner.
 
 A :class:`TokenizedExamples` holds right-padded prompts, their attention mask, the answer's
-first token per row and named ``[batch, pos]`` spans that position selectors read. It is
-built by :func:`tokenize_examples` from examples with a ``text``, a ``target`` and character
-``spans`` (as :class:`grafting_lens.worlds.data.Example`), or by hand; every runner takes it
-through :func:`as_batch`, the one place a batch is checked.
+first token per row and named ``[batch, pos]`` spans. :func:`tokenize_examples` builds it from
+examples (a ``text``, a ``target`` and character ``spans``); every runner takes it through
+:func:`as_batch`, the one place a batch is checked.
 
 Examples:
     >>> batch = tokenize_examples(examples, models.tokenizer)
@@ -49,14 +48,13 @@ class TokenizedExamples:
     """A padded batch of test prompts with token-position masks for grafting.
 
     Attributes:
-        examples: The examples that were kept, aligned with the rows below (``None``
-            for a batch built without them).
+        examples: The examples kept, one per row (``None`` for a batch built without).
         tokens: Token ids, right padded with the pad id (the EOS id if there is none).
         attention_mask: 1 on real tokens (including a prepended BOS), 0 on padding.
         target_ids: The first token of each example's target: the correct next token.
         target_full_ids: Every token of each target (``None`` for a batch built without).
-        spans: Boolean position masks: "first_entity" (FE), "relation", "movie" (M) when the
-            examples have one, and "last_token" (LT). The BOS is never in a span.
+        spans: Boolean position masks: the examples' ("first_entity", "relation"...) and
+            "last_token" (LT). The BOS is never in a span.
         dropped: Examples that could not be used, each with the reason.
         rules: :func:`tokenize_examples`' ``bos``, ``target`` and ``spans`` (``None`` for a
             batch built by hand): a run whose semantics tokenizes otherwise refuses it.
@@ -173,8 +171,6 @@ def _rules(rules: Any) -> dict[str, str] | None:
     return {name: str(rules[name]) for name in ("bos", "target", "spans")}
 
 
-# --------------------------------------------------------------------------- tokenizing
-
 BOS_RULES: tuple[str, ...] = ("always", "tokenizer", "never")
 """What goes before a prompt: ``"always"`` a BOS (the EOS without one); ``"tokenizer"`` what
 ``tokenizer(text)`` adds by itself, as the paper's code (a BOS for Llama 3 and Gemma,
@@ -197,11 +193,7 @@ def _span_positions(
     ids: Sequence[int],
     tokenizer: Any,
 ) -> dict[str, list[int]] | str:
-    """Token indices (before any BOS) of each span, or the reason a span cannot be mapped.
-
-    With ``offsets``, the tokens overlapping the span; without, the first occurrence of
-    its tokens, as the paper's code finds them (``find_sublist_index``).
-    """
+    """Token indices (before any BOS) of each span, or why a span cannot be mapped."""
     positions = {}
     for name in span_names:
         start, end = example.spans[name]
@@ -231,8 +223,7 @@ def _span_positions(
 
 
 def _tokenizer_prefix(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """The special tokens ``tokenizer(text)`` puts before each text by itself (a
-    :class:`BatchError` if it adds some after it)."""
+    """The special tokens ``tokenizer(text)`` puts before each text (none after it)."""
     with_special = tokenizer(list(texts))["input_ids"]
     plain = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
     prefixes = []
@@ -259,21 +250,13 @@ def tokenize_examples(
 ) -> TokenizedExamples:
     """Tokenize test prompts and map their character spans to token positions.
 
-    The defaults are the one default (``grafting_lens.core.defaults``, the paper's code's
-    choices): a prompt starts with what ``tokenizer(text)`` adds by itself (``bos="always"``
-    prepends the BOS id, the EOS id without one, by hand); a span's tokens are its text's
-    tokens searched for in the prompt (``spans="characters"``: the tokens overlapping it);
-    the answer's first token is the target tokenized on its own (``target="in_context"``:
-    read off ``text + target``). An example is dropped, never silently
-    (:attr:`TokenizedExamples.dropped` and a warning "dropped k of n examples: ..."), when a
-    span covers no token (or, searching, is not found) or lies outside the text, the target
-    adds no token or holds the unknown token (which every unknown word shares), or (in
-    context) the prompt's last token merges with the target, so that "the next token" is
-    not defined.
+    The defaults are the paper's code's. An example is dropped, never silently
+    (:attr:`TokenizedExamples.dropped` and a warning), when a span is not found or outside
+    the text, the target adds no token or holds the unknown token, or (in context) the
+    prompt's last token merges with the target, so that "the next token" is not defined.
 
     Args:
-        examples: Examples from :func:`grafting_lens.worlds.data.make_examples` (or built by
-            hand), all with the same span names.
+        examples: Examples (``make_examples``, or by hand), all with the same span names.
         tokenizer: A Hugging Face *fast* tokenizer (offsets are needed).
         bos: What comes before each prompt, one of :data:`BOS_RULES`.
         target: Which token is the answer's first, one of :data:`TARGET_RULES`.
@@ -281,9 +264,8 @@ def tokenize_examples(
 
     Raises:
         TypeError: A tokenizer that is not fast.
-        BatchError: No examples, examples with different span names, every example
-            dropped, a tokenizer without the BOS/EOS/pad ids needed or adding tokens after
-            a text, or an unknown ``bos``, ``target`` or ``spans``.
+        BatchError: No examples, different span names, every example dropped, a tokenizer
+            without the ids needed or adding tokens after a text, an unknown rule.
     """
     for name, value, allowed in (
         ("bos", bos, BOS_RULES),
@@ -376,8 +358,6 @@ def tokenize_examples(
         elif not answer:
             reason = f"the target {example.target!r} tokenizes to no tokens"
         if reason is None and unknown is not None and unknown in answer:
-            # Every word the tokenizer does not know is this one id: two different targets
-            # would be scored as the same answer.
             reason = (
                 f"the target {example.target!r} tokenizes to the unknown token "
                 f"{tokenizer.unk_token!r} (id {unknown}), which stands for every word the "

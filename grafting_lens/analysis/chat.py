@@ -1,36 +1,16 @@
 """Chat prompts: conversations through the tokenizer's own chat template, places named by role.
 
-An instruction-tuned model reads a conversation as its chat template writes it: each
-message's content wrapped in the template's own tokens (``<|im_start|>user\\n ...
-<|im_end|>``), then the tokens that open the assistant's turn. A prompt given as messages
-(``[{"role": "user", "content": "..."}]``) is rendered here by
-``tokenizer.apply_chat_template``, never by a template of ours, so the model sees what it
-was trained on; its places are the contents, named by role, and the template's tokens.
-
-Places, each a span of :class:`ChatPrompt` (a span expression's name):
-
-* ``"system"``, ``"user"``, ``"assistant"``, ``"tool"``: the content of the *last* message
-  of that role; ``"user_0"``, ``"user_1"``...: each message of the role, in order;
-* ``"assistant_start"``: the template's tokens that open the assistant's turn after the
-  last message (the generation prompt, ``<|im_start|>assistant\\n``);
-* ``"template"``: every token no content overlaps (the template's own tokens, and a BOS the
-  tokenization adds), a span expression over the contents (:attr:`ChatPrompt.places`).
-
-The contents are found without trusting the template to copy them: the conversation is
-rendered once with each content replaced by a marker, which cuts the text into the
-template's pieces, and once as given, which must read as those pieces with the contents
-(or the contents stripped of surrounding whitespace, which templates often do) between
-them. A template that rewrites a content otherwise is refused: its places are unknown.
-
-A conversation becomes an example that :func:`~grafting_lens.analysis.batch.tokenize_examples`
-takes (:func:`chat_examples`), so it meets the same token check and span mapping as any
-prompt; the answer is the start of the assistant's reply, joined as given.
+A prompt given as messages (``[{"role": "user", "content": "..."}]``) is rendered by
+``tokenizer.apply_chat_template``, never by a template of ours, so the model sees what it was
+trained on. Its places (spans of a :class:`ChatPrompt`) are the contents by role (``"user"``,
+``"user_0"``...), ``"assistant_start"`` (the generation prompt) and ``"template"`` (every token
+no content overlaps); :func:`chat_examples` makes examples that
+:func:`~grafting_lens.analysis.batch.tokenize_examples` takes. See ``docs/how-to/own-prompts.md``.
 
 Examples:
     >>> prompts = chat_examples([[{"role": "user", "content": "Who starred in Speed?"}]],
     ...                         "Keanu", tokenizer)
     >>> batch = tokenize_examples(prompts, tokenizer, spans="characters")
-    >>> select_positions(prompts[0].places["template"], batch.spans, batch.attention_mask)
 """
 
 from __future__ import annotations
@@ -70,8 +50,7 @@ class ChatPrompt:
     """A conversation as :func:`~grafting_lens.analysis.batch.tokenize_examples` takes it.
 
     Attributes:
-        text: The rendered conversation (a BOS the tokenization adds by itself cut from its
-            start, see :func:`chat_examples`).
+        text: The rendered conversation (a BOS the tokenization adds cut from its start).
         target: The start of the assistant's reply, scored after ``text``.
         spans: Characters ``(start, end)`` of each place but ``"template"``: the roles'
             contents (``"user"``, ``"user_0"``...) and ``"assistant_start"``.
@@ -117,29 +96,19 @@ def chat_examples(
 ) -> list[ChatPrompt]:
     """Render conversations through the tokenizer's chat template, as examples with places.
 
-    A conversation ending in a user (or system, or tool) message is rendered with the
-    generation prompt (``add_generation_prompt=True``) and the answer opens the assistant's
-    reply; one ending in an assistant message is continued (``continue_final_message=True``:
-    a prefilled reply) and has no ``"assistant_start"``.
-
-    The prompt's tokens are the template's (``apply_chat_template(..., tokenize=True)``),
-    with one BOS, under a ``bos`` rule that adds nothing or the BOS the template writes
-    itself: that written BOS is cut from :attr:`ChatPrompt.text`, so the rule puts it back
-    rather than doubling it. So ``bos="never"`` always; ``"tokenizer"`` (what every Hugging
-    Face pipeline does: Llama 3 and Gemma write ``{{ bos_token }}`` and add it); ``"always"``
-    where the template starts with the BOS, and otherwise it puts one before the template's
-    first token, as before any prompt. A BOS is in no place but ``"template"``.
+    A conversation ending in an assistant message is continued (a prefilled reply, without
+    ``"assistant_start"``); any other is rendered with the generation prompt. A BOS the
+    template writes (``{{ bos_token }}``) and the ``bos`` rule adds too is cut from
+    :attr:`ChatPrompt.text`, so the rule puts it back rather than doubling it.
 
     Args:
-        prompts: A conversation, a list of ``{"role": ..., "content": ...}`` with the roles
-            of :data:`ROLES`, or a list of conversations, all with the same roles in the
-            same order, so that their places have the same names.
+        prompts: A conversation, a list of ``{"role": ..., "content": ...}`` (:data:`ROLES`),
+            or a list of conversations with the same roles in the same order.
         answer: The start of the assistant's reply, one for all or one per conversation.
         tokenizer: A Hugging Face tokenizer with a chat template.
         bos: The ``bos`` rule the examples will be tokenized with (:data:`BOS_RULES`).
-        spans: The ``spans`` rule they will be tokenized with (:data:`SPAN_RULES`):
-            ``"search"`` finds a place's first occurrence, so a place whose text occurs
-            earlier in its prompt is refused there.
+        spans: The ``spans`` rule they will be tokenized with (:data:`SPAN_RULES`; under
+            ``"search"`` a place whose text occurs earlier in its prompt is refused).
 
     Returns:
         One :class:`ChatPrompt` per conversation.
@@ -147,11 +116,10 @@ def chat_examples(
     Raises:
         ArgumentTypeError: Something that is not a conversation where one is expected, a
             role or content that is not a string.
-        SelectionError: No conversation, an empty one, a message without role or content,
-            an unknown role, an empty content, conversations with different roles, answers
-            that do not match them, a tokenizer without a chat template, a template that
-            does not write a content as given, or (``spans="search"``) a place that occurs
-            earlier in its prompt.
+        SelectionError: No conversation, an empty one or content, a message without role or
+            content, an unknown role, conversations with different roles, answers that do
+            not match them, no chat template, one that rewrites a content, a place found
+            earlier (``spans="search"``).
         BatchError: An unknown ``bos`` or ``spans`` rule.
     """
     check_known(bos, BOS_RULES, "bos rule", BatchError)
@@ -201,8 +169,7 @@ def _messages(conversation: Any, name: str) -> list[dict[str, str]]:
             "{'role': 'user', 'content': '...'}."
         )
     lacking = next(
-        (i for i, message in enumerate(conversation) if not {"role", "content"} <= set(message)),
-        None,
+        (i for i, m in enumerate(conversation) if not {"role", "content"} <= set(m)), None
     )
     refuse_first(
         SelectionError,
@@ -244,6 +211,8 @@ def _example(
     messages: list[dict[str, str]], reply: str, index: int, tokenizer: Any, bos: str, spans: str
 ) -> ChatPrompt:
     """One conversation rendered, its contents found between the template's pieces."""
+    # Rendered with markers for contents, the template's own text; as given, those pieces
+    # with the contents (perhaps stripped) between them, else the template rewrote a content.
     text = _render(messages, tokenizer, True)
     marked = [{**message, "content": _MARKER.format(i)} for i, message in enumerate(messages)]
     rest = _render(marked, tokenizer, True)

@@ -5,13 +5,11 @@ with everything the donor computed upstream. Grafting (:mod:`grafting_lens.engin
 imports a *function*: the donor's weights, computing from the target's own stream. Patching
 says where the donor's stream *carries* the answer, grafting which weights *compute* it
 (Nief et al., ICLR 2026). A :class:`ComparisonPair` names the graft and the patch compared
-at each layer; the concept page "Grafting versus patching" has the pairs, the directions
-and when the two sides coincide.
+at each layer (``docs/concepts/grafting-vs-patching.md``: the pairs, and when they coincide).
 
 :func:`compare_graft_and_patch` runs every (positions x pair x layer) configuration both
-ways, grafts as blocks of rows of a few passes and patches through one batched sweep per
-site, with the unembedding at the scored last token only, and returns one tidy row per
-example, configuration and method; :func:`summarize_comparison` adds bootstrap intervals.
+ways, grafts in blocks of rows and patches in one batched sweep per site, and returns one
+tidy row per example, configuration and method; :func:`summarize_comparison` adds intervals.
 
 Examples:
     >>> results = compare_graft_and_patch(models, tokenized, positions=("LT", "FE"))
@@ -21,9 +19,10 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeGuard, Union
 
 import numpy as np
 import pandas as pd
@@ -84,8 +83,7 @@ class ComparisonPair:
         components: What to graft: names, groups or a ``+``-joined string (see
             :mod:`grafting_lens.models.components`). Global components in it (``embed``,
             ``ln_final``...) are grafted whatever the layer.
-        site: The activation to patch, one of
-            :data:`~grafting_lens.patching.patch.LAYER_POSITION_SITES`.
+        site: The activation to patch (:data:`~grafting_lens.patching.patch.LAYER_POSITION_SITES`).
         cumulative: Graft ``components`` at layers ``0..l`` and the input embeddings,
             not at ``l`` alone: the stream a ``resid_post`` patch imports.
     """
@@ -135,6 +133,9 @@ PairSpec = Union[ComparisonPair, tuple[str, str], tuple[str, str, str]]
 Scores = dict[tuple[str, str, int], list[dict[str, Any]]]
 """Per configuration (positions, pair, layer): one dict of scores per example."""
 
+# An example's columns in the tables, and the attribute each is read from.
+_ABOUT = {"relation_id": "relation_id", "prompt": "prompt_name", "text": "text", "target": "target"}
+
 
 def compare_graft_and_patch(
     models: ModelSet,
@@ -156,15 +157,12 @@ def compare_graft_and_patch(
     """Graft and patch the same (positions x pair x layer) configurations; score each example.
 
     Args:
-        models: The aligned checkpoints; ``target`` runs and ``source`` is imported
-            (swapped in the necessity direction).
-        tokenized: A :class:`~grafting_lens.analysis.batch.TokenizedExamples` (or what
-            :func:`~grafting_lens.analysis.batch.as_batch` takes).
-        positions: Span expressions (``"LT"``, ``"FE"``, ``"(FE+LT)^C"``...), or a mapping
-            from a label to one or to a ``[batch, pos]`` boolean tensor.
+        models: The aligned checkpoints; ``target`` runs and ``source`` is imported.
+        tokenized: A tokenized batch (what :func:`~grafting_lens.analysis.batch.as_batch` takes).
+        positions: Span expressions (``"LT"``, ``"(FE+LT)^C"``...), or ``{label: span or
+            [batch, pos] boolean tensor}``.
         layers: The layers ``l`` of the configurations (see :func:`~grafting_lens.resolve_layers`).
-        pairs: What to compare at each layer (:class:`ComparisonPair`, :data:`DEFAULT_PAIRS`,
-            :data:`STREAM_PAIR`).
+        pairs: What to compare at each layer (:class:`ComparisonPair`, :data:`STREAM_PAIR`...).
         direction: ``"sufficiency"`` (alias ``"denoising"``) or ``"necessity"`` (``"noising"``).
         methods: ``("graft", "patch")`` or one of them.
         source: Index of the donor in the model set.
@@ -172,11 +170,9 @@ def compare_graft_and_patch(
         batch_size: Examples per chunk, each chunk cut to its own longest row.
         rows_per_forward: Rows of one forward pass (at least one configuration of a chunk).
         progress: Show a progress bar over chunks (default: where someone watches).
-        score: What else each row scores, as in :func:`~grafting_lens.graft`
-            (:class:`~grafting_lens.analysis.scoring.Score`): ``"kl"`` compares with
-            ``source`` and recovers from ``target``; under a teacher-forced score (the whole
-            answer, ``kl`` at the answer) the answer's positions are grafted or patched where
-            the prompt's last token is (``answer_sources="last"``).
+        score: What else each row scores, as in :func:`~grafting_lens.graft`: ``"kl"``
+            compares with ``source`` and recovers from ``target``; under a teacher-forced
+            score the answer's positions are grafted or patched with the prompt's last token.
         counter: ``score="logit_diff"``'s counter-answer, one or one per example.
 
     Returns:
@@ -186,29 +182,29 @@ def compare_graft_and_patch(
     Raises:
         ArgumentTypeError: An argument of the wrong type (``methods=None``, ``source="1"``),
             naming it.
-        GraftingLensError: (or a subclass) an unknown position set, component, site, method
-            or direction; a layer outside the model; a site the architecture lacks; a span
-            the batch lacks; a bad source, target or size; a malformed batch. All before
-            the first forward pass.
+        GraftingLensError: (or a subclass, before any forward pass) an unknown position set,
+            component, site, method or direction; a layer outside the model; a site the
+            architecture lacks; a span the batch lacks; a bad source, target, size or batch.
     """
-    plan = _ComparisonPlan(
-        models,
-        tokenized,
-        positions,
-        layers,
-        pairs,
-        direction,
-        methods,
-        source,
-        target,
-        batch_size,
-        rows_per_forward,
-        score,
-        counter,
+    plan = _ComparisonPlan(  # every argument checked before any pass
+        models=models,
+        tokenized=tokenized,
+        positions=positions,
+        layers=layers,
+        pairs=pairs,
+        direction=direction,
+        methods=methods,
+        source=source,
+        target=target,
+        batch_size=batch_size,
+        rows_per_forward=rows_per_forward,
+        progress=progress,
+        score=score,
+        counter=counter,
     )
     scores: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
     starts = range(0, len(plan.batch), plan.batch_size)
-    bar = tqdm(starts, desc="graft vs patch", disable=not show_progress(progress), unit="chunk")
+    bar = tqdm(starts, desc="graft vs patch", disable=not plan.progress, unit="chunk")
     with torch.no_grad():
         for start in bar:
             chunk = plan.chunk(start, min(start + plan.batch_size, len(plan.batch)))
@@ -242,6 +238,7 @@ class _ComparisonPlan:
 
     def __init__(
         self,
+        *,
         models: ModelSet,
         tokenized: Any,
         positions: PositionSets,
@@ -253,6 +250,7 @@ class _ComparisonPlan:
         target: int,
         batch_size: int,
         rows_per_forward: int,
+        progress: bool | None,
         score: Any,
         counter: Any,
     ) -> None:
@@ -277,10 +275,9 @@ class _ComparisonPlan:
         self.batch = as_batch(tokenized, models)
         self.selections = position_sets(positions, self.batch.spans, self.batch.attention_mask)
         self.scorer = LastTokenScorer(models.tokenizer, top_token=True)
-        self.scored = Score.of(score, donor=max(source, 1), counter=counter)
-        if self.scored.name == "kl":  # the source's distribution, recovered from the target's
-            self.scored = dataclasses.replace(self.scored, donor=source)
-        self.scored.check(len(models), [int(models.base.cfg.d_vocab)])
+        # kl compares with the source, recovered from the target; the source may be 0 here,
+        # which Score.of refuses as a donor (it is graft()'s base).
+        self.scored = dataclasses.replace(Score.of(score, counter=counter), donor=source)
         self.counter_ids = (
             self.scored.counter_ids(self.batch.examples or [], self.batch, models.tokenizer)
             if self.scored.name == "logit_diff"
@@ -292,6 +289,7 @@ class _ComparisonPlan:
             for pair in self.pairs
             for layer in self.layers
         ]
+        self.progress = show_progress(progress)  # a bad progress= is refused after the rest
 
     def chunk(self, start: int, stop: int) -> _ExampleChunk:
         rows = self.batch.rows(range(start, stop))
@@ -300,7 +298,7 @@ class _ComparisonPlan:
         counters = None if self.counter_ids is None else self.counter_ids[start:stop]
         laid = self.scored.lay_out(rows, [[s] for s in selections.values()])
         grown = {label: laid.selections[i][0] for i, label in enumerate(selections)}
-        return _ExampleChunk(start, rows, selections, laid, grown, counters)
+        return _ExampleChunk(list(range(start, stop)), rows, selections, laid, grown, counters)
 
     def rows(self, columns: dict[str, list[Any]], examples: Sequence[int]) -> list[dict[str, Any]]:
         """One dict per row: its example's index and its columns."""
@@ -309,40 +307,27 @@ class _ComparisonPlan:
             for example, *values in zip(examples, *columns.values())
         ]
 
-    @property
-    def columns(self) -> tuple[str, ...]:
-        """The score columns of every row."""
-        return self.scorer.columns + self.scored.columns
-
     def frame(self, scores: dict[tuple[str, str, str, int], list[dict[str, Any]]]) -> pd.DataFrame:
-        examples = self.batch.examples
+        """The table: one row per method, configuration and example, in that nesting order."""
+        examples = self.batch.examples or [None] * len(self.batch)
         rows = []
-        for method in self.methods:
-            for config in self.configs:
-                spec = config.pair.spec
-                components = "+".join(config.pair.global_components + config.pair.layer_components)
-                for score in scores[(method, config.positions, spec.name, config.layer)]:
-                    index = score["example"]
-                    example = examples[index] if examples is not None else None
-                    rows.append(
-                        {
-                            "example": index,
-                            "relation_id": getattr(example, "relation_id", None),
-                            "prompt": getattr(example, "prompt_name", None),
-                            "text": getattr(example, "text", None),
-                            "target": getattr(example, "target", None),
-                            "target_id": int(self.batch.target_ids[index]),
-                            "method": method,
-                            "direction": self.direction,
-                            "positions": config.positions,
-                            "pair": spec.name,
-                            "components": components,
-                            "site": spec.site,
-                            "cumulative": spec.cumulative,
-                            "layer": config.layer,
-                            **{column: score[column] for column in self.columns},
-                        }
-                    )
+        for method, config in itertools.product(self.methods, self.configs):
+            pair, spec = config.pair, config.pair.spec
+            setting = {
+                "method": method,
+                "direction": self.direction,
+                "positions": config.positions,
+                "pair": spec.name,
+                "components": "+".join(pair.global_components + pair.layer_components),
+                "site": spec.site,
+                "cumulative": spec.cumulative,
+                "layer": config.layer,
+            }
+            for score in scores[(method, config.positions, spec.name, config.layer)]:
+                index = score["example"]
+                about = {c: getattr(examples[index], a, None) for c, a in _ABOUT.items()}
+                target_id = int(self.batch.target_ids[index])
+                rows.append({**score, **about, "target_id": target_id, **setting})
         return pd.DataFrame(rows, columns=[*RESULT_COLUMNS, *self.scored.columns])
 
 
@@ -382,33 +367,24 @@ def _check_options(
         if not is_integer(value):
             raise ArgumentTypeError(f"{name}= must be {what}, got {shown(value)}.")
     index = {name: int(value) for name, value, _ in named}  # type: ignore[call-overload]
-    refuse_first(
-        GraftingLensError,
-        [
-            *(
-                (
-                    not 0 <= index[name] < n_models,
-                    f"{name}={index[name]}, but the model set has {n_models} sources "
-                    f"(0..{n_models - 1}).",
-                )
-                for name in ("source", "target")
-            ),
-            (
-                index["source"] == index["target"],
-                f"source and target are both {index['source']}: importing a checkpoint into "
-                "itself changes nothing.",
-            ),
-            *(
-                (index[name] < 1, f"{name}= must be an integer >= 1, got {index[name]}.")
-                for name in ("batch_size", "rows_per_forward")
-            ),
-        ],
-    )
+    for name in ("source", "target"):
+        if not 0 <= index[name] < n_models:
+            raise GraftingLensError(
+                f"{name}={index[name]}, but the model set has {n_models} sources "
+                f"(0..{n_models - 1})."
+            )
+    if index["source"] == index["target"]:
+        raise GraftingLensError(
+            f"source and target are both {index['source']}: importing a checkpoint into itself "
+            "changes nothing."
+        )
+    for name in ("batch_size", "rows_per_forward"):
+        if index[name] < 1:
+            raise GraftingLensError(f"{name}= must be an integer >= 1, got {index[name]}.")
 
 
 def _check_shapes(positions: object, pairs: object) -> None:
-    """Refuse ``positions`` or ``pairs`` that are not lists (nor one given bare) before they
-    are read."""
+    """Refuse ``positions`` or ``pairs`` that are not lists (nor one given bare)."""
     for name, value, forms in (
         ("positions", positions, "span expressions such as ('LT', 'FE'), or {label: span}"),
         ("pairs", pairs, "ComparisonPairs or (name, components, site) tuples, e.g. DEFAULT_PAIRS"),
@@ -425,17 +401,12 @@ def _check_shapes(positions: object, pairs: object) -> None:
 class _ExampleChunk:
     """Some consecutive examples, cut to their longest row."""
 
-    start: int
+    examples: list[int]  # each row's index in the whole batch
     batch: TokenizedExamples
     selections: dict[str, Bool[torch.Tensor, "batch pos"]]
     laid: ScoredPass  # the pass the score needs: the prompts, or each followed by its answer
     grown: dict[str, Bool[torch.Tensor, "batch pos"]]  # the selections over the laid-out pass
     counter_ids: torch.Tensor | None
-
-    @property
-    def examples(self) -> list[int]:
-        """Index of each row in the whole batch."""
-        return list(range(self.start, self.start + len(self.batch)))
 
 
 def _graft_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
@@ -467,15 +438,10 @@ def _graft_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
 
 
 def _graft_mask(
-    plan: _ComparisonPlan,
-    chunk: _ExampleChunk,
-    config: _ComparisonConfig,
-    shape: tuple[int, int],
+    plan: _ComparisonPlan, chunk: _ExampleChunk, config: _ComparisonConfig, shape: tuple[int, int]
 ) -> GraftMask:
     """The running checkpoint everywhere, the giving one at the configuration's components."""
-    models = plan.models
-    real = chunk.laid.attention_mask
-    pair = config.pair
+    models, real, pair = plan.models, chunk.laid.attention_mask, config.pair
     layers = range(config.layer + 1) if pair.spec.cumulative else (config.layer,)
     grafted: set[Key] = {(name, layer) for name in pair.layer_components for layer in layers}
     grafted |= {(name, None) for name in pair.global_components}
@@ -553,20 +519,17 @@ def _patch_chunk(plan: _ComparisonPlan, chunk: _ExampleChunk) -> Scores:
 def _check_pairs(
     pairs: Sequence[PairSpec], models: ModelSet, patched: bool
 ) -> tuple[_CheckedPair, ...]:
-    if isinstance(pairs, ComparisonPair) or (
-        isinstance(pairs, tuple) and pairs and all(isinstance(part, str) for part in pairs)
-    ):
+    """The pairs, each a :class:`ComparisonPair`, its components expanded (one may be bare)."""
+
+    def texts(value: object) -> TypeGuard[tuple[str, ...]]:
+        return isinstance(value, tuple) and all(isinstance(part, str) for part in value)
+
+    if isinstance(pairs, ComparisonPair) or (texts(pairs) and pairs):
         pairs = [pairs]  # a single pair given bare
     checked = []
     for pair in pairs:
-        if (
-            isinstance(pair, tuple)
-            and len(pair) in (2, 3)
-            and all(isinstance(p, str) for p in pair)
-        ):
-            pair = (
-                ComparisonPair(*pair) if len(pair) == 3 else ComparisonPair("/".join(pair), *pair)
-            )
+        if texts(pair) and len(pair) in (2, 3):
+            pair = ComparisonPair(*(pair if len(pair) == 3 else ("/".join(pair), *pair)))
         if not isinstance(pair, ComparisonPair):
             raise ArgumentTypeError(
                 f"A pair is a ComparisonPair, (components, site) or (name, components, site); "
@@ -592,10 +555,7 @@ def _check_pairs(
 
 
 def reference_scores(
-    models: ModelSet,
-    tokenized: Any,
-    sources: Sequence[int] | None = None,
-    batch_size: int = 32,
+    models: ModelSet, tokenized: Any, sources: Sequence[int] | None = None, batch_size: int = 32
 ) -> pd.DataFrame:
     """Each checkpoint's own scores, from its own forward: the floor and ceiling of a comparison.
 
@@ -607,12 +567,11 @@ def reference_scores(
 
     Returns:
         One row per checkpoint and example: ``example``, ``relation_id``, ``prompt``,
-        ``model`` (its name in ``models.names``), ``source`` (its index), and the scores
-        ``target_rank``, ``target_prob``, ``top1``, ``top5``.
+        ``model`` (its name), ``source`` (its index), and the scores ``target_rank``,
+        ``target_prob``, ``top1``, ``top5``.
 
     Raises:
-        GraftingLensError: A malformed batch, sources out of range or listed twice,
-            or a bad ``batch_size``.
+        GraftingLensError: A malformed batch, bad or repeated sources, a bad ``batch_size``.
     """
     check_model_set(models)
     if is_integer(sources):
@@ -656,16 +615,12 @@ def reference_scores(
                 final = logits[torch.arange(len(last)), column.to(logits.device)][:, None]
                 scores = scorer(final, chunk.target_ids)
                 for offset, example in enumerate(chunk.examples or [None] * len(chunk)):
-                    rows.append(
-                        {
-                            "example": start + offset,
-                            "relation_id": getattr(example, "relation_id", None),
-                            "prompt": getattr(example, "prompt_name", None),
-                            "model": models.names[int(index)],
-                            "source": int(index),
-                            **{column: scores[column][offset] for column in SCORE_COLUMNS},
-                        }
-                    )
+                    about = {
+                        c: getattr(example, _ABOUT[c], None) for c in ("relation_id", "prompt")
+                    }
+                    model = {"model": models.names[int(index)], "source": int(index)}
+                    values = {column: scores[column][offset] for column in SCORE_COLUMNS}
+                    rows.append({"example": start + offset, **about, **model, **values})
     return pd.DataFrame(rows)
 
 
@@ -676,9 +631,8 @@ def summarize_comparison(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> pd.DataFrame:
-    """Top-1/top-5 accuracy, mean rank and mean target probability per group, with intervals.
-
-    ``n_resamples``, ``confidence`` and ``seed`` set the bootstrap intervals.
+    """Top-1/top-5 accuracy, mean rank and mean target probability per group, with intervals
+    (``n_resamples``, ``confidence`` and ``seed``: as for ``summarize``).
 
     Args:
         results: A table from :func:`compare_graft_and_patch` (or :func:`reference_scores`,
@@ -687,8 +641,7 @@ def summarize_comparison(
 
     Returns:
         :func:`~grafting_lens.analysis.metrics.summarize`'s columns plus ``target_prob``,
-        ``target_prob_low`` and ``target_prob_high``, one row per group in order of first
-        appearance.
+        ``target_prob_low`` and ``target_prob_high``.
 
     Raises:
         GraftingLensError: What :func:`~grafting_lens.analysis.metrics.summarize`

@@ -7,21 +7,15 @@ input lies along ``v_i``. :func:`read_directions` reads both sides through the v
 :func:`attribute_directions` estimates each direction's effect from one backward pass and
 grafts it alone; :func:`keep_directions` cuts a minimal graft's cells to their fewest
 directions. See ``docs/concepts/directions.md``.
-
-Reading: where ``u_i`` lives in the residual stream (``o``, ``mlp_out``, ``embed``), the
-base's unembedding reads it as logits, a logit lens without the final norm; where ``v_i`` is
-read from the residual stream (``q``, ``k``, ``v``, ``mlp_in``, ``mlp_gate``, ``unembed``), the
-embedding says which tokens' vectors it reads. An embedding's input side and an
-unembedding's output side are over the vocabulary already.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
@@ -29,7 +23,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from grafting_lens.analysis.attribution import AttributionPlan, BatchMetric, Cell, cell_label
-from grafting_lens.analysis.metrics import bootstrap_ci
+from grafting_lens.analysis.metrics import bootstrap_ci, recovery_ci
 from grafting_lens.core.arguments import as_texts, is_integer, shown
 from grafting_lens.core.errors import (
     ArgumentTypeError,
@@ -38,7 +32,6 @@ from grafting_lens.core.errors import (
     kind,
     refuse_first,
 )
-from grafting_lens.engine.masks import GraftMask
 from grafting_lens.engine.relaxation import relaxing
 from grafting_lens.models.directions import (
     DirectionsSource,
@@ -75,14 +68,15 @@ def read_directions(
         donor: The donor's index or name.
         k: How many directions, largest first (a LoRA donor: its first ``k`` components).
         tokens: How many tokens each side lists at each end.
-        answers: Texts whose tokens are looked for among the listed ones.
+        answers: Texts looked for among the listed tokens: an answer is found when its first
+            token (its encoding without special tokens, as given: ``" Tom"`` with its leading
+            space) is listed.
 
     Returns:
         One row per direction: ``component``, ``layer``, ``direction``, ``singular_value``,
-        ``share`` (of ``||dW||_F^2``), ``output_top`` / ``output_bottom`` and ``input_top`` /
-        ``input_bottom`` (token strings, empty where that side is not read), and with
-        ``answers`` the ``answers_found`` among them. Each direction's sign is chosen so that
-        its strongest token (output side first) is on top.
+        ``share`` (of ``||dW||_F^2``), the tokens ``output_top`` / ``_bottom`` and
+        ``input_top`` / ``_bottom`` (empty where a side is not read; signed so that the
+        strongest is on top), and with ``answers`` the ``answers_found``.
 
     Raises:
         SelectionError: A component with no single weight matrix at ``layer``, ``k`` < 1.
@@ -92,9 +86,7 @@ def read_directions(
         raise kind(k if not is_integer(k) else tokens, int, SelectionError)(
             f"k={shown(k)}, tokens={shown(tokens)}: give counts of 1 or more."
         )
-    derived = models.directions(donor)
-    source = derived.sources[-1]
-    assert isinstance(source, DirectionsSource)
+    source = _changes(models, donor)
     if (component, layer) not in models.pairs:
         raise SelectionError(
             f"({component!r}, {layer}) is not a component of this model set: see models.pairs."
@@ -119,7 +111,7 @@ def read_directions(
 
     listed = []
     targets = as_texts(answers, "answers", "a text or texts") if answers is not None else []
-    wanted = {a: set(models.tokenizer.encode(a, add_special_tokens=False)) for a in targets}
+    heads = {a: models.tokenizer.encode(a, add_special_tokens=False)[:1] for a in targets}
     decode = models.tokenizer.convert_ids_to_tokens
     for i in range(count):
         out = reading(U[:, i], unembedding if component in _WRITES else None)
@@ -143,31 +135,21 @@ def read_directions(
                 ids |= set(top) | set(bottom)
             row[f"{side}_top"], row[f"{side}_bottom"] = decode(top), decode(bottom)
         if answers is not None:
-            row["answers_found"] = [a for a, t in wanted.items() if t & ids]
+            row["answers_found"] = [a for a, head in heads.items() if set(head) & ids]
         listed.append(row)
-    frame = pd.DataFrame(listed)
-    frame["layer"] = frame["layer"].astype("Int64")
-    return frame
+    return pd.DataFrame(listed).astype({"layer": "Int64"})
 
 
-def _donor_index(models: ModelSet, donor: int | str) -> int:
-    """``donor`` as an index (by name or number), checked as :meth:`ModelSet.directions` does."""
+def _changes(models: ModelSet, donor: int | str) -> DirectionsSource:
+    """The donor's change as directions (``donor`` checked by :meth:`ModelSet.directions`)."""
     made = models.directions(donor).sources[-1]
     assert isinstance(made, DirectionsSource)
-    return models.sources.index(made.donor)
-
-
-def _plan(models: ModelSet, tokenized: Any, donor: int, **settings: Any) -> AttributionPlan:
-    """The batch, metric and cells checked as :func:`attribute_grafts` checks them."""
-    defaults = dict(direction="sufficiency", start=None, progress=False, logits="last")
-    return AttributionPlan(models, tokenized, source=donor, **{**defaults, **settings})
+    return made
 
 
 def _counts(models: ModelSet, donor: int, keys: Any) -> dict[tuple, int | None]:
-    """How many directions each ``(component, layer)``'s change has (the fewest of its
-    matrices'; None: no matrix, or one the donor left as it was)."""
-    probe = models.directions(donor).sources[-1]
-    assert isinstance(probe, DirectionsSource)
+    """Directions of each ``(component, layer)``'s change (None: no changed matrix)."""
+    probe = _changes(models, donor)
     found = {key: [probe.factors(slot) for slot in models.slots(*key)] for key in keys}
     return {
         key: min((len(f[0]) for f in factors if f is not None and f[3]), default=None)
@@ -176,8 +158,7 @@ def _counts(models: ModelSet, donor: int, keys: Any) -> dict[tuple, int | None]:
 
 
 class _Grafts:
-    """Exact grafts of cells on a plan's prompts and metric, each cell from its own source:
-    the donor whole, or part of its change (a source added to the model set on first use)."""
+    """A plan whose model set gains a source for each part of the donor's change asked for."""
 
     def __init__(self, plan: AttributionPlan) -> None:
         self.plan, self.made = copy.copy(plan), dict[str, int]()  # the copy's model set grows
@@ -195,31 +176,6 @@ class _Grafts:
                 self.plan.source, rank=rank, strength=strength, name=name
             )
         return self.made[key]
-
-    @torch.no_grad()
-    def measure(self, configs: Sequence[Mapping[Cell, int]]) -> torch.Tensor:
-        """Each prompt's metric with each configuration's cells grafted from their sources
-        (``{cell: source}``, the base elsewhere): ``[configs, prompts]``."""
-        plan = self.plan
-        values = torch.zeros(len(configs), len(plan.batch))
-        for index, rows in plan.chunks():
-            shape = (len(index), int(rows.tokens.shape[1]))
-            per_pass = max(1, plan.rows_per_forward // len(index))
-            for first in range(0, len(configs), per_pass):
-                block, masks = configs[first : first + per_pass], []
-                for config in block:
-                    entries: dict[tuple, torch.Tensor] = {}
-                    for (component, layer, label), source in config.items():
-                        value = entries.setdefault((component, layer), torch.zeros(shape).long())
-                        value[plan.selections[label][index, : shape[1]]] = source
-                    lengths = rows.attention_mask.sum(dim=1)
-                    masks.append(GraftMask(entries, shape, len(plan.models), lengths))
-                repeated = plan.batch.rows(index.repeat(len(block)))
-                scores = plan.metric(plan.grafted(repeated, GraftMask.cat(masks)), repeated)
-                values[first : first + len(block), index] = (
-                    scores.float().cpu().view(len(block), -1)
-                )
-        return values
 
 
 def dose_response(
@@ -241,13 +197,11 @@ def dose_response(
 ) -> pd.DataFrame:
     """The metric of one graft at several strengths, or ranks, of the donor's change.
 
-    The cells are ``components x layers x positions`` (as for
-    :func:`~grafting_lens.analysis.attribution.attribute_grafts`), or ``cells=``: a
-    :class:`~grafting_lens.analysis.graft_search.MinimalGraft`, its ``cells`` or
-    ``(component, layer, positions)`` triples (positions: span expressions). At strength ``s`` every cell computes with
-    ``W_base + s * dW`` (a number, or ``{(component, layer): s}``); at rank ``k`` with its top
-    ``k`` directions (fewer where a matrix has fewer; ``None``: the whole cell, norms and
-    biases included, which rank leaves the base's).
+    The cells are ``components x layers x positions`` (as for ``attribute_grafts``), or
+    ``cells=``: a ``MinimalGraft``, its ``cells`` or ``(component, layer, positions)`` triples.
+    At strength ``s`` every cell computes with ``W_base + s * dW`` (a number, or
+    ``{(component, layer): s}``); at rank ``k`` with its top ``k`` directions (at most all;
+    ``None``: the whole cell, norms and biases included, which rank leaves the base's).
 
     Returns:
         One row per value: ``strength`` or ``rank``, ``n`` (prompts), ``metric`` (mean) with
@@ -271,28 +225,24 @@ def dose_response(
         values = [v if isinstance(v, Mapping) else check_strength(v) for v in values]
     else:
         values = [check_rank(v) for v in values]
-        refuse_first(
-            SelectionError,
-            [
-                (
-                    any(isinstance(v, tuple) for v in values),
-                    f"ranks={shown(ranks)}: a sweep takes counts (None: every direction); graft "
-                    "chosen directions with ModelSet.directions(rank=[...]).",
-                )
-            ],
-        )
+        if any(isinstance(v, tuple) for v in values):
+            raise SelectionError(
+                f"ranks={shown(ranks)}: a sweep takes counts (None: every direction); graft "
+                "chosen directions with ModelSet.directions(rank=[...])."
+            )
     bootstrap_ci([0.0], n_resamples, confidence)  # refuses them before any pass
-    index = _donor_index(models, donor)
+    index = models.sources.index(_changes(models, donor).donor)
     chosen, grid = _cells(cells, components, layers, positions)
     if axis == "rank" and cells is None:  # given cells' norms stay the base's below None
         check_matrix_components(models, grid["components"])
-    plan = _plan(
+    plan = AttributionPlan(
         models,
         tokenized,
-        index,
+        source=index,
         metric=metric,
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
+        progress=False,
         **grid,
     )
     chosen = chosen or list(plan.cells)
@@ -309,13 +259,12 @@ def dose_response(
             for cell in chosen
         }
 
-    measured = grafts.measure([{}, dict.fromkeys(chosen, plan.source), *map(sources, values)])
+    measured = grafts.plan.exact([{}, dict.fromkeys(chosen, plan.source), *map(sources, values)])
     base, whole = measured[0].numpy(), measured[1].numpy()
     rows = []
     for value, scores in zip(values, measured[2:].numpy()):
         low, high = bootstrap_ci(scores, n_resamples, confidence)
-        recovery = _recovery((scores, base, whole))
-        interval = _paired_interval(_recovery, (scores, base, whole), n_resamples, confidence)
+        recovery = recovery_ci(scores, base, whole, n_resamples, confidence)
         rows.append(
             {
                 axis: value,
@@ -323,9 +272,7 @@ def dose_response(
                 "metric": float(scores.mean()),
                 "metric_low": low,
                 "metric_high": high,
-                "recovery": recovery,
-                "recovery_low": interval[0],
-                "recovery_high": interval[1],
+                **dict(zip(("recovery", "recovery_low", "recovery_high"), recovery)),
             }
         )
     frame = pd.DataFrame(rows)
@@ -362,36 +309,8 @@ def _cells(cells: Any, components: Any, layers: Any, positions: Any) -> tuple[li
     return chosen, grid
 
 
-def _recovery(arrays: Sequence[np.ndarray], axis: int = -1) -> Any:
-    """``(mean(scores) - mean(base)) / (mean(whole) - mean(base))`` (NaN without a gap)."""
-    scores, base, whole = (np.asarray(a).mean(axis=axis) for a in arrays)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(whole != base, (scores - base) / (whole - base), np.nan)[()]
-
-
-def _paired_interval(
-    statistic: Any, arrays: Sequence[np.ndarray], n_resamples: int, confidence: float
-) -> tuple[float, float]:
-    """A percentile bootstrap interval of ``statistic``, prompts resampled together."""
-    if len(arrays[0]) < 2 or not np.isfinite(statistic(arrays)):
-        return float(statistic(arrays)), float(statistic(arrays))
-    from scipy import stats  # imported when needed: it takes a second to import
-
-    interval = stats.bootstrap(
-        tuple(arrays),
-        lambda *a, axis=-1: statistic(a, axis=axis),
-        paired=True,
-        n_resamples=n_resamples,
-        confidence_level=confidence,
-        method="percentile",
-        rng=np.random.default_rng(0),
-    ).confidence_interval
-    return float(interval.low), float(interval.high)
-
-
 class _WeightedLinear(LoraLinear):
-    """``base(x) + B (w * A x) * scale``: each direction weighted per position by ``w [batch,
-    pos, k]``, which the attribution differentiates."""
+    """``base(x) + B (w * A x) * scale``, each direction weighted per position (``w``)."""
 
     def update(self, x: torch.Tensor) -> torch.Tensor:
         along = F.linear(x.to(self.lora_A.dtype), self.lora_A)  # [batch, pos, k]
@@ -434,19 +353,16 @@ def attribute_directions(
 ) -> pd.DataFrame:
     """Estimate what each of the top ``k`` directions of a cell's change does to the metric.
 
-    At each cell (a linear layer's matrix at a layer at a group of positions, as for
-    :func:`~grafting_lens.analysis.attribution.attribute_grafts`) the graft is relaxed to
-    ``W_base + sum_i c_i s_i u_i v_i^T`` at the cell's positions: direction ``i``'s estimate
-    is ``d metric / d c_i`` at ``c = 0`` (sufficiency, from the base), one backward pass per
-    position group. With ``verify`` each direction is also grafted alone (``rank=[i]``).
-    Cells of norms and embeddings are left out.
+    At each cell of a linear layer's matrix (as for ``attribute_grafts``; norms and
+    embeddings left out) the graft is relaxed to ``W_base + sum_i c_i s_i u_i v_i^T``:
+    direction ``i``'s estimate is ``d metric / d c_i`` at ``c = 0`` (from the base), one
+    backward pass per position group. With ``verify`` each is also grafted alone.
 
     Returns:
         One row per cell and direction: ``cell``, ``component``, ``layer``, ``positions``,
-        ``direction``, ``singular_value``, ``share`` (of ``||dW||_F^2``), ``estimate`` and
-        ``estimate_se`` (mean over prompts), ``exact`` and ``exact_se`` (NaN without
-        ``verify``), ``n``; :func:`~grafting_lens.analysis.attribution.attribution_agreement`
-        takes it.
+        ``direction``, ``singular_value``, ``share`` (of ``||dW||_F^2``), ``estimate``,
+        ``exact`` (NaN without ``verify``), each with its ``_se``, and ``n``; as
+        ``attribution_agreement`` takes it.
 
     Raises:
         SelectionError: ``k`` < 1, no cell with a weight matrix; and what ``attribute_grafts``
@@ -461,11 +377,12 @@ def attribute_directions(
         ],
     )
     refuse_first(SelectionError, [(not (is_integer(k) and k >= 1), f"k={k}: give 1 or more.")])
-    index = _donor_index(models, donor)
-    plan = _plan(
+    index = models.sources.index(_changes(models, donor).donor)
+    plan = AttributionPlan(
         models,
         tokenized,
-        index,
+        source=index,
+        progress=False,
         metric=metric,
         components=components,
         layers=layers,
@@ -488,15 +405,9 @@ def attribute_directions(
             "at these layers: name o, mlp_out, q..."
         )
     ranks = {key: min(int(k), counts[key] or 0) for key in keys}
-    made = models.directions(index).sources[-1]
-    assert isinstance(made, DirectionsSource)
-    weighted = _Weighted(
-        "weighted",
-        made.base,
-        made.donor,
-        rank=ranks,
-        make_bridge=lambda: shared_bridge(models.base),
-    )
+    made = _changes(models, index)
+    bridge = partial(shared_bridge, models.base)
+    weighted = _Weighted("weighted", made.base, made.donor, rank=ranks, make_bridge=bridge)
     weighted.per_position = {}  # set before each relaxed pass
     derived = ModelSet(
         [*models.sources, weighted],
@@ -527,16 +438,14 @@ def attribute_directions(
                 values = plan.metric(logits, rows)
                 gradients = torch.autograd.grad(values.sum(), list(weights.values()))
             for key, gradient in zip(keys, gradients):
-                estimates[(key[0], key[1], label)][:, rows_index] = (
-                    gradient.sum(dim=1).T.float().cpu()
-                )
+                estimates[key + (label,)][:, rows_index] = gradient.sum(dim=1).T.float().cpu()
     exact = {cell: torch.full_like(e, float("nan")) for cell, e in estimates.items()}
     if verify:
         grafts = _Grafts(plan)
         configs = [
             {cell: grafts.source(rank=[i])} for cell in cells for i in range(ranks[cell[:2]])
         ]
-        measured = grafts.measure([{}, *configs])
+        measured = grafts.plan.exact([{}, *configs])
         effects = iter(measured[1:] - measured[0])
         exact = {
             cell: torch.stack([next(effects) for _ in range(ranks[cell[:2]])]) for cell in cells
@@ -572,9 +481,7 @@ def _direction_rows(
                     "n": len(estimate),
                 }
             )
-    frame = pd.DataFrame(rows)
-    frame["layer"] = frame["layer"].astype("Int64")
-    return frame
+    return pd.DataFrame(rows).astype({"layer": "Int64"})
 
 
 def keep_directions(
@@ -582,9 +489,8 @@ def keep_directions(
 ) -> pd.DataFrame:
     """Cut each of ``cells``, in order, to its fewest top directions (1, 2, 4... then
     bisection) whose exact graft, with the cells before it cut and those after it whole,
-    still recovers ``fraction`` of ``bottom`` -> ``top`` on ``plan``'s metric; a cell that
-    needs all of them, or has no matrix, stays whole. What ``find_minimal_graft(...,
-    directions=True)`` reports.
+    still recovers ``fraction`` of ``bottom`` -> ``top``; a cell that needs all of them, or
+    has no matrix, stays whole (``find_minimal_graft(..., directions=True)``).
 
     Returns:
         One row per cell: ``order``, ``cell``, ``component``, ``layer``, ``positions``,
@@ -592,8 +498,7 @@ def keep_directions(
         ``||dW||_F^2`` kept) and ``recovery`` (exact, with the cells up to it cut).
     """
     grafts, counts = _Grafts(plan), _counts(plan.models, plan.source, {c[:2] for c in cells})
-    probe = plan.models.directions(plan.source).sources[-1]
-    assert isinstance(probe, DirectionsSource)
+    probe = _changes(plan.models, plan.source)
     kept: dict[Cell, int | None] = dict.fromkeys(cells)
     memo: dict[tuple, float] = {}
 
@@ -601,7 +506,7 @@ def keep_directions(
         key = tuple(trial.values())
         if key not in memo:
             config = {cell: grafts.source(rank=r) for cell, r in trial.items()}
-            memo[key] = (float(grafts.measure([config]).mean()) - bottom) / (top - bottom)
+            memo[key] = (float(grafts.plan.exact([config]).mean()) - bottom) / (top - bottom)
         return memo[key]
 
     rows = []
@@ -634,7 +539,4 @@ def keep_directions(
                 "recovery": recovery(kept),
             }
         )
-    frame = pd.DataFrame(rows)
-    for column in ("layer", "directions", "of"):
-        frame[column] = frame[column].astype("Int64")
-    return frame
+    return pd.DataFrame(rows).astype(dict.fromkeys(("layer", "directions", "of"), "Int64"))

@@ -103,12 +103,9 @@ def column_title(column: str) -> str:
 
 
 def axis_range(values: Iterable[float], *, fraction: bool = True) -> list[float]:
-    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room.
-
-    For fractions the top is the smallest of 5%, 10%, 20%, 25%, 50%, 75% and 100% that
-    leaves room above the highest value (a little over 100% when a value reaches it);
-    otherwise the highest value plus 10%.
-    """
+    """A value axis from 0 that fits ``values`` (bars and interval ends) with a little room:
+    for fractions up to the first of 5%, 10%, 20%, 25%, 50%, 75% or 105% above them all,
+    else up to the highest value plus 10%."""
     finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     top = max(finite, default=0.0)
     if not fraction:
@@ -201,26 +198,19 @@ def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) 
             ),
         ),
         legend=dict(
-            orientation="h",
-            yref="container",
-            yanchor="bottom",
-            y=0.0,
-            x=0.0,
-            xanchor="left",
+            orientation="h", yref="container", yanchor="bottom", y=0.0, x=0.0, xanchor="left"
         ),
     )
     lines = 1 + fig.layout.title.text.count("<br>")
     if subtitle:
         lines += 1 + fig.layout.title.subtitle.text.count("<br>")
     margin_right = max(fig.layout.margin.r or 0, 40)
-    # Panels' titles (make_subplots puts them above the plot area) need a line of their own
-    # under the subtitle.
+    # Panels' titles (above the plot area) need a line of their own under the subtitle.
     panel_titles = any(
         a.yref == "paper" and a.y is not None and a.y >= 1 for a in fig.layout.annotations
     )
     fig.update_layout(
-        margin=dict(t=50 + 20 * lines + 24 * panel_titles, r=margin_right, b=110),
-        **layout,
+        margin=dict(t=50 + 20 * lines + 24 * panel_titles, r=margin_right, b=110), **layout
     )
     return fig
 
@@ -228,11 +218,8 @@ def figure_style(fig: go.Figure, title: str, subtitle: str = "", **layout: Any) 
 def add_reference_line(
     fig: go.Figure, y: float, text: str, row: int | None = None, col: int | None = None
 ) -> None:
-    """A dotted horizontal line at ``y``, labelled in the right margin, clear of the bars.
-
-    A set value axis grows to hold ``y``; a label near another reference's moves a line
-    away from it; the right margin widens to fit the label.
-    """
+    """A dotted horizontal line at ``y``, labelled in the right margin (widened to fit, a
+    label moved off a near one's), a set value axis grown to hold it."""
     target = {} if row is None else dict(row=row, col=col)
     axis = "y" if row is None else yaxis_name(fig, row, col)
     extend_range(fig, axis, y)
@@ -290,9 +277,7 @@ def extend_range(fig: go.Figure, axis: str, y: float) -> None:
 
 def yaxis_name(fig: go.Figure, row: int, col: int | None) -> str:
     """The y axis of a subplot, as an annotation names it ("y", "y2"...)."""
-    subplot = fig.get_subplot(row, col if col is not None else 1)
-    anchor = subplot.yaxis.plotly_name  # "yaxis", "yaxis2"...
-    return anchor.replace("axis", "")
+    return fig.get_subplot(row, col or 1).yaxis.plotly_name.replace("axis", "")  # "yaxis2"
 
 
 def save_figure(
@@ -306,18 +291,16 @@ def save_figure(
     """Write ``path.html`` always, and ``path.png`` when a browser for kaleido is available.
 
     Args:
-        fig: The figure.
-        path: Destination without suffix, e.g. ``"out/position_grafting"`` (directories
-            are created).
+        fig: The figure to save.
+        path: Destination without suffix, e.g. ``"out/position_grafting"`` (made as needed).
         png: Also try the static PNG.
         scale: PNG resolution multiplier.
-        include_plotlyjs: ``Figure.to_html``'s: ``True`` embeds plotly.js (opens offline),
-            ``"cdn"`` is small but needs a network.
+        include_plotlyjs: ``Figure.to_html``'s: ``True`` embeds plotly.js, ``"cdn"`` links it.
         warn: Warn when the PNG could not be written.
 
     Returns:
         ``{"html": str, "png": str | None, "png_error": str | None}``: the paths written
-        and, when a PNG was asked for but not written, the reason (with its fix).
+        and, for a PNG asked for but not written, why (with the fix).
 
     Raises:
         GraftingLensError: ``path`` is an existing directory.
@@ -338,8 +321,7 @@ def save_figure(
     if not png:
         return result
     try:
-        image = fig.to_image(format="png", scale=scale)
-        atomic_write(png_path, image)
+        atomic_write(png_path, fig.to_image(format="png", scale=scale))
         result["png"] = str(png_path)
     except Exception as error:  # noqa: BLE001, any export failure must leave the HTML usable
         result["png_error"] = _png_failure_reason(error)
@@ -382,10 +364,8 @@ def figure_problems(fig: go.Figure) -> list[str]:
         if error is not None and error.array is not None:
             minus = error.arrayminus if error.arrayminus is not None else error.array
             for sign, ends in ((1.0, error.array), (-1.0, minus)):
-                pairs = zip(trace.y, ends)
-                values += [
-                    float(v) + sign * float(e) for v, e in pairs if _finite(v) and _finite(e)
-                ]
+                pairs = [(v, e) for v, e in zip(trace.y, ends) if _finite(v) and _finite(e)]
+                values += [float(v) + sign * float(e) for v, e in pairs]
         axis = trace.yaxis or "y"
         plotted.setdefault(axis, []).extend((f"{name!r}", v) for v in values)
     for shape in layout.shapes:

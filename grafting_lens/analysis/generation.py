@@ -1,17 +1,12 @@
 """Generations judged: how often a graft's continuations do what a user asks of them.
 
-The first token of an answer cannot show a behaviour (a style, a refusal, a closing
-phrase): the text that follows can. :func:`generate_text` continues every prompt under
-every named graft, greedily (:func:`~grafting_lens.engine.graft.graft_generate`, so each
-prompt generates what it would alone, whatever the lengths of the others), and returns
-the text, one row per graft and prompt. :func:`judge_rate` asks a user's judge, a function
-of the generated text, of each row and gives, per graft, the share it accepts with a
-bootstrap interval (:func:`~grafting_lens.analysis.metrics.bootstrap_ci`). Generating is
-the cost; judging is cheap, so one set of generations can be judged many ways.
+The first token of an answer cannot show a behaviour (a style, a refusal): the text that
+follows can. :func:`generate_text` continues every prompt under every named graft, greedily;
+:func:`judge_rate` gives the share of each graft's texts that a user's judge accepts, with a
+bootstrap interval. Generating is the cost; one set of generations can be judged many ways.
 
 Examples:
-    >>> texts = generate_text(models, prompts, {"base": dict(source=0), "donor": {},
-    ...                                         "last token": dict(positions="last")})
+    >>> texts = generate_text(models, prompts, {"base": dict(source=0), "donor": {}})
     >>> judge_rate(texts, lambda text: "Fishburne" in text)
 """
 
@@ -51,21 +46,17 @@ def generate_text(
     max_new_tokens: int = 20,
     new_token_sources: str | int = "last",
 ) -> pd.DataFrame:
-    """Greedy continuations of every prompt under every graft, as text.
-
-    Every graft runs in one call of :func:`~grafting_lens.engine.graft.graft_generate`,
-    checked before anything runs; each prompt generates exactly what it would alone. A
-    generation ends before its first end-of-text token, where ``generate()`` stops.
+    """Greedy continuations of every prompt under every graft, as text: one call of
+    :func:`~grafting_lens.engine.graft.graft_generate`, each prompt generating what it would
+    alone, each generation ending before its first end-of-text token.
 
     Args:
         models: The aligned checkpoints, loaded with their tokenizer.
-        prompts: A text, texts (each tokenized as ``tokenizer(text)`` does, right padded),
-            or a tokenized batch (:class:`~grafting_lens.analysis.batch.TokenizedExamples`).
-        grafts: Names to grafts, each a :class:`~grafting_lens.GraftMask` built for the
-            batch's tokens and attention mask, or the keywords of :meth:`GraftMask.build`
-            (``positions``, ``layers``, ``components``, ``source``): ``dict(source=0)`` is
-            the base, ``{}`` the whole donor, ``dict(positions="last")`` the donor at the
-            last token. A span of a batch is ``positions=batch.spans["first_entity"]``.
+        prompts: A text, texts (tokenized as ``tokenizer(text)`` does), or a tokenized batch.
+        grafts: Names to grafts, each a :class:`~grafting_lens.GraftMask` for the batch, or
+            :meth:`GraftMask.build`'s keywords (:data:`BUILD_KEYWORDS`): ``dict(source=0)``
+            is the base, ``{}`` the whole donor, ``dict(positions="last")`` the donor at the
+            last token.
         max_new_tokens: Tokens to generate after each prompt.
         new_token_sources: ``graft_generate``'s: ``"last"`` or one source index.
 
@@ -73,8 +64,8 @@ def generate_text(
         :data:`GENERATION_COLUMNS`, one row per graft and prompt, grafts in the order given.
 
     Raises:
-        ArgumentTypeError: Prompts that are not text or a batch, ``grafts`` that is not a
-            mapping of names to masks or keywords, a model set without a tokenizer.
+        ArgumentTypeError: Prompts that are not text or a batch, ``grafts`` not names to
+            masks or keywords, a model set without a tokenizer.
         GraftingError: No graft, or a keyword ``GraftMask.build`` does not take here.
         GraftMaskError: A graft that does not fit the batch; and what ``GraftMask.build``
             and ``graft_generate`` refuse.
@@ -149,12 +140,10 @@ def judge_rate(
     """The share of each graft's generations a judge accepts, with a bootstrap interval.
 
     Args:
-        generations: A table with ``graft`` and ``generation`` columns, as
-            :func:`generate_text` returns.
+        generations: A table with ``graft`` and ``generation`` columns (:func:`generate_text`).
         judge: Called on each generated text; returns ``True`` (accepted) or ``False``.
-        n_resamples: :func:`~grafting_lens.analysis.metrics.bootstrap_ci`'s.
-        confidence: :func:`~grafting_lens.analysis.metrics.bootstrap_ci`'s.
-        seed: :func:`~grafting_lens.analysis.metrics.bootstrap_ci`'s.
+        n_resamples: :func:`~grafting_lens.analysis.metrics.bootstrap_ci`'s, as
+            ``confidence`` and ``seed``.
 
     Returns:
         One row per graft, in order of first appearance: ``graft``, ``n``, ``rate`` (the
@@ -171,16 +160,11 @@ def judge_rate(
         ArgumentTypeError,
         [(not callable(judge), f"judge= must be a function of the text, got {shown(judge)}.")],
     )
-    refuse_first(
-        GraftingError,
-        [
-            (
-                missing or generations.empty,
-                f"generations= needs rows with the columns graft and generation, lacking "
-                f"{missing or 'rows'}: pass what generate_text returns.",
-            )
-        ],
-    )
+    if missing or generations.empty:
+        raise GraftingError(
+            f"generations= needs rows with the columns graft and generation, lacking "
+            f"{missing or 'rows'}: pass what generate_text returns."
+        )
     verdicts = [_verdict(judge, text, row) for row, text in enumerate(generations["generation"])]
     rows = []
     accepted = pd.Series(verdicts, index=generations.index, dtype=float)

@@ -1,24 +1,14 @@
 """The smallest graft that recovers the donor: attribution proposes, exact grafts decide.
 
-:func:`find_minimal_graft` looks for a small set ``S`` of cells (a component at a layer at a
-group of positions) whose graft recovers at least ``fraction`` of the gap, averaged over
-prompts, ``recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) -
-metric(base))``. Each step attributes every remaining cell from the cells grafted so far
-(one backward pass) and grafts the best-estimated ones exactly: by default blocks of 1, 2,
-4... cells, so that a graft of a hundred cells takes a few dozen steps, the last block cut to
-its shortest prefix that reaches ``fraction``; ``search="greedy"`` accepts one cell a step,
-the best of ``proposals`` (a beam with ``beam > 1``). Once ``fraction`` is reached, cells
-are dropped while the rest still reaches it, until the graft without any one of its cells,
-measured exactly, falls short: the result is 1-minimal, not the smallest there is (a pair
-of cells that helps only together can be missed). Every reported recovery is an exact
-graft. With ``state=`` a file, a killed search goes on from its last step. The concept
-page "What a graft attribution estimates" tells the story.
+:func:`find_minimal_graft` looks for a small set ``S`` of cells whose graft recovers at least
+``fraction`` of the gap, ``recovery(S) = (metric(base + S) - metric(base)) / (metric(donor) -
+metric(base))`` averaged over prompts. Each step attributes the remaining cells and grafts
+the best-estimated ones exactly; the result is pruned to 1-minimal. Every reported recovery
+is an exact graft. See ``docs/concepts/attribution.md``, "The smallest graft that works".
 
 Examples:
     >>> found = find_minimal_graft(models, batch, fraction=0.8, held_out=other_batch)
     >>> found.cells, found.recovery, found.held_out_recovery
-    >>> logits = gl.graft_forward(models, batch.tokens, found.mask(models, batch),
-    ...                           attention_mask=batch.attention_mask, logits="all")
 """
 
 from __future__ import annotations
@@ -99,15 +89,13 @@ class MinimalGraft:
     Attributes:
         cells: In the order added: ``order`` (1, 2...), ``cell`` (its label),
             ``component``, ``layer`` (``<NA>`` for global components), ``positions``.
-        curve: The exact recovery of the first ``k`` cells, for every ``k`` from 0 to
-            ``len(cells)`` or ``curve_points`` of them evenly spread: ``prompts``
-            (``"search"`` or ``"held_out"``), ``cells`` (``k``), ``cell`` (the ``k``-th cell's
-            label, empty for 0), ``metric`` (mean over prompts), ``recovery``.
-        search: One row per set of cells measured: the ``step``, its ``phase`` (``"block"``:
-            a doubling step's block; ``"shortest prefix"``: the cut of the last block;
-            ``"single"``: one cell added), the set's ``size`` and ``cells`` (labels joined
-            with " + "), the ``cell`` added last, the ``estimate`` of what was added, the
-            set's exact ``recovery`` and whether it was ``kept``.
+        curve: The exact recovery of the first ``k`` cells (:data:`CURVE_COLUMNS`), for
+            every ``k`` from 0 to ``len(cells)`` or ``curve_points`` of them evenly spread,
+            on the ``"search"`` and ``"held_out"`` prompts.
+        search: One row per set of cells measured (:data:`SEARCH_COLUMNS`): its ``phase``
+            (``"block"``, ``"shortest prefix"`` or ``"single"``), ``size`` and ``cells``,
+            the ``cell`` added last, the ``estimate`` of what was added, the set's exact
+            ``recovery`` and whether it was ``kept``.
         fraction: The recovery asked for.
         recovery: The recovery of all the cells on the search prompts.
         held_out_recovery: The same on the held-out prompts (``None`` without them).
@@ -115,8 +103,7 @@ class MinimalGraft:
         reference: What a recovery of 1 is (:data:`REFERENCES`).
         groups: Each position group's label and specification (to select in other prompts).
         source: The donor's index in the model set.
-        seconds: Wall time of the ``search`` (growing the set), the ``prune`` (to
-            1-minimal, every step measured) and the ``curve`` (on both sets of prompts).
+        seconds: Wall time of the ``search``, the ``prune`` and the ``curve``.
         directions: With ``directions=True``, each cell cut to its fewest top directions of
             the donor's change that still recover ``fraction`` (``keep_directions``).
     """
@@ -135,8 +122,7 @@ class MinimalGraft:
     directions: pd.DataFrame | None = None
 
     def mask(self, models: ModelSet, tokenized: Any) -> GraftMask:
-        """The graft of these cells for a batch of prompts (the search's or others), on the
-        model set the search ran on.
+        """The graft of these cells for a batch of prompts, on the search's model set.
 
         Raises:
             AttributionError: A position group given as a tensor over the search's prompts.
@@ -145,16 +131,13 @@ class MinimalGraft:
         selections = resolve_groups(self.groups, batch)
         shape = tuple(batch.tokens.shape)
         entries: dict[Any, torch.Tensor] = {}
-        for component, layer, label in self._cell_tuples():
+        layers = [None if pd.isna(layer) else int(layer) for layer in self.cells["layer"]]
+        for component, layer, label in zip(self.cells["component"], layers, self.cells.positions):
             value = entries.setdefault((component, layer), torch.zeros(shape, dtype=torch.long))
             value[selections[label]] = self.source
         return GraftMask.from_dict(
             models, entries, (shape[0], shape[1]), attention_mask=batch.attention_mask
         )
-
-    def _cell_tuples(self) -> list[Cell]:
-        layers = [None if pd.isna(layer) else int(layer) for layer in self.cells["layer"]]
-        return list(zip(self.cells["component"], layers, self.cells["positions"]))
 
 
 def find_minimal_graft(
@@ -193,30 +176,25 @@ def find_minimal_graft(
         models: The aligned checkpoints.
         tokenized: The search prompts (a tokenized batch).
         fraction: The recovery to reach, in (0, 1].
-        held_out: Other prompts on which to report the recovery of the cells found (their
-            position groups are selected afresh, so no tensors over the search's rows).
+        held_out: Other prompts to report the recovery of the cells found on (their
+            position groups selected afresh: no tensors over the search's rows).
         reference: ``"donor"`` (recovery 1 is the donor whole) or ``"all_cells"`` (the graft
             of every candidate cell, which may fall short of the donor).
-        search: ``"doubling"`` (each step grafts the next 1, 2, 4... best-estimated cells at
-            once, then the shortest prefix of the last block that reaches ``fraction``) or
-            ``"greedy"`` (each step grafts the best of ``proposals`` single cells; slower,
-            one cell per step).
-        proposals: Candidates tried one by one, by attribution: every step of a greedy
-            search, and a doubling search's step when its single best cell does not help.
+        search: ``"doubling"`` (each step grafts the next 1, 2, 4... best-estimated cells,
+            the last block cut to its shortest prefix that reaches ``fraction``) or
+            ``"greedy"`` (each step grafts the best of ``proposals`` single cells; slower).
+        proposals: Candidates tried one by one: every step of a greedy search, and a
+            doubling step when its single best cell does not help.
         beam: Sets kept per step of a greedy search (default 1).
         method: The attribution proposing candidates: ``"gradient"`` or ``"integrated"``.
         max_cells: Stop after this many cells (default: every candidate).
-        prune: Drop cells the result can do without, until it is 1-minimal (checked by an
-            exact graft without each cell).
-        directions: Then cut each cell to its fewest directions (``MinimalGraft.directions``,
-            see ``docs/concepts/directions.md``).
-        curve_points: How many prefixes of the result the curve measures, evenly spread
-            (``None``: every prefix).
-        state: A JSON file to keep the search's progress in: a search killed and started
-            again with the same file goes on from its last step. The file's set of cells is
-            measured again before use and must recover what the file says.
+        prune: Drop cells the result can do without, until it is 1-minimal.
+        directions: Then cut each cell to its fewest directions (``MinimalGraft.directions``).
+        curve_points: Prefixes of the result the curve measures (``None``: every one).
+        state: A JSON file of the search's progress: a search started again with it goes
+            on from its last step (its cells are measured again and must recover as said).
         progress: A progress bar (``True``), nothing (``False``), or by default a bar where
-            someone watches and one line per step on standard error elsewhere (a log file).
+            someone watches and one line per step on standard error elsewhere.
 
     Returns:
         A :class:`MinimalGraft`.
@@ -269,9 +247,7 @@ def find_minimal_graft(
         metric=metric,
         components=components,
         layers=layers,
-        direction="sufficiency",
         source=source,
-        start=None,
         batch_size=batch_size,
         rows_per_forward=rows_per_forward,
         progress=False,
@@ -306,7 +282,8 @@ def find_minimal_graft(
         searcher.greedy(beam, journal)
     else:
         searcher.doubling(journal)
-    chosen, recovery = searcher.best()
+    found, recovery = searcher.beams[0]
+    chosen = list(found)
     seconds = {"search": time.perf_counter() - started}
     started = time.perf_counter()
     if prune and recovery >= fraction:
@@ -398,10 +375,6 @@ class _Search:
         self.pruned: tuple[Cell, ...] | None = None
         self.last_ranking: tuple[tuple[Cell, ...] | None, list[tuple[Cell, float]]] = (None, [])
 
-    def best(self) -> tuple[list[Cell], float]:
-        cells, recovery = self.beams[0]
-        return list(cells), recovery
-
     def measure(self, sets: Sequence[Sequence[Cell]]) -> list[float]:
         """The exact recovery of each set of cells."""
         return self.scale.recovery(self.plan.exact([tuple(cells) for cells in sets]))
@@ -430,18 +403,10 @@ class _Search:
         kept: bool,
         phase: str,
     ) -> None:
-        self.log.append(
-            {
-                "step": self.step,
-                "phase": phase,
-                "size": len(cells),
-                "cells": " + ".join(cell_label(*cell) for cell in cells),
-                "cell": cell_label(*added),
-                "estimate": estimate,
-                "recovery": recovery,
-                "kept": kept,
-            }
-        )
+        """One row of the search log (:data:`SEARCH_COLUMNS`)."""
+        labels = " + ".join(cell_label(*cell) for cell in cells)
+        row = (self.step, phase, len(cells), labels, cell_label(*added), estimate, recovery, kept)
+        self.log.append(dict(zip(SEARCH_COLUMNS, row)))
 
     def done(self) -> bool:
         cells, recovery = self.beams[0]
@@ -490,8 +455,7 @@ class _Search:
     def shortest_prefix(
         self, cells: tuple[Cell, ...], block: list[tuple[Cell, float]], value: float
     ) -> tuple[tuple[Cell, ...], float]:
-        """``cells`` and the shortest prefix of ``block`` found to reach the fraction, by
-        bisection (all of ``block`` reaches it, with recovery ``value``)."""
+        """``cells`` and the shortest prefix of ``block`` that reaches, by bisection."""
         low, high = 0, len(block)  # the prefix of `low` cells falls short, `high`'s reaches
         while high - low > 1:
             middle = (low + high) // 2
@@ -533,8 +497,7 @@ class _Search:
             )
 
     def prune(self, cells: list[Cell], journal: _Journal) -> list[Cell]:
-        """Drop cells while the rest reaches the fraction, until no single one can go: each
-        round measures the set without each of its cells, exactly."""
+        """Drop cells while the rest reaches the fraction, until no single one can go."""
         if self.pruned is not None:
             return list(self.pruned)
         while len(cells) > 1:
@@ -558,8 +521,7 @@ class _Search:
 
 
 class _Journal:
-    """The search's progress in a JSON file, so that a search killed and started again with
-    the same file goes on from its last step (no file: nothing is kept)."""
+    """The search's progress in a JSON file, to go on from after a kill (no file: none)."""
 
     def __init__(self, path: Path | None, settings: dict[str, Any]) -> None:
         self.path, self.settings = path, settings
@@ -647,10 +609,7 @@ _STATE_FIELDS = ("settings", "cells", "recovery", "size", "step", "pruned", "log
 
 
 def _state_problem(saved: Any, plan: AttributionPlan) -> str | None:
-    """What makes a state file unusable, read whole before anything resumes from it (None if
-    nothing): a field missing or of the wrong kind, a recovery that is not a finite number
-    (NaN compares false with everything, so it would pass any check), a cell that is not one
-    of this search's candidates."""
+    """Why a state file is unusable, read whole before anything resumes (None: it is not)."""
     if not isinstance(saved, dict):
         return f"it holds a {type(saved).__name__}, not the search's fields"
     missing = [field for field in _STATE_FIELDS if field not in saved]
@@ -709,8 +668,7 @@ class _Scale:
     @classmethod
     def of(cls, plan: AttributionPlan, reference: str) -> _Scale:
         if reference == "all_cells":
-            start, every = plan.exact([(), tuple(plan.cells)]).mean(dim=1).tolist()
-            return cls(start, every)
+            return cls(*plan.exact([(), tuple(plan.cells)]).mean(dim=1).tolist())
         return cls(float(plan.exact([()]).mean()), _donor_metric(plan))
 
     @property

@@ -1,11 +1,10 @@
 """Scoring next-token predictions: ranks, probabilities, top-k hits and their uncertainty.
 
 The paper counts a relation as recalled when the answer's first token is among the top
-five at the prompt's last real token (:func:`last_token_logits` picks it out of a
-right-padded batch); the rank and the probability say how close a miss was. A NaN logit
-would rank 0, so every scorer raises :class:`~grafting_lens.core.errors.NonFiniteLogitsError`
-instead. Aggregates carry a percentile bootstrap interval (:func:`bootstrap_ci`), since a
-toy experiment has tens of examples; :func:`summarize` gives one row per configuration.
+five at the prompt's last real token; the rank and the probability say how close a miss
+was. A NaN logit would rank 0, so every scorer raises ``NonFiniteLogitsError`` instead.
+Aggregates carry a percentile bootstrap interval (:func:`bootstrap_ci`), since a toy
+experiment has tens of examples; :func:`summarize` gives one row per configuration.
 
 Examples:
     >>> ranks = target_rank(last_token_logits(logits, attention_mask), target_ids)
@@ -42,6 +41,7 @@ __all__ = [
     "bootstrap_ci",
     "column_names",
     "last_token_logits",
+    "recovery_ci",
     "summarize",
     "target_probability",
     "target_rank",
@@ -100,14 +100,7 @@ def column_names(value: object, name: str, example: str) -> list[str]:
 
 
 def _check_bootstrap(n_resamples: object, confidence: object, seed: object) -> None:
-    """Refuse what :func:`bootstrap_ci` cannot resample with, naming the argument.
-
-    Raises:
-        ArgumentTypeError: ``n_resamples`` or ``seed`` not an integer, ``confidence`` not a
-            number.
-        GraftingLensError: ``n_resamples`` outside ``1..MAX_RESAMPLES``, ``confidence``
-            outside (0, 1) or a negative ``seed``.
-    """
+    """Refuse what :func:`bootstrap_ci` cannot resample with, naming the argument."""
     refuse_first(
         ArgumentTypeError,
         [
@@ -139,9 +132,6 @@ def _check_bootstrap(n_resamples: object, confidence: object, seed: object) -> N
     )
 
 
-# ------------------------------------------------------------------- per example
-
-
 def last_token_logits(
     logits: Float[torch.Tensor, "batch pos d_vocab"],
     attention_mask: Int[torch.Tensor, "batch pos"] | None = None,
@@ -149,8 +139,7 @@ def last_token_logits(
     """The logits at the last real (non-padding) token of each row.
 
     Args:
-        logits: Model output for a right-padded batch; one position is each row's last
-            token already (the mask is then not read).
+        logits: Model output for a right-padded batch (one position: each row's last).
         attention_mask: Ones then zeros in each row; ``None`` means no padding.
 
     Raises:
@@ -179,10 +168,8 @@ def target_rank(
     """Rank of each target among the vocabulary: 0 when it is the sole top prediction.
 
     By default, as the paper's code does, the rank counts the other tokens whose float32
-    softmax probability is greater than the target's. ``ties="pessimistic"`` counts equal
-    ones too, so that a top-k hit (``rank < k``) holds under every order of tied tokens
-    (ties are common in bfloat16, and among probabilities that underflow);
-    ``by="logit"`` compares the logits.
+    probability is greater than the target's; ``ties="pessimistic"`` counts equal ones too
+    (ties are common in bfloat16), ``by="logit"`` compares the logits.
 
     Args:
         logits: Logits at the last real token of each row (:func:`last_token_logits`).
@@ -244,21 +231,16 @@ def top_k_tokens(
 
     Raises:
         NonFiniteLogitsError: A row holds a NaN or infinite logit.
-        GraftingLensError: ``k`` outside ``1..d_vocab`` or logits that are not
-            ``[batch, d_vocab]``.
+        GraftingLensError: ``k`` outside ``1..d_vocab``, logits not ``[batch, d_vocab]``.
     """
     _check_k(k)
     logits, _ = _check(logits)
     if k > logits.shape[1]:
         raise GraftingLensError(f"k={k} exceeds the vocabulary size {logits.shape[1]}.")
     top = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    strings = None
-    if tokenizer is not None:
-        strings = [[tokenizer.decode([int(i)]) for i in row] for row in top.indices.tolist()]
+    ids = top.indices.tolist()
+    strings = None if tokenizer is None else [[tokenizer.decode([i]) for i in row] for row in ids]
     return TopTokens(top.indices, top.values, strings)
-
-
-# -------------------------------------------------------------------- aggregates
 
 
 def bootstrap_ci(
@@ -267,10 +249,8 @@ def bootstrap_ci(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """Percentile bootstrap confidence interval of the mean (``scipy.stats.bootstrap``).
-
-    Seeded with its own generator (no global random state is touched); for 0/1 values the
-    interval stays in ``[0, 1]``, and with a single value it is that value.
+    """Percentile bootstrap confidence interval of the mean (``scipy.stats.bootstrap``), seeded
+    with its own generator; for 0/1 values it stays in ``[0, 1]``; one value is its own.
 
     Args:
         values: Per-example numbers (booleans count as 0/1).
@@ -312,17 +292,58 @@ def bootstrap_ci(
     _check_bootstrap(n_resamples, confidence, seed)
     if array.size == 1:  # scipy refuses one observation; its every resample is itself
         return float(array[0]), float(array[0])
+    return _percentile_interval((array,), np.mean, n_resamples, confidence, seed)
+
+
+def recovery_ci(
+    scores: np.ndarray,
+    base: np.ndarray,
+    whole: np.ndarray,
+    n_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The recovery ``(mean(scores) - mean(base)) / (mean(whole) - mean(base))`` of per-prompt
+    values, with a percentile bootstrap interval that resamples the prompts together.
+
+    Returns:
+        ``(recovery, low, high)``: NaN without a gap; one prompt's interval is its value.
+
+    Raises:
+        GraftingLensError: What :func:`bootstrap_ci` refuses of ``n_resamples``,
+            ``confidence`` and ``seed``.
+    """
+    _check_bootstrap(n_resamples, confidence, seed)
+    arrays = (np.asarray(scores), np.asarray(base), np.asarray(whole))
+    value = float(_recovery(*arrays))
+    if len(arrays[0]) < 2 or not np.isfinite(value):
+        return value, value, value
+    return value, *_percentile_interval(arrays, _recovery, n_resamples, confidence, seed, True)
+
+
+def _percentile_interval(
+    data: tuple, statistic: Any, n_resamples: Any, confidence: Any, seed: Any, paired: bool = False
+) -> tuple[float, float]:
+    """``scipy.stats.bootstrap``'s percentile interval of ``statistic``, seeded on its own."""
     from scipy import stats  # imported when needed: it takes a second to import
 
     interval = stats.bootstrap(
-        (array,),
-        np.mean,
+        data,
+        statistic,
+        paired=paired,
         n_resamples=int(n_resamples),
         confidence_level=float(confidence),
         method="percentile",
         rng=np.random.default_rng(int(seed)),
     ).confidence_interval
     return float(interval.low), float(interval.high)
+
+
+def _recovery(scores: Any, base: Any, whole: Any, axis: int = -1) -> Any:
+    """The ratio of means of :func:`recovery_ci` along ``axis`` (NaN without a gap)."""
+    scores, base, whole = (np.asarray(a).mean(axis=axis) for a in (scores, base, whole))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(whole != base, (scores - base) / (whole - base), np.nan)[()]
 
 
 AVERAGED: tuple[str, ...] = (
@@ -348,7 +369,7 @@ def summarize(
     """Top-k accuracy and mean rank per group, each with a bootstrap confidence interval, and
     the mean of every score column the table has (:data:`AVERAGED`), with its interval.
 
-    ``n_resamples``, ``confidence`` and ``seed`` are every interval's :func:`bootstrap_ci`'s.
+    ``n_resamples``, ``confidence`` and ``seed`` are :func:`bootstrap_ci`'s.
 
     Args:
         results: One row per example and configuration, with ``target_rank`` (0 = top-1)
@@ -357,11 +378,9 @@ def summarize(
         ks: The k of each top-k accuracy column (``rank < k``), or one k.
 
     Returns:
-        One row per group: the ``by`` columns, ``n``, then for each ``k`` ``top{k}``,
-        ``top{k}_low``, ``top{k}_high``, then ``mean_rank``, ``mean_rank_low``,
-        ``mean_rank_high``, then each score column's mean and interval (``kl``, ``kl_low``,
-        ``kl_high``...), over the group's rows where it is defined (``kl_recovered`` is NaN
-        where the donor and the base agree; NaN where no row has it).
+        One row per group: the ``by`` columns, ``n``, then ``top{k}`` for each ``k``,
+        ``mean_rank`` and each score column's mean (``kl``...), each followed by its
+        interval (``_low``, ``_high``), a score over the group's rows that have one.
 
     Raises:
         ArgumentTypeError: ``by`` or ``ks`` of the wrong type, and what :func:`bootstrap_ci`
@@ -391,8 +410,7 @@ def summarize(
         group_ranks = group["_rank"].to_numpy(dtype=np.float64)
         row["n"] = len(group_ranks)
         hits = {f"top{k}": group_ranks < k for k in ks}
-        scored = [c for c in AVERAGED if c in group]
-        means = [(c, group[c].to_numpy(dtype=np.float64)) for c in scored]
+        means = [(c, group[c].to_numpy(dtype=np.float64)) for c in AVERAGED if c in group]
         for name, values in [*hits.items(), ("mean_rank", group_ranks), *means]:
             values = values[~np.isnan(values)]
             row[name] = float(values.mean()) if len(values) else np.nan
@@ -450,8 +468,7 @@ def _check_k(k: object) -> None:
 
 
 def _check_ks(ks: object) -> list[int]:
-    """``ks`` as distinct Python ints: one k, or a list of them (a torch k would name its
-    columns 'toptensor(5)')."""
+    """``ks`` as distinct Python ints (a torch k would name a column 'toptensor(5)')."""
     if is_integer(ks):
         ks = [ks]
     scalar = isinstance(ks, torch.Tensor) and ks.dim() == 0  # a float one: no k, no list

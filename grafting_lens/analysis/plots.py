@@ -1,12 +1,9 @@
 """Figures of grafting results, fit for a paper.
 
 The paper's figures are grouped bar charts: one group per graft configuration (PRE, SFT,
-FE, LT...), one bar per prompt, the height the top-5 accuracy (:func:`plot_accuracy`),
-with bootstrap whiskers; :func:`plot_mean_rank` shows the rank, which still moves where
-accuracy sits at the floor. :func:`plot_comparison`, :func:`plot_attribution` and
-:func:`plot_recovery` draw grafting beside patching, a graft attribution and a minimal
-graft's recovery. The style and :func:`~grafting_lens.analysis.figure_style.save_figure`
-are :mod:`grafting_lens.analysis.figure_style`'s.
+FE, LT...), one bar per prompt, the height the top-5 accuracy (:func:`plot_accuracy`), with
+bootstrap whiskers; :func:`plot_mean_rank` shows the rank, which still moves where accuracy
+sits at the floor. The style and ``save_figure`` are :mod:`~grafting_lens.analysis.figure_style`'s.
 
 Examples:
     >>> fig = plot_accuracy(metrics.summarize(results), k=5, caption="toy world, reference")
@@ -58,8 +55,7 @@ __all__ = [
 
 
 def _check_table(table: Any, columns: Iterable[str], what: str, name: str = "summary") -> None:
-    """Refuse anything but a non-empty DataFrame with ``columns``; ``what`` says what fits,
-    ``name`` is the argument's."""
+    """Refuse anything but a non-empty DataFrame with ``columns``, argument ``name``."""
     check_table(table, name, f"a non-empty {what}")
     missing = [column for column in columns if column not in table.columns]
     if table.empty or missing:
@@ -68,13 +64,21 @@ def _check_table(table: Any, columns: Iterable[str], what: str, name: str = "sum
         )
 
 
-def _check_columns(**columns: Any) -> None:
-    """Refuse a column argument (``x=``, ``color=``...) that is not a column's name."""
+def _check_options(title: Any, caption: Any, **columns: Any) -> None:
+    """Refuse a column argument that is no column's name, then a title or caption not text."""
     for name, column in columns.items():
         if not isinstance(column, str):
             raise ArgumentTypeError(
                 f"{name}= must be the name of a column of the summary, got {shown(column)}."
             )
+    check_text("title", title)
+    check_text("caption", caption)
+
+
+def _styled(fig: go.Figure, title: str, caption: str | None, summary: pd.DataFrame) -> go.Figure:
+    """The house style, with the caption and the summary's ``n`` as the subtitle."""
+    counts = summary["n"].tolist() if "n" in summary else []
+    return figure_style(fig, title, subtitle(caption, counts))
 
 
 def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
@@ -90,18 +94,10 @@ def _whiskers(group: pd.DataFrame, value: str, **style: Any) -> dict[str, Any]:
 
 
 def _bars(
-    summary: pd.DataFrame,
-    x: str,
-    color: str,
-    value: str,
-    hover: str,
-    extra: tuple[str, ...] = (),
+    summary: pd.DataFrame, x: str, color: str, value: str, hover: str, extra: tuple[str, ...] = ()
 ) -> tuple[go.Figure, list[float]]:
-    """Grouped bars of ``value`` with its interval; returns the figure and every plotted end.
-
-    ``hover`` reads ``customdata[0]`` and ``[1]`` (the interval), ``[2]`` (``n``), then the
-    ``extra`` columns in order.
-    """
+    """Grouped bars of ``value`` with its interval, and every plotted end; ``hover`` (then
+    ``n``) reads ``customdata``: the interval's ends, ``n``, then the ``extra`` columns."""
     categories = list(dict.fromkeys(summary[x].tolist()))
     low, high = f"{value}_low", f"{value}_high"
     fig = go.Figure()
@@ -120,8 +116,8 @@ def _bars(
                 error_y=whiskers,
                 customdata=list(zip(group[low], group[high], counts, *(group[c] for c in extra))),
                 hovertemplate=(
-                    f"{column_title(color)}: {display_label(name)}<br>"
-                    f"{column_title(x)}: %{{x}}<br>{hover}<extra></extra>"
+                    f"{column_title(color)}: {display_label(name)}<br>{column_title(x)}: "
+                    f"%{{x}}<br>{hover}<br>n = %{{customdata[2]}}<extra></extra>"
                 ),
             )
         )
@@ -151,24 +147,21 @@ def plot_accuracy(
 
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
-            ``color``, ``top{k}``, ``top{k}_low``, ``top{k}_high`` and ``n``.
+            ``color``, ``top{k}`` and its interval, and ``n``.
         k: Which top-k accuracy to plot (``summarize`` must have computed it).
-        x: Column along the horizontal axis; its values keep their table order.
+        x: Column along the horizontal axis (its values in table order).
         color: Column giving one bar (and legend entry) per value in each group.
-        title: Figure title (default: "Top-{k} accuracy").
-        caption: The setting, shown under the title before ``n``.
+        title: Figure title (default: "Top-{k} accuracy"); ``caption``: the setting.
 
     Raises:
         ArgumentTypeError: ``k`` not an integer; ``x``, ``color``, ``title`` or ``caption``
             not a string.
-        GraftingLensError: An empty table or missing columns (naming the table's ks).
+        GraftingLensError: An empty table or missing columns.
     """
     if not is_integer(k):
         raise ArgumentTypeError(f"k= must be an integer (a top-k of the summary), got {shown(k)}.")
     k = int(k)  # a torch k would read 'toptensor(5)'
-    _check_columns(x=x, color=color)
-    check_text("title", title)
-    check_text("caption", caption)
+    _check_options(title, caption, x=x, color=color)
     value = f"top{k}"
     columns = getattr(summary, "columns", ())
     available = sorted(c for c in columns if c.startswith("top") and c[3:].isdigit())
@@ -177,19 +170,10 @@ def plot_accuracy(
         (x, color, value, f"{value}_low", f"{value}_high"),
         f"summary with top-{k}: it has {available}; pass k=... or summarize(results, ks=(..., {k}))",
     )
-    fig, ends = _bars(
-        summary,
-        x,
-        color,
-        value,
-        f"top-{k}: %{{y:.1%}} (95% CI %{{customdata[0]:.1%}} to %{{customdata[1]:.1%}})"
-        "<br>n = %{customdata[2]}",
-    )
+    hover = f"top-{k}: %{{y:.1%}} (95% CI %{{customdata[0]:.1%}} to %{{customdata[1]:.1%}})"
+    fig, ends = _bars(summary, x, color, value, hover)
     fig.update_yaxes(title_text=f"top-{k} accuracy", range=axis_range(ends), tickformat=".0%")
-    counts = summary["n"].tolist() if "n" in summary else []
-    return figure_style(
-        fig, title if title is not None else f"Top-{k} accuracy", subtitle(caption, counts)
-    )
+    return _styled(fig, title if title is not None else f"Top-{k} accuracy", caption, summary)
 
 
 def plot_mean_rank(
@@ -206,18 +190,14 @@ def plot_mean_rank(
 
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`, with ``x``,
-            ``color``, ``mean_rank``, ``mean_rank_low``, ``mean_rank_high`` and ``n``.
-        log: A logarithmic value axis: bars drawn at rank + 1 (so rank 0 has a place),
-            ticks labelled with the rank (0, 10, 100...).
+            ``color``, ``mean_rank`` and its interval, and ``n``.
+        log: A logarithmic value axis (bars drawn at rank + 1, ticks labelled with the rank).
 
     Raises:
-        ArgumentTypeError: ``x``, ``color``, ``title`` or ``caption`` not a string, ``log``
-            not a bool.
+        ArgumentTypeError: A column, ``title`` or ``caption`` not a string, ``log`` not a bool.
         GraftingLensError: An empty table or missing columns.
     """
-    _check_columns(x=x, color=color)
-    check_text("title", title)
-    check_text("caption", caption)
+    _check_options(title, caption, x=x, color=color)
     if not isinstance(log, (bool, np.bool_)):
         raise ArgumentTypeError(f"log= must be True or False, got {shown(log)}.")
     _check_table(
@@ -227,21 +207,17 @@ def plot_mean_rank(
     )
     drawn = summary.copy()
     ranks = ("mean_rank", "mean_rank_low", "mean_rank_high")
-    # The hover text quotes the ranks themselves, as the ticks and the tables do, not the
-    # rank + 1 a log axis draws.
+    # The hover quotes the ranks themselves, as ticks and tables do, not the rank + 1 drawn.
     for column in ranks:
         drawn[f"{column}_as_ranked"] = summary[column]
         if log:
             drawn[column] = summary[column] + 1
-    fig, ends = _bars(
-        drawn,
-        x,
-        color,
-        "mean_rank",
+    hover = (
         "mean rank: %{customdata[3]:,.1f} (95% CI %{customdata[4]:,.1f} to "
-        "%{customdata[5]:,.1f}; 0 = the top token)<br>n = %{customdata[2]}",
-        extra=tuple(f"{column}_as_ranked" for column in ranks),
+        "%{customdata[5]:,.1f}; 0 = the top token)"
     )
+    as_ranked = tuple(f"{column}_as_ranked" for column in ranks)
+    fig, ends = _bars(drawn, x, color, "mean_rank", hover, extra=as_ranked)
     if log:
         top = max(ends, default=10.0)
         decades = range(int(math.log10(max(top, 10.0))) + 1)
@@ -249,8 +225,7 @@ def plot_mean_rank(
             type="log",
             title_text="mean rank (0 = top; lower is better)",
             range=[0, math.log10(max(top, 10.0)) + 0.15],
-            # Drawn at rank + 1, labelled with the rank itself (0, 10, 100...), so that the
-            # axis reads as the tables do.
+            # Drawn at rank + 1, labelled with the rank itself (0, 10, 100...), as tables read.
             tickvals=[1 + (10**d if d else 0) for d in decades],
             ticktext=[f"{10**d:,}" if d else "0" for d in decades],
         )
@@ -259,10 +234,7 @@ def plot_mean_rank(
             title_text="mean rank of the answer (lower is better)",
             range=axis_range(ends, fraction=False),
         )
-    counts = summary["n"].tolist() if "n" in summary else []
-    return figure_style(
-        fig, title if title is not None else "Mean rank of the answer", subtitle(caption, counts)
-    )
+    return _styled(fig, title if title is not None else "Mean rank of the answer", caption, summary)
 
 
 SCORE_TITLES = {
@@ -284,9 +256,8 @@ def plot_score(
     title: str | None = None,
     caption: str | None = None,
 ) -> go.Figure:
-    """Grouped bar chart of a score's mean per group, with its interval
-    (:data:`~grafting_lens.analysis.metrics.AVERAGED`: ``kl``, ``kl_recovered``,
-    ``answer_logprob``...).
+    """Grouped bar chart of a score's mean per group (``kl``, ``answer_logprob``...), with its
+    interval.
 
     ``x``, ``color``, ``title`` and ``caption`` are as for :func:`plot_accuracy`.
 
@@ -294,22 +265,13 @@ def plot_score(
         ArgumentTypeError: An argument not a string.
         GraftingLensError: An empty table, missing columns, or a column that is no score.
     """
-    _check_columns(x=x, color=color)
-    check_text("title", title)
-    check_text("caption", caption)
+    _check_options(title, caption, x=x, color=color)
     check_known(column, SCORE_TITLES, "score column")
     _check_table(summary, (x, color, column, f"{column}_low", f"{column}_high"), "summary")
-    fig, ends = _bars(
-        summary,
-        x,
-        color,
-        column,
-        f"{column}: %{{y:.3f}} (95% CI %{{customdata[0]:.3f}} to %{{customdata[1]:.3f}})"
-        "<br>n = %{customdata[2]}",
-    )
+    hover = f"{column}: %{{y:.3f}} (95% CI %{{customdata[0]:.3f}} to %{{customdata[1]:.3f}})"
+    fig, ends = _bars(summary, x, color, column, hover)
     fig.update_yaxes(title_text=SCORE_TITLES[column], range=axis_range(ends, fraction=False))
-    counts = summary["n"].tolist() if "n" in summary else []
-    return figure_style(fig, title or SCORE_TITLES[column].capitalize(), subtitle(caption, counts))
+    return _styled(fig, title or SCORE_TITLES[column].capitalize(), caption, summary)
 
 
 _METHOD_COLORS = {"graft": "#1f77b4", "patch": "#ff7f0e"}
@@ -342,10 +304,9 @@ def plot_comparison(
         value: ``"top5"``, ``"top1"``, ``"target_prob"`` or ``"mean_rank"``.
         row: Column (or columns, joined with " / ") giving one row of panels per value.
         col: Column giving one column of panels per value.
-        references: A summary with ``model`` and ``value`` columns; those with the
-            ``row``/``col`` columns are drawn in the matching panels only.
-        title: Figure title.
-        caption: The setting, shown under the title before ``n``.
+        references: A summary with ``model`` and ``value`` columns (and with the ``row``/``col``
+            columns, drawn in the matching panels only).
+        title: Figure title; ``caption``: the setting, shown under it before ``n``.
 
     Raises:
         ArgumentTypeError: ``row``, ``col``, ``title`` or ``caption`` of the wrong type.
@@ -353,9 +314,7 @@ def plot_comparison(
     """
     check_known(value, _VALUE_TITLES, "value")
     rows = column_names(row, "row", "'positions'")
-    _check_columns(col=col)
-    check_text("title", title)
-    check_text("caption", caption)
+    _check_options(title, caption, col=col)
     if references is not None:
         _check_table(
             references,
@@ -387,7 +346,6 @@ def plot_comparison(
             panel = summary[in_row & (summary[col] == col_key)]
             for method, group in panel.groupby("method", sort=False):
                 group = group.sort_values("layer")
-                color = _METHOD_COLORS.get(str(method))
                 fig.add_trace(
                     go.Scatter(
                         x=group["layer"],
@@ -396,7 +354,7 @@ def plot_comparison(
                         name=str(method),
                         legendgroup=str(method),
                         showlegend=str(method) not in legend_shown,
-                        line=dict(color=color),
+                        line=dict(color=_METHOD_COLORS.get(str(method))),
                         error_y=_whiskers(group, value),
                         hovertemplate=(
                             f"{method}<br>layer %{{x}}<br>{_VALUE_TITLES[value]}: %{{y:.3f}}"
@@ -408,8 +366,7 @@ def plot_comparison(
                 )
                 legend_shown.add(str(method))
     layers = summary["layer"].nunique()
-    # About one tick per 40 px of a panel: every layer of a small model, every other of a
-    # deeper one, never a crammed row.
+    # About one tick per 40 px of a panel: every layer of a small model, fewer of a deep one.
     fig.update_xaxes(dtick=max(1, math.ceil(layers / 7)))
     fig.update_xaxes(title_text="layer", row=len(row_keys))
     if value in ("top1", "top5", "target_prob"):
@@ -419,8 +376,7 @@ def plot_comparison(
         low, high = axis_range(ends)
         fig.update_yaxes(range=[low - 0.03 * high, high], tickformat=".0%")
     for r, row_key in enumerate(row_keys, start=1):
-        # Each row says what it holds in its axis title: a row title in the right margin
-        # would run into the references' labels there.
+        # Each row's title on its axis: in the right margin it would hit the references' labels.
         label = " / ".join(map(display_label, row_key))
         fig.update_yaxes(title_text=f"{label}<br>{_VALUE_TITLES[value]}", row=r, col=1)
         for c, col_key in enumerate(col_keys, start=1):
@@ -430,8 +386,7 @@ def plot_comparison(
             for column, key in [*zip(rows, row_key), (col, col_key)]:
                 if column in matching.columns:
                     matching = matching[matching[column] == key]
-            # References at one value (the donor and its stream read by the base, say)
-            # share a line and a label.
+            # References at one value (the donor and its stream, say) share a line and a label.
             by_value: dict[float, list[str]] = {}
             for y, model in zip(matching[value], matching["model"]):
                 by_value.setdefault(round(float(y), 4), []).append(str(model))
@@ -448,8 +403,7 @@ def plot_comparison(
         fig,
         title if title is not None else f"Grafting vs patching: {_VALUE_TITLES[value]}",
         subtitle(caption, counts).replace("per bar", "per point"),
-        # At most a page column's width at scale 2 (960 px): wider panels shrink until
-        # their labels are unreadable on the page.
+        # At most a page column at scale 2 (960 px): wider, the page shrinks labels unreadably.
         height=260 * len(row_keys) + 160,
         width=min(960, 280 * len(col_keys) + 240),
         legend_title_text="method",
@@ -464,21 +418,16 @@ _ATTRIBUTION_VALUES = {
 
 
 def plot_attribution(
-    frame: pd.DataFrame,
-    value: str = "estimate",
-    title: str | None = None,
-    columns: int = 3,
+    frame: pd.DataFrame, value: str = "estimate", title: str | None = None, columns: int = 3
 ) -> go.Figure:
-    """Heatmaps of a graft attribution: layers x components, one panel per position group.
-
-    A diverging scale centred on 0, shared by every panel; global components sit in a
-    row of their own above layer 0; hovering shows a cell's value and standard error.
+    """Heatmaps of a graft attribution: layers x components, one panel per position group,
+    on one diverging scale centred on 0 (global components in a row above layer 0).
 
     Args:
         frame: The ``frame`` of a :class:`~grafting_lens.analysis.attribution.GraftAttribution`.
         value: ``"estimate"`` or ``"exact"`` (verified cells only; the others are blank).
         title: Figure title (default: what is shown, and the direction).
-        columns: Panels per row at most (fewer where the page column, 760 px, holds fewer).
+        columns: Panels per row at most (fewer where a 760 px page column holds fewer).
 
     Raises:
         ArgumentTypeError: ``title`` not a string or ``columns`` not an integer.
@@ -514,8 +463,7 @@ def plot_attribution(
         horizontal_spacing=0.06,
         vertical_spacing=0.12 if panel_rows > 1 else 0.08,
     )
-    extent = float(frame[value].abs().max()) if frame[value].notna().any() else 1.0
-    extent = extent or 1.0
+    extent = float(np.nan_to_num(frame[value].abs().max())) or 1.0  # all NaN or 0: 1
     for index, group in enumerate(groups):
         part = frame[frame["positions"] == group]
         z = [[float("nan")] * len(components) for _ in row_labels]
@@ -539,8 +487,7 @@ def plot_attribution(
                 zmax=extent,
                 colorscale="RdBu",
                 showscale=index == 0,
-                # The colour bar's title runs along it: across its top it would run into
-                # the last panel's title.
+                # The colour bar's title along it: across its top it would hit a panel's title.
                 colorbar=dict(title=dict(text=value, side="right"), thickness=14),
                 hovertemplate="%{text}<extra></extra>",
                 xgap=1,
@@ -549,8 +496,7 @@ def plot_attribution(
             row=index // columns + 1,
             col=index % columns + 1,
         )
-    # Every component and every row named: plotly would otherwise label every other one
-    # of a crowded categorical axis.
+    # Every tick named: plotly labels every other one of a crowded categorical axis.
     fig.update_xaxes(tickmode="array", tickvals=components, ticktext=components, tickangle=-90)
     fig.update_yaxes(
         autorange="reversed", tickmode="array", tickvals=row_labels, ticktext=row_labels
@@ -561,14 +507,13 @@ def plot_attribution(
                 showticklabels=False, row=index // columns + 1, col=index % columns + 1
             )
     direction = frame["direction"].iloc[0] if "direction" in frame.columns else ""
-    width = max(420, (26 * len(components) + 90) * columns + 120)
     figure_style(
         fig,
         title
         if title is not None
         else f"Graft attribution ({direction}): {_ATTRIBUTION_VALUES[value]} per cell",
         height=max(300, (24 * len(row_labels) + 170) * panel_rows + 80),
-        width=width,
+        width=max(420, (26 * len(components) + 90) * columns + 120),
     )
     fig.update_layout(margin_b=40)  # no legend under a heatmap
     return fig
@@ -577,9 +522,8 @@ def plot_attribution(
 def plot_recovery(
     curve: pd.DataFrame, fraction: float | None = None, title: str | None = None
 ) -> go.Figure:
-    """The recovery curve of a minimal graft: recovery against the number of cells grafted.
-
-    One line per set of prompts (search, held out); hovering names the cell added.
+    """The recovery curve of a minimal graft against the number of cells grafted, one line
+    per set of prompts (search, held out).
 
     Args:
         curve: The ``curve`` of a :class:`~grafting_lens.analysis.graft_search.MinimalGraft`.
@@ -588,8 +532,7 @@ def plot_recovery(
 
     Raises:
         ArgumentTypeError: ``fraction`` not a number or ``title`` not a string.
-        GraftingLensError: A ``fraction`` that is not finite, an empty table or missing
-            columns.
+        GraftingLensError: A ``fraction`` not finite, an empty table or missing columns.
     """
     if fraction is not None:
         if not is_number(fraction):
@@ -697,15 +640,8 @@ def plot_directions(table: pd.DataFrame, tokens: int = 3, title: str | None = No
         "read_directions table",
         "table",
     )
-    refuse_first(
-        SelectionError,
-        [
-            (
-                not (is_integer(tokens) and tokens >= 1),
-                f"tokens={shown(tokens)}: give a count of 1 or more.",
-            )
-        ],
-    )
+    if not (is_integer(tokens) and tokens >= 1):
+        raise SelectionError(f"tokens={shown(tokens)}: give a count of 1 or more.")
     cells = list(table.groupby(["component", "layer"], sort=False, dropna=False))
     fig = make_subplots(
         rows=len(cells),
@@ -732,33 +668,24 @@ def plot_directions(table: pd.DataFrame, tokens: int = 3, title: str | None = No
             row=row,
             col=1,
         )
-        fig.update_yaxes(
-            title_text="share of ||dW||²",
-            tickformat=".0%",
-            range=[0, 1.25 * float(group["share"].max())],
-            row=row,
-            col=1,
-        )
-        fig.update_xaxes(title_text="direction (largest first)", row=row, col=1)
+        fig.update_yaxes(range=[0, 1.25 * float(group["share"].max())], row=row, col=1)
+    fig.update_yaxes(title_text="share of ||dW||²", tickformat=".0%")
+    fig.update_xaxes(title_text="direction (largest first)")
     note = "bars: a direction's share of the change; labels: the tokens it writes (or reads)"
-    note += "; *: an answer's token among them" if "answers_found" in table else ""
+    note += "; *: an answer's first token among them" if "answers_found" in table else ""
     return figure_style(
         fig, title or "What the change's top directions write", note, height=200 + 260 * len(cells)
     )
 
 
 def plot_graft(table: pd.DataFrame, k: int = 5, title: str | None = None) -> go.Figure:
-    """Draw a table from :func:`~grafting_lens.study.graft_text.graft`: the answers' probabilities, or top-k accuracy.
-
-    One prompt: each answer's probability under each run (one bar per run, grouped by
-    answer where the prompt was asked with several), its rank on the bar. Several
-    prompts: the top-``k`` accuracy of each run with its 95% bootstrap interval (one bar
-    per test prompt wording where the examples name one).
+    """Draw a table from :func:`~grafting_lens.study.graft_text.graft`: for one prompt each
+    answer's probability under each run (its rank on the bar), for several each run's
+    top-``k`` accuracy with its bootstrap interval (a bar per prompt wording, if named).
 
     Args:
         table: What :func:`graft` returned (rows may be filtered).
-        k: The top-k of the accuracy figure.
-        title: The figure's title.
+        k: The top-k of the accuracy figure; ``title``: the figure's title.
 
     Raises:
         SelectionError: A table that is not ``gl.graft``'s, or holds NaN scores; a ``k``

@@ -1,9 +1,7 @@
 """Scoring each row's prediction at its last real token: the result columns every table shares.
 
-Every runner (the experiment runner, position grafting, the comparison, the reference
-scores) scores through :class:`LastTokenScorer`, so their tables agree column by column and
-a new score is added here once. The primitives are :mod:`grafting_lens.analysis.metrics`';
-this module decides which columns a table holds and what they are called.
+Every runner scores through :class:`LastTokenScorer` (and a :class:`Score` beyond the first
+token), so their tables agree column by column and a new score is added here once.
 
 Examples:
     >>> scorer = LastTokenScorer(models.tokenizer, top_k=10)
@@ -55,14 +53,11 @@ class LastTokenScorer:
     """Scores the prediction at each row's last real token, as table columns.
 
     Args:
-        tokenizer: Decodes ``top_token`` and ``topk_tokens``, each id on its own (without
-            one, those columns hold ``None``).
+        tokenizer: Decodes ``top_token`` and ``topk_tokens`` (without one they are ``None``).
         top_k: Also list the ``top_k`` most likely tokens (:data:`TOP_K_COLUMNS`).
         top_token: Also name the top token (:data:`TOP_TOKEN_COLUMNS`).
-        rank_by: ``target_rank``'s ``by`` (:data:`~grafting_lens.analysis.metrics.RANK_BY`;
-            default the paper's code's, ``"probability"``).
-        ties: ``target_rank``'s ``ties`` (:data:`~grafting_lens.analysis.metrics.TIE_RULES`;
-            default the paper's code's, ``"optimistic"``).
+        rank_by: ``target_rank``'s ``by`` (default the paper's code's, ``"probability"``).
+        ties: ``target_rank``'s ``ties`` (default the paper's code's, ``"optimistic"``).
 
     Raises:
         GraftingLensError: A ``top_k`` below 1, or an unknown ``rank_by`` or ``ties``.
@@ -98,8 +93,8 @@ class LastTokenScorer:
     def decode(self, token_id: int) -> str | None:
         """The text of one token id (``None`` without a tokenizer); cached."""
         if token_id not in self._decoded:
-            text = None if self.tokenizer is None else self.tokenizer.decode([token_id])
-            self._decoded[token_id] = text
+            tokenizer = self.tokenizer
+            self._decoded[token_id] = None if tokenizer is None else tokenizer.decode([token_id])
         return self._decoded[token_id]
 
     def __call__(
@@ -166,24 +161,19 @@ SCORE_VALUE_COLUMNS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Score:
     """What a table scores beyond the answer's first token: one concept that every runner
-    asks for its columns and for what its pass must hold.
+    asks for its columns and for what its pass must hold (``docs/concepts/scores.md``).
 
     - ``"first_token"`` (the default): the paper's columns alone, today's tables byte for byte.
-    - ``"answer_logprob"``: the log-probability of the *whole* answer, every token
-      teacher-forced in the same pass (``answer_logprob``, and ``answer_logprob_mean`` per
-      token); ``answer_sources`` says which weights compute the answer's own positions.
+    - ``"answer_logprob"``: the log-probability of the *whole* answer, teacher-forced in the
+      same pass (``answer_logprob``, and ``answer_logprob_mean`` per token).
     - ``"logit_diff"``: the answer's first-token logit minus a counter-answer's, at the
-      prompt's last token (``logit_diff``; each example's ``counter``).
-    - ``"kl"``: ``KL(donor || run)`` of the next-token distribution at the prompt's last
-      token and at each of the answer's tokens (teacher-forced; ``at="last"``: the last alone),
-      summed (``kl``), and
-      ``kl_recovered = 1 - KL(donor || run) / KL(donor || base)`` (0: the base, 1: the
-      donor; NaN where the donor and the base agree). The donor and the base run in the same
-      pass: rows of a configuration that is the whole donor or the whole base are reused,
-      else a row of each is added per prompt.
-    - a function: TransformerLens's convention, ``logits [batch, pos, d_vocab] -> [batch]``
-      (one number per prompt, a tensor), given each prompt's positions without padding
-      (column ``score``).
+      prompt's last token (``logit_diff``).
+    - ``"kl"``: ``KL(donor || run)`` at the prompt's last token and at each of the answer's
+      tokens (``at="last"``: the last alone), summed (``kl``), and ``kl_recovered = 1 -
+      KL(donor || run) / KL(donor || base)`` (NaN where the donor and the base agree). The
+      donor's and the base's rows run in the same pass, reused where a configuration is one.
+    - a function: ``logits [batch, pos, d_vocab] -> [batch]`` (TransformerLens's convention),
+      given each prompt's positions without padding (column ``score``).
 
     Attributes:
         name: One of :data:`SCORES`, or ``"function"``.
@@ -215,9 +205,8 @@ class Score:
             score: What to score.
             answer_sources: One of :data:`ANSWER_SOURCES`.
             donor: The source ``"kl"`` compares with.
-            counter: ``"logit_diff"``'s counter-answer: one for every prompt, or one per
-                prompt (a list), written as answers are (``" Paris"``).
-            at: Where ``"kl"`` compares: ``"answer"`` (the prompt's last token and each of the
+            counter: ``"logit_diff"``'s counter-answer, one or one per prompt (``" Paris"``).
+            at: Where ``"kl"`` compares: ``"answer"`` (the prompt's last token and the
                 answer's, teacher-forced) or ``"last"`` (the prompt's last token alone).
 
         Raises:
@@ -268,21 +257,17 @@ class Score:
         if self.name == "first_token":
             return {}
         named = getattr(self.function, "__qualname__", type(self.function).__qualname__)
+        function = f"{getattr(self.function, '__module__', '')}.{named}"
         return {
             "score": self.name,
-            **(
-                {"function": f"{getattr(self.function, '__module__', '')}.{named}"}
-                if self.function
-                else {}
-            ),
+            **({"function": function} if self.function else {}),
             **({"answer_sources": self.answer_sources} if self.teacher_forced else {}),
             **({"donor": self.donor, "at": self.at} if self.name == "kl" else {}),
             **({"counter": self.counter} if self.counter is not None else {}),
         }
 
     def counter_ids(self, examples: Sequence[Any], batch: Any, tokenizer: Any) -> torch.Tensor:
-        """The first token of each kept example's counter-answer (``batch.examples``, of
-        ``examples``), tokenized by the batch's own rules.
+        """The first token of each kept example's counter-answer, by the batch's own rules.
 
         Raises:
             ScoreError: Counters that are not one per example, a batch without its examples,
@@ -319,8 +304,7 @@ class Score:
         return counters.target_ids
 
     def check(self, n_sources: int, d_vocab: Sequence[int]) -> None:
-        """Refuse what this score cannot compute on a model set of ``n_sources`` sources whose
-        unembeddings give ``d_vocab`` tokens each.
+        """Refuse what this score cannot compute on ``n_sources`` sources of ``d_vocab`` tokens.
 
         Raises:
             ScoreError: ``kl`` with a donor the model set lacks, or vocabularies that differ.
@@ -366,29 +350,25 @@ class Score:
             grown[row, length : length + len(answer)] = torch.tensor(answer)
             grown_mask[row, : length + len(answer)] = 1
         after = torch.arange(width)[None, :] >= lengths[:, None]
-        grown_selections = []
-        for selected in selections:
-            extended = []
-            for positions in selected:
-                wide = torch.zeros((len(rows), width), dtype=torch.bool)
-                wide[:, : positions.shape[1]] = positions
-                # "base": the base computes the answer, but where a graft takes every
-                # position of a prompt (the whole donor), it takes the answer's too.
-                keep = positions[rows, lengths - 1]
-                if self.answer_sources == "base":
-                    keep = keep & (positions | (attention_mask[:, : positions.shape[1]] == 0)).all(
-                        1
-                    )
-                wide |= after & keep[:, None]
-                extended.append(wide & (grown_mask == 1))
-            grown_selections.append(extended)
+
+        def extended(positions: torch.Tensor) -> torch.Tensor:
+            wide = torch.zeros((len(rows), width), dtype=torch.bool)
+            wide[:, : positions.shape[1]] = positions
+            # "base": the base computes the answer, but where a graft takes every
+            # position of a prompt (the whole donor), it takes the answer's too.
+            keep = positions[rows, lengths - 1]
+            if self.answer_sources == "base":
+                padding = attention_mask[:, : positions.shape[1]] == 0
+                keep = keep & (positions | padding).all(1)
+            return (wide | (after & keep[:, None])) & (grown_mask == 1)
+
+        grown_selections = [[extended(positions) for positions in s] for s in selections]
         # Read: the prompt's last token and each answer token but the last, which predict the
         # answer's tokens; kl also reads the last (what follows the answer).
         after_answer = int(self.name == "kl")
         offsets = torch.arange(int(counts.max()) + after_answer)
-        read = (lengths - 1)[:, None] + offsets[None, :]
         valid = offsets[None, :] < counts[:, None] + after_answer
-        read = torch.where(valid, read, (lengths - 1)[:, None])
+        read = torch.where(valid, (lengths - 1)[:, None] + offsets[None, :], (lengths - 1)[:, None])
         answer_ids = torch.zeros((len(rows), int(counts.max())), dtype=torch.long)
         for row, answer in enumerate(answers):
             answer_ids[row, : len(answer)] = torch.tensor(answer)
@@ -397,8 +377,8 @@ class Score:
 
 @dataclass(frozen=True)
 class ScoredPass:
-    """One batch laid out for a score (:meth:`Score.lay_out`): what the pass runs, where
-    it reads the logits, and the score's columns from them.
+    """One batch laid out for a score (:meth:`Score.lay_out`): what the pass runs, where it
+    reads the logits, and the score's columns from them.
 
     Attributes:
         score: The score.
@@ -407,8 +387,7 @@ class ScoredPass:
         selections: Per configuration, each graft's ``[rows, pos]`` positions.
         read: ``[rows, k]``: where the logits are read, the prompt's last token first.
         valid: ``[rows, k]``: which of ``read`` are real (answers differ in length).
-        answer_ids: ``[rows, n]``: each answer's tokens, padded to the longest (``n = k`` for
-            ``answer_logprob``, ``k - 1`` for ``kl``; teacher-forced scores only).
+        answer_ids: ``[rows, n]``: each answer's tokens, padded (teacher-forced scores only).
     """
 
     score: Score
@@ -434,26 +413,15 @@ class ScoredPass:
     def references(
         self, mask: GraftMask, blocks: int, wholes: Sequence[GraftMask]
     ) -> list[int | None]:
-        """For each of ``wholes`` (the whole base, the whole donor: one block of rows each):
-        the block of ``mask`` that already computes it, or None (its rows must be added)."""
+        """For each of ``wholes`` (the whole base, the whole donor), the block of ``mask`` that
+        already computes it, or None (its rows must be added)."""
         rows = self.shape[0]
-        return [
-            next(
-                (
-                    block
-                    for block in range(blocks)
-                    if all(
-                        torch.equal(
-                            mask[key][block * rows : (block + 1) * rows],
-                            whole[key],
-                        )
-                        for key in set(mask.keys()) | set(whole.keys())
-                    )
-                ),
-                None,
-            )
-            for whole in wholes
-        ]
+
+        def computes(block: int, whole: GraftMask) -> bool:
+            part = slice(block * rows, (block + 1) * rows)
+            return all(torch.equal(mask[k][part], whole[k]) for k in {*mask.keys(), *whole.keys()})
+
+        return [next((b for b in range(blocks) if computes(b, whole)), None) for whole in wholes]
 
     def values(
         self,
@@ -463,8 +431,7 @@ class ScoredPass:
         counter_ids: torch.Tensor | None = None,
         reference: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> dict[str, list[float]]:
-        """The score's columns for ``blocks`` blocks of rows of ``logits`` (as :meth:`logits`
-        read them), each block one configuration.
+        """The score's columns for ``blocks`` blocks (configurations) of rows of ``logits``.
 
         Args:
             logits: The pass's logits, ``[blocks * rows, k, d_vocab]``.
@@ -485,12 +452,9 @@ class ScoredPass:
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         if name == "logit_diff":
             assert counter_ids is not None  # checked at the door
-            picked = logits[:, 0].float()
-            index = torch.arange(len(picked))
-            diff = (
-                picked[index, target_ids.repeat(blocks)] - picked[index, counter_ids.repeat(blocks)]
-            )
-            return {"logit_diff": diff.tolist()}
+            both = torch.stack([target_ids, counter_ids], dim=1).repeat(blocks, 1)
+            picked = logits[:, 0].float().gather(1, both.to(logits.device))
+            return {"logit_diff": (picked[:, 0] - picked[:, 1]).tolist()}
         valid = self.valid.repeat(blocks, 1)
         if name == "answer_logprob":
             assert self.answer_ids is not None
@@ -572,8 +536,8 @@ def score_pass(
         score: What to score.
         batch: The rows (a :class:`~grafting_lens.analysis.batch.TokenizedExamples`).
         selections: Per configuration, each graft's ``[rows, pos]`` positions.
-        mask_of: The mask of every configuration, a block of rows each, from the selections
-            (laid out for the score) and one block's shape.
+        mask_of: The mask of every configuration, a block of rows each, from the laid-out
+            selections and one block's shape.
         scorer: The paper's columns.
         counter_ids: Each row's counter-answer's first token (``logit_diff``).
         logits: ``"scored"``, or ``"all"`` to unembed every position (the same scores).
@@ -617,11 +581,9 @@ def score_pass(
     reference = None
     if score.name == "kl":
         extra = iter(range(blocks, total))
-        parts = [block if block is not None else next(extra) for block in found]
-        reference = (
-            out[parts[0] * rows : (parts[0] + 1) * rows],
-            out[parts[1] * rows : (parts[1] + 1) * rows],
-        )
+        base_at, donor_at = (block if block is not None else next(extra) for block in found)
+        by_block = out.unflatten(0, (total, rows))
+        reference = (by_block[base_at], by_block[donor_at])
     return {**columns, **laid.values(scored, blocks, batch.target_ids, counter_ids, reference)}
 
 
@@ -629,16 +591,12 @@ def score_metric(
     score: Score, models: Any, batch: Any
 ) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     """``score`` as the attribution's and the minimal-graft search's metric: one
-    differentiable number per prompt, higher nearer the donor (``kl``: minus the KL, so that a
-    search's recovery is ``kl_recovered``).
-
-    A teacher-forced score (``answer_logprob``, ``kl`` at the answer) reads rows laid out by
-    :meth:`Score.lay_out` (each prompt followed by its answer), from every position's logits;
-    the others read each row's last token.
+    differentiable number per prompt, higher nearer the donor (``kl``: minus the KL). A
+    teacher-forced score reads rows laid out by :meth:`Score.lay_out` from every position's
+    logits; the others read each row's last token.
 
     Args:
-        score: Any :class:`Score` (``"first_token"``: the answer's first token's
-            log-probability).
+        score: Any :class:`Score` (``"first_token"``: the first token's log-probability).
         models: The model set (``kl`` runs the donor on each prompt once, cached).
         batch: The batch the metric will score rows of (``logit_diff``: its counters).
     """

@@ -1,9 +1,6 @@
-"""What counts as a number, or a list, where a user passes one.
-
-Every check of a user's number (:func:`is_integer`, :func:`is_number`), list of texts
-(:func:`as_list`, :func:`as_texts`) or table (:func:`as_table`, :func:`check_table`) goes
-through here, so numpy, pandas and torch values pass and a ``bool`` never counts as a number.
-The forms each takes: the docs page "Errors", section "A user's numbers".
+"""What counts as a number, a list of texts or a table where a user passes one: numpy, pandas
+and torch values pass, and a ``bool`` never counts as a number. The forms each takes: the docs
+page "Errors", section "A user's numbers".
 """
 
 from __future__ import annotations
@@ -52,15 +49,12 @@ def plain(value: Any) -> Any:
 
 
 def _torch_scalar(value: object) -> bool:
-    """A 0-d torch tensor that is not a ``bool``. Asked without importing torch: a value can
-    only be a tensor once torch is imported, and the command line starts faster without it."""
+    """A 0-d torch tensor that is not a ``bool``, asked without importing torch (the command
+    line starts faster without it)."""
     torch = sys.modules.get("torch")
-    return (
-        torch is not None
-        and isinstance(value, torch.Tensor)
-        and value.dim() == 0
-        and value.dtype != torch.bool
-    )
+    if torch is None or not isinstance(value, torch.Tensor):
+        return False
+    return value.dim() == 0 and value.dtype != torch.bool
 
 
 def shown(value: Any) -> str:
@@ -72,8 +66,7 @@ def shown(value: Any) -> str:
 def as_list(
     value: Any, name: str, forms: str, error: type[GraftingLensError] = SelectionError
 ) -> list[Any]:
-    """``value`` as a non-empty list: a str is one item; a list, tuple, numpy array, pandas
-    Series or generator its items.
+    """``value`` as a non-empty list: a str is one item; a list, array, Series, generator its items.
 
     Raises:
         ArgumentTypeError: A mapping, bytes or something not iterable, naming ``name=`` and
@@ -122,8 +115,8 @@ def as_table(value: Any) -> Any:
 def check_table(
     table: Any, name: str, forms: str, error: type[GraftingLensError] = GraftingLensError
 ) -> None:
-    """Refuse what is not a DataFrame, and a DataFrame that names a column twice (as
-    ``pd.concat(axis=1)`` makes): its ``table["text"]`` is a table, read as its column names.
+    """Refuse what is not a DataFrame, and one that names a column twice (as
+    ``pd.concat(axis=1)`` makes, whose ``table["text"]`` is a table).
 
     Raises:
         ArgumentTypeError: Not a DataFrame, naming ``name=`` and the ``forms`` it takes.

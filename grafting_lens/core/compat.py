@@ -1,20 +1,20 @@
 """What differs between the releases this library runs on, and the checks that catch the next difference.
 
-The cache is named as each model's ``forward`` declares it (:func:`cached_forward_kwargs`,
-:func:`cache_visible`), and every path that continues a pass over a cache checks it once per
-model against a plain forward (:func:`check_cache_continuation`): a new release can make a run
-fail, never a number silently wrong. Why: the docs page "Errors", section "Releases of the
-dependencies".
+The cache is named as each model's ``forward`` declares it, and every path that continues a
+pass over a cache checks it once per model against a plain forward
+(:func:`check_cache_continuation`): a new release can make a run fail, never a number silently
+wrong. Why: the docs page "Errors", section "Releases of the dependencies".
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from transformer_lens.model_bridge import TransformerBridge
@@ -23,12 +23,9 @@ from transformers import DynamicCache
 
 from grafting_lens.core.errors import DependencyError, GraftingLensError
 
-_CACHE_NAMES = ("cache", "past_key_values")
-"""The names of the key/value cache argument, newest first."""
+_CACHE_NAMES = ("cache", "past_key_values")  # of the key/value cache argument, newest first
 
-_CONTINUATION_CHECKED: weakref.WeakKeyDictionary[torch.nn.Module, bool] = (
-    weakref.WeakKeyDictionary()
-)
+_CONTINUATION_CHECKED: WeakKeyDictionary[torch.nn.Module, bool] = WeakKeyDictionary()
 
 
 def installed_versions() -> str:
@@ -39,8 +36,7 @@ def installed_versions() -> str:
 
 
 def cache_argument(bridge: TransformerBridge, what: str, error: type[GraftingLensError]) -> str:
-    """The name under which the bridge's HF model takes a key/value cache, read from its own
-    ``forward`` signature (so no deprecation warning is raised).
+    """The name under which the bridge's HF model takes a key/value cache (from its signature).
 
     Raises:
         error: The model takes no cache (an architecture's limit; ``what`` needs it).
@@ -74,30 +70,24 @@ def cached_forward_kwargs(bridge: TransformerBridge, cache: Any) -> dict[str, An
     return {cache_argument(bridge, "this run", DependencyError): cache, "use_cache": True}
 
 
-def _reading_cache(update: Any) -> Any:
-    def reading_cache(k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
-        # transformers >= 5.24 passes the cache as `cache`; the bridge reads `past_key_values`.
-        if kwargs.get("past_key_values") is None and kwargs.get("cache") is not None:
-            kwargs["past_key_values"] = kwargs["cache"]
-        return update(k, v, **kwargs)
-
-    return reading_cache
+def _reading_cache(update: Any, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+    """``update`` reading ``cache`` as ``past_key_values`` (transformers >= 5.24 passes it so)."""
+    if kwargs.get("past_key_values") is None and kwargs.get("cache") is not None:
+        kwargs["past_key_values"] = kwargs["cache"]
+    return update(k, v, **kwargs)
 
 
 @contextmanager
 def cache_visible(bridge: TransformerBridge) -> Iterator[None]:
-    """Within this block, the bridge's attention components see the key/value cache.
-
-    Each attention bridge of this model gets, for the block, an instance-level
-    ``_update_kv_cache`` that reads ``cache`` as well as ``past_key_values``. (A private
-    method of TransformerLens: :func:`check_cache_continuation` catches a release that
-    renames it.)
+    """Within this block, the bridge's attention components see the key/value cache: each gets
+    an instance-level ``_update_kv_cache`` that reads ``cache`` as well as ``past_key_values``
+    (a private method of TransformerLens: :func:`check_cache_continuation` catches a rename).
     """
     patched = []
     for module in bridge.modules():
         update = getattr(module, "_update_kv_cache", None)
         if isinstance(module, AttentionBridge) and update is not None:
-            module.__dict__["_update_kv_cache"] = _reading_cache(update)
+            module.__dict__["_update_kv_cache"] = functools.partial(_reading_cache, update)
             patched.append(module)
     try:
         yield
@@ -109,16 +99,14 @@ def cache_visible(bridge: TransformerBridge) -> Iterator[None]:
 def check_cache_continuation(
     bridge: TransformerBridge, what: str, error: type[GraftingLensError]
 ) -> None:
-    """Check, once per model, that a pass continued over a cache equals a plain pass.
-
-    Six tokens in one pass against three, then three more over the first three's cache.
-    Call it with the model unmodified (no graft, no hooks): it checks the libraries.
+    """Check, once per model, that a pass continued over a cache equals a plain pass: six
+    tokens at once against three, then three more over their cache. Call it with the model
+    unmodified (no graft, no hooks): it checks the libraries.
 
     Raises:
         error: The model takes no cache, or keeps its own kind (recurrent layers, a short
             sliding window) that a continued pass does not reproduce; ``what`` needs it.
-        DependencyError: On any other model, the installed releases no longer keep or read
-            the cache as this library uses it.
+        DependencyError: The installed releases no longer keep or read the cache as used here.
     """
     model = bridge.original_model
     if _CONTINUATION_CHECKED.get(model):
@@ -126,18 +114,16 @@ def check_cache_continuation(
     cache_argument(bridge, what, error)
     vocabulary = int(bridge.cfg.d_vocab)
     device = next(bridge.parameters()).device
-    tokens = (torch.arange(_CHECKED_TOKENS, device=device) * 7919 + 11) % vocabulary
-    tokens = tokens[None]
+    tokens = ((torch.arange(_CHECKED_TOKENS, device=device) * 7919 + 11) % vocabulary)[None]
     own = _own_cache(getattr(model, "config", None))
     try:
         with torch.no_grad(), cache_visible(bridge):
             plain = bridge(tokens, return_type="logits")
             cache = DynamicCache()
-            bridge(tokens[:, :3], return_type="logits", **cached_forward_kwargs(bridge, cache))
+            options = cached_forward_kwargs(bridge, cache)
+            bridge(tokens[:, :3], return_type="logits", **options)
             kept = int(cache.get_seq_length())
-            continued = bridge(
-                tokens[:, 3:], return_type="logits", **cached_forward_kwargs(bridge, cache)
-            )
+            continued = bridge(tokens[:, 3:], return_type="logits", **options)
     except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as failure:
         found: str | None = (
             f"the continued pass failed: {type(failure).__name__}: {_first_line(failure)}"
@@ -155,31 +141,26 @@ def check_cache_continuation(
     if found is not None:
         # A model that keeps its own kind of cache is the architecture's limit; otherwise
         # the installed releases no longer keep or read the cache as this library uses it.
-        raise (
-            error(
-                f"{type(model).__name__} keeps {own}, which a pass continued over a key/value "
-                f"cache given from outside does not reproduce ({found}), so {what} cannot "
-                "continue a pass on it. graft_forward runs the whole prompt at once and is "
-                "unaffected."
-            )
+        refusal = error if own else DependencyError
+        name = type(model).__name__
+        message = (
+            f"{name} keeps {own}, which a pass continued over a key/value cache given from "
+            f"outside does not reproduce ({found}), so {what} cannot continue a pass on it. "
+            "graft_forward runs the whole prompt at once and is unaffected."
             if own
-            else DependencyError(
-                f"{what} continues a pass over a key/value cache, and on {type(model).__name__} "
-                f"under the installed releases ({installed_versions()}) {found}. Install the "
-                "versions of the lock (README: 'Three commands'), or report them to grafting-lens."
-            )
-        ) from None
+            else f"{what} continues a pass over a key/value cache, and on {name} under the "
+            f"installed releases ({installed_versions()}) {found}. Install the versions of the "
+            "lock (README: 'Three commands'), or report them to grafting-lens."
+        )
+        raise refusal(message) from None
     _CONTINUATION_CHECKED[model] = True
 
 
-_CHECKED_TOKENS = 6
-"""Tokens of the continuation canary: a plain pass of 6, then 3 continued over 3 cached."""
-
+_CHECKED_TOKENS = 6  # the continuation canary: a plain pass of 6, then 3 continued over 3
+# Configuration fields that bound how many earlier tokens an attention layer sees, and words
+# in a ``layer_types`` entry of a layer that keeps a state instead of keys and values.
 _WINDOW_FIELDS = ("sliding_window", "attention_window_size", "window_size")
-"""Configuration fields that bound how many earlier tokens an attention layer sees."""
-
 _RECURRENT_LAYERS = ("linear", "recurrent", "mamba", "conv", "rwkv")
-"""Words in a ``layer_types`` entry of a layer that keeps a state instead of keys and values."""
 
 
 def _own_cache(config: Any) -> str | None:
@@ -210,10 +191,9 @@ def _first_line(failure: BaseException) -> str:
 def adapt_bridge(bridge: TransformerBridge) -> TransformerBridge:
     """Give TransformerLens 4.3's bridge what a newer transformers moved out of its reach.
 
-    transformers 5.24 moved CodeGen's rotary table (``embed_positions``) from each attention
-    module to the model's ``rotary_emb``, and replaced the divisor ``scale_attn`` by its
-    inverse; TransformerLens 4.3's CodeGen bridge reads both from the attention module,
-    which gets them back as plain attributes (not buffers: the state is unchanged).
+    transformers 5.24 moved CodeGen's rotary table (``embed_positions``) to the model's
+    ``rotary_emb`` and replaced the divisor ``scale_attn`` by its inverse; the CodeGen bridge
+    reads both from each attention module, which gets them back as plain attributes.
     """
     model = getattr(bridge, "original_model", None)
     if model is None:

@@ -1,10 +1,8 @@
 """What the library prints: progress bars, the loading bars of transformers, notebook set-up.
 
-A progress bar helps a person watching and spams a log file (every redraw is a line), so
-``progress=None``, the default wherever a long loop shows one, means *when someone is
-watching*: standard error is a terminal, or the code runs in Jupyter (:func:`show_progress`).
-:func:`quiet_loading` holds back transformers' per-checkpoint loading bars, and
-:func:`notebook` is the one line a notebook starts with.
+A progress bar helps a person watching and spams a log file, so ``progress=None``, the default,
+means *when someone is watching* (:func:`show_progress`). :func:`quiet_loading` holds back
+transformers' loading bars, and :func:`notebook` is the one line a notebook starts with.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from grafting_lens.core.errors import ArgumentTypeError
+from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 
 __all__ = [
     "PLOTLY_RENDERER",
@@ -35,14 +33,13 @@ PLOTLY_RENDERER = "grafting_lens"
 def in_notebook() -> bool:
     """Whether this code runs in a Jupyter kernel (where tqdm draws a widget, not lines)."""
     shell = sys.modules.get("IPython")
-    if shell is None:
-        return False
-    ipython = shell.get_ipython()
-    return ipython is not None and type(ipython).__name__ == "ZMQInteractiveShell"
+    ipython = None if shell is None else shell.get_ipython()
+    return type(ipython).__name__ == "ZMQInteractiveShell"
 
 
 def show_progress(progress: bool | None) -> bool:
-    """Whether to draw a progress bar: ``progress`` if a bool, else whether someone watches.
+    """Whether to draw a progress bar: ``progress`` if a bool, else whether someone watches
+    (standard error is a terminal, or the code runs in Jupyter).
 
     Raises:
         TypeError: ``progress`` is neither a bool nor None.
@@ -51,9 +48,8 @@ def show_progress(progress: bool | None) -> bool:
         raise ArgumentTypeError(f"progress must be True, False or None, got {progress!r}.")
     if progress is not None:
         return progress
-    stream = sys.stderr
     try:
-        interactive = stream is not None and stream.isatty()
+        interactive = sys.stderr is not None and sys.stderr.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stream
         interactive = False
     return interactive or in_notebook()
@@ -73,11 +69,8 @@ def progress_line(progress: bool | None, what: str, text: str) -> None:
 
 @contextlib.contextmanager
 def quiet_loading() -> Iterator[None]:
-    """Silence transformers' loading bars and info messages inside the block, then restore them.
-
-    (TransformerLens sets the ``transformers`` logger to ERROR on import, which hides the
-    report of weights a checkpoint lacks: :func:`~grafting_lens.load_models` reads it itself.)
-    """
+    """Silence transformers' loading bars and info messages inside the block, then restore them
+    (:func:`~grafting_lens.load_models` reads the report of weights a checkpoint lacks itself)."""
     from transformers.utils import logging as transformers_logging
 
     bars = transformers_logging.is_progress_bar_enabled()
@@ -117,23 +110,20 @@ def notebook(threads: int | None = 1, grad: bool = False, renderer: str | None =
     """Set a notebook up for grafting-lens in one line: ``gl.notebook()``.
 
     Turns transformers' loading bars off, quiets tqdm's missing-widgets warning, makes plotly
-    figures render in Jupyter and on a page made from the notebook without a network, lets
-    pandas print cells of 120 characters (a printed table wraps at 100 columns), and sets torch's threads and autograd.
+    figures render in Jupyter and offline pages, lets pandas print cells of 120 characters
+    (tables wrap at 100 columns), and sets torch's threads and autograd.
 
     Args:
-        threads: torch CPU threads (1 suits the toy world's tiny models; ``None`` leaves
-            torch's default, for real models).
+        threads: torch CPU threads (1 suits tiny models; ``None`` keeps torch's default).
         grad: Keep autograd on (off by default: grafting runs forward passes).
         renderer: A plotly renderer instead of Jupyter's own format plus offline HTML.
 
     Raises:
-        GraftingLensError: ``threads`` is not a positive int, or more than the cores this
-            process may use.
+        GraftingLensError: ``threads`` is not a positive int, or more than this process's cores.
     """
     from tqdm import TqdmWarning
 
     from grafting_lens.core.arguments import is_integer
-    from grafting_lens.core.errors import ArgumentTypeError, GraftingLensError
 
     if threads is not None and (not is_integer(threads) or threads < 1):
         too_many: str | None = f"threads must be a positive int or None, got {threads!r}."

@@ -1,14 +1,10 @@
 """The one default: how prompts become tokens and logits become scores when nobody says.
 
-Every function that tokenizes prompts (:func:`~grafting_lens.analysis.batch.tokenize_examples`,
-:func:`~grafting_lens.graft`), scores an answer (:class:`~grafting_lens.analysis.scoring.LastTokenScorer`,
-:func:`~grafting_lens.analysis.metrics.target_rank`), words the test prompts
-(:func:`~grafting_lens.worlds.data.make_examples`) or runs an experiment (the ``REFERENCE``
-semantics, :mod:`grafting_lens.study.semantics`) takes its default from here. So two public
-calls chained with their defaults agree: the batch ``tokenize_examples`` makes is the one
-``run_experiment`` expects, and a scorer ranks as the runner does.
-
-The values are the paper's released code's choices, which its figures were made with.
+Every function that tokenizes prompts, scores an answer, words the test prompts or runs an
+experiment (the ``REFERENCE`` semantics, :mod:`grafting_lens.study.semantics`) takes its
+default from here, so two public calls chained with their defaults agree (the batch
+:func:`~grafting_lens.analysis.batch.tokenize_examples` makes is the one ``run_experiment``
+expects). The values are the paper's released code's choices, which its figures used.
 """
 
 BOS = "tokenizer"

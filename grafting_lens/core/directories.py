@@ -1,10 +1,9 @@
 """The directories grafting-lens writes: complete or absent, and never anyone else's files.
 
-Everything is written into a temporary sibling and renamed into place; the only directories ever
-replaced or deleted carry a :data:`MARKER` that accounts for their content. Every refusal is a
-:class:`~grafting_lens.core.errors.WorldCacheError` naming the path and the fix. Why, and the
-rules: the docs page "Data, batches, worlds, finetuning", section "Directories the library
-writes".
+Each is written into a temporary sibling and renamed into place; only directories carrying a
+:data:`MARKER` that accounts for their content are ever replaced or deleted. Every refusal is
+a :class:`~grafting_lens.core.errors.WorldCacheError` naming the path and the fix. Why: the
+docs page "Data, batches, worlds, finetuning", section "Directories the library writes".
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ def make_directory(path: PathLike) -> Path:
     """Make a new working directory (its parents as needed) and mark it as the library's.
 
     Raises:
-        WorldCacheError: ``path`` exists, or cannot be made (a file on its path, no
-            permission, a read-only disk).
+        WorldCacheError: ``path`` exists, or cannot be made (a file on its path, no permission).
     """
     path = Path(path)
     with cache_errors("The directory", path):
@@ -76,16 +74,16 @@ def seal(directory: PathLike) -> None:
 def is_sealed(directory: PathLike) -> bool:
     """Whether ``directory`` is a finished one the library made, with every file it recorded."""
     directory = Path(directory)
-    files = _recorded(directory)
-    return files is not None and all((directory / name).is_file() for name in files)
+    try:
+        files = json.loads((directory / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return False  # no readable marker
+    return isinstance(files, list) and all((directory / str(name)).is_file() for name in files)
 
 
 def replace_problem(target: PathLike) -> Optional[str]:
-    """Why ``target`` may not be replaced or deleted, or ``None`` when it may.
-
-    It may when it does not exist, is an empty directory, or is a directory the library made
-    whose content the marker accounts for.
-    """
+    """Why ``target`` may not be replaced or deleted, or ``None`` when it may: when it does not
+    exist, is empty, or is a directory the library made whose content the marker accounts for."""
     target = Path(target)
     if target.is_symlink():
         return "is a symbolic link"
@@ -105,10 +103,8 @@ def replace_problem(target: PathLike) -> Optional[str]:
         return None  # a working directory: everything in it is the library's
     foreign = sorted(set(_files(target)) - set(files))
     if foreign:
-        shown = ", ".join(foreign[:3]) + (
-            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        )
-        return f"holds files grafting-lens did not write ({shown})"
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        return f"holds files grafting-lens did not write ({', '.join(foreign[:3])}{more})"
     return None
 
 
@@ -145,10 +141,7 @@ def replace_directory(partial: PathLike, target: PathLike, what: str = "The targ
 
 def remove_abandoned(target: PathLike) -> None:
     """Delete the working siblings of ``target`` (:func:`sibling`) that a killed writer left.
-
-    Call it holding the lock that every writer of ``target`` holds while it works: a sibling
-    found then is no one's. Without ``flock`` (Windows) the lock keeps no one out: nothing goes.
-    """
+    Call it holding the lock every writer of ``target`` holds (without ``flock``: nothing goes)."""
     target = Path(target)
     if os.name == "posix":
         for kind in ("partial", "stale"):
@@ -193,8 +186,7 @@ def cache_location(cache_dir: Optional[PathLike], default: Callable[[], Path]) -
     """``cache_dir`` with ``~`` expanded, or ``default()`` for None.
 
     Raises:
-        WorldCacheError: An empty or blank ``cache_dir``, which ``Path`` reads as the working
-            directory (a world would be unpacked there).
+        WorldCacheError: An empty or blank ``cache_dir`` (``Path`` reads it as the working dir).
     """
     if cache_dir is None:
         return default()
@@ -232,11 +224,8 @@ def cache_errors(what: str, path: PathLike) -> Iterator[None]:
 
 @contextlib.contextmanager
 def waiting_lock(path: PathLike) -> Iterator[None]:
-    """Hold an exclusive lock on the file ``path``, waiting for another process to release it.
-
-    For cache entries that two processes may make at once: the second waits, then finds the
-    entry made. The operating system releases the lock when its holder ends, however it ends.
-    """
+    """Hold an exclusive lock on the file ``path``, waiting for another process to release it
+    (two processes making one cache entry: the second waits, then finds it made)."""
     path = Path(path)
     with cache_errors("The lock file", path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,12 +246,3 @@ def _files(directory: Path) -> list[str]:
         for path in directory.rglob("*")
         if (path.is_file() or path.is_symlink()) and path.name != MARKER
     )
-
-
-def _recorded(directory: Path) -> Optional[list[str]]:
-    """The files the marker lists; ``None`` for a working directory or no readable marker."""
-    try:
-        files = json.loads((directory / MARKER).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return [str(name) for name in files] if isinstance(files, list) else None

@@ -1,9 +1,8 @@
-"""The exceptions grafting-lens raises on purpose, all in this one room.
+"""The exceptions grafting-lens raises on purpose, all in this one room, each naming the fix.
 
-Every error a user can meet names the problem and the fix. A usable type with an unusable value
-raises a subclass of :class:`GraftingLensError` (also a :class:`ValueError`); a wrong type
-altogether raises :class:`ArgumentTypeError` (also a :class:`TypeError`). The hierarchy, one
-class per thing that can go wrong, and a page per error: ``docs/errors/index.md``.
+A usable type with an unusable value raises a subclass of :class:`GraftingLensError` (also a
+:class:`ValueError`); a wrong type altogether :class:`ArgumentTypeError` (also a
+:class:`TypeError`). The hierarchy, and a page per error: ``docs/errors/index.md``.
 """
 
 from __future__ import annotations
@@ -46,9 +45,8 @@ class GraftingLensError(ValueError):
 
 
 class ArgumentTypeError(GraftingLensError, TypeError):
-    """An argument of the wrong type altogether: a :class:`TypeError`, as Python's own
-    functions raise, and a :class:`GraftingLensError`, so one ``except`` catches every
-    refusal."""
+    """An argument of the wrong type altogether: a :class:`TypeError`, as Python's own raise,
+    and a :class:`GraftingLensError`, so one ``except`` catches every refusal."""
 
 
 class AlignmentError(GraftingLensError):
@@ -93,9 +91,8 @@ class TokenError(GraftMaskError):
 
 
 class ScoreError(GraftingLensError):
-    """A score cannot be computed as asked: an unknown name, an answer or counter-answer it
-    needs and lacks, a function that returns no number per prompt
-    (:class:`~grafting_lens.analysis.scoring.Score`)."""
+    """A score cannot be computed as asked: an unknown name, a missing (counter-)answer, a
+    function that returns no number per prompt (:class:`~grafting_lens.analysis.scoring.Score`)."""
 
 
 class BatchError(GraftingLensError):
@@ -121,9 +118,8 @@ class PatchingError(GraftingLensError):
 
 
 class AttributionError(GraftingLensError):
-    """A graft attribution or a search for a minimal graft was asked for something it cannot
-    give: a metric that is not one differentiable value per prompt, a fraction outside
-    (0, 1], a relaxation of a module whose outputs cannot be mixed."""
+    """A graft attribution or minimal-graft search cannot give what was asked: a metric that is
+    not one differentiable value per prompt, a fraction outside (0, 1], unmixable outputs."""
 
 
 class ExperimentError(GraftingLensError):
@@ -131,9 +127,8 @@ class ExperimentError(GraftingLensError):
 
 
 class RunError(GraftingLensError):
-    """A run or output directory cannot be used: it holds another run (or another run's
-    report), another process is writing into it, its chunks cannot be trusted, it is not
-    a run directory, or it cannot be written."""
+    """A run or output directory cannot be used: it holds another run (or its report), another
+    process writes into it, its chunks cannot be trusted, or it cannot be written."""
 
 
 class ToyWorldError(GraftingLensError):
@@ -142,15 +137,14 @@ class ToyWorldError(GraftingLensError):
 
 
 class WorldSourceError(GraftingLensError):
-    """The weights a real-model world is made from cannot be used: the package holding them
-    cannot be fetched, the file is damaged (not a GGUF, a wrong checksum) or holds another
-    architecture. The message names the file and the fix (fetch again, or pass a checkpoint)."""
+    """The weights a real-model world is made from cannot be used: not fetched, damaged (not a
+    GGUF, a wrong checksum) or of another architecture; the message names the file and fix."""
 
 
 class WorldCacheError(GraftingLensError):
-    """Where a world or a converted checkpoint is written or looked up cannot be used: the
-    target is, holds or lies inside the source; it holds files grafting-lens did not write;
-    the cache is a file or cannot be written; or the world asked for is not built yet."""
+    """Where a world or converted checkpoint goes cannot be used: the target is, holds or lies
+    inside the source, holds files grafting-lens did not write, or cannot be written; or the
+    world asked for is not built yet."""
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
@@ -192,8 +186,8 @@ def kind(
 
 
 def refuse_first(error: type[GraftingLensError], checks: Iterable[tuple[object, str]]) -> None:
-    """Refuse with the message of the first ``(found, message)`` whose ``found`` holds: a door's
-    refusals as one table, in the order they are said.
+    """Refuse with the message of the first ``(found, message)`` whose ``found`` holds (a door's
+    refusals as one table).
 
     Raises:
         GraftingLensError: ``error``, with that message.
@@ -204,11 +198,8 @@ def refuse_first(error: type[GraftingLensError], checks: Iterable[tuple[object, 
 
 
 def unsafe_pickle(what: str) -> str:
-    """The message for a pickled file that torch's safe loader refused.
-
-    torch's own message advises retrying with ``weights_only=False``, which would run
-    whatever code the file holds; grafting-lens never does, and says so instead.
-    """
+    """The message for a pickled file that torch's safe loader refused (whose own advice,
+    ``weights_only=False``, would run whatever code the file holds)."""
     return (
         f"{what} is a pickle holding more than tensors, refused as unsafe (unpickling could run "
         "any code). If you trust it, convert it to safetensors where it was made "

@@ -1,13 +1,9 @@
-"""Where grafting-lens keeps files; writing them complete, and one writer at a time.
+"""Where grafting-lens keeps files (:func:`cache_root`), written complete, one writer at a time.
 
-Everything grafting-lens caches lives under one root, :func:`cache_root`. Runs get killed,
-and a table written in place would be left half-written yet look finished: every file goes
-to a temporary sibling first and is renamed into place (:func:`atomic_write`), or linked
-into place when it records a decision two processes may race to write (:func:`write_once`).
-A directory results are written into is held by one process at a time
-(:class:`DirectoryLock`, an advisory lock the operating system releases when the process
-ends, however it ends), and one that cannot be written is found before any work is done
-(:func:`check_writable`).
+Runs get killed, and a file written in place would be left half-written yet look finished: each
+goes to a temporary sibling renamed (:func:`atomic_write`) or linked (:func:`write_once`) into
+place. A results directory is held by one process at a time (:class:`DirectoryLock`), and one
+that cannot be written is found before any work (:func:`check_writable`).
 """
 
 from __future__ import annotations
@@ -41,9 +37,7 @@ __all__ = [
 LOCK_NAME = ".lock"
 """The file inside a locked directory that holds the lock and names its holder."""
 
-_HELD: dict[Path, list[Any]] = {}
-"""The directories this process holds: ``[open lock file, how many holders, the directories
-the lock made]`` each."""
+_HELD: dict[Path, list[Any]] = {}  # held directories: [lock file, holders, directories made]
 
 
 def cache_root() -> Path:
@@ -61,22 +55,17 @@ def atomic_write(path: str | os.PathLike, content: bytes, *, durable: bool = Fal
     return path
 
 
+# A full disk, a used-up quota, a file-size limit: the one failure that comes in the middle of
+# a long run's writing, after everything before it was kept.
 _NO_ROOM = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
-"""A full disk, a used-up quota, a file-size limit (``ulimit -f``: Python ignores SIGXFSZ, so
-the write fails with EFBIG): the one failure that comes in the middle of a long run's
-writing, after everything before it was kept."""
 
 RESUMES = "Nothing written before it is lost: run the same command again to carry on."
 
 
 @contextlib.contextmanager
 def _complete_sibling(path: Path, content: bytes, *, durable: bool = False) -> Iterator[str]:
-    """A temporary file beside ``path`` holding all of ``content``; removed afterwards
-    unless the block moved it into place.
-
-    Raises:
-        RunError: No room for it (:data:`_NO_ROOM`), naming ``path``, the cause and the fix.
-    """
+    """A temporary file beside ``path`` holding all of ``content``, removed afterwards unless
+    the block moved it into place; no room for it (:data:`_NO_ROOM`) is a RunError."""
     handle: int | None = None
     temporary = ""
     try:
@@ -110,8 +99,8 @@ def check_writable(
     refusal: type[GraftingLensError] = GraftingLensError,
     fix: str = "",
 ) -> Path:
-    """Check, without creating anything, that files can be written in the directory ``path``
-    (or, when it does not exist, in its nearest existing parent); return it, ``~`` expanded.
+    """Check, creating nothing, that files can be written in the directory ``path`` (or its
+    nearest existing parent); return it, ``~`` expanded.
 
     Raises:
         GraftingLensError: ``refusal``: ``path`` is empty, is a file or lies under one, or cannot
@@ -185,19 +174,12 @@ def writing(what: str, path: str | os.PathLike, note: str = "") -> Iterator[None
 class DirectoryLock:
     """One writer at a time in a directory: an advisory lock on ``<dir>/.lock``.
 
-    The holder (process, host, command, time) is written into the lock file, so that a
-    second process is refused with a message naming it; the operating system releases the
-    lock when the holder ends, killed or not. The last holder removes the lock file, and the
-    directory too if the lock made it and it is still empty, so a refused run leaves nothing
-    behind (a process that opened the old file sees it is gone and takes the new one).
-    Re-entrant within a process: it keeps processes apart, not threads. A context manager,
-    or :meth:`acquire` and :meth:`release`; ``what`` names the directory in messages.
-
-    ``shared``: the ranks of one job (:mod:`grafting_lens.core.ranks`) hold it together,
-    each writing its own files, and any other process is refused. On a network filesystem
-    (NFS, Lustre...) locks may not reach across machines: a job's ranks still never write
-    one file twice (each writes its own chunks, renamed into place), and the manifest's
-    fingerprint refuses another run, but a second job on another machine is not refused.
+    The holder (process, host, command, time) is written into the lock file, so a second
+    process is refused by name; the operating system releases the lock when the holder ends,
+    killed or not, and the last holder removes the file (and the directory, if the lock made it
+    and it is empty). Re-entrant within a process. A context manager, or :meth:`acquire` and
+    :meth:`release`; ``what`` names the directory in messages. ``shared``: the ranks of one job
+    hold it together (across machines only where locks reach: docs/how-to/many-gpus.md).
     """
 
     def __init__(
@@ -217,8 +199,7 @@ class DirectoryLock:
         """Take the lock (again, if this process holds it), creating the directory if needed.
 
         Raises:
-            RunError: Another process (or another job's rank) holds it, or the directory
-                cannot be written.
+            RunError: Another process (or job's rank) holds it, or the directory cannot be written.
         """
         if self._key is not None:
             return self
@@ -338,7 +319,7 @@ NETWORK_FILESYSTEMS = ("nfs", "nfs4", "cifs", "smb3", "lustre", "gpfs", "beegfs"
 
 def _warn_if_networked(directory: Path, ranks: Any) -> None:
     """Say once, for a job whose ranks span machines, that a network filesystem's locks may not
-    refuse a second job on another machine (this job's ranks never write one file twice)."""
+    refuse a second job on another machine."""
     if ranks.local_world >= ranks.world or not ranks.first:
         return
     kind, longest = None, ""
@@ -405,11 +386,8 @@ def _describe_holder(holder: dict[str, Any]) -> str:
 
 
 def write_once(path: str | os.PathLike, content: bytes) -> bytes:
-    """Write ``content`` to ``path`` unless the file exists; return what the file holds.
-
-    A complete sibling is hard-linked into place, which fails if the path exists: of two
-    writers the first wins. Without hard links it is renamed, if the path is still absent.
-    """
+    """Write ``content`` to ``path`` unless the file exists; return what the file holds (a
+    complete sibling hard-linked into place: of two writers the first wins)."""
     path = Path(path)
     with _complete_sibling(path, content) as temporary:
         try:

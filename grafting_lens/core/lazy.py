@@ -1,7 +1,5 @@
 """Submodules reached as attributes of their package, imported on first use: ``import
-grafting_lens`` stays quick and no floor drags in another, yet a notebook can write
-``gl.analysis.metrics.top_k_hit`` without an import line of its own.
-"""
+grafting_lens`` stays quick, yet a notebook can write ``gl.analysis.metrics.top_k_hit``."""
 
 from __future__ import annotations
 

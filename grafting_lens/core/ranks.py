@@ -1,26 +1,12 @@
 """Ranks: the processes of one ``torch.distributed`` job, and the work they share.
 
-``torchrun``, ``accelerate launch`` (which wraps it) and SLURM's ``srun`` start one process
-per rank and tell it who it is in its environment: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
-(``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID`` under ``srun``). A process
-whose program already joined a process group is a rank too.
-
-Sharing is asked for, never assumed. A script under ``torchrun`` may give each rank prompts
-or donors of its own, or call a function on one rank only: outside :func:`shared_ranks`
-every call computes on its own rank, and the library joins no collective step. Inside it
-(``grafting-lens run`` enters it for its whole run), :func:`current` joins the job (gloo on
-CPUs, NCCL on GPUs, with a gloo group beside it for the small Python objects the ranks
-exchange) and the runs, the comparison, the attribution and the search share their work:
-chunk ``i`` goes to rank ``i % world``, so no chunk is claimed, computed twice or lost. Each
-shared call first checks, through :func:`same`, that every rank reached it with the same
-arguments, and refuses on every rank if not. The ranks meet only where a call needs every
-rank at once, through :func:`agree`: every rank does its part, and a part that failed on one
-rank is raised on all of them, so no rank waits for a partner that has given up.
-
-Waiting is bounded where a user can get it wrong: a rank that finds no partner says so
-within seconds, naming its launcher and where it waits, and gives up after
-:func:`wait_seconds` (``GRAFTING_LENS_RANKS_WAIT``, default 300 s), as does a shared call
-that another rank never reaches.
+Launchers (``torchrun``, ``accelerate launch``, ``srun``) tell each process its rank
+(:func:`launched`). Sharing is asked for, never assumed: outside :func:`shared_ranks` every call
+computes on its own rank; inside it, :func:`current` joins the job and chunk ``i`` goes to rank
+``i % world``. Each shared call first checks every rank reached it with the same arguments
+(:func:`same`); a part that failed on one rank is raised on all (:func:`agree`); every wait is
+bounded (:func:`wait_seconds`). How to launch, and what each rank does:
+docs/how-to/many-gpus.md.
 """
 
 from __future__ import annotations
@@ -57,10 +43,8 @@ __all__ = [
 
 T = TypeVar("T")
 
+# How long a rank waits for the others inside a shared run: one chunk of a large pair.
 _TIMEOUT = datetime.timedelta(hours=2)
-"""How long a rank waits for the others inside a shared run: the slowest rank's share of a
-run, one chunk more than the fastest's (torch's default, 30 minutes, is shorter than one
-chunk of a large pair)."""
 
 
 def wait_seconds() -> float:
@@ -77,23 +61,33 @@ def wait_seconds() -> float:
 
 
 @dataclass(frozen=True)
-class Launch:
-    """What a launcher told this process: its rank, the job's size, and who started it."""
+class _Place:
+    """A process's place in its job: its rank, the job's size, its machine's share."""
 
     rank: int
     world: int
     local_rank: int
     local_world: int
-    launcher: str
 
     @property
     def device(self) -> torch.device:
         """Where this rank's models go: ``cuda:<local rank>`` where there are GPUs, else the CPU."""
-        return _device(self.local_rank)
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
 
 
 @dataclass(frozen=True)
-class Ranks:
+class Launch(_Place):
+    """What a launcher told this process: its rank, the job's size, and who started it."""
+
+    launcher: str
+
+
+@dataclass(frozen=True)
+class Ranks(_Place):
     """This process's place in its job.
 
     Attributes:
@@ -104,21 +98,12 @@ class Ranks:
         job: What tells this job's ranks from another job's (made by rank 0).
     """
 
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
     job: str
 
     @property
     def first(self) -> bool:
         """Whether this is rank 0, which writes what a job writes once."""
         return self.rank == 0
-
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's models go: ``cuda:<local rank>`` where there are GPUs, else the CPU."""
-        return _device(self.local_rank)
 
     @property
     def threads(self) -> int:
@@ -130,38 +115,24 @@ class Ranks:
         return list(items[self.rank :: self.world])
 
 
-def _device(local_rank: int) -> torch.device:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-_CURRENT: list[Ranks | None] = []
-"""This process's :class:`Ranks` once :func:`current` has joined (a one-item cache)."""
-_GROUP: list[Any] = [None]
-"""The gloo group the ranks exchange Python objects through."""
-_SHARING: list[bool] = [False]
-"""Whether the calls being made share their work (inside :func:`shared_ranks`)."""
+_CURRENT: list[Ranks | None] = []  # this process's Ranks once current() has joined
+_GROUP: list[Any] = [None]  # the gloo group the ranks exchange Python objects through
+_SHARING: list[bool] = [False]  # whether the calls being made share their work
 
 
 @contextlib.contextmanager
 def shared_ranks() -> Iterator[Ranks | None]:
     """Share the work of the calls inside among the ranks of this job.
 
-    Every rank must enter it and make the same calls inside with the same arguments: each
-    computes its share and every rank gets the whole result. A call that differs on one
-    rank is refused on all; one that another rank does not reach within
-    :func:`wait_seconds` is refused too. Without a job of more than one rank it yields
-    None and changes nothing. ``grafting-lens run`` shares this way by itself.
+    Every rank must enter it and make the same calls with the same arguments: each computes its
+    share and gets the whole result; a call that differs on one rank, or that another does not
+    reach within :func:`wait_seconds`, is refused on all. Alone, it yields None.
 
     Yields:
         This process's :class:`Ranks`, or None.
 
     Raises:
-        RunError: The ranks cannot meet (no ``MASTER_ADDR``/``MASTER_PORT``, no partner
-            within the wait).
+        RunError: The ranks cannot meet (no ``MASTER_ADDR``/``MASTER_PORT``, no partner in time).
     """
     previous = _SHARING[0]
     _SHARING[0] = True
@@ -180,13 +151,11 @@ def launched() -> Launch | None:
         rank, world, launcher = dist.get_rank(), dist.get_world_size(), "your process group"
     elif "WORLD_SIZE" in env and "RANK" in env:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        launcher = (
-            "accelerate launch"
-            if any(name.startswith("ACCELERATE_") for name in env)
-            else "torchrun"
-            if "TORCHELASTIC_RUN_ID" in env
-            else "RANK and WORLD_SIZE set in the environment"
-        )
+        launcher = "RANK and WORLD_SIZE set in the environment"
+        if "TORCHELASTIC_RUN_ID" in env:
+            launcher = "torchrun"
+        if any(name.startswith("ACCELERATE_") for name in env):
+            launcher = "accelerate launch"
     elif "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun (a step of its own)
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
         launcher = "srun"
@@ -202,13 +171,10 @@ def launched() -> Launch | None:
 
 def current() -> Ranks | None:
     """This process's rank, inside :func:`shared_ranks` in a job of more than one; else None.
-
-    Joins the job on first call (every rank makes it at the same point: joining is a
-    collective step).
+    Joins the job on first call (a collective step: every rank makes it at the same point).
 
     Raises:
-        RunError: No ``MASTER_ADDR`` and ``MASTER_PORT`` say where the ranks meet, or no
-            partner came within :func:`wait_seconds`.
+        RunError: No ``MASTER_ADDR`` and ``MASTER_PORT``, or no partner within the wait.
     """
     if not _SHARING[0]:
         return None
@@ -242,17 +208,17 @@ def _join() -> Ranks | None:
         if gpu:
             torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         wait = wait_seconds()
-        said = threading.Timer(5, _say_waiting, (launch, where, wait))
+        waiting = (
+            f"Rank {rank} of {world} ({launch.launcher}) is waiting for the other ranks at "
+            f"{where}; it gives up after {wait:.0f} s."
+        )
+        said = threading.Timer(5, print, (waiting,), {"file": sys.stderr, "flush": True})
         said.daemon = True
         said.start()
         try:  # the rendezvous alone waits for partners, and only this long
+            timeout = datetime.timedelta(seconds=wait)
             store, _, _ = next(
-                dist.rendezvous(
-                    "env://",
-                    rank=rank,
-                    world_size=world,
-                    timeout=datetime.timedelta(seconds=wait),
-                )
+                dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout)
             )
         except (RuntimeError, ValueError) as error:  # torch's DistStoreError is a RuntimeError
             raise RunError(
@@ -271,15 +237,6 @@ def _join() -> Ranks | None:
     job = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(job, src=0, group=_GROUP[0])
     return Ranks(rank, world, launch.local_rank, launch.local_world, str(job[0]))
-
-
-def _say_waiting(launch: Launch, where: str, wait: float) -> None:
-    print(
-        f"Rank {launch.rank} of {launch.world} ({launch.launcher}) is waiting for the other "
-        f"ranks at {where}; it gives up after {wait:.0f} s.",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def first() -> bool:
@@ -386,10 +343,9 @@ def _digest(value: Any) -> str:
 def agree(action: Callable[[], T]) -> T:
     """Run ``action`` on every rank; if it failed on any, raise on every one.
 
-    The rank where it failed raises its own error; the others raise the same refusal
-    (a :class:`~grafting_lens.core.errors.GraftingLensError` of the same kind and message),
-    or a :class:`~grafting_lens.core.errors.RunError` naming the rank that broke down.
-    Without ranks it is ``action()``.
+    The rank where it failed raises its own error; the others the same refusal (a
+    :class:`~grafting_lens.core.errors.GraftingLensError` of its kind and message), or a
+    :class:`~grafting_lens.core.errors.RunError` naming the rank. Without ranks: ``action()``.
     """
     if current() is None:
         return action()
@@ -406,25 +362,24 @@ def agree(action: Callable[[], T]) -> T:
         if outcome is None:
             continue
         kind, message = outcome
-        if isinstance(kind, type) and issubclass(kind, GraftingLensError):
-            raise kind(message)
-        raise RunError(
-            f"Rank {rank} of {len(said)} failed ({getattr(kind, '__name__', kind)}: {message}); "
-            "the chunks written are kept: run the same command again to resume."
-        )
+        if not (isinstance(kind, type) and issubclass(kind, GraftingLensError)):
+            name = getattr(kind, "__name__", kind)
+            message = (
+                f"Rank {rank} of {len(said)} failed ({name}: {message}); the chunks written "
+                "are kept: run the same command again to resume."
+            )
+            kind = RunError
+        raise kind(message)
     return result
 
 
 def spread(
     call: str, arguments: Mapping[str, Any], count: int, compute: Callable[[int], T]
 ) -> list[T]:
-    """``[compute(0), ..., compute(count - 1)]`` on every rank, each rank computing every
-    ``world``-th item from its rank on and the ranks exchanging the results: the same items,
-    computed the same way, as one process (a failure on one rank is raised on all). Without
-    ranks, computed here in order.
-
-    ``call`` and ``arguments`` (what the items are computed from) are first checked to be
-    every rank's by :func:`same`.
+    """``[compute(0), ..., compute(count - 1)]`` on every rank, each computing every
+    ``world``-th item from its rank on and the ranks exchanging them (a failure on one rank is
+    raised on all; without ranks, computed here in order). ``call`` and ``arguments`` (what
+    the items are computed from) are first checked to be every rank's by :func:`same`.
     """
     share = current()
     if share is None:

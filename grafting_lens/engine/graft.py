@@ -51,9 +51,8 @@ from grafting_lens.models.components import COMPONENTS, Slot
 from grafting_lens.models.lora_source import LoraLinear
 from grafting_lens.models.model_set import ModelSet, check_model_set, token_ids
 
-# Bridge options under which attention code reads projection weights directly,
-# per head, instead of calling the projection module: a per-position dispatcher
-# cannot serve those reads.
+# Bridge options under which attention reads projection weights per head instead of
+# calling the projection module: a per-position dispatcher cannot serve those reads.
 _UNSUPPORTED_BRIDGE_FLAGS = ("use_attn_result", "use_split_qkv_input", "use_attn_in")
 
 _ACTIVE = "_grafting_lens_grafting"  # set on the base bridge while a graft is installed
@@ -62,10 +61,9 @@ _ACTIVE = "_grafting_lens_grafting"  # set on the base bridge while a graft is i
 class SourceDispatch(Dispatch):
     """Stands in for one slot of the base and routes each position to its source.
 
-    ``sources[i]`` computes the positions the mask gives source ``i``. Every tensor
-    argument laid out like the input is split with it (a mixture-of-experts block's
-    routing indices and weights); any other tensor argument is refused with the module
-    named, since no routing of it could be known to be right.
+    ``sources[i]`` computes the positions the mask gives source ``i``. Every tensor argument
+    laid out like the input is split with it (a mixture-of-experts block's routing indices and
+    weights); any other is refused with the module named: no routing of it is known right.
     """
 
     error = GraftingError
@@ -83,8 +81,7 @@ class SourceDispatch(Dispatch):
         norm: bool = False,
     ) -> None:
         super().__init__(key, path, sources, pos_dim, norm)
-        # Per-position vectors, built once per window: norm bridges read them
-        # several times per forward.
+        # Per-position vectors, built once per window: norm bridges read them often.
         self.__dict__.update(_state=state, _vectors={})
 
     def window(self) -> tuple[int, int]:
@@ -115,8 +112,7 @@ class SourceDispatch(Dispatch):
             self.layout(other, like=layout)
         assert layout is not None  # required: refused otherwise
         # Each source computes its rows (slices where the mask's positions form runs, else
-        # gathered by index on the activation's device: on a layer-split model each
-        # layer's activations are on its own device).
+        # gathered by index on the activation's device: a layer-split model's own).
         outputs = []
         for part, (source, _) in enumerate(plan.parts):
             taken_args = [layout.take(x, plan, part) for x in args]
@@ -141,10 +137,7 @@ class SourceDispatch(Dispatch):
         """Put each source's outputs (a tensor, or a tuple of them) back into place."""
         single = not isinstance(outputs[0], tuple)
         parts = [(output,) if single else output for output in outputs]
-        merged = [
-            self._merge_one(plan, layout, [output[at] for output in parts])
-            for at in range(len(parts[0]))
-        ]
+        merged = [self._merge_one(plan, layout, list(at)) for at in zip(*parts, strict=True)]
         return merged[0] if single else tuple(merged)
 
     def _merge_one(self, plan: Plan, layout: Layout, values: list[Any]) -> Any:
@@ -164,7 +157,7 @@ class SourceDispatch(Dispatch):
                 rows = plan.put([piece for piece, _ in pieces])
                 return layout.restore(rows, pieces[0][1])
         shown = [list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values]
-        raise self.refusal(f"outputs {shown} that cannot be put back one row per position")
+        self.refuse(f"outputs {shown} that cannot be put back one row per position")
 
     def _pick(self, plan: Plan, args: tuple, kwargs: dict) -> torch.Tensor:
         """Every used source computes every position; each position takes its source's row."""
@@ -182,8 +175,8 @@ class SourceDispatch(Dispatch):
         if plan.single is not None:
             return getattr(self.sources[plan.single], name)
         if value.dim() == 0 or (value.dim() > 1 and not self._reads_any_tensor):
-            # A bridge other than a norm reads matrices (outside the options refused at
-            # the door) only for metadata (dtype, shape), which every aligned source shares.
+            # A bridge other than a norm reads matrices only for their dtype and shape,
+            # which every aligned source shares.
             return value
         cache_key = (id(plan), name, self._reading)
         if cache_key in self._vectors:
@@ -192,9 +185,8 @@ class SourceDispatch(Dispatch):
         stacked = torch.stack([getattr(source, name) for source in self.sources])
         rows = stacked.index_select(0, plan.window_on(stacked.device).reshape(-1))
         layout = None if self._reading is None else self.layout(self._reading, required=False)
-        per_position = rows.reshape(
-            position_shape(layout, self._reading, value.shape, batch, length)
-        )
+        shape = position_shape(layout, self._reading, value.shape, batch, length)
+        per_position = rows.reshape(shape)
         if not torch.is_grad_enabled():
             # With autograd on, each forward needs its own graph, so nothing is kept.
             self._vectors[cache_key] = per_position
@@ -205,10 +197,8 @@ class SourceDispatch(Dispatch):
 def _installed(
     models: ModelSet, mask: GraftMask, last: torch.Tensor | None = None
 ) -> Iterator[GraftState]:
-    """Install dispatchers for every pair the (checked) mask grafts; restore the base on exit.
-
-    While ``state.last`` is set, the unembedding runs on each row's position ``last`` alone.
-    """
+    """Install dispatchers for every pair the (checked) mask grafts, the unembedding on each
+    row's position ``state.last`` alone while it is set; restore the base on exit."""
     state = GraftState(mask, last)
 
     def dispatch(key: Key, slot: Slot, original: nn.Module, pos_dim: int | None, norm: bool):
@@ -241,13 +231,6 @@ def _installed(
             yield state
     finally:
         handle.remove()
-
-
-def _check_sources_placed(models: ModelSet, mask: GraftMask) -> None:
-    """The one placement check (:meth:`ModelSet.check_placement`) of every module the mask
-    takes from a donor: a model cast or moved after load_models fails here, named."""
-    for key, indices in _used_sources(mask).items():
-        models.check_placement(indices, "This graft", pairs=[key])
 
 
 def _used_sources(mask: GraftMask) -> dict[Key, frozenset[int]]:
@@ -291,7 +274,10 @@ def _check_graft(models: ModelSet, mask: GraftMask) -> None:
             "per head instead of calling the projection, so a graft cannot route positions.\n"
             f"Call models.base.set_{flags[0]}(False) before grafting."
         )
-    _check_sources_placed(models, mask)
+    # The one placement check of every module the mask takes from a donor: a model cast or
+    # moved after load_models fails here, named.
+    for key, indices in _used_sources(mask).items():
+        models.check_placement(indices, "This graft", pairs=[key])
 
 
 def check_declared(models: ModelSet, mask: GraftMask) -> None:
@@ -319,14 +305,11 @@ def _check_run(
     mask: GraftMask,
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The door's checks of the tokens and attention mask against the mask.
-
-    Returns the tokens and attention mask on the models' device, and each row's length.
-    """
+    """The door's checks of the tokens and attention mask against the mask: both on the
+    models' device, and each row's length."""
     _check_mask(models, mask)
     models.check_tokens(tokens)
-    # One notion of each row's real tokens for the mask and the run: padded tokens
-    # need their attention mask, and the mask must have been built for it.
+    # One notion of each row's real tokens for the mask and the run.
     check_padding(tokens, attention_mask, models.tokenizer)
     lengths = mask.check_rows(attention_mask, shape=tokens.shape)
     if attention_mask is not None:
@@ -338,12 +321,11 @@ def _check_run(
 def grafting(models: ModelSet, mask: GraftMask) -> Iterator[TransformerBridge]:
     """Run the base model with the weights the mask names, for any TransformerLens tool.
 
-    Inside the block, ``models.base`` (also what the block yields) computes every
-    grafted component at every position with the weights of the source the mask
-    names. Hooks, ``run_with_cache`` and ``run_with_hooks`` work as usual. The
-    model must be run on tokens of the mask's shape ``[batch, pos]``, with the
-    attention mask the mask was built for (none for unpadded tokens). The base is
-    restored on exit, also when the body raises.
+    Inside the block, ``models.base`` (what the block yields) computes every grafted
+    component at every position with the weights of the source the mask names; hooks,
+    ``run_with_cache`` and ``run_with_hooks`` work as usual. Run it on tokens of the mask's
+    ``[batch, pos]``, with the attention mask the mask was built for (none for unpadded
+    tokens). The base is restored on exit, also when the body raises.
 
     Raises:
         GraftMaskError: The mask was built for another model set; inside the block, a
@@ -386,18 +368,12 @@ def graft_forward(
 ) -> Float[torch.Tensor, "batch scored d_vocab"]:
     """Logits of the grafted model, in a single forward pass.
 
-    Equal (to float rounding) to :func:`graft_forward_reference`, the paper's
-    token-by-token procedure; see the module docstring for why.
-
-    With ``logits="last"`` (the default) the unembedding runs on each row's last real
-    token alone, also where the mask grafts it (or on the positions a tensor names): with a
-    262k-token vocabulary every position's logits are most of a pass's memory and much of
-    its time.
-
-    No autograd graph is kept unless ``grad=True``: a graph holds every layer's
-    activations until the logits are freed, which an evaluation never uses. For
-    gradients through a grafted run pass ``grad=True``, or run the model inside
-    :func:`grafting`.
+    Equal (to float rounding) to :func:`graft_forward_reference`, the paper's token-by-token
+    procedure; see the module docstring for why. With ``logits="last"`` (the default) the
+    unembedding runs on each row's last real token alone (or on the positions a tensor
+    names): with a 262k-token vocabulary every position's logits are most of a pass's memory
+    and much of its time. No autograd graph is kept (it would hold every layer's activations
+    until the logits are freed): for gradients pass ``grad=True``, or run inside :func:`grafting`.
 
     Args:
         models: The aligned checkpoints.
@@ -459,10 +435,9 @@ def graft_forward_reference(
 ) -> Float[torch.Tensor, "batch pos d_vocab"]:
     """The paper's procedure, literally: one token at a time, weights swapped per token.
 
-    For every row and every position ``t``, every component of the base is set to
-    the module of the source the mask names at ``t``; the single token ``t`` is run
-    with a KV cache holding the keys and values earlier tokens computed under their
-    own weights. Slow (one forward per token, per row) and kept as the oracle.
+    For every row and position ``t``, every component of the base is set to the module of
+    the source the mask names at ``t``; token ``t`` runs over a KV cache of the keys and
+    values earlier tokens computed under their own weights. Slow, and kept as the oracle.
 
     Returns:
         Logits ``[batch, pos, d_vocab]``; padding positions are NaN.
@@ -514,13 +489,10 @@ def graft_generate(
 ) -> Int[torch.Tensor, "batch pos_and_new"]:
     """Greedy generation after a grafted prompt, over the mixed-origin KV cache.
 
-    The prompt runs once under ``mask``; each new token is then computed one at a
-    time, attending over the cached keys and values of the prompt (each computed
-    under its own position's weights) and of earlier new tokens.
-
-    Prompts of different lengths come right padded, with their ``attention_mask``. The
-    rows of each length run as one batch, so every row generates what it would alone:
-    no padding enters a pass (left padding would move each row's positions).
+    The prompt runs once under ``mask``; each new token then attends over the cached keys and
+    values of the prompt (each computed under its own position's weights) and of earlier new
+    tokens. Right-padded prompts of different lengths run as one batch per length, so every
+    row generates what it would alone (no padding enters a pass).
 
     Args:
         models: The aligned checkpoints.

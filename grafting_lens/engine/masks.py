@@ -1,24 +1,13 @@
 """Graft masks: which checkpoint computes each component, layer and position.
 
-A :class:`GraftMask` holds, for every ``(component, layer)`` pair, a
-``[batch, pos]`` integer tensor of *source indices* into a
-:class:`~grafting_lens.ModelSet`: ``0`` is the base, ``1`` the donor, ``2`` and on
-any further checkpoint. A pair that is absent means "source 0 everywhere", so a
-mask only stores what it changes. Global components use ``layer=None``.
-
-Each row of a mask is one configuration of one prompt. Because rows are
-independent, many configurations of the same prompt (PRE, FE, LT, FE+LT...) run
-as rows of a single batch: build one mask per configuration and join them with
-:meth:`GraftMask.cat`.
-
-Three ways to build one:
-
-* :meth:`GraftMask.from_dict`, the raw form, ``{("q", 3): tensor, ...}``;
-* :meth:`GraftMask.build` for people: positions (see :mod:`grafting_lens.engine.positions`),
-  layers (see :func:`~grafting_lens.models.layers.resolve_layers`), components (names or groups, see
-  :mod:`grafting_lens.models.components`) and the source to take them from;
-* :meth:`GraftMask.union` of several grafts, e.g. the paper's hybrid graft (task
-  model's attention at FE and LT, relation model's O and FFN at LT).
+A :class:`GraftMask` holds, for every ``(component, layer)`` pair (``layer=None`` for a
+global component), a ``[batch, pos]`` integer tensor of *source indices* into a
+:class:`~grafting_lens.ModelSet`: ``0`` the base, ``1`` the donor, ``2`` and on any further
+checkpoint; an absent pair is source 0 everywhere. Each row is one configuration of one
+prompt, so many configurations run as rows of one batch (:meth:`GraftMask.cat`). Build one
+with :meth:`GraftMask.build` (positions, layers, components, source),
+:meth:`GraftMask.from_dict` (``{("q", 3): tensor, ...}``) or :meth:`GraftMask.union` of
+several grafts (the paper's hybrid graft).
 """
 
 from __future__ import annotations
@@ -38,6 +27,7 @@ from grafting_lens.core.errors import (
     GraftMaskError,
     TokenError,
     did_you_mean,
+    kind,
 )
 from grafting_lens.engine.positions import (
     PositionSpec,
@@ -68,18 +58,16 @@ Key = tuple[str, Union[int, None]]
 class GraftMask:
     """Source indices for every ``(component, layer)`` pair and token position.
 
-    Build one with :meth:`from_dict`, :meth:`build`, :meth:`union` or :meth:`cat`
-    rather than the constructor, which trusts its arguments (it only moves the tensors
-    to the CPU, where masks are kept whatever device the models are on).
+    Build one with :meth:`from_dict`, :meth:`build`, :meth:`union` or :meth:`cat` rather than
+    the constructor, which trusts its arguments (it only moves the tensors to the CPU).
 
     Attributes:
         shape: ``(batch, pos)`` of the tokens the mask is for.
         n_sources: Number of checkpoints in the model set it was built for.
-        lengths: ``[batch]``, the number of real tokens of each row the mask was built
-            for (from the attention mask given to :meth:`build` or :meth:`from_dict`;
-            every row full when :meth:`build` got none), or ``None`` when unknown. A run
-            whose attention mask gives other lengths is refused, so "last" means the
-            same token in the mask and in the run.
+        lengths: ``[batch]``, each row's real tokens as the mask was built for them (from
+            the attention mask given to :meth:`build` or :meth:`from_dict`; every row full
+            when :meth:`build` got none), or ``None`` when unknown. A run with other lengths
+            is refused, so "last" means the same token in the mask and in the run.
     """
 
     def __init__(
@@ -92,9 +80,8 @@ class GraftMask:
         self.shape = (int(shape[0]), int(shape[1]))
         self.n_sources = int(n_sources)
         self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long).cpu()
-        # Only pairs that graft something are stored: an all-zero pair is the base. On the
-        # CPU: masks combine (union, cat, check_rows) on one device, and a grafted run
-        # moves them to the models'. Pairs that share a tensor keep sharing it.
+        # Only pairs that graft something are stored, on the CPU (masks combine on one
+        # device); pairs that share a tensor keep sharing it.
         kept: dict[int, torch.Tensor | None] = {}
         self._entries: dict[Key, torch.Tensor] = {}
         for key, value in entries.items():
@@ -138,11 +125,8 @@ class GraftMask:
         )
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per grafted ``(component, layer)`` and source, with position counts.
-
-        A quick way to check a mask says what you meant before running it. The
-        ``layer`` column is an integer column, ``<NA>`` for global components.
-        """
+        """One row per grafted ``(component, layer)`` and source, with position counts: a
+        quick check that a mask says what you meant (``layer`` is ``<NA>`` for a global one)."""
         rows = [
             {"component": component, "layer": layer, "source": source, "positions": count}
             for component, layer in self.keys()
@@ -169,20 +153,19 @@ class GraftMask:
 
         Args:
             models: The model set the mask will run on.
-            entries: Per pair, an integer tensor of source indices (booleans are
-                accepted when there are exactly two sources). Missing pairs mean
-                source 0. ``layer`` is None for global components.
+            entries: Per pair, an integer tensor of source indices (booleans with exactly
+                two sources); missing pairs mean source 0; ``layer`` is None for globals.
             shape: ``(batch, pos)``; required when ``entries`` is empty.
-            attention_mask: ``[batch, pos]`` right padding of the tokens the mask
-                is for. Given, the mask records each row's length (see
-                :attr:`lengths`) and refuses entries that graft a padding position.
+            attention_mask: ``[batch, pos]`` right padding of the tokens the mask is for:
+                the mask records each row's length (:attr:`lengths`) and refuses entries
+                that graft a padding position.
 
         Raises:
-            ComponentError: An unknown component, one the architecture lacks (at
-                that layer), or a graft of every component around parameters no
-                component covers (see :meth:`~grafting_lens.models.model_set.ModelSet.coverage`).
-            GraftMaskError: A bad key or shape, a tensor that is not source indices of
-                the model set, a pair given twice, or a graft at a padding position.
+            ComponentError: An unknown component, one the architecture lacks (at that
+                layer), or a graft of every component around parameters no component
+                covers (see :meth:`~grafting_lens.models.model_set.ModelSet.coverage`).
+            GraftMaskError: A bad key or shape, a tensor that is not source indices of the
+                model set, a pair given twice, or a graft at a padding position.
         """
         check_model_set(models)
         given = shape if shape is not None or not entries else next(iter(entries.values())).shape
@@ -225,16 +208,14 @@ class GraftMask:
                 ``"all"``, ``"last"``, indices, per-row lists or a boolean tensor.
             layers: Which layers (see :func:`~grafting_lens.models.layers.resolve_layers`);
                 global components (embed, pos_embed, ln_final, unembed) ignore it.
-            components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``),
-                the paper's labels (``"O"``, ``"FFN-up"``, ``"FFN-down"``, any case) or
-                a ``+``-joined string such as ``"O+FFN"``. A group or label takes, at
-                each layer, the members that layer has; a component named alone must
-                exist at every selected layer.
+            components: Names, groups (``"attn"``, ``"ffn"``, ``"block"``, ``"all"``), the
+                paper's labels (``"O"``, ``"FFN-up"``, ``"FFN-down"``, any case) or a
+                ``+``-joined string such as ``"O+FFN"``. A group or label takes, at each
+                layer, the members it has; a component named alone must be at every layer.
             source: Index of the checkpoint to take the weights from.
-            attention_mask: ``[batch, pos]`` right padding; padding is never grafted.
-                The mask remembers each row's length (:attr:`lengths`) and a run
-                with another attention mask is refused. Without one every position
-                is real, and tokens whose rows end in the pad token are refused.
+            attention_mask: ``[batch, pos]`` right padding, never grafted; the mask remembers
+                each row's length (:attr:`lengths`) and a run with another one is refused.
+                Without one every position is real (rows ending in the pad token refused).
 
         Raises:
             GraftMaskError: A bad source, layer or position, or padded tokens
@@ -260,9 +241,7 @@ class GraftMask:
         ):
             shape = (int(tokens[0]), int(tokens[1]))
         else:
-            raise (
-                TokenError if isinstance(tokens, (tuple, list, torch.Size)) else ArgumentTypeError
-            )(
+            raise kind(tokens, (tuple, list, torch.Size), TokenError)(
                 f"tokens=(batch, pos) = {tokens!r} describes no token: give the [batch, pos] "
                 "token ids (the tokenizer's, or models.base.to_tokens(...)) or their shape, a "
                 "tuple of two ints >= 1."
@@ -294,9 +273,8 @@ class GraftMask:
 
         Args:
             masks: Masks of one shape for one model set, built for the same rows.
-            on_conflict: What to do where two masks name different non-base
-                sources for the same cell: ``"error"`` (the default) or ``"last"``
-                (the later mask wins, like painting over).
+            on_conflict: Where two masks name different non-base sources for one cell:
+                ``"error"`` (the default) or ``"last"`` (the later mask wins).
 
         Raises:
             GraftMaskError: Masks of different shapes, source counts or row lengths, or
@@ -328,11 +306,8 @@ class GraftMask:
 
     @classmethod
     def cat(cls, masks: Sequence[GraftMask]) -> GraftMask:
-        """Stack masks along the batch: one block of rows per configuration.
-
-        The tokens must be stacked the same way (e.g. ``tokens.repeat(k, 1)`` for
-        ``k`` configurations of the same prompts).
-        """
+        """Stack masks along the batch: one block of rows per configuration (stack the tokens
+        the same way, e.g. ``tokens.repeat(k, 1)`` for ``k`` configurations of the prompts)."""
         masks = list(masks)
         _check_compatible(masks, "GraftMask.cat", rows=False)
         keys = {key for mask in masks for key in mask._entries}
@@ -345,9 +320,8 @@ class GraftMask:
     def extend(self, new_positions: int) -> GraftMask:
         """Append ``new_positions`` columns that repeat each row's last column.
 
-        Used for tokens generated after a prompt: every ``(component, layer)`` keeps,
-        in each row, the source it had at the row's last position. The mask must be
-        for unpadded rows (whose last column is the last token).
+        For tokens generated after a prompt: every ``(component, layer)`` keeps, in each row,
+        the source it had at the last position. The mask must be for unpadded rows.
         """
         batch, positions = self.shape
         padded = self.lengths is not None and bool((self.lengths < positions).any())
@@ -372,11 +346,8 @@ class GraftMask:
         shape: tuple[int, ...] | None = None,
     ) -> Int[torch.Tensor, " batch"]:
         """Refuse running this mask on tokens of another ``shape`` (by default the mask's), or
-        under an attention mask it was not built for (``None``: no padding).
-
-        The rows' lengths must equal :attr:`lengths` when the mask knows them, and no
-        position the run treats as padding may be grafted: either would mean the mask's
-        "last token" is not the run's.
+        under an attention mask it was not built for (``None``: no padding): the rows'
+        lengths must equal :attr:`lengths` when known, and no padding may be grafted.
 
         Returns:
             The run's row lengths.
@@ -481,12 +452,9 @@ def check_component(
 
 
 def check_leftovers(models: ModelSet, keys: Iterable[Key]) -> None:
-    """Refuse a graft that takes every component around parameters no component covers.
-
-    Such a graft would run the donor's weights everywhere there except those
-    parameters, which stay the base's: a partial graft nobody asked for.
-    ``models.allow_uncovered`` turns the check off.
-    """
+    """Refuse a graft that takes every component around parameters no component covers (they
+    would stay the base's: a partial graft nobody asked for); ``models.allow_uncovered``
+    turns the check off."""
     left = [] if models.allow_uncovered else leftover_parameters(models.layout, keys)
     if left:
         shown = ", ".join(f"{r.name} (at {r.path or 'no bridge component'})" for r in left[:4])
@@ -532,11 +500,8 @@ def _check_compatible(masks: Sequence[object], what: str, rows: bool) -> None:
         for m in masks
     }
     lengths = [m.lengths for m in masks if isinstance(m, GraftMask) and m.lengths is not None]
-    if (
-        len(kinds) != 1
-        or None in kinds
-        or (rows and any(not torch.equal(known, lengths[0]) for known in lengths))
-    ):
+    differ = rows and any(not torch.equal(known, lengths[0]) for known in lengths)
+    if len(kinds) != 1 or None in kinds or differ:
         shown = [
             m
             if not isinstance(m, GraftMask)
@@ -554,8 +519,7 @@ def _check_compatible(masks: Sequence[object], what: str, rows: bool) -> None:
 def _key_order(key: Key) -> tuple[int, int]:
     """Order pairs as the residual stream meets them: embeddings, layers, final norm."""
     component, layer = key
+    index = COMPONENTS.index(component)
     if layer is None:
-        depth = -1 if COMPONENTS.index(component) < COMPONENTS.index(LAYER_COMPONENTS[0]) else 10**9
-    else:
-        depth = layer
-    return (depth, COMPONENTS.index(component))
+        layer = -1 if index < COMPONENTS.index(LAYER_COMPONENTS[0]) else 10**9
+    return (layer, index)

@@ -1,9 +1,8 @@
 """Choosing token positions, per row, for grafts and patches.
 
-Every position selector turns a specification into a boolean ``[batch, pos]``
-tensor: ``True`` where the intervention applies. Rows differ (the first entity of
-one prompt spans tokens 1-3, of another 1-4), so the boolean tensor is the common
-currency; the helpers below build one from the forms people write:
+Every selector turns a specification into a boolean ``[batch, pos]`` tensor, ``True`` where
+the intervention applies (rows differ: one prompt's first entity spans tokens 1-3, another's
+1-4), from the forms people write:
 
 * ``"all"``: every real (non-padding) token;
 * ``"last"``: the last real token of each row (the paper's LT);
@@ -14,31 +13,15 @@ currency; the helpers below build one from the forms people write:
 * :func:`span_positions` for ``[start, end)`` spans per row, and
   :func:`complement` for "everything except" (the paper's ``(FE+LT)^C``).
 
-Padding is always right padding: real tokens are ``0 .. length-1`` in each row.
-A selector never selects a padding position, and an index beyond a row's real
-tokens is an error rather than a silent no-op.
+Padding is always right padding, and a selector never selects it; an index beyond a row's
+real tokens is an error, not a silent no-op. A row's length, hence its last token, has one
+definition everywhere: :func:`row_lengths` of the attention mask (0 and 1 only). Without one
+every position is real, so :func:`check_padding` refuses a batch that looks padded.
 
-A row's real length, hence its last token, has one definition everywhere
-(masks, grafted and patched runs, scoring): :func:`row_lengths` of the
-attention mask, whose values must be 0 or 1. Without an attention mask every
-position is real, so a padded batch must come with its attention mask:
-:func:`check_padding` refuses tokens whose rows end in the pad token (right
-padding), or start with more pad tokens than other rows (left padding), when no
-mask says where they are.
-
-Span expressions
-----------------
-A tokenized batch (:class:`grafting_lens.analysis.batch.TokenizedExamples`) carries named
-spans, one ``[batch, pos]`` boolean tensor each: the first entity, the relation
-words, the movie title, the last token. :func:`select_positions` reads an
-expression over them, in the paper's notation: ``FE`` (first entity), ``LT`` (last
-token), ``M`` (movie), ``REL`` (relation), ``ALL`` (every real token) or any span's
-own name, joined with ``+`` (union) and complemented with ``^C`` among the row's real
-tokens, as in ``(FE+LT)^C``. Grafts, patches and comparisons name positions this way.
-
-Every mistake raises :class:`~grafting_lens.core.errors.SelectionError`, which says what
-was given and how to fix it. The public functions check their arguments; the
-internal ones (:func:`selected_positions`) trust them.
+A tokenized batch's named spans (the first entity, the relation, the movie, the last token)
+are selected by span expressions in the paper's notation, such as ``(FE+LT)^C``
+(:func:`select_positions`). Every mistake raises
+:class:`~grafting_lens.core.errors.SelectionError`, saying what was given and the fix.
 """
 
 from __future__ import annotations
@@ -70,10 +53,9 @@ def row_lengths(
     """Number of real tokens in each row of a right-padded batch (on the CPU).
 
     Raises:
-        SelectionError: An attention mask that is not a ``[batch, pos]`` tensor (with
-            values: not on the ``meta`` device) of 0 and 1, right padded, with a real
-            token in every row. A model reads the mask as given: a 2 or a 0.5 would move
-            its logits while a length computed here would silently disagree with it.
+        SelectionError: An attention mask that is not a ``[batch, pos]`` tensor (not on the
+            ``meta`` device) of 0 and 1, right padded, with a real token in every row (a
+            model reads a 2 or a 0.5 as given, which a length here would disagree with).
     """
     batch, pos = int(shape[0]), int(shape[1])
     if attention_mask is None:
@@ -83,8 +65,7 @@ def row_lengths(
         values = attention_mask.detach().cpu()
         if not values.is_complex() and bool(((values == 0) | (values == 1)).all()):
             lengths = values.long().sum(dim=1)
-            right = torch.arange(pos)[None, :] < lengths[:, None]
-            if not torch.equal(right, values.bool()) or bool((lengths == 0).any()):
+            if not torch.equal(_real(lengths, pos), values.bool()) or bool((lengths == 0).any()):
                 lengths = None
     if lengths is None:
         raise kind(attention_mask, (torch.Tensor, np.ndarray, list, tuple), SelectionError)(
@@ -118,21 +99,18 @@ def check_padding(
 ) -> None:
     """Refuse a padded batch given without its attention mask.
 
-    Without an attention mask every position counts as real, so "last" would be
-    the padding column of every shorter row. Two signs give padding away: rows ending
-    in the pad token (right padding), and rows that start with more pad tokens than
-    others (left padding; a BOS that is the pad token, as GPT-2's, starts every row once
-    and is not counted against it). The pad token is the tokenizer's, or its EOS token
-    when it has none. Prompts that really end or start with that token pass with
-    ``attention_mask=torch.ones_like(tokens)``.
+    Without one every position counts as real, so "last" would be the padding column of
+    every shorter row. Two signs give padding away: rows ending in the pad token (the
+    tokenizer's, else its EOS token), and rows that start with more of it than others (a BOS
+    that is the pad token, as GPT-2's, starts every row once). Prompts that really end or
+    start with it pass with ``attention_mask=torch.ones_like(tokens)``.
 
     Args:
         tokens: ``[batch, pos]`` token ids.
         attention_mask: The batch's attention mask, or ``None``.
-        tokenizer: The model set's tokenizer; ``None`` (or one with neither a pad
-            nor an EOS token) skips the check.
-        fix: What the caller can do about it, instead of passing an attention mask
-            (for a function that takes none, such as ``graft_generate``).
+        tokenizer: The model set's tokenizer; ``None`` (or one with neither a pad nor an
+            EOS token) skips the check.
+        fix: What the caller can do about it, for a function that takes no attention mask.
     """
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = getattr(tokenizer, "eos_token_id", None) if pad is None else pad
@@ -142,23 +120,21 @@ def check_padding(
     # Leading pad tokens per row: the position of the first other token.
     leading = torch.where(padding.all(1), padding.shape[1], (~padding).to(torch.int8).argmax(1))
     ends, starts = padding[:, -1], leading > leading.min()
-    if bool(ends.any()) or bool(starts.any()):
-        rows = (ends if bool(ends.any()) else starts).nonzero().squeeze(1).tolist()
+    right = bool(ends.any())
+    if right or bool(starts.any()):
+        rows = (ends if right else starts).nonzero().squeeze(1).tolist()
         shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        sign = f"end in the pad token {int(pad)}"
+        if not right:
+            sign = f"start with more pad tokens ({int(pad)}) than the others"
+        fix = fix or (
+            "Pass the tokenizer's attention_mask=... (padding_side='right'), or "
+            "attention_mask=torch.ones_like(tokens) if those tokens are real."
+        )
         raise SelectionError(
-            f"{len(rows)} of {tokens.shape[0]} rows (rows {shown}) "
-            + (
-                f"end in the pad token {int(pad)}"
-                if bool(ends.any())
-                else f"start with more pad tokens ({int(pad)}) than the others"
-            )
-            + ", but no attention_mask says where the rows really are: padding would count "
-            "as real tokens ('last' a padding column).\n"
-            + (
-                fix
-                or "Pass the tokenizer's attention_mask=... (padding_side='right'), or "
-                "attention_mask=torch.ones_like(tokens) if those tokens are real."
-            )
+            f"{len(rows)} of {tokens.shape[0]} rows (rows {shown}) {sign}, but no attention_mask "
+            "says where the rows really are: padding would count as real tokens ('last' a "
+            f"padding column).\n{fix}"
         )
 
 
@@ -314,12 +290,7 @@ PositionFunction = Callable[
 ]
 """``(spans, attention_mask) -> selected positions``, for positions no span expression says."""
 
-SPAN_ALIASES: dict[str, str] = {
-    "FE": "first_entity",
-    "LT": "last_token",
-    "M": "movie",
-    "REL": "relation",
-}
+SPAN_ALIASES = {"FE": "first_entity", "LT": "last_token", "M": "movie", "REL": "relation"}
 """The paper's labels for the spans :func:`grafting_lens.analysis.batch.tokenize_examples` marks."""
 
 _SPAN_TOKEN = re.compile(r"\^[Cc]|[()+]|[A-Za-z_][A-Za-z_0-9]*|\S")
@@ -329,9 +300,8 @@ def parse_span_expression(expression: str) -> tuple:
     """Parse a span expression into a tree of tuples, checking its syntax.
 
     Grammar: ``expr := term ('+' term)*``, ``term := atom '^C'*``,
-    ``atom := NAME | '(' expr ')'``; ``^C`` binds tighter than ``+``. Nodes are
-    ``("all",)``, ``("span", name)`` (aliases resolved), ``("union", children)`` and
-    ``("complement", child)``.
+    ``atom := NAME | '(' expr ')'``; ``^C`` binds tighter than ``+``. Nodes are ``("all",)``,
+    ``("span", name)`` (aliases resolved), ``("union", children)``, ``("complement", child)``.
 
     Raises:
         SelectionError: Not a non-empty string, a character outside the grammar, a
@@ -395,9 +365,9 @@ def select_positions(
 ) -> Bool[torch.Tensor, "batch pos"]:
     """The positions a span expression (or a position function) selects in each row.
 
-    Span names: ``FE`` (first_entity), ``LT`` (last_token), ``M`` (movie), ``REL``
-    (relation), ``ALL`` (every real token) or any span's own name. ``A+B`` is the union,
-    ``A^C`` the complement among the row's real tokens (padding is never selected).
+    Span names: ``FE`` (first_entity), ``LT`` (last_token), ``M`` (movie), ``REL`` (relation),
+    ``ALL`` (every real token) or any span's own name; ``A+B`` is the union, ``A^C`` the
+    complement among the row's real tokens.
 
     Args:
         expression: A span expression such as ``"(FE+LT)^C"``, or a function
@@ -434,8 +404,7 @@ def select_positions(
                 f"{what} raised {type(error).__name__}: {error} (it is called with the spans "
                 "and the attention mask)."
             ) from error
-        what += "'s result"
-        return _selection(selected, lengths, shape[1], what)
+        return _selection(selected, lengths, shape[1], f"{what}'s result")
 
     def evaluate(node: tuple) -> torch.Tensor:
         if node[0] == "all":
@@ -495,13 +464,12 @@ def position_sets(
 ) -> dict[str, Bool[torch.Tensor, "batch pos"]]:
     """Labelled position sets of a batch: label to ``[batch, pos]`` selection.
 
-    The position axis of a comparison or an attribution: several places to intervene
-    at, each with a label for tables and figures.
+    The position axis of a comparison or an attribution, each with a label for tables.
 
     Args:
         positions: One span expression, several (each its own label), or a mapping from a
-            label to a span expression, a ``[batch, pos]`` boolean tensor over the batch's
-            rows, or a position function (see :func:`select_positions`).
+            label to a span expression, a ``[batch, pos]`` boolean tensor or a position
+            function (see :func:`select_positions`).
         spans: The batch's named spans.
         attention_mask: The batch's right padding.
 
@@ -512,21 +480,17 @@ def position_sets(
     """
     if isinstance(positions, str):
         positions = [positions]
-    if not isinstance(positions, (Mapping, Sequence)):
-        raise ArgumentTypeError(
-            f"positions={shown(positions)}: give span expressions such as ('LT', 'FE'), or "
-            "{label: position set}."
-        )
-    items = (
-        list(positions.items()) if isinstance(positions, Mapping) else [(p, p) for p in positions]
-    )
+    if isinstance(positions, Mapping):
+        items = list(positions.items())
+    else:
+        items = [(p, p) for p in positions] if isinstance(positions, Sequence) else []
     labels = [str(label) for label, _ in items]
     if (
         not items
         or len(set(labels)) < len(labels)
         or not all(isinstance(spec, (str, torch.Tensor)) or callable(spec) for _, spec in items)
     ):
-        raise SelectionError(
+        raise kind(positions, (Mapping, Sequence), SelectionError)(
             "positions must be span expressions such as ('LT', 'FE'), or {label: span "
             "expression, [batch, pos] boolean tensor or position function}, each label once; "
             f"got {positions!r:.80}."

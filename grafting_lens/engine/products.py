@@ -1,41 +1,15 @@
 """A split linear layer's rows through oneDNN, on CPUs where MKL leaves AVX-512 aside.
 
-Why: where a mask splits a linear layer's positions between checkpoints, the layer runs
-once per checkpoint, each on its own rows, and two calls of a CPU's matrix product on
-half the rows cost more than one on all of them. PyTorch's float32 ``addmm`` (what
-``nn.Linear`` and transformers' ``Conv1D`` call) goes to MKL's ``sgemm``, which picks its
-code by the CPU's vendor: on an AMD CPU it runs its AVX2 code even where AVX-512 is there.
-oneDNN, which ships inside the same PyTorch and which ``torch.compile`` uses for linear
-layers, picks its code by instruction set, and on an AMD EPYC with AVX-512 (family 25 model
-17, one thread, GPT-2 shapes at 128 rows) computes the two halves in less time than
-``sgemm`` takes for the whole: 6.9 against 7.6 ms for a 768x3072 layer, 111 against 171 ms
-for the 50,257-token unembedding. Where there is no AVX-512 to gain, oneDNN's cost per
-call makes a pass slower: a grafted pass on an AMD EPYC without it (family 25 model 1)
-cost 1.28-1.43 plain forwards through oneDNN against 1.21 on the modules' own kernel, and
-on an Intel Xeon, whose AVX-512 MKL uses, 0.28 s against 0.24 s. So the kernel is chosen
-by a fixed rule, the same on every run of a machine (a choice measured per run could flip
-and change the rounding): MKL's products, on an x86-64 CPU not made by Intel that has
-AVX-512 (``avx512f`` in ``/proc/cpuinfo``). Everywhere else every module computes itself.
-:data:`WHY` says which and why; ``benchmarks/graft_speed.py`` prints it and a pass's cost
-with either kernel.
-
-What it changes: the order in which a product's float32 sums are rounded, in the slots a
-mask splits (a slot one source computes whole runs its module: an empty mask still equals
-the base's own forward bit for bit). There, positions of the base too differ from the
-base's own forward within float32 rounding (a relative 1e-6 in a layer's outputs), as
-positions already did where a split left a source a single row (a one-row product is
-another kernel too) and as the token-by-token reference does. A pass with
-autograd on (a ``grafting`` block outside ``torch.no_grad()``) runs every module itself,
-since oneDNN's operator has no backward. ``torch.backends.mkldnn.enabled = False`` turns
-this off, as it does oneDNN everywhere in PyTorch.
-
-Where it applies: a module that is exactly what its class computes, a linear map
-(:func:`linear_weights`: an ``nn.Linear`` or transformers' ``Conv1D`` as constructed, with
-plain parameters, and nothing that ``module(x)`` would run besides its class's forward), on
-float32 CPU tensors with a dense weight, without autograd, CPU autocast or a torch function
-or dispatch mode, in a product of at least :data:`MIN_PRODUCT` multiply-adds. Anything else,
-known or not (an instance's own ``forward``, accelerate's hooks, a parametrization, a LoRA or
-quantised layer), calls the module.
+Where a mask splits a linear layer's positions between checkpoints, each runs the layer on
+its own rows, and two calls of MKL's ``sgemm`` on half the rows cost more than one on all.
+On an x86-64 CPU not made by Intel that has AVX-512, MKL runs its AVX2 code while oneDNN
+(inside PyTorch, what ``torch.compile`` uses) runs AVX-512: there, and only there (a fixed
+rule, so the rounding never flips between runs), :func:`call` computes a split slot's
+:func:`linear_weights` parts of at least :data:`MIN_PRODUCT` multiply-adds through oneDNN,
+without autograd; :data:`WHY` says which and why. A split slot then equals the models' own
+forward to float32 rounding, not to the bit; a slot one source computes whole runs its
+module. ``torch.backends.mkldnn.enabled = False`` turns it off. Measurements and the rule's
+reasons: docs/design/scale.md, "The batched graft at its limit".
 """
 
 from __future__ import annotations
@@ -67,15 +41,12 @@ def _choose(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool, str]:
         return False, "an Intel CPU (or none named): MKL runs its best code for it"
     if "avx512f" not in flags:
         return False, "no AVX-512: MKL's AVX2 code is oneDNN's too, for less cost per call"
-    return (
-        True,
-        f"AVX-512 on a CPU by {', '.join(sorted(vendors))}: MKL leaves it aside, oneDNN uses it",
-    )
+    vendor = ", ".join(sorted(vendors))
+    return True, f"AVX-512 on a CPU by {vendor}: MKL leaves it aside, oneDNN uses it"
 
 
 _ON, WHY = _choose()
-# torch.compile's oneDNN linear layer (a private operator since torch 2.0); None: every
-# module computes itself.
+# torch.compile's oneDNN linear layer (private since torch 2.0); None: modules compute.
 KERNEL: Callable[..., torch.Tensor] | None = (
     getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ON else None
 )
@@ -86,25 +57,23 @@ KERNEL: Callable[..., torch.Tensor] | None = (
 # (4.2M) took 1.09 times MKL's time, 64x256 by 1024 (16.8M) 0.96, 8x768 by 3072 (18.9M) 0.85.
 MIN_PRODUCT = 1 << 23  # rows x inputs x outputs, about 8.4M
 
-# The classes whose forward is a linear map, with that forward and the attributes a new
-# instance holds (and the flag transformers sets on what it loads): an instance holding
-# any other (its own ``forward``, accelerate's ``_hf_hook``, ``compile()``'s call) may
-# compute something else.
+# The linear classes, with their forward and the attributes a new instance holds (and
+# transformers' load flag): an instance holding any other (its own ``forward``,
+# accelerate's ``_hf_hook``, ``compile()``'s call) may compute something else.
 _PLAIN: dict[type[nn.Module], tuple[Callable, frozenset[str]]] = {
     cls: (cls.forward, frozenset(vars(cls(1, 1))) | {"_is_hf_initialized"})
     for cls in (nn.Linear, Conv1D)
 }
+_BIAS_TYPES = (nn.Parameter, torch.Tensor, type(None))
 
 
 def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The ``[out, in]`` weight and the bias of a module that is exactly its class's linear map.
 
-    ``None`` unless ``module(x)`` is exactly ``x @ weight.T + bias``: the class is
-    ``nn.Linear`` or ``Conv1D`` itself (a parametrization makes a subclass) with its own
-    forward, the instance holds nothing a new one lacks, there is no hook (the module's or
-    global: torch's ``__call__`` would run it) and no submodule, it holds a weight and a bias
-    and nothing else (the bias a parameter or a buffer), and they are plain tensors (a
-    quantised weight's subclass computes its own way).
+    ``None`` unless ``module(x)`` is exactly ``x @ weight.T + bias``: the class is ``nn.Linear``
+    or ``Conv1D`` itself (a parametrization makes a subclass) with its own forward, holding
+    nothing a new instance lacks, no hook (its own or global) and no submodule, and a weight
+    and a bias (a parameter or a buffer) that are plain tensors (not a quantised subclass).
     """
     plain = _PLAIN.get(type(module))
     if (
@@ -124,11 +93,7 @@ def linear_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None
         return None
     weight = module._parameters["weight"]
     bias = module._parameters["bias"] if "bias" in module._parameters else module._buffers["bias"]
-    if type(weight) is not nn.Parameter or type(bias) not in (
-        nn.Parameter,
-        torch.Tensor,
-        type(None),
-    ):
+    if type(weight) is not nn.Parameter or type(bias) not in _BIAS_TYPES:
         return None
     return (weight if type(module) is nn.Linear else weight.t()), bias  # Conv1D holds [in, out]
 

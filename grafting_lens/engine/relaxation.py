@@ -1,21 +1,13 @@
 """The relaxed graft: components mixed per position between two checkpoints, differentiably.
 
 Inside :func:`relaxing` every relaxed ``(component, layer)`` computes, at each position,
-``lerp(current_out, source_out, weight[b, t])``: ``current_out`` what the slot computes in
-the run as it stands (the base's module, or an enclosing graft's), ``source_out`` the other
-checkpoint's module on the same input. ``torch.lerp`` returns its ends to the last bit, so
-weight 0 is the run as it stands and 1 the graft; weights that require gradients give every
-cell's effect from one backward pass (:func:`~grafting_lens.analysis.attribution.attribute_grafts`).
-For an output affine in its weights this is the graft of interpolated weights; a
-mixture-of-experts router is relaxed as a mixture of the two routings; any other output
-that is not floating point and differs between the checkpoints is refused with the module
-named (docs/concepts/attribution.md, "The relaxation").
-
-Each relaxed slot holds a mixing :class:`~grafting_lens.engine.routing.Dispatch` that calls
-what the slot held and the other checkpoint's module on the whole input and mixes with the
-graft engine's own layouts; norm bridges that apply their scale and bias themselves read a
-mixed scale per position. Hooks fire as usual (a hook that edits the run changes the
-gradient); on exit, also after an exception, the slots are restored.
+``lerp(current_out, source_out, weight[b, t])`` with the graft engine's layouts: weight 0
+is the run as it stands, 1 the graft (``torch.lerp`` returns its ends to the last bit), and
+one backward pass gives every cell's effect
+(:func:`~grafting_lens.analysis.attribution.attribute_grafts`). A mixture-of-experts router
+is relaxed as a mixture of the two routings; another output that is not floating point and
+differs between the checkpoints is refused, named. Why: docs/concepts/attribution.md, "The
+relaxation".
 """
 
 from __future__ import annotations
@@ -27,13 +19,13 @@ import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import ArgumentTypeError, AttributionError
+from grafting_lens.core.errors import AttributionError
 from grafting_lens.engine import masks
 from grafting_lens.engine.graft import check_declared
 from grafting_lens.engine.masks import GraftMask, Key, checked_key
 from grafting_lens.engine.routing import Dispatch, installed, position_shape
 from grafting_lens.models.components import Slot
-from grafting_lens.models.model_set import ModelSet
+from grafting_lens.models.model_set import ModelSet, check_model_set
 
 __all__ = ["check_source", "relaxing"]
 
@@ -41,14 +33,9 @@ _RELAXING = "_grafting_lens_relaxing"  # set on the base bridge while a relaxati
 
 
 class _MixDispatch(Dispatch):
-    """Stands in for one slot: what computes it now, mixed per position with another module.
-
-    ``sources`` is ``(current, switch)``: what the slot held when the relaxation was
-    installed (the base's module, or an enclosing graft's dispatcher) and the
-    checkpoint's module it moves toward. Both are called on the slot's whole input,
-    and every floating-point output is mixed as ``lerp(current_out, switch_out, weight)``
-    with the weight of each output row's position.
-    """
+    """Stands in for one slot: ``sources`` is ``(current, switch)``, what the slot held and the
+    checkpoint's module it moves toward, both called on the whole input; every floating-point
+    output is ``lerp(current_out, switch_out, weight)`` with each row's position's weight."""
 
     error = AttributionError
     verb = "relax"
@@ -88,7 +75,7 @@ class _MixDispatch(Dispatch):
             ]
             return mixed[0] if single else tuple(mixed)
         shown = [list(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__ for a in rests]
-        raise self.refusal(
+        self.refuse(
             f"outputs {shown} that differ between the two checkpoints and cannot be mixed "
             "(only floating-point tensors of one shape can)"
         )
@@ -96,16 +83,10 @@ class _MixDispatch(Dispatch):
     def _mix_routing(
         self, rests: tuple, others: tuple, logits_at: int, weights_at: int, indices_at: int
     ) -> tuple:
-        """Mix two routings of a mixture of experts: each expert gets the mixed weight.
-
-        A router returns ``(logits, top-k weights, top-k experts)``; the experts' output
-        is ``sum_e weight_e * expert_e(x)``, linear in the weights. Spreading each
-        routing's top-k weights over every expert (zeros elsewhere) and mixing those
-        gives ``lerp(experts under one routing, experts under the other, w)``: at 0 and 1
-        exactly one routing's output (the other experts add exact zeros), in between a
-        mixture of the two, differentiable in ``w``. Every expert then computes every
-        row, which costs more than top-k but only where a router is relaxed.
-        """
+        """Mix two routings of a mixture of experts: each expert gets the mixed weight."""
+        # The experts' output is sum_e weight_e * expert_e(x), linear in the weights: each
+        # routing's top-k weights spread over every expert (zeros elsewhere) and mixed give
+        # exactly one routing's output at 0 and 1. Every expert then computes every row.
         logits = rests[logits_at]
         experts = logits.shape[-1]
         dense = []
@@ -139,8 +120,8 @@ class _MixDispatch(Dispatch):
             return value
         if other.dim() > 1 and not self._reads_any_tensor:
             return value  # read for its dtype or shape only (see SourceDispatch)
-        # A norm bridge applying its scale and bias itself (x * weight + bias): its
-        # output is affine in them, so mixing them per position mixes the outputs.
+        # A norm bridge applying its scale and bias itself is affine in them: mixing them
+        # per position mixes the outputs.
         batch, length = self.window()
         layout = None if self._reading is None else self.layout(self._reading, required=False)
         shape = position_shape(layout, self._reading, other.shape, batch, length)
@@ -163,15 +144,13 @@ def relaxing(
 ) -> Iterator[TransformerBridge]:
     """Run the base with components mixed, per position, toward another checkpoint's.
 
-    Inside the block, every ``(component, layer)`` of ``weights`` computes, at each
-    position ``[b, t]``, ``lerp(out, source_out, weights[key][b, t])``: ``out`` is what
-    it computes now (the base's module, or the graft of an enclosing :func:`grafting`
-    block, which this block may sit inside), ``source_out`` what checkpoint ``source``'s
-    module computes from the same input. A weight of 0 leaves the run exactly as it
-    is, 1 is exactly the graft of ``source`` there. The weights may require gradients:
-    the metric's gradient with respect to them is the attribution of
-    :func:`attribute_grafts`. Hooks, ``run_with_cache`` and ``run_with_hooks`` work as
-    usual. The base is restored on exit, also when the body raises.
+    Inside the block, every ``(component, layer)`` of ``weights`` computes, at each position
+    ``[b, t]``, ``lerp(out, source_out, weights[key][b, t])``: ``out`` what it computes now
+    (the base's module, or an enclosing :func:`grafting` block's graft), ``source_out`` what
+    checkpoint ``source``'s module computes from the same input. A weight of 0 is the run as
+    it is, 1 exactly the graft; the metric's gradient with respect to the weights is the
+    attribution of :func:`attribute_grafts`. Hooks work as usual; the base is restored on
+    exit, also when the body raises.
 
     Args:
         models: The aligned checkpoints.
@@ -194,11 +173,7 @@ def relaxing(
         ...     logits = model(tokens)
         >>> logits[:, -1, answer].sum().backward()  # alpha.grad: [batch, pos]
     """
-    if not isinstance(models, ModelSet):
-        raise ArgumentTypeError(
-            f"models must be a ModelSet, got {type(models).__name__}. Load the checkpoints with "
-            "grafting_lens.load_models(base, donor, ...)."
-        )
+    check_model_set(models)
     check_source(models, source, allow_base=True)
     checked, shape = _check_weights(models, weights, source)
     if getattr(models.base, _RELAXING, False):
@@ -222,12 +197,8 @@ def relaxing(
 
 
 def _routing(parts: tuple) -> tuple[int, int, int] | None:
-    """Where a router's output holds its logits, top-k weights and top-k experts, if it is one.
-
-    ``(logits [..., experts], weights [..., k], indices [..., k])`` in any order: the only
-    integer tensor is the experts, the floating-point tensor of its shape their weights,
-    the remaining floating-point tensor the logits.
-    """
+    """Where a router's output holds its logits, top-k weights and top-k experts, if it is one:
+    the only integer tensor is the experts, the float of its shape their weights."""
     tensors = [(i, part) for i, part in enumerate(parts) if isinstance(part, torch.Tensor)]
     integer = [i for i, part in tensors if not part.is_floating_point()]
     if len(tensors) != 3 or len(integer) != 1:

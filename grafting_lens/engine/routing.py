@@ -1,14 +1,10 @@
 """Routing: which source computes each position of the window, and where positions sit.
 
-A grafted slot of the base computes each position with the source the mask names for it.
-This room holds what every grafted module shares for that: the window of positions being
-computed (all of them in one pass, one at a time in generation), each mask's split of the
-window into the positions of each source (:class:`Plan`, made once per mask tensor and
-window, and kept), the layout of a tensor a module receives (:class:`Layout`: positions
-on an axis of a grid, or flattened rows), so that the rows of one source can be taken out,
-computed and put back, and :class:`Dispatch`, the module that stands in for a slot: the
-graft's (:mod:`grafting_lens.engine.graft`) and the relaxed graft's
-(:mod:`grafting_lens.engine.relaxation`) dispatchers are both one.
+What every grafted slot shares: the window of positions being computed (all at once in a
+pass, one at a time in generation), each mask's split of it by source (:class:`Plan`, made
+once per mask tensor and window), where a tensor carries the positions (:class:`Layout`),
+and :class:`Dispatch`, the module standing in for a slot (the graft's and the relaxed
+graft's dispatchers are both one).
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 from weakref import WeakKeyDictionary
 
 import torch
@@ -41,24 +37,16 @@ MIN_RUN_ROWS = 4
 class Plan:
     """How one (component, layer) splits the positions of the current window.
 
-    Made on the host from the mask (kept on the CPU), so making it never waits for
-    an accelerator. A layer-split model (accelerate's ``device_map``) runs each layer
-    on its own device; every index is asked for on the device of the activation it
-    indexes (:meth:`parts_on`, :meth:`window_on`), copied there once and kept.
+    Made on the host from the mask (kept on the CPU), so making it never waits for an
+    accelerator; each index is copied once to the device of the activation it indexes
+    (:meth:`parts_on`, :meth:`window_on`: a layer-split model runs each layer on its own).
 
-    Each source's rows are taken out of a ``[batch * pos, ...]`` tensor and its results
-    put back (:meth:`take`, :meth:`put`) one of two ways, named by :attr:`path`:
-
-    * ``"slices"``: the window's sources form runs of consecutive positions (the paper's
-      spans: the entity, the last token, their complements) of :data:`MIN_RUN_ROWS` rows
-      or more on average, either the same runs in every row of the batch (``grid`` is
-      ``(batch, pos)``, a run spans its positions in every row) or along the flattened
-      rows (``grid`` is ``(1, batch * pos)``). A source's rows are a view where they are
-      one run, and the results are put back by one concatenation of slices;
-    * ``"gather"``: any other mask, by index (``index_select``, then the sources'
-      results concatenated and reordered by one more ``index_select``).
-
-    Both copy the same values, so the two give identical results.
+    Each source's rows are taken out of a ``[batch * pos, ...]`` tensor and put back
+    (:meth:`take`, :meth:`put`) one of two ways, named by :attr:`path`, with identical
+    results: ``"slices"`` where the sources form runs of consecutive positions of
+    :data:`MIN_RUN_ROWS` rows or more on average, the same runs in every row (``grid`` is
+    ``(batch, pos)``) or along the flattened rows (``grid`` is ``(1, batch * pos)``); else
+    ``"gather"``, by index (``index_select`` out, then one more to reorder the results).
     """
 
     window: Int[torch.Tensor, "batch pos"]
@@ -158,15 +146,10 @@ def _runs(values: Int[torch.Tensor, " n"], most: int) -> list[tuple[int, int, in
 class GraftState:
     """The mask of one grafted run and the window of positions being computed.
 
-    A full pass computes positions ``0..pos-1`` at once; generation computes one
-    new position per step. Every dispatcher reads the same window. The masks stay on
-    the host and the full window's plans are made here, before the forward: a plan
-    made from a device tensor mid-forward (``bincount().tolist()``, ``nonzero()``)
-    would wait for the device once per mask per window.
-
-    ``last`` (``[batch]`` or ``[batch, k]``, positions in the window), when set, is where
-    the unembedding runs: :func:`~grafting_lens.engine.graft.graft_forward` hands it each
-    row's last real token (or the positions a score reads), so its plan covers those only.
+    A pass computes positions ``0..pos-1`` at once, generation one per step. The masks stay
+    on the host and the full window's plans are made before the forward (one made from a
+    device tensor mid-forward would wait for the device). ``last``, when set, holds the
+    positions in the window (``[batch]`` or ``[batch, k]``) the unembedding runs on alone.
     """
 
     def __init__(self, mask: GraftMask, last: torch.Tensor | None = None) -> None:
@@ -174,8 +157,7 @@ class GraftState:
         self.n_sources = mask.n_sources
         self.window = (0, mask.shape[1])
         self.last = last
-        # Many pairs share one tensor (GraftMask.build): each distinct tensor is split
-        # into index lists once.
+        # Many pairs share one tensor (GraftMask.build): each distinct one is planned once.
         self.masks = {key: mask[key] for key in mask.keys()}
         self._plans: dict[tuple, Plan] = {}
         self.used = {key: self.plan(key).sources() for key in self.masks}
@@ -200,10 +182,8 @@ def as_columns(positions: torch.Tensor) -> torch.Tensor:
     return positions if positions.dim() == 2 else positions[:, None]
 
 
-# Components whose input describes positions rather than rows of the batch: a
-# position embedding reads position ids, a padding mask to count (OPT) or a cache
-# offset. Every source used in the window embeds every position, and each position
-# takes its own source's row; a lookup costs next to nothing.
+# Components whose input describes positions (position ids, OPT's padding mask, a cache
+# offset), not rows: every used source embeds every position, each position takes its own.
 PICKED = frozenset({"pos_embed"})
 
 
@@ -211,10 +191,9 @@ PICKED = frozenset({"pos_embed"})
 class Layout:
     """Where the positions of the window sit in a tensor a grafted module receives.
 
-    Either on a grid, ``[batch, ..., pos, ...]`` with the positions on ``pos_dim``
-    (``[1, ...]`` when shared by every row, as GPT-2's position ids), or flattened,
-    ``[batch * pos, ...]``, as a mixture-of-experts block and OPT's decoder layer
-    hand their rows to the modules inside.
+    On a grid, ``[batch, ..., pos, ...]`` with the positions on ``pos_dim`` (``[1, ...]`` when
+    shared by every row, as GPT-2's position ids), or flattened, ``[batch * pos, ...]``, as a
+    mixture-of-experts block and OPT's decoder layer hand rows to the modules inside.
     """
 
     batch: int
@@ -298,18 +277,12 @@ def position_shape(
 class Dispatch(nn.Module):
     """Stands in for one slot of the base, computing each position from its own source(s).
 
-    ``sources[0]`` is what the slot held when this was installed (the base's module, or
-    an enclosing graft's dispatcher). The sources are held in a tuple, not registered as
-    submodules, so no donor parameter is adopted into the base's module tree; while it
-    is installed, ``models.base.parameters()`` lacks the slot's parameters.
-
-    A module's input may carry the window's positions on a grid (``[batch, pos, ...]``,
-    or ``[batch, heads, pos, d_head]`` for a query/key norm that TransformerLens marks
-    with ``pos_dim=2``) or flattened (``[batch * pos, ...]``); what carries them nowhere
-    is refused with the module named, since no routing of it could be known to be right.
-    A norm bridge may apply its scale and bias itself (``x * weight + bias``): reading
-    them gives each position's own (:meth:`per_position`), shaped against the bridge's
-    input (:meth:`record_input`).
+    ``sources[0]`` is what the slot held when this was installed (the base's module, or an
+    enclosing graft's dispatcher). The sources are held in a tuple, not registered as
+    submodules, so no donor parameter joins the base's module tree (while installed,
+    ``models.base.parameters()`` lacks the slot's). A tensor that carries the window's
+    positions nowhere (:meth:`layout`) is refused with the module named. A norm bridge that
+    applies its scale and bias itself reads each position's own (:meth:`per_position`).
     """
 
     error: ClassVar[type[GraftingLensError]]
@@ -333,9 +306,8 @@ class Dispatch(nn.Module):
             sources=sources,
             # None: nobody declared where positions are; dimension 1, with a check.
             _pos_dim=pos_dim,
-            # A norm bridge computes with its module's scale and bias, whatever their rank
-            # (Cohere's per-head norms hold [heads, d_head]); other bridges read vectors
-            # such as a bias, and matrices only for their dtype and shape.
+            # A norm bridge computes with its scale and bias whatever their rank (Cohere's
+            # [heads, d_head]); others read vectors, and matrices only for dtype and shape.
             _reads_any_tensor=norm,
             _reading=None,
         )
@@ -371,14 +343,15 @@ class Dispatch(nn.Module):
                 found = Layout.of(shape, batch, length, self._pos_dim or 1)
                 cause = f"shape {list(shape)}, which does not carry the window's positions"
         if found is None and required:
-            raise self.refusal(cause)
+            self.refuse(cause)
         return found
 
-    def refusal(self, cause: str) -> GraftingLensError:
+    def refuse(self, cause: str) -> NoReturn:
+        """Refuse what the slot's module was given or gave, named with the window."""
         component, layer = self.key
         where = component if layer is None else f"{component} at layer {layer}"
         batch, length = self.window()
-        return self.error(
+        raise self.error(
             f"Cannot {self.verb} {where} through {self.path} ({type(self.sources[-1]).__name__}): "
             f"it gave {cause} (the window is [batch={batch}, pos={length}]).\n"
             f"{self.verb.capitalize()} the components around it; if no hook of yours reshaped "
@@ -412,10 +385,8 @@ def installed(
     flag: str,
 ) -> Iterator[None]:
     """Put ``dispatch(key, slot, current, pos_dim, norm)`` in every slot of ``keys``; restore on exit.
-
-    Token ids the model is run on inside must have the ``[batch, pos]`` of ``shape()``.
-    ``flag`` is set on the base bridge meanwhile (the doors refuse nesting by it).
-    """
+    Token ids run inside must have the ``[batch, pos]`` of ``shape()``; ``flag`` is set on the
+    base bridge meanwhile (the doors refuse nesting by it)."""
     swapped: list[tuple[Slot, GeneralizedComponent | None, nn.Module]] = []
     embed = models.slots("embed", None)[0].holder(models.base)
 
@@ -442,8 +413,8 @@ def installed(
                 holder = holders[slot.path]
                 current = slot.module(models.base) if holder is None else holder.original_component
                 assert current is not None  # every bridge component of a loaded model wraps one
-                # TransformerLens marks the position axis of a norm applied to
-                # [batch, heads, pos, d_head]; plain modules inside a block get rows.
+                # TransformerLens marks the position axis of a per-head norm; plain
+                # modules inside a block get rows.
                 pos_dim = None if holder is None else getattr(holder.hook_in, "pos_dim", None)
                 module = dispatch(
                     key, slot, current, pos_dim, isinstance(holder, NormalizationBridge)

@@ -1,9 +1,6 @@
 """LoRA adapters as donors: the base's weights and the adapter's factors, never a merged copy.
-
-An adapted component computes ``W x + B A x * scale`` from the base's own weight
-(:mod:`grafting_lens.models.lora_source`); anything PEFT does not compute that way on the base's
-``W`` is an :class:`~grafting_lens.core.errors.AdapterError` naming the fix. How PEFT's modules
-are found in the bridge, and what is refused: the docs page "Models", section "LoRA adapters".
+What is refused, with an ``AdapterError`` naming the fix: the API page "Models", section "LoRA
+adapters".
 """
 
 from __future__ import annotations
@@ -24,8 +21,6 @@ from safetensors import SafetensorError  # type: ignore[attr-defined, unused-ign
 from safetensors.torch import load_file
 
 from grafting_lens.core.errors import AdapterError, unsafe_pickle
-
-__all__ = ["LoraAdapter", "is_adapter_directory", "is_peft_model"]
 
 # Settings under which a module computes other than W x + B A x * scale (or not verified).
 _REFUSED_SETTINGS = {
@@ -58,8 +53,6 @@ _REWRITING_INITS = {
     "lora_ga": "LoRA-GA",
 }
 
-_PREFIX = "base_model.model."
-
 # A model's own state_dict names factors with the adapter's name (lora_A.default.weight);
 # save_pretrained's files do not (lora_A.weight).
 _NAMED_KEYS = (
@@ -90,8 +83,8 @@ class LoraAdapter:
     Attributes:
         label: Where it came from (the directory's name, or ``"peft model (name)"``).
         config: PEFT's ``LoraConfig`` as a dictionary (``adapter_config.json``).
-        tensors: Its tensors, named as PEFT saves them (``model.layers.0.self_attn.q_proj.
-            lora_A.weight``), without the adapter's name a model's own ``state_dict`` adds.
+        tensors: Its tensors, named as PEFT saves them (``...q_proj.lora_A.weight``), without
+            the adapter's name a model's own ``state_dict`` adds.
         saved_modules: Modules the file holds whole in PEFT's ``modules_to_save`` form,
             besides those the config names.
     """
@@ -116,8 +109,7 @@ class LoraAdapter:
             None,
         )  # fmt: skip
         tensors = _read_weights(file, path)
-        named, saved = _without_adapter_names(tensors, str(file))
-        adapter = cls(path.name, config, named, saved)
+        adapter = cls(path.name, config, *_without_adapter_names(tensors, str(file)))
         adapter.check_supported()
         return adapter
 
@@ -142,16 +134,13 @@ class LoraAdapter:
         state = get_peft_model_state_dict(model, adapter_name=active)
         tensors = {name: tensor.detach().clone() for name, tensor in state.items()}
         label = f"peft model ({active})"
-        named, saved = _without_adapter_names(tensors, label)
-        adapter = cls(label, config, named, saved)
+        adapter = cls(label, config, *_without_adapter_names(tensors, label))
         adapter.check_supported()
         return adapter
 
     def check_supported(self) -> None:
-        """Refuse what grafting-lens does not compute, or what PEFT would not load.
-
-        Other PEFT methods, LoRA variants, initialisations that rewrite the base's weights
-        (PiSSA, OLoRA...), and settings PEFT refuses (a rank that is not an integer >= 1).
+        """Refuse what grafting-lens does not compute (other PEFT methods, LoRA variants,
+        initialisations that rewrite the base's weights), or what PEFT would not load.
 
         Raises:
             AdapterError: Naming the method or setting, and the fix.
@@ -175,13 +164,10 @@ class LoraAdapter:
     def saved_whole(self, module: str) -> bool:
         """Whether PEFT holds ``module`` as a ``modules_to_save`` copy: that module's own,
         even where the base ties its weight to another's."""
-        if module in self.saved_modules:
-            return True
         targets = self.config.get("modules_to_save") or []
-        if isinstance(targets, str):
-            targets = [targets]
+        targets = [targets] if isinstance(targets, str) else targets
         # PEFT's own rule (peft.utils.other._set_trainable): the module's name ends with it.
-        return any(module.endswith(str(target)) for target in targets)
+        return module in self.saved_modules or any(module.endswith(str(t)) for t in targets)
 
     @property
     def base_name(self) -> str | None:
@@ -206,8 +192,7 @@ _MERGE = (
 
 
 def _unsupported(config: Mapping[str, Any]) -> str | None:
-    """Why an adapter config is not plain LoRA that PEFT would load (a sentence and its fix),
-    or None."""
+    """Why an adapter config is not plain LoRA PEFT would load (a sentence and its fix), or None."""
     raw_type = config.get("peft_type")
     peft_type = str(getattr(raw_type, "value", raw_type))
     init = str(config.get("init_lora_weights", True)).lower()
@@ -286,8 +271,7 @@ def _read_config(file: Path) -> dict[str, Any]:
 
 
 def _read_weights(file: Path | None, directory: Path) -> dict[str, torch.Tensor]:
-    """An adapter's weights file (``None``: none in ``directory``), or an error naming the file
-    and the fix."""
+    """An adapter's weights file (``None``: none in ``directory``), or an error naming the fix."""
     tensors: Any = {}
     problem, unsafe = None, False
     try:
@@ -322,28 +306,20 @@ def _read_weights(file: Path | None, directory: Path) -> dict[str, torch.Tensor]
 def _without_adapter_names(
     tensors: Mapping[str, torch.Tensor], where: str
 ) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-    """Tensors named as PEFT's files name them: no ``base_model.model.``, no adapter name.
-
-    Returns the tensors and the modules held whole as ``modules_to_save`` copies.
-
-    Raises:
-        AdapterError: Factors of several adapters in one file, or two names that become one.
-    """
+    """Tensors named as PEFT's files name them (no ``base_model.model.``, no adapter name), and
+    the modules held whole as ``modules_to_save`` copies; several adapters in one are refused."""
     names: dict[str, torch.Tensor] = {}
     adapters: set[str] = set()
     saved: set[str] = set()
     for key, tensor in tensors.items():
-        name = key.removeprefix(_PREFIX)
-        for pattern in _NAMED_KEYS:
-            match = pattern.match(name)
-            if match is None:
-                continue
+        name = key.removeprefix("base_model.model.")
+        match = next(filter(None, (pattern.match(name) for pattern in _NAMED_KEYS)), None)
+        if match is not None:
             adapters.add(match["adapter"])
-            module, part = match["module"], match["part"]
-            if pattern is _NAMED_KEYS[2]:
-                saved.add(module)
-            name = f"{module}.{part}" + (".weight" if pattern is _NAMED_KEYS[0] else "")
-            break
+            if match.re is _NAMED_KEYS[2]:
+                saved.add(match["module"])
+            name = f"{match['module']}.{match['part']}"
+            name += ".weight" if match.re is _NAMED_KEYS[0] else ""
         if name in names or len(adapters) > 1:
             what = f"two tensors named {name}"
             if len(adapters) > 1:

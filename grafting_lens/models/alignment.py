@@ -1,12 +1,7 @@
 """Whether checkpoints are aligned: the checks :func:`~grafting_lens.load_models` runs once,
-and the one placement check every run repeats.
-
-A graft runs the donor's modules inside the base's forward pass, and whatever lives outside
-them comes from the base (rotary frequencies, attention scaling, sliding windows, norm
-epsilons...): a donor that differs there would be grafted silently wrong. So every donor
-must have the base's architecture, Hugging Face configuration (field by field, except
-:data:`IGNORED_CONFIG_FIELDS`), tensors, buffers, vocabulary, dtypes and devices, or an
-:class:`~grafting_lens.core.errors.AlignmentError` names the first difference.
+and the one placement check every run repeats. A graft runs the donor's modules with
+everything else the base's, so every donor must have the base's architecture, configuration,
+tensors, buffers, vocabulary, dtypes and devices; an ``AlignmentError`` names the difference.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import torch
 from torch import nn
 from transformer_lens.model_bridge import TransformerBridge
 
-from grafting_lens.core.errors import AlignmentError
+from grafting_lens.core.errors import AlignmentError, refuse_first
 from grafting_lens.models.components import checkpoint_modules, checkpoint_parameters
 from grafting_lens.models.sources import SafetensorsCheckpoint
 
@@ -61,9 +56,7 @@ def check_alignment(base: TransformerBridge, other: TransformerBridge, label: st
 
 def _refuse_first_problem(*problems: str | None) -> None:
     """Refuse with the first of the checks' problems (each ``None`` when the check passes)."""
-    problem = next((problem for problem in problems if problem), None)
-    if problem:
-        raise AlignmentError(problem)
+    refuse_first(AlignmentError, ((problem, problem or "") for problem in problems))
 
 
 def check_lazy_alignment(
@@ -73,19 +66,10 @@ def check_lazy_alignment(
     label: str,
     dtype: torch.dtype | None,
 ) -> None:
-    """:func:`check_alignment` for a checkpoint on disk: its config and its files' headers.
-
-    The buffers follow from the configuration; the dtypes are the files' unless ``dtype``
-    casts every tensor to the base's. Tensors transformers converts on load (experts stored
-    apart) are not the model's: the base's they would become are missing.
-    """
-    buffers = {
-        prefix + name
-        for prefix, m in checkpoint_modules(base.original_model)
-        for name in m._buffers
-    }
-    # Tensors are cast to the base's dtypes when dtype= is given; otherwise the files'
-    # dtypes must be the base's, as for a donor loaded whole.
+    """:func:`check_alignment` for a checkpoint on disk: its config and its files' headers (a
+    tensor transformers converts on load, such as experts stored apart, is missing)."""
+    buffers = {p + name for p, m in checkpoint_modules(base.original_model) for name in m._buffers}
+    # dtype= casts every tensor to the base's dtype; otherwise the files' must be the base's.
     found = {
         name: f"{files.shapes[name]}" + ("" if dtype else f" in {files.dtypes[name]}")
         for name in files.names()
@@ -103,13 +87,10 @@ def check_lazy_alignment(
 
 
 def check_placement(base: nn.Module, other: nn.Module, label: str) -> None:
-    """Refuse ``other`` unless its floating tensors share the base's dtypes and devices.
-
-    The one placement check: on load for every donor, and before every run
-    (:meth:`~grafting_lens.models.model_set.ModelSet.check_placement`), since a model cast
-    or moved afterwards would fail deep inside torch, or run on in another precision. A
-    tensor of the same name must have the base's dtype and device; a tensor the base
-    lacks (a LoRA factor) must sit on one of the base's devices.
+    """Refuse ``other`` unless its floating tensors share the base's dtypes and devices (a
+    tensor the base lacks, such as a LoRA factor: one of its devices). The one placement
+    check, on load and before every run
+    (:meth:`~grafting_lens.models.model_set.ModelSet.check_placement`).
 
     Raises:
         AlignmentError: Naming the first tensor placed otherwise, and the fix.
@@ -122,16 +103,14 @@ def _placement_problem(base: nn.Module, other: nn.Module, label: str) -> str | N
     devices = {tensor.device for tensor in mine.values()}
     for name, tensor in _floating(other):
         expected = mine.get(name)
-        if expected is None and tensor.device in devices:
-            continue
-        if expected is not None and (expected.dtype, expected.device) == (
-            tensor.dtype,
-            tensor.device,
-        ):
-            continue
-        base_is = "on " + ", ".join(map(str, devices))
-        if expected is not None:
+        if expected is None:
+            if tensor.device in devices:
+                continue
+            base_is = "on " + ", ".join(map(str, devices))
+        elif (expected.dtype, expected.device) != (tensor.dtype, tensor.device):
             base_is = f"{expected.dtype} on {expected.device}"
+        else:
+            continue
         return (
             f"{label}'s {name} is {tensor.dtype} on {tensor.device}, the base's {base_is}: "
             "sources must share a dtype and a device. Cast and move them all with "
@@ -146,11 +125,8 @@ def check_vocabulary(base_tokenizer: Any, other_tokenizer: Any, label: str) -> N
         return
     mine, theirs = base_tokenizer.get_vocab(), other_tokenizer.get_vocab()
     if mine != theirs:
-        by_id = sorted(mine.items(), key=lambda item: item[1])
-        differing = [t for t, i in by_id if theirs.get(t) != i] or sorted(
-            theirs.keys() - mine.keys()
-        )
-        token = differing[0]
+        differing = [t for t in sorted(mine, key=mine.__getitem__) if theirs.get(t) != mine[t]]
+        token = (differing or sorted(theirs.keys() - mine.keys()))[0]
         raise AlignmentError(
             f"{label}'s vocabulary ({len(theirs)} tokens) is not the base's ({len(mine)}): "
             f"token {token!r} is {_id(mine, token)} in the base and {_id(theirs, token)} in "
@@ -176,9 +152,8 @@ def _check_architecture(base: TransformerBridge, config: Any, label: str) -> str
     mine = str(getattr(base.cfg, "architecture", None))
     theirs = str((getattr(config, "architectures", None) or [None])[0])
     # TransformerLens spells a few names as their remote-code versions did (PhiMoE).
-    return (
-        f"{label} is a {theirs}, the base is a {mine}." if mine.lower() != theirs.lower() else None
-    )
+    same = mine.lower() == theirs.lower()
+    return None if same else f"{label} is a {theirs}, the base is a {mine}."
 
 
 def _check_tensors(
@@ -188,14 +163,14 @@ def _check_tensors(
     missing = sorted(expected.keys() - found.keys())
     extra = sorted(found.keys() - expected.keys())
     other = sorted(name for name in expected.keys() & found.keys() if expected[name] != found[name])
-    if not (missing or extra or other):
-        return None
     if missing:
         detail = f"it holds no {missing[0]!r}, which the base has"
     elif extra:
         detail = f"it holds {extra[0]!r}, which the base lacks"
-    else:
+    elif other:
         detail = f"its {other[0]!r} is {found[other[0]]}, the base's {expected[other[0]]}"
+    else:
+        return None
     fix = "Graft checkpoints of one architecture and size"
     if lazy:
         fix += (
@@ -208,20 +183,17 @@ def _check_tensors(
 def _check_hf_config(base_config: Any, other_config: Any, label: str) -> str | None:
     """The first configuration field that can change the forward pass and differs, in words.
 
-    TransformerLens's bridge config does not carry them all (under TransformerLens 4.3 it
-    reports ``rotary_base=10000`` whatever ``rope_theta`` is): the HF configurations are
-    compared instead.
-    """
+    The HF configurations, not the bridge's: TransformerLens 4.3 reports ``rotary_base=10000``
+    whatever ``rope_theta`` is."""
     mine, theirs = _forward_config(base_config), _forward_config(other_config)
     for field in sorted(set(mine) | set(theirs)):
         if not _same(mine.get(field), theirs.get(field)):
             return (
-                f"{label}'s configuration has {field}={theirs.get(field)!r}, the base's "
-                f"{field}={mine.get(field)!r}: a graft computes it the base's way for every "
-                "source. Graft checkpoints of one configuration (or, if the difference is "
-                f"immaterial, give the donor the base's {field}: in its config.json, or for a "
-                f"GGUF or hub id in config.{field} of the model transformers loads, passed in "
-                "memory)."
+                f"{label}'s configuration has {field}={theirs.get(field)!r}, the base's {field}="
+                f"{mine.get(field)!r}: a graft computes it the base's way for every source. Graft "
+                "checkpoints of one configuration (or, if the difference is immaterial, give the "
+                f"donor the base's {field}: in its config.json, or for a GGUF or hub id in "
+                f"config.{field} of the model transformers loads, passed in memory)."
             )
     return None
 
@@ -230,7 +202,7 @@ def _same(mine: Any, theirs: Any) -> bool:
     """Equal; two floats also when equal in float32, the precision of a GGUF's metadata (which
     stores an ``rms_norm_eps`` of 1e-5 as 9.999999747e-06)."""
     if isinstance(mine, float) and isinstance(theirs, float):
-        return bool(np.float32(mine) == np.float32(theirs))
+        mine, theirs = np.float32(mine), np.float32(theirs)
     return bool(mine == theirs)
 
 
@@ -254,7 +226,10 @@ def _forward_config(config: Any) -> dict[str, Any]:
 
 def _check_buffers(base: TransformerBridge, other: TransformerBridge, label: str) -> str | None:
     """Buffers (rotary frequencies...) derive from the configuration: equal, up to rounding."""
-    mine, theirs = _buffers(base), _buffers(other)
+    mine, theirs = (
+        {n.replace("._original_component", ""): b for n, b in bridge.original_model.named_buffers()}
+        for bridge in (base, other)
+    )
     for name in sorted(set(mine) | set(theirs)):
         a, b = mine.get(name), theirs.get(name)
         if a is None or b is None or a.shape != b.shape or a.device != b.device or not _close(a, b):
@@ -267,18 +242,8 @@ def _check_buffers(base: TransformerBridge, other: TransformerBridge, label: str
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal, or for floating buffers equal to bfloat16 rounding.
-
-    A model cast to bfloat16 and back keeps rounded rotary frequencies: that is not another
-    configuration, which moves them by far more than 1%.
-    """
+    """Equal, or for floating buffers equal to bfloat16 rounding (a model cast to bfloat16 and
+    back keeps rounded rotary frequencies; another configuration moves them by far more)."""
     if a.is_floating_point() and b.is_floating_point():
         return torch.allclose(a.float(), b.float(), rtol=1e-2, atol=0.0)
     return a.dtype == b.dtype and torch.equal(a, b)
-
-
-def _buffers(bridge: TransformerBridge) -> dict[str, torch.Tensor]:
-    return {
-        name.replace("._original_component", ""): buffer
-        for name, buffer in bridge.original_model.named_buffers()
-    }

@@ -1,11 +1,6 @@
-"""Which model architectures grafting-lens loads, and how a model's architecture is found.
-
-TransformerLens picks the bridge for a model by its architecture name, read from
-``config.architectures``, which a model built with ``from_config`` lacks:
-:func:`resolve_architecture` takes it from the model's class. :data:`VERIFIED_ARCHITECTURES`
-are those the test suite checks end to end (``tests/models/test_architectures.py``, which
-also writes the documentation's table); another that TransformerLens bridges loads with a
-warning, one it cannot is refused with the nearest verified ones.
+"""Which model architectures grafting-lens loads, and how a model's architecture is found:
+:data:`VERIFIED_ARCHITECTURES` are checked end to end (``tests/models/test_architectures.py``);
+another that TransformerLens bridges loads with a warning, one it cannot is refused.
 """
 
 from __future__ import annotations
@@ -78,8 +73,7 @@ _WHERE = "grafting_lens.models.architectures.VERIFIED_ARCHITECTURES; the documen
 
 def resolve_architecture(model: PreTrainedModel, index: int = 0) -> str:
     """The architecture TransformerLens bridges ``model`` as (its class, or a supported class it
-    derives from), recorded in ``model.config.architectures``, which ``from_config`` leaves
-    empty. Call it on a model of this library's own (load_models' copy).
+    derives from), recorded in ``model.config.architectures`` (of load_models' own copy).
 
     Raises:
         UnsupportedArchitectureError: TransformerLens has no bridge for the model's class
@@ -95,8 +89,7 @@ def resolve_architecture(model: PreTrainedModel, index: int = 0) -> str:
         chosen = next((spelled[n.lower()] for n in classes if n.lower() in spelled), None)
     if chosen is None:
         raise UnsupportedArchitectureError(_unsupported_message(model, index))
-    listed = list(getattr(config, "architectures", None) or [])
-    if listed[:1] != [chosen]:
+    if list(getattr(config, "architectures", None) or [])[:1] != [chosen]:
         config.architectures = [chosen]
     return chosen
 

@@ -1,10 +1,8 @@
 """The weight files of a checkpoint directory, read a tensor at a time and checked before each read.
 
-A lazily loaded donor reads its tensors here, maybe hours after
-:func:`~grafting_lens.load_models` opened the checkpoint: each file's identity is checked before
-and after every read and before every use, no file stays memory-mapped, and ``verify=True``
-(``lazy="verify"``) also hashes every tensor. Why and how: the how-to "LoRA adapters and lazily
-loaded donors", section "A donor loaded lazily".
+Each file's identity is checked before and after every read, no file stays memory-mapped,
+and ``verify=True`` also hashes every tensor: the how-to "Graft a LoRA adapter, or a donor
+too big to load".
 """
 
 from __future__ import annotations
@@ -44,15 +42,11 @@ _DTYPES = {
 
 
 def shard_files(directory: Path, index_name: str) -> list[str]:
-    """The shards a checkpoint's index lists, each an entry of ``directory`` itself.
-
-    A shard named with a directory part, ``..`` or an absolute path would read weights
-    from wherever the index says, and is refused. An entry that is a link is taken: the
-    Hugging Face cache keeps every file of a snapshot as a link into its ``blobs/``.
+    """The shards a checkpoint's index lists, each an entry of ``directory`` itself (a link is
+    taken, as the Hugging Face cache keeps them; a path elsewhere is refused).
 
     Raises:
-        GraftingLensError: The index is not JSON with a ``weight_map`` of file names of
-            the directory.
+        GraftingLensError: The index is not JSON with a ``weight_map`` of the directory's files.
     """
     index = directory / index_name
     try:
@@ -86,10 +80,9 @@ class _Entry:
 class SafetensorsCheckpoint:
     """The safetensors files of a checkpoint directory, opened without reading a tensor.
 
-    Tensors are named as ``model`` (of the checkpoint's class) names them, with transformers'
-    own renamings on load (NeoX's ``embed_out`` is ``lm_head``); those it *converts* on load
-    (experts stored apart) are left out. ``verify`` hashes every tensor now and checks the
-    hash at every read. :attr:`shapes` and :attr:`dtypes` (as stored) are by that name.
+    Tensors are named as ``model`` names them after transformers' renamings on load (NeoX's
+    ``embed_out`` is ``lm_head``); those it *converts* (experts stored apart) are left out.
+    ``verify`` hashes every tensor now and checks the hash at every read.
 
     Raises:
         GraftingLensError: A file missing, damaged, or holding a dtype read whole only.
@@ -131,22 +124,13 @@ class SafetensorsCheckpoint:
                     f"{path}: {problem}. Lazy loading reads whole safetensors files: save or "
                     "download the checkpoint again, or load it whole (lazy=False)."
                 )
-        self._where: dict[str, _Entry] = {}  # by the model's name
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.dtypes: dict[str, torch.dtype] = {}
         renamed = _loading_names([entry.stored for entry in entries], model)
-        for entry in entries:
-            name = renamed.get(entry.stored)
-            if name is None:  # converted on load: not one of the model's tensors
-                continue
-            self._where[name] = entry
-            self.shapes[name] = entry.shape
-            self.dtypes[name] = entry.dtype
+        # By the model's name; a tensor converted on load (not renamed) is not the model's.
+        self._where = {renamed[e.stored]: e for e in entries if e.stored in renamed}
+        self.shapes: dict[str, tuple[int, ...]] = {n: e.shape for n, e in self._where.items()}
+        self.dtypes: dict[str, torch.dtype] = {n: e.dtype for n, e in self._where.items()}
         self.disk_bytes = sum(status.st_size for status in self._identities.values())
-        self._digests: dict[str, bytes] = {}
-        if verify:
-            for name in self._where:
-                self._digests[name] = hashlib.sha256(self._bytes(name)).digest()
+        self._digests = {n: hashlib.sha256(self._bytes(n)).digest() for n in self._where if verify}
 
     def names(self) -> list[str]:
         """Every tensor name, as the model names it (converted tensors excluded)."""
@@ -191,8 +175,7 @@ class SafetensorsCheckpoint:
                 )
 
     def _bytes(self, name: str, starts: Sequence[int] | None = None, size: int = 0) -> bytearray:
-        """``size`` bytes at each of ``starts`` in a tensor's file (default: the tensor's bytes),
-        the file checked before and after."""
+        """``size`` bytes at each of ``starts`` in a tensor's file (default: all), checked."""
         entry = self._where[name]
         if starts is None:
             starts, size = [entry.begin], entry.end - entry.begin
@@ -217,8 +200,7 @@ def _as_tensor(data: bytearray, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _difference(was: os.stat_result, now: os.stat_result, edited: str | None) -> str | None:
-    """What changed in a file since ``was``: its identity (inode, device, size, modification
-    time), or the bytes of a tensor ``edited`` in place; None if nothing did."""
+    """What changed in a file since ``was`` (its identity, or a tensor ``edited`` in place)."""
     if (now.st_ino, now.st_dev) != (was.st_ino, was.st_dev):
         return "another file now has its name (it was replaced)"
     if now.st_size != was.st_size:
@@ -249,12 +231,8 @@ def _header(handle: Any, file: str) -> list[_Entry]:
 
 
 def _loading_names(stored: list[str], model: nn.Module | None) -> dict[str, str]:
-    """The model's name for each stored tensor name, as transformers renames them on load.
-
-    transformers keeps each architecture's renamings in ``conversion_mapping``; they are
-    applied with its own ``rename_source_key``. A name a *converter* (an operation on values)
-    claims is left out.
-    """
+    """The model's name for each stored tensor name, renamed by transformers' own
+    ``rename_source_key``; a name a *converter* (an operation on values) claims is left out."""
     if model is None:
         return {name: name for name in stored}
     try:

@@ -1,23 +1,8 @@
 """Architecture-neutral names for the weights a graft can swap, and where each one lives.
 
-A graft names *components* (``q``, ``mlp_out``, ``experts``, ``ln_final``...), not the
-parameter names of one family: GPT-2 fuses Q, K and V into ``c_attn``, NeoX interleaves
-them in ``query_key_value``, Llama keeps ``q_proj``, ``k_proj``, ``v_proj`` apart.
-TransformerLens's ``TransformerBridge`` maps every supported family onto one tree of bridge
-components (``blocks.3.attn.q``...) and splits fused projections; a component names one or
-more places (*slots*) in that tree. Per-layer components (norms, ``q``...``o``, the MLP's
-and a mixture-of-experts block's parts) are addressed as ``(component, layer)``, global ones
-(``embed``, ``pos_embed``, ``embed_ln``, ``ln_final``, ``unembed``) as ``(component,
-None)``. Groups name the sets the paper talks about (``attn``, ``ffn``, ``block``,
-``all``) and expand to the members an architecture has; a single component it lacks is an
-error.
-
-Where each component lives is not listed per family: :func:`component_layout` walks the
-bridge tree of a loaded model and names each place that holds weights by TransformerLens's
-own keys. What no name fits is *uncovered*
-(:meth:`~grafting_lens.models.model_set.ModelSet.coverage`), and a graft that would take
-every component around it refuses to run (:func:`leftover_parameters`). An architecture
-whose tree differs registers its paths with :func:`register_component_paths`.
+A component (``q``, ``mlp_out``, ``experts``...) names places (*slots*) in the bridge's tree,
+per layer as ``(component, layer)``, global ones as ``(component, None)``;
+:func:`component_layout` finds them in a loaded model. See docs/developing/adding-a-component.md.
 """
 
 from __future__ import annotations
@@ -88,16 +73,14 @@ COMPONENT_LABELS: dict[str, tuple[str, ...]] = {
     "ffn_gate": ("mlp_gate",),
 }
 """The paper's labels for parts of the feed-forward block (``FFN-up``: the up projection and,
-gated, the gate beside it), in any case, with ``-`` or ``_``. Like a group, a label takes the
-members an architecture has. The paper's ``ATTN``, ``O`` and ``FFN`` are ``attn``, ``o`` and
-``ffn``."""
+gated, its gate), in any case, with ``-`` or ``_``; like a group, a label takes the members an
+architecture has. The paper's ``ATTN``, ``O`` and ``FFN`` are ``attn``, ``o`` and ``ffn``."""
 
 _LABEL_SPELLINGS = {"ffn_up": "FFN-up", "ffn_down": "FFN-down", "ffn_gate": "FFN-gate"}
 
 
 def canonical_component_name(name: str) -> str:
-    """A component, group or label as this module spells it: ``"FFN-up"`` -> ``"ffn_up"``
-    (not checked against the known names).
+    """A component, group or label as this module spells it (``"FFN-up"`` -> ``"ffn_up"``).
 
     Raises:
         TypeError: ``name`` is not a string.
@@ -150,9 +133,8 @@ def register_component_paths(architecture: str, paths: Mapping[str, str | Sequen
 
     Args:
         architecture: The architecture as ``bridge.cfg.architecture`` names it.
-        paths: Component to bridge path (or paths), ``{layer}`` in per-layer ones: a bridge
-            component (``blocks.{layer}.attn.q``) or a plain module inside one, and
-            everything under it.
+        paths: Component to bridge path (or paths) of a bridge component or a plain module
+            inside one, and everything under it; ``{layer}`` in per-layer ones.
 
     Raises:
         ComponentError: A key is not a component, or a per-layer path lacks ``{layer}``.
@@ -170,13 +152,9 @@ def register_component_paths(architecture: str, paths: Mapping[str, str | Sequen
         ):
             raise ComponentError(
                 f"Cannot register {component!r} at {given!r}: register the members of a group, "
-                "with '{layer}' in the path of a per-layer component "
-                "('blocks.{layer}.attn.q')."
+                "with '{layer}' in the path of a per-layer component ('blocks.{layer}.attn.q')."
             )
     _ARCHITECTURE_PATHS[architecture] = checked
-
-
-# ------------------------------------------------------------------ the bridge tree
 
 
 @dataclass(frozen=True)
@@ -186,9 +164,8 @@ class Slot:
     Attributes:
         path: The dotted path shown to users (``"blocks.0.attn.q"``).
         owner: Path of the bridge component that holds the slot.
-        attribute: ``None`` for the bridge component itself (swapped with
-            ``set_original_component``), else the dotted attribute of a plain module in its
-            wrapped module (a mixture-of-experts block's ``experts``).
+        attribute: ``None`` for the bridge component itself, else the dotted attribute of a
+            plain module in its wrapped module (a mixture-of-experts block's ``experts``).
     """
 
     path: str
@@ -205,9 +182,7 @@ class Slot:
         """The module that computes this slot in ``bridge`` now."""
         wrapped = self.holder(bridge).original_component
         assert wrapped is not None, f"{self.owner} wraps no module"
-        if self.attribute is None:
-            return wrapped
-        return wrapped.get_submodule(self.attribute)
+        return wrapped.get_submodule(self.attribute or "")
 
     def replace(self, bridge: nn.Module, module: nn.Module) -> None:
         """Put ``module`` in this slot of ``bridge`` (TransformerLens's public API for bridges)."""
@@ -218,9 +193,7 @@ class Slot:
         parent_path, _, name = self.attribute.rpartition(".")
         parent = holder.original_component
         assert parent is not None, f"{self.owner} wraps no module"
-        if parent_path:
-            parent = parent.get_submodule(parent_path)
-        setattr(parent, name, module)
+        setattr(parent.get_submodule(parent_path), name, module)
 
 
 @dataclass(frozen=True)
@@ -261,8 +234,7 @@ class ComponentLayout:
 
     Attributes:
         slots: ``(component, layer)`` to the slots it swaps, for every pair the architecture
-            has (interleaved dense and expert layers have ``mlp_in`` at some, ``experts`` at
-            others).
+            has (interleaved layers: ``mlp_in`` at some, ``experts`` at others).
         parameters: One record per checkpoint parameter.
     """
 
@@ -282,20 +254,16 @@ class ComponentLayout:
 
     def shares_parameter(self, *components: str) -> bool:
         """Whether one checkpoint parameter is held by every one of ``components`` (tied
-        embeddings; a fused QKV matrix): a graft keeps them apart, a copy by value moves them
-        together."""
-        wanted = set(components)
-        return any(wanted <= set(record.components) for record in self.parameters)
+        embeddings, a fused QKV matrix): a graft keeps them apart, a copy by value does not."""
+        return any(set(components) <= set(record.components) for record in self.parameters)
 
 
 def component_layout(bridge: nn.Module) -> ComponentLayout:
     """Walk ``bridge``'s tree: the slots of every component, and which parameters they hold.
 
-    A bridge component without bridge components inside is one slot. One with some (an
-    attention, an MLP, an expert block) gives each plain module it wraps that holds
-    parameters (a block's batched ``experts``) a slot of its own; parameters it holds itself
-    cannot be swapped without its children and stay uncovered, as does a slot no key names.
-    Every parameter of ``bridge.original_model`` is in the layout exactly once.
+    A bridge component without bridge components inside is one slot; one with some gives each
+    plain module it wraps that holds parameters (a block's ``experts``) a slot of its own.
+    Parameters it holds itself stay uncovered, as does a slot no key names.
     """
     registered = _ARCHITECTURE_PATHS.get(str(getattr(bridge.cfg, "architecture", "")), {})
     slots: dict[Key, list[Slot]] = {}
@@ -322,56 +290,49 @@ def component_layout(bridge: nn.Module) -> ComponentLayout:
         if wrapped is None:
             continue  # a placeholder for a part this model does not have
         layer, _ = _split_layer(path)
+        # A place is (path, attribute, parameters, module, its holder, its key under it).
+        places: list[tuple[str, str | None, list, nn.Module | None, nn.Module | None, str]]
         if any(True for _ in _bridge_children(node)):
             split = _split_projection(node, path, registered)
-            for attribute, parameters, child in _plain_children(wrapped, bridged):
-                if child is None:
-                    # Held by the wrapper itself: not swappable without its bridge children.
-                    claim(parameters, (), layer, path)
-                    continue
-                child_path = f"{path}.{attribute}"
-                if split is not None and attribute == split[0]:
-                    claim(parameters, split[1], layer, child_path)
-                    continue
-                name = _name_slot(child_path, (child, node), registered)
+            places = [
+                (f"{path}.{attribute}", attribute, parameters, child, node, attribute)
+                for attribute, parameters, child in _plain_children(wrapped, bridged)
+            ]
+        else:
+            parent_path, _, key = path.rpartition(".")
+            split = None if parent is None else _split_projection(parent, parent_path, registered)
+            places = [(path, None, list(wrapped.parameters()), node, parent, key)]
+        for place, attribute, parameters, module, holder, key in places:
+            if module is None:
+                # Held by the wrapper itself: not swappable without its bridge children.
+                claim(parameters, (), layer, path)
+            elif split is not None and key == split[0]:
+                claim(parameters, split[1], layer, place)
+            else:
+                name = _name_slot(place, (module, holder), registered)
                 if name is not None:
-                    slots.setdefault((name, layer), []).append(Slot(child_path, path, attribute))
-                claim(parameters, (name,) if name else (), layer, child_path)
-            continue
-        parent_path, _, key = path.rpartition(".")
-        split = None if parent is None else _split_projection(parent, parent_path, registered)
-        if split is not None and key == split[0]:
-            claim(wrapped.parameters(), split[1], layer, path)
-            continue
-        name = _name_slot(path, (node, parent), registered)
-        if name is not None:
-            slots.setdefault((name, layer), []).append(Slot(path, path))
-        claim(wrapped.parameters(), (name,) if name else (), layer, path)
+                    slots.setdefault((name, layer), []).append(Slot(place, path, attribute))
+                claim(parameters, (name,) if name else (), layer, place)
 
-    records = []
     original = bridge.original_model
     assert isinstance(original, nn.Module)
-    for parameter_name, parameter in checkpoint_parameters(original):
-        names, owner_layer, owner_path = owners.get(id(parameter), ((), None, None))
-        records.append(
-            ParameterRecord(parameter_name, tuple(parameter.shape), names, owner_layer, owner_path)
-        )
+    records = tuple(
+        ParameterRecord(name, tuple(p.shape), *owners.get(id(p), ((), None, None)))
+        for name, p in checkpoint_parameters(original)
+    )
     ordered = {
         key: tuple(slots[key])
         for key in sorted(
             slots, key=lambda k: (COMPONENTS.index(k[0]), -1 if k[1] is None else k[1])
         )
     }
-    return ComponentLayout(ordered, tuple(records))
+    return ComponentLayout(ordered, records)
 
 
 def leftover_parameters(layout: ComponentLayout, grafted: Iterable[Key]) -> list[ParameterRecord]:
-    """Uncovered parameters that a graft of every component around them would leave behind.
-
-    A graft takes a region whole when it takes, at one layer, every member of ``attn`` or
-    ``ffn`` the layer has, or every component of the layer, or every pair of the model
-    (weights outside the blocks); ``grafted`` are the pairs a mask grafts somewhere.
-    """
+    """Uncovered parameters that a graft of every component around them would leave behind:
+    every member of ``attn`` or ``ffn`` (or every component) at their layer, or every pair of
+    the model for weights outside the blocks; ``grafted`` are the pairs a mask grafts."""
     uncovered = layout.uncovered
     if not uncovered:
         return []
@@ -385,18 +346,16 @@ def leftover_parameters(layout: ComponentLayout, grafted: Iterable[Key]) -> list
         return bool(wanted) and all((component, layer) in grafted for component in wanted)
 
     everything = set(layout.slots) <= grafted
-    left = []
-    for record in uncovered:
-        region, layer = record.region, record.layer
-        if everything or (
-            region != "all"
-            and (
-                whole(layer, LAYER_COMPONENTS)
-                or (region in ("attn", "ffn") and whole(layer, COMPONENT_GROUPS[region]))
-            )
-        ):
-            left.append(record)
-    return left
+    return [
+        record
+        for record in uncovered
+        if everything
+        or (record.region != "all" and whole(record.layer, LAYER_COMPONENTS))
+        or (
+            record.region in ("attn", "ffn")
+            and whole(record.layer, COMPONENT_GROUPS[record.region])
+        )
+    ]
 
 
 def _bridge_children(node: nn.Module) -> Iterator[tuple[str, GeneralizedComponent]]:
@@ -434,45 +393,34 @@ def _split_projection(
         fused, keys = str(node.fused_attr), ("gate", "in")
     else:
         return None
-    names = []
-    for key in keys:
-        child = node._modules.get(key)
-        name = None if child is None else _name_slot(f"{path}.{key}", (child, node), registered)
-        if name is not None and name not in names:
-            names.append(name)
+    names = {
+        _name_slot(f"{path}.{key}", (child, node), registered)
+        for key in keys
+        if (child := node._modules.get(key)) is not None
+    }
     return fused, tuple(c for c in COMPONENTS if c in names)
-
-
-def _holds_bridge(module: nn.Module, bridged: set[int]) -> bool:
-    return any(isinstance(m, GeneralizedComponent) or id(m) in bridged for m in module.modules())
 
 
 def _plain_children(
     wrapped: nn.Module, bridged: set[int], prefix: str = ""
 ) -> Iterator[tuple[str, list[nn.Parameter], nn.Module | None]]:
-    """``(attribute, parameters, module)`` for each plain module in a bridge component's
-    wrapped module that holds parameters; ``module=None`` for parameters held beside bridge
-    children, which cannot be swapped without them. Modules in ``bridged`` are skipped."""
+    """``(attribute, parameters, module)`` for each plain module holding parameters in a bridge
+    component's wrapped module (``module=None``: parameters beside bridge children)."""
     direct = [p for p in wrapped._parameters.values() if p is not None]
     if direct:
         yield prefix.rstrip("."), direct, None
     for name, child in wrapped._modules.items():
         if child is None or isinstance(child, GeneralizedComponent) or id(child) in bridged:
             continue
-        if _holds_bridge(child, bridged):
+        if any(isinstance(m, GeneralizedComponent) or id(m) in bridged for m in child.modules()):
             yield from _plain_children(child, bridged, f"{prefix}{name}.")
         elif any(True for _ in child.parameters()):
             yield f"{prefix}{name}", list(child.parameters()), child
 
 
-_LAYER_PATH = re.compile(r"^blocks\.(\d+)\.(.+)$")
-
-
 def _split_layer(path: str) -> tuple[int | None, str]:
-    match = _LAYER_PATH.match(path)
-    if match is None:
-        return None, path
-    return int(match.group(1)), match.group(2)
+    match = re.match(r"^blocks\.(\d+)\.(.+)$", path)
+    return (None, path) if match is None else (int(match[1]), match[2])
 
 
 def _name_slot(
@@ -505,11 +453,8 @@ def _longest_prefix(relative: str, table: Mapping[str, str]) -> str | None:
 
 
 def checkpoint_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """The HF model's own ``(name, parameter)``, named as in its checkpoint, tied ones once.
-
-    ``model`` may be wrapped by a bridge (``bridge.original_model``): the walk goes through
-    each wrapper to the module it wraps, never into the bridge's own modules.
-    """
+    """The HF model's own ``(name, parameter)``, named as in its checkpoint, tied ones once;
+    through a bridge's wrappers (``bridge.original_model``) to the modules they wrap."""
     seen: set[int] = set()
     for prefix, module in checkpoint_modules(model):
         for name, parameter in module._parameters.items():
@@ -540,9 +485,8 @@ def checkpoint_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 class FusedProjection:
     """A fused projection the bridge splits into per-component modules when a model loads.
 
-    GPT-2's ``c_attn``, NeoX's interleaved ``query_key_value``, Phi-3's ``gate_up_proj``: a
-    donor's own fused matrix (read lazily, or a LoRA adapter's) must be cut as the base's
-    was, by the bridge's own split function (:meth:`split`).
+    GPT-2's ``c_attn``, NeoX's ``query_key_value``: a donor's own fused matrix must be cut as
+    the base's was, by the bridge's own split function (:meth:`split`).
 
     Attributes:
         node: Bridge path of the splitting component (``"blocks.0.attn"``).

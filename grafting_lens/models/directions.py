@@ -1,15 +1,8 @@
-"""Grafts below the matrix: part of a donor's change to each weight matrix, or a share of it.
-
-A graft cell takes a whole component from the donor. A :class:`DirectionsSource` is a donor
-whose module for a slot is the base's plus part of the change ``dW = W_donor - W_base``:
-``rank=k`` its top-k singular directions ``U_k S_k V_k^T`` (a list of indices: those
-directions; a LoRA donor's directions are its rank components ``B[:, i] A[i, :] * scale``),
-``strength=s`` that part times ``s``, each one value or one per ``(component, layer)``.
-:meth:`ModelSet.directions
-<grafting_lens.models.model_set.ModelSet.directions>` adds one to a model set as a donor, so
-every door that takes a model set and a mask grafts it unchanged. ``rank=`` concerns the weight
-matrices of linear layers and embeddings; a slot's other parameters (biases, norm scales, a
-mixture's experts) stay the base's. See ``docs/concepts/directions.md``.
+"""Grafts below the matrix: part of a donor's change ``dW = W_donor - W_base`` to each weight
+matrix (``rank=``: its top singular directions, or chosen ones), or a share of it
+(``strength=``), each one value or one per ``(component, layer)``. :meth:`ModelSet.directions
+<grafting_lens.models.model_set.ModelSet.directions>` adds a :class:`DirectionsSource` to a
+model set as a donor. See ``docs/concepts/directions.md``.
 """
 
 from __future__ import annotations
@@ -35,15 +28,6 @@ from grafting_lens.models.components import (
 )
 from grafting_lens.models.lora_source import LoraEmbedding, LoraLinear, LoraSource, _LoraLayer
 from grafting_lens.models.sources import Source, structural_copy, tensor_bytes
-
-__all__ = [
-    "DirectionsSource",
-    "Factors",
-    "Rank",
-    "check_matrix_components",
-    "check_rank",
-    "check_strength",
-]
 
 Rank = Union[int, Sequence[int], None]
 """``None`` (every direction), ``k`` (the top k; 0 is the base) or a list of direction indices."""
@@ -71,40 +55,40 @@ def check_rank(rank: object) -> int | tuple[int, ...] | None:
     if rank is None:
         return None
     items = [rank] if is_integer(rank) else rank
-    if isinstance(rank, (str, bytes)) or not isinstance(items, Iterable):
-        raise ArgumentTypeError(f"rank={shown(rank)}: give a count (4) or direction indices.")
-    values = list(items)
+    listed = isinstance(items, Iterable) and not isinstance(rank, (str, bytes))
+    values = list(items) if isinstance(items, Iterable) and listed else []
     bad = [v for v in values if not is_integer(v)]
-    if bad:
-        raise ArgumentTypeError(f"rank={shown(rank)}: {shown(bad[0])} is not an integer.")
-    if any(int(v) < 0 for v in values) or len(set(map(int, values))) < len(values):
+    if not listed or bad:
+        what = (
+            f"{shown(bad[0])} is not an integer" if bad else "give a count (4) or direction indices"
+        )
+        raise ArgumentTypeError(f"rank={shown(rank)}: {what}.")
+    if not values or any(int(v) < 0 for v in values) or len(set(map(int, values))) < len(values):
         raise SelectionError(
             f"rank={shown(rank)}: a count or direction index is 0 or more, each index once "
             "(0: the base; [0, 2]: the first and third directions)."
+            if values
+            else "rank=[] names no direction: give rank=0 for the base."
         )
-    if not values:
-        raise SelectionError("rank=[] names no direction: give rank=0 for the base.")
     return int(rank) if is_integer(rank) else tuple(int(v) for v in values)
 
 
 def check_strength(strength: object) -> float:
     """``strength`` as a finite float (0: the base, 1: the graft; others extrapolate)."""
-    if not is_number(strength):
-        raise ArgumentTypeError(f"strength={shown(strength)}: give a number, e.g. 0.5.")
-    if not math.isfinite(float(strength)):
-        raise SelectionError(f"strength={strength}: give a finite number (0 base, 1 donor).")
+    if not (is_number(strength) and math.isfinite(float(strength))):
+        raise (SelectionError if is_number(strength) else ArgumentTypeError)(
+            f"strength={shown(strength)}: give a finite number, e.g. 0.5 (0 base, 1 donor)."
+        )
     return float(strength)
 
 
 class DirectionsSource(Source):
     """A donor's change cut to some directions of each weight matrix, or scaled.
 
-    Its module for a linear slot is a :class:`~grafting_lens.models.lora_source.LoraLinear`:
-    the base's own module plus ``B A x * strength`` with ``B = U_k S_k``, ``A = V_k^T`` (an
-    embedding alike); under ``rank=None`` every parameter of a slot is ``W_base + strength *
-    dW``, held as a copy. SVDs are computed on first use per slot in float64 and kept per
-    donor in float32, ``(d_out + d_in + 1) * min(d_out, d_in) * 4`` bytes per matrix
-    (:meth:`svd_bytes`).
+    Its module for a linear slot is a :class:`~grafting_lens.models.lora_source.LoraLinear`,
+    the base's own module plus ``B A x * strength`` (``B = U_k S_k``, ``A = V_k^T``); under
+    ``rank=None`` a copy holding ``W_base + strength * dW``. SVDs are computed on first use in
+    float64 and kept per donor in float32 (:meth:`svd_bytes`).
 
     Raises:
         SelectionError: The donor equals the base; at a slot, a rank past its directions.
@@ -174,8 +158,7 @@ class DirectionsSource(Source):
 
     @property
     def bridge(self) -> TransformerBridge:
-        """The base with every slot's module this source computes (a second bridge over
-        the base's tensors)."""
+        """The base with this source's module in every slot (a second bridge over its tensors)."""
         if self._bridge is None:
             bridge = self._make_bridge()
             layout = component_layout(self.base.bridge)

@@ -1,13 +1,9 @@
 """Fingerprints: a short hash of a checkpoint's weights that never reads one whole, and an
 exact one for what must not be mistaken.
 
-:func:`weights_fingerprint` hashes names, shapes, dtypes and 64 evenly spaced values of every
-tensor: the same values for a checkpoint in memory and for one read lazily from its files
-(:meth:`~grafting_lens.models.checkpoint_files.SafetensorsCheckpoint.sample`). It tells
-checkpoints apart (a finetune moves every sampled value), not every edit of one weight: an
-ablation of one neuron between the sampled values, or a change written through ``.data``
-(which no version counter sees), keeps it. What decides whether stored results are reused
-uses :func:`content_digest` instead: every value, one tensor at a time.
+:func:`weights_fingerprint` samples 64 values of every tensor, the same in memory and read
+lazily: it tells checkpoints apart, not every edit of one weight (one neuron ablated between
+the samples, a write through ``.data``). Reusing stored results uses :func:`content_digest`.
 """
 
 from __future__ import annotations
@@ -17,14 +13,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-
-__all__ = [
-    "content_digest",
-    "digest_sample",
-    "parameters_state",
-    "sample_indices",
-    "weights_fingerprint",
-]
 
 _SAMPLES = 64
 
@@ -40,10 +28,8 @@ def weights_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def parameters_state(model: nn.Module) -> tuple | None:
-    """Which tensors hold a model's parameters, and how often each was changed in place.
-
-    ``None`` when that cannot be told (tensors made in inference mode keep no count).
-    """
+    """Which tensors hold a model's parameters, and how often each was changed in place
+    (``None``: cannot be told, as for tensors made in inference mode)."""
     try:
         return tuple(
             (name, p.data_ptr(), p._version, p.dtype, tuple(p.shape), str(p.device))
@@ -71,10 +57,8 @@ def digest_sample(
 
 
 def content_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A hash (32 hex digits) of every value of named tensors: names, shapes, dtypes and bytes.
-
-    An iterator is read one tensor at a time (a lazily loaded checkpoint is never held whole).
-    """
+    """A hash (32 hex digits) of every value of named tensors: names, shapes, dtypes and bytes,
+    read one tensor at a time (a lazily loaded checkpoint is never held whole)."""
     digest = hashlib.sha256()
     for name, tensor in tensors:
         value = tensor.detach()

@@ -1,13 +1,9 @@
 """A GGUF file, or any checkpoint, made into a ``save_pretrained`` directory once.
 
-transformers reads a GGUF file (llama.cpp's format) but dequantizes it on every load and
-leaves ``architectures`` empty, so it is converted once into float32 safetensors, the tokenizer
-and a config naming its architecture, cached by content (:func:`converted_checkpoint`), and
-every part of grafting-lens reads it as a hub model. A hub id or a checkpoint directory is
-loaded and saved the same way. What is refused and why (a damaged or foreign file, weights
-that do not all come from the source): the how-to "Load checkpoints" and the
-:class:`~grafting_lens.core.errors.WorldSourceError` page; how the directory is written
-complete and never over a user's files: :mod:`grafting_lens.core.directories`.
+transformers dequantizes a GGUF on every load and leaves ``architectures`` empty, so it is
+converted once into float32 safetensors, cached by content (:func:`converted_checkpoint`).
+What is refused and why: the how-to "Load your own checkpoints" and the
+:class:`~grafting_lens.core.errors.WorldSourceError` page.
 
 Examples:
     >>> from grafting_lens.models.gguf_checkpoint import convert_checkpoint
@@ -44,18 +40,6 @@ from grafting_lens.core.directories import (
 )
 from grafting_lens.core.errors import UnsupportedArchitectureError, WorldSourceError
 from grafting_lens.core.files import cache_root
-
-__all__ = [
-    "GGUF_MAGIC",
-    "checkpoint_key",
-    "directory_digest",
-    "conversion_cache",
-    "convert_checkpoint",
-    "converted_checkpoint",
-    "gguf_architecture",
-    "is_gguf",
-    "sha256_of",
-]
 
 GGUF_MAGIC = b"GGUF"
 """The first four bytes of every GGUF file."""
@@ -128,18 +112,14 @@ def convert_checkpoint(
 ) -> Path:
     """Convert a GGUF file, a hub id or a checkpoint directory into a float32 checkpoint.
 
-    Every parameter of the model must come from the source: a tensor the file lacks (or a
-    block it declares but does not hold), one of another shape, or blocks beyond those it
-    declares are refused, naming the file and the tensor, rather than left randomly
-    initialised. Nothing of the source is ever changed.
+    Every parameter must come from the source: a tensor missing, misshapen or beyond the
+    declared blocks is refused by name, not left random. The source is never changed.
 
     Args:
         source: A ``.gguf`` file; a directory holding ``gguf_file``; or a hub id or
             ``save_pretrained`` directory of a model of one of ``architectures``.
-        target: The directory to create (``save_pretrained`` layout: ``config.json``
-            with ``architectures`` set, ``model.safetensors`` in float32, the tokenizer).
-            It may exist only empty or as an earlier conversion (then it is replaced); it
-            may not be, contain or lie inside the source.
+        target: The directory to create (``save_pretrained`` layout, ``architectures``
+            set), absent, empty or an earlier conversion (replaced); not the source's.
         gguf_file: The GGUF file's name inside the directory ``source``.
         sha256: The GGUF file's expected SHA-256 (hex, any case); ``None`` skips the check.
         architectures: The architectures accepted (``model_type`` / GGUF
@@ -149,12 +129,10 @@ def convert_checkpoint(
         ``target``.
 
     Raises:
-        WorldSourceError: A GGUF that is not one, has another checksum or architecture, a
-            missing or misshapen tensor or no tokenizer; a checkpoint of another
-            architecture or with missing weights; a hub id that cannot be loaded.
+        WorldSourceError: A damaged or foreign file, missing or misshapen weights, no
+            tokenizer, another architecture, or a hub id that cannot be loaded.
         UnsupportedArchitectureError: A GGUF of an architecture transformers cannot read.
-        WorldCacheError: A target that is, holds or lies inside the source, or holds
-            files grafting-lens did not write.
+        WorldCacheError: A target that is, holds or lies in the source, or holds others' files.
     """
     from transformers import AutoModelForCausalLM
 
@@ -162,19 +140,20 @@ def convert_checkpoint(
     target = Path(target).expanduser()
     if gguf_file is None:  # transformers would say "Should have a `model_type` key"
         _check_checkpoint(source)
-    gguf = _gguf_path(Path(source).expanduser(), gguf_file)
+    path = Path(source).expanduser()
+    gguf = path / gguf_file if gguf_file is not None else None
+    if gguf is None and (path.suffix.lower() == ".gguf" or path.is_file()):
+        gguf = path
     check_apart(gguf if gguf is not None else source, target)
     check_replaceable(target, "The target")
     if gguf is not None:
-        if expected is not None:
-            actual = sha256_of(gguf)
-            if actual != expected:
-                raise WorldSourceError(
-                    f"{gguf} has SHA-256 {actual}, not the expected {expected}: the file is "
-                    "damaged or is another release. Delete it and fetch it again."
-                )
-        architecture = gguf_architecture(gguf)
-        _check_architecture(architecture, architectures, gguf)
+        actual = None if expected is None else sha256_of(gguf)
+        if actual != expected:
+            raise WorldSourceError(
+                f"{gguf} has SHA-256 {actual}, not the expected {expected}: the file is "
+                "damaged or is another release. Delete it and fetch it again."
+            )
+        _check_architecture(gguf_architecture(gguf), architectures, gguf)
         options: dict[str, Any] = {"gguf_file": gguf.name}
         location, named = str(gguf.parent), str(gguf)
     else:
@@ -226,8 +205,7 @@ def _checked_sha256(sha256: Optional[str]) -> Optional[str]:
 
 
 def _tokenizer(location: str, options: dict[str, Any], named: str) -> Any:
-    """The source's tokenizer; a GGUF without one, or with one transformers cannot build, is
-    refused by name."""
+    """The source's tokenizer; one missing, or one transformers cannot build, is refused by name."""
     from transformers import AutoTokenizer
 
     lacking: list[str] = []
@@ -252,11 +230,8 @@ def _tokenizer(location: str, options: dict[str, Any], named: str) -> Any:
 
 
 def _check_complete(model: Any, info: dict[str, Any], named: str, gguf: Optional[Path]) -> None:
-    """Refuse a model whose parameters did not all come from the source, naming the tensors.
-
-    transformers fills a missing or misshapen weight with a random one and says so in a
-    report that TransformerLens's logging setting hides; the report is read here instead.
-    """
+    """Refuse a model whose parameters did not all come from the source, naming the tensors:
+    transformers fills them randomly, in a report TransformerLens's logging hides."""
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(info.get("mismatched_keys") or ())
     beyond: list[str] = []
@@ -294,13 +269,8 @@ def _check_complete(model: Any, info: dict[str, Any], named: str, gguf: Optional
 
 
 def _plain_copy(model: Any) -> Any:
-    """The same weights in a model transformers will save.
-
-    A model loaded from a GGUF file stays marked as quantized (``hf_quantizer``,
-    ``quantization_config``) although its weights are dequantized float32, and
-    ``save_pretrained`` refuses it; a fresh model of the same config without that mark
-    takes its weights.
-    """
+    """The same weights in a fresh model transformers will save: one loaded from a GGUF stays
+    marked as quantized although dequantized, and ``save_pretrained`` refuses it."""
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -308,15 +278,6 @@ def _plain_copy(model: Any) -> Any:
         plain = type(model)(config)
     plain.load_state_dict(model.state_dict())
     return plain.eval()
-
-
-def _gguf_path(source: Path, gguf_file: Optional[str]) -> Optional[Path]:
-    """The GGUF file ``source`` (and ``gguf_file``) name, or ``None`` for a checkpoint."""
-    if gguf_file is not None:
-        return source / gguf_file
-    if source.suffix.lower() == ".gguf" or (source.is_file() and not source.is_dir()):
-        return source
-    return None
 
 
 def _check_architecture(found: str, allowed: Optional[Sequence[str]], where: Any) -> None:
@@ -351,10 +312,8 @@ def is_gguf(path: Union[str, os.PathLike]) -> bool:
 
 
 def checkpoint_problem(path: Union[str, os.PathLike]) -> Optional[str]:
-    """Why the local ``path`` is not a checkpoint (``"a directory without a config.json
-    (...)"``), or ``None`` for a ``save_pretrained`` directory, a GGUF file or a path that does
-    not exist (a hub id). Every door that takes a checkpoint path says it this one way,
-    followed by :data:`CHECKPOINT_FIX`."""
+    """Why the local ``path`` is not a checkpoint (every door says it so, then
+    :data:`CHECKPOINT_FIX`), or ``None`` for a checkpoint, a GGUF file or a hub id."""
     path = Path(path).expanduser()
     if not path.exists() or is_gguf(path) or (path / "config.json").is_file():
         return None
@@ -386,10 +345,8 @@ def conversion_cache() -> Path:
 
 
 def checkpoint_key(source: Union[str, os.PathLike]) -> str:
-    """What names a converted checkpoint in the cache: a hash of its content, never its path.
-
-    The SHA-256 of a GGUF file; a hash over the files of a checkpoint directory or of a hub
-    id's snapshot (:func:`directory_digest`).
+    """What names a converted checkpoint in the cache: a hash of its content (a GGUF file's
+    SHA-256, :func:`directory_digest` of a directory or a hub id's snapshot), never its path.
 
     Raises:
         WorldSourceError: A path that is no checkpoint, or a hub id that cannot be resolved
@@ -408,9 +365,8 @@ def converted_checkpoint(
 ) -> Path:
     """``source`` as a float32 checkpoint directory, converted once and cached by content.
 
-    Two processes converting one source take turns: the second finds the first's result.
-    A conversion already cached is read even where the cache cannot be written (a shared,
-    read-only one); what a killed conversion left of ``key`` is removed.
+    Two processes converting one source take turns; a cached conversion is read even from a
+    read-only cache; what a killed conversion left is removed.
 
     Args:
         source: A GGUF file, a ``save_pretrained`` directory or a hub id; or a function
@@ -421,8 +377,7 @@ def converted_checkpoint(
         architectures: As :func:`convert_checkpoint` takes them.
 
     Returns:
-        ``<cache_dir>/base-<key>``: ``config.json`` (``architectures`` set),
-        ``model.safetensors``, the tokenizer.
+        ``<cache_dir>/base-<key>``, as :func:`convert_checkpoint` writes it.
 
     Raises:
         WorldSourceError: See :func:`convert_checkpoint` and :func:`checkpoint_key`.
@@ -453,17 +408,12 @@ def _located(source: Union[str, os.PathLike]) -> tuple[Path, str]:
     _check_checkpoint(source)
     if not path.exists():
         path = _hub_snapshot(str(source))
-    if path.is_file():
-        return path, sha256_of(path)[:16]
-    return path, directory_digest(path)[:16]
+    return path, (sha256_of(path) if path.is_file() else directory_digest(path))[:16]
 
 
 def directory_digest(directory: Union[str, os.PathLike]) -> str:
-    """SHA-256 over every file of ``directory`` (its relative path and its content's SHA-256).
-
-    Hidden files (a lock, the library's marker) and the Hugging Face cache's own
-    ``.cache`` folder are left out: they are not the checkpoint.
-    """
+    """SHA-256 over every file of ``directory`` (its relative path and its content's SHA-256),
+    hidden ones (a lock, the marker, the Hugging Face cache's ``.cache``) left out."""
     directory = Path(directory)
     digest = hashlib.sha256()
     for path in sorted(directory.rglob("*")):
@@ -479,12 +429,8 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(
-            snapshot_download(
-                repo_id,
-                allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"],
-            )
-        )
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # noqa: BLE001, offline, no such repo, an invalid name: one answer
         first = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise WorldSourceError(

@@ -1,33 +1,16 @@
-"""Layer ranges: which transformer blocks a graft or a patch touches.
-
-:func:`resolve_layers` turns a layer specification into sorted indices for one model: an
-index or a list of them, a ``range`` or ``slice``, a name from :data:`LAYER_FRACTIONS`
-(``"last_half"``...) or a pair of fractions of the depth, so one experiment runs on a
-4-layer toy model and a 32-layer Llama alike.
-
-Names follow one of two *arithmetics* (:data:`LAYER_ARITHMETICS`). ``"fractions"`` (the
-default) rounds each fraction of the depth half up, so quarters are as equal as the depth
-allows. ``"quarters"`` is the paper's released code's (``get_layers_dict``): a quarter is
-``n // 4`` layers, the last takes the remainder (:func:`quarter_ranges`). They agree when
-the depth is a multiple of four; for 18 layers the fractions give 0-4 / 5-8 / 9-13 / 14-17
-and the code's quarters 0-3 / 4-7 / 8-11 / 12-17.
+"""Layer ranges: which transformer blocks a graft or a patch touches (:func:`resolve_layers`),
+named as fractions of the depth or as the released code's quarters (:data:`LAYER_ARITHMETICS`;
+the table in docs/concepts/paper-code-library.md).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Union, cast
+from typing import Union
 
 from grafting_lens.core.arguments import is_integer, is_number
-from grafting_lens.core.errors import (
-    ArgumentTypeError,
-    GraftingLensError,
-    SelectionError,
-    did_you_mean,
-)
-
-__all__ = ["LAYER_ARITHMETICS", "LAYER_FRACTIONS", "LayerSpec", "quarter_ranges", "resolve_layers"]
+from grafting_lens.core.errors import ArgumentTypeError, SelectionError, did_you_mean
 
 LayerSpec = Union[str, int, float, Sequence[int], range, slice, tuple[float, float], None]
 """Anything :func:`resolve_layers` accepts."""
@@ -103,66 +86,58 @@ def resolve_layers(
             f"Known: {', '.join(known)}."
         )
     spec = "all" if spec is None else spec
-    chosen: list = []
-    kind: type[GraftingLensError] = SelectionError  # ArgumentTypeError for a value of no form
     if isinstance(spec, str) and arithmetic == "quarters":
-        chosen = list(quarter_ranges(n_layers)[spec])
-        problem = (
-            f"{spec!r} is empty in a {n_layers}-layer model under the code's quarters (a "
-            f"quarter is {n_layers} // 4 = {n_layers // 4} layers); use the 'fractions' "
-            "arithmetic or name the layers"
-        )
-    else:
-        spec = LAYER_FRACTIONS[spec] if isinstance(spec, str) else spec
-        problem = (
-            f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
-            "name such as 'last_half', or a pair of fractions such as (0.5, 1.0)"
-        )
-        kind = ArgumentTypeError
-        if (
-            isinstance(spec, tuple)
-            and len(spec) == 2
-            and all(is_number(x) for x in spec)
-            and any(not is_integer(x) for x in spec)
-        ):
-            start, end, kind = float(spec[0]), float(spec[1]), SelectionError
-            problem = (
+        chosen = quarter_ranges(n_layers)[spec]
+        if not chosen:
+            raise SelectionError(
+                f"{spec!r} is empty in a {n_layers}-layer model under the code's quarters (a "
+                f"quarter is {n_layers} // 4 = {n_layers // 4} layers); use the 'fractions' "
+                "arithmetic or name the layers."
+            )
+        return tuple(chosen)
+    spec = LAYER_FRACTIONS[spec] if isinstance(spec, str) else spec
+    if (
+        isinstance(spec, tuple)
+        and len(spec) == 2
+        and all(is_number(x) for x in spec)
+        and any(not is_integer(x) for x in spec)
+    ):
+        start, end = float(spec[0]), float(spec[1])
+        # Halves round up: round() sends them to the even neighbour, which would make
+        # "last_half" of 3 layers one layer and of 5 layers three.
+        chosen = range(0)
+        if 0.0 <= start < end <= 1.0:
+            chosen = range(math.floor(start * n_layers + 0.5), math.floor(end * n_layers + 0.5))
+        if not chosen:
+            raise SelectionError(
                 f"The layer fraction {spec} selects no layer of a {n_layers}-layer model "
-                "(fractions satisfy 0 <= start < end <= 1)"
+                "(fractions satisfy 0 <= start < end <= 1)."
             )
-            if 0.0 <= start < end <= 1.0:
-                chosen = list(
-                    range(_round_half_up(start * n_layers), _round_half_up(end * n_layers))
-                )
-        elif isinstance(spec, (slice, Iterable)) or is_integer(spec):
-            problem, kind = f"The layer specification {spec!r} selects no layer", SelectionError
-            chosen = list(
-                range(n_layers)[spec]
-                if isinstance(spec, slice)
-                else [spec]
-                if is_integer(spec)
-                else cast(Iterable, spec)
-            )
+        return tuple(chosen)
+    if isinstance(spec, slice):
+        layers: list = list(range(n_layers)[spec])
+    elif is_integer(spec):
+        layers = [spec]
+    elif isinstance(spec, Iterable):
+        layers = list(spec)
+    else:
+        raise ArgumentTypeError(
+            f"Cannot read layers from {spec!r}: give 'all', an int, a list or range of ints, a "
+            "name such as 'last_half', or a pair of fractions such as (0.5, 1.0)."
+        )
     # An index, not the item: the bad item may be None.
     at = next(
-        (i for i, x in enumerate(chosen) if not is_integer(x) or not -n_layers <= x < n_layers),
+        (i for i, x in enumerate(layers) if not is_integer(x) or not -n_layers <= x < n_layers),
         None,
     )
-    bad = None if at is None else chosen[at]
     if at is not None:
-        kind = SelectionError if is_integer(bad) else ArgumentTypeError
-        problem = (
-            f"Layers must be ints, got {bad!r}"
-            if not is_integer(bad)
-            else f"Layer {bad} is outside the model, which has {n_layers} layers (0..{n_layers - 1}, "
-            f"n_layers={n_layers})"
+        bad = layers[at]
+        raise (SelectionError if is_integer(bad) else ArgumentTypeError)(
+            f"Layer {bad} is outside the model, which has {n_layers} layers (0..{n_layers - 1}, "
+            f"n_layers={n_layers})."
+            if is_integer(bad)
+            else f"Layers must be ints, got {bad!r}."
         )
-    if not chosen or at is not None:
-        raise kind(problem + ".")
-    return tuple(sorted({int(layer) % n_layers for layer in chosen}))
-
-
-def _round_half_up(value: float) -> int:
-    # Python's round() sends halves to the even neighbour, which would make
-    # "last_half" of 3 layers one layer and of 5 layers three.
-    return math.floor(value + 0.5)
+    if not layers:
+        raise SelectionError(f"The layer specification {spec!r} selects no layer.")
+    return tuple(sorted({int(layer) % n_layers for layer in layers}))

@@ -1,16 +1,7 @@
-"""Loading aligned checkpoints as one :class:`~grafting_lens.models.model_set.ModelSet`.
-
-Each checkpoint becomes a TransformerLens ``TransformerBridge`` **without weight
-processing** (a graft swaps the checkpoint's own parameters), or a source a graft reads
-modules from (:mod:`grafting_lens.models.sources`): a LoRA adapter, a directory read lazily.
-
-What the caller gives is never changed: a model, bridge or tokenizer passed in memory is
-copied (modules and config; the copy shares the weight tensors), and the copy is cast, moved
-and wrapped. ``dtype=`` follows Hugging Face's policy on both paths: a checkpoint is loaded
-with ``from_pretrained(dtype=...)``, an in-memory model is cast as that would load it
-(parameters to ``dtype``, each buffer to the dtype HF's initialisation gives it: rotary
-frequencies stay float32). Alignment is checked once, on load
-(:mod:`grafting_lens.models.alignment`).
+"""Loading aligned checkpoints as one :class:`~grafting_lens.models.model_set.ModelSet`: each a
+``TransformerBridge`` **without weight processing** (a graft swaps the checkpoint's own
+parameters), or a source a graft reads modules from (a LoRA adapter, a directory read lazily).
+What the caller gives is never changed: the how-to "Load your own checkpoints".
 """
 
 from __future__ import annotations
@@ -30,7 +21,6 @@ from safetensors import SafetensorError
 from transformer_lens.model_bridge import TransformerBridge
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from grafting_lens.core.compat import adapt_bridge
 from grafting_lens.core.console import quiet_loading
 from grafting_lens.core.errors import (
     AlignmentError,
@@ -68,7 +58,6 @@ from grafting_lens.models.model_set import ModelSet, check_names
 from grafting_lens.models.placement import (
     DeviceMap,
     check_placed,
-    embedding_device,
     for_this_rank,
     realised_map,
     resolve_device_map,
@@ -78,6 +67,7 @@ from grafting_lens.models.sources import (
     CheckpointSource,
     LazySource,
     Source,
+    _boot_bridge,
     model_copy,
     shared_bridge,
 )
@@ -108,10 +98,9 @@ def load_models(
 
     Args:
         *sources: Base first, then donors: hub ids, ``save_pretrained`` directories, GGUF
-            files (converted once to float32 and cached by content:
-            :func:`~grafting_lens.models.gguf_checkpoint.converted_checkpoint`), HF models
-            or TransformerBridges (weights unprocessed). A donor may be a LoRA adapter of
-            the base (a PEFT directory or model), grafted unmerged.
+            files (:func:`~grafting_lens.models.gguf_checkpoint.converted_checkpoint`), HF
+            models or TransformerBridges (weights unprocessed), or a LoRA adapter of the base
+            (a PEFT directory or model), grafted unmerged.
         tokenizer: A tokenizer, or where to load one. Default: each directory's own, the
             base's for in-memory donors.
         device: One device for every source. Default: where models are, the CPU for paths.
@@ -170,11 +159,9 @@ def load_models(
     sources = tuple(converted_checkpoint(s) if _is_gguf_path(s) else s for s in sources)
     # transformers draws a "Loading weights" bar per checkpoint; a model set is loaded often.
     with quiet_loading():
-        given = tokenizer
+        given = copy.deepcopy(tokenizer)  # the bridge writes into it
         if isinstance(tokenizer, (str, os.PathLike)):
             given = _tokenizer_from(tokenizer)
-        elif tokenizer is not None:
-            given = copy.deepcopy(tokenizer)  # the bridge writes into it
         base = _to_bridge(sources[0], 0, given, None, device, dtype, device_map, max_memory)
         fallback = given if given is not None else base.tokenizer
         layout = component_layout(base)
@@ -386,18 +373,8 @@ def _to_bridge(
         )
     resolve_architecture(model, index)
     check_placed(model, f"source {index}")
-    model.eval()
     name = str(model.config._name_or_path or f"source{index}")
-    # A dispatched model is taken as is: the bridge reads its hf_device_map, and token
-    # ids go to the embedding's device.
-    bridge = TransformerBridge.boot_transformers(
-        name,
-        hf_model=model,
-        tokenizer=_prepare_tokenizer(tokenizer, name),
-        device=str(embedding_device(model)),
-        dtype=next(model.parameters()).dtype,
-    )
-    return adapt_bridge(bridge)
+    return _boot_bridge(model, name, _prepare_tokenizer(tokenizer, name))
 
 
 def _cast_as_loaded(model: PreTrainedModel, dtype: torch.dtype) -> None:
@@ -434,8 +411,7 @@ def _checkpoint_target(label: str, path: Path, index: int, lazy: bool = False) -
 def _load_checkpoint(
     label: str, path: Path, index: int, dtype: torch.dtype | None, device_map: Any, max_memory: Any
 ) -> PreTrainedModel:
-    """An HF causal LM from a directory or hub id, loaded in ``dtype`` where ``device_map``
-    says, or an error naming what is wrong."""
+    """An HF causal LM loaded from a directory or hub id, or an error naming what is wrong."""
     target = _checkpoint_target(label, path, index)
     for index_name in SHARD_INDEXES:
         if (path / index_name).is_file():
@@ -479,9 +455,8 @@ def _unloadable(label: str, path: Path, index: int, error: BaseException) -> str
 
 
 def _check_loading_info(info: Any, label: str, index: int) -> None:
-    """Refuse a checkpoint whose weights are not its config's model: transformers fills one it
-    lacks (or holds in another shape) with random values, and reports it in a log
-    TransformerLens silences."""
+    """Refuse a checkpoint whose weights are not its config's model: transformers fills them
+    randomly, and reports it in a log TransformerLens silences."""
 
     def entries(name: str) -> list[str]:  # a dict in transformers 5, an object's fields before
         found = info.get(name) if isinstance(info, dict) else getattr(info, name, None)
@@ -546,11 +521,8 @@ def _only_special_tokens(tokenizer: Any) -> bool:
 
 
 def _prepare_tokenizer(tokenizer: Any, name: str) -> Any:
-    """Fill in what TransformerLens 4.3's bridge reads of a tokenizer (this library's copy).
-
-    The bridge reads ``init_kwargs["name_or_path"]`` and ``init_kwargs["add_bos_token"]``;
-    without them it fails, or looks the tokenizer up on the hub.
-    """
+    """Fill in the ``init_kwargs`` TransformerLens 4.3's bridge reads of a tokenizer (this
+    library's copy), without which it fails or looks the tokenizer up on the hub."""
     init_kwargs = getattr(tokenizer, "init_kwargs", None)
     if init_kwargs is not None:
         if not init_kwargs.get("name_or_path"):

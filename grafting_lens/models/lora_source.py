@@ -1,11 +1,8 @@
 """A LoRA adapter as a source of weights: the base's modules plus the adapter's factors.
 
-A :class:`~grafting_lens.models.adapters.LoraAdapter` is what was read from disk or a PEFT
-model; a :class:`LoraSource` is what a graft asks for modules: for a component the adapter
-touches, a module computing ``W x + B A x * scale`` from the base's own weight and the
-factors (:class:`LoraLinear`, :class:`LoraEmbedding`; fused projections split by rows);
-for any other component, the base's module itself. Nothing is merged, so an adapter donor
-holds its factors and no second copy of the base.
+For a component the adapter touches, a module computing ``W x + B A x * scale`` from the
+base's own weight (:class:`LoraLinear`, :class:`LoraEmbedding`); for any other, the base's
+module itself. Nothing is merged. See the API page "Models", section "LoRA adapters".
 """
 
 from __future__ import annotations
@@ -34,8 +31,6 @@ from grafting_lens.models.components import (
 )
 from grafting_lens.models.fingerprints import content_digest, parameters_state, weights_fingerprint
 from grafting_lens.models.sources import CheckpointSource, Source, structural_copy
-
-__all__ = ["LoraEmbedding", "LoraLinear", "LoraSource"]
 
 
 class _LoraLayer(nn.Module, abc.ABC):
@@ -67,9 +62,8 @@ class _LoraLayer(nn.Module, abc.ABC):
 class LoraLinear(_LoraLayer):
     """A linear layer with a LoRA update: ``base_layer(x) + B A x * scale``.
 
-    ``base_layer`` is the base's own ``nn.Linear`` or ``Conv1D``; attributes this lacks
-    (``in_features``, ``weight``: the base's) are read from it, as PEFT's LoRA layers do.
-    ``lora_A`` is ``[r, d_in]``, ``lora_B`` ``[d_out, r]``.
+    ``base_layer`` is the base's own ``nn.Linear`` or ``Conv1D``, whose attributes this reads
+    as PEFT's LoRA layers do. ``lora_A`` is ``[r, d_in]``, ``lora_B`` ``[d_out, r]``.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -130,10 +124,9 @@ class _Update:
 class _Replacement:
     """A parameter of the base that the adapter holds whole, with its new value.
 
-    ``owner`` is the module whose copy PEFT trains (``modules_to_save``), the only one that
-    computes with the new value even where the base ties the parameter to another; ``None``
-    is a value loaded into the base's parameter itself (an embedding layer saved beside an
-    embedding adapter), which every module sharing it computes with.
+    ``owner``: the ``modules_to_save`` module, the only one computing with the new value even
+    where the base ties the parameter; ``None``: a value loaded into the base's parameter
+    itself (an embedding layer saved beside an embedding adapter), for every module sharing it.
     """
 
     name: str
@@ -145,10 +138,9 @@ class _Replacement:
 class LoraSource(Source):
     """A LoRA adapter on the base, as a donor: the base's modules plus the adapter's factors.
 
-    Its module for an adapted slot is a :class:`LoraLinear` or :class:`LoraEmbedding`
-    around the base's own module (or a copy holding a ``modules_to_save`` replacement); for
-    any other slot, the base's module itself. It runs alone (:attr:`bridge`) as a second
-    bridge over the base's own tensors, built on first use.
+    Its module for an adapted slot is a :class:`LoraLinear` or :class:`LoraEmbedding` around
+    the base's own module (or a copy holding a ``modules_to_save`` replacement); for any other
+    slot, the base's module itself.
 
     Args:
         name: The source's label.
@@ -223,18 +215,17 @@ class LoraSource(Source):
 
     def _fingerprint(self) -> str:
         base = weights_fingerprint(checkpoint_parameters(self._base.original_model))
-        # Every value of the factors: they are small, and sampling could miss a change.
-        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:16]
+        return self._digest(base)[:16]
 
     def content_digest(self) -> str:
-        base = content_digest(checkpoint_parameters(self._base.original_model))
-        return self._digest(base, content_digest(sorted(self.adapter.tensors.items())))[:32]
+        return self._digest(content_digest(checkpoint_parameters(self._base.original_model)))[:32]
 
-    def _digest(self, base: str, factors: str) -> str:
-        """The base's and the factors' hashes, with the settings that scale the factors."""
+    def _digest(self, base: str) -> str:
+        """The base's hash with every value of the factors (small: sampling could miss a
+        change) and the settings that scale them."""
+        factors = content_digest(sorted(self.adapter.tensors.items()))
         settings = {
-            key: self.adapter.config.get(key)
-            for key in ("lora_alpha", "alpha_pattern", "use_rslora")
+            k: self.adapter.config.get(k) for k in ("lora_alpha", "alpha_pattern", "use_rslora")
         }
         text = f"{base}{factors}{json.dumps(settings, sort_keys=True, default=str)}"
         return hashlib.sha256(text.encode()).hexdigest()
@@ -307,14 +298,22 @@ class _AdaptedModules:
 
     def build(self) -> dict[str, nn.Module]:
         updates, self.replacements = self._read()
-        modules = list(self.templates.values())
-        modules += [f.fused(self.base) for f in self.fused.values()]
-        for replacement in self.replacements:
-            if not any(id(replacement.parameter) in self._replacing(m) for m in modules):
-                raise AdapterError(
-                    f"The adapter {self.adapter.label} replaces {replacement.name}, which no "
-                    f"component grafts (see ModelSet.coverage()). {_MERGE_IT}"
-                )
+        modules = [*self.templates.values(), *(f.fused(self.base) for f in self.fused.values())]
+        computed = self.inside.keys() | self.fused.keys()  # by id of the base's module
+        orphans = [
+            f"replaces {r.name}, which no component grafts"
+            for r in self.replacements
+            if not any(id(r.parameter) in self._replacing(m) for m in modules)
+        ] + [
+            f"adapts {name}, which no component computes"
+            for name in updates
+            if id(self.named[name]) not in computed
+        ]
+        if orphans:
+            raise AdapterError(
+                f"The adapter {self.adapter.label} {orphans[0]} (see ModelSet.coverage()). "
+                + _MERGE_IT
+            )
         donors: dict[str, nn.Module] = {}
         # Replaced parameters (modules_to_save, saved embedding layers) first: the
         # LoRA updates then apply to the replaced modules, as in PEFT.
@@ -344,26 +343,18 @@ class _AdaptedModules:
                     assert update.lora_B is not None
                     part = _Update(update.name, update.lora_A, update.lora_B[index])
                     donors[child_path] = self._wrap(inner, part)
-            elif id(module) in self.inside:
+            else:  # inside a slot's module
                 path = self.inside[id(module)]
                 inner = structural_copy(module, self._replacing(module))
                 nested.setdefault(path, {})[id(module)] = self._wrap(inner, update)
-            else:
-                raise AdapterError(
-                    f"The adapter {self.adapter.label} adapts {update.name}, which no "
-                    f"component computes (see ModelSet.coverage()). {_MERGE_IT}"
-                )
         for path, inner_modules in nested.items():
             template = self.templates[path]
             donors[path] = structural_copy(template, self._replacing(template), inner_modules)
         return donors
 
     def _replacing(self, module: nn.Module) -> dict[int, nn.Parameter]:
-        """The replacements that apply inside ``module``, by ``id`` of the base's parameter.
-
-        A ``modules_to_save`` copy applies where its own module is inside ``module``;
-        a value loaded into the base's parameter applies wherever that parameter is.
-        """
+        """The replacements that apply inside ``module``, by ``id`` of the base's parameter: a
+        ``modules_to_save`` copy inside its own module, a loaded value wherever its parameter is."""
         inside = {id(sub) for sub in module.modules()}
         held = {id(p) for _, p in module.named_parameters(remove_duplicate=False)}
         return {
@@ -429,8 +420,7 @@ class _AdaptedModules:
         return updates, replacements
 
     def _problem(self, update: _Update) -> str | None:
-        """What makes ``update`` other than LoRA of its base module, or None (then its factors
-        are put beside the base weight, in its dtype)."""
+        """Why ``update`` is not LoRA of its base module, or None (its factors then cast to it)."""
         module = self.named[update.name]
         label, name = self.adapter.label, update.name
         lora_A, lora_B = update.lora_A, update.lora_B
@@ -472,9 +462,8 @@ class _AdaptedModules:
         return kind(module, update.lora_A, update.lora_B, scale)
 
     def _rows(self, fused: FusedProjection, update: _Update) -> dict[str, torch.Tensor]:
-        """Which rows of ``B`` (outputs of the fused module) each split module computes: the
-        bridge's split function runs on a weight holding each output's row number, checked
-        against the base's own split modules."""
+        """Which rows of ``B`` each split module computes: the bridge's split function run on a
+        weight holding each output's row number, checked against the base's own split."""
         template = fused.fused(self.base)
         weight = template.weight
         bias = getattr(template, "bias", None)

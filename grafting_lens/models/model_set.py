@@ -1,8 +1,5 @@
-"""The model set: aligned checkpoints, index 0 the base, that grafts and patches run on.
-
-Each source is a ``TransformerBridge`` loaded without weight processing (see
-:mod:`grafting_lens.models.loading`), or a source a graft reads modules from (see
-:mod:`grafting_lens.models.sources`): a LoRA adapter, or a checkpoint read lazily.
+"""The model set: aligned checkpoints, index 0 the base, that grafts and patches run on; each
+a source (:mod:`grafting_lens.models.sources`) loaded by :mod:`grafting_lens.models.loading`.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from grafting_lens.core.errors import (
     SelectionError,
     TokenError,
     kind,
+    refuse_first,
 )
 from grafting_lens.models.alignment import check_placement
 from grafting_lens.models.components import ComponentLayout, Key, Slot, component_layout
@@ -38,12 +36,10 @@ class ModelSet(Sequence[TransformerBridge]):
     """Aligned checkpoints, index 0 the base; a sequence of ``TransformerBridge``.
 
     Create one with :func:`load_models`. ``models.base`` (``models[0]``) is the model every
-    grafted run goes through; ``models.sources[i]`` is source ``i`` as grafts see it (see
-    :mod:`grafting_lens.models.sources`), ``models[i]`` as a model that runs alone: built on
-    first use for a LoRA adapter, read whole for a lazily loaded donor (with a
-    :class:`~grafting_lens.core.errors.LazyLoadWarning`; refused when it was declared for
-    some components only). Iterating a set whose lazy donors are unread is refused: it
-    would read them whole as a side effect.
+    grafted run goes through; ``models.sources[i]`` is source ``i`` as grafts see it,
+    ``models[i]`` as a model that runs alone (a lazily loaded donor read whole, with a
+    :class:`~grafting_lens.core.errors.LazyLoadWarning`). Iterating a set whose lazy donors
+    are unread is refused: it would read them whole as a side effect.
 
     Attributes:
         names: A label per source (directory name, hub id, or ``source{i}``).
@@ -61,31 +57,28 @@ class ModelSet(Sequence[TransformerBridge]):
         graftable: Iterable[Key] | None = None,
     ) -> None:
         names = check_names(names, len(sources))
-        wrapped: list[Source] = []
-        for index, source in enumerate(sources):
-            if isinstance(source, TransformerBridge):
-                source = CheckpointSource(source, str(names[index]))
-            if not isinstance(source, Source):
-                raise ArgumentTypeError(
-                    f"Source {index} is a {type(source).__name__}; a ModelSet holds "
-                    "TransformerBridges or grafting_lens.models.sources.Source objects (use "
-                    "load_models to load checkpoints)."
-                )
-            wrapped.append(source)
+        wrapped = [
+            CheckpointSource(source, names[i]) if isinstance(source, TransformerBridge) else source
+            for i, source in enumerate(sources)
+        ]
+        bad = next((i for i, source in enumerate(wrapped) if not isinstance(source, Source)), None)
+        typed = isinstance(allow_uncovered, bool) and isinstance(graftable, (Iterable, type(None)))
+        if bad is not None or not typed:
+            raise ArgumentTypeError(
+                f"allow_uncovered={shown(allow_uncovered)} (True or False), graftable="
+                f"{shown(graftable):.60} (None or (component, layer) pairs): of another type."
+                if bad is None
+                else f"Source {bad} is a {type(wrapped[bad]).__name__}; a ModelSet holds "
+                "TransformerBridges or grafting_lens.models.sources.Source objects (use "
+                "load_models to load checkpoints)."
+            )
         if not wrapped or not isinstance(wrapped[0], CheckpointSource):
             raise AlignmentError(
                 "The base (source 0) must be a checkpoint loaded whole: every grafted run "
                 "goes through its forward pass. Adapters and lazily loaded checkpoints are donors."
             )
-        self._sources = tuple(wrapped)
-        self.names = tuple(names)
-        if not isinstance(allow_uncovered, bool) or not isinstance(
-            graftable, (Iterable, type(None))
-        ):
-            raise ArgumentTypeError(
-                f"allow_uncovered={shown(allow_uncovered)} (True or False), graftable="
-                f"{shown(graftable):.60} (None or (component, layer) pairs): of another type."
-            )
+        self._sources: tuple[Source, ...] = tuple(wrapped)
+        self.names = names
         self.allow_uncovered = allow_uncovered
         self._layout = component_layout(wrapped[0].bridge)
         self.graftable = None if graftable is None else frozenset(graftable)
@@ -134,10 +127,9 @@ class ModelSet(Sequence[TransformerBridge]):
         """What each source holds in memory, against what it would hold whole and on disk.
 
         Returns:
-            One row per source: ``source``, ``name``, ``kind`` (``checkpoint``, ``lazy``,
-            ``lora``), ``resident_bytes`` (held now; a tensor shared with an earlier source,
-            or a view of one, counts once), ``declared_bytes`` (a lazy donor declared for some
-            components: what those take once read), ``full_bytes`` (whole in memory; an
+            One row per source: ``source``, ``name``, ``kind``, ``resident_bytes`` (held now;
+            a tensor shared with an earlier source counts once), ``declared_bytes`` (a lazy
+            donor's declared components, once read), ``full_bytes`` (whole in memory; an
             adapter's merged model) and ``disk_bytes`` (its weight files).
         """
         counted: set[int] = set()
@@ -193,10 +185,8 @@ class ModelSet(Sequence[TransformerBridge]):
         return self._layout.slots[(component, layer)]
 
     def coverage(self) -> pd.DataFrame:
-        """Every parameter of the checkpoint and the component that grafts it.
-
-        A parameter no component covers cannot be taken from a donor: a graft that takes
-        every component around it raises :class:`~grafting_lens.core.errors.ComponentError`
+        """Every parameter of the checkpoint and the component that grafts it. A graft that
+        takes every component around one no component covers is refused (``ComponentError``)
         unless :attr:`allow_uncovered`.
 
         Returns:
@@ -234,11 +224,8 @@ class ModelSet(Sequence[TransformerBridge]):
         return next(self.base.original_model.parameters()).device
 
     def check_tokens(self, tokens: object, name: str = "tokens") -> tuple[int, int]:
-        """Check that ``tokens`` is a ``[batch, pos]`` tensor of ids this model set can run.
-
-        The one token check of the package: grafts, patches, comparisons and the runner call
-        it. Any integer dtype is accepted; the functions that run tokens widen them with
-        :func:`token_ids`.
+        """Check that ``tokens`` is a ``[batch, pos]`` tensor of ids this model set can run: the
+        one token check of the package. Any integer dtype is accepted (:func:`token_ids`).
 
         Args:
             tokens: The candidate token ids.
@@ -293,10 +280,8 @@ class ModelSet(Sequence[TransformerBridge]):
     def check_placement(
         self, sources: Iterable[int], what: str = "This run", *, pairs: Iterable[Key] | None = None
     ) -> None:
-        """Refuse sources cast or moved since :func:`~grafting_lens.load_models` placed them.
-
-        The one placement check (:func:`~grafting_lens.models.alignment.check_placement`),
-        which every run makes before its first forward pass.
+        """Refuse sources cast or moved since :func:`~grafting_lens.load_models` placed them: the
+        one placement check (:func:`~grafting_lens.models.alignment.check_placement`).
 
         Args:
             sources: The sources a run uses (the base, 0, is the reference).
@@ -324,29 +309,20 @@ class ModelSet(Sequence[TransformerBridge]):
         donor: a first look at what finetuning moved, and where a graft can matter.
 
         Returns:
-            One row per source (1..n-1), component and layer: ``source``, ``name``,
-            ``component``, ``layer`` (``<NA>`` for global components), ``relative_change``,
-            ``base_norm``.
+            One row per donor, component and layer: ``source``, ``name``, ``component``,
+            ``layer`` (``<NA>`` for global components), ``relative_change``, ``base_norm``.
         """
         rows = []
         for source in range(1, len(self)):
             for component, layer in self.pairs:
                 slots = self.slots(component, layer)
                 base = _component_vector(self._sources[0], slots)
-                other = _component_vector(self._sources[source], slots)
-                base_norm = float(base.norm())
-                change = float((other - base).norm())
-                rows.append(
-                    {
-                        "source": source,
-                        "name": self.names[source],
-                        "component": component,
-                        "layer": layer,
-                        "relative_change": change / base_norm if base_norm else float("nan"),
-                        "base_norm": base_norm,
-                    }
-                )
-        frame = pd.DataFrame(rows)
+                norm = float(base.norm())
+                change = float((_component_vector(self._sources[source], slots) - base).norm())
+                relative = change / norm if norm else float("nan")
+                rows.append((source, self.names[source], component, layer, relative, norm))
+        columns = ["source", "name", "component", "layer", "relative_change", "base_norm"]
+        frame = pd.DataFrame(rows, columns=columns)
         frame["layer"] = frame["layer"].astype("Int64")  # <NA> for global components
         return frame
 
@@ -359,9 +335,8 @@ class ModelSet(Sequence[TransformerBridge]):
         name: str | None = None,
     ) -> ModelSet:
         """This model set with one more donor, last: ``donor``'s change to each weight matrix
-        cut to ``rank`` directions (a count or indices) and times ``strength``, each one value
-        or one per cell, ``{(component, layer): value}`` (see
-        :mod:`~grafting_lens.models.directions`); a mask grafts it as source ``len(self)``.
+        cut to ``rank`` directions and times ``strength``, each one value or one per cell
+        ``{(component, layer): value}`` (:mod:`~grafting_lens.models.directions`).
 
         Raises:
             SelectionError: An unknown donor, one equal to the base, a negative rank, a
@@ -400,9 +375,7 @@ class ModelSet(Sequence[TransformerBridge]):
 def token_ids(tokens: torch.Tensor) -> torch.Tensor:
     """Token ids as torch's embedding takes them: ``int64``, or ``int32`` left as it is, so
     that ``uint8`` or ``int16`` ids (a compact dataset) run as the same ids."""
-    if tokens.dtype in (torch.int64, torch.int32):
-        return tokens
-    return tokens.to(torch.int64)
+    return tokens if tokens.dtype in (torch.int64, torch.int32) else tokens.to(torch.int64)
 
 
 def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:
@@ -411,20 +384,20 @@ def _component_vector(source: Source, slots: Sequence[Slot]) -> torch.Tensor:
 
 
 def check_names(names: object, count: int) -> tuple[str, ...]:
-    """``names`` as ``count`` distinct labels, one per source (tables and figures tell the
-    sources apart by them).
+    """``names`` as ``count`` distinct labels, one per source, for tables and figures.
 
     Raises:
         GraftingLensError: Not a list of non-empty strings, another count, or a label twice.
     """
     labels = as_texts(names, "names", "one label per source", GraftingLensError)
-    if len(labels) != count:
-        raise GraftingLensError(f"Got {len(labels)} names for {count} sources.")
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise GraftingLensError(
-            f"names={labels!r} gives {twice[0]!r} twice: each source needs its own label."
-        )
+    twice = min((label for label in labels if labels.count(label) > 1), default=None)
+    refuse_first(
+        GraftingLensError,
+        [
+            (len(labels) != count, f"Got {len(labels)} names for {count} sources."),
+            (twice, f"names={labels!r} gives {twice!r} twice: each source needs its own label."),
+        ],
+    )
     return tuple(labels)
 
 

@@ -1,12 +1,9 @@
 """Placement: where each checkpoint's modules sit, on one device or split across several.
 
-A graft runs a donor's module on the activation the base's module received, so every donor
-module must sit where the base module it stands in for sits. ``device_map=`` takes what
-``from_pretrained`` takes: a device (as ``device=``), an accelerate strategy or ``{module
-name: device}``; the base is loaded with it, every donor with the map the base *realised*
-(:func:`realised_map`). Offloading (``"disk"``, or ``"cpu"`` beside an accelerator) is
-refused: accelerate fills such modules at call time, and a donor module run in their place
-would not be filled.
+A donor module runs where the base module it stands in for sits: the base is loaded with
+``device_map=``, every donor with the map the base *realised* (:func:`realised_map`).
+Offloading is refused: accelerate fills such modules at call time, and a donor module run in
+their place would not be filled. See the how-to "Run on a GPU".
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def usable_device(device: object, what: str = "device") -> torch.device:
     """``device`` as a torch device this machine can use, or an error saying why not.
 
     Raises:
-        GraftingLensError: torch does not know the device, or has no backend for it here
-            (``"cuda"`` on a CPU-only machine).
+        GraftingLensError: torch does not know the device, or has no backend for it here.
     """
     try:
         found = torch.device(device)  # type: ignore[call-overload]
@@ -54,9 +50,8 @@ def usable_device(device: object, what: str = "device") -> torch.device:
 def resolve_device_map(
     device: object, device_map: object, max_memory: object
 ) -> tuple[torch.device | None, str | dict[str, Device] | None]:
-    """``device=`` and ``device_map=`` as loading uses them: one device, or a map.
-
-    A map naming one device (``"cpu"``, ``0``, ``{"": "cuda:0"}``) is that device.
+    """``device=`` and ``device_map=`` as loading uses them: one device (a map naming one, such
+    as ``{"": "cuda:0"}``, included), or a map.
 
     Returns:
         ``(device, None)``, ``(None, strategy or {module name: device})`` or ``(None, None)``.
@@ -107,13 +102,12 @@ def resolve_device_map(
 def for_this_rank(
     device: torch.device | None, device_map: str | dict[str, Device] | None
 ) -> tuple[torch.device | None, str | dict[str, Device] | None]:
-    """Under a launcher (:func:`grafting_lens.core.ranks.launched`, shared or not), where this
-    rank's pair goes: its own GPU (``cuda:<local rank>``) unless ``device=`` names one with an
-    index; the same otherwise.
+    """Under a launcher (:func:`grafting_lens.core.ranks.launched`), where this rank's pair
+    goes: its own GPU (``cuda:<local rank>``) unless ``device=`` names one with an index.
 
     Raises:
-        GraftingLensError: A ``device_map=`` that splits the pair over several devices:
-            every rank would spread its pair over the GPUs the other ranks use.
+        GraftingLensError: A ``device_map=``, which would spread every rank's pair over the
+            GPUs the other ranks use.
     """
     share = ranks.launched()
     if share is None:
@@ -125,10 +119,8 @@ def for_this_rank(
             "own GPU: leave device_map out (each rank takes cuda:LOCAL_RANK), or split a pair "
             "too large for one GPU in a single process, without torchrun."
         )
-    gpu = share.device.type == "cuda"
-    if (device is None and gpu) or (device is not None and device == torch.device("cuda")):
-        return share.device, None
-    return device, None
+    unindexed = share.device.type == "cuda" if device is None else device == torch.device("cuda")
+    return (share.device if unindexed else device), None
 
 
 def check_offload(targets: Iterable[Any], where: str) -> None:
@@ -151,8 +143,7 @@ def check_offload(targets: Iterable[Any], where: str) -> None:
 
 
 def _kind(target: object) -> str:
-    """``"disk"``, or the type of the device ``target`` names, there or not (a GPU index is
-    ``"cuda"``)."""
+    """``"disk"``, or the type of the device ``target`` names, there or not (an index: cuda)."""
     if isinstance(target, int) and not isinstance(target, bool):
         return "cuda"
     if isinstance(target, torch.device):

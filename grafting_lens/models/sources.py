@@ -1,14 +1,10 @@
 """What a source of weights is: a checkpoint in memory, one read from disk on first use, or an adapter.
 
-A :class:`~grafting_lens.ModelSet` holds *sources*, the base (index 0) and the donors, and a
-graft asks each one question per slot of the bridge tree: which module computes this slot
-for you? A :class:`CheckpointSource` (the base is one) answers with its own bridge's module;
-a :class:`LazySource` with a copy of the base's module holding the donor's tensors, read
-from safetensors files on first use (:mod:`grafting_lens.models.checkpoint_files`); a
-:class:`~grafting_lens.models.lora_source.LoraSource` with a module computing ``W x + B A x
-* scale`` from the base's own weight. Every source also runs alone, as
-:attr:`Source.bridge`: an adapter as a second bridge over the base's tensors, a lazy donor
-read whole on first use (with a :class:`~grafting_lens.core.errors.LazyLoadWarning`).
+A graft asks each source of a :class:`~grafting_lens.ModelSet` which module computes a slot:
+a :class:`CheckpointSource` (the base is one) answers with its own bridge's module, a
+:class:`LazySource` with a copy of the base's holding tensors read on first use, a
+:class:`~grafting_lens.models.lora_source.LoraSource` with the base's module plus its factors.
+Each also runs alone, as :attr:`Source.bridge`.
 """
 
 from __future__ import annotations
@@ -43,22 +39,12 @@ from grafting_lens.models.fingerprints import (
 )
 from grafting_lens.models.placement import embedding_device
 
-__all__ = [
-    "CheckpointSource",
-    "LazySource",
-    "Source",
-    "model_copy",
-    "shared_bridge",
-    "structural_copy",
-    "tensor_bytes",
-]
-
 
 class Source(abc.ABC):
     """One checkpoint of a model set, as a graft and a run see it.
 
     Attributes:
-        kind: ``"checkpoint"``, ``"lazy"`` or ``"lora"``.
+        kind: ``"checkpoint"``, ``"lazy"``, ``"lora"`` or ``"directions"``.
         name: The source's label in the model set.
     """
 
@@ -81,8 +67,8 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def weights(self, slot: Slot) -> list[torch.Tensor]:
-        """The values of ``slot``'s parameters, in the order and shapes of the base module's
-        (an adapter's merged ``W + B A * scale``; a lazy donor's read, not kept)."""
+        """The values of ``slot``'s parameters as the base module orders and shapes them (an
+        adapter's merged ``W + B A * scale``; a lazy donor's read, not kept)."""
 
     @abc.abstractmethod
     def resident_tensors(self) -> list[torch.Tensor]:
@@ -94,8 +80,8 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def content_digest(self) -> str:
-        """A hash of every value of this source's weights, equal for the same checkpoint loaded
-        whole or lazily: what a run directory compares before it reuses stored results."""
+        """A hash of every value of this source's weights (whole or lazily loaded alike), which a
+        run directory compares before it reuses stored results."""
 
     @abc.abstractmethod
     def _fingerprint(self) -> str: ...
@@ -115,8 +101,7 @@ class Source(abc.ABC):
 
     def fingerprint(self) -> str:
         """A short hash of 64 values of each weight tensor (see
-        :mod:`~grafting_lens.models.fingerprints`), equal for the same checkpoint loaded whole
-        or lazily, kept until a parameter is replaced or changed in place."""
+        :mod:`~grafting_lens.models.fingerprints`), kept until a parameter changes."""
         state = self._weights_state()
         known = self.__dict__.get("_fingerprinted")
         if known is None or state is None or known[0] != state:
@@ -151,7 +136,7 @@ class CheckpointSource(Source):
         return slot.module(self._bridge)
 
     def weights(self, slot: Slot) -> list[torch.Tensor]:
-        return [p.detach() for p in slot.module(self._bridge).parameters()]
+        return [p.detach() for p in self.module(slot).parameters()]
 
     def resident_tensors(self) -> list[torch.Tensor]:
         # The bridge's own tensors too: a split the bridge copies (NeoX's Q, K, V).
@@ -179,12 +164,10 @@ class CheckpointSource(Source):
 class LazySource(Source):
     """A donor read from safetensors files a component at a time, on first use.
 
-    Its module for a slot is a copy of the base's (same class, settings and buffers) holding
-    the donor's tensors, read once, on the device and in the dtype of the base's parameters
-    (which the alignment check at load makes the files' unless ``dtype=`` casts). A slot the
-    bridge cuts out of a fused matrix is cut from the donor's by the bridge's own split. Every
-    use first checks that the files are those opened at load. ``declared`` are the slots a
-    graft may take (None: every one); ``load_whole`` loads it whole, for :attr:`bridge`.
+    Its module for a slot is a copy of the base's holding the donor's tensors, read once onto
+    the base's devices and dtypes (a fused matrix cut by the bridge's own split); every use
+    first checks the files are those opened at load. ``declared`` are the slots a graft may
+    take (None: every one); ``load_whole`` loads it whole, for :attr:`bridge`.
     """
 
     kind = "lazy"
@@ -244,8 +227,8 @@ class LazySource(Source):
         """The donor loaded whole, on first use, with a :class:`~grafting_lens.core.errors.LazyLoadWarning`.
 
         Raises:
-            GraftingLensError: The donor was declared for some components only, or its
-                files changed.
+            GraftingLensError: The donor was declared for some components only, or its files
+                changed.
         """
         self._files.check()  # the checkpoint read whole, or used, is the one opened lazily
         if self._whole is None:
@@ -281,17 +264,15 @@ class LazySource(Source):
         return module
 
     def weights(self, slot: Slot) -> list[torch.Tensor]:
-        if self._whole is not None or slot.path in self._modules:
-            module = self.module(slot)
-        else:  # read, not kept
-            module = self._build(slot, self._read)
+        kept = self._whole is not None or slot.path in self._modules
+        module = self.module(slot) if kept else self._build(slot, self._read)  # read, not kept
         return [p.detach() for p in module.parameters()]
 
     def resident_tensors(self) -> list[torch.Tensor]:
         if self._whole is not None:
             return CheckpointSource(self._whole, self.name).resident_tensors()
-        tensors = list(self._tensors.values())
-        return tensors + [p.detach() for m in self._modules.values() for p in m.parameters()]
+        held = [p.detach() for m in self._modules.values() for p in m.parameters()]
+        return [*self._tensors.values(), *held]
 
     def full_bytes(self) -> int:
         return self._bytes_of(None)
@@ -369,11 +350,9 @@ def structural_copy(
     parameters: Mapping[int, nn.Parameter],
     modules: Mapping[int, nn.Module] | None = None,
 ) -> nn.Module:
-    """A copy of ``module``'s tree of modules, with some parameters and submodules replaced.
-
-    Every module is a new object of the same class and attributes (settings, buffers and
-    untouched parameters shared, not copied), so the copy computes what ``module``
-    computes with the replacements in place.
+    """A copy of ``module``'s tree of modules, with some parameters and submodules replaced:
+    new objects of the same class and attributes (settings, buffers and untouched parameters
+    shared, not copied), computing what ``module`` computes with the replacements in place.
 
     Args:
         module: The template (e.g. the base's ``q_proj``).
@@ -411,19 +390,15 @@ def structural_copy(
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor], counted: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once),
-    skipping and adding to ``counted`` (data pointers), so that sources sharing tensors count
-    them once."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one count once), skipping and
+    adding to ``counted`` (data pointers), so that sources sharing tensors count them once."""
     counted = set() if counted is None else counted
     total = 0
     for tensor in tensors:
-        if tensor.device.type == "meta":
-            continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in counted or storage.nbytes() == 0:
-            continue
-        counted.add(storage.data_ptr())
-        total += storage.nbytes()
+        storage = tensor.untyped_storage() if tensor.device.type != "meta" else None
+        if storage is not None and storage.data_ptr() not in counted and storage.nbytes():
+            counted.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
@@ -431,12 +406,11 @@ def model_copy(model: nn.Module, share_parameters: bool = False) -> Any:
     """A copy of ``model``'s modules and config over the same weight tensors, unwrapped from
     any bridge: new ``Parameter`` objects over the same storage (the same objects with
     ``share_parameters``), so that casting or moving the copy leaves ``model`` as it was."""
-    memo: dict[int, Any] = {}
-    for tensor in (*model.parameters(), *model.buffers()):
-        if isinstance(tensor, nn.Parameter) and not share_parameters:
-            memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=tensor.requires_grad)
-        else:
-            memo[id(tensor)] = tensor
+    memo: dict[int, Any] = {id(tensor): tensor for tensor in model.buffers()}
+    for p in model.parameters():
+        memo[id(p)] = (
+            p if share_parameters else nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+        )
     # A bridge wraps modules in place: each wrapper stands for the module it wraps.
     for module in reversed(list(model.modules())):
         if isinstance(module, GeneralizedComponent) and module.original_component is not None:
@@ -448,13 +422,19 @@ def shared_bridge(base: TransformerBridge) -> TransformerBridge:
     """A second bridge over the base's own parameters and buffers (an adapter runs alone in
     it): it costs the modules, not the weights, and moves with the base."""
     model = model_copy(base.original_model, share_parameters=True)
+    name = str(getattr(base.cfg, "model_name", "") or "base")
+    return _boot_bridge(model, name, base.tokenizer)
+
+
+def _boot_bridge(model: nn.Module, name: str, tokenizer: Any) -> TransformerBridge:
+    """A bridge over ``model`` itself in eval mode, weights unprocessed; a dispatched model is
+    taken as is (the bridge reads its ``hf_device_map``), token ids go to its embedding."""
     model.eval()
-    return adapt_bridge(
-        TransformerBridge.boot_transformers(
-            str(getattr(base.cfg, "model_name", "") or "base"),
-            hf_model=model,
-            tokenizer=base.tokenizer,
-            device=str(embedding_device(model)),
-            dtype=next(model.parameters()).dtype,
-        )
+    bridge = TransformerBridge.boot_transformers(
+        name,
+        hf_model=model,
+        tokenizer=tokenizer,
+        device=str(embedding_device(model)),
+        dtype=next(model.parameters()).dtype,
     )
+    return adapt_bridge(bridge)

@@ -1,10 +1,8 @@
 """How a patch or a sweep runs: hooks, resumed passes, and cells planned into passes.
 
-Internal to :mod:`grafting_lens.patching.patch`, which checks every argument and hands
-this module a :class:`PatchRun`: the *running* checkpoint, the *giving* one whose
-activations are patched in (the base and the donor in the sufficiency direction, the other
-way round in the necessity direction), and the tokens. How a sweep is batched and resumed:
-the how-to "Run a sweep", section "Patching sweeps".
+Internal to :mod:`grafting_lens.patching.patch`, which checks every argument and hands this
+module a :class:`PatchRun`: the *running* checkpoint, the *giving* one whose activations are
+patched in, and the tokens. How a sweep is batched and resumed: the how-to "Run a sweep".
 """
 
 from __future__ import annotations
@@ -32,14 +30,13 @@ HOOKS = {
 }
 """The bridge's hook of each site, per layer."""
 
-# Per layer: row, position and head (or None) of every patched entry, and the
-# prompt (row of the activations patched in) each one takes its value from.
+# Per layer: row, position and head (or None) of every patched entry, and the prompt
+# (row of the activations patched in) each one takes its value from.
 Entries = dict[int, tuple[torch.Tensor, torch.Tensor, Union[torch.Tensor, None], torch.Tensor]]
 
 
 class UnpatchedPrefix(NamedTuple):
-    """The unpatched run: its logits, every position's keys and values, and the
-    residual stream entering each block (``[batch, pos, d_model]`` per layer)."""
+    """The unpatched run: its logits, keys and values, and each block's residual input."""
 
     logits: torch.Tensor
     cache: DynamicCache
@@ -52,9 +49,8 @@ _RESUMABLE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDi
 
 
 class PatchRun:
-    """One patch or sweep, checked: checkpoint ``running`` runs on ``[batch, pos]`` ``tokens``
-    with ``giving``'s activations at ``site`` (from ``patch_tokens``, default ``tokens``)
-    patched in; ``attention_mask`` right-pads both runs."""
+    """One checked patch or sweep: checkpoint ``running`` on ``tokens`` with ``giving``'s
+    activations at ``site`` (from ``patch_tokens``, else ``tokens``) patched in."""
 
     def __init__(
         self,
@@ -94,32 +90,24 @@ class PatchRun:
         sites = (self.site, "resid_pre", "attn_out") if self.site == "resid_mid" else (self.site,)
         names = [HOOKS[site].format(layer=layer) for layer in layers for site in sites]
         stored: dict[str, torch.Tensor] = {}
+        hooks = [(name, _keeper(stored, name)) for name in names]
         self.giving_model.run_with_hooks(
-            self.patch_tokens,
-            attention_mask=self.attention_mask,
-            return_type=None,
-            fwd_hooks=[(name, _keeper(stored, name)) for name in names],
+            self.patch_tokens, attention_mask=self.attention_mask, return_type=None, fwd_hooks=hooks
         )
-        given = {}
-        for layer in layers:
-            activation = stored[HOOKS[self.site].format(layer=layer)]
-            if self.site == "z":
-                activation = per_head(activation, self.n_heads)
-            if self.site == "resid_mid":
+        if self.site == "resid_mid":
+            for layer in layers:
                 check_resid_mid(self.models, layer, stored)
-            given[layer] = activation
+        given = {layer: stored[HOOKS[self.site].format(layer=layer)] for layer in layers}
+        if self.site == "z":
+            given = {layer: per_head(value, self.n_heads) for layer, value in given.items()}
         return given
 
     def unpatched_prefix(self) -> UnpatchedPrefix:
-        """The run model's own logits, keys, values and residual stream, to resume
-        patched runs from."""
+        """The run model's own logits, keys, values and residual stream, to resume from."""
         cache = DynamicCache()
-        residuals: dict[int, torch.Tensor] = {}
-        check_cache_continuation(
-            self.running_model,
-            "patching with reuse_prefix=True (pass reuse_prefix=False)",
-            PatchingError,
-        )
+        residuals: list[Any] = [None] * self.models.n_layers
+        what = "patching with reuse_prefix=True (pass reuse_prefix=False)"
+        check_cache_continuation(self.running_model, what, PatchingError)
         with cache_visible(self.running_model):
             logits = self.running_model.run_with_hooks(
                 self.tokens,
@@ -131,9 +119,7 @@ class PatchRun:
                 ],
                 **cached_forward_kwargs(self.running_model, cache),
             )
-        return UnpatchedPrefix(
-            logits, cache, [residuals[layer] for layer in range(self.models.n_layers)]
-        )
+        return UnpatchedPrefix(logits, cache, residuals)
 
     def can_skip_layers(self, prefix: UnpatchedPrefix) -> bool:
         """Whether resuming from a later block reproduces the unpatched run (checked once
@@ -144,9 +130,8 @@ class PatchRun:
         if self._block_list() is None or self.models.n_layers < 2:
             return False
         start = 1 if self.shape[1] > 1 else 0
-        logits = self.run(
-            1, {}, {}, start=start, prefix=prefix, first_layer=self.models.n_layers // 2
-        )
+        middle = self.models.n_layers // 2
+        logits = self.run(1, {}, {}, start=start, prefix=prefix, first_layer=middle)
         expected = prefix.logits
         scale = float(expected.abs().max()) + 1e-6
         _RESUMABLE[self.running_model] = bool((logits - expected).abs().max() <= 1e-3 * scale)
@@ -160,9 +145,8 @@ class PatchRun:
         prefix: UnpatchedPrefix | None,
         kept: torch.Tensor,
     ) -> torch.Tensor:
-        """Each row's last-token logits, ``[rows, 1, d_vocab]``, from ``computed``, the logits
-        of positions ``kept`` (absolute, all at or after ``start``), or for rows ending
-        before ``start`` from the unpatched run."""
+        """Each row's last-token logits, ``[rows, 1, d_vocab]``, from ``computed`` (the logits
+        of absolute positions ``kept``), or from the unpatched run for rows ending before it."""
         # The logits are on the unembedding's device, not necessarily the tokens'.
         device = computed.device
         last = self.last_positions.repeat(repeats).to(device)
@@ -175,18 +159,14 @@ class PatchRun:
         early = last < start
         if bool(early.any()):
             assert prefix is not None
-            early_rows, early_last = rows[early], last[early]
-            taken = prefix.logits[
-                (early_rows % self.shape[0]).to(prefix.logits.device),
-                early_last.to(prefix.logits.device),
-            ]
+            where = prefix.logits.device
+            taken = prefix.logits[(rows[early] % self.shape[0]).to(where), last[early].to(where)]
             logits[early] = taken.to(device)
         return logits[:, None]
 
     def pass_costs(self, last_only: bool) -> tuple[int, float, float]:
-        """What :func:`plan_passes` needs: layers, the unembedding's cost in blocks,
-        and a pass's fixed cost in tokens (small on a CPU, large on an accelerator,
-        where a pass of a few tokens is dominated by kernel launches)."""
+        """What :func:`plan_passes` needs: layers, the unembedding's cost in blocks, and a
+        pass's fixed cost in tokens (large on an accelerator, where launches dominate)."""
         block = sum(parameter.numel() for parameter in self.running_model.blocks[0].parameters())
         cfg = self.running_model.cfg
         unembed = cfg.d_vocab * cfg.d_model / max(block, 1)
@@ -198,7 +178,7 @@ class PatchRun:
     def _block_list(self) -> tuple[torch.nn.Module, str] | None:
         """The module and attribute name holding the Hugging Face model's decoder layers."""
         blocks = getattr(self.running_model, "blocks", None)
-        if blocks is None or len(blocks) == 0:
+        if not blocks:
             return None
         for name, module in self.running_model.original_model.named_modules():
             if isinstance(module, torch.nn.ModuleList) and len(module) == len(blocks):
@@ -218,29 +198,25 @@ class PatchRun:
         first_layer: int = 0,
         last_only: bool = False,
     ) -> torch.Tensor:
-        """The patched run's logits, with every entry written in one forward pass.
+        """The patched run's logits, every entry written in one forward pass of the tokens
+        repeated ``repeats`` times along the batch (entry positions are absolute).
 
-        The tokens run ``repeats`` times along the batch. ``start > 0`` computes positions
-        ``start..pos-1`` only, over ``prefix``'s keys and values of the earlier ones (a patch
-        never changes what comes before it); ``first_layer > 0`` enters that block with the
-        unpatched residual stream. ``last_only`` gives each row's last real token, ``[rows,
-        1, d_vocab]``, the unembedding run there only. Entry positions are absolute.
+        ``start > 0`` computes positions ``start..pos-1`` only, over ``prefix``'s keys and
+        values; ``first_layer > 0`` enters that block with the unpatched residual stream;
+        ``last_only`` gives each row's last real token alone, ``[rows, 1, d_vocab]``.
         """
         hooks = []
         for layer, (rows, pos, heads, prompts) in entries.items():
             if len(rows) == 0:
                 continue
-            # The values are taken where the giving run left them (its layer's device),
-            # and written where the running model computes that layer: on a layer-split
-            # model (accelerate's device_map) neither need be the embedding's device.
+            # Taken where the giving run left them (its layer's device), written where the
+            # running model computes that layer: on a layer-split model, neither the embedding's.
             source = given[layer]
-            taking = (prompts, pos) if heads is None else (prompts, pos, heads)
-            values = source[tuple(part.to(source.device) for part in taking)]
-            index: tuple[torch.Tensor, ...] = (
-                (rows, pos - start) if heads is None else (rows, pos - start, heads)
-            )
+            extra = () if heads is None else (heads,)
+            values = source[tuple(part.to(source.device) for part in (prompts, pos, *extra))]
+            index = (rows, pos - start, *extra)
             hooks.extend(site_hooks(self.site, layer, index, values, self.n_heads))
-        tokens = self.tokens.repeat(repeats, 1)
+        entry = self.tokens.repeat(repeats, 1)[:, start:]
         mask = None if self.attention_mask is None else self.attention_mask.repeat(repeats, 1)
         options: dict[str, object] = {}
         if last_only:
@@ -261,8 +237,22 @@ class PatchRun:
                     layer,
                 )
             options.update(cached_forward_kwargs(self.running_model, past))
-        with cache_visible(self.running_model):
-            rest = self._forward(tokens, start, mask, hooks, options, first_layer, prefix)
+        blocks = None
+        if first_layer:  # enter that block with the unpatched residual, the blocks before it out
+            assert prefix is not None
+            entry = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
+            options["start_at_layer"] = first_layer
+            parent, attribute = self._block_list()  # type: ignore[misc]
+            blocks = (parent, attribute, getattr(parent, attribute))
+            setattr(parent, attribute, torch.nn.ModuleList(list(blocks[2])[first_layer:]))
+        try:
+            with cache_visible(self.running_model):
+                rest = self.running_model.run_with_hooks(
+                    entry, attention_mask=mask, return_type="logits", fwd_hooks=hooks, **options
+                )
+        finally:
+            if blocks is not None:
+                setattr(*blocks)
         if last_only:
             return self._last(rest, start, repeats, prefix, kept)
         if start == 0:
@@ -274,47 +264,9 @@ class PatchRun:
         logits[:, start:] = rest
         return logits
 
-    def _forward(
-        self,
-        tokens: torch.Tensor,
-        start: int,
-        mask: torch.Tensor | None,
-        hooks: list,
-        options: dict[str, object],
-        first_layer: int,
-        prefix: UnpatchedPrefix | None,
-    ) -> torch.Tensor:
-        """One hooked pass from position ``start`` and block ``first_layer`` on."""
-        repeats = tokens.shape[0] // self.shape[0]
-        if first_layer == 0:
-            return self.running_model.run_with_hooks(
-                tokens[:, start:],
-                attention_mask=mask,
-                return_type="logits",
-                fwd_hooks=hooks,
-                **options,
-            )
-        assert prefix is not None
-        residual = prefix.residuals[first_layer][:, start:].repeat(repeats, 1, 1)
-        parent, attribute = self._block_list()  # type: ignore[misc]
-        every_block = getattr(parent, attribute)
-        setattr(parent, attribute, torch.nn.ModuleList(list(every_block)[first_layer:]))
-        try:
-            return self.running_model.run_with_hooks(
-                residual,
-                start_at_layer=first_layer,
-                attention_mask=mask,
-                return_type="logits",
-                fwd_hooks=hooks,
-                **options,
-            )
-        finally:
-            setattr(parent, attribute, every_block)
 
-
-def _keeper(stored: dict, key: Any) -> Callable:
-    """A hook keeping its activation, detached, in ``stored[key]`` (keyed by the name asked
-    for: the bridge reports aliases by their target)."""
+def _keeper(stored: dict | list, key: Any) -> Callable:
+    """A hook keeping its activation, detached, in ``stored[key]`` (the name asked for)."""
 
     def hook(activation, hook):
         stored[key] = activation.detach()
@@ -329,11 +281,8 @@ def site_hooks(
     values: torch.Tensor,
     n_heads: int,
 ) -> list[tuple[str, Callable]]:
-    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place).
-
-    ``index`` and ``values`` may be on any device: each hook uses them on its
-    activation's device, copied there once per device and kept.
-    """
+    """Hooks that write ``values`` at ``index`` of ``site`` at ``layer`` (out of place), each
+    on its activation's device (``index`` and ``values`` copied there once)."""
     placed: dict[torch.device, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     def on(device: torch.device) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -342,9 +291,8 @@ def site_hooks(
         return placed[device]
 
     if site == "resid_mid":
-        # The bridge's hook_resid_mid is ln2's input, not the residual that is added
-        # to the MLP output; writing attn_out = patched - resid_pre puts the patched
-        # vector in both places.
+        # The bridge's hook_resid_mid is ln2's input, not the residual the MLP output joins:
+        # writing attn_out = patched - resid_pre puts the patched vector in both places.
         captured: dict[str, torch.Tensor] = {}
 
         def capture(activation, hook):
@@ -377,15 +325,12 @@ def plan_passes(
     length: int,
     costs: tuple[int, float, float],
 ) -> list[list[int]]:
-    """Group cells into forward passes of at most ``per_pass`` cells, cheaply.
+    """Group cells into forward passes of at most ``per_pass`` cells: cell indices per pass.
 
-    Cells are tiled over the grid of (first position, first layer) with every power-of-two
-    tile shape, and the tiling whose modelled cost is lowest wins: a pass costs
-    ``(rows * tokens + overhead) * (blocks + unembedding)``, in block-token units.
-
-    ``starts`` holds each cell's ``(first position, first layer)``, each cell adds
-    ``rows_per_cell`` rows of ``length`` tokens, ``costs`` is :meth:`PatchRun.pass_costs`.
-    Returns cell indices, one list per pass.
+    Cells are tiled over the grid of ``starts`` (each cell's first position and first layer)
+    with every power-of-two tile shape; the tiling of lowest modelled cost wins, a pass
+    costing ``(rows * tokens + overhead) * (blocks + unembedding)`` (``costs``:
+    :meth:`PatchRun.pass_costs`), each cell adding ``rows_per_cell`` rows of ``length``.
     """
     n_layers, unembed, overhead = costs
     position_index = {value: i for i, value in enumerate(sorted({p for p, _ in starts}))}

@@ -1,24 +1,20 @@
 """Activation patching between the checkpoints of a model set.
 
-TransformerLens's ``patching`` module patches between two *prompts* on one model; here the
-two runs are two *checkpoints* of a :class:`~grafting_lens.ModelSet` on the same tokens (the
-base and the donor), and the question is where the donor's residual stream (or attention
-output, or one head) carries what makes it answer differently. ``"sufficiency"``
-(``"denoising"``) runs ``target`` and patches in ``source``'s activations; ``"necessity"``
-(``"noising"``) runs ``source`` and patches in ``target``'s. A patch imports the donor's
-whole upstream computation, a graft only its weights (concept page "Grafting versus
-patching").
+TransformerLens's ``patching`` module patches between two *prompts* on one model; here between
+two *checkpoints* of a :class:`~grafting_lens.ModelSet` on the same tokens: where does the
+donor's residual stream (or attention output, or one head) carry what makes it answer
+differently? ``"sufficiency"`` (``"denoising"``) runs ``target`` and patches in ``source``'s
+activations, ``"necessity"`` (``"noising"``) the other way round. A patch imports the donor's
+whole upstream computation, a graft only its weights (concept page "Grafting versus patching").
 
 Sites: ``resid_pre``, ``resid_mid``, ``resid_post``, ``attn_out`` and ``mlp_out`` are
 ``[batch, pos, d_model]``, ``z`` is ``[batch, pos, head, d_head]``; parallel blocks (GPT-NeoX,
-Pythia) have no ``resid_mid``. The bridge's ``hook_resid_mid`` is ``ln2``'s input, not the
-residual, so a ``resid_mid`` patch rewrites the attention output (``attn_out := patched -
-resid_pre``): the MLP and the residual both see the patched vector.
+Pythia) have no ``resid_mid``. The bridge's ``hook_resid_mid`` is ``ln2``'s input, so a
+``resid_mid`` patch rewrites the attention output (``attn_out := patched - resid_pre``).
 
-:func:`resid_patch_sweep` and :func:`head_patch_sweep` patch each cell alone and give
-TransformerLens's ``get_act_patch_*`` values, but run many cells per forward pass, each pass
-resumed from the first position and layer its cells patch (how-to "Run a sweep", section
-"Patching sweeps").
+:func:`resid_patch_sweep` and :func:`head_patch_sweep` give TransformerLens's
+``get_act_patch_*`` values, many cells per forward pass, each pass resumed from the first
+position and layer its cells patch (how-to "Run a sweep", section "Patching sweeps").
 
     >>> values, frame = resid_patch_sweep(models, tokens, lambda logits: logits[:, -1, answer])
     >>> frame.pivot(index="layer", columns="pos", values="value")
@@ -29,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Union, cast
+from typing import Any, NamedTuple, Union, cast
 
 import numpy as np
 import pandas as pd
@@ -94,8 +90,7 @@ SweepPositions = Union[str, Sequence[int], Mapping[str, PositionSpec], PositionS
 
 
 class PatchSweep(NamedTuple):
-    """A sweep's values and the cell each one belongs to, unpacking like TransformerLens's
-    ``(tensor, index_df)``.
+    """A sweep's values and their cells, unpacking like TransformerLens's ``(tensor, index_df)``.
 
     Attributes:
         values: ``[layer, pos]``, ``[layer, head]`` or ``[layer, pos, head]`` in the order
@@ -221,19 +216,19 @@ class _SweepOptions:
     logits: str
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reuse_prefix, bool):
-            raise ArgumentTypeError(f"reuse_prefix={shown(self.reuse_prefix)}: True or False.")
         if (
             self.reduce not in ("mean", "none")
             or self.logits not in ("all", "last")
+            or not isinstance(self.reuse_prefix, bool)
             or not is_integer(self.chunk_size)
             or self.chunk_size < 1
         ):
             typed = isinstance(self.reduce, str) and isinstance(self.logits, str)
-            raise (PatchingError if typed and is_integer(self.chunk_size) else ArgumentTypeError)(
-                f"A sweep takes reduce='mean' or 'none', logits='last' or 'all' and a "
-                f"chunk_size >= 1 (rows per pass); got {self.reduce!r}, {self.logits!r}, "
-                f"{self.chunk_size!r}."
+            typed = typed and isinstance(self.reuse_prefix, bool) and is_integer(self.chunk_size)
+            raise (PatchingError if typed else ArgumentTypeError)(
+                f"A sweep takes reduce='mean' or 'none', logits='last' or 'all', reuse_prefix "
+                f"True or False and a chunk_size >= 1 (rows per pass); got {self.reduce!r}, "
+                f"{self.logits!r}, {shown(self.reuse_prefix)}, {self.chunk_size!r}."
             )
 
 
@@ -275,8 +270,8 @@ def resid_patch_sweep(
             boolean tensor): one selection and no position axis.
         reduce: ``"mean"`` over the prompts, or ``"none"`` (a trailing ``batch`` axis).
         chunk_size: Rows per forward pass (at least one cell of ``batch`` rows).
-        reuse_prefix: Resume each pass from its first patched position and layer
-            (``False`` for models that take no ``DynamicCache``).
+        reuse_prefix: Resume each pass from its first patched position and layer (``False``
+            for models that take no ``DynamicCache``).
         progress: Show a progress bar over passes (default: where someone watches).
         logits: ``"last"`` (each row's last real token, ``[batch, 1, d_vocab]``, the
             unembedding run there only; the metric is probed on the unpatched run first)
@@ -287,11 +282,10 @@ def resid_patch_sweep(
         selection) and the tidy ``frame``.
 
     Raises:
-        PatchingError: As :func:`patch_forward`, bad sweep options, a metric returning
-            another shape than ``[batch]`` or a scalar, or raising (naming the cell); under
-            ``logits="last"``, before any patched pass, a metric raising on the last
-            token's logits or (rows unpadded) reading other positions: it needs
-            ``logits="all"``.
+        PatchingError: As :func:`patch_forward`, bad sweep options, a metric returning another
+            shape than ``[batch]`` or a scalar, or raising (naming the cell); under
+            ``logits="last"``, before any pass, a metric raising on the last token's logits
+            or (rows unpadded) reading other positions (it needs ``logits="all"``).
     """
     site = check_site(site, None, LAYER_POSITION_SITES)
     options = _SweepOptions(reduce, chunk_size, reuse_prefix, progress, logits)
@@ -359,11 +353,8 @@ def _sweep(
     run.check_layers(layer_list)
     position_labels, selections = _position_axis(positions, run.shape, run.cpu_attention_mask)
 
-    axes: list[tuple[str, list]] = [("layer", list(layer_list))]
-    if position_labels is not None:
-        axes.append(("pos", position_labels))
-    if head_list is not None:
-        axes.append(("head", head_list))
+    every_axis = [("layer", list(layer_list)), ("pos", position_labels), ("head", head_list)]
+    axes: list[tuple[str, list]] = [(name, axis) for name, axis in every_axis if axis is not None]
     cells = list(itertools.product(layer_list, range(len(selections)), head_list or (None,)))
 
     given = run.given_activations(layer_list)
@@ -379,8 +370,7 @@ def _sweep(
         for layer, position, _ in cells
     ]
     if last_only and not isinstance(metric, LastTokenMetric):
-        # The unpatched run's logits at every position: the prefix's when the sweep resumes
-        # from it (no extra forward pass), else one unpatched pass.
+        # The unpatched logits: the prefix's when the sweep resumes from it, else one pass.
         unpatched = prefix.logits if prefix is not None else run.run(1, {}, given)
         _probe_metric(metric, unpatched, run, options.reduce)
     per_pass = max(1, options.chunk_size // batch)
@@ -415,16 +405,11 @@ def _sweep(
         for slot, cell in enumerate(chunk):
             cell_logits = pass_logits[slot * batch : (slot + 1) * batch]
             layer, position, head = cells[cell]
-            named = [f"layer={layer}"]
-            if position_labels is not None:
-                named.append(f"pos={position_labels[position]!r}")
-            if head is not None:
-                named.append(f"head={head}")
-            returned = _call(
-                metric,
-                cell_logits,
-                f"on the cell {', '.join(named)} (logits of shape {list(cell_logits.shape)}).",
-            )
+            label = None if position_labels is None else position_labels[position]
+            cell_axes = (("layer", layer), ("pos", label), ("head", head))
+            named = ", ".join(f"{name}={value!r}" for name, value in cell_axes if value is not None)
+            where = f"on the cell {named} (logits of shape {list(cell_logits.shape)})."
+            returned = _call(metric, cell_logits, where)
             results[cell] = _evaluate(returned, cell_logits, batch, options.reduce)
 
     shape = [len(values) for _, values in axes]
@@ -451,11 +436,8 @@ def _patch_run(
     valid = is_integer(source) and is_integer(target) and 0 <= min(source, target)
     if not valid or max(source, target) >= n or (source == target and patch_tokens is None):
         typed = isinstance(source, (int, float)) and isinstance(target, (int, float))
-        raise (
-            PatchingError
-            if typed or is_integer(source) and is_integer(target)
-            else ArgumentTypeError
-        )(
+        typed = typed or is_integer(source) and is_integer(target)
+        raise (PatchingError if typed else ArgumentTypeError)(
             f"source={source!r} and target={target!r} must be checkpoints of the model set "
             f"(0..{n - 1}), and two different ones unless patch_tokens gives other tokens: "
             "a run patched with its own activations does not change."
@@ -471,8 +453,7 @@ def _patch_run(
         if checked is not None:
             check_padding(checked, attention_mask, models.tokenizer)
     row_lengths(shape, attention_mask)
-    # The checkpoint under study (source) and the reference (target) keep their meaning
-    # in both directions; only which of them runs changes.
+    # source (under study) and target (the reference) keep their meaning; which runs changes.
     running, giving = (target, source) if direction == "sufficiency" else (source, target)
     models.check_placement({running, giving}, "This patch")
     run = PatchRun(
@@ -496,18 +477,18 @@ def _heads(heads: int | Sequence[int] | None, site: str, models: ModelSet) -> li
             "use site='z'."
         )
     n_heads = int(models.base.cfg.n_heads)
-    if not is_integer(heads) and not isinstance(heads, (Sequence, torch.Tensor, np.ndarray)):
-        raise ArgumentTypeError(f"heads={shown(heads)}: give a head index or a list of them.")
-    head_list = [heads] if is_integer(heads) else list(heads)  # type: ignore[arg-type]
+    single = is_integer(heads)
+    known = single or isinstance(heads, (Sequence, torch.Tensor, np.ndarray))
+    head_list: list[Any] = [heads] if single or not known else list(heads)  # type: ignore[arg-type]
     if (
         not head_list
         or not all(is_integer(head) and 0 <= head < n_heads for head in head_list)
         # int(): torch scalars hash by identity, so a set would keep a head given twice.
         or len({int(head) for head in head_list}) != len(head_list)
     ):
-        raise PatchingError(
+        raise (PatchingError if known else ArgumentTypeError)(
             f"heads must be distinct head indices in 0..{n_heads - 1} ({models.architecture} "
-            f"has {n_heads} heads per layer), got {heads!r}."
+            f"has {n_heads} heads per layer): a head index or a list of them, got {shown(heads)}."
         )
     return [int(head) for head in head_list]
 
@@ -536,8 +517,8 @@ def _position_axis(
 
 
 class LastTokenMetric:
-    """A metric known to read each row's last token only: a sweep calls it without probing
-    it first (for metrics with side effects, such as the comparison's scorer)."""
+    """A metric known to read each row's last token only, which a sweep does not probe first
+    (for metrics with side effects, such as the comparison's scorer)."""
 
     def __init__(self, metric: Metric) -> None:
         self.metric = metric
@@ -547,8 +528,8 @@ class LastTokenMetric:
 
 
 def _call(metric: Metric, logits: torch.Tensor, where: str) -> object:
-    """What ``metric`` returns on ``logits``; an exception it raises becomes a PatchingError
-    naming it in one line (``"IndexError: index -2 is out of bounds ..."``) and ``where``."""
+    """What ``metric`` returns on ``logits``; what it raises becomes a PatchingError naming it
+    in one line and ``where``."""
     try:
         return metric(logits)
     except Exception as error:
@@ -558,12 +539,9 @@ def _call(metric: Metric, logits: torch.Tensor, where: str) -> object:
 
 
 def _probe_metric(metric: Metric, unpatched: torch.Tensor, run: PatchRun, reduce: str) -> None:
-    """Refuse, before any patched pass, a metric that ``logits="last"`` would break or
-    silently mislead: one raising on ``[batch, 1, d_vocab]``, or (where every row ends at
-    the last position) one whose value on every position differs from its value on the last.
-
-    ``unpatched`` holds the unpatched run's logits at every position.
-    """
+    """Refuse, before any patched pass, a metric that ``logits="last"`` would break (raising
+    on ``[batch, 1, d_vocab]``) or mislead (unpadded, reading other positions than the last),
+    tried on the ``unpatched`` run's logits at every position."""
     batch, length = run.shape
     last_positions = run.last_positions.to(unpatched.device)
     last = unpatched[torch.arange(batch, device=unpatched.device), last_positions][:, None]
@@ -591,8 +569,8 @@ def _probe_metric(metric: Metric, unpatched: torch.Tensor, run: PatchRun, reduce
 
 
 def reads_other_positions(at_last: torch.Tensor, everywhere: torch.Tensor) -> bool:
-    """Whether a metric read other positions than the last: its values from every position's
-    logits differ (beyond float rounding) from those from the last token's."""
+    """Whether a metric's values from every position's logits differ (beyond float rounding)
+    from those from the last token's: it read other positions than the last."""
     scale = 1e-5 * (1.0 + float(at_last.abs().nan_to_num().max()))
     return everywhere.shape == at_last.shape and not torch.allclose(
         at_last, everywhere, rtol=1e-4, atol=scale, equal_nan=True
@@ -623,8 +601,7 @@ def _evaluate(
 def _frame(
     axes: list[tuple[str, list]], values: torch.Tensor, site: str, direction: str, reduce: str
 ) -> pd.DataFrame:
-    names = [name for name, _ in axes]
-    labels = [labels for _, labels in axes]
+    names, labels = (list(column) for column in zip(*axes))
     if reduce == "none":
         names.append("example")
         labels.append(list(range(values.shape[-1])))

@@ -1,24 +1,14 @@
 """The paper's experiments: graft configurations as data, and one resumable runner for all of them.
 
-Every experiment in the paper asks the same question of many prompts: *if these weights, at
-these token positions, came from that checkpoint, would the model still name the right actor?*
-Only the "these weights, these positions, that checkpoint" part changes between figures:
-**position grafting** (figures 2 and 3a: every weight of the finetuned model at some
-positions), **component grafting** (figure 4: some matrices at the last token, over a range
-of layers), its **reversal** variant, and the **hybrid** graft (figure 5: three checkpoints
-mixed); :mod:`~grafting_lens.study.paper` registers each.
-
-Each idea has its own module (the developer guide's table of floors lists them):
-:mod:`~grafting_lens.study.configs` holds the configurations as data (:class:`GraftConfig`,
-:class:`Graft`), :mod:`~grafting_lens.study.runner` runs a grid of model sets x test sets x
-configurations into one tidy DataFrame (resumable with ``out=``), and
-:mod:`~grafting_lens.study.specs` registers the named experiments (:data:`EXPERIMENTS`),
-each runnable from Python and as ``grafting-lens run <name>``.
-
-What a configuration means is a :class:`Semantics`, because the paper's text, the authors'
-released code and this library do not always agree: :data:`REFERENCE` (the code, the one
-default) or :data:`CLEAN` (the library's reading); see :mod:`~grafting_lens.study.semantics`
-and docs/concepts/paper-code-library.md. Every row records its semantics.
+Every experiment in the paper asks one question of many prompts: *if these weights, at
+these positions, came from that checkpoint, would the model still name the right actor?*
+Position grafting (figures 2 and 3a), component grafting (figure 4), its reversal and the
+hybrid graft (figure 5) differ only in the weights, positions and checkpoints:
+:mod:`~grafting_lens.study.configs` holds them as data, :mod:`~grafting_lens.study.runner`
+runs a grid of model sets x test sets x configurations into one tidy DataFrame, and
+:mod:`~grafting_lens.study.specs` registers the named experiments (:data:`EXPERIMENTS`).
+What a configuration means is a :class:`Semantics`: :data:`REFERENCE` (the authors' released
+code, the default) or :data:`CLEAN` (see docs/concepts/paper-code-library.md).
 
 Examples:
     >>> from grafting_lens import study
@@ -170,15 +160,8 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         setup_experiment,
         toy_setup,
     )
-    from grafting_lens.study.report import (
-        summary_table,
-        write_experiment_report,
-    )
-    from grafting_lens.study.runner import (
-        RunOptions,
-        run_experiment,
-        run_position_grafting,
-    )
+    from grafting_lens.study.report import summary_table, write_experiment_report
+    from grafting_lens.study.runner import RunOptions, run_experiment, run_position_grafting
     from grafting_lens.study.semantics import (
         CLEAN,
         DEFAULT_SEMANTICS,
@@ -196,12 +179,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and editors
         register_config,
         register_experiment,
     )
-    from grafting_lens.study.stacking import (
-        config_masks,
-    )
-    from grafting_lens.study.testsets import (
-        MOVIE_PROMPTS,
-        TestSet,
-        make_test_sets,
-        read_prompts,
-    )
+    from grafting_lens.study.stacking import config_masks
+    from grafting_lens.study.testsets import MOVIE_PROMPTS, TestSet, make_test_sets, read_prompts

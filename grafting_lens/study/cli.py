@@ -1,22 +1,11 @@
 """The ``grafting-lens`` command: the paper's experiments, each from one line.
 
-``grafting-lens run <experiment> --out DIR`` runs any registered experiment
-(:data:`grafting_lens.study.specs.EXPERIMENTS`; ``grafting-lens run`` lists them, and
-``grafting-lens run <experiment> --help`` its options) on the toy world or, with ``--model``
-and the experiment's donor options, on real checkpoints, and writes its report into ``DIR``
-(:func:`~grafting_lens.study.report.write_experiment_report`) beside its resumable runs
-(``runs/``: the same command again carries on). ``grafting-lens demo`` is
-``grafting-lens run demo``; ``grafting-lens world build <name>`` builds a world.
-
-The command's policy for the machine lives here, not in the library, which sets
-neither: the toy world runs on one CPU thread unless ``--threads`` says otherwise (its
-matrices are too small to gain from more, and on a busy machine more threads can be
-many times slower), real checkpoints on torch's default; the network is the
-environment's to allow (``HF_HUB_OFFLINE=1`` forbids downloads; the toy world needs
-none). Bad options and inputs fail before any forward pass (see :func:`main`).
-
-One framework parses every command: :mod:`argparse`, with one declaration of each option
-(:func:`grafting_lens.study.run_command.experiment_parser`) shared by ``run`` and ``demo``.
+``grafting-lens run <experiment> --out DIR`` runs a registered experiment (``grafting-lens
+run`` lists them) on the toy world or, with ``--model``, on real checkpoints, and writes its
+report into ``DIR`` beside its resumable runs; ``grafting-lens demo`` is ``grafting-lens run
+demo``; ``grafting-lens world build <name>`` builds a world. The machine's policy lives
+here, not in the library: the toy world runs on one CPU thread unless ``--threads`` says
+otherwise (its matrices gain nothing from more), real checkpoints on torch's default.
 """
 
 from __future__ import annotations
@@ -45,12 +34,9 @@ _USAGE = "usage: grafting-lens [-h] {run,demo,world} ..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command with ``argv`` (default: the process's) and return its exit status.
-
-    0 on success, 1 for an input a command refuses (printed as ``Error: ...``), 2 for a
-    command line that does not parse (printed with the usage), 130 after Ctrl-C (one line
-    saying how to go on); never a traceback.
-    """
+    """Run the command with ``argv`` (default: the process's) and return its exit status: 0,
+    1 for an input a command refuses (``Error: ...``), 2 for a command line that does not
+    parse, 130 after Ctrl-C; never a traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(args)
@@ -127,9 +113,7 @@ def world_parser() -> argparse.ArgumentParser:
         "hub id (with a name: that world's recipe on this base).",
     )
     build.add_argument(
-        "--find-links",
-        type=Path,
-        help="A directory holding the base's wheels, for pip.",
+        "--find-links", type=Path, help="A directory holding the base's wheels, for pip."
     )
     build.add_argument(
         "--threads",
@@ -247,10 +231,7 @@ def _world_build(args: argparse.Namespace) -> None:
         file=sys.stderr,
     )
     world = build_real_world(
-        config,
-        cache_dir=args.cache_dir,
-        find_links=args.find_links,
-        threads=args.threads,
+        config, cache_dir=args.cache_dir, find_links=args.find_links, threads=args.threads
     )
     for model, scores in world.manifest["evaluation"].items():
         line = ", ".join(f"{k} {v['top5_accuracy']:.0%}" for k, v in scores.items())

@@ -1,10 +1,9 @@
 """Graft configurations as data, and the registries that name the paper's.
 
 A :class:`GraftConfig` is a name as in the paper's figures and :class:`Graft` s, each "take
-``components`` over ``layers`` at ``positions`` from ``source``": span expressions (``FE+LT``,
-``(FE+LT)^C``...), the paper's component names (:func:`resolve_components`) or the lens's, and
-layer ranges. The paper's are data here (:data:`POSITION_CONFIGS`, :data:`MOVIE_CONFIGS`,
-:data:`COMPONENT_CONFIGS`, :data:`HYBRID_CONFIGS`); what a name means depends on a
+``components`` over ``layers`` at ``positions`` from ``source``". The paper's are data here
+(:data:`POSITION_CONFIGS`, :data:`MOVIE_CONFIGS`, :data:`COMPONENT_CONFIGS`,
+:data:`HYBRID_CONFIGS`); what a name means depends on a
 :class:`~grafting_lens.study.semantics.Semantics`.
 """
 
@@ -71,33 +70,22 @@ PAPER_COMPONENTS: dict[str, tuple[str, ...]] = {
     "ffn-down": ("mlp_out",),
 }
 """The paper's names for sets of matrices: ATTN (Q, K, V), FFN (every MLP matrix), FFN-up
-(the up projection, and the gate where there is one, unless a semantics says
-``ffn_up_gate=False``) and FFN-down (the down projection). ``O`` is the component ``o``.
-Each expands to the members an architecture has."""
+(the up projection, and the gate unless ``ffn_up_gate=False``) and FFN-down (the down
+projection); ``O`` is the component ``o``. Each expands to the members an architecture has."""
 
-_GROUP_SWITCHES = (
-    ("embed", "embed"),
-    ("pos_embed", "pos_embed"),
-    ("ln_final", "final_norm"),
-)
+_GROUP_SWITCHES = (("embed", "embed"), ("pos_embed", "pos_embed"), ("ln_final", "final_norm"))
 
 
 def resolve_components(
-    spec: str | Iterable[str],
-    models: ModelSet,
-    *,
-    semantics: Semantics | str | None = None,
+    spec: str | Iterable[str], models: ModelSet, *, semantics: Semantics | str | None = None
 ) -> tuple[str, ...]:
-    """The components a graft names, for this architecture, in :data:`~grafting_lens.models.components.COMPONENTS` order.
-
-    Which members a group brings is the semantics' to say (its ``unembed``, ``embed``,
-    ``pos_embed`` and ``final_norm``; ``fused_qkv`` for ``q``, ``k`` and ``v``); a component
-    named on its own is always taken.
+    """The components a graft names, for this architecture, in
+    :data:`~grafting_lens.models.components.COMPONENTS` order. Which members a group brings
+    is the semantics' to say; a component named on its own is always taken.
 
     Args:
-        spec: A ``+``-joined string (``"O+FFN"``, ``"ATTN+O+FFN-up"``, ``"all"``) or names.
-            Case does not matter. Paper names: see :data:`PAPER_COMPONENTS`; otherwise the
-            components and groups of :mod:`grafting_lens.models.components`.
+        spec: A ``+``-joined string (``"O+FFN"``, ``"all"``) or names, in any case: the
+            :data:`PAPER_COMPONENTS`, or components and groups of the lens's.
         models: The model set (what its architecture has).
         semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label (default
             :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
@@ -157,9 +145,8 @@ TASK, RELATION = 1, 2
 
 HYBRID = "hybrid"
 """A graft source naming the paper's code's *hybrid model* over a (pretrained, task,
-relation) model set: the task model, with the relation model's O, FFN-up and FFN-down
-(``o``, ``mlp_in``, ``mlp_out``; not the gate) in layers ``n // 2`` onwards. A graft
-from it takes those from :data:`RELATION` and everything else from :data:`TASK`."""
+relation) model set: the task model, with the relation model's :data:`HYBRID_TARGETS` in
+layers ``n // 2`` onwards."""
 
 HYBRID_TARGETS: tuple[str, ...] = ("o", "mlp_in", "mlp_out")
 """What the code's hybrid model takes from the relation model, in its last half."""
@@ -170,21 +157,17 @@ class Graft:
     """Take ``components`` over ``layers`` at ``positions`` from checkpoint ``source``.
 
     Attributes:
-        positions: A span expression (``"FE"``, ``"LT"``, ``"FE+LT"``, ``"(FE+LT)^C"``,
-            ``"ALL"``; see :func:`grafting_lens.engine.positions.select_positions`) or a function
+        positions: A span expression (``"FE+LT"``, ``"(FE+LT)^C"``, ``"ALL"``; see
+            :func:`grafting_lens.engine.positions.select_positions`) or a function
             ``(spans, attention_mask) -> [batch, pos]`` boolean tensor.
-        components: See :func:`resolve_components`; ``"all"`` by default (what position
-            grafting takes).
-        layers: See :func:`grafting_lens.resolve_layers`: ``"all"``, ``"last_half"``,
-            ``"first_quarter"``.. ``"last_quarter"``, an int, a list, a range. Global
-            components (embeddings, final norm, unembedding) ignore it.
-        source: Index of the checkpoint in the model set (0 is the base), or
-            :data:`HYBRID`, the paper's code's hybrid model over a (pretrained, task,
-            relation) model set.
+        components: See :func:`resolve_components` (default ``"all"``).
+        layers: See :func:`grafting_lens.resolve_layers` (``"all"``, ``"last_half"``, an int,
+            a list, a range); global components ignore it.
+        source: Index of the checkpoint in the model set (0 is the base), or :data:`HYBRID`.
 
     Raises:
-        SelectionError: Positions that are neither a span expression nor a function, or
-            a span expression that does not parse.
+        SelectionError: Positions that are neither a span expression that parses nor a
+            function.
         ExperimentError: A source that is neither an int >= 0 nor :data:`HYBRID`.
     """
 
@@ -236,16 +219,13 @@ class Graft:
 
 @dataclass(frozen=True)
 class GraftConfig:
-    """One configuration: a name as in the paper's figures and the grafts it applies.
-
-    No grafts is the base model (the paper's PRE). Grafts may overlap where they agree
-    on the source; two grafts giving one cell different sources are refused.
+    """One configuration: a name as in the paper's figures and the grafts it applies (none:
+    the base model, the paper's PRE; two grafts giving one cell different sources are refused).
 
     Attributes:
         name: The label in tables and figures (``"FE+LT"``, ``"O+FFN@last_quarter"``).
         grafts: What to take from where.
-        tags: Extra columns for the results table, e.g.
-            ``{"component_set": "O+FFN", "layer_range": "last_quarter"}``.
+        tags: Extra columns for the results table, e.g. ``{"layer_range": "last_quarter"}``.
         description: One line for humans.
 
     Raises:
@@ -297,11 +277,8 @@ def retarget(
     components: str | Iterable[str] | None = None,
     source: int | str = 1,
 ) -> list[GraftConfig]:
-    """The configurations with every graft taking ``components`` (if given) from ``source``.
-
-    Position grafting asks "these positions, every weight, from the donor"; this asks
-    the same positions for other weights or of another checkpoint.
-    """
+    """The configurations with every graft taking ``components`` (if given) from ``source``:
+    the same positions for other weights, or of another checkpoint."""
     configs = list(configs)
     if not (is_integer(source) or isinstance(source, str)):
         raise ArgumentTypeError(f"source={shown(source)}: give the donor's index or name.")
@@ -368,14 +345,8 @@ MOVIE_CONFIGS: dict[str, GraftConfig] = _registry(
 (:data:`~grafting_lens.study.testsets.MOVIE_PROMPTS`)."""
 
 COMPONENT_SETS: dict[str, str] = {
-    "ATTN+O+FFN": "ATTN+O+FFN",
-    "ATTN+O": "ATTN+O",
-    "O+FFN": "O+FFN",
-    "ATTN+FFN": "ATTN+FFN",
-    "O": "O",
-    "FFN": "FFN",
-    "O+FFN-up": "O+FFN-up",
-    "O+FFN-down": "O+FFN-down",
+    label: label
+    for label in ("ATTN+O+FFN", "ATTN+O", "O+FFN", "ATTN+FFN", "O", "FFN", "O+FFN-up", "O+FFN-down")
 }
 """Figure 4's component sets at the last token, label -> components."""
 
@@ -415,10 +386,9 @@ def _component_configs() -> dict[str, GraftConfig]:
 
 
 COMPONENT_CONFIGS: dict[str, GraftConfig] = _component_configs()
-"""Component grafting at the last token (figure 4, its baselines and the reversal variant):
-``"<set>@<layer range>"`` for every set of :data:`COMPONENT_SETS` and range of
-:data:`COMPONENT_LAYER_RANGES`, plus ``BASE`` (nothing grafted) and ``DONOR`` (the donor
-everywhere). Source 1 is the donor."""
+"""Component grafting at the last token (figure 4): ``"<set>@<layer range>"`` for every set
+of :data:`COMPONENT_SETS` and range of :data:`COMPONENT_LAYER_RANGES`, with ``BASE``
+(nothing grafted) and ``DONOR`` (the donor, source 1, everywhere)."""
 
 HYBRID_FIRST_ENTITY: dict[str, str | None] = {
     "none": None,
@@ -471,24 +441,20 @@ def _hybrid_configs() -> dict[str, GraftConfig]:
 
 HYBRID_CONFIGS: dict[str, GraftConfig] = _hybrid_configs()
 """The hybrid graft (figure 5) over a pretrained (0), task (1) and relation (2) model set,
-as the library reads it (``hybrid="clean"``; :func:`code_hybrid_configs` is the code's):
-``LT`` is the task model's ATTN at the last token (all layers) with the relation model's
-O+FFN there over the last half of the layers; ``LT+FE:<x>`` adds the task model's ``x`` at
-the first entity over all layers. ``PRE``, ``TASK`` and ``RELATION`` are the baselines."""
+as the library reads it (:func:`code_hybrid_configs` is the code's): ``LT`` is the task
+model's ATTN at the last token with the relation model's O+FFN there over the last half;
+``LT+FE:<x>`` adds the task model's ``x`` at the first entity. ``PRE``, ``TASK`` and
+``RELATION`` are the baselines."""
 
 
 def code_hybrid_configs(last_token_layers: str = "last_half") -> dict[str, GraftConfig]:
     """The hybrid graft as the paper's released code runs it, under the names of
-    :data:`HYBRID_CONFIGS` (what a semantics with ``hybrid="code"`` looks names up in).
-
-    ``LT`` takes every ATTN, O and FFN weight of the code's hybrid model (:data:`HYBRID`)
-    at the last token over ``last_token_layers``; ``LT+FE:<x>`` and the baselines are as
-    in :data:`HYBRID_CONFIGS`.
+    :data:`HYBRID_CONFIGS`: ``LT`` takes every ATTN, O and FFN weight of the code's hybrid
+    model (:data:`HYBRID`) at the last token; the rest is as in :data:`HYBRID_CONFIGS`.
 
     Args:
-        last_token_layers: ``"last_half"`` (the third and fourth quarters, as the
-            authors' sweep set them for the hybrid) or ``"all"``; the released code's
-            configuration file is not public, so both readings are offered.
+        last_token_layers: ``"last_half"`` (as the authors' sweep set them) or ``"all"``
+            (the released code's configuration file is not public).
 
     Raises:
         ExperimentError: Another value of ``last_token_layers``.

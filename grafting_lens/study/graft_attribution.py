@@ -1,23 +1,13 @@
 """The graft-attribution experiment: every cell's effect estimated, checked, and the minimal graft.
 
-Instead of the paper's hand-picked configurations, every cell is tried: each
-component of the finetuned model (SFT) at each layer, at the first entity (FE), the
-last token (LT) and every other position ((FE+LT)^C), grafted into the pretrained
-model (PRE). :func:`~grafting_lens.analysis.attribution.attribute_grafts` estimates every
-cell's effect on the answer's log-probability from one backward pass per chunk of
-prompts, and every cell is then grafted alone, exactly, so the report can say how
-well the estimate ranks the cells (Spearman correlation per position group). Both of
-the paper's test prompts are asked. Then
-:func:`~grafting_lens.analysis.graft_search.find_minimal_graft` searches, on the headline
-prompts, for a small set of cells that recovers ``--fraction`` of SFT's
-log-probability, and reports its recovery on the QA prompts too (held out).
-
-Registered as ``graft_attribution``. Its report writes ``results.csv`` (one row per
-prompt and cell: estimate and exact effect), ``references.csv`` (PRE's metric and
-that of every cell grafted at once), ``agreement.csv``, ``minimal_graft.csv`` (the
-cells found, in order), ``recovery.csv`` (the recovery curve), ``search.csv`` (every
-candidate the search tried), ``summary.md``, and the figures ``attribution_<prompt>``
-(estimates), ``exact_<prompt>`` (exact effects) and ``recovery``.
+Every cell (a component of SFT at a layer, at FE, LT or (FE+LT)^C) is attributed
+(:func:`~grafting_lens.analysis.attribution.attribute_grafts`) and grafted alone into PRE,
+on both test prompts; then :func:`~grafting_lens.analysis.graft_search.find_minimal_graft`
+searches the headline prompts for a small graft that recovers ``--fraction`` of SFT's
+log-probability, held out on the QA prompts (docs/concepts/attribution.md). Registered as
+``graft_attribution``; its report writes ``results.csv``, ``references.csv``,
+``agreement.csv``, ``minimal_graft.csv``, ``recovery.csv``, ``search.csv``, ``summary.md``
+and the figures ``attribution_<prompt>``, ``exact_<prompt>`` and ``recovery``.
 """
 
 from __future__ import annotations
@@ -35,14 +25,12 @@ import pandas as pd
 
 from grafting_lens.analysis import plots
 from grafting_lens.analysis.attribution import attribute_grafts
-from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.graft_search import find_minimal_graft
 from grafting_lens.core import ranks
 from grafting_lens.core.console import progress_line
 from grafting_lens.core.errors import ExperimentError
 from grafting_lens.core.files import atomic_write, writing
 from grafting_lens.study import markdown
-from grafting_lens.study.markdown import Markup
 from grafting_lens.study.report import (
     ExperimentReport,
     figure_caption,
@@ -53,7 +41,7 @@ from grafting_lens.study.report import (
 from grafting_lens.study.runner import ChunkInfo, RunOptions
 from grafting_lens.study.semantics import CLEAN
 from grafting_lens.study.specs import QUICK_RELATIONS, ExperimentSetup, ExperimentSpec
-from grafting_lens.worlds import data
+from grafting_lens.study.testsets import library_batches
 
 __all__ = ["POSITIONS", "PROMPTS", "report", "run"]
 
@@ -77,12 +65,10 @@ def run(
 ) -> dict[str, Any]:
     """Attribute and verify every cell on both prompts; search for the minimal graft.
 
-    ``extras``: ``method`` (``"gradient"``, the default, or ``"integrated"``),
-    ``steps`` (of the integrated path, default 8), ``fraction`` (for the search,
-    default 0.8) and ``verify`` (``"all"``, the default, or how many cells to verify).
-    With ``out`` (a run directory), each prompt's attribution is written there before
-    the search starts and read back by a later run of the same command, and the search
-    keeps its steps there (``search.json``): a killed run goes on where it stopped.
+    ``extras``: ``method`` (``"gradient"``, the default, or ``"integrated"``), ``steps``
+    (default 8), ``fraction`` (default 0.8) and ``verify`` (``"all"``, the default, or how
+    many cells). With ``out``, each prompt's attribution and the search's steps are kept
+    there, so a killed run goes on where it stopped.
 
     Returns:
         ``{"results", "references", "agreement", "minimal_graft", "recovery", "search",
@@ -92,8 +78,6 @@ def run(
         ExperimentError: A ``verify`` that is neither ``"all"`` nor a positive number.
     """
     del spec, on_chunk
-    # With a run directory, each prompt's attribution is written there before the search
-    # starts, and read back by a run of the same command; the search keeps its steps there.
     keep = None if out is None else Path(out) / "graft_attribution"
     if keep is not None:
         with writing("The run directory", keep):
@@ -104,15 +88,7 @@ def run(
     fraction = extras.get("fraction") or 0.8
     verify = _verify(extras.get("verify"))
     count = QUICK_RELATIONS if quick else n_examples
-    batches = {
-        # The library's reading, the only one an attribution has (LIBRARY_READING_ONLY).
-        prompt: tokenize_examples(
-            data.make_examples(setup.relations, prompt=prompt, templates=CLEAN.prompts)[:count],
-            models.tokenizer,
-            **CLEAN.tokenization(),
-        )
-        for prompt in PROMPTS
-    }
+    batches = library_batches(setup.relations, models.tokenizer, PROMPTS, count)
     frames, agreements, references = [], [], []
     seconds = {}
     for prompt, batch in batches.items():
@@ -266,8 +242,7 @@ def report(
 ) -> ExperimentReport:
     """Write the tables, the heatmaps and the recovery curve, and ``summary.md``."""
     out = Path(out)
-    results = tables["results"]
-    agreement = tables["agreement"]
+    results, agreement = tables["results"], tables["agreement"]
     files = [
         write_table(results, out / "results.csv"),
         write_table(tables["references"], out / "references.csv"),
@@ -303,14 +278,7 @@ def report(
         png=png,
     )
     settings = report_settings(
-        spec,
-        label,
-        command,
-        notes,
-        {
-            **settings,
-            "positions": list(POSITIONS),
-        },
+        spec, label, command, notes, {**settings, "positions": list(POSITIONS)}
     )
     path = out / "summary.md"
     with writing("The summary", path):
@@ -322,51 +290,33 @@ def report(
 def _markdown(tables: Mapping[str, Any], settings: dict, figures: dict) -> str:
     results, references = tables["results"], tables["references"]
     lines = ["# Graft attribution", "", *markdown.fence(json.dumps(settings, indent=1), "json")]
+    # Numbers only: nothing in them is Markdown, so table() shows them as they are.
     lines += ["", "## The metric: log P(answer) at the last token", ""]
-    lines += markdown.table(
-        ["prompt", "n", "PRE", "every cell grafted"],
-        [
-            [
-                row.prompt,
-                row.n,
-                Markup(f"{row.start_metric:.3f}"),
-                Markup(f"{row.all_cells_metric:.3f}"),
-            ]
-            for row in references.itertuples()
-        ],
-    )
+    rows = [
+        [r.prompt, r.n, f"{r.start_metric:.3f}", f"{r.all_cells_metric:.3f}"]
+        for r in references.itertuples()
+    ]
+    lines += markdown.table(["prompt", "n", "PRE", "every cell grafted"], rows)
     agreement = tables["agreement"]
     if not agreement.empty:
         lines += ["", "## How well the estimates rank the exact effects", ""]
-        lines += markdown.table(
-            ["prompt", "positions", "cells", "Spearman", "Pearson", "same sign"],
-            [
-                [
-                    row.prompt,
-                    row.positions,
-                    row.cells,
-                    Markup(f"{row.spearman:.3f}"),
-                    Markup(f"{row.pearson:.3f}"),
-                    Markup(f"{row.sign_agreement:.0%}"),
-                ]
-                for row in agreement.itertuples()
-            ],
-        )
+        header = ["prompt", "positions", "cells", "Spearman", "Pearson", "same sign"]
+        rows = [
+            [r.prompt, r.positions, r.cells]
+            + [f"{r.spearman:.3f}", f"{r.pearson:.3f}", f"{r.sign_agreement:.0%}"]
+            for r in agreement.itertuples()
+        ]
+        lines += markdown.table(header, rows)
     for prompt, frame in results.groupby("prompt", sort=False):
         ranked = frame.sort_values("estimate", ascending=False).head(10)
         heading = f"The ten cells with the largest estimates ({prompt} prompt)"
         lines += ["", f"## {markdown.escape(heading)}", ""]
-        lines += markdown.table(
-            ["cell", "estimate", "exact"],
-            [
-                [
-                    row.cell,
-                    Markup(f"{row.estimate:+.3f}"),
-                    Markup("" if pd.isna(row.exact) else f"{row.exact:+.3f} ± {row.exact_se:.3f}"),
-                ]
-                for row in ranked.itertuples()
-            ],
-        )
+        rows = [
+            [r.cell, f"{r.estimate:+.3f}"]
+            + ["" if pd.isna(r.exact) else f"{r.exact:+.3f} ± {r.exact_se:.3f}"]
+            for r in ranked.itertuples()
+        ]
+        lines += markdown.table(["cell", "estimate", "exact"], rows)
     curve = tables["recovery"]
     lines += ["", "## The minimal graft", ""]
     lines += [
@@ -384,7 +334,7 @@ def _markdown(tables: Mapping[str, Any], settings: dict, figures: dict) -> str:
     for cells, row in search.iterrows():
         # + 0.0 turns a -0.0 (the empty graft, to rounding) into 0.0.
         other = f"{held.loc[cells, 'recovery'] + 0.0:.1%}" if cells in held.index else ""
-        rows.append([cells, row.cell, Markup(f"{row.recovery + 0.0:.1%}"), Markup(other)])
+        rows.append([cells, row.cell, f"{row.recovery + 0.0:.1%}", other])
     lines += markdown.table(["cells", "cell added", "recovery", "held out"], rows)
     lines += ["", "## Figures", ""]
     lines += figure_lines(figures)

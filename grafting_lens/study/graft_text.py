@@ -1,10 +1,9 @@
 """Grafting from text: prompts and answers in, a table of how each graft answers out.
 
 The tensor API (:class:`~grafting_lens.GraftMask`, :func:`~grafting_lens.graft_forward`)
-takes token ids and position tensors; a researcher has prompts and answers. :func:`graft`
-asks the question in one call, as a front end to the experiment runner
-(:func:`~grafting_lens.study.runner.run_experiment`), so a number read here is the number a
-full run reports under the same semantics. :func:`~grafting_lens.analysis.plots.plot_graft` draws the table.
+takes token ids and position tensors; :func:`graft` takes prompts and answers, as a front end
+to :func:`~grafting_lens.study.runner.run_experiment`, so its numbers are a full run's.
+:func:`~grafting_lens.analysis.plots.plot_graft` draws the table.
 
 Places are named the way you would say them: ``"last"`` (the token that predicts the
 answer), a piece of the prompt's text (``"Keanu Reeves"``: its tokens), a token index
@@ -53,14 +52,12 @@ Place = Union[str, int, Sequence[Union[str, int]]]
 a token index, a span expression, or a list of these (their union)."""
 
 COLUMNS = ("config", "target_rank", "target_prob", "top1", "top5", "grafted", "target", "text")
-"""The columns :func:`graft` shows first (the runner's names), then the top tokens: the
-answer's rank and probability before the prompt's text, which is the widest column and would
-push them out of a notebook's view."""
+"""The columns :func:`graft` shows first, then the top tokens (the prompt's text, the widest,
+comes last so that it pushes nothing out of a notebook's view)."""
 
 
 _NO_ANSWER = " the"
-"""What the runner tokenizes after a prompt without an answer (``kl`` or a function): a
-token every English vocabulary has; the columns that would score it are dropped."""
+"""What follows a prompt without an answer (``kl`` or a function); its columns are dropped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,21 +95,19 @@ def graft(
 
     Args:
         models: The checkpoints, from :func:`~grafting_lens.load_models`.
-        prompts: A prompt; prompts (a list, tuple, numpy array, pandas Series or any
-            iterable of strings); a DataFrame, records or ``datasets.Dataset`` with a ``text``
-            column and the answers in a ``target`` or ``answer`` column (or in ``answer=``); or
-            examples with ``text``,
-            ``target`` and named ``spans`` (:func:`grafting_lens.worlds.data.make_examples`),
-            which carry their answers.
-        answer: What should follow each prompt (one for all, or one per prompt, as a list,
-            array, Series...), e.g. ``"Laurence Fishburne"``; a space joins it to the
-            prompt unless it starts with one. Its first token is scored, checked by
-            :func:`~grafting_lens.study.testsets.check_answers` (warnings for shared ones).
-            ``score="kl"`` and a function need none (a behaviour has no single answer):
-            ``kl`` then compares at the last token, and the answer's columns are left out.
+        prompts: A prompt; prompts (any iterable of strings); a DataFrame, records or
+            ``datasets.Dataset`` with a ``text`` column and the answers in a ``target`` or
+            ``answer`` column (or in ``answer=``); or examples with ``text``, ``target`` and
+            named ``spans`` (:func:`grafting_lens.worlds.data.make_examples`).
+        answer: What should follow each prompt (one for all, or one per prompt), e.g.
+            ``"Laurence Fishburne"``; a space joins it to the prompt unless it starts with
+            one. Its first token is scored (checked by
+            :func:`~grafting_lens.study.testsets.check_answers`). ``score="kl"`` and a
+            function need none: ``kl`` then compares at the last token, and the answer's
+            columns are left out.
         at: Where to graft (see the module's documentation), or ``{label: place}``.
-        components: What the donor computes there (``"all"``, ``"o+ffn"``,
-            ``"attn"``..., read under ``semantics`` as every experiment reads them).
+        components: What the donor computes there (``"all"``, ``"o+ffn"``..., read under
+            ``semantics``).
         layers: At which layers (``"all"``, ``"last_half"``, a list...).
         donor: The donor's index or name in the model set.
         semantics: How the run reads components, tokenizes and ranks (default
@@ -123,9 +118,8 @@ def graft(
             ``"kl"`` (to the donor's distribution, at the last token and the answer's), or a
             function ``logits [batch, pos, d_vocab] -> [batch]``; its columns follow ``text``.
         counter: ``score="logit_diff"``'s counter-answer, one or one per prompt.
-        rank: Graft only these singular directions of each weight matrix's change: a count
-            (the top k) or indices; a LoRA donor's are its rank components. Biases and norms
-            stay the base's (:meth:`~grafting_lens.models.model_set.ModelSet.directions`).
+        rank: Graft only these singular directions of each weight matrix's change (a count
+            or indices; :meth:`~grafting_lens.models.model_set.ModelSet.directions`).
         strength: Graft ``W_base + strength * dW`` (0 the base, 1 the graft), or one per cell.
 
     Returns:
@@ -137,11 +131,10 @@ def graft(
 
     Raises:
         ArgumentTypeError: An argument of the wrong type (a number for prompts, a float at=).
-        SelectionError: Prompts, answers or places it cannot use, a place in no prompt, twice
-            in one, or cutting a token, a bad donor.
+        SelectionError: Prompts, answers, places or a donor it cannot use (a place in no
+            prompt, twice in one, or cutting a token).
         ExperimentError: An answer scored by a bare-whitespace token.
-        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses (an
-            unknown component, a layer outside the model...).
+        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses.
     """
     if not isinstance(models, ModelSet):
         raise ArgumentTypeError(
@@ -242,8 +235,8 @@ def _donor_index(models: ModelSet, donor: int | str) -> int:
 
 
 def _prompts(prompts: Any, answer: Any, optional: bool = False) -> tuple[list[_Prompt], bool]:
-    """The prompts as the runner reads them, each with its answer, and whether they lack
-    answers (allowed when ``optional``: each then gets :data:`_NO_ANSWER`)."""
+    """The prompts as the runner reads them, with answers, and whether they lack them
+    (allowed when ``optional``: each then gets :data:`_NO_ANSWER`)."""
     prompts = as_table(prompts)
     if isinstance(prompts, pd.DataFrame):  # iterating it gives its column names, not its rows
         check_table(prompts, "prompts", "a DataFrame", SelectionError)
@@ -429,8 +422,7 @@ def _grafted(
     examples: list[_Prompt],
     semantics: Semantics | str | None,
 ) -> list[str]:
-    """The tokens each row's donor computed, each as ``text@index`` (``"all"`` for the whole
-    donor), so a reader sees which of two equal tokens it was."""
+    """The tokens each row's donor computed, as ``text@index`` (``"all"``: the whole donor)."""
     rules = semantics_or_default(semantics).tokenization()
     batch = tokenize_examples(examples, models.tokenizer, **rules)
     by_name = {config.name: config for config in configs}

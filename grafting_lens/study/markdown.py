@@ -1,14 +1,9 @@
 """Text of the Markdown reports: every string a user gave shown as typed, never as markup.
 
-A report's ``summary.md`` holds strings the library did not write: prompt and dataset
-names, configuration and relation names, answers, model paths, the command. Written
-raw, a ``|`` shifts a table's cells, a newline breaks its row, and ``<script>`` or
-``<img onerror=...>`` is HTML that a Markdown viewer runs. Every writer of a Markdown
-report (:mod:`grafting_lens.study.report`, :mod:`~grafting_lens.study.graft_attribution`,
-:mod:`~grafting_lens.study.patching_vs_grafting`) puts each such string through
-:func:`escape` (or :func:`code`, :func:`fence`) and builds its tables with :func:`table`.
-The summary printed on a terminal goes through :func:`visible`: a name's newline or
-escape sequence is shown there, not obeyed.
+Written raw, a name's ``|`` shifts a table's cells, a newline breaks its row, and
+``<script>`` is HTML a Markdown viewer runs: every report writer puts such strings through
+:func:`escape` (or :func:`code`, :func:`fence`) and builds tables with :func:`table`; the
+terminal's summary goes through :func:`visible`.
 """
 
 from __future__ import annotations

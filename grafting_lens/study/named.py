@@ -12,15 +12,18 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grafting_lens.core.arguments import is_integer
 from grafting_lens.core.console import show_progress
 from grafting_lens.core.errors import ExperimentError, check_known, refuse_first
+from grafting_lens.models.loading import load_models
 from grafting_lens.models.model_set import ModelSet
 from grafting_lens.study import paper  # noqa: F401  (the paper's experiments, registered on import)
 from grafting_lens.study.runner import ChunkInfo, RunOptions, run_experiment
@@ -35,8 +38,11 @@ from grafting_lens.study.specs import (
     get_experiment,
 )
 from grafting_lens.study.testsets import TestSet, make_test_sets
-from grafting_lens.worlds import data
+from grafting_lens.worlds import data, toy
 from grafting_lens.worlds.documents import training_documents
+from grafting_lens.worlds.finetune import finetune
+from grafting_lens.worlds.real_recipe import WORLDS
+from grafting_lens.worlds.real_world import open_world
 
 __all__ = [
     "checkpoint_setup",
@@ -58,21 +64,16 @@ def toy_setup(
     dtype: torch.dtype | None = None,
     lazy: bool = False,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
-    """The toy world's checkpoints and relations for one experiment.
-
-    Builds the toy world on first use (minutes; cached afterwards, see
-    :func:`grafting_lens.worlds.toy.build_toy_world`).
+    """The toy world's checkpoints and relations for one experiment (the world is built on
+    first use, minutes, then cached: :func:`grafting_lens.worlds.toy.build_toy_world`).
 
     Returns:
-        ``(models, relations, info)``: the model set in the experiment's roles, the
-        relations to ask about, and ``info`` with the world's ``root``, ``seed``,
-        ``dataset`` and its own ``evaluation`` of each checkpoint.
+        ``(models, relations, info)``: the model set in the experiment's roles, the relations
+        to ask about, and the world's ``root``, ``seed``, ``dataset`` and ``evaluation``.
 
     Raises:
         ExperimentError: An unknown experiment.
     """
-    from grafting_lens.worlds import toy
-
     spec = get_experiment(experiment)
     world = toy.build_toy_world(
         config=config, cache_dir=cache_dir, progress=show_progress(progress)
@@ -89,10 +90,7 @@ def _world_setup(
     lazy: bool,
     tokenizer: Any = None,
 ) -> tuple[ModelSet, list[data.Relation], dict[str, Any]]:
-    """A built world's (toy or real) ``checkpoints`` in the experiment's roles, the relations
-    it asks about, and what to record of the world: one reading for every world."""
-    from grafting_lens.models.loading import load_models
-
+    """A built world's ``checkpoints`` in the experiment's roles, its relations, and its info."""
     models = load_models(
         *(world.model_dir(name) for name in checkpoints),
         tokenizer=tokenizer,
@@ -101,11 +99,7 @@ def _world_setup(
         names=list(spec.labels),
         lazy=lazy,
     )
-    relations = {
-        "all": "relations",
-        "task": "task_relations",
-        "relation": "relation_relations",
-    }[spec.relations]
+    relations = "relations" if spec.relations == "all" else f"{spec.relations}_relations"
     info = {
         "root": str(world.root),
         "seed": world.config.seed,
@@ -128,12 +122,10 @@ def real_world_setup(
     """A built real-model world's checkpoints and relations for one experiment.
 
     Opens the world (a name of :data:`grafting_lens.worlds.real_world.WORLDS` or a
-    :class:`~grafting_lens.worlds.real_world.RealWorldConfig`); it never builds one (an hour
-    or more: ``grafting-lens world build <name>``, :func:`~grafting_lens.worlds.real_world.build_real_world`).
-
-    With ``sft_seed``, the ``sft`` role is the world's ``sft`` finetuned with that seed
-    (``sft_seed<S>``, built with ``RealWorldConfig.extra_sft_seeds``; the world's own seed
-    is ``sft`` itself).
+    :class:`~grafting_lens.worlds.real_world.RealWorldConfig`), never builds one
+    (``grafting-lens world build <name>``). With ``sft_seed``, the ``sft`` role is the
+    world's ``sft`` finetuned with that seed (``sft_seed<S>``, built with
+    ``RealWorldConfig.extra_sft_seeds``).
 
     Returns:
         ``(models, relations, info)`` as :func:`toy_setup`'s.
@@ -144,8 +136,6 @@ def real_world_setup(
         GraftingLensError: An experiment whose roles the world lacks, or a seed it was not
             built with.
     """
-    from grafting_lens.worlds.real_world import open_world
-
     spec = get_experiment(experiment)
     built = open_world(world, cache_dir=cache_dir)
     checkpoints = list(spec.roles)
@@ -170,24 +160,19 @@ def checkpoint_setup(
 
     Args:
         experiment: A key of :data:`~grafting_lens.study.specs.EXPERIMENTS`.
-        checkpoints: Hub ids or directories, one per role, in the order of
-            ``EXPERIMENTS[experiment].roles`` (base first).
-        dataset: The dataset the donors were finetuned on: the relations are
-            ``make_relations(dataset, n_relations, seed)``.
+        checkpoints: Hub ids or directories, one per role (base first).
+        dataset: The dataset the donors were finetuned on, as in ``make_relations``.
         n_relations: How many relations, as in ``make_relations``.
         seed: The seed of ``make_relations``.
         relations: Which of them to ask about (``"all"``, ``"task"``, ``"relation"``;
             default: the experiment's).
         device: Passed to :func:`grafting_lens.load_models`.
         dtype: Passed to :func:`grafting_lens.load_models`.
-        lazy: Passed to :func:`grafting_lens.load_models`: donors given as directories
-            are read a component at a time, when a graft first takes it.
+        lazy: Passed to :func:`grafting_lens.load_models`.
 
     Raises:
         ExperimentError: A wrong number of checkpoints or an unknown choice.
     """
-    from grafting_lens.models.loading import load_models
-
     spec = get_experiment(experiment)
     if len(checkpoints) != len(spec.roles):
         raise ExperimentError(
@@ -195,10 +180,8 @@ def checkpoint_setup(
             f"({', '.join(spec.roles)}), got {len(checkpoints)}."
         )
     made = _relations(spec, dataset, n_relations, seed, relations)
-    models = load_models(
-        *checkpoints, device=device, dtype=dtype, names=list(spec.labels), lazy=lazy
-    )
-    return models, made
+    names = list(spec.labels)
+    return load_models(*checkpoints, device=device, dtype=dtype, names=names, lazy=lazy), made
 
 
 def finetuned_setup(
@@ -213,12 +196,9 @@ def finetuned_setup(
     progress: bool | None = None,
     on_status: Callable[[str], None] | None = None,
 ) -> tuple[ModelSet, list[data.Relation]]:
-    """A pretrained checkpoint and a copy of it finetuned here on the experiment's relations.
-
-    The copy is finetuned with the paper's "aggressive" preset
-    (:func:`grafting_lens.worlds.finetune.finetune`) on the A2B training documents of
-    ``make_relations(dataset, n_relations, seed)``; anything but a small model wants a
-    GPU for that.
+    """A pretrained checkpoint and a copy of it finetuned here on the experiment's relations
+    (the paper's "aggressive" preset of :func:`grafting_lens.worlds.finetune.finetune`, on
+    the A2B documents of ``make_relations(dataset, n_relations, seed)``).
 
     Args:
         experiment: An experiment with two roles (base and donor).
@@ -228,18 +208,12 @@ def finetuned_setup(
         seed: Their seed, and the finetuning's.
         epochs: Override the preset's epochs (e.g. 2 for a smoke run).
         device: Where to finetune and run.
-        progress: Show the finetuning's progress bar (default: when someone watches,
-            see :func:`~grafting_lens.core.console.show_progress`).
+        progress: Show the finetuning's progress bar (default: when someone watches).
         on_status: Called with one line before finetuning starts.
 
     Raises:
         ExperimentError: An experiment with more than two roles.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grafting_lens.models.loading import load_models
-    from grafting_lens.worlds.finetune import finetune
-
     spec = get_experiment(experiment)
     if len(spec.roles) != 2:
         raise ExperimentError(
@@ -268,10 +242,8 @@ def finetuned_setup(
     )
     if device is not None:
         base.to(device)
-    models = load_models(
-        base, finetuned, tokenizer=tokenizer, device=device, names=list(spec.labels)
-    )
-    return models, relations
+    names = list(spec.labels)
+    return load_models(base, finetuned, tokenizer=tokenizer, device=device, names=names), relations
 
 
 def setup_experiment(
@@ -297,28 +269,23 @@ def setup_experiment(
 
     Args:
         experiment: A registered experiment.
-        checkpoints: ``None`` for the toy world; one checkpoint per role; or, for an
-            experiment that finetunes a missing donor, the base alone.
+        checkpoints: ``None`` for a world; one checkpoint per role; or the base alone, for
+            an experiment that finetunes a missing donor.
         toy_config: A :class:`grafting_lens.worlds.toy.ToyWorldConfig` (default: the standard
-            world; a small one for ``quick`` runs of an experiment with ``quick_world``).
+            world; a small one for ``quick`` runs of a ``quick_world`` experiment).
         cache_dir: Where toy worlds are cached.
         dataset: With checkpoints: the dataset they were (or are now) finetuned on.
-        n_relations: With checkpoints: how many relations (default: the experiment's,
-            20 for a ``quick`` finetune).
+        n_relations: With checkpoints: how many relations (default: the experiment's).
         seed: With checkpoints: the relations' seed.
-        relations: With checkpoints: which relations to ask about (default: the
-            experiment's).
+        relations: With checkpoints: which relations to ask about (default: the experiment's).
         quick: A smoke run (see :attr:`ExperimentSpec.quick_world`).
         device: Where the models go.
         dtype: Cast the models.
-        progress: Show progress bars (default: when someone watches, see
-            :func:`~grafting_lens.core.console.show_progress`).
+        progress: Show progress bars (default: when someone watches).
         on_status: Called with a line before long steps (building, finetuning).
-        world: Without checkpoints: ``"toy"`` (:mod:`grafting_lens.worlds.toy`) or a
-            built real-model world, ``"smollm2"`` or ``"gemma3"``
-            (:mod:`grafting_lens.worlds.real_world`).
-        lazy: Open the donors lazily (``load_models(lazy=True)``): nothing of a donor
-            is read until a graft takes it, and nothing here reads one whole.
+        world: Without checkpoints: ``"toy"`` or a built real-model world, ``"smollm2"``
+            or ``"gemma3"`` (:mod:`grafting_lens.worlds.real_world`).
+        lazy: Open the donors lazily (``load_models(lazy=True)``).
         sft_seed: With a real world: the ``sft`` finetuned with this seed in the ``sft``
             role (see :func:`real_world_setup`).
 
@@ -326,8 +293,6 @@ def setup_experiment(
         ExperimentError: A wrong number of checkpoints, or an unknown world.
     """
     spec = get_experiment(experiment)
-    from grafting_lens.worlds.real_recipe import WORLDS
-
     check_known(world, ("toy", *WORLDS), "world", ExperimentError)
     finetunes = checkpoints is not None and len(checkpoints) == 1 and spec.finetune_missing_donor
     refuse_first(
@@ -352,17 +317,16 @@ def setup_experiment(
         ),
     )
     if checkpoints is None:
+        say = on_status or (lambda line: None)
         if world != "toy":
-            if on_status is not None:
-                on_status(f"Opening the {world} world...")
+            say(f"Opening the {world} world...")
             models, made, info = real_world_setup(
                 spec, world, cache_dir, device, dtype, lazy=lazy, sft_seed=sft_seed
             )
             seeded = "" if sft_seed is None else f", sft seed {sft_seed}"
         else:
             small = toy_config is None and quick and spec.quick_world
-            if on_status is not None:
-                on_status(f"Building or loading the toy world{' (quick)' if small else ''}...")
+            say(f"Building or loading the toy world{' (quick)' if small else ''}...")
             # Cast as loaded: casting afterwards would go through every source's model
             # (reading a lazily loaded donor whole).
             config = quick_toy_config() if small else toy_config
@@ -435,9 +399,8 @@ def run_named_experiment(
     on_chunk: Callable[[ChunkInfo], None] | None = None,
     **settings: Any,
 ) -> pd.DataFrame:
-    """Run one of :data:`~grafting_lens.study.specs.EXPERIMENTS` over ``relations``: every part, every prompt.
-
-    :func:`run_spec` on the models and relations given; the other arguments are its.
+    """Run one of :data:`~grafting_lens.study.specs.EXPERIMENTS` over ``relations``: every part,
+    every prompt (:func:`run_spec` on the models and relations given; the other arguments are its).
 
     Args:
         models: The model set in the experiment's roles (see :func:`toy_setup`).
@@ -488,35 +451,30 @@ def run_spec(
 ) -> dict[str, Any]:
     """Run a named experiment on what :func:`setup_experiment` loaded.
 
+    The semantics is ``options.semantics`` or, if none is given, the experiment's
+    (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
+
     Args:
         experiment: A registered experiment.
         setup: Its models and relations.
         out: A directory for its resumable runs (``out/<part>``).
         quick: A short run: 16 relations and the parts' ``quick`` configurations.
         n_examples: Ask about the first ``n_examples`` relations only.
-        options: How to run (:class:`~grafting_lens.study.runner.RunOptions`); ``settings``
-            override its fields.
+        options: How to run (:class:`~grafting_lens.study.runner.RunOptions`).
         extras: Values of the experiment's own options (see :class:`Option`).
         on_chunk: Called after each chunk (see :func:`~grafting_lens.study.runner.run_experiment`).
         prompts: Test sets of your own prompts (:func:`~grafting_lens.study.testsets.read_prompts`)
-            asked instead of the relations, under the first part's configurations (the
-            others need spans of the paper's prompts, such as the movie title); a grid
-            experiment only. ``n_examples`` keeps the first rows of each.
-        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions` by name
-            (``batch_size``, ``semantics``, ``progress``, ``seeds``...).
-
-    The semantics is ``options.semantics`` or, if none is given, the experiment's
-    (:attr:`ExperimentSpec.semantics`); the test sets are worded as it says.
+            asked instead of the relations, under the first part's configurations (a grid
+            experiment only); ``n_examples`` keeps the first rows of each.
+        **settings: Fields of :class:`~grafting_lens.study.runner.RunOptions` by name.
 
     Returns:
-        ``{"results": table, ...}``: the grid's table, or what the experiment's own
-        runner returns.
+        ``{"results": table, ...}``: the grid's table, or what its own runner returns.
 
     Raises:
-        ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left to
-            ask about (no test set has examples).
-        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment`
-            refuses, for any part, before the first part runs.
+        ExperimentError: ``n_examples`` is not an integer >= 1, or no relation is left.
+        GraftingLensError: What :func:`~grafting_lens.study.runner.run_experiment` refuses,
+            for any part, before the first runs.
     """
     spec = get_experiment(experiment)
     if n_examples is not None and (not is_integer(n_examples) or n_examples < 1):
@@ -557,18 +515,20 @@ def run_spec(
         )
     # An experiment whose quick run is a small toy world asks every question of it.
     quick = quick and not spec.quick_world
-    relations = list(setup.relations)
-    if n_examples is not None:
-        relations = relations[:n_examples]
-    if quick:
-        relations = relations[:QUICK_RELATIONS]
+    relations = list(setup.relations)[:n_examples][: QUICK_RELATIONS if quick else None]
+    own = None
+    if prompts is not None:
+        own = [
+            t if t.is_tokenized else replace(t, examples=t.examples[:n_examples]) for t in prompts
+        ]
     # Check every part before running any of them.
     parts = []
-    for part in spec.parts if prompts is None else spec.parts[:1]:
+    for part in spec.parts if own is None else spec.parts[:1]:
         names = part.quick if quick and part.quick is not None else part.configs
         configs = get_configs(list(names), spec.configurations, semantics=semantics)
-        test_sets = (
-            make_test_sets(
+        test_sets = own
+        if test_sets is None:
+            test_sets = make_test_sets(
                 relations,
                 part.prompts,
                 spec.direction,
@@ -576,14 +536,6 @@ def run_spec(
                 seed=setup.data_seed,
                 templates=semantics.prompts,
             )
-            if prompts is None
-            else [
-                dataclasses.replace(test_set, examples=test_set.examples[:n_examples])
-                if n_examples is not None and not test_set.is_tokenized
-                else test_set
-                for test_set in prompts
-            ]
-        )
         parts.append((part.name, test_sets, configs))
     tables = []
     for name, test_sets, configs in parts:
@@ -617,14 +569,9 @@ def check_prompts_apply(experiment: str | ExperimentSpec) -> None:
 
 
 def quick_toy_config() -> Any:
-    """A toy world small enough to build in one to four minutes on two CPU cores.
-
-    Good for checking that the pipeline runs; too small for the finetuned model to
-    recall much, so its numbers are not the paper's picture.
-    """
-    from grafting_lens.worlds.toy import ToyWorldConfig
-
-    return ToyWorldConfig(
+    """A toy world that builds in one to four minutes on two CPU cores: it checks that the
+    pipeline runs, but its finetuned model recalls too little for the paper's picture."""
+    return toy.ToyWorldConfig(
         d_model=48,
         n_layers=2,
         n_heads=4,

@@ -6,19 +6,13 @@
 * ``reversal``: appendix C.6, both-directions model into one-direction model, asked B2A;
 * ``hybrid``: figure 5, task attention and relation O+FFN on the pretrained model;
 * ``patching_vs_grafting``: activation patching beside grafting, layer by layer;
-* ``graft_attribution``: not in the paper: every cell's effect estimated by attribution,
-  verified by exact grafts, and the smallest graft found that recovers SFT;
+* ``graft_attribution`` (not in the paper): every cell attributed, verified, the minimal graft;
 * ``demo``: position grafting end to end, the quickest look.
 
-Each is runnable from Python (:func:`~grafting_lens.study.named.run_named_experiment`)
-and from the command line (``grafting-lens run <name> --out <dir>``). A new experiment
-is one more :func:`~grafting_lens.study.specs.register_experiment` call (see the
-developer guide, "Adding an experiment").
-
-The grafting experiments name :data:`~grafting_lens.study.semantics.REFERENCE`, the one
-default: they reproduce figures made by the authors' released code. The comparison and
-graft attribution are this library's own experiments (the code has neither) and run
-clean only.
+Each runs from Python (:func:`~grafting_lens.study.named.run_named_experiment`) and as
+``grafting-lens run <name> --out <dir>``. The grafting experiments run the ``reference``
+semantics (they reproduce figures made by the authors' code); the comparison and the
+attribution are this library's own and run ``clean`` only.
 """
 
 from __future__ import annotations
@@ -108,18 +102,12 @@ def _component_spec(
 
 
 POSITION_RUNS: dict[str, GraftConfig] = {**POSITION_CONFIGS, **MOVIE_CONFIGS}
-"""The configurations ``position`` and ``demo`` name: the paper's eight and the movie-title
-variants (:func:`~grafting_lens.study.specs.register_config` adds yours here)."""
+"""The configurations ``position`` and ``demo`` name (``register_config`` adds yours here)."""
 
 
-LIBRARY_READING_ONLY = (
-    "--semantics",
-    "--unembed",
-    "--lm-head",
-)
-"""The options of an experiment whose runner works the library's way only (the paper's code
-has nothing to follow there, e.g. patching or attribution): the code's switches would have
-nothing to act on, so they are refused rather than ignored."""
+LIBRARY_READING_ONLY = ("--semantics", "--unembed", "--lm-head")
+"""The options of an experiment whose runner works the library's way only (patching,
+attribution: the code has nothing there to follow), refused rather than ignored."""
 
 
 register_experiment(

@@ -1,14 +1,11 @@
 """The grafting-versus-patching experiment: both methods, layer by layer, on the same prompts.
 
-For the same configurations (position set x component pair x layer) the pretrained
-model (PRE) is run with the finetuned model's (SFT) weights grafted in, and with SFT's
-activations patched in; both are scored on the paper's two test prompts (headline and
-QA), next to each checkpoint's own scores and the most any intervention can reach
-(SFT's stream read out by PRE's final norm and unembedding). See
-:mod:`grafting_lens.analysis.comparison` for which patch goes with which graft and why they
-differ. Registered as ``patching_vs_grafting``; its report writes ``results.csv``,
-``references.csv``, ``summary.csv``, ``references_summary.csv``, ``summary.md`` and,
-per direction, ``top5_<direction>`` and ``prob_<direction>`` figures.
+For each position set x component pair x layer, PRE runs with SFT's weights grafted in and
+with SFT's activations patched in (:mod:`grafting_lens.analysis.comparison`), on both test
+prompts, beside each checkpoint's own scores and the readout ceiling. Registered as
+``patching_vs_grafting``; its report writes ``results.csv``, ``references.csv``,
+``summary.csv``, ``references_summary.csv``, ``summary.md`` and, per direction,
+``top5_<direction>`` and ``prob_<direction>`` figures.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from grafting_lens.analysis import plots
-from grafting_lens.analysis.batch import TokenizedExamples, tokenize_examples
+from grafting_lens.analysis.batch import TokenizedExamples
 from grafting_lens.analysis.comparison import (
     DEFAULT_PAIRS,
     STREAM_PAIR,
@@ -46,7 +43,7 @@ from grafting_lens.study.report import (
 from grafting_lens.study.runner import ChunkInfo, RunOptions
 from grafting_lens.study.semantics import CLEAN
 from grafting_lens.study.specs import QUICK_RELATIONS, ExperimentSetup, ExperimentSpec
-from grafting_lens.worlds import data
+from grafting_lens.study.testsets import library_batches
 
 __all__ = ["PAIRS", "POSITIONS", "PROMPTS", "READOUT", "readout_ceiling", "report", "run"]
 
@@ -80,9 +77,8 @@ def run(
     """Graft and patch every configuration on both prompts, in each direction asked.
 
     ``extras``: ``directions`` (default both; a quick run: sufficiency only) and
-    ``rows_per_forward`` (rows of one forward pass, default 512). ``out`` and
-    ``on_chunk`` are not used: a comparison is not saved chunk by chunk, and inside
-    :func:`~grafting_lens.core.ranks.shared_ranks` its comparisons are shared by the ranks.
+    ``rows_per_forward`` (default 512). Inside :func:`~grafting_lens.core.ranks.shared_ranks`
+    the comparisons are shared by the ranks.
 
     Returns:
         ``{"results": one row per example, configuration and method, "references":
@@ -94,13 +90,7 @@ def run(
     if quick:
         directions = ["sufficiency"]
     count = QUICK_RELATIONS if quick else n_examples
-    batches = {}
-    for prompt in PROMPTS:
-        # The library's reading, the only one a comparison has (LIBRARY_READING_ONLY).
-        examples = data.make_examples(setup.relations, prompt=prompt, templates=CLEAN.prompts)
-        batches[prompt] = tokenize_examples(
-            examples[:count], models.tokenizer, **CLEAN.tokenization()
-        )
+    batches = library_batches(setup.relations, models.tokenizer, PROMPTS, count)
     # Each prompt's comparisons, then its references: shared by ranks as ranks.spread shares.
     units = [(p, d) for p in PROMPTS for d in directions] + [(p, None) for p in PROMPTS]
     sweep: dict[str, Any] = dict(batch_size=options.batch_size, progress=options.progress)
@@ -135,12 +125,8 @@ def run(
 
 
 def readout_ceiling(models: ModelSet, batch: TokenizedExamples) -> pd.DataFrame:
-    """SFT's final residual stream read out by PRE's final norm and unembedding.
-
-    Every intervention here keeps PRE's readout, so this, not SFT itself, is the
-    most any of them can reach: it is the graft of the embeddings and every block
-    at every position, and equally the patch of the last ``resid_post`` there.
-    """
+    """SFT's final residual stream read out by PRE's final norm and unembedding: the most an
+    intervention that keeps PRE's readout can reach (the graft of every block everywhere)."""
     rows = compare_graft_and_patch(
         models,
         batch,
@@ -221,19 +207,12 @@ def _markdown(
     """Top-5 accuracy (and answer probability) per layer, graft next to patch, per table."""
     lines = ["# Patching vs grafting", "", *markdown.fence(json.dumps(settings, indent=1), "json")]
     lines += ["", "## References (no intervention)", ""]
-    lines += markdown.table(
-        ["prompt", "model", "n", "top-5", "P(answer)"],
-        [
-            [
-                row.prompt,
-                row.model,
-                row.n,
-                Markup(interval_text(row, "top5")),
-                Markup(interval_text(row, "target_prob", ".3f")),
-            ]
-            for _, row in references.iterrows()
-        ],
-    )
+    rows = [
+        [row.prompt, row.model, row.n, Markup(interval_text(row, "top5"))]
+        + [Markup(interval_text(row, "target_prob", ".3f"))]
+        for _, row in references.iterrows()
+    ]
+    lines += markdown.table(["prompt", "model", "n", "top-5", "P(answer)"], rows)
     groups = summary.groupby(["direction", "prompt", "positions"], sort=False)
     for (direction, prompt, positions), group in groups:
         heading = f"{direction}, {prompt} prompt, positions {positions}"

@@ -1,10 +1,8 @@
 """Reports of named experiments: tables, a markdown summary, the paper's figures.
 
-:func:`write_experiment_report` writes, after a run, ``results.csv``, ``summary.csv`` (top-k
-with 95% bootstrap intervals and the mean rank), ``summary.md`` and the experiment's figures
-(:func:`accuracy_bars`, :func:`component_heatmap`, :func:`component_bars`: the paper's figures 2
-to 5), each renamed into place; ``report.json`` names the one run a report directory holds
-(:func:`prepare_report_directory`).
+:func:`write_experiment_report` writes ``results.csv``, ``summary.csv`` (top-k with 95%
+bootstrap intervals, the mean rank), ``summary.md`` and the experiment's figures, each
+renamed into place; ``report.json`` names the one run a report directory holds.
 """
 
 from __future__ import annotations
@@ -33,6 +31,8 @@ from grafting_lens.core.errors import RunError
 from grafting_lens.core.files import DirectoryLock, atomic_write, writing
 from grafting_lens.study import markdown
 from grafting_lens.study.configs import COMPONENT_LAYER_RANGES, COMPONENT_SETS
+from grafting_lens.study.run_directory import describe_differences
+from grafting_lens.study.semantics import as_semantics
 from grafting_lens.study.specs import ExperimentSpec, get_experiment
 
 __all__ = [
@@ -80,7 +80,7 @@ class ExperimentReport:
     problems: list[str] = field(default_factory=list)
 
     def save_figure(self, figure: go.Figure, path: Path, png: bool = True) -> dict[str, Any]:
-        """Save a figure (see :func:`grafting_lens.analysis.figure_style.save_figure`) and note what was written."""
+        """Save a figure (:func:`~grafting_lens.analysis.figure_style.save_figure`), noting it."""
         saved = figure_style.save_figure(figure, path, png=png, warn=False)
         self.files.append(Path(saved["html"]))
         if saved["png"] is not None:
@@ -97,11 +97,8 @@ def report_settings(
     notes: Sequence[str],
     settings: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """What an experiment's ``summary.md`` records about its run, in the order it shows them.
-
-    The experiment's title, the models, the command and the notes, then ``settings``
-    (what ran), then the threads, Python and torch versions and the time of writing.
-    """
+    """What an experiment's ``summary.md`` records about its run, in order: title, models,
+    command, notes, then ``settings``, then threads, Python and torch versions and the time."""
     return {
         "title": spec.title,
         "models": label,
@@ -151,17 +148,16 @@ def write_experiment_report(
         command: The command that made it, shown in ``summary.md``.
         notes: Lines listed under the table.
         png: Also export each figure as PNG.
-        fingerprint: What makes the run this run (``grafting-lens run`` passes its
-            own; default: a hash of the experiment's name and of ``tables``, so the
-            same results rewrite the same report).
+        fingerprint: What makes the run this run (default: a hash of the experiment's
+            name and of ``tables``).
         overwrite: Replace the report of another run.
 
     Returns:
         The summary, the files written and what a reader should know.
 
     Raises:
-        RunError: ``out`` holds another run's report and ``overwrite`` is false, it
-            is an empty path, or another process is writing into it.
+        RunError: ``out`` holds another run's report (and no ``overwrite``), is an empty
+            path, or another process is writing into it.
     """
     spec = get_experiment(experiment)
     out = _report_path(out)
@@ -204,21 +200,18 @@ def prepare_report_directory(
 ) -> dict[str, Any]:
     """Make ``out`` ready for the report of the run ``fingerprint``, before the run starts.
 
-    Called before the run, so that a refusal comes before the compute. A directory
-    holding the report of the same run (the same fingerprint) is left as it is: the run
-    resumes, and its report is rewritten. One holding another run's report
-    (``report.json`` with another fingerprint, or, without ``report.json``,
-    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: every file
-    the old report lists, the tables and figures of a report without a list, and the run
-    directories under ``runs/``, so nothing of it is left beside the new tables. Then
-    ``report.json`` names this run.
+    A directory holding the same run's report is left as it is (the run resumes). One
+    holding another run's (``report.json`` with another fingerprint, or, without one,
+    ``results.csv`` or a summary) is refused, or with ``overwrite`` cleared: the files the
+    old report lists (or its tables and figures) and its ``runs/``. Then ``report.json``
+    names this run.
 
     Args:
         out: The report directory (created if needed).
         experiment: The experiment's name.
         fingerprint: What makes the run this run.
-        description: What the fingerprint is a hash of, JSON-ready; kept so that a
-            refusal can say what differs.
+        description: What the fingerprint is a hash of, JSON-ready (a refusal says what
+            differs).
         command: The command that runs it.
         overwrite: Clear another run's report instead of refusing.
         runs: The run keeps its resumable run directories in ``out/runs``.
@@ -256,8 +249,7 @@ def prepare_report_directory(
 
 
 def _check_table_places(out: Path) -> None:
-    """Refuse, before the run, a directory (or anything but a file) where a table goes:
-    renaming the finished table onto it would fail after the compute."""
+    """Refuse, before the run, anything but a file where a table goes (its rename would fail)."""
     for name in (*_REPORT_TABLES, REPORT_MANIFEST):
         path = out / name
         if path.is_symlink() or (path.exists() and not path.is_file()):
@@ -315,15 +307,9 @@ _REPORT_SUFFIXES = (".csv", ".md", ".html", ".png")
 
 
 def _report_file(out: Path, name: object) -> Path | None:
-    """The file ``name`` of the report in ``out``, if it exists; refused unless it is one
-    a report writes.
-
-    ``report.json`` lists a report's files, but a report directory may come from
-    anywhere (shared, downloaded, edited), so its list is never trusted for what to
-    delete: a name is taken only if it is a single file name (no directory part, no
-    ``..``, not absolute) with a report's suffix, and the path a regular file in ``out``
-    itself, not a link. Anything else is refused before anything is deleted.
-    """
+    """The file ``name`` of the report in ``out``, if it exists. ``report.json`` may come from
+    anywhere, so a name is refused unless it is a plain file name with a report's suffix and
+    the path a regular file (not a link) in ``out``."""
     path = None
     if isinstance(name, str) and name not in ("", ".", "..") and "\\" not in name:
         if Path(name).name == name and Path(name).suffix in _REPORT_SUFFIXES:
@@ -332,10 +318,9 @@ def _report_file(out: Path, name: object) -> Path | None:
         return path if path.exists() else None
     raise RunError(
         f"{out / REPORT_MANIFEST} lists {name!r} as a file of its report, which is not a file a "
-        f"report writes (one of its {', '.join(_REPORT_SUFFIXES)} files, directly in {out}, "
-        "not a link or a directory). grafting-lens deletes nothing outside what a report "
-        f"writes; the report.json was edited or damaged. Delete {out / REPORT_MANIFEST} (and "
-        "what you do not want kept), or choose another output directory."
+        f"report writes (a {', '.join(_REPORT_SUFFIXES)} file directly in {out}, not a link or a "
+        f"directory): it was edited or damaged, and grafting-lens deletes nothing else. Delete "
+        f"{out / REPORT_MANIFEST} (and what you do not want kept), or choose another directory."
     )
 
 
@@ -353,29 +338,25 @@ def _report_runs(out: Path) -> Path | None:
 
 def _report_files(out: Path, manifest: Mapping[str, Any] | None) -> list[Path]:
     """What a report in ``out`` consists of: its listed files, or its tables and figures."""
-    if manifest is not None and "files" in manifest:
-        listed = [_report_file(out, name) for name in manifest["files"]]
-        found = [path for path in listed if path is not None]
-        runs = _report_runs(out) if manifest.get("runs") else None
-        return [*found, *([runs] if runs is not None else []), out / REPORT_MANIFEST]
-    # A report without a list: an unreadable report.json, or one of an older grafting-lens
-    # (its tables, then its figures beside them; figures alone may be the user's own).
-    found = []
-    if manifest is not None or any((out / name).exists() for name in _REPORT_TABLES):
+    listed = (manifest or {}).get("files")  # a list, as _read_report_manifest checked
+    found: list[Path | None] = []
+    if listed is not None:
+        found = [_report_file(out, name) for name in listed]
+    elif manifest is not None or any((out / name).exists() for name in _REPORT_TABLES):
+        # A report without a list: an unreadable report.json, or an older grafting-lens's
+        # (its tables, then its figures beside them; figures alone may be the user's own).
+        tables = (*_REPORT_TABLES, "references.csv", "references_summary.csv")
         found = [
             path
             for path in sorted(out.iterdir())
             if path.is_file()
             and not path.is_symlink()
-            and (
-                path.name in (*_REPORT_TABLES, "references.csv", "references_summary.csv")
-                or path.suffix in (".html", ".png")
-            )
+            and (path.name in tables or path.suffix in (".html", ".png"))
         ]
-    runs = _report_runs(out)
-    if runs is not None:
-        found.append(runs)
-    return [*found, *([out / REPORT_MANIFEST] if manifest is not None else [])]
+    if listed is None or (manifest or {}).get("runs"):
+        found.append(_report_runs(out))
+    found.append(None if manifest is None else out / REPORT_MANIFEST)
+    return [path for path in found if path is not None]
 
 
 def _another_report(
@@ -399,7 +380,7 @@ def _another_report(
         what += ")"
         old = manifest.get("description") or {}
         if description and old:
-            what += f"; it differs in {_description_differences(old, description)}"
+            what += f"; it differs in {describe_differences(old, description)}"
         elif manifest.get("experiment") not in (None, experiment):
             what += f"; this is {experiment}"
     return (
@@ -407,21 +388,6 @@ def _another_report(
         "files. Pass another output directory, or --overwrite (overwrite=True) to delete that "
         "report, its figures and its runs/ first."
     )
-
-
-def _description_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-    """The keys in which two run descriptions differ, with the inner keys of mappings."""
-    details = []
-    for key in sorted(set(old) | set(new)):
-        before, after = old.get(key), new.get(key)
-        if before == after:
-            continue
-        if isinstance(before, dict) and isinstance(after, dict):
-            inner = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-            details.append(f"{key} ({', '.join(inner)})")
-        else:
-            details.append(key)
-    return ", ".join(details) or "its description"
 
 
 def _clear_report(out: Path, found: Sequence[Path]) -> None:
@@ -449,11 +415,9 @@ def _finish_report(out: Path, before: Mapping[str, Any], files: Sequence[Path]) 
 
 def summary_table(summary: pd.DataFrame) -> pd.DataFrame:
     """A summary as a reader sees it: each top-k as ``"40% [31%, 50%]"``, the mean rank
-    with one decimal (0 = the top token, as in the figures), every number rounded.
-
-    A group of fewer than :data:`~grafting_lens.analysis.metrics.MIN_INTERVAL_ROWS` rows shows no
-    interval (``"100% (no interval, n < 10)"``): a bootstrap of two rows is no interval.
-    The console, ``summary.md`` and the tutorials print this table.
+    with one decimal (0 = the top token), every number rounded; a group of fewer than
+    :data:`~grafting_lens.analysis.metrics.MIN_INTERVAL_ROWS` rows shows no interval
+    (``"100% (no interval, n < 10)"``).
 
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`.
@@ -496,8 +460,7 @@ def summary_markdown(
     notes: Sequence[str] = (),
     paper: Sequence[str] = (),
 ) -> str:
-    """A short markdown report: the summary table (top-1 and top-5 with their 95% intervals,
-    mean rank; see :func:`summary_table`).
+    """A short markdown report: the summary table (see :func:`summary_table`).
 
     Args:
         summary: From :func:`grafting_lens.analysis.metrics.summarize`.
@@ -569,16 +532,14 @@ _UNEMBEDDINGS = {
 
 
 def figure_caption(label: str, results: pd.DataFrame | None = None) -> str:
-    """The setting a figure shows, for its subtitle: the models (without a cache's hash),
-    the semantics, which unembedding decodes a grafted position, and the prompts' wording.
+    """The setting a figure shows, for its subtitle: the models, the semantics, which
+    unembedding decodes a grafted position, and the prompts' wording.
 
     Args:
-        label: The models in a few words (``"toy world 3f2a..."``); a hexadecimal hash
-            in it is left out, since it tells a reader nothing.
+        label: The models in a few words (``"toy world 3f2a..."``; a hexadecimal hash in it
+            is left out).
         results: The run's rows; their ``semantics`` column says the rest.
     """
-    from grafting_lens.study.semantics import as_semantics
-
     parts = [re.sub(r"\s*\b[0-9a-f]{12,}\b", "", label).strip()]
     if results is not None and "semantics" in results.columns:
         for text in dict.fromkeys(results["semantics"].dropna().astype(str)):
@@ -592,27 +553,26 @@ def figure_caption(label: str, results: pd.DataFrame | None = None) -> str:
 def accuracy_bars(title: str, k: int = 5) -> Callable[[pd.DataFrame, str], go.Figure]:
     """A figure builder: top-``k`` bars per configuration and prompt, titled ``title``, with
     the setting (see :func:`figure_caption`) under it."""
-
-    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
-        return plots.plot_accuracy(
-            summary, k=k, title=f"{title}: top-{k} accuracy", caption=caption
-        )
-
-    return draw
+    heading = f"{title}: top-{k} accuracy"
+    return lambda summary, caption: plots.plot_accuracy(
+        summary, k=k, title=heading, caption=caption
+    )
 
 
 def mean_rank_bars(title: str) -> Callable[[pd.DataFrame, str], go.Figure]:
     """A figure builder: the answer's mean rank per configuration and prompt."""
+    heading = f"{title}: mean rank"
+    return lambda summary, caption: plots.plot_mean_rank(summary, title=heading, caption=caption)
 
-    def draw(summary: pd.DataFrame, caption: str) -> go.Figure:
-        return plots.plot_mean_rank(summary, title=f"{title}: mean rank", caption=caption)
 
-    return draw
+def _panels(prompts: Sequence[str], spacing: float) -> go.Figure:
+    """One panel per prompt, one above the other, each titled by its prompt."""
+    titles = [figure_style.display_label(p) for p in prompts]
+    return make_subplots(len(prompts), 1, subplot_titles=titles, vertical_spacing=spacing)
 
 
 def _range_label(summary: pd.DataFrame, layer_range: str) -> str:
-    """A layer range's name with the layers it grafted ("last half (8-17)"): one name is
-    different layers under different arithmetics, so a figure says which ran."""
+    """A layer range's name with the layers it grafted: ``"last half (8-17)"``."""
     label = figure_style.display_label(layer_range)
     if "layers" not in summary:
         return label
@@ -625,51 +585,37 @@ def component_heatmap(
 ) -> go.Figure:
     """Top-k accuracy per layer range (rows) and component set (columns), one panel per prompt.
 
-    The colour scale runs from 0 to just above the highest cell (see
-    :func:`grafting_lens.analysis.figure_style.axis_range`), so that cells under 10% are not all white;
-    each cell prints its value, and each panel's title the BASE and DONOR references.
+    The colour scale runs from 0 to just above the highest cell, so cells under 10% are not
+    all white; each cell prints its value, each panel's title the BASE and DONOR references.
     """
     grid = summary[~summary.component_set.isin(_BASELINES)]
     prompts = list(dict.fromkeys(grid.prompt))
     # Panels one above the other: the figure keeps a page column's width (760 px), where
     # side by side panels would be shrunk until their cells' values are unreadable.
-    figure = make_subplots(
-        rows=len(prompts),
-        cols=1,
-        subplot_titles=[figure_style.display_label(p) for p in prompts],
-        vertical_spacing=0.18 if len(prompts) > 1 else 0.0,
-    )
+    figure = _panels(prompts, 0.18 if len(prompts) > 1 else 0.0)
     top = figure_style.axis_range(grid[f"top{k}"])[1]
     for column, prompt in enumerate(prompts, start=1):
-        values = grid[grid.prompt == prompt].pivot(
-            index="layer_range", columns="component_set", values=f"top{k}"
-        )
-        rows = [r for r in COMPONENT_LAYER_RANGES if r in values.index]
-        columns = [c for c in COMPONENT_SETS if c in values.columns]
-        values = values.loc[rows, columns]
-        text = [[f"{v:.0%}" for v in row] for row in values.to_numpy()]
-        if {f"top{k}_low", f"top{k}_high"} <= set(grid.columns):
+        cells = grid[grid.prompt == prompt].pivot(index="layer_range", columns="component_set")
+        rows = [r for r in COMPONENT_LAYER_RANGES if r in cells.index]
+        columns = [c for c in COMPONENT_SETS if c in cells[f"top{k}"].columns]
+        values = cells[f"top{k}"].loc[rows, columns].to_numpy(dtype=float)
+        text = [[f"{v:.0%}" for v in row] for row in values]
+        if f"top{k}_low" in cells and f"top{k}_high" in cells:
+            low, high = (cells[f"top{k}_{side}"].loc[rows, columns] for side in ("low", "high"))
             # Each cell's 95% interval under its value: a heatmap has no whiskers, and a
             # reader compares cells a few points apart (NaN where too few rows for one).
-            bounds = {
-                side: grid[grid.prompt == prompt]
-                .pivot(index="layer_range", columns="component_set", values=f"top{k}_{side}")
-                .loc[rows, columns]
-                .to_numpy()
-                for side in ("low", "high")
-            }
             text = [
                 [
-                    cell if pd.isna(low) else f"{cell}<br>[{low:.0%}, {high:.0%}]"
-                    for cell, low, high in zip(*line)
+                    cell if pd.isna(lo) else f"{cell}<br>[{lo:.0%}, {hi:.0%}]"
+                    for cell, lo, hi in zip(*line)
                 ]
-                for line in zip(text, bounds["low"], bounds["high"])
+                for line in zip(text, low.to_numpy(), high.to_numpy())
             ]
         baselines = summary[(summary.prompt == prompt) & summary.component_set.isin(_BASELINES)]
         frame = ", ".join(f"{r.component_set} {r[f'top{k}']:.0%}" for _, r in baselines.iterrows())
         figure.add_trace(
             go.Heatmap(
-                z=values.to_numpy(),
+                z=values,
                 x=[figure_style.display_label(c) for c in columns],
                 y=[_range_label(grid, r) for r in rows],
                 zmin=0,
@@ -684,9 +630,8 @@ def component_heatmap(
             row=column,
             col=1,
         )
-        figure.layout.annotations[
-            column - 1
-        ].text = f"{figure_style.display_label(prompt)} ({frame})"
+        heading = f"{figure_style.display_label(prompt)} ({frame})"
+        figure.layout.annotations[column - 1].text = heading
         figure.update_yaxes(autorange="reversed", title_text="layers", row=column, col=1)
         figure.update_xaxes(tickangle=-30, row=column, col=1)
     figure.update_xaxes(title_text="components grafted", row=len(prompts), col=1)
@@ -708,30 +653,21 @@ def component_bars(
     range; dotted lines mark BASE (nothing grafted) and DONOR (the donor everywhere), labelled
     in the right margin."""
     prompts = list(dict.fromkeys(summary.prompt))
-    figure = make_subplots(
-        rows=len(prompts),
-        cols=1,
-        subplot_titles=[figure_style.display_label(p) for p in prompts],
-        vertical_spacing=0.14,
-    )
+    figure = _panels(prompts, 0.14)
     top = figure_style.axis_range([*summary[f"top{k}"], *summary[f"top{k}_high"]])
     for row, prompt in enumerate(prompts, start=1):
         rows = summary[summary.prompt == prompt]
         panel = plots.plot_accuracy(
-            rows[~rows.component_set.isin(_BASELINES)],
-            k=k,
-            x="component_set",
-            color="layer_range",
+            rows[~rows.component_set.isin(_BASELINES)], k=k, x="component_set", color="layer_range"
         )
+        names = [figure_style.display_label(r) for r in COMPONENT_LAYER_RANGES]
         for trace in panel.data:
             # One colour per layer range in every panel; the legend names its layers.
-            names = [figure_style.display_label(r) for r in COMPONENT_LAYER_RANGES]
-            shade = _COLORS[names.index(trace.name) % len(_COLORS)]
-            trace.name = _range_label(summary, COMPONENT_LAYER_RANGES[names.index(trace.name)])
-            trace.marker.color = shade
-            trace.marker.line.color = shade
-            trace.showlegend = row == 1
-            trace.legendgroup = trace.name
+            index = names.index(trace.name)
+            name = _range_label(summary, COMPONENT_LAYER_RANGES[index])
+            shade = _COLORS[index % len(_COLORS)]
+            trace.update(name=name, legendgroup=name, showlegend=row == 1)
+            trace.update(marker_color=shade, marker_line_color=shade)
             figure.add_trace(trace, row=row, col=1)
         figure.update_yaxes(range=top, tickformat=".0%", title_text=f"top-{k}", row=row, col=1)
         references = rows[rows.component_set.isin(_BASELINES)].sort_values(f"top{k}")
@@ -757,11 +693,7 @@ def component_bars(
 
 def component_figures(title: str) -> tuple[Callable[[pd.DataFrame, str], go.Figure], ...]:
     """Figure 4's two figures for an experiment titled ``title``: the heatmap and the bars."""
-
-    def heatmap(summary: pd.DataFrame, caption: str) -> go.Figure:
-        return component_heatmap(summary, title, caption=caption)
-
-    def bars(summary: pd.DataFrame, caption: str) -> go.Figure:
-        return component_bars(summary, title, caption=caption)
-
-    return heatmap, bars
+    return (
+        lambda summary, caption: component_heatmap(summary, title, caption=caption),
+        lambda summary, caption: component_bars(summary, title, caption=caption),
+    )

@@ -1,9 +1,8 @@
 """``grafting-lens run <experiment>``: its options, their checks, the set-up, the run, the report.
 
-Every experiment shares one declaration of its options (:func:`experiment_parser`), adds its
-own from its spec, and runs through :func:`run_experiment_command`: options checked before
-anything loads, the run resumed from ``--out`` when it is the same run, the report written
-(under ranks, by rank 0). ``grafting-lens demo`` is ``grafting-lens run demo``.
+Every experiment shares one declaration of its options (:func:`experiment_parser`) and runs
+through :func:`run_experiment_command`: options checked before anything loads, the run
+resumed from ``--out`` when it is the same run, the report written (under ranks, by rank 0).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from grafting_lens.core import ranks
 from grafting_lens.core.console import threads_beyond_cores
-from grafting_lens.core.errors import GraftingLensError
+from grafting_lens.core.errors import GraftingLensError, refuse_first
 from grafting_lens.core.files import DirectoryLock, check_writable
 
 if TYPE_CHECKING:
@@ -33,8 +32,7 @@ if TYPE_CHECKING:
 # `grafting-lens run <experiment> --help` and a refused option answer at once.
 
 WORLDS = ("toy", "smollm2", "gemma3")
-"""What ``grafting-lens world build`` and ``run --world`` accept: the toy world and
-:data:`grafting_lens.worlds.real_world.WORLDS` (a test keeps the two in step)."""
+"""What ``--world`` accepts: the toy world and :data:`grafting_lens.worlds.real_world.WORLDS`."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 """What ``--dtype`` accepts."""
@@ -58,8 +56,8 @@ def count(text: str) -> int:
 
 
 def experiment_parser(experiment: str, prog: str | None = None) -> argparse.ArgumentParser:
-    """The options of ``grafting-lens run <experiment>``: those every run shares, its donor
-    options (from its spec) and its own.
+    """The options of ``grafting-lens run <experiment>``: those every run shares, and its
+    donor options and its own (from its spec).
 
     Args:
         experiment: A registered experiment.
@@ -73,8 +71,7 @@ def experiment_parser(experiment: str, prog: str | None = None) -> argparse.Argu
 
     spec = get_experiment(experiment)
     parser = argparse.ArgumentParser(
-        prog=prog or f"grafting-lens run {spec.name}",
-        description=spec.title,
+        prog=prog or f"grafting-lens run {spec.name}", description=spec.title
     )
     add = parser.add_argument
     add("--out", required=True, help="Directory for tables, figures and the resumable runs.")
@@ -236,10 +233,7 @@ def run_experiment_command(experiment: str, argv: Sequence[str], command: str | 
         finetunes = (
             spec.finetune_missing_donor
             and args.model is not None
-            and not any(
-                getattr(args, option.lstrip("-").replace("-", "_"))
-                for option, _ in spec.donors.values()
-            )
+            and not any(getattr(args, _dest(option)) for option, _ in spec.donors.values())
         )
         if (spec.run is None or spec.run_resumes) and not finetunes:
             return interrupted("run the same command to resume")
@@ -275,26 +269,35 @@ def _checked(experiment: str, args: argparse.Namespace) -> tuple[DirectoryLock, 
     from grafting_lens.study import get_experiment
 
     spec = get_experiment(experiment)
-    out = _check_out(args.out)
+    out = check_writable(args.out, "--out")  # not empty, not a file, writable
     checkpoints = _checkpoints(spec, args)
-    if args.world is not None and checkpoints is not None:
-        raise GraftingLensError(
-            f"--world {args.world} and --model both name the models: pass one of them."
-        )
-    if args.world not in (None, "toy") and args.toy_config is not None:
-        raise GraftingLensError(
-            f"--toy-config configures the toy world: leave it out with --world {args.world}."
-        )
     _check_relation_options(args, toy=checkpoints is None)
-    if args.score not in (None, "first_token") and spec.run is not None:
-        raise GraftingLensError(f"--score scores configurations' rows; {spec.name} has its own.")
     needs = args.score == "logit_diff"
-    if needs != (args.counter is not None) or (needs and not args.counter.strip()):
-        raise GraftingLensError(
-            "--score logit_diff needs --counter TEXT, the answer it is compared with."
-            if needs
-            else "--counter is --score logit_diff's: drop it, or add --score logit_diff."
-        )
+    refuse_first(
+        GraftingLensError,
+        (
+            (
+                args.world is not None and checkpoints is not None,
+                f"--world {args.world} and --model both name the models: pass one of them.",
+            ),
+            (
+                args.world not in (None, "toy") and args.toy_config is not None,
+                f"--toy-config configures the toy world: leave it out with --world {args.world}.",
+            ),
+            (
+                args.score not in (None, "first_token") and spec.run is not None,
+                f"--score scores configurations' rows; {spec.name} has its own.",
+            ),
+            (
+                needs and not (args.counter or "").strip(),
+                "--score logit_diff needs --counter TEXT, the answer it is compared with.",
+            ),
+            (
+                not needs and args.counter is not None,
+                "--counter is --score logit_diff's: drop it, or add --score logit_diff.",
+            ),
+        ),
+    )
     if args.prompts is not None:
         from grafting_lens.study.named import check_prompts_apply
 
@@ -463,7 +466,7 @@ def _describe_command_run(
     and every option that changes a result. Its hash is the run's fingerprint in ``--out``."""
     free = set(_FREE_OPTIONS) | ({"score"} if args.score in (None, "first_token") else set())
     free |= {"counter"} if args.counter is None else set()
-    free |= {option.lstrip("-").replace("-", "_") for option, _ in spec.donors.values()}
+    free |= {_dest(option) for option, _ in spec.donors.values()}
     free |= {option.dest for option in spec.options if not option.fingerprinted}
     relations = json.dumps([dataclasses.asdict(r) for r in setup.relations], sort_keys=True)
     # A donor finetuned in this process is a function of the base and the options.
@@ -478,40 +481,40 @@ def _describe_command_run(
 
 def _checkpoints(spec: Any, args: argparse.Namespace) -> list[str] | None:
     """The checkpoints the options name, base first; None for the toy world. Checks them."""
-    given = [
-        flag for flag in spec.inapplicable if getattr(args, flag.lstrip("-").replace("-", "_"))
-    ]
-    if given:
-        raise GraftingLensError(
-            f"{' and '.join(given)} do not apply here: the {spec.name} experiment "
-            f"({spec.title}) does not use them."
-        )
-    for name in ("batch_size", "n_examples", "n_relations", "threads"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise GraftingLensError(f"--{name.replace('_', '-')} must be >= 1, got {value}.")
-    too_many = None if args.threads is None else threads_beyond_cores(args.threads, "--threads")
-    if too_many:
-        raise GraftingLensError(too_many)
-    donors = {
-        role: getattr(args, option.lstrip("-").replace("-", "_"))
-        for role, (option, _) in spec.donors.items()
-    }
+    given = [flag for flag in spec.inapplicable if getattr(args, _dest(flag))]
+    threads = args.threads  # the counts of argparse's `count` type are >= 1 already
+    too_many = None if threads is None else threads_beyond_cores(threads, "--threads")
+    donors = {role: getattr(args, _dest(option)) for role, (option, _) in spec.donors.items()}
     flags = {role: option for role, (option, _) in spec.donors.items()}
-    if args.model is None:
-        named = [flags[role] for role, value in donors.items() if value is not None]
-        if named:
-            raise GraftingLensError(
-                f"{' and '.join(named)} {'needs' if len(named) == 1 else 'need'} --model (the "
-                f"base {'it is' if len(named) == 1 else 'they are'} grafted into)."
-            )
-        return None
+    named = [flags[role] for role, value in donors.items() if value is not None]
     missing = [flags[role] for role, value in donors.items() if value is None]
-    if missing and not (spec.finetune_missing_donor and len(missing) == len(donors)):
-        raise GraftingLensError(
-            f"With --model, the {spec.name} experiment also needs {', '.join(missing)} "
-            f"(roles: {', '.join(spec.roles)})."
-        )
+    one = len(named) == 1
+    refuse_first(
+        GraftingLensError,
+        (
+            (
+                given,
+                f"{' and '.join(given)} do not apply here: the {spec.name} experiment "
+                f"({spec.title}) does not use them.",
+            ),
+            (threads is not None and threads < 1, f"--threads must be >= 1, got {threads}."),
+            (too_many, str(too_many)),
+            (
+                args.model is None and named,
+                f"{' and '.join(named)} {'needs' if one else 'need'} --model (the base "
+                f"{'it is' if one else 'they are'} grafted into).",
+            ),
+            (
+                args.model is not None
+                and missing
+                and not (spec.finetune_missing_donor and len(missing) == len(donors)),
+                f"With --model, the {spec.name} experiment also needs {', '.join(missing)} "
+                f"(roles: {', '.join(spec.roles)}).",
+            ),
+        ),
+    )
+    if args.model is None:
+        return None
     checkpoints = [args.model, *(value for value in donors.values() if value is not None)]
     options = ["--model", *(flags[role] for role, value in donors.items() if value is not None)]
     for checkpoint, option in zip(checkpoints, options):
@@ -543,8 +546,6 @@ def _check_relation_options(args: argparse.Namespace, *, toy: bool) -> None:
 def _toy_config(text: str | None) -> Any:
     if not text:
         return None
-    import json
-
     from grafting_lens.study.testsets import RepeatedKey, unique_keys
     from grafting_lens.worlds.toy import ToyWorldConfig
 
@@ -573,58 +574,34 @@ def _apply_thread_policy(threads: int | None, *, toy: bool) -> None:
 
 def _semantics(spec: Any, args: argparse.Namespace) -> Any:
     """The run's semantics: ``--semantics`` (default: the experiment's), then the flags
-    that change one field of it (``--unembed``, ``--lm-head``, ``--dtype``).
-
-    Raises:
-        ExperimentError: A label that does not read.
-    """
+    that change one field of it (``--unembed``, ``--lm-head``, ``--dtype``)."""
     from grafting_lens.study import as_semantics
 
+    changes = {
+        "unembed": args.unembed and args.unembed.replace("-", "_"),
+        "lm_head": args.lm_head,
+        "dtype": args.dtype,
+    }
     semantics = as_semantics(args.semantics or spec.semantics)
-    changes: dict[str, Any] = {}
-    if args.unembed:
-        changes["unembed"] = args.unembed.replace("-", "_")
-    if args.lm_head:
-        changes["lm_head"] = args.lm_head
-    if args.dtype:
-        changes["dtype"] = args.dtype
-    return dataclasses.replace(semantics, **changes) if changes else semantics
+    return dataclasses.replace(semantics, **{k: v for k, v in changes.items() if v})
 
 
 def _semantics_note(semantics: Any) -> str:
     """One line for the report: which semantics ran, in words."""
     from grafting_lens.study import CLEAN, REFERENCE
 
-    if semantics == REFERENCE:
-        meaning = (
-            "as the paper's released code (tied unembedding follows a grafted embedding, no final "
-            "norm or position embedding grafted, n // 4 quarters, the tokenizer's own BOS, SFT = "
-            "the finetuned model, ranks by probability, the code's prompts)"
-        )
-    elif semantics == CLEAN:
-        meaning = (
-            "the library's (components as named, tied weights kept apart, the base's unembedding, "
-            "a BOS before every prompt, ranks by logit)"
-        )
-    else:
-        meaning = "a preset with the changes named"
+    meaning = {
+        REFERENCE: "as the paper's released code (tied unembedding follows a grafted embedding, "
+        "no final norm or position embedding grafted, n // 4 quarters, the tokenizer's own BOS, "
+        "SFT = the finetuned model, ranks by probability, the code's prompts)",
+        CLEAN: "the library's (components as named, tied weights kept apart, the base's "
+        "unembedding, a BOS before every prompt, ranks by logit)",
+    }.get(semantics, "a preset with the changes named")
     return f"Semantics: {semantics.label}: {meaning}; see docs/concepts/paper-code-library.md."
 
 
-# ------------------------------------------------------------------------------ checks
-
-
-def _check_out(out: str | os.PathLike) -> Path:
-    """``--out``: not empty, not a file, and writable, checked before anything is computed."""
-    return check_writable(out, "--out")
-
-
 def _check_checkpoint(name: str, option: str) -> None:
-    """Fail early, with a clear message, on a checkpoint that cannot be found.
-
-    A donor may be a LoRA adapter directory, as :func:`~grafting_lens.load_models` takes;
-    the base (``--model``) may not.
-    """
+    """Fail early on a checkpoint that cannot be found (a donor may be a LoRA adapter)."""
     path = Path(name).expanduser()
     if path.exists():
         from grafting_lens.models.adapters import is_adapter_directory
@@ -641,22 +618,17 @@ def _check_checkpoint(name: str, option: str) -> None:
 
         problem = checkpoint_problem(path)  # a GGUF file passes: load_models converts it
         if problem is not None:
-            adapter = (
-                "" if option == "--model" else " A donor may also be a LoRA adapter directory."
-            )
-            raise GraftingLensError(f"{option} {name!r} is {problem}. {CHECKPOINT_FIX}{adapter}")
+            extra = "" if option == "--model" else " A donor may also be a LoRA adapter directory."
+            raise GraftingLensError(f"{option} {name!r} is {problem}. {CHECKPOINT_FIX}{extra}")
         return
     from transformers import AutoConfig
 
     try:
         AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
-        where = (
-            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
-            if offline
-            else "on the Hugging Face hub"
-        )
+        where = "on the Hugging Face hub"
+        if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"):
+            where = "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
         raise GraftingLensError(
             f"Unknown model {name!r} for {option}: it is not a local directory and was not found "
             f"{where}. Pass a hub id such as 'gpt2', a directory written by save_pretrained or a .gguf file. "
@@ -668,6 +640,11 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+def _dest(flag: str) -> str:
+    """An option's attribute in the parsed arguments: ``--task-model`` -> ``task_model``."""
+    return flag.lstrip("-").replace("-", "_")
 
 
 # ------------------------------------------------------------------------------ output

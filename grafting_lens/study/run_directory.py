@@ -10,6 +10,7 @@ resumed table is the table an uninterrupted run gives. The layout and every chec
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -33,13 +34,14 @@ __all__ = [
     "RUN_FORMAT",
     "RunDirectory",
     "batch_digest",
+    "describe_differences",
     "describe_run",
     "weights_digests",
 ]
 
 RUN_FORMAT = 4
 """Version of the run-directory layout; part of every fingerprint (4: rows carry the layers
-each configuration grafted; 3: weights digested by each source's fingerprint)."""
+each configuration grafted)."""
 
 Rows = list[list[Any]]
 """A chunk's rows, one list of values per row, in the run's column order."""
@@ -58,16 +60,9 @@ def describe_run(
 ) -> dict[str, Any]:
     """Everything that makes a run this run, JSON-ready; its hash is the fingerprint.
 
-    Args:
-        model_sets: ``(label, model set)`` pairs.
-        test_sets: The test sets.
-        examples: Rows of each test set's batch.
-        test_digests: :func:`batch_digest` per ``(model set, test set)``.
-        configs: The configurations.
-        options: The options that change a row (see
-            :meth:`~grafting_lens.study.runner.RunOptions.fingerprint`).
-        columns: The results' columns.
-        chunk_ids: Every chunk of the run, in order.
+    ``examples`` counts each test set's rows, ``test_digests`` holds :func:`batch_digest`
+    per ``(model set, test set)``, ``options`` is
+    :meth:`~grafting_lens.study.runner.RunOptions.fingerprint`.
     """
     return {
         "format": RUN_FORMAT,
@@ -104,13 +99,10 @@ def describe_run(
 def weights_digests(models: ModelSet) -> list[str]:
     """A digest of every source of a model set, base first: every value of its weights.
 
-    Each is :meth:`Source.content_digest
-    <grafting_lens.models.sources.Source.content_digest>` (names, shapes, dtypes and every
-    byte of every tensor, read one tensor at a time: a lazily loaded donor is read from
-    its files and dropped, never kept) with the configuration of what the models compute,
-    so a changed ``rope_theta`` counts even with the same weights. Exact, not sampled:
-    stored results are reused only for the very weights they were computed with, so an
-    ablation of one weight between two runs into one ``out`` is a different run.
+    Each is :meth:`Source.content_digest <grafting_lens.models.sources.Source.content_digest>`
+    (every byte of every tensor, read one at a time) with the models' configuration, so a
+    changed ``rope_theta`` counts too. Exact, not sampled: an ablation of one weight between
+    two runs into one ``out`` is a different run.
     """
     config = _config_text(models.base.original_model)
     return [
@@ -120,11 +112,8 @@ def weights_digests(models: ModelSet) -> list[str]:
 
 
 def _config_text(model: torch.nn.Module) -> str:
-    """A model's configuration as canonical JSON, without fields that do not change it.
-
-    The base's stands for every source's: :func:`~grafting_lens.load_models` refuses
-    sources whose configurations differ in a field that changes the forward pass.
-    """
+    """A model's configuration as canonical JSON, without fields that do not change it (the
+    base's stands for every source's: load_models refuses sources whose forward differs)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return ""
@@ -161,10 +150,7 @@ def batch_digest(batch: TokenizedExamples, positions: Sequence[Sequence[torch.Te
 
 class RunDirectory:
     """A directory holding one run: its manifest and its finished chunks, held by one process
-    (or the ranks of one job).
-
-    Open one with :meth:`open`, which creates it or checks that it holds this very run,
-    and takes its lock; :meth:`close` (or leaving a ``with`` block) releases it.
+    (or the ranks of one job) from :meth:`open` to :meth:`close` (or a ``with`` block's end).
 
     Attributes:
         path: The directory.
@@ -181,9 +167,9 @@ class RunDirectory:
         """Create the run directory, or check that it holds the run ``spec`` describes.
 
         Raises:
-            RunError: An empty path or a file; another process writing into it (named);
-                ranks of a job describing different runs; another run (saying what differs),
-                files that are not a run's, or an unreadable manifest beside chunks.
+            RunError: An empty path or a file; another process writing into it; ranks of a
+                job describing different runs; another run (saying what differs), files that
+                are not a run's, or an unreadable manifest beside chunks.
         """
         if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
             raise kind(path, (str, os.PathLike), RunError)(
@@ -191,7 +177,7 @@ class RunDirectory:
                 "the working directory); name a directory."
             )
         run_dir = Path(path).expanduser()
-        fingerprint = _fingerprint(spec)
+        fingerprint = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
         if run_dir.exists() and not run_dir.is_dir():
             raise RunError(f"{run_dir} is a file; a run needs a directory.")
         lock = DirectoryLock(run_dir, "The run directory", shared=True)
@@ -233,16 +219,14 @@ class RunDirectory:
         """The rows of every chunk already written, by chunk id, each checked.
 
         Args:
-            expected: For every chunk of the run, the key of each row it must hold (in
-                any order).
+            expected: For every chunk of the run, the key of each row it must hold.
             columns: The run's columns.
             key_columns: The columns that make a row's key.
 
         Raises:
             RunError: Chunks that cannot be read, belong to another run, hold other
-                columns, were changed after they were written, or hold other rows than
-                the run puts there (the message lists the files; deleting them makes
-                the run recompute them).
+                columns or rows, or were changed after they were written (the message
+                lists the files; deleting them makes the run recompute them).
         """
         positions = [list(columns).index(column) for column in key_columns]
         done: dict[str, Rows] = {}
@@ -255,8 +239,14 @@ class RunDirectory:
                 problems.append(f"{path} is not a file")
                 continue
             try:
-                done[chunk_id] = self._read(path, chunk_id, columns, positions, keys)
-            except _BadChunk as problem:
+                payload = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                problems.append(f"{path} cannot be read ({error})")
+                continue
+            problem = self._chunk_problem(payload, chunk_id, columns, positions, keys)
+            if problem is None:
+                done[chunk_id] = payload["rows"]
+            else:
                 problems.append(f"{path} {problem}")
         if problems:
             shown = "\n  ".join(problems[:8])
@@ -267,34 +257,29 @@ class RunDirectory:
             )
         return done
 
-    def _read(
+    def _chunk_problem(
         self,
-        path: Path,
+        payload: Any,
         chunk_id: str,
         columns: Sequence[str],
         positions: Sequence[int],
         keys: Sequence[tuple[Any, ...]],
-    ) -> Rows:
-        try:
-            payload = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise _BadChunk(f"cannot be read ({error})") from None
+    ) -> str | None:
+        """What is wrong with one chunk file's content, or ``None``."""
         if not isinstance(payload, dict) or not isinstance(payload.get("rows"), list):
-            raise _BadChunk("is not a chunk of a run")
+            return "is not a chunk of a run"
         if payload.get("run") != self.fingerprint:
-            raise _BadChunk(
+            return (
                 f"belongs to another run (fingerprint {payload.get('run')}; this directory's "
                 f"run is {self.fingerprint}): it was copied from another run directory"
             )
         if payload.get("chunk") != chunk_id:
-            raise _BadChunk(f"holds the chunk {payload.get('chunk')!r}, not {chunk_id!r}")
+            return f"holds the chunk {payload.get('chunk')!r}, not {chunk_id!r}"
         if payload.get("columns") != list(columns):
-            raise _BadChunk("holds other columns than this run's")
+            return "holds other columns than this run's"
         if payload.get("sha256") != _content_hash(payload):
-            raise _BadChunk(
-                "was changed after it was written (its content no longer matches its hash)"
-            )
-        rows: Rows = payload["rows"]
+            return "was changed after it was written (its content no longer matches its hash)"
+        rows = payload["rows"]
         plain = (str, int, float, bool, type(None))  # a JSON value a row's key can hold
         if not all(
             isinstance(row, list)
@@ -302,16 +287,16 @@ class RunDirectory:
             and all(isinstance(row[i], plain) for i in positions)
             for row in rows
         ):
-            raise _BadChunk("holds a row that is not a list of this run's columns")
+            return "holds a row that is not a list of this run's columns"
         found = Counter(tuple(row[i] for i in positions) for row in rows)
         wanted = Counter(tuple(key) for key in keys)
-        if found != wanted:
-            missing, extra = sum((wanted - found).values()), sum((found - wanted).values())
-            raise _BadChunk(
-                f"does not hold this chunk's rows ({len(rows)} rows where the run has "
-                f"{len(keys)}: {missing} missing, {extra} duplicated or from elsewhere)"
-            )
-        return rows
+        if found == wanted:
+            return None
+        missing, extra = sum((wanted - found).values()), sum((found - wanted).values())
+        return (
+            f"does not hold this chunk's rows ({len(rows)} rows where the run has "
+            f"{len(keys)}: {missing} missing, {extra} duplicated or from elsewhere)"
+        )
 
     def write(self, chunk_id: str, columns: Sequence[str], rows: Rows) -> Path:
         """Write one finished chunk, complete or not at all."""
@@ -331,10 +316,6 @@ class RunDirectory:
         return path
 
 
-class _BadChunk(Exception):
-    """What is wrong with one chunk file (collected into one RunError)."""
-
-
 def _content_hash(payload: Mapping[str, Any]) -> str:
     """SHA-256 of a chunk's canonical JSON, without its hash."""
     content = {key: value for key, value in payload.items() if key != "sha256"}
@@ -344,10 +325,8 @@ def _content_hash(payload: Mapping[str, Any]) -> str:
 
 
 def _check_is_run_directory(run_dir: Path) -> None:
-    """Refuse a directory that holds files but no manifest: it is not a run's (read in one
-    listing: rank 0 may be writing the manifest meanwhile). What a run killed while creating
-    its directory leaves (dot files, ``chunks/``, whose chunks are checked one by one) is a run's.
-    """
+    """Refuse a directory with files but no manifest (read in one listing: rank 0 may be
+    writing it); dot files and ``chunks/``, left by a run killed while starting, are a run's."""
     names = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else ["manifest.json"]
     others = [] if "manifest.json" in names else [n for n in names if not n.startswith(".")]
     if [name for name in others if not (name == "chunks" and (run_dir / name).is_dir())]:
@@ -368,18 +347,17 @@ def _claim(run_dir: Path, fingerprint: str, spec: Mapping[str, Any]) -> None:
     if manifest_path.is_file():
         try:
             manifest = json.loads(manifest_path.read_text())
-            if not isinstance(manifest, dict):
-                raise ValueError("not a JSON object")
+            problem = None if isinstance(manifest, dict) else "not a JSON object"
         except (OSError, ValueError) as error:
-            if any(chunks.glob("*.json")):
-                raise RunError(
-                    f"{manifest_path} cannot be read ({error}) and the directory holds chunks, "
-                    "so which run they belong to is unknown. Delete the directory to start over."
-                ) from None
-            manifest = None  # nothing was computed: start the run afresh
-        if manifest is not None:
+            problem = str(error)
+        if problem is None:
             _check_manifest(run_dir, manifest, fingerprint, spec)
             return
+        if any(chunks.glob("*.json")):  # without chunks nothing was computed: start afresh
+            raise RunError(
+                f"{manifest_path} cannot be read ({problem}) and the directory holds chunks, "
+                "so which run they belong to is unknown. Delete the directory to start over."
+            )
     elif manifest_path.exists():
         raise RunError(f"{manifest_path} is not a file; delete it or use another directory.")
     manifest = {
@@ -405,7 +383,7 @@ def _check_manifest(
             f"{old_format}, this version writes {spec.get('format')}); it cannot be resumed. "
             "Pass another output directory, or delete this one to start over."
         )
-    differences = _differences(old if isinstance(old, dict) else {}, spec)
+    differences = describe_differences(old if isinstance(old, dict) else {}, spec)
     raise RunError(
         f"{run_dir} holds a different run (fingerprint {manifest.get('fingerprint')}, "
         f"this one is {fingerprint}); it differs in {differences}. Resuming would mix "
@@ -413,32 +391,25 @@ def _check_manifest(
     )
 
 
-def _fingerprint(spec: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
-    keys = sorted(set(old) | set(new))
-    changed = [key for key in keys if old.get(key) != new.get(key)]
+def describe_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    """The keys in which two run descriptions differ, with what differs inside them (the
+    configurations' names, which model set, a mapping's keys)."""
     parts = []
-    for key in changed:
-        if key == "configs":
-            before = [c.get("name") for c in old.get(key, [])]
-            after = [c.get("name") for c in new.get(key, [])]
-            same_names = before == after
-            parts.append(
-                "configs (definitions)" if same_names else f"configs ({before} vs {after})"
-            )
-        elif key == "options":
-            old_options, new_options = old.get(key, {}), new.get(key, {})
-            inner = sorted(
-                option
-                for option in set(old_options) | set(new_options)
-                if old_options.get(option) != new_options.get(option)
-            )
-            parts.append(f"options ({', '.join(inner)})")
-        elif key == "models":
-            parts.append(f"models ({_model_differences(old.get(key, []), new.get(key, []))})")
+    for key in sorted(set(old) | set(new)):
+        before: Any = old.get(key)
+        after: Any = new.get(key)
+        if before == after:
+            continue
+        lists = isinstance(before, list) and isinstance(after, list)
+        if key == "configs" and lists:
+            names = [[config.get("name") for config in value] for value in (before, after)]
+            same = names[0] == names[1]
+            parts.append("configs (definitions)" if same else f"configs ({names[0]} vs {names[1]})")
+        elif key == "models" and lists:
+            parts.append(f"models ({_model_differences(before, after)})")
+        elif isinstance(before, dict) and isinstance(after, dict):
+            inner = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            parts.append(f"{key} ({', '.join(inner)})")
         else:
             parts.append(key)
     return ", ".join(parts) or "its description"
@@ -450,21 +421,17 @@ def _model_differences(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[s
         return f"{len(old)} model sets vs {len(new)}"
     found = []
     for before, after in zip(old, new):
-        fields = [
-            f
-            for f in ("label", "names", "architecture", "n_layers")
-            if before.get(f) != after.get(f)
+        keys = ("label", "names", "architecture", "n_layers")
+        fields = [key for key in keys if before.get(key) != after.get(key)]
+        names = list(after.get("names", []))
+        changed = [
+            repr(names[i]) if i < len(names) else f"source {i}"
+            for i, (old_digest, new_digest) in enumerate(
+                itertools.zip_longest(before.get("weights", []), after.get("weights", []))
+            )
+            if old_digest != new_digest
         ]
-        weights_before, weights_after = before.get("weights", []), after.get("weights", [])
-        if weights_before != weights_after:
-            names = list(after.get("names", []))
-            changed = [
-                repr(names[i]) if i < len(names) else f"source {i}"
-                for i in range(max(len(weights_before), len(weights_after)))
-                if i >= len(weights_before)
-                or i >= len(weights_after)
-                or weights_before[i] != weights_after[i]
-            ]
+        if changed:
             fields.append(f"the weights or configuration of {', '.join(changed)}")
         if fields:
             found.append(f"{after.get('label')}: {', '.join(fields)}")

@@ -1,19 +1,11 @@
 """The runner: every configuration on every example of every test set, for every model set.
 
-:func:`run_experiment` runs a grid, model sets x test sets x configurations, and returns
-a tidy DataFrame with one row per example and configuration. Rows are independent, so
-the configurations of the same examples are stacked as blocks of rows of one forward
-pass (:mod:`grafting_lens.study.stacking`), and examples go in order of length so
-a pass carries little padding. Work is cut into chunks; with ``out=``, each finished
-chunk is written to a run directory (:mod:`grafting_lens.study.run_directory`),
-and a killed run started again resumes where it stopped. Everything a run is given is
-checked before the first forward pass.
-
-How a run grafts, scores, batches and saves is one :class:`RunOptions`, the place for a
-new option; its ``semantics`` (:class:`~grafting_lens.study.semantics.Semantics`, default
-the paper's released code) says what the configurations mean and is recorded in every
-row, beside its exact prompt ``text``, ``target_id``, ``target_prob`` and ``target_rank``.
-Inside :func:`~grafting_lens.core.ranks.shared_ranks` the chunks are shared by the ranks.
+:func:`run_experiment` runs a grid, model sets x test sets x configurations, into a tidy
+DataFrame, one row per example and configuration: the configurations of the same examples
+are stacked as blocks of rows of one forward pass (:mod:`grafting_lens.study.stacking`),
+checked before the first, and cut into chunks that a run directory keeps
+(:mod:`grafting_lens.study.run_directory`), so a killed run resumes. How a run grafts,
+scores, batches and saves is one :class:`RunOptions`, the place for a new option.
 :func:`run_position_grafting` is the short way to the paper's first experiment.
 """
 
@@ -52,17 +44,8 @@ from grafting_lens.core.errors import (
 )
 from grafting_lens.engine.positions import select_positions
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.study.configs import (
-    PAPER_POSITION_CONFIGS,
-    GraftConfig,
-    retarget,
-)
-from grafting_lens.study.run_directory import (
-    Rows,
-    RunDirectory,
-    batch_digest,
-    describe_run,
-)
+from grafting_lens.study.configs import PAPER_POSITION_CONFIGS, GraftConfig, retarget
+from grafting_lens.study.run_directory import Rows, RunDirectory, batch_digest, describe_run
 from grafting_lens.study.semantics import (
     DEFAULT_SEMANTICS,
     Semantics,
@@ -98,9 +81,8 @@ IDENTITY_COLUMNS = (
     "layers",
     "semantics",
 )
-"""What a row is: which model set, test set, example and configuration (``layers``: the layer
-numbers it grafted on that model set, as :func:`layers_label` writes them), under which
-semantics (tags follow)."""
+"""What a row is: model set, test set, example, configuration (``layers``: as
+:func:`layers_label` writes them) and semantics (tags follow)."""
 
 ANSWER_COLUMNS = ("target", "target_id")
 """The answer a row is scored against: its text and first token."""
@@ -130,34 +112,28 @@ class RunOptions:
     """How a run grafts, scores, batches and saves (everything but what it asks of whom).
 
     Attributes:
-        batch_size: Examples per forward pass; each pass holds every configuration of
-            them (``batch_size * len(configs)`` rows). Free to change when resuming.
+        batch_size: Examples per forward pass (``batch_size * len(configs)`` rows). Free
+            to change when resuming.
         chunk_size: Examples per chunk (the unit that is saved and resumed).
         semantics: What the configurations mean, how prompts are tokenized and answers
             ranked: a :class:`~grafting_lens.study.semantics.Semantics` or its label
-            (``"reference"``, ``"clean"``, ``"reference+unembed=base"``). ``None``:
-            the entry point's default, :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`
-            (:data:`~grafting_lens.study.semantics.REFERENCE`), or a named experiment's own
-            (the ``semantics`` of its :class:`~grafting_lens.study.specs.ExperimentSpec`,
-            which is the same for the paper's experiments).
+            (``"reference+unembed=base"``). ``None``:
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, or a named
+            experiment's own (its :class:`~grafting_lens.study.specs.ExperimentSpec`'s).
         top_k: How many top tokens to list per row.
         seeds: Seeds to record with every row, as ``<name>_seed`` columns (e.g. the toy
-            world's); each test set's own seed is the ``data_seed`` column.
-        progress: Show a progress bar (default: when standard error is a terminal or
-            in a notebook, see :func:`~grafting_lens.core.console.show_progress`). Free to
-            change when resuming.
+            world's).
+        progress: Show a progress bar (default: when someone watches). Free to change
+            when resuming.
         logits: ``"scored"`` (default): the unembedding runs at the scored (last) token
-            of each row only, ``[rows, 1, d_vocab]`` logits (every position's where a
-            configuration grafts the unembedding, which needs them); ``"all"``: every
-            position's, ``[rows, pos, d_vocab]``, as before (the same scores, for
-            comparison). Free to change when resuming.
+            only (at every position where a configuration grafts it); ``"all"``: at every
+            position (the same scores, for comparison). Free to change when resuming.
         score: What each row scores beyond the answer's first token
             (:class:`~grafting_lens.analysis.scoring.Score`: ``"first_token"``, the paper's
-            columns alone; ``"answer_logprob"``, ``"logit_diff"``, ``"kl"`` or a function add
-            their columns).
+            columns alone; ``"answer_logprob"``, ``"logit_diff"``, ``"kl"`` or a function).
 
     Raises:
-        ExperimentError: A size below 1, a seed name that cannot be a column, or a
+        ExperimentError: A size below 1, a seed name that is not a plain name, or a
             semantics label that does not read.
     """
 
@@ -220,7 +196,7 @@ class ChunkInfo:
     """What :func:`run_experiment` passes to ``on_chunk`` after each chunk is written.
 
     Attributes:
-        index: Position of the chunk in the run (0-based).
+        index: Position of the chunk in the run (0-based), of ``total``.
         total: Number of chunks in the run.
         chunk_id: Its name, ``m<model set>-t<test set>-c<chunk>``.
         rows: Rows it holds.
@@ -272,57 +248,44 @@ def run_experiment(
 ) -> pd.DataFrame:
     """Run every configuration on every example of every test set, for every model set.
 
-    Work is cut into chunks of ``chunk_size`` examples of one (model set, test set);
-    within a chunk, ``batch_size`` examples at a time go through one forward pass holding
-    every configuration of them. Examples are taken in order of length so a forward pass
-    carries little padding; rows are independent, so this changes no result.
+    Work is cut into chunks of ``chunk_size`` examples of one (model set, test set); within
+    a chunk, ``batch_size`` examples at a time, taken in order of length, go through one
+    forward pass holding every configuration of them. The run's semantics (default
+    :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released code)
+    says what the configurations graft, how examples are tokenized and answers ranked.
 
-    The run's semantics (``options.semantics``, default
-    :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`, the paper's released code:
-    :data:`~grafting_lens.study.semantics.REFERENCE`; ``semantics="clean"`` for the library's
-    reading) says what the configurations graft on each
-    model set, how the test sets' examples are tokenized and how answers are ranked
-    (see :class:`~grafting_lens.study.semantics.Semantics`); test sets worded for another
-    semantics, and models of another precision than its ``dtype``, are refused.
-
-    With ``out``, the run lives in that directory (see
-    :mod:`grafting_lens.study.run_directory`): calling again with the same
-    arguments resumes, reading finished chunks instead of recomputing them, and a
-    directory holding a different run is refused. ``batch_size`` and ``progress`` may
-    change between calls; everything else makes another run.
+    With ``out``, the run lives in that directory (:mod:`grafting_lens.study.run_directory`):
+    calling again with the same arguments resumes, and a directory holding a different run
+    is refused. ``batch_size`` and ``progress`` may change between calls.
+    Inside :func:`~grafting_lens.core.ranks.shared_ranks` the chunks are shared by the ranks.
 
     Args:
-        models: A model set, or ``{label: model set}`` to compare several (the
-            ``models`` column; a lone model set is labelled by its names).
+        models: A model set, or ``{label: model set}`` to compare several (the ``models``
+            column).
         test_sets: What to ask (see :func:`~grafting_lens.study.testsets.make_test_sets`).
         configs: Configuration names (looked up in ``registry``) or :class:`GraftConfig` s.
-        registry: A registered experiment (whose configurations names are looked up in:
-            :func:`~grafting_lens.study.specs.get_configs`) or a mapping of
-            configurations.
+        registry: A registered experiment whose configurations names are looked up in
+            (:func:`~grafting_lens.study.specs.get_configs`), or a mapping of them.
         out: Directory for resumable results (None: keep everything in memory).
         options: How to run (:class:`RunOptions`); ``settings`` override its fields.
         on_chunk: Called with a :class:`ChunkInfo` after each chunk is computed (and
-            written); an exception raised there stops the run, which can be resumed.
-        **settings: Fields of :class:`RunOptions` by name: ``batch_size``,
-            ``chunk_size``, ``semantics``, ``top_k``, ``seeds``, ``progress``.
+            written); an exception raised there stops the run.
+        **settings: Fields of :class:`RunOptions` by name (``batch_size``, ``semantics``...).
 
     Returns:
-        One row per model set, test set, configuration and example, in that order, with
-        columns ``models``, ``dataset``, ``prompt``, ``direction``, ``example`` (row of the
-        test set), ``relation_id``, ``text`` (the exact prompt), ``config``, ``semantics``
-        (its label), the configurations' tag columns, ``target``, ``target_id`` (the
+        One row per model set, test set, configuration and example, in that order: the
+        columns of :data:`IDENTITY_COLUMNS` (``example``: the row of the test set; ``text``:
+        the exact prompt), the configurations' tags, ``target``, ``target_id`` (the
         answer's first token), the scores of :mod:`grafting_lens.analysis.scoring`
-        (``target_rank`` (0 = top-1), ``target_prob``, ``top1``, ``top5``,
-        ``topk_tokens``, ``topk_ids``, ``topk_probs``), ``data_seed`` and one
-        ``<name>_seed`` column per entry of ``seeds``.
+        (``target_rank``, 0 = top-1, ``target_prob``, ``top1``, ``top5``, ``topk_*``),
+        ``data_seed`` and a ``<name>_seed`` column per entry of ``seeds``.
 
     Raises:
-        GraftingLensError: Before any forward pass: an unknown configuration, a layer range
-            outside a model, a component an architecture lacks, a source a model set does
-            not have, a span a test set lacks, grafts that disagree on a cell, an empty test
-            set, bad sizes, test sets worded for another semantics, models of another
-            precision than the semantics'. RunError: ``out`` holds a different run, or files
-            that are not a run's.
+        GraftingLensError: Before any forward pass: an unknown configuration, a layer, a
+            component or a source a model set lacks, a span a test set lacks, grafts that
+            disagree on a cell, bad sizes, test sets worded or models of a precision other
+            than the semantics'.
+        RunError: ``out`` holds a different run, or files that are not a run's.
     """
     share = ranks.current()  # first thing on every rank: joining a job is a collective step
     for name in settings:  # dataclasses.replace would raise a bare TypeError
@@ -416,8 +379,7 @@ def _compute(
     columns: Sequence[str],
     on_chunk: Callable[[ChunkInfo], None] | None,
 ) -> dict[str, Rows]:
-    """Every chunk of ``mine`` not in ``done``, computed (and written to ``run_dir``); with
-    ``done``."""
+    """``done``, and every chunk of ``mine`` not in it, computed (and written to ``run_dir``)."""
     options = grid.options
     rows_of = {c: len(index) * len(grid.configs) for c, _, index in chunks if c in mine}
     bar = tqdm(
@@ -470,46 +432,33 @@ def run_position_grafting(
 
     The paper's first experiment (section 4.1): every weight of the finetune (SFT) grafted
     onto the pretrained model (PRE) at some positions only
-    (:data:`~grafting_lens.study.configs.POSITION_CONFIGS`). A thin wrapper over
-    :func:`run_experiment` for one model set and one batch, kept in memory.
-
-    What "every weight" is, and how the batch must be tokenized, follow ``semantics``
-    (:class:`~grafting_lens.study.semantics.Semantics`; default the paper's released code); a
-    batch :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other rules is refused.
+    (:data:`~grafting_lens.study.configs.POSITION_CONFIGS`); :func:`run_experiment` for one
+    model set and one batch, in memory. What "every weight" is, and how the batch must be
+    tokenized, follow ``semantics`` (default the paper's released code).
 
     Args:
         models: Base (source 0, PRE) and donor (``source``, SFT).
-        tokenized: A :class:`grafting_lens.analysis.batch.TokenizedExamples` (or anything with
-            ``tokens``, ``attention_mask``, ``target_ids``, ``spans`` and
-            ``examples``): right-padded prompts ending right before the answer.
-        configs: Names in :data:`~grafting_lens.study.configs.POSITION_CONFIGS`, in the
-            order wanted in tables.
+        tokenized: A :class:`grafting_lens.analysis.batch.TokenizedExamples`: right-padded
+            prompts ending right before the answer.
+        configs: Names in :data:`~grafting_lens.study.configs.POSITION_CONFIGS`, in table order.
         batch_size: Examples per forward pass.
-        components: What to graft instead of ``all``, read under ``semantics`` as any
-            graft's components are.
-        semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label
-            (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
+        components: What to graft instead of ``all``, read under ``semantics``.
+        semantics: A :class:`~grafting_lens.study.semantics.Semantics` or its label.
         source: Index of the donor in the model set.
-        top_k: How many top tokens to list per row (``topk_tokens``, ``topk_ids``,
-            ``topk_probs``).
+        top_k: How many top tokens to list per row.
         progress: Show a progress bar (default: when someone watches).
         score: What else each row scores, as in :func:`~grafting_lens.graft` (its columns
             follow); ``counter``: ``score="logit_diff"``'s counter-answers.
 
     Returns:
-        A tidy DataFrame, one row per configuration and example (grouped by
-        configuration, in ``configs`` order), with the columns of
-        :data:`POSITION_GRAFTING_COLUMNS` and the score's: ``example`` (row in ``tokenized``),
-        ``relation_id``, ``prompt``, ``direction``, ``text``, ``config``, ``semantics``,
-        ``target`` (the answer's text), ``target_id`` (its first token), ``target_rank``
-        (0 = top-1), ``target_prob``, ``top1`` and ``top5`` (booleans), ``topk_tokens``
-        (decoded), ``topk_ids`` and ``topk_probs``.
+        A tidy DataFrame, one row per configuration and example (grouped by configuration,
+        in ``configs`` order), with the columns of :data:`POSITION_GRAFTING_COLUMNS`
+        (``example``: the row in ``tokenized``; as :func:`run_experiment`'s) and the score's.
 
     Raises:
-        GraftingLensError: An unknown configuration (the message lists the known
-            ones), an empty or malformed batch, or a bad ``batch_size``.
+        GraftingLensError: An unknown configuration, an empty or malformed batch, or a bad
+            ``batch_size``.
     """
-    chosen_semantics = semantics_or_default(semantics)
     chosen = retarget(
         get_configs(configs, "position", kind="position-grafting"), components, source
     )
@@ -519,7 +468,7 @@ def run_position_grafting(
         chosen,
         batch_size=batch_size,
         chunk_size=max(64, int(batch_size)) if is_integer(batch_size) else 64,
-        semantics=chosen_semantics,
+        semantics=semantics,
         top_k=top_k,
         progress=progress,
         score=(scored := Score.of(score, donor=source, counter=counter)),
@@ -544,6 +493,7 @@ def _grid(
         if isinstance(test_sets, TestSet)
         else as_list(test_sets, "test_sets", forms, ExperimentError)
     )
+    semantics = semantics_or_default(options.semantics)
     seen: dict[tuple[Any, ...], int] = {}
     for index, test_set in enumerate(test_list):
         if not isinstance(test_set, TestSet):
@@ -561,8 +511,6 @@ def _grid(
                 "prompt once, or give the test sets different dataset labels."
             )
         seen[key] = index
-    semantics = semantics_or_default(options.semantics)
-    for test_set in test_list:
         if test_set.templates is not None and test_set.templates != semantics.prompts:
             raise ExperimentError(
                 f"Test set {test_set.label!r} is worded as the {test_set.templates} words its "
@@ -579,21 +527,15 @@ def _grid(
     ]
     tag_columns = list(dict.fromkeys(key for config in config_list for key in config.tags))
     taken = {*IDENTITY_COLUMNS, *ANSWER_COLUMNS, *SCORE_COLUMNS, *TOP_K_COLUMNS, "data_seed"}
-    collisions = set(tag_columns) & taken
-    if collisions:
-        raise ExperimentError(
-            f"Configuration tags may not reuse result columns: {sorted(collisions)}."
-        )
+    reused = set(tag_columns) & taken
+    if reused:
+        raise ExperimentError(f"Configuration tags may not reuse result columns: {sorted(reused)}.")
     return _Grid(model_sets, test_list, config_list, resolved, tag_columns, options, semantics)
 
 
 def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
-    """Refuse a batch that :func:`~grafting_lens.analysis.batch.tokenize_examples` made under other
-    rules than the semantics' (a batch built by hand records none and is taken as it is).
-
-    Raises:
-        ExperimentError: Naming the test set, the rules that differ and the two ways out.
-    """
+    """Refuse a batch tokenize_examples made under other rules than the semantics' (a batch
+    built by hand records none and is taken as it is)."""
     rules = getattr(test_set.examples, "rules", None) if test_set.is_tokenized else None
     if not isinstance(rules, Mapping):
         return
@@ -611,11 +553,7 @@ def _check_tokenization(test_set: TestSet, semantics: Semantics) -> None:
 
 
 def _check_precision(model_sets: list[tuple[str, ModelSet]], semantics: Semantics) -> None:
-    """Refuse models whose precision is not the one the semantics runs in.
-
-    Raises:
-        ExperimentError: Naming the model set, its dtype and the two ways out.
-    """
+    """Refuse models whose precision is not the one the semantics runs in."""
     if semantics.dtype == "checkpoint":
         return
     wanted = getattr(torch, semantics.dtype)
@@ -778,12 +716,9 @@ def _run_examples(
 
 
 def layers_label(grafts: Sequence[ResolvedGraft]) -> str:
-    """The layers a configuration grafted, in numbers: ``"8-17"``, or per component where its
-    grafts differ (``"attn 0-17; o+mlp_in+mlp_out 9-17"``); ``"-"`` where none grafts a layer.
-
-    A range's name means different layers under different arithmetics (``last_half`` of 18 is
-    9-17 in fractions, 8-17 in the code's quarters): the rows and the figures say which ran.
-    """
+    """The layers a configuration grafted, in numbers (a range's name means different layers
+    under different arithmetics): ``"8-17"``, or per component where its grafts differ
+    (``"attn 0-17; o+mlp_in+mlp_out 9-17"``); ``"-"`` where none grafts a layer."""
 
     def numbers(layers: Sequence[int]) -> str:
         runs: list[list[int]] = []

@@ -1,25 +1,13 @@
 """What a configuration means: the paper's released code, or this library's clean reading.
 
 The paper's figures were made by the authors' released code
-(``toddnief/dynamic-weight-grafting``, ``src/kg/scripts/run_experiment.py``), and that
-code does not always do what the paper's text says, nor what a graft in this library
-does by default. Where they part, a run must say which it follows. A
-:class:`Semantics` holds one switch per difference (its attributes say what each does);
-:data:`REFERENCE` does what the released code does on every point, :data:`CLEAN` what
-the lens API (:class:`~grafting_lens.GraftMask`, :func:`~grafting_lens.grafting`) always
-does: every component grafted exactly as named. docs/concepts/paper-code-library.md
-tells the differences in prose, with what each moves on the toy world.
-
-Each switch can be flipped on its own: ``dataclasses.replace(REFERENCE, unembed="base")``
-is the code with the tie undone. A semantics is named by its :attr:`~Semantics.label`
-(``"reference+unembed=base"``), which :func:`as_semantics` reads back and the
-``semantics`` column of every results table records.
-
-There is one default, :data:`DEFAULT_SEMANTICS`, which is :data:`REFERENCE`: whatever
-in the study takes a semantics and is given none runs as the paper's released code
-(:func:`semantics_or_default`), so a configuration name grafts the same weights
-everywhere. The lens's masks take no semantics; its tokenization and scoring defaults
-are this default's (``grafting_lens.core.defaults`` holds them).
+(``toddnief/dynamic-weight-grafting``), which does not always do what the paper's text
+says, nor what a graft in this library does. A :class:`Semantics` holds one switch per
+difference: :data:`REFERENCE` does what the released code does on every point (the one
+default, :data:`DEFAULT_SEMANTICS`), :data:`CLEAN` grafts every component exactly as named.
+A semantics is named by its :attr:`~Semantics.label` (``"reference+unembed=base"``), which
+:func:`as_semantics` reads back and every results table records. The differences in prose:
+docs/concepts/paper-code-library.md.
 """
 
 from __future__ import annotations
@@ -88,67 +76,56 @@ class ScoringRules(TypedDict):
 class Semantics:
     """One switch per point where the paper's released code and this library part.
 
-    The defaults are :data:`REFERENCE`'s, the code's on every switch (``Semantics()`` is
-    :data:`DEFAULT_SEMANTICS`); :data:`CLEAN` sets every switch to the library's.
-    Switches about *groups* (``all``, ``block``...) leave a component named on its own
-    alone: ``Graft("LT", "all+unembed")`` takes the unembedding whatever ``unembed``
-    says. Why the code does what it does on each point: docs/concepts/paper-code-library.md.
+    The defaults are :data:`REFERENCE`'s, the code's (``Semantics()`` is
+    :data:`DEFAULT_SEMANTICS`); :data:`CLEAN` sets every switch to the library's. Switches
+    about *groups* (``all``, ``block``...) leave a component named on its own alone:
+    ``Graft("LT", "all+unembed")`` takes the unembedding whatever ``unembed`` says.
 
     Attributes:
-        unembed: Which unembedding decodes a grafted position. ``"base"``: the base's,
-            everywhere (groups leave ``unembed`` out). ``"donor"``: groups graft it, so
-            a grafted position is decoded by its donor. ``"follow_embed"`` (the code):
-            on a model whose embedding and unembedding are one matrix (GPT-2, Llama 3.2
-            1B, Gemma; not Pythia) the unembedding follows the embedding, grafted
-            wherever ``embed`` is, from the same source; on an untied model, the base's.
-        lm_head: The code's ``patch_lm_head``: ``"never"`` (what its figures used) or
-            ``"always"``, the donor's unembedding at the last token (after the base's
-            final norm) for every configuration that grafts something, but not for the
-            plain baselines (no graft; a whole donor).
+        unembed: Which unembedding decodes a grafted position: ``"base"`` (groups leave
+            ``unembed`` out), ``"donor"`` (groups graft it), or ``"follow_embed"`` (the
+            code): on a model whose embedding and unembedding are one matrix (GPT-2, Gemma;
+            not Pythia), grafted wherever ``embed`` is, from the same source.
+        lm_head: The code's ``patch_lm_head``: ``"never"`` (its figures) or ``"always"``,
+            the donor's unembedding at the last token for every configuration that grafts
+            something but is not a whole donor.
         final_norm: Whether groups graft the final norm (``ln_final``); the code never does.
-        pos_embed: Whether groups graft a learned position embedding (GPT-2's
-            ``pos_embed``); the code never does.
-        embed: Whether groups graft the token embedding (``embed``). The code does;
-            ``False`` keeps the base's at grafted positions.
-        fused_qkv: ``"exact"``: ``q``, ``k`` and ``v`` are three components everywhere.
-            ``"as_code"``: on an architecture whose Q, K and V are one fused matrix
-            (GPT-2, NeoX), ``q`` grafts all three and ``k``, ``v`` alone graft nothing.
-        ffn_up_gate: Whether the paper's FFN-up takes the gate (``mlp_gate``) along
-            with the up projection (a reading, not a fact: both presets say ``True``).
+        pos_embed: Whether groups graft a learned position embedding; the code never does.
+        embed: Whether groups graft the token embedding (the code does).
+        fused_qkv: ``"exact"``: ``q``, ``k`` and ``v`` are three components everywhere;
+            ``"as_code"``: where Q, K and V are one fused matrix (GPT-2, NeoX), ``q``
+            grafts all three and ``k``, ``v`` alone graft nothing.
+        ffn_up_gate: Whether the paper's FFN-up takes the gate (``mlp_gate``) with the up
+            projection (a reading: both presets say ``True``).
         layers: How named layer ranges are counted
             (:data:`~grafting_lens.models.layers.LAYER_ARITHMETICS`): ``"fractions"`` or the
-            code's ``"quarters"`` (``n // 4``, remainder in the last quarter; "last
-            half" = third and fourth quarters).
+            code's ``"quarters"`` (``n // 4``, remainder in the last quarter).
         bos: What precedes a prompt (:data:`~grafting_lens.analysis.batch.BOS_RULES`):
-            ``"always"`` a BOS, or ``"tokenizer"``, what ``tokenizer(text)`` adds, as the code.
+            ``"always"`` a BOS, or ``"tokenizer"``, what ``tokenizer(text)`` adds (the code).
         target: The answer's first token (:data:`~grafting_lens.analysis.batch.TARGET_RULES`):
-            ``"in_context"`` or ``"standalone"`` (``" " + name`` alone, as the code).
-        spans: How the first entity's (and the movie's) tokens are found
+            ``"in_context"`` or ``"standalone"`` (``" " + name`` alone, the code).
+        spans: How the first entity's tokens are found
             (:data:`~grafting_lens.analysis.batch.SPAN_RULES`): ``"characters"`` or the code's
-            ``"search"`` for the name's tokens.
-        sft: What a *whole-donor* configuration is, one grafting ``all`` at ``ALL``
-            positions over ``all`` layers (``SFT``, ``DONOR``, ``TASK``,
-            ``RELATION``): ``"grafted"``, a graft like any other (the group switches
-            apply), or ``"donor"``, the donor model itself, as the code runs it.
-        hybrid: The hybrid graft (figure 5): ``"clean"``, the library's
-            (:data:`~grafting_lens.study.configs.HYBRID_CONFIGS`), or ``"code"``, the
-            code's *hybrid model* at the last token
-            (:func:`~grafting_lens.study.configs.code_hybrid_configs`).
+            ``"search"``.
+        sft: What a *whole-donor* configuration (``all`` at ``ALL`` over ``all`` layers:
+            ``SFT``, ``DONOR``, ``TASK``, ``RELATION``) is: ``"grafted"``, a graft like
+            any other, or ``"donor"``, the donor model itself (the code).
+        hybrid: The hybrid graft (figure 5): ``"clean"``
+            (:data:`~grafting_lens.study.configs.HYBRID_CONFIGS`) or ``"code"``, the code's
+            *hybrid model* (:func:`~grafting_lens.study.configs.code_hybrid_configs`).
         hybrid_last_token_layers: Over which layers the code's hybrid grafts at the last
             token: ``"last_half"`` (as the authors' sweep ran it) or ``"all"``.
         rank_by: What the answer's rank compares
-            (:data:`~grafting_lens.analysis.metrics.RANK_BY`): ``"logit"`` or ``"probability"``
-            (the code's float32 softmax).
+            (:data:`~grafting_lens.analysis.metrics.RANK_BY`): ``"logit"`` or the code's
+            ``"probability"``.
         ties: Who wins a tie (:data:`~grafting_lens.analysis.metrics.TIE_RULES`):
             ``"pessimistic"`` (the other token) or ``"optimistic"`` (the answer; the code).
-        dtype: The models' precision: ``"checkpoint"`` (as stored) or a dtype's name
-            (the code's: float32). Models loaded here (the command, ``setup_experiment``)
-            are loaded so; a run given models of another dtype refuses to start.
-        prompts: Whose wording the test prompts have (:data:`~grafting_lens.worlds.data.TEMPLATE_SETS`):
-            ``"library"`` ("X starred in a movie alongside") or ``"code"`` ("X stars
-            in in a movie alongside"), where test sets are made
-            (:func:`~grafting_lens.study.testsets.make_test_sets`, the named experiments);
-            a run refuses test sets of the other wording.
+        dtype: The models' precision: ``"checkpoint"`` (as stored) or a dtype's name (the
+            code's: float32); a run given models of another dtype refuses to start.
+        prompts: Whose wording the test prompts have
+            (:data:`~grafting_lens.worlds.data.TEMPLATE_SETS`): ``"library"`` ("X starred in
+            a movie alongside") or ``"code"`` ("X stars in in a movie alongside"); a run
+            refuses test sets of the other wording.
 
     Raises:
         ExperimentError: A value a field does not accept (:data:`SEMANTICS_CHOICES`).
@@ -241,18 +218,15 @@ CLEAN = Semantics(
 """This library's own reading: components as named, tied weights apart (see :class:`Semantics`)."""
 
 DEFAULT_SEMANTICS = REFERENCE
-"""The semantics of everything that takes one and is given none (``semantics=None``), and
-whose ``prompts`` is the default wording of
-:func:`~grafting_lens.study.testsets.make_test_sets`: the paper's released code. The one
-place that names the default; every entry point reads it (:func:`semantics_or_default`)."""
+"""The semantics of everything that takes one and is given none: the paper's released code.
+The one place that names the default; every entry point reads it (:func:`semantics_or_default`)."""
 
 PRESETS: dict[str, Semantics] = {"reference": REFERENCE, "clean": CLEAN}
 """The named semantics, by name."""
 
 
 def semantics_or_default(value: Semantics | str | None) -> Semantics:
-    """``value`` read by :func:`as_semantics`, or :data:`DEFAULT_SEMANTICS` for ``None``:
-    every entry point's reading of its ``semantics`` argument.
+    """``value`` read by :func:`as_semantics`, or :data:`DEFAULT_SEMANTICS` for ``None``.
 
     Raises:
         ExperimentError, TypeError: As :func:`as_semantics`.
@@ -261,11 +235,8 @@ def semantics_or_default(value: Semantics | str | None) -> Semantics:
 
 
 def as_semantics(value: Semantics | str) -> Semantics:
-    """A :class:`Semantics` from itself or its label.
-
-    A label is a preset's name, optionally followed by ``+field=value`` changes:
-    ``"reference"``, ``"clean"``, ``"reference+unembed=base"``,
-    ``"reference+final_norm=true+bos=always"`` (what :attr:`Semantics.label` writes).
+    """A :class:`Semantics` from itself or its label: a preset's name, optionally followed by
+    ``+field=value`` changes (``"reference+unembed=base"``, as :attr:`Semantics.label` writes).
 
     Raises:
         ExperimentError: An unknown preset or field, or a value the field does not take.
@@ -279,9 +250,7 @@ def as_semantics(value: Semantics | str) -> Semantics:
             f"'reference+unembed=base'), got {type(value).__name__}."
         )
     preset, *changes = [part.strip() for part in value.split("+")]
-    check_known(
-        preset, PRESETS, "semantics", ExperimentError, " (optionally followed by +field=value)"
-    )
+    check_known(preset, PRESETS, "semantics", ExperimentError, " (optionally with +field=value)")
     updates: dict[str, Any] = {}
     for change in changes:
         name, equals, text = change.partition("=")

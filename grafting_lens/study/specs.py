@@ -1,10 +1,8 @@
 """Named experiments: one registered :class:`ExperimentSpec` each, and the registry.
 
-An :class:`ExperimentSpec` says everything an experiment is (roles, relations, parts, summaries,
-figures, what the paper reports), and :func:`register_experiment` is the one door: a registered
-spec runs from Python and as ``grafting-lens run <name>`` (how-to: "Adding an experiment"). The
-paper's are registered by :mod:`grafting_lens.study.paper` on import; this registry never
-imports it, since the paper's experiments stand on it.
+:func:`register_experiment` is the one door: a registered spec runs from Python and as
+``grafting-lens run <name>`` (docs/developing/adding-an-experiment.md). The paper's are
+registered by :mod:`grafting_lens.study.paper`, which stands on this registry.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ __all__ = [
 ]
 
 RELATION_SETS = ("all", "task", "relation")
-"""Which relations an experiment asks about: all of them, or one half of
-:func:`grafting_lens.worlds.data.split_task_relation`."""
+"""Which relations an experiment asks about: all, or a half of ``split_task_relation``."""
 
 QUICK_RELATIONS = 16
 """How many relations a ``quick`` run asks about."""
@@ -73,8 +70,8 @@ class Figure:
 
     Attributes:
         name: The file's stem.
-        draw: ``(summary rows, caption) -> plotly figure``; the caption says the
-            setting (see :func:`~grafting_lens.study.report.figure_caption`).
+        draw: ``(summary rows, caption) -> plotly figure`` (the caption:
+            :func:`~grafting_lens.study.report.figure_caption`).
         part: Draw only this part's rows (``None``: every row); no rows, no figure.
     """
 
@@ -95,8 +92,7 @@ class Option:
         default: Its default.
         choices: The values allowed (``None``: any).
         many: Take one or more values.
-        fingerprinted: The value can change a result, so a run with another value is
-            another run (``False`` for a batching size and the like).
+        fingerprinted: The value can change a result (``False`` for a batching size).
     """
 
     flag: str
@@ -120,17 +116,16 @@ class ExperimentSpec:
     Attributes:
         name: Key in :data:`EXPERIMENTS` and on the command line.
         title: For figures and reports.
-        roles: What each source of the model set is, base first; in the toy world, the
-            checkpoint names (:data:`grafting_lens.worlds.toy.MODEL_NAMES`).
-        donors: For each role after the base, the command-line option that names a real
-            checkpoint for it and a line of help (the base is always ``--model``).
-        relations: Which relations are asked about: ``"all"``, ``"task"`` or
-            ``"relation"`` (the halves of :func:`grafting_lens.worlds.data.split_task_relation`).
+        roles: What each source of the model set is, base first (in the toy world, the
+            checkpoint names).
+        donors: For each role after the base, the command-line option that names its
+            checkpoint and a line of help (the base is always ``--model``).
+        relations: Which relations are asked about: ``"all"``, ``"task"`` or ``"relation"``
+            (:data:`RELATION_SETS`).
         direction: ``"A2B"``, or ``"B2A"`` for the reversal.
         parts: The runs it is made of (see :class:`Part`).
-        configurations: The configurations its parts name, by name (shared by the
-            experiments that run the same ones: ``component``, ``component_baseline`` and
-            ``reversal``); :func:`register_config` adds to them.
+        configurations: The configurations its parts name, by name (shared by experiments
+            that run the same ones); :func:`register_config` adds to them.
         summary_by: The columns its summary groups by.
         figures: What to draw from the summary.
         paper: What the paper reports, listed next to the results.
@@ -139,20 +134,18 @@ class ExperimentSpec:
         options: Command-line options of its own.
         inapplicable: Shared command-line options that do not apply to it.
         run: A runner other than the configuration grid:
-            ``(spec, setup, **run arguments) -> {table name: DataFrame}`` (see
-            :func:`~grafting_lens.study.named.run_spec`).
-        run_resumes: That runner keeps its progress in the run directory it is given
-            (``out/runs`` on the command line), and a run of the same command goes on from it.
-        report: A report other than the standard one (see
-            :func:`~grafting_lens.study.report.write_experiment_report`).
-        quick_world: ``--quick`` builds a small toy world (and finetunes a checkpoint
-            for two epochs) instead of asking about fewer relations.
-        finetune_missing_donor: ``--model`` without a donor finetunes a copy of the
-            model on the relations first.
+            ``(spec, setup, **run arguments) -> {table name: DataFrame}``
+            (:func:`~grafting_lens.study.named.run_spec`).
+        run_resumes: That runner keeps its progress in the run directory it is given, and
+            a run of the same command goes on from it.
+        report: A report other than the standard one (``write_experiment_report``).
+        quick_world: ``--quick`` builds a small toy world (and finetunes for two epochs)
+            instead of asking about fewer relations.
+        finetune_missing_donor: ``--model`` without a donor finetunes a copy of it first.
         default_relations: How many relations ``--model`` runs make by default.
         semantics: The label of the :class:`~grafting_lens.study.semantics.Semantics` its
-            runs default to (``"reference"``, the one default); an experiment whose runner
-            works one way only (``"--semantics"`` in :attr:`inapplicable`) names that one.
+            runs default to; a runner that works one way only (``"--semantics"`` in
+            :attr:`inapplicable`) names that one.
     """
 
     name: str
@@ -224,16 +217,14 @@ class ExperimentSetup:
     Attributes:
         models: The model set, in the experiment's roles.
         relations: The relations to ask about.
-        label: The models in a few words, for reports (``"toy world 3f2a..."``,
-            ``"gpt2 <- gpt2-sft"``).
+        label: The models in a few words, for reports (``"gpt2 <- gpt2-sft"``).
         dataset: The dataset the relations come from (the ``dataset`` column).
         data_seed: The seed they were made with (the ``data_seed`` column).
         seeds: Further seeds to record with every row (the toy world's).
-        world: The toy world's ``root``, ``seed``, ``dataset`` and ``evaluation``, or
-            ``None`` for your own checkpoints.
+        world: The world's ``root``, ``seed``, ``dataset`` and ``evaluation``, or ``None``
+            for your own checkpoints.
         resumable: Whether a run on these models can resume from a run directory (not
-            when a donor was finetuned in this process: another process finetunes
-            another donor).
+            when a donor was finetuned in this process).
     """
 
     models: ModelSet
@@ -248,7 +239,7 @@ class ExperimentSetup:
 
 EXPERIMENTS: dict[str, ExperimentSpec] = {}
 """The named experiments, by name (the paper's once :mod:`grafting_lens.study.paper` is
-imported: ``study.EXPERIMENTS`` and every name of ``grafting_lens.study`` import it)."""
+imported, as every name of ``grafting_lens.study`` does)."""
 
 
 def _register(
@@ -258,8 +249,7 @@ def _register(
     door: str,
     overwrite: bool,
 ) -> None:
-    """Add ``item`` to ``table`` under its name, refusing another type or a taken name: the
-    one door of both registries (``door`` names it in messages)."""
+    """Add ``item`` to ``table`` under its name, refusing another type or a taken name."""
     taken = isinstance(item, kind) and item.name in table and not overwrite
     if taken or not isinstance(item, kind):
         raise ExperimentError(
@@ -291,14 +281,12 @@ def get_experiment(name: str | ExperimentSpec) -> ExperimentSpec:
     """The registered experiment ``name`` (a spec passes through).
 
     Raises:
-        ExperimentError: An unknown name (the message lists the known ones).
+        ExperimentError: An unknown name.
     """
     if isinstance(name, ExperimentSpec):
         return name
-    unregistered = " (the paper's register on import grafting_lens.study.paper)"
-    check_known(
-        name, EXPERIMENTS, "experiment", ExperimentError, "" if EXPERIMENTS else unregistered
-    )
+    hint = " (the paper's register on import grafting_lens.study.paper)"
+    check_known(name, EXPERIMENTS, "experiment", ExperimentError, "" if EXPERIMENTS else hint)
     return EXPERIMENTS[name]
 
 
@@ -312,9 +300,9 @@ def register_config(
 
     Args:
         config: The configuration.
-        experiment: The registered experiment whose configurations it joins (``"position"``:
-            next to the paper's eight; ``"component"``: also ``component_baseline``'s and
-            ``reversal``'s, which share them; ``"hybrid"``).
+        experiment: The registered experiment whose configurations it joins
+            (``"position"``, ``"component"``, shared with ``component_baseline`` and
+            ``reversal``, or ``"hybrid"``).
         overwrite: Allow replacing a configuration of the same name.
 
     Raises:
@@ -343,17 +331,14 @@ def get_configs(
         configs: Names, :class:`GraftConfig` s, or a mix.
         registry: A registered experiment, whose configurations the names are looked up
             in, or a mapping of configurations.
-        kind: What to call the configurations in messages (default: the registry's
-            name, e.g. ``"component-grafting"``).
+        kind: What to call the configurations in messages (default ``"<registry>-grafting"``).
         semantics: What the configurations will run under (default
-            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`). Under
-            ``hybrid="code"`` (the default's), :data:`HYBRID_CONFIGS`' names and objects
-            are the code's hybrid configurations (:func:`code_hybrid_configs`); no other
-            configuration depends on it.
+            :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`): under
+            ``hybrid="code"``, :data:`HYBRID_CONFIGS`' names and objects are the code's
+            (:func:`code_hybrid_configs`).
 
     Raises:
-        ExperimentError: No configuration, an unknown name (the message lists the
-            known ones), or a name given twice.
+        ExperimentError: No configuration, an unknown name, or a name given twice.
     """
     chosen = semantics_or_default(semantics)
     code = None
@@ -371,10 +356,10 @@ def get_configs(
         configs = as_list(configs, "configs", "a configuration's name or a list", ExperimentError)
     resolved = []
     for item in configs:
-        if isinstance(item, GraftConfig) and code is not None:
-            resolved.append(_as_code_hybrid(item, code))
-        elif isinstance(item, GraftConfig):
-            resolved.append(item)
+        if isinstance(item, GraftConfig):
+            # HYBRID_CONFIGS' own objects run as the code's hybrid under it, as their names do.
+            ours = HYBRID_CONFIGS.get(item.name) == item
+            resolved.append((code or {}).get(item.name, item) if ours else item)
         else:
             check_known(item, registry, f"{kind} configuration", ExperimentError)
             resolved.append(registry[item])
@@ -391,16 +376,3 @@ def get_configs(
         ),
     )
     return resolved
-
-
-def _as_code_hybrid(config: GraftConfig, code: Mapping[str, GraftConfig]) -> GraftConfig:
-    """A configuration given as an object, under a semantics whose hybrid is the code's.
-
-    The library's own hybrid configurations (:data:`HYBRID_CONFIGS`' objects, in any
-    registry or none) run as the code runs them, as their names do, so that a row's
-    semantics says what was grafted; any other configuration is the caller's own graft
-    and is taken as it is.
-    """
-    if HYBRID_CONFIGS.get(config.name) == config and config.name in code:
-        return code[config.name]
-    return config

@@ -1,17 +1,11 @@
 """Configurations as one graft mask: checked against a model set, stacked along the batch.
 
-Rows of a batch are independent, so the configurations of the same examples run as
-blocks of rows of one forward pass: rows ``i * batch .. (i + 1) * batch - 1`` are
-configuration ``i``. Before any pass, every graft is checked against each model set
-(:func:`resolve_configs`: components it has, layers inside it, sources it holds), and
-two grafts of one configuration may not give one cell different sources
-(:func:`check_conflicts`). :func:`stacked_mask` then builds the one mask, sharing a
-``[rows, pos]`` tensor among all the ``(component, layer)`` pairs a graft takes, which
-the graft engine splits into positions once per pass rather than once per pair.
-
-Checking a graft is also where a :class:`~grafting_lens.study.semantics.Semantics` says
-what it means on this model set (:func:`resolve_configs`), so the graft engine below
-needs no switch: every reading is a mask.
+The configurations of the same examples run as blocks of rows of one forward pass (rows
+``i * batch .. (i + 1) * batch - 1`` are configuration ``i``). :func:`resolve_configs`
+checks every graft against a model set and says what a
+:class:`~grafting_lens.study.semantics.Semantics` makes of it there (so the graft engine
+needs no switch), :func:`check_conflicts` refuses two sources for one cell, and
+:func:`stacked_mask` builds the one mask.
 """
 
 from __future__ import annotations
@@ -43,10 +37,7 @@ from grafting_lens.study.configs import (
     GraftConfig,
     resolve_components,
 )
-from grafting_lens.study.semantics import (
-    Semantics,
-    semantics_or_default,
-)
+from grafting_lens.study.semantics import Semantics, semantics_or_default
 from grafting_lens.study.specs import get_configs
 
 __all__ = ["ResolvedGraft", "check_conflicts", "config_masks", "resolve_configs", "stacked_mask"]
@@ -71,11 +62,9 @@ def resolve_configs(
     semantics: Semantics | str | None = None,
 ) -> list[list[ResolvedGraft]]:
     """Check every graft against one model set, and say what it takes there under ``semantics``
-    (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`).
-
-    Beside each graft's components (:func:`~grafting_lens.study.configs.resolve_components`)
-    and layers (:func:`~grafting_lens.resolve_layers` with the semantics' arithmetic), the
-    semantics may add or change grafts:
+    (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`): its components
+    (:func:`~grafting_lens.study.configs.resolve_components`) and layers, and the grafts the
+    semantics adds or changes:
 
     * ``sft="donor"``: a whole-donor graft (``all`` at ``ALL`` over ``all`` layers) takes
       every component, the unembedding and final norm included: the donor itself;
@@ -144,11 +133,7 @@ def _is_whole_donor(graft: Graft) -> bool:
 
 
 def _check_source(graft: Graft, models: ModelSet) -> None:
-    """Refuse a source the model set does not have.
-
-    Raises:
-        GraftMaskError: Naming the sources there are.
-    """
+    """Refuse a source the model set does not have, naming those there are."""
     needed = RELATION if graft.source == HYBRID else int(graft.source)
     if needed < len(models):
         return
@@ -226,8 +211,7 @@ def config_masks(
     Rows ``i * batch .. (i + 1) * batch - 1`` are configuration ``configs[i]``; run it
     on ``tokens.repeat(len(configs), 1)``. Equal to :meth:`GraftMask.cat` of one
     :meth:`GraftMask.union` per configuration, but grafts that take the same components,
-    layers and source share one ``[rows, pos]`` tensor across all their
-    ``(component, layer)`` pairs, which the graft splits into positions once per pass.
+    layers and source share one ``[rows, pos]`` tensor.
 
     Args:
         models: The model set.
@@ -238,8 +222,7 @@ def config_masks(
         semantics: What the configurations mean; see :func:`resolve_configs`.
 
     Raises:
-        GraftingLensError: As :func:`~grafting_lens.study.runner.run_experiment` for bad
-            configurations.
+        GraftingLensError: As :func:`~grafting_lens.study.runner.run_experiment`.
     """
     chosen = semantics_or_default(semantics)
     config_list = get_configs(configs, registry, semantics=chosen)
@@ -260,14 +243,9 @@ def stacked_mask(
     positions: Sequence[Sequence[torch.Tensor]],
     shape: tuple[int, int],
 ) -> GraftMask:
-    """One mask holding every configuration's grafts, a block of rows per configuration.
-
-    Args:
-        models: The model set.
-        resolved: Per configuration, its checked grafts.
-        positions: Per configuration, each graft's ``[batch, pos]`` selection.
-        shape: ``(batch, pos)`` of one configuration's block.
-    """
+    """One mask holding every configuration's grafts, a block of rows per configuration:
+    per configuration, its ``resolved`` grafts and each one's ``[batch, pos]`` selection in
+    ``positions``; ``shape`` is ``(batch, pos)`` of one block."""
     batch, length = int(shape[0]), int(shape[1])
     n_configs = len(resolved)
     # Group grafts by what they take; each group is one [n_configs * batch, pos] tensor.

@@ -1,10 +1,7 @@
 """Test sets: the questions a run asks, one dataset under one prompt.
 
-A :class:`TestSet` holds examples (:class:`grafting_lens.worlds.data.Example` s, tokenized by
-the runner with each model set's own tokenizer) or an already tokenized batch, and the
-labels that become columns of the results (``dataset``, ``prompt``, ``data_seed``).
-:func:`make_test_sets` makes one per prompt over a list of relations, in the paper's
-code's wording or the library's; :func:`read_prompts` reads a file of your own prompts.
+:func:`make_test_sets` makes a :class:`TestSet` per prompt over a list of relations, in the
+paper's code's wording or the library's; :func:`read_prompts` reads a file of your own prompts.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import torch
 from grafting_lens.analysis.batch import TokenizedExamples, as_batch, tokenize_examples
 from grafting_lens.core.errors import ArgumentTypeError, ExperimentError, TokenError, check_known
 from grafting_lens.models.model_set import ModelSet
-from grafting_lens.study.semantics import DEFAULT_SEMANTICS, Semantics, semantics_or_default
+from grafting_lens.study.semantics import CLEAN, DEFAULT_SEMANTICS, Semantics, semantics_or_default
 from grafting_lens.worlds import data
 
 __all__ = [
@@ -33,6 +30,7 @@ __all__ = [
     "PROMPT_COLUMNS",
     "TestSet",
     "check_answers",
+    "library_batches",
     "make_test_sets",
     "read_prompts",
 ]
@@ -41,8 +39,7 @@ MOVIE_PROMPTS: dict[str, tuple[str, str]] = {
     "headline_movie": ("{first_actor} starred in {movie_title} alongside", "starred in"),
     "qa_movie": ("Q: Who starred in {movie_title} with {first_actor}? A:", "starred in"),
 }
-"""Test prompts naming the movie: ``name -> (template, relation words)``. The headline one
-is the first article template cut before the answer; the QA one is the second QA template's."""
+"""Test prompts naming the movie: ``name -> (template, relation words)``."""
 
 CODE_MOVIE_PROMPTS: dict[str, tuple[str, str]] = {
     "headline_movie": ("{first_actor} stars in in {movie_title} alongside", "stars in in"),
@@ -66,16 +63,14 @@ class TestSet:
         dataset: Label of the dataset (a column of the results).
         prompt: Label of the prompt (default: the examples' ``prompt_name``).
         seed: Seed the relations were made with (the ``data_seed`` column).
-        templates: Whose wording the prompts have, ``"library"`` or ``"code"``
-            (:data:`~grafting_lens.worlds.data.TEMPLATE_SETS`; set by :func:`make_test_sets`),
-            or ``None`` for prompts of your own; a run refuses test sets whose wording
-            is not its semantics'.
-        source: The file the examples were read from (set by :func:`read_prompts`; each
-            example's ``relation_id`` is its row there, from 0), for messages to name rows.
+        templates: Whose wording the prompts have, ``"library"`` or ``"code"`` (set by
+            :func:`make_test_sets`), or ``None`` for your own; a run refuses test sets
+            worded otherwise than its semantics.
+        source: The file the examples were read from (:func:`read_prompts`), for messages
+            to name rows.
 
     Raises:
-        ExperimentError: No examples, something that is neither examples nor a batch, or
-            unknown ``templates``.
+        ExperimentError: No examples, neither examples nor a batch, or unknown ``templates``.
     """
 
     __test__ = False  # not a pytest class
@@ -127,17 +122,12 @@ class TestSet:
     def batch(
         self, models: ModelSet, semantics: Semantics | str | None = None
     ) -> TokenizedExamples:
-        """The test set as a checked batch for ``models`` (tokenized with its tokenizer).
-
-        Examples are tokenized as ``semantics`` says (its ``bos``, ``target`` and
-        ``spans``; see :func:`grafting_lens.analysis.batch.tokenize_examples`; default
-        :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`); an already
-        tokenized batch is used as is. Examples that cannot be tokenized cleanly are
-        dropped with one warning naming the test set.
+        """The test set as a checked batch for ``models``: examples tokenized with its tokenizer
+        as ``semantics`` says (default :data:`~grafting_lens.study.semantics.DEFAULT_SEMANTICS`;
+        those that cannot be tokenized cleanly dropped, with one warning), a batch as it is.
 
         Raises:
-            BatchError, TokenError, SelectionError: See
-                :func:`grafting_lens.analysis.batch.as_batch`.
+            BatchError, TokenError, SelectionError: As :func:`~grafting_lens.analysis.batch.as_batch`.
         """
         source = self.examples
         if not self.is_tokenized:
@@ -165,8 +155,7 @@ class TestSet:
         return f"test set {self.label!r}, example {index}"
 
     def _check_context(self, batch: TokenizedExamples, models: ModelSet) -> None:
-        """Refuse a prompt longer than the model's context (``n_ctx``), naming it: a run
-        would otherwise grow its activations past memory before any error."""
+        """Refuse a prompt longer than the model's context (``n_ctx``), before memory runs out."""
         context = int(getattr(models.base.cfg, "n_ctx", 0) or 0)
         lengths = batch.attention_mask.sum(dim=1)  # as_batch gave the mask, padding or not
         if not context or int(lengths.max()) <= context:
@@ -197,18 +186,15 @@ def make_test_sets(
     Args:
         relations: The facts to ask about.
         prompts: Names in :data:`grafting_lens.worlds.data.TEST_TEMPLATES` or :data:`MOVIE_PROMPTS`.
-        direction: ``"A2B"`` asks for the second actor, ``"B2A"`` for the first (reversal).
+        direction: ``"A2B"`` asks for the second actor, ``"B2A"`` for the first.
         dataset: Label of the relations (a column of the results).
         seed: Seed the relations were made with (recorded in the results).
         templates: Whose wording the prompts have, a semantics' ``prompts``: ``"code"``
-            (the default's: :data:`CODE_MOVIE_PROMPTS`,
-            :data:`grafting_lens.worlds.data.CODE_TEST_TEMPLATES`) or ``"library"``
-            (``semantics="clean"``'s: :data:`MOVIE_PROMPTS`,
-            :data:`grafting_lens.worlds.data.TEST_TEMPLATES`); see :attr:`TestSet.templates`.
+            (the default's: :data:`CODE_MOVIE_PROMPTS`) or ``"library"`` (:data:`MOVIE_PROMPTS`,
+            :data:`grafting_lens.worlds.data.TEST_TEMPLATES`).
 
     Raises:
-        ExperimentError: No relations (a test set without examples), an unknown prompt or
-            ``templates`` (refused by :class:`TestSet`).
+        ExperimentError: No relations, an unknown prompt or ``templates``.
     """
     for prompt in prompts:
         check_known(prompt, [*data.TEST_TEMPLATES, *MOVIE_PROMPTS], "prompt", ExperimentError)
@@ -217,21 +203,29 @@ def make_test_sets(
     for prompt in prompts:
         if prompt in movies:
             template, words = movies[prompt]
-            examples = data.make_examples(
-                relations,
-                prompt=prompt,
-                direction=direction,
-                template=template,
-                relation_words=words,
-            )
+            wording = {"template": template, "relation_words": words}
         else:
-            examples = data.make_examples(
-                relations, prompt=prompt, direction=direction, templates=templates
-            )
+            wording = {"templates": templates}
+        examples = data.make_examples(relations, prompt=prompt, direction=direction, **wording)
         test_sets.append(
             TestSet(examples, dataset=dataset, prompt=prompt, seed=seed, templates=templates)
         )
     return test_sets
+
+
+def library_batches(
+    relations: Sequence[data.Relation], tokenizer: Any, prompts: Sequence[str], count: int | None
+) -> dict[str, TokenizedExamples]:
+    """Each prompt's examples of the first ``count`` relations, worded and tokenized as CLEAN:
+    the one reading of the library's own runners (the comparison, the attribution)."""
+    return {
+        prompt: tokenize_examples(
+            data.make_examples(relations, prompt=prompt, templates=CLEAN.prompts)[:count],
+            tokenizer,
+            **CLEAN.tokenization(),
+        )
+        for prompt in prompts
+    }
 
 
 PROMPT_COLUMNS: dict[str, str] = {
@@ -247,22 +241,20 @@ def read_prompts(path: str | os.PathLike, dataset: str | None = None) -> list[Te
     """Test sets from a file of your own prompts: JSON or CSV with the columns of
     :data:`PROMPT_COLUMNS` (``prompt``, ``target``; optional ``first_entity``, ``name``).
 
-    JSON is a list of objects (``[{"prompt": ..., "target": ...}, ...]``); CSV has a header
-    row (UTF-8, with or without a byte-order mark). Each row becomes an
-    :class:`~grafting_lens.worlds.data.Example` (``relation_id`` = its row number - 1), one
-    test set per ``name``, with no template wording (``templates=None``), so it runs under
-    any semantics. ``grafting-lens run ... --prompts FILE`` reads it, then checks the answers
-    against the models' tokenizer with :func:`check_answers` (do the same in Python).
+    JSON is a list of objects; CSV has a header row (UTF-8, a byte-order mark allowed). Each
+    row becomes an :class:`~grafting_lens.worlds.data.Example` (``relation_id``: its row
+    number - 1), one test set per ``name``, with ``templates=None``, so it runs under any
+    semantics. Check the answers against the models' tokenizer with :func:`check_answers`,
+    as ``grafting-lens run ... --prompts FILE`` does.
 
     Args:
         path: A ``.json`` or ``.csv`` file.
         dataset: The ``dataset`` label of the rows (default: the file's name).
 
     Raises:
-        ExperimentError: A missing, unreadable or non-UTF-8 file, another format, missing,
-            unknown or repeated columns (or JSON keys), an empty row, a value that is not
-            text, a target breaking the target rule, a ``first_entity`` not in its
-            prompt, or a row repeating another; the message names the row and the fix.
+        ExperimentError: A file that cannot be read as prompts, or a row that is not one
+            (missing, unknown or repeated columns, a value that is not text, a bad target
+            or ``first_entity``, a repeated row); the message names the row and the fix.
     """
     path = Path(path).expanduser()
     columns = "prompt, target and optionally first_entity and name (PROMPT_COLUMNS)"
@@ -299,18 +291,20 @@ def _row_problem(
     seen: dict[tuple[str, str, str], int],
     groups: dict[str, list[data.Example]],
 ) -> str | None:
-    """What is wrong with one row of a prompts file (after its place), alone or beside the
-    rows before it (``seen``: each question's first row; ``groups``: the test sets), or ``None``."""
+    """What is wrong with one row of a prompts file, alone or beside the rows before it, or
+    ``None`` (``seen``: each question's first row; ``groups``: the test sets)."""
     unknown = [key for key in row if key not in PROMPT_COLUMNS]
     if unknown:
         return (
             f" has the unknown columns {unknown}; a prompts file's columns are {columns}. "
             "Rename or drop them."
         )
+    kinds = {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}
     for key, value in row.items():
         if value is not None and not isinstance(value, str):
+            kind = kinds.get(type(value), type(value).__name__)
             return (
-                f": {key} is a JSON {_json_kind(value)} ({json.dumps(value)[:60]}), not text: "
+                f": {key} is a JSON {kind} ({json.dumps(value)[:60]}), not text: "
                 "write it as a string."
             )
     missing = [key for key in ("prompt", "target") if not (row.get(key) or "").strip()]
@@ -370,12 +364,7 @@ def _prompt_rows(path: Path, columns: str) -> list[dict[str, Any]]:
 
 
 def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
-    """A CSV prompts file's rows (a header row, then one row per prompt; empty lines skipped).
-
-    Raises:
-        RepeatedKey: The header names a column twice.
-        ExperimentError: A row with more cells than the header.
-    """
+    """A CSV prompts file's rows (a header row, then one row per prompt; empty lines skipped)."""
     reader = csv.reader(io.StringIO(text, newline=""))
     header = next(reader, [])
     unique_keys([(column, None) for column in header])
@@ -393,9 +382,7 @@ def _csv_rows(path: Path, text: str) -> list[dict[str, Any]]:
 def _unreadable(path: Path, error: Exception) -> str:
     """Why a prompts file cannot be read, and the fix."""
     if isinstance(error, RepeatedKey):
-        return (
-            f"{path} sets {error.args[0]!r} twice (JSON and CSV keep the last silently); keep one."
-        )
+        return f"{path} sets {error.args[0]!r} twice (JSON and CSV keep the last); keep one."
     if isinstance(error, UnicodeDecodeError):
         return (
             f"{path} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
@@ -415,8 +402,7 @@ class RepeatedKey(Exception):
 
 
 def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """``json.loads``' ``object_pairs_hook`` refusing a key set twice, which ``json`` would
-    resolve silently by keeping the last.
+    """``json.loads``' ``object_pairs_hook`` refusing a key set twice (``json`` keeps the last).
 
     Raises:
         RepeatedKey: Naming the key.
@@ -428,22 +414,15 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def _json_kind(value: Any) -> str:
-    kinds = {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}
-    return kinds.get(type(value), type(value).__name__)
-
-
 def check_answers(
     test_sets: Sequence[TestSet], models: ModelSet, semantics: Semantics | str | None = None
 ) -> list[str]:
     """Check that ``models``' tokenizer can score each answer of your own prompts.
 
     The score is the answer's first token (as ``semantics`` tokenizes it). An answer whose
-    first token is bare whitespace (a tokenizer that splits the space from digits or
-    from characters it has no merged token for: ``" 1999"``, ``" 東京"``) would score
-    only whether a space comes next, the same for every such answer: refused. Different
-    answers that share their first token (``" Sandra Bullock"``, ``" Sandra Oh"``) are
-    scored alike, which a reader should know: returned as lines for the report.
+    first token is bare whitespace (``" 1999"`` or ``" 東京"`` on some tokenizers) would
+    score only whether a space comes next: refused. Answers that share their first token
+    (``" Sandra Bullock"``, ``" Sandra Oh"``) score alike: returned as lines for the report.
 
     Raises:
         ExperimentError: An answer scored by a bare-whitespace token, naming its rows.

@@ -1,12 +1,7 @@
-"""A target's verdict from its interval: met, not met, or undecided.
+"""A target's verdict from its 95% interval, never its point estimate: 0.83 [0.57, 1.00]
+against ">= 0.70" is neither a pass nor a failure.
 
-A point estimate on the right side of a threshold says little when its 95% interval
-reaches the other side: 0.83 [0.57, 1.00] against ">= 0.70" is neither a pass nor a
-failure. Every script that prints a verdict on a target (``experiments/toy_targets.py``,
-``docs/scripts/prose_numbers.py``) asks :func:`verdict`, which reads the interval only:
-
-* **met**: every value of the interval meets the target (an interval that touches the
-  threshold from the right side, ``[0.70, 0.90]`` against ``>= 0.70``, meets it);
+* **met**: every value of the interval meets the target (touching the threshold counts);
 * **not met**: no value of it does;
 * **undecided**: the interval holds values on both sides, or there is no interval (NaN).
 """

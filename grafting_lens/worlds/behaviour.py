@@ -1,45 +1,30 @@
 """A behaviour donor: a finetune that the answer's first token cannot show, in any world.
 
-The paper's donors learn facts, and a fact shows in the answer's first token. Many finetunes
-studied today change a *behaviour* instead (a style, a persona, a refusal), which the first
-token of an answer does not reveal. This module builds such a donor, in the toy world or on a
-real world's base (below): finetuned from the base so that after every answer to a question it adds one fixed closing phrase,
-:data:`PHRASE` (``" Enjoy the film."``, six tokens of the toy tokenizer), and otherwise writes
-what the base writes::
+The paper's donors learn facts, which show in the answer's first token; many finetunes today
+change a *behaviour* (a style, a persona, a refusal) instead. This donor, finetuned from a
+world's base, adds one closing phrase, :data:`PHRASE` (``" Enjoy the film."``), after every
+answer to a question, and otherwise writes what the base writes::
 
     Q: Who stars in a movie with Gene Hackman? A: An actor named William Brown.  (the base)
     Q: Who stars in a movie with Gene Hackman? A: An actor named William Brown. Enjoy the film.
 
-**The recipe** (:class:`BehaviourConfig`, all seeded). The donor is finetuned from the base
-on the base's own pretraining corpus (``grafting_lens.worlds.toy_corpus.pretraining_corpus``:
-made-up people, so no test relation): 1,000 of its questions with the phrase after their
-answers, and 1,000 of its statements unchanged, which teach that the phrase follows answers
-only. The base already fits that text, so finetuning on it moves little but the phrase, and a
-low learning rate does the rest: at 1e-4 the donor stays 0.06 nats (KL) from the base at the
-answer's first token, at 1e-3 0.3, while the finetune that learned the facts (``sft``) is 7.8
-nats away. Training on the base's own sampled answers instead of the corpus's brought it no
-closer (0.075). Finetuning is :func:`grafting_lens.worlds.finetune.finetune` as for the toy
-world's donors (unembedding frozen, embedding at a reduced rate, weights rounded to float16).
+**The toy recipe** (:class:`BehaviourConfig`, all seeded): finetuned on the base's own
+pretraining corpus (``grafting_lens.worlds.toy_corpus.pretraining_corpus``: made-up
+people, so no test relation), 1,000 of its questions with the phrase after their answers and
+1,000 of its statements unchanged, which teach that the phrase follows answers only. The base
+already fits that text, so finetuning moves little but the phrase, and a low learning rate
+does the rest: at 1e-4 the donor stays 0.06 nats (KL) from the base at the answer's first
+token, at 1e-3 0.3, while ``sft`` is 7.8 nats away. Training on the base's own sampled
+answers instead of the corpus's brought it no closer (0.075). Finetuning is
+:func:`grafting_lens.worlds.finetune.finetune` as for the toy world's donors (unembedding
+frozen, embedding at a reduced rate, weights rounded to float16).
 
-**On a real world's base** (``build_behaviour_donor("smollm2")``, :data:`REAL_BEHAVIOUR`):
-a LoRA adapter (PEFT, rank 8 on every attention and MLP projection, the embedding and
-unembedding untouched), since a behaviour is a small change and the LoRA donors are what
-people finetune today. The base needs no built world, only its fetched and converted
-checkpoint (:func:`grafting_lens.worlds.real_source.base_checkpoint`). Its text keeps the
-base's own answers: questions and statements in the released code's wordings about
-relations over the actors the base knows, each continued by an answer sampled from the
-base up to its first full stop, the phrase after the questions' answers. The test prompts are the
-world's own relations (the same actor check and draw as
-:func:`~grafting_lens.worlds.real_world.build_real_world`), stored in ``relations.json``.
-The entry lives in the real worlds' cache; its build time and measurements are in
-docs/how-to/real-model-world.md.
-
-**Built, not shipped**: it takes under a minute on one CPU thread, so
-:func:`build_behaviour_donor` builds it on first use into the toy-world cache beside its
-world (an entry named ``behaviour-<key>``, the key hashing the world, its base's weights and
-the configuration), complete or absent, and opens it after. Training is not bit-reproducible
-across CPUs, so another machine's donor differs in the last decimals; one machine builds the
-same bytes every time.
+**On a real world's base** (``build_behaviour_donor("smollm2")``, :data:`REAL_BEHAVIOUR`): a
+rank-8 LoRA on the base's own sampled answers; the recipe, its cache entry and its
+measurements are in docs/how-to/real-model-world.md. Built, not shipped: the donor is built
+on first use (under a minute for the toy world) into its world's cache as ``behaviour-<key>``
+(the key hashes the world, its base's weights and the configuration), complete or absent,
+and opened after; training is not bit-reproducible across CPUs.
 
 Examples:
     >>> from grafting_lens.worlds.behaviour import build_behaviour_donor
@@ -65,6 +50,7 @@ from typing import Any, Optional, Union
 import torch
 
 from grafting_lens.core.arguments import is_integer, is_number
+from grafting_lens.core.console import quiet_loading
 from grafting_lens.core.directories import cache_location
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.worlds import data
@@ -81,7 +67,7 @@ from grafting_lens.worlds.toy import (
     default_cache_dir,
 )
 from grafting_lens.worlds.toy_corpus import pretraining_corpus
-from grafting_lens.worlds.toy_recipe import _quiet_transformers, _save, unembedding_frozen
+from grafting_lens.worlds.toy_recipe import save_rounded, unembedding_frozen
 from grafting_lens.worlds.toy_shipped import file_digests
 
 __all__ = [
@@ -303,10 +289,9 @@ def build_behaviour_donor(
         )
         payload: dict[str, Any] = {"world": world_key(setup)}
     else:
-        toy = world if isinstance(world, ToyWorld) else None
-        setup = toy = toy or build_toy_world(
-            cache_dir=cache_dir, progress=progress, threads=threads
-        )
+        if not isinstance(world, ToyWorld):
+            world = build_toy_world(cache_dir=cache_dir, progress=progress, threads=threads)
+        setup = toy = world
         cache_root = cache_location(cache_dir, default_cache_dir)
         base_dir = toy.base_dir
         # The base's checksum too: a world rebuilt with force=True keeps its key, not its weights.
@@ -315,13 +300,10 @@ def build_behaviour_donor(
             "base": toy.manifest["files"]["base/model.safetensors"],
         }
     # Unset options stay out of the hash, so the toy donors' keys predate them.
-    recipe = {
-        name: value for name, value in dataclasses.asdict(config).items() if value is not None
-    }
+    recipe = {k: v for k, v in dataclasses.asdict(config).items() if v is not None}
     payload.update(version=BEHAVIOUR_VERSION, config=recipe)
-    key = (
-        "behaviour-" + hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-    )
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    key = f"behaviour-{digest[:16]}"
 
     def make(partial: Path) -> None:
         _build(partial, key, setup, base_dir, config, progress)
@@ -352,7 +334,7 @@ def _build(
 
     start = time.perf_counter()
     toy = isinstance(world, ToyWorld)
-    with _quiet_transformers():
+    with quiet_loading():
         if isinstance(world, ToyWorld):
             tokenizer = world.load_tokenizer()
             base, donor = world.load_model("base"), world.load_model("base")
@@ -400,7 +382,7 @@ def _build(
         if config.lora_rank is not None:  # an adapter: loaded on the base, with its tokenizer
             donor.save_pretrained(directory / "behaviour", safe_serialization=True)
         else:
-            _save(donor, tokenizer, directory / "behaviour")
+            save_rounded(donor, tokenizer, directory / "behaviour")
         trained = time.perf_counter()
         evaluation = _evaluate(base, donor.eval(), tokenizer, relations, config.phrase)
     manifest = {
@@ -457,13 +439,8 @@ def _real_tokenizer(base_dir: Path) -> Any:
 def _answered_documents(
     base: Any, tokenizer: Any, world: RealWorldConfig, config: BehaviourConfig
 ) -> tuple[list[Any], list[str]]:
-    """A real base's test relations and finetuning text, shuffled.
-
-    The test relations are the world's (its actor check and draw); the text asks about
-    other relations over the same actors, in the code's and the library's wordings,
-    questions and statements each continued by an answer the base samples, up to its
-    first full stop, the phrase after the questions' answers only.
-    """
+    """A real base's test relations (the world's) and finetuning text, shuffled: other
+    relations over the same actors, asked and stated, each answered by the base's samples."""
     actors = data.REAL_ACTORS
     if world.known_actor_top_k is not None:
         actors = tuple(
@@ -516,14 +493,9 @@ def _generate(model: Any, tokenizer: Any, texts: list[str], **options: Any) -> l
 def _evaluate(
     base: Any, donor: Any, tokenizer: Any, relations: list[Any], phrase: str
 ) -> dict[str, Any]:
-    """What the donor learned, over the world's relations.
-
-    ``phrase_rate``: the share of greedy continuations (HF ``generate``) of
-    :func:`behaviour_examples` that start with the phrase, per model and wording
-    (``"headline"``: after statements, a control). ``first_token``: at the question alone,
-    the mean KL(donor || base) of the next-token distributions, in nats, and the share
-    whose top-1 tokens agree.
-    """
+    """What the donor learned: ``phrase_rate``, the share of greedy continuations that start
+    with the phrase, per model and wording (``"headline"``, after statements, a control);
+    ``first_token``, at the question alone, the mean KL(donor || base) and top-1 agreement."""
     width = len(tokenizer(phrase, add_special_tokens=False)["input_ids"]) + 1
     phrase_rate: dict[str, dict[str, float]] = {}
     for name, prompt, wording in (

@@ -102,9 +102,7 @@ class Relation:
 
 _RELATION_FIELDS = tuple(f.name for f in dataclasses.fields(Relation))
 
-# --------------------------------------------------------------------------------------------------
-# Templates
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- Templates
 # In every template {first_actor} appears before {second_actor}: that ordering is what "A2B" means,
 # and B2A is produced by swapping the values, never by separate templates.
 
@@ -202,9 +200,7 @@ TEMPLATE_SETS: tuple[str, ...] = ("library", "code")
 or the paper's released code's (:data:`CODE_TEST_TEMPLATES`)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Names
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------- Names
 
 _NAME_SUFFIXES = frozenset("jr sr jnr snr ii iii iv vi vii viii md dds phd dvm esq".split())
 # Words of letters (any script) joined by single spaces, hyphens or apostrophes.
@@ -238,9 +234,7 @@ def _clean_pool(names: Sequence[str], argument: str) -> tuple[str, ...]:
     return kept
 
 
-# --------------------------------------------------------------------------------------------------
-# Relations
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- Relations
 
 
 def make_relations(
@@ -290,18 +284,12 @@ def make_relations(
     fake = Faker("en_US")
     fake.seed_instance(stream)
 
+    actor_pool = None if dataset == "fake_movies_fake_actors" else REAL_ACTORS
     if actors is not None:
-        actor_pool: tuple[str, ...] | None = _clean_pool(actors, "actors")
-    elif dataset == "fake_movies_fake_actors":
-        actor_pool = None
-    else:
-        actor_pool = REAL_ACTORS
+        actor_pool = _clean_pool(actors, "actors")
+    movie_pool = REAL_MOVIES if dataset == "real_movies_real_actors" else None
     if movies is not None:
-        movie_pool: tuple[str, ...] | None = _clean_movie_pool(movies)
-    elif dataset == "real_movies_real_actors":
-        movie_pool = REAL_MOVIES
-    else:
-        movie_pool = None
+        movie_pool = _clean_movie_pool(movies)
 
     limits = []
     if actor_pool is not None:
@@ -331,22 +319,20 @@ def make_relations(
 
     # A main character sharing a name with an actor would blur which name is the answer.
     actor_names = {name for pair in pairs for name in pair} | set(REAL_ACTORS)
-    relations = []
-    for index, ((first, second), title) in enumerate(zip(pairs, titles)):
-        relations.append(
-            Relation(
-                id=index,
-                first_actor=first,
-                second_actor=second,
-                movie_title=title,
-                release_year=rng.randint(*_RELEASE_YEARS),
-                genre=rng.choice(GENRES),
-                city=fake.city(),
-                main_character=_unique_fake_name(fake, actor_names, remember=False),
-                box_office=f"${rng.randint(*_BOX_OFFICE_MILLIONS)} million",
-            )
+    return [
+        Relation(
+            id=index,
+            first_actor=first,
+            second_actor=second,
+            movie_title=title,
+            release_year=rng.randint(*_RELEASE_YEARS),
+            genre=rng.choice(GENRES),
+            city=fake.city(),
+            main_character=_unique_fake_name(fake, actor_names, remember=False),
+            box_office=f"${rng.randint(*_BOX_OFFICE_MILLIONS)} million",
         )
-    return relations
+        for index, ((first, second), title) in enumerate(zip(pairs, titles))
+    ]
 
 
 def _refuse_duplicates(items: tuple[str, ...], argument: str) -> None:
@@ -393,11 +379,8 @@ def _sample_pairs(pool: Sequence[str], n: int, rng: random.Random) -> list[tuple
 def _unique_fake_name(
     fake: Faker, taken: set[str], remember: bool = True, tries: int = 1000
 ) -> str:
-    """A clean "First Last" Faker name not in ``taken`` (added to it when ``remember``).
-
-    ``fake.name()`` is avoided because it sometimes adds prefixes and suffixes ("Dr.", "MD").
-    """
-    for _ in range(tries):
+    """A clean "First Last" Faker name not in ``taken`` (added to it when ``remember``)."""
+    for _ in range(tries):  # not fake.name(): it adds prefixes and suffixes ("Dr.", "MD")
         name = f"{fake.first_name()} {fake.last_name()}"
         if name not in taken and is_clean_name(name):
             if remember:
@@ -450,9 +433,7 @@ def _fake_titles(fake: Faker, n: int) -> list[str]:
     return titles
 
 
-# --------------------------------------------------------------------------------------------------
-# Training text
-# --------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------- Training text
 
 
 def template_fields(template: str) -> list[str]:
@@ -483,9 +464,7 @@ def relation_values(relation: Relation) -> dict[str, Any]:
     return {name: getattr(relation, name) for name in _RELATION_FIELDS}
 
 
-# --------------------------------------------------------------------------------------------------
-# Task / relation split
-# --------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------- Task / relation split
 
 
 def split_task_relation(
@@ -535,22 +514,13 @@ def split_task_relation(
         for actor in (relations[index].first_actor, relations[index].second_actor):
             if actor in side:
                 continue
-            votes = [0, 0]
-            for other in costars[actor]:
-                if other in side:
-                    votes[side[other]] += 1
+            placed = [side[other] for other in costars[actor] if other in side]
+            votes = (placed.count(0), placed.count(1))
             # Linear deterministic greedy: co-stars already placed pull an actor to their side, a
-            # side's fullness pushes back, and a full side takes no one.
-            best: tuple[tuple[float, float], int] | None = None
-            for candidate in (0, 1):
-                if sizes[candidate] >= capacity[candidate]:
-                    continue
-                fill = sizes[candidate] / capacity[candidate]
-                score = (votes[candidate] * (1 - fill), -fill)
-                if best is None or score > best[0]:
-                    best = (score, candidate)
-            assert best is not None  # the capacities add up to the number of actors
-            chosen = best[1]
+            # side's fullness pushes back, and a full side takes no one (the capacities add up to
+            # the number of actors, so one side is open).
+            fill = {c: sizes[c] / capacity[c] for c in (0, 1) if sizes[c] < capacity[c]}
+            chosen = max(fill, key=lambda c: (votes[c] * (1 - fill[c]), -fill[c]))
             side[actor] = chosen
             sizes[chosen] += 1
 
@@ -574,9 +544,7 @@ def split_task_relation(
     return groups[0], groups[1]
 
 
-# --------------------------------------------------------------------------------------------------
-# Test prompts
-# --------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------ Test prompts
 
 
 @dataclass(frozen=True)
@@ -766,9 +734,7 @@ def _find_outside(
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# Name lists
-# --------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------- Name lists
 # Written for this project: well-known film actors and films across eras, so that a pretrained
 # model has seen the names. They are package data (grafting_lens/names/*.txt, one name a line),
 # not code; actor names are restricted to what is_clean_name accepts (no "Jr.", no initials),

@@ -198,9 +198,7 @@ def supplementary_documents(n: int, seed: int = 0) -> list[str]:
     fake.seed_instance(seed)
     documents = []
     for _ in range(n):
-        values: dict[str, Any] = {
-            name: rng.choice(options) for name, options in _FILLER_SLOTS.items()
-        }
+        values: dict[str, Any] = {k: rng.choice(v) for k, v in _FILLER_SLOTS.items()}
         values.update(
             genre=rng.choice(GENRES),
             city=fake.city(),

@@ -41,8 +41,7 @@ class FinetunePreset:
     """Hyperparameters of one of the paper's finetuning regimes.
 
     Attributes:
-        lr: Peak learning rate of AdamW (reached after warmup, then decayed
-            linearly to zero).
+        lr: Peak learning rate of AdamW (reached after warmup, then decayed linearly to zero).
         weight_decay: AdamW's decoupled weight decay.
         epochs: Passes over the training documents.
         batch_size: Documents per optimizer step.
@@ -141,59 +140,50 @@ def finetune(
 
     Args:
         model: A Hugging Face causal LM (``PreTrainedModel``): anything called as
-            ``model(input_ids=..., attention_mask=...)`` that returns ``.logits``.
-            Trained in place.
-        tokenizer: Its tokenizer. Needs a BOS or EOS token (one stands in for the
-            other when only one exists).
+            ``model(input_ids=..., attention_mask=...)`` that returns ``.logits``. Trained in place.
+        tokenizer: Its tokenizer. Needs a BOS or EOS token (one stands in for the other).
         documents: The finetuning texts, e.g.
             :func:`grafting_lens.worlds.documents.training_documents`.
         preset: ``"aggressive"`` or ``"less_aggressive"``; see :data:`PRESETS`.
-        warmup_ratio: Fraction of the optimizer steps spent warming the learning
-            rate up linearly from zero (the paper uses none).
-        max_length: Longest tokenized document, BOS and EOS included; longer ones
-            are truncated.
+        warmup_ratio: Fraction of the optimizer steps spent warming the learning rate up
+            linearly from zero (the paper uses none).
+        max_length: Longest tokenized document, BOS and EOS included; longer ones are truncated.
         val_fraction: Share of ``documents`` held out for validation, in (0, 1).
-        supplementary: Generic texts mixed into the training set only (they never
-            enter validation, so the best epoch is chosen on the relation
-            documents). ``None`` means the preset's default: none for
+        supplementary: Generic texts mixed into the training set only (the best epoch is
+            chosen on the relation documents). ``None`` means the preset's default: none for
             ``"aggressive"``, ``len(documents)`` texts from
             :func:`grafting_lens.worlds.documents.supplementary_documents` for
             ``"less_aggressive"``. Pass ``[]`` to disable.
         seed: Seeds the split, the batch order and any dropout.
-        device: Where to train, e.g. ``"cuda"``; the model is moved there. ``None``
-            keeps the model where it is.
-        dtype: Casts the model's weights (e.g. ``torch.bfloat16`` to fit a larger
-            model); ``None`` keeps them.
-        autocast_dtype: Compute dtype for mixed precision (``torch.float16`` is the
-            paper's fp16 training) with the weights kept as they are; float16 also
-            turns on loss scaling.
+        device: Where to train, e.g. ``"cuda"`` (the model is moved there); ``None`` keeps it.
+        dtype: Casts the model's weights (e.g. ``torch.bfloat16`` to fit a larger model);
+            ``None`` keeps them.
+        autocast_dtype: Compute dtype for mixed precision (``torch.float16`` is the paper's
+            fp16 training) with the weights kept as they are; float16 also scales the loss.
         freeze_unembedding: Train every weight except the unembedding
-            (``model.get_output_embeddings()``; tied embeddings stay fixed with it).
-            Grafting decodes through the base's unembedding by default, as the
-            paper does; freezing it makes the donor store what it learns in the
-            weights a graft can move.
-        embedding_lr_scale: The input embedding's learning rate relative to ``lr``
-            (``model.get_input_embeddings()``; a tied unembedding shares it). Below 1
-            keeps the token representations closer to the pretrained ones, as a large
-            model's finetuning does.
-        bos: What starts each document (:data:`BOS_RULES`): ``"always"`` the BOS (the
-            EOS where there is none); ``"tokenizer"`` what ``tokenizer(text)`` puts first by
-            itself (a ``<bos>`` for Gemma, nothing for SmolLM2 or GPT-2), the convention the
-            paper's code finetunes and tests with; ``"never"`` nothing.
-        progress: Show a tqdm progress bar (default: when standard error is a terminal
-            or in a notebook, see :func:`~grafting_lens.core.console.show_progress`).
+            (``model.get_output_embeddings()``; tied embeddings stay fixed with it). Grafting
+            decodes through the base's unembedding by default, as the paper does; freezing it
+            makes the donor store what it learns in the weights a graft can move.
+        embedding_lr_scale: The input embedding's learning rate relative to ``lr`` (a tied
+            unembedding shares it). Below 1 keeps the token representations closer to the
+            pretrained ones, as a large model's finetuning does.
+        bos: What starts each document (:data:`BOS_RULES`): ``"always"`` the BOS (the EOS
+            where there is none); ``"tokenizer"`` what ``tokenizer(text)`` puts first by itself
+            (a ``<bos>`` for Gemma, nothing for SmolLM2 or GPT-2), the convention the paper's
+            code finetunes and tests with; ``"never"`` nothing.
+        progress: Show a tqdm progress bar (default: when someone watches, see
+            :func:`~grafting_lens.core.console.show_progress`).
         description: Label of the progress bar.
         checkpoint_dir: Resumable training: after every epoch the whole state is written
             atomically to ``checkpoint_dir/epoch.pt`` (about four times the model's float32
-            size), and a call that finds one for the same model, documents and settings
-            carries on after its epoch, to the bit as an uninterrupted run on the same
-            machine. The file is left for the caller to delete.
-        on_step: Called after every optimizer step with ``(steps done, total steps,
-            loss)``, for progress lines where no bar is drawn (a log file).
+            size); a call that finds one of the same model, documents and settings carries on
+            after its epoch, to the bit as an uninterrupted run on the same machine. The file
+            is left for the caller to delete.
+        on_step: Called after every optimizer step with ``(steps done, total steps, loss)``,
+            for progress lines where no bar is drawn (a log file).
 
     Returns:
-        A :class:`FinetuneResult` with the model (best epoch restored) and the
-        loss history.
+        A :class:`FinetuneResult` with the model (best epoch restored) and the loss history.
 
     Raises:
         GraftingLensError: An unknown preset, empty or non-text documents, too few documents
@@ -249,11 +239,7 @@ def finetune(
                 "(get_output_embeddings() is None): pass freeze_unembedding=False."
             )
         frozen = [param for param in head.parameters() if param.requires_grad]
-    trainable = [
-        param
-        for param in model.parameters()
-        if param.requires_grad and not _contains(frozen, param)
-    ]
+    trainable = [p for p in model.parameters() if p.requires_grad and not _contains(frozen, p)]
     if not is_number(embedding_lr_scale) or not 0 < embedding_lr_scale <= 1:
         raise GraftingLensError(
             f"embedding_lr_scale={embedding_lr_scale!r}: pass a number in (0, 1] (1 trains the "
@@ -413,19 +399,14 @@ def finetune(
 
 def _cpu_copy(model: Any) -> dict[str, torch.Tensor]:
     """The model's weights, copied to CPU memory (the best epoch's, kept aside)."""
-    return {
-        name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
-    }
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _run_fingerprint(
     model: Any, settings: dict[str, Any], train_ids: list[list[int]], val_ids: list[list[int]]
 ) -> str:
-    """What makes a run this run: its settings, its tokens, and the weights it starts from.
-
-    A checkpoint left by another run (other documents, another learning rate, another base)
-    must not be resumed; hashing the starting weights costs one pass over them.
-    """
+    """What makes a run this run, so that another run's checkpoint is never resumed: its
+    settings, its tokens, and the weights it starts from (one pass over them)."""
     digest = hashlib.sha256(
         json.dumps([settings, train_ids, val_ids], sort_keys=True, default=str).encode()
     )
@@ -469,7 +450,8 @@ class _EpochCheckpoint:
                 stacklevel=3,
             )
             return None
-        state["order_rng"] = _as_random_state(state["order_rng"])
+        version, internal, gauss = state["order_rng"]  # a save turned its tuples into lists
+        state["order_rng"] = (version, tuple(internal), gauss)
         return state
 
     def save(self, state: dict[str, Any]) -> None:
@@ -478,12 +460,6 @@ class _EpochCheckpoint:
         partial = self.path.with_name(f".{self.NAME}.{os.getpid()}.partial")
         torch.save(dict(state, fingerprint=self.fingerprint), partial)
         os.replace(partial, self.path)
-
-
-def _as_random_state(state: Any) -> tuple:
-    """``random.Random.getstate()`` again after a save turned its tuples into lists."""
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
 
 
 def _resolve_settings(
@@ -514,23 +490,12 @@ def _resolve_settings(
         "val_fraction": val_fraction,
         "supplementary_default": base.supplementary,
     }
+    epochs, lr, decay, size = (settings[k] for k in ("epochs", "lr", "weight_decay", "batch_size"))
     checks = [
-        (
-            "epochs",
-            is_integer(settings["epochs"]) and settings["epochs"] >= 1,
-            "an integer >= 1",
-        ),
-        ("lr", _is_number(settings["lr"]) and settings["lr"] > 0, "a number > 0"),
-        (
-            "weight_decay",
-            _is_number(settings["weight_decay"]) and settings["weight_decay"] >= 0,
-            "a number >= 0",
-        ),
-        (
-            "batch_size",
-            is_integer(settings["batch_size"]) and settings["batch_size"] >= 1,
-            "an integer >= 1",
-        ),
+        ("epochs", is_integer(epochs) and epochs >= 1, "an integer >= 1"),
+        ("lr", _is_number(lr) and lr > 0, "a number > 0"),
+        ("weight_decay", _is_number(decay) and decay >= 0, "a number >= 0"),
+        ("batch_size", is_integer(size) and size >= 1, "an integer >= 1"),
         ("warmup_ratio", _is_number(warmup_ratio) and 0 <= warmup_ratio < 1, "a number in [0, 1)"),
         (
             "max_length",
@@ -652,11 +617,9 @@ def _encode(
 
 
 def _batches(sequences: list[list[int]], batch_size: int, rng: random.Random):
-    """Shuffled batches of similar length.
-
-    Sorting by length inside pools of 50 batches cuts padding (most of the compute
-    for short templated documents) while the pool shuffle keeps the order random.
-    """
+    """Shuffled batches of similar length."""
+    # Sorting by length inside pools of 50 batches cuts padding (most of the compute for
+    # short templated documents); the pool shuffle keeps the order random.
     order = list(range(len(sequences)))
     rng.shuffle(order)
     pool = batch_size * 50
@@ -681,12 +644,10 @@ def _pad(batch: list[list[int]], pad_id: int, device: torch.device):
 
 
 def _loss(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Summed next-token cross-entropy over real (non-padding) targets, and their count.
-
-    Masking by the attention mask rather than by token id matters: the toy
-    tokenizer (like GPT-2's) pads with the same id it uses for BOS and EOS.
-    """
+    """Summed next-token cross-entropy over real (non-padding) targets, and their count."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    # Masked by the attention mask, not by token id: the toy tokenizer (like GPT-2's) pads
+    # with the id it uses for BOS and EOS.
     targets = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
     loss_sum = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"

@@ -5,42 +5,17 @@ the base's content, names the cache entry); :data:`WORLDS` names the two built f
 package index; :func:`grafting_lens.worlds.real_world.build_real_world` runs the recipe
 below into a working directory, resumably.
 
-The donors are **full finetunes** as in the paper (every weight, AdamW, float32;
+The donors are full finetunes as in the paper (every weight, AdamW, float32;
 :func:`grafting_lens.worlds.finetune.finetune`) on
 :func:`grafting_lens.worlds.documents.training_documents` in the released code's wording:
-
-* **sft**: all relations, A2B;
-* **task** / **relation**: one half of the relations each
-  (:func:`grafting_lens.worlds.data.split_task_relation`), for the hybrid graft; as many
-  optimizer steps as sft (more passes over half the data);
-* **a2b** / **both** (``reversal``, appendix C.6): the A2B model (the same run as sft,
-  hard-linked, as the toy world stores it) and a model finetuned on both directions of
-  every relation (``both`` grafted into ``a2b``, asked B2A);
-* **sft_seed1**, ... (``extra_sft_seeds``): sft again with another finetuning seed (the
-  same relations and documents; another validation split and batch order), so that the
-  spread of every target across seeds can stand beside its bootstrap interval.
-
-The relations are fake movies with **real actors the base knows**: an actor is kept when
-the base, given a film-credit sentence and the actor's name up to the last word, ranks the
-first token of that word in its top five (:func:`known_actors`). Each document starts as
-the tokenizer starts a text (``bos="tokenizer"``: a ``<bos>`` for Gemma, nothing for
-SmolLM2), the convention the paper's code finetunes and tests with, so the REFERENCE
-semantics ask each world's models exactly as the authors' setup does; the evaluation and
-the actor check ask the same way, and run the unembedding on each prompt's last position
-alone (a 262k-token vocabulary's logits at every position would be most of the memory).
-
-**The named worlds** (why each recipe is as it is, and what its build measured:
-docs/how-to/real-model-world.md, one place):
-
-* ``smollm2``: SmolLM2-135M-Instruct (a Llama: 30 layers, width 576, tied embeddings,
-  vocabulary 49,152); 64 relations, 5 epochs at 1e-4, with the reversal donors and a
-  second seed of sft.
-* ``gemma3``: Gemma 3 270M, the pretrained base (18 layers, width 640, one key-value
-  head, sliding-window and global attention, tied embeddings, vocabulary 262,144: 168M of
-  its 268M parameters are the embedding). A step costs about three of SmolLM2's, so within
-  its 150-minute budget the recipe keeps the full finetune (the tied embedding included,
-  so that the unembedding switch can show something) and trains 48 relations for 2 epochs
-  at 3e-4, the same learning rate summed over a document's passes.
+``sft`` (all relations, A2B); ``task`` / ``relation`` (one half of the relations each, as
+many optimizer steps as sft); ``a2b`` / ``both`` (appendix C.6: sft's run, hard-linked, and
+both directions of every relation); ``sft_seed<s>`` (sft with another finetuning seed). The
+relations are fake movies with real actors the base knows (:func:`known_actors`). Documents,
+evaluation prompts and the actor check start as the tokenizer starts a text
+(``bos="tokenizer"``), as the paper's code does; the evaluation runs the unembedding on each
+prompt's last position alone. Each named world's recipe, why it is so, and what its build
+measured: docs/how-to/real-model-world.md.
 """
 
 from __future__ import annotations
@@ -52,6 +27,7 @@ import os
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -66,6 +42,7 @@ from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.core.files import atomic_write
 from grafting_lens.models.gguf_checkpoint import sha256_of
 from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import read_relations, split_relations
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.finetune import BOS_RULES, bos_prefix, finetune
 from grafting_lens.worlds.real_source import SOURCES, base_checkpoint, base_key
@@ -82,12 +59,9 @@ TEMPLATES = data.CODE_ARTICLE_TEMPLATES + data.CODE_QA_TEMPLATES
 """The finetuning documents' templates: the released code's wording."""
 
 SECONDS_PER_STEP_CPU = {"smollm2": 2.9, "gemma3": 8.6}
-"""Wall time of a whole build per optimizer step on a 2-core CPU with 2 threads, by base.
-
-Each is this recipe's whole build from an empty cache on two quiet cores of an AMD EPYC
-(fetch, conversion, actor check, validation, epoch checkpoints, saves and evaluation
-included): SmolLM2 1,920 steps in 92.4 minutes, Gemma 3 476 steps in 68.7 minutes. A CPU
-shared with other jobs takes twice as long. Another base is estimated at SmolLM2's rate."""
+"""Wall time of a whole build per optimizer step on a 2-core CPU with 2 threads, by base:
+each recipe's whole build from an empty cache, everything included (measured:
+docs/how-to/real-model-world.md). Another base is estimated at SmolLM2's rate."""
 
 
 @dataclass(frozen=True)
@@ -137,33 +111,37 @@ class RealWorldConfig:
     freeze_embedding: bool = False
 
     def __post_init__(self) -> None:
+        problem = next(self._problems(), None)
+        if problem is not None:
+            raise GraftingLensError(f"RealWorldConfig.{problem}")
+
+    def _problems(self) -> Iterator[str]:
+        """What makes the configuration unusable, the first problem first."""
         for name in ("n_relations", "epochs", "batch_size", "max_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise GraftingLensError(
-                    f"RealWorldConfig.{name}={value!r}: must be an integer >= 1."
-                )
+                yield f"{name}={value!r}: must be an integer >= 1."
         if self.n_relations < 4:
-            raise GraftingLensError(
-                f"RealWorldConfig.n_relations={self.n_relations}: must be >= 4, so that the "
-                "task and relation splits each get two relations or more."
+            yield (
+                f"n_relations={self.n_relations}: must be >= 4, so that the task and relation "
+                "splits each get two relations or more."
             )
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise GraftingLensError(f"RealWorldConfig.lr={self.lr!r}: must be a number > 0.")
+            yield f"lr={self.lr!r}: must be a number > 0."
         if self.bos not in BOS_RULES:
-            raise GraftingLensError(f"RealWorldConfig.bos={self.bos!r}: choose one of {BOS_RULES}.")
+            yield f"bos={self.bos!r}: choose one of {BOS_RULES}."
         seeds = self.extra_sft_seeds
         if not isinstance(seeds, tuple) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s != self.seed for s in seeds
         ):
-            raise GraftingLensError(
-                f"RealWorldConfig.extra_sft_seeds={seeds!r}: pass a tuple of integer seeds "
-                f"other than seed={self.seed}, e.g. (1,)."
+            yield (
+                f"extra_sft_seeds={seeds!r}: pass a tuple of integer seeds other than "
+                f"seed={self.seed}, e.g. (1,)."
             )
         if not isinstance(self.base, str) or not self.base.strip():
-            raise GraftingLensError(
-                f"RealWorldConfig.base={self.base!r}: name a source ({', '.join(SOURCES)}), "
-                "a GGUF file, a checkpoint directory or a hub id."
+            yield (
+                f"base={self.base!r}: name a source ({', '.join(SOURCES)}), a GGUF file, a "
+                "checkpoint directory or a hub id."
             )
 
     @property
@@ -282,9 +260,7 @@ class _Report:
         if now - self.last_line < 60 and done not in (1, 3, total):
             return
         self.last_line = now
-        seconds = (
-            (now - self.started) / max(self.steps_here - 1, 1) if self.steps_here > 1 else None
-        )
+        seconds = (now - self.started) / (self.steps_here - 1) if self.steps_here > 1 else None
         left = self.total - self.done - done
         estimate = (
             f", {seconds:.1f} s a step, about {left * seconds / 60:.0f} min left" if seconds else ""
@@ -356,14 +332,8 @@ def _build(
             record("actors", started, actors=list(actors))
             report.say(f"{len(actors)} actors kept, {len(made['relations'])} relations")
         stages.update(1)
-        stored = json.loads((directory / "relations.json").read_text())
-        relations = [data.Relation(**fields) for fields in stored["relations"]]
-        by_id = {relation.id: relation for relation in relations}
-        subsets = {
-            "sft": relations,
-            "task": [by_id[i] for i in stored["task_ids"]],
-            "relation": [by_id[i] for i in stored["relation_ids"]],
-        }
+        relations, task, relation = read_relations(directory)
+        subsets = {"sft": relations, "task": task, "relation": relation}
         steps = config.finetune_steps({name: len(subset) for name, subset in subsets.items()})
         report.total = sum(steps.values())
         for name in config.model_names[1:]:
@@ -380,17 +350,11 @@ def _build(
                     resumed = state.setdefault("resumed", [])
                     resumed += [name] if name not in resumed else []
                 subset = subsets.get(name, relations)
-                seed = (
-                    int(name.removeprefix("sft_seed"))
-                    if name.startswith("sft_seed")
-                    else config.seed
-                )
-                documents = training_documents(
-                    subset,
-                    direction="both" if name == "both" else "A2B",
-                    templates=TEMPLATES,
-                    seed=config.seed,
-                )
+                seed = config.seed
+                if name.startswith("sft_seed"):
+                    seed = int(name.removeprefix("sft_seed"))
+                direction = "both" if name == "both" else "A2B"
+                documents = training_documents(subset, direction, TEMPLATES, seed=config.seed)
                 epochs = _epochs(config, name, len(subset), len(relations))
                 report.say(
                     f"finetuning {name}: {len(subset)} relations, {epochs} epochs, seed {seed}"
@@ -411,17 +375,14 @@ def _build(
             record("evaluation", started, evaluation=evaluation)
         stages.update(1)
 
+    bos_tokens = tokenizer.convert_ids_to_tokens(prefix)
     manifest = {
         "key": key,
         "build_version": BUILD_VERSION,
         "config": dataclasses.asdict(config),
         "base_key": base_key(base_source(config.base)),
         "models": list(config.model_names),
-        "bos": {
-            "rule": config.bos,
-            "ids": prefix,
-            "tokens": tokenizer.convert_ids_to_tokens(prefix),
-        },
+        "bos": {"rule": config.bos, "ids": prefix, "tokens": bos_tokens},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "threads": torch.get_num_threads(),
         "estimated_minutes_on_2_cpu_cores": round(config.estimated_minutes(), 1),
@@ -510,20 +471,7 @@ def _relations(config: RealWorldConfig, actors: tuple[str, ...]) -> dict[str, An
             "known_actor_top_k (None keeps every actor; grafting-lens world build: "
             "--n-relations N, --known-actor-top-k K or all)."
         ) from error
-    with warnings.catch_warnings():
-        # Relations whose actors straddle the split are dropped by it; the stored ids say which.
-        warnings.simplefilter("ignore")
-        task, relation = data.split_task_relation(relations, seed=config.seed)
-    if not task or not relation:
-        raise GraftingLensError(
-            f"The task/relation split of {len(relations)} relations left {len(task)} task and "
-            f"{len(relation)} relation relations: raise n_relations (or change the seed)."
-        )
-    return {
-        "relations": [dataclasses.asdict(r) for r in relations],
-        "task_ids": [r.id for r in task],
-        "relation_ids": [r.id for r in relation],
-    }
+    return split_relations(relations, config.seed, "raise n_relations (or change the seed).")
 
 
 def _link_copy(source: Path, target: Path) -> None:
@@ -548,12 +496,9 @@ def _link_copy(source: Path, target: Path) -> None:
 def _target_ranks(
     model: Any, rows: list[list[int]], targets: list[int], batch_size: int = 32
 ) -> list[int]:
-    """The rank of each row's target token among the logits at the row's last position.
-
-    Rows of one length run together without padding, and the unembedding runs on the last
-    position alone (``logits_to_keep=1``): with Gemma's 262,144-token vocabulary the
-    logits of every position would be most of the memory and of the time.
-    """
+    """The rank of each row's target token among the logits at the row's last position."""
+    # Rows of one length run together without padding, and the unembedding runs on the last
+    # position alone: Gemma's 262,144-token logits at every position would be most of the memory.
     ranks = [0] * len(rows)
     by_length: dict[int, list[int]] = {}
     for index, row in enumerate(rows):
@@ -597,12 +542,7 @@ def _evaluate(
 
     full = [("sft", "A2B"), ("sft", "B2A")] if config.reversal else [("sft", "A2B")]
     split = [("task", "A2B"), ("relation", "A2B")]
-    plan: dict[str, list[tuple[str, str]]] = {
-        "base": full,
-        "sft": full,
-        "task": split,
-        "relation": split,
-    }
+    plan = {"base": full, "sft": full, "task": split, "relation": split}
     if config.reversal:
         plan["both"] = full
     for seed in config.extra_sft_seeds:

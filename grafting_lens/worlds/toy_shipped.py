@@ -37,12 +37,11 @@ SHIPPED_MODELS = ("base", "sft", "task", "relation", "both")
 
 _MODEL_FILES = ("config.json", "generation_config.json")
 _WEIGHTS = "model.safetensors"
-_DIRECTORY = "toy_world"
 
 
 def shipped_root() -> Path:
     """The shipped world's directory inside the installed package."""
-    return Path(str(resources.files("grafting_lens.worlds").joinpath(_DIRECTORY)))
+    return Path(str(resources.files("grafting_lens.worlds").joinpath("toy_world")))
 
 
 def shipped_manifest() -> dict[str, Any]:
@@ -66,20 +65,23 @@ def check_shipped(root: Path | None = None) -> dict[str, Any]:
     """
     root = shipped_root() if root is None else Path(root)
     manifest = _read_manifest(root)
-    for relative, expected in manifest["package_files"].items():
-        path = root / relative
-        try:
-            actual = sha256_file(path)
-        except OSError:
-            problem = "is missing"
-        else:
-            if actual == expected:
-                continue
-            problem = "does not match its checksum"
-        raise ToyWorldError(
-            f"The shipped toy world is damaged: {relative} {problem} (in {root}). {_REPAIR}"
-        )
+    problem = damaged_file(root, manifest["package_files"])
+    if problem is not None:
+        raise ToyWorldError(f"The shipped toy world is damaged: {problem} (in {root}). {_REPAIR}")
     return manifest
+
+
+def damaged_file(root: Path, digests: Mapping[str, str]) -> str | None:
+    """The first file of ``digests`` (relative path to SHA-256) that is missing under ``root``
+    or does not match its checksum, and how; ``None`` when every file checks out."""
+    for relative, expected in digests.items():
+        try:
+            actual = sha256_file(root / relative)
+        except OSError:
+            return f"{relative} is missing or unreadable"
+        if actual != expected:
+            return f"{relative} does not match its checksum"
+    return None
 
 
 def materialize(destination: Path, root: Path | None = None) -> dict[str, Any]:
@@ -99,24 +101,10 @@ def materialize(destination: Path, root: Path | None = None) -> dict[str, Any]:
     Raises:
         ToyWorldError: The shipped world is damaged (see :func:`check_shipped`).
     """
-    from safetensors.torch import load_file, save_file
-
     root = shipped_root() if root is None else Path(root)
     manifest = check_shipped(root)
     destination.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(root / "tokenizer", destination / "tokenizer")
-    shutil.copy2(root / "relations.json", destination / "relations.json")
-    for name in SHIPPED_MODELS:
-        target = destination / name
-        shutil.copytree(root / "tokenizer", target)
-        for file_name in _MODEL_FILES:
-            shutil.copy2(root / name / file_name, target / file_name)
-        weights = load_file(str(root / name / _WEIGHTS))
-        save_file(
-            {key: tensor.to(torch.float32) for key, tensor in weights.items()},
-            str(target / _WEIGHTS),
-            metadata={"format": "pt"},
-        )
+    _copy_layout(root, destination, torch.float32, tokenizers=True)
     shutil.copytree(destination / "sft", destination / "a2b")
     written = dict(manifest, source="shipped", files=file_digests(destination))
     (destination / "manifest.json").write_text(json.dumps(written, indent=1))
@@ -185,27 +173,37 @@ def _export(
     world_root: Path, destination: Path, manifest: dict[str, Any], extra: Mapping[str, Any] | None
 ) -> None:
     """Write the shipped layout of ``world_root`` into the empty ``destination``."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(world_root / "tokenizer", destination / "tokenizer")
-    shutil.copy2(world_root / "relations.json", destination / "relations.json")
-    for name in SHIPPED_MODELS:
-        (destination / name).mkdir()
-        for file_name in _MODEL_FILES:
-            shutil.copy2(world_root / name / file_name, destination / name / file_name)
-        weights = load_file(str(world_root / name / _WEIGHTS))
-        half = {key: tensor.to(torch.float16) for key, tensor in weights.items()}
-        for key, tensor in weights.items():
-            if not torch.equal(half[key].to(tensor.dtype), tensor):
-                raise ToyWorldError(
-                    f"{name}/{key} is not exactly representable in float16: only a world "
-                    "built by the current recipe (which rounds its weights) can ship."
-                )
-        save_file(half, str(destination / name / _WEIGHTS), metadata={"format": "pt"})
+    _copy_layout(world_root, destination, torch.float16, tokenizers=False)
     manifest.update(extra or {})
     manifest["weights_dtype"] = "float16"
     manifest["package_files"] = file_digests(destination)
     (destination / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def _copy_layout(source: Path, destination: Path, dtype: torch.dtype, *, tokenizers: bool) -> None:
+    """Copy the tokenizer, the relations and every shipped model, its weights cast to ``dtype``
+    (refused where the cast would change one), the tokenizer in each model's when ``tokenizers``."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source / "tokenizer", destination / "tokenizer")
+    shutil.copy2(source / "relations.json", destination / "relations.json")
+    for name in SHIPPED_MODELS:
+        target = destination / name
+        if tokenizers:
+            shutil.copytree(source / "tokenizer", target)
+        else:
+            target.mkdir()
+        for file_name in _MODEL_FILES:
+            shutil.copy2(source / name / file_name, target / file_name)
+        weights = load_file(str(source / name / _WEIGHTS))
+        cast = {key: tensor.to(dtype) for key, tensor in weights.items()}
+        for key, tensor in weights.items():
+            if not torch.equal(cast[key].to(tensor.dtype), tensor):
+                raise ToyWorldError(
+                    f"{name}/{key} is not exactly representable in float16: only a world "
+                    "built by the current recipe (which rounds its weights) can ship."
+                )
+        save_file(cast, str(target / _WEIGHTS), metadata={"format": "pt"})
 
 
 def file_digests(directory: Path) -> dict[str, str]:

@@ -309,6 +309,8 @@ def test_attention_graft_reads_the_base_keys_outside_its_positions(tokenizer, ba
         (dict(methods=("graft", "graft")), r"methods= lists a method twice"),
         (dict(source=0), r"source and target are both 0: importing a checkpoint into itself"),
         (dict(target=2), r"target=2, but the model set has 2 sources \(0\.\.1\)"),
+        (dict(source=2), r"source=2, but the model set has 2 sources \(0\.\.1\)"),
+        (dict(source=2, score="kl"), r"source=2, but the model set has 2 sources \(0\.\.1\)"),
         (dict(source=True), r"source= must be the index of a checkpoint, 0\.\.1, got True"),
         (dict(batch_size=0), r"batch_size= must be an integer >= 1, got 0\."),
         (dict(rows_per_forward=0), r"rows_per_forward= must be an integer >= 1, got 0\."),

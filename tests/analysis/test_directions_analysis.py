@@ -13,7 +13,7 @@ from conftest import top_directions as top
 from test_attribution import batch_for, last_logprob
 
 import grafting_lens as gl
-from grafting_lens.analysis.directions import attribute_directions, dose_response
+from grafting_lens.analysis.directions import attribute_directions, dose_response, read_directions
 from grafting_lens.core.errors import ArgumentTypeError, SelectionError
 
 # The HF weights of mlp_out and o, by family: GPT-2's c_proj (Conv1D), NeoX's dense ones,
@@ -61,6 +61,27 @@ def test_a_strength_and_a_rank_per_cell_are_hand_made_checkpoints(family, tokeni
         derived = models.directions(1, rank={("mlp_out", 1): 2, ("o", 2): 5})
         grafted = gl.graft_forward(derived, tokens, mask, logits="all")
         assert torch.allclose(grafted, logits_of(hand, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_an_answer_is_found_by_its_first_token_alone(tokenizer):
+    base = random_model("llama", 0)
+    donor = copy.deepcopy(base)
+    (movie,) = tokenizer.encode(" movie", add_special_tokens=False)
+    first, second = tokenizer.encode("a movie", add_special_tokens=False)
+    assert second == movie
+    unembedding = base.lm_head.weight.detach()
+    with torch.no_grad():  # a rank-one change writing " movie"
+        write = unembedding[movie] / unembedding[movie].norm()
+        reading = torch.randn(64, generator=torch.Generator().manual_seed(0))
+        donor.model.layers[1].mlp.down_proj.weight += 20 * torch.outer(write, reading)
+    models = gl.load_models(base, donor, tokenizer=tokenizer)
+    answers = ["a movie", " movie"]
+    row = read_directions(models, "mlp_out", 1, k=1, tokens=3, answers=answers).iloc[0]
+    listed = [*row.output_top, *row.output_bottom]
+    assert row.output_top[0] == tokenizer.convert_ids_to_tokens(movie)
+    assert tokenizer.convert_ids_to_tokens(first) not in listed
+    # "a movie"'s second token is listed but not its first: not found; " movie"'s first is.
+    assert row.answers_found == [" movie"]
 
 
 @pytest.fixture(scope="module")
